@@ -1,0 +1,60 @@
+"""adstore.store: a content-addressed blob store indexed by LMDB (no torch).
+
+Blobs are deduplicated by SHA-256; cache keys map to per-rank manifests that
+reference blobs; entries are evicted least-recently-used as whole keys.  See
+DESIGN.md §2 for the layout and the invariants every operation keeps.
+"""
+
+from .errors import (
+    AdstoreError,
+    BlobMissing,
+    ChecksumMismatch,
+    ConfigError,
+    CorruptRecord,
+    InvalidDigest,
+    InvalidKey,
+    OverBudget,
+    StoreError,
+    StoreFull,
+    UnsafeRoot,
+    UnsupportedFilesystem,
+)
+from .fsutil import atomic_write, parse_duration, parse_min_free, parse_size
+from .gc import EvictionPlan, SweepPlan
+from .manifests import LookupResult
+from .records import BlobRef, Entry, LeaseRecord, Manifest
+from .stats import StoreStats
+from .store import DEFAULT_GRACE_PERIOD, DEFAULT_INLINE_THRESHOLD, Store, default_root
+from .verify import VerifyReport
+
+__all__ = [
+    "Store",
+    "default_root",
+    "DEFAULT_GRACE_PERIOD",
+    "DEFAULT_INLINE_THRESHOLD",
+    "BlobRef",
+    "Entry",
+    "Manifest",
+    "LeaseRecord",
+    "LookupResult",
+    "EvictionPlan",
+    "SweepPlan",
+    "VerifyReport",
+    "StoreStats",
+    "atomic_write",
+    "parse_size",
+    "parse_min_free",
+    "parse_duration",
+    "AdstoreError",
+    "StoreError",
+    "InvalidDigest",
+    "InvalidKey",
+    "BlobMissing",
+    "ChecksumMismatch",
+    "CorruptRecord",
+    "UnsupportedFilesystem",
+    "UnsafeRoot",
+    "OverBudget",
+    "StoreFull",
+    "ConfigError",
+]

@@ -1,0 +1,398 @@
+"""Blob bytes: content-addressed files plus small blobs inline in LMDB.
+
+Write order (invariant 1): hash, write a unique temp in ``tmp/``, fsync,
+make it read-only, rename into ``blobs/ab/<hex>``, fsync the directory, and
+only then register the row in a write transaction.  Registration re-checks
+that the file is there *inside* the transaction: gc unlinks files only while
+holding the write lock after their rows are gone, so a writer that sees its
+file under the lock knows no gc can remove it afterwards.
+
+Reads verify: the content must hash to its digest.  A mismatch moves the file
+to ``quarantine/``, flags the row, and raises :class:`ChecksumMismatch`; the
+next writer of the same content repairs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from .errors import BlobMissing, ChecksumMismatch, StoreError, StoreFull
+from .fsutil import atomic_write, fsync_dir, is_disk_full, publish_temp, unique_temp, write_chunks
+from .index import Index
+from .records import FLAG_INLINE, FLAG_QUARANTINED, BlobRef, BlobRow, validate_digest
+from .stats import PHYSICAL, bump
+
+__all__ = ["Layout", "Blobs", "CHUNK_SIZE", "BLOB_MODE"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_SIZE = 4 << 20
+BLOB_MODE = 0o444
+_CACHEDIR_TAG = (
+    b"Signature: 8a477f597d28d172789f06886806bc55\n"
+    b"# This file is a cache directory tag created by adstore.\n"
+    b"# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Paths of a store root (DESIGN.md §2)."""
+
+    root: Path
+
+    @property
+    def index(self) -> Path:
+        return self.root / "index"
+
+    @property
+    def blobs(self) -> Path:
+        return self.root / "blobs"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    def blob_path(self, digest: str) -> Path:
+        validate_digest(digest)
+        return self.root / "blobs" / digest[:2] / digest
+
+    def create(self) -> None:
+        for d in (self.root, self.index, self.blobs, self.tmp, self.quarantine):
+            d.mkdir(parents=True, exist_ok=True)
+        tag = self.root / "CACHEDIR.TAG"
+        if not tag.exists():
+            atomic_write(tag, _CACHEDIR_TAG, tmp_dir=self.tmp)
+
+
+def _digest_of(ref_or_digest: BlobRef | str) -> str:
+    return ref_or_digest.digest if isinstance(ref_or_digest, BlobRef) else validate_digest(ref_or_digest)
+
+
+class _FileVanished(Exception):
+    """gc removed the file between our rename and our registration: write again."""
+
+
+class Blobs:
+    """Put and get blob content; rows live in the ``blobs`` database."""
+
+    def __init__(
+        self,
+        index: Index,
+        layout: Layout,
+        *,
+        inline_threshold: int,
+        grace_period: float,
+        reserve: Callable[[int], None],
+        on_dedup: Callable[[int], None],
+    ) -> None:
+        self._index = index
+        self._layout = layout
+        self._inline_threshold = inline_threshold
+        self._grace = grace_period
+        self._reserve = reserve
+        self._on_dedup = on_dedup
+
+    # -- write -----------------------------------------------------------
+    def put_bytes(self, data: bytes | bytearray | memoryview) -> BlobRef:
+        view = memoryview(data).cast("B")
+        ref = BlobRef(hashlib.sha256(view).hexdigest(), view.nbytes)
+        if self._existing(ref):
+            return ref
+        if ref.size < self._inline_threshold:
+            self._register(ref, inline_data=bytes(view))
+            return ref
+        self._write_file(ref, lambda: (view,))
+        return ref
+
+    def put_file(self, path: str | os.PathLike[str]) -> BlobRef:
+        """Hash the file, then copy it only if the store lacks it.
+
+        Two passes instead of one: re-putting a stored blob costs one read and
+        a hash, no write; a new blob's second read comes from the page cache.
+        """
+        src = Path(path)
+        h = hashlib.sha256()
+        size = 0
+        for chunk in self._read_chunks(src):
+            h.update(chunk)
+            size += len(chunk)
+        ref = BlobRef(h.hexdigest(), size)
+        if self._existing(ref):
+            return ref
+        if size < self._inline_threshold:
+            data = src.read_bytes()
+            if hashlib.sha256(data).hexdigest() != ref.digest:
+                raise StoreError(f"{src} changed while it was being stored")
+            self._register(ref, inline_data=data)
+            return ref
+        self._write_file(ref, lambda: self._read_chunks(src))
+        return ref
+
+    def put_stream(self, chunks: Iterable[bytes]) -> BlobRef:
+        """Store a stream of chunks, hashing while writing (one pass, bounded memory)."""
+        tmp = unique_temp(self._layout.tmp)
+        h = hashlib.sha256()
+
+        def hashed() -> Iterator[bytes]:
+            for chunk in chunks:
+                h.update(chunk)
+                yield chunk
+
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                size = write_chunks(fd, hashed())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            ref = BlobRef(h.hexdigest(), size)
+            if self._existing(ref):
+                tmp.unlink()
+                return ref
+            if size < self._inline_threshold:
+                data = tmp.read_bytes()
+                tmp.unlink()
+                self._register(ref, inline_data=data)
+                return ref
+            self._reserve(size)
+            self._publish_and_register(ref, tmp)
+            return ref
+        except BaseException as exc:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+            if is_disk_full(exc):
+                raise StoreFull(str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
+            raise
+
+    def _existing(self, ref: BlobRef) -> bool:
+        """True when the blob is stored intact; refreshes its freshness if stale.
+
+        Freshness protects a zero-ref blob between a writer's put and its
+        publish; it is written only when older than a quarter of the grace
+        period, so re-putting hot blobs costs no write transaction.
+        """
+        key = bytes.fromhex(ref.digest)
+        with self._index.read() as txn:
+            raw = txn.get(key, db=self._index.db["blobs"])
+        if raw is None:
+            return False
+        row = BlobRow.decode(raw, key)
+        if row.quarantined or row.size != ref.size:
+            return False
+        if not row.inline and not self._file_ok(ref):
+            return False
+        if time.time() - row.touched > self._grace / 4:
+            if not self._touch(key, ref):
+                return False
+        self._on_dedup(ref.size)
+        return True
+
+    def _touch(self, key: bytes, ref: BlobRef) -> bool:
+        def fn(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(key, db=self._index.db["blobs"])
+            if raw is None:
+                return False
+            row = BlobRow.decode(raw, key)
+            if row.quarantined or (not row.inline and not self._file_ok(ref)):
+                return False
+            row.touched = time.time()
+            txn.put(key, row.encode(), db=self._index.db["blobs"])
+            return True
+
+        return self._index.write(fn)
+
+    def _write_file(self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]]) -> None:
+        self._reserve(ref.size)
+        for _attempt in range(3):
+            tmp = unique_temp(self._layout.tmp)
+            try:
+                h = hashlib.sha256()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    for chunk in chunks():
+                        h.update(chunk)
+                        write_chunks(fd, (chunk,))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if h.hexdigest() != ref.digest:
+                    raise StoreError("source changed while it was being stored")
+                self._publish_and_register(ref, tmp)
+                return
+            except _FileVanished:
+                continue
+            except BaseException as exc:
+                try:
+                    tmp.unlink()
+                except FileNotFoundError:
+                    pass
+                if is_disk_full(exc):
+                    raise StoreFull(str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
+                raise
+        raise StoreError(f"blob {ref.digest} kept disappearing while being stored")
+
+    def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:
+        dest = self._layout.blob_path(ref.digest)
+        dest.parent.mkdir(exist_ok=True)
+        publish_temp(tmp, dest, mode=BLOB_MODE)
+        self._register(ref, inline_data=None)
+
+    def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
+        key = bytes.fromhex(ref.digest)
+        dbs = self._index.db
+
+        def fn(txn: lmdb.Transaction) -> None:
+            if inline_data is None and not self._file_ok(ref):
+                raise _FileVanished
+            raw = txn.get(key, db=dbs["blobs"])
+            now = time.time()
+            flags = FLAG_INLINE if inline_data is not None else 0
+            if raw is not None:
+                row = BlobRow.decode(raw, key)
+                intact = not row.quarantined and row.size == ref.size and (row.inline or self._file_ok(ref))
+                if intact:
+                    row.touched = now
+                    txn.put(key, row.encode(), db=dbs["blobs"])
+                    return
+                bump(txn, dbs["meta"], PHYSICAL, ref.size - row.size)
+                row = BlobRow(ref.size, row.refs, now, flags)
+            else:
+                bump(txn, dbs["meta"], PHYSICAL, ref.size)
+                row = BlobRow(ref.size, 0, now, flags)
+            if inline_data is not None:
+                txn.put(key, inline_data, db=dbs["blobdata"])
+            else:
+                txn.delete(key, db=dbs["blobdata"])
+            txn.put(key, row.encode(), db=dbs["blobs"])
+            bump(txn, dbs["stats"], "bytes_written", ref.size)
+
+        self._index.write(fn)
+
+    # -- read ------------------------------------------------------------
+    def _file_ok(self, ref: BlobRef) -> bool:
+        try:
+            return os.stat(self._layout.blob_path(ref.digest)).st_size == ref.size
+        except FileNotFoundError:
+            return False
+
+    def _read_chunks(self, path: Path) -> Iterator[bytes]:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(CHUNK_SIZE):
+                yield chunk
+
+    def row(self, digest: str) -> BlobRow | None:
+        key = bytes.fromhex(validate_digest(digest))
+        with self._index.read() as txn:
+            raw = txn.get(key, db=self._index.db["blobs"])
+        return None if raw is None else BlobRow.decode(raw, key)
+
+    def has(self, ref_or_digest: BlobRef | str) -> bool:
+        digest = _digest_of(ref_or_digest)
+        row = self.row(digest)
+        if row is None or row.quarantined:
+            return False
+        return row.inline or self._file_ok(BlobRef(digest, row.size))
+
+    def path(self, ref_or_digest: BlobRef | str) -> Path | None:
+        digest = _digest_of(ref_or_digest)
+        row = self.row(digest)
+        if row is None or row.inline:
+            return None
+        return self._layout.blob_path(digest)
+
+    def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
+        """The blob's content, verified against its digest."""
+        digest = _digest_of(ref_or_digest)
+        key = bytes.fromhex(digest)
+        with self._index.read() as txn:
+            raw = txn.get(key, db=self._index.db["blobs"])
+            if raw is None:
+                raise BlobMissing(digest, "not registered")
+            row = BlobRow.decode(raw, key)
+            data = txn.get(key, db=self._index.db["blobdata"]) if row.inline else None
+        if row.quarantined:
+            raise BlobMissing(digest, "quarantined after failing verification")
+        if row.inline:
+            if data is None:
+                raise BlobMissing(digest, "inline data missing")
+        else:
+            try:
+                with open(self._layout.blob_path(digest), "rb", buffering=0) as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise BlobMissing(digest, "file missing") from None
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest or len(data) != row.size:
+            self.quarantine(digest, content=data if row.inline else None)
+            raise ChecksumMismatch(digest, got, len(data))
+        return data
+
+    def copy_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
+        """Copy a blob to ``dest`` (atomically), verifying while streaming."""
+        digest = _digest_of(ref_or_digest)
+        row = self.row(digest)
+        if row is None:
+            raise BlobMissing(digest, "not registered")
+        if row.inline or row.quarantined:
+            return atomic_write(dest, self.get_bytes(digest))
+        src = self._layout.blob_path(digest)
+
+        def verified() -> Iterator[bytes]:
+            h = hashlib.sha256()
+            n = 0
+            try:
+                for chunk in self._read_chunks(src):
+                    h.update(chunk)
+                    n += len(chunk)
+                    yield chunk
+            except FileNotFoundError:
+                raise BlobMissing(digest, "file missing") from None
+            if h.hexdigest() != digest or n != row.size:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, h.hexdigest(), n)
+
+        return atomic_write(dest, verified())
+
+    def quarantine(self, digest: str, *, content: bytes | None = None) -> None:
+        """Move a corrupt blob aside and flag its row; manifests then miss on it."""
+        key = bytes.fromhex(validate_digest(digest))
+        qpath = self._layout.quarantine / f"{digest}.{time.time_ns()}"
+        try:
+            if content is not None:
+                atomic_write(qpath, content, tmp_dir=self._layout.tmp)
+            else:
+                os.replace(self._layout.blob_path(digest), qpath)
+                fsync_dir(self._layout.quarantine)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not move corrupt blob %s to quarantine: %s", digest, exc)
+        log.warning("quarantined corrupt blob %s", digest)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            raw = txn.get(key, db=self._index.db["blobs"])
+            if raw is None:
+                return
+            row = BlobRow.decode(raw, key)
+            if not row.inline and self._file_ok(BlobRef(digest, row.size)):
+                return  # a writer repaired it meanwhile
+            row.flags = (row.flags & ~FLAG_INLINE) | FLAG_QUARANTINED
+            txn.delete(key, db=self._index.db["blobdata"])
+            txn.put(key, row.encode(), db=self._index.db["blobs"])
+
+        self._index.write(fn)

@@ -1,0 +1,217 @@
+"""Filesystem helpers: the one atomic-write helper, temp names, fs checks.
+
+Everything that publishes a file in adstore goes through :func:`atomic_write`
+or :func:`publish_temp`, so the order "unique temp, write, fsync, rename,
+unlink temp on failure" lives in exactly one place (DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+from .errors import ConfigError, StoreFull, UnsafeRoot, UnsupportedFilesystem
+
+__all__ = [
+    "atomic_write",
+    "publish_temp",
+    "unique_temp",
+    "fsync_dir",
+    "write_chunks",
+    "is_disk_full",
+    "filesystem_type",
+    "NETWORK_FILESYSTEMS",
+    "check_local_filesystem",
+    "check_root_permissions",
+    "parse_size",
+    "parse_min_free",
+    "parse_duration",
+]
+
+log = logging.getLogger(__name__)
+
+#: Filesystem types on which LMDB's locking (fcntl + shared memory map) is unsafe.
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "ncpfs", "afs",
+        "fuse.sshfs", "sshfs", "9p", "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs",
+        "lustre", "gpfs", "beegfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "davfs",
+        "fuse.davfs2", "ocfs2", "gfs2", "panfs", "pvfs2", "orangefs", "fuse.juicefs",
+    }
+)
+
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` is an OS error saying the disk (or quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS
+
+
+def unique_temp(tmp_dir: Path, suffix: str = ".tmp") -> Path:
+    """A temp path no other writer (process or thread) can pick: pid + random."""
+    return tmp_dir / f"{os.getpid()}-{uuid.uuid4().hex}{suffix}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_chunks(fd: int, chunks: Iterable[bytes | bytearray | memoryview]) -> int:
+    """Write every chunk fully to ``fd``; returns the byte count."""
+    total = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            total += n
+    return total
+
+
+def publish_temp(tmp: Path, dest: Path, *, mode: int | None = None, sync_dir: bool = True) -> None:
+    """Rename a fully written, fsynced temp file into place (atomic on POSIX)."""
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, dest)
+    if sync_dir:
+        fsync_dir(dest.parent)
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes | Iterable[bytes],
+    *,
+    tmp_dir: str | os.PathLike[str] | None = None,
+    mode: int = 0o644,
+) -> Path:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one.
+
+    Unique temp (in ``tmp_dir`` or beside ``path``; same filesystem), write,
+    fsync, chmod, rename, fsync the directory; the temp is unlinked on any
+    failure.  A full disk raises :class:`StoreFull` and leaves nothing behind.
+    """
+    dest = Path(path)
+    tmp = unique_temp(Path(tmp_dir) if tmp_dir is not None else dest.parent)
+    chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            write_chunks(fd, chunks)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        publish_temp(tmp, dest, mode=mode)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        if is_disk_full(exc):
+            raise StoreFull(str(dest), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
+        raise
+    return dest
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding ``path`` (longest mount-point match)."""
+    real = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+            best, fstype = mp, part.fstype
+    return fstype
+
+
+def check_local_filesystem(root: Path) -> str:
+    """Refuse network filesystems; returns the filesystem type."""
+    fstype = filesystem_type(root)
+    if fstype.lower() in NETWORK_FILESYSTEMS:
+        raise UnsupportedFilesystem(str(root), fstype)
+    return fstype
+
+
+def check_root_permissions(root: Path) -> list[str]:
+    """Refuse a world-writable root; return warnings for a foreign-owned one.
+
+    A store may be shared by a group (setgid, group-writable), but a root any
+    user can write to lets anyone plant a poisoned entry, so it is refused.
+    """
+    st = root.stat()
+    warnings: list[str] = []
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeRoot(str(root), "it is world-writable (chmod o-w, or share it through a group)")
+    euid = os.geteuid()
+    if st.st_uid != euid and euid != 0:
+        if st.st_gid in os.getgroups() and st.st_mode & stat.S_IWGRP:
+            return warnings
+        warnings.append(
+            f"store root {root} is owned by uid {st.st_uid}, not by you (uid {euid}), "
+            "and is not shared with one of your groups"
+        )
+    return warnings
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(value: int | float | str, *, field: str = "size") -> int:
+    """Bytes from ``123``, ``"64k"``, ``"10G"``, ``"512MiB"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(field, f"size must not be negative, got {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(field, f"cannot parse size {value!r} (examples: 1048576, 512M, 10GiB)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * (1024 ** _UNITS[unit]))
+
+
+def parse_min_free(value: int | float | str, *, total: int, field: str = "min_free") -> int:
+    """Bytes of free space wanted: a size, or a percentage of ``total``."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            raise ConfigError(field, f"cannot parse percentage {value!r}") from None
+        if not 0 <= pct <= 100:
+            raise ConfigError(field, f"percentage must be within 0..100, got {value!r}")
+        return int(total * pct / 100)
+    return parse_size(value, field=field)
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_duration(value: int | float | str, *, field: str = "duration") -> float:
+    """Seconds from ``30``, ``"90s"``, ``"15m"``, ``"2h"``, ``"7d"``."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(field, f"duration must not be negative, got {value!r}")
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
+    unit = m.group(2).lower() if m.group(2) else None
+    return float(m.group(1)) * _SECONDS[unit]

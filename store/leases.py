@@ -1,0 +1,56 @@
+"""Leases: a live process pins an entry so gc leaves it alone (invariant 8).
+
+A lease records pid *and* the process start time (psutil), so a pid reused
+by another process after the holder died does not keep the entry pinned.
+Leases from another host cannot be checked, so they count until they expire.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+
+import psutil
+
+from .records import LeaseRecord
+
+__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record"]
+
+
+@functools.lru_cache(maxsize=1)
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def process_start_time(pid: int | None = None) -> float:
+    return psutil.Process(pid if pid is not None else os.getpid()).create_time()
+
+
+def lease_is_live(lease: LeaseRecord, *, now: float | None = None) -> bool:
+    """True while the holder process (same pid and start time) still runs."""
+    now = time.time() if now is None else now
+    if lease.expires and now > lease.expires:
+        return False
+    if lease.host != hostname():
+        return True
+    try:
+        proc = psutil.Process(lease.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return abs(proc.create_time() - lease.start_time) < 1e-3
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def new_lease_record(key: str, ttl: float) -> LeaseRecord:
+    now = time.time()
+    return LeaseRecord(
+        key=key,
+        pid=os.getpid(),
+        start_time=process_start_time(),
+        host=hostname(),
+        created=now,
+        expires=now + ttl,
+    )

@@ -1,0 +1,261 @@
+"""Manifest and entry operations inside one LMDB transaction.
+
+A save publishes each rank's manifest *uncommitted*, with the blob refcounts
+bumped in the same transaction (invariant 3), and commits it only when every
+rank saved.  Committing a generation replaces the rank's older generation and
+releases its blob references.  Lookup checks invariants 5 and 6 and names the
+reason of every miss.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
+
+from .errors import BlobMissing, CorruptRecord, StoreError
+from .leases import hostname
+from .records import BlobRef, BlobRow, Entry, Manifest, manifest_key, manifest_prefix
+from .stats import LOGICAL, bump
+
+__all__ = [
+    "LookupResult",
+    "publish_txn",
+    "commit_txn",
+    "drop_manifest_txn",
+    "drop_entry_txn",
+    "iter_manifests",
+    "get_entry",
+    "lookup_txn",
+]
+
+Dbs = Mapping[str, Any]
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """A hit with its manifest(s), or a miss with a named reason."""
+
+    hit: bool
+    reason: str | None = None
+    manifest: Manifest | None = None
+    manifests: dict[int, Manifest] = field(default_factory=dict)
+    generation: int | None = None
+    entry: Entry | None = None
+
+    def __bool__(self) -> bool:
+        return self.hit
+
+
+def get_entry(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Entry | None:
+    raw_key = key.encode()
+    raw = txn.get(raw_key, db=dbs["entries"])
+    return None if raw is None else Entry.decode(raw_key, raw)
+
+
+def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manifest]:
+    prefix = manifest_prefix(key)
+    cur = txn.cursor(db=dbs["manifests"])
+    if not cur.set_range(prefix):
+        return
+    for raw_key, raw in cur:
+        if not raw_key.startswith(prefix):
+            break
+        yield Manifest.decode(bytes(raw_key), bytes(raw))
+
+
+def _get_manifest(txn: lmdb.Transaction, dbs: Dbs, key: str, rank: int, gen: int) -> Manifest | None:
+    mk = manifest_key(key, rank, gen)
+    raw = txn.get(mk, db=dbs["manifests"])
+    return None if raw is None else Manifest.decode(mk, raw)
+
+
+def _adjust_refs(txn: lmdb.Transaction, dbs: Dbs, digests: set[str], delta: int) -> list[str]:
+    """Add ``delta`` to each blob's refcount; returns digests now at zero."""
+    zero: list[str] = []
+    for digest in digests:
+        k = bytes.fromhex(digest)
+        raw = txn.get(k, db=dbs["blobs"])
+        if raw is None:
+            if delta > 0:
+                raise BlobMissing(digest, "not registered")
+            continue
+        row = BlobRow.decode(raw, k)
+        row.refs = max(0, row.refs + delta)
+        txn.put(k, row.encode(), db=dbs["blobs"])
+        if row.refs == 0:
+            zero.append(digest)
+    return zero
+
+
+def publish_txn(
+    txn: lmdb.Transaction,
+    dbs: Dbs,
+    *,
+    key: str,
+    rank: int,
+    world_size: int,
+    generation: int,
+    artifacts: Mapping[str, BlobRef],
+    namespace: str,
+    components: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    blob_ok: Callable[[BlobRef, BlobRow], bool],
+) -> Manifest:
+    """Record an uncommitted manifest and take references on its blobs."""
+    for ref in artifacts.values():
+        k = bytes.fromhex(ref.digest)
+        raw = txn.get(k, db=dbs["blobs"])
+        if raw is None:
+            raise BlobMissing(ref.digest, "not registered (put it before publishing)")
+        row = BlobRow.decode(raw, k)
+        if row.size != ref.size or row.quarantined or not blob_ok(ref, row):
+            raise BlobMissing(ref.digest, "absent, quarantined or of the wrong size")
+    old = _get_manifest(txn, dbs, key, rank, generation)
+    if old is not None:
+        if old.committed:
+            raise StoreError(f"{key} rank {rank} generation {generation} is already committed")
+        _adjust_refs(txn, dbs, old.digests(), -1)
+    now = time.time()
+    manifest = Manifest(
+        key=key,
+        rank=rank,
+        world_size=world_size,
+        generation=generation,
+        artifacts=dict(artifacts),
+        committed=False,
+        namespace=namespace,
+        producer={"host": hostname(), "pid": os.getpid()},
+        created=now,
+        meta=dict(meta),
+    )
+    _adjust_refs(txn, dbs, manifest.digests(), +1)
+    txn.put(manifest_key(key, rank, generation), manifest.encode(), db=dbs["manifests"])
+    entry = get_entry(txn, dbs, key)
+    if entry is None:
+        entry = Entry(key, namespace, world_size, dict(components), now, now)
+        txn.put(key.encode(), entry.encode(), db=dbs["entries"])
+    return manifest
+
+
+def commit_txn(txn: lmdb.Transaction, dbs: Dbs, *, key: str, rank: int, generation: int,
+               components: Mapping[str, Any] | None = None) -> tuple[Manifest, list[str]]:
+    """Mark a manifest committed and make it the rank's current generation.
+
+    Returns the manifest and the digests whose refcount dropped to zero
+    because the older generation was released.
+    """
+    manifest = _get_manifest(txn, dbs, key, rank, generation)
+    if manifest is None:
+        raise StoreError(f"no manifest to commit for {key} rank {rank} generation {generation}")
+    manifest.committed = True
+    txn.put(manifest_key(key, rank, generation), manifest.encode(), db=dbs["manifests"])
+    now = time.time()
+    entry = get_entry(txn, dbs, key) or Entry(key, manifest.namespace, manifest.world_size, {}, now, now)
+    zero: list[str] = []
+    old_gen = entry.ranks.get(rank)
+    if old_gen is not None and old_gen != generation:
+        old = _get_manifest(txn, dbs, key, rank, old_gen)
+        if old is not None:
+            zero += drop_manifest_txn(txn, dbs, old)
+    entry.ranks[rank] = generation
+    # A new topology: ranks beyond the new world size belong to an old save.
+    for r in [r for r in entry.ranks if r >= manifest.world_size]:
+        old = _get_manifest(txn, dbs, key, r, entry.ranks.pop(r))
+        if old is not None:
+            zero += drop_manifest_txn(txn, dbs, old)
+    entry.world_size = manifest.world_size
+    entry.namespace = manifest.namespace
+    if components is not None:
+        entry.components = dict(components)
+    entry.last_access = now
+    new_bytes = 0
+    for r, g in entry.ranks.items():
+        m = manifest if r == rank else _get_manifest(txn, dbs, key, r, g)
+        new_bytes += m.bytes if m is not None else 0
+    bump(txn, dbs["meta"], LOGICAL, new_bytes - entry.bytes)
+    entry.bytes = new_bytes
+    txn.put(key.encode(), entry.encode(), db=dbs["entries"])
+    return manifest, zero
+
+
+def drop_manifest_txn(txn: lmdb.Transaction, dbs: Dbs, manifest: Manifest) -> list[str]:
+    """Delete one manifest row and release its blob references."""
+    txn.delete(manifest_key(manifest.key, manifest.rank, manifest.generation), db=dbs["manifests"])
+    return _adjust_refs(txn, dbs, manifest.digests(), -1)
+
+
+def drop_entry_txn(txn: lmdb.Transaction, dbs: Dbs, key: str) -> list[str]:
+    """Delete an entry with all its manifests (every rank, every generation)."""
+    zero: list[str] = []
+    for m in list(iter_manifests(txn, dbs, key)):
+        zero += drop_manifest_txn(txn, dbs, m)
+    raw = txn.get(key.encode(), db=dbs["entries"])
+    if raw is not None:
+        try:
+            bump(txn, dbs["meta"], LOGICAL, -Entry.decode(key.encode(), raw).bytes)
+        except CorruptRecord:
+            pass
+        txn.delete(key.encode(), db=dbs["entries"])
+    return zero
+
+
+def _check_manifest(
+    txn: lmdb.Transaction, dbs: Dbs, m: Manifest, blob_ok: Callable[[BlobRef, BlobRow], bool]
+) -> str | None:
+    if not m.committed:
+        return "uncommitted"
+    for ref in m.artifacts.values():
+        k = bytes.fromhex(ref.digest)
+        raw = txn.get(k, db=dbs["blobs"])
+        if raw is None:
+            return "blob_missing"
+        row = BlobRow.decode(raw, k)
+        if row.quarantined or row.size != ref.size or not blob_ok(ref, row):
+            return "blob_missing"
+    return None
+
+
+def lookup_txn(
+    txn: lmdb.Transaction,
+    dbs: Dbs,
+    key: str,
+    rank: int | None,
+    blob_ok: Callable[[BlobRef, BlobRow], bool],
+) -> LookupResult:
+    """Check invariants 5-6 for one rank (``rank``) or the whole entry (``None``)."""
+    entry = get_entry(txn, dbs, key)
+    if entry is None:
+        return LookupResult(False, "absent")
+    ranks = [rank] if rank is not None else list(range(entry.world_size))
+    found: dict[int, Manifest] = {}
+    for r in ranks:
+        gen = entry.ranks.get(r)
+        if gen is None:
+            pending = any(m.rank == r and not m.committed for m in iter_manifests(txn, dbs, key))
+            return LookupResult(False, "uncommitted" if pending else "incomplete", entry=entry)
+        m = _get_manifest(txn, dbs, key, r, gen)
+        if m is None:
+            return LookupResult(False, "incomplete", entry=entry)
+        if m.world_size != entry.world_size:
+            return LookupResult(False, "generation_mismatch", entry=entry)
+        reason = _check_manifest(txn, dbs, m, blob_ok)
+        if reason:
+            return LookupResult(False, reason, entry=entry)
+        found[r] = m
+    generations = {m.generation for m in found.values()}
+    if len(generations) > 1:
+        return LookupResult(False, "generation_mismatch", entry=entry)
+    first = found[ranks[0]]
+    return LookupResult(
+        True,
+        None,
+        manifest=first if rank is not None or len(found) == 1 else found.get(0, first),
+        manifests=found,
+        generation=first.generation,
+        entry=entry,
+    )

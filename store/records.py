@@ -1,0 +1,290 @@
+"""Typed records of the index and their byte encodings.
+
+Blob rows are fixed-size structs (they are read on every lookup); entries,
+manifests and leases are compact JSON so `adstore inspect` and humans can read
+them.  Every decoder raises :class:`CorruptRecord` on bad bytes, so a damaged
+index becomes a miss with reason ``corrupt_index``, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import CorruptRecord, InvalidDigest, InvalidKey
+
+__all__ = [
+    "BlobRef",
+    "BlobRow",
+    "Entry",
+    "Manifest",
+    "LeaseRecord",
+    "validate_digest",
+    "validate_key",
+    "validate_namespace",
+    "validate_artifact_name",
+    "manifest_key",
+    "manifest_prefix",
+    "split_manifest_key",
+    "encode_json",
+    "decode_json",
+    "FLAG_INLINE",
+    "FLAG_QUARANTINED",
+]
+
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}$")
+_NAMESPACE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
+_ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+FLAG_INLINE = 1
+FLAG_QUARANTINED = 2
+
+
+def validate_digest(digest: object) -> str:
+    """Return ``digest`` if it is 64 lowercase hex chars, else raise InvalidDigest.
+
+    Called before a digest is ever joined into a path (invariant 2), so
+    ``../../etc/passwd`` can never become a blob path.
+    """
+    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+        raise InvalidDigest(digest)
+    return digest
+
+
+def validate_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise InvalidKey(key, "a cache key must be a string")
+    if not _KEY_RE.match(key):
+        raise InvalidKey(key, "use 1-200 characters from [A-Za-z0-9._:+=@-], starting with a letter or digit")
+    return key
+
+
+def validate_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise InvalidKey(namespace, "a namespace is 1-32 characters from [a-z0-9_]")
+    return namespace
+
+
+def validate_artifact_name(name: object) -> str:
+    if not isinstance(name, str) or not _ARTIFACT_RE.match(name):
+        raise InvalidKey(name, "an artifact name is 1-128 characters from [A-Za-z0-9._+-]")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A blob's identity: SHA-256 hex digest of the content plus its size."""
+
+    digest: str
+    size: int
+
+    def __post_init__(self) -> None:
+        validate_digest(self.digest)
+        if not isinstance(self.size, int) or self.size < 0:
+            raise InvalidKey(self.size, "a blob size is a non-negative integer")
+
+    def to_json(self) -> list[Any]:
+        return [self.digest, self.size]
+
+
+_BLOB_ROW = struct.Struct("<QqdB")
+
+
+@dataclass(slots=True)
+class BlobRow:
+    """Index row of one blob: size, manifests referencing it, last put, flags."""
+
+    size: int
+    refs: int
+    touched: float
+    flags: int = 0
+
+    @property
+    def inline(self) -> bool:
+        return bool(self.flags & FLAG_INLINE)
+
+    @property
+    def quarantined(self) -> bool:
+        return bool(self.flags & FLAG_QUARANTINED)
+
+    def encode(self) -> bytes:
+        return _BLOB_ROW.pack(self.size, self.refs, self.touched, self.flags)
+
+    @classmethod
+    def decode(cls, raw: bytes, key: bytes = b"") -> BlobRow:
+        if len(raw) != _BLOB_ROW.size:
+            raise CorruptRecord("blobs", key.hex(), f"row of {len(raw)} bytes, expected {_BLOB_ROW.size}")
+        return cls(*_BLOB_ROW.unpack(raw))
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_json(raw: bytes, db: str, key: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptRecord(db, key, f"undecodable JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise CorruptRecord(db, key, "expected a JSON object")
+    return obj
+
+
+def manifest_prefix(key: str) -> bytes:
+    return key.encode() + b"\x00"
+
+
+def manifest_key(key: str, rank: int, generation: int) -> bytes:
+    """Manifests sort by (cache key, rank, generation); keys never contain NUL."""
+    return manifest_prefix(key) + struct.pack(">IQ", rank, generation)
+
+
+def split_manifest_key(raw: bytes) -> tuple[str, int, int]:
+    head, sep, tail = raw.partition(b"\x00")
+    if not sep or len(tail) != 12:
+        raise CorruptRecord("manifests", raw, "malformed manifest key")
+    rank, generation = struct.unpack(">IQ", tail)
+    return head.decode(), rank, generation
+
+
+@dataclass(slots=True)
+class Manifest:
+    """One rank's artifacts of one generation of a cache key."""
+
+    key: str
+    rank: int
+    world_size: int
+    generation: int
+    artifacts: dict[str, BlobRef]
+    committed: bool = False
+    namespace: str = "default"
+    producer: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(ref.size for ref in self.artifacts.values())
+
+    def digests(self) -> set[str]:
+        return {ref.digest for ref in self.artifacts.values()}
+
+    def encode(self) -> bytes:
+        return encode_json(
+            {
+                "ws": self.world_size,
+                "a": {name: ref.to_json() for name, ref in self.artifacts.items()},
+                "c": self.committed,
+                "ns": self.namespace,
+                "p": self.producer,
+                "t": self.created,
+                "m": self.meta,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw_key: bytes, raw: bytes) -> Manifest:
+        key, rank, generation = split_manifest_key(raw_key)
+        obj = decode_json(raw, "manifests", raw_key)
+        try:
+            artifacts = {name: BlobRef(d, s) for name, (d, s) in obj["a"].items()}
+            return cls(
+                key=key,
+                rank=rank,
+                world_size=int(obj["ws"]),
+                generation=generation,
+                artifacts=artifacts,
+                committed=bool(obj["c"]),
+                namespace=str(obj.get("ns", "default")),
+                producer=dict(obj.get("p", {})),
+                created=float(obj.get("t", 0.0)),
+                meta=dict(obj.get("m", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord("manifests", raw_key, f"bad manifest fields ({exc})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["artifacts"] = {n: {"digest": r.digest, "size": r.size} for n, r in self.artifacts.items()}
+        return d
+
+
+@dataclass(slots=True)
+class Entry:
+    """One cache key: the unit of lookup, LRU and eviction (all ranks at once)."""
+
+    key: str
+    namespace: str
+    world_size: int
+    components: dict[str, Any]
+    created: float
+    last_access: float
+    hits: int = 0
+    bytes: int = 0
+    ranks: dict[int, int] = field(default_factory=dict)
+    pinned: bool = False
+
+    def encode(self) -> bytes:
+        return encode_json(
+            {
+                "ns": self.namespace,
+                "ws": self.world_size,
+                "k": self.components,
+                "t": self.created,
+                "la": self.last_access,
+                "h": self.hits,
+                "b": self.bytes,
+                "r": {str(r): g for r, g in self.ranks.items()},
+                "pin": self.pinned,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw_key: bytes, raw: bytes) -> Entry:
+        obj = decode_json(raw, "entries", raw_key)
+        try:
+            return cls(
+                key=raw_key.decode(),
+                namespace=str(obj["ns"]),
+                world_size=int(obj["ws"]),
+                components=dict(obj.get("k", {})),
+                created=float(obj["t"]),
+                last_access=float(obj["la"]),
+                hits=int(obj.get("h", 0)),
+                bytes=int(obj.get("b", 0)),
+                ranks={int(r): int(g) for r, g in obj.get("r", {}).items()},
+                pinned=bool(obj.get("pin", False)),
+            )
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptRecord("entries", raw_key, f"bad entry fields ({exc})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    """A pin held by one process: gc skips the key while the holder lives."""
+
+    key: str
+    pid: int
+    start_time: float
+    host: str
+    created: float
+    expires: float
+
+    def encode(self) -> bytes:
+        return encode_json(asdict(self))
+
+    @classmethod
+    def decode(cls, raw_key: bytes, raw: bytes) -> LeaseRecord:
+        obj = decode_json(raw, "leases", raw_key)
+        try:
+            return cls(**{f: obj[f] for f in ("key", "pid", "start_time", "host", "created", "expires")})
+        except (KeyError, TypeError) as exc:
+            raise CorruptRecord("leases", raw_key, f"bad lease fields ({exc})") from None
