@@ -6,10 +6,11 @@ parsed and checked here, once, so the rest of the daemon works with plain
 ints and floats and an invalid setting is a :class:`ConfigError` that names
 the field — before the daemon touches the store.
 
-Sizes follow systemd: ``K``, ``M``, ``G``, ``T`` (and ``KiB``…``TiB``) are
-powers of 1024; ``KB``, ``MB``, ``GB``, ``TB`` are powers of 1000.  Durations
-are seconds or strings such as ``"250ms"``, ``"90s"``, ``"5m"``, ``"1h30m"``,
-``"7d"``.  ``min_free`` is bytes, a size string, or a percentage of the
+Sizes and durations are parsed by the store's own helpers
+(:mod:`adstore.store.fsutil`), so ``"10G"`` means the same to the daemon, the
+CLI and a writer's ``max_size``: ``K``, ``M``, ``G``, ``T`` (also written
+``KiB``/``KB``…) are powers of 1024; durations are seconds or ``"250ms"``,
+``"90s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"2w"``.  ``min_free`` is bytes, a size string, or a percentage of the
 filesystem (``"10%"``).
 """
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from adstore.store.errors import ConfigError
+from adstore.store.fsutil import parse_duration as _store_parse_duration
+from adstore.store.fsutil import parse_size as _store_parse_size
 
 __all__ = [
     "DaemonConfig",
@@ -38,72 +40,22 @@ __all__ = [
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
-    "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-_DURATION_UNITS = {
-    "ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0,
-    "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0,
-}
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|sec|min|s|m|h|d|w)")
-
-
 def parse_size(value: object, *, field: str = "size") -> int:
-    """Bytes from an int or a string like ``"10G"``, ``"512MiB"``, ``"1.5GB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a size, got boolean {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(field, f"size must not be negative, got {value}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(field, f"size must be a finite non-negative number, got {value}")
-        return int(value)
-    if not isinstance(value, str):
+    """Bytes from an int or ``"10G"``/``"512MiB"`` — the store's own parser, so units agree."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(field, f"size must be finite, got {value!r}")
+    if not isinstance(value, (int, float, str)):
         raise ConfigError(field, f"expected a size such as 10G or 512MiB, got {type(value).__name__}")
-    m = _SIZE_RE.match(value)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(
-            field, f"cannot parse size {value!r}: use bytes or a suffix K, M, G, T, KiB, MB, …"
-        )
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return _store_parse_size(value, field=field)
 
 
 def parse_duration(value: object, *, field: str = "duration") -> float:
-    """Seconds from a number or a string like ``"250ms"``, ``"5m"``, ``"1h30m"``."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a duration, got boolean {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        try:
-            seconds = float(text)
-        except ValueError:
-            pos, seconds = 0, 0.0
-            for part in _DURATION_PART.finditer(text):
-                if text[pos:part.start()].strip():
-                    break
-                seconds += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
-                pos = part.end()
-            if pos == 0 or text[pos:].strip():
-                raise ConfigError(
-                    field, f"cannot parse duration {value!r}: use seconds or e.g. 250ms, 90s, 5m, 1h30m, 7d"
-                ) from None
-    else:
-        raise ConfigError(field, f"expected a duration, got {type(value).__name__}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(field, f"duration must be finite and non-negative, got {value!r}")
-    return seconds
+    """Seconds from a number or ``"250ms"``/``"90s"``/``"5m"``/``"2h"``/``"7d"`` (the store's parser)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(field, f"duration must be finite, got {value!r}")
+    if not isinstance(value, (int, float, str)):
+        raise ConfigError(field, f"expected a duration such as 90s or 2h, got {type(value).__name__}")
+    return _store_parse_duration(value, field=field)
 
 
 def parse_fraction(value: object, *, field: str) -> float:

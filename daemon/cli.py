@@ -1,0 +1,233 @@
+"""The ``adstore`` command line: argument parsing and the one error table.
+
+``main(argv)`` never lets a traceback reach the user: every exception is
+mapped by :data:`EXIT_CODES` (first matching class wins) to one line on
+stderr and an exit code.  ``--root`` and ``--json`` are accepted before or
+after the subcommand.  ``-v`` turns on debug logging, which also logs the
+traceback of an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from adstore.daemon.commands import SORT_CHOICES, Context, cmd_explain, cmd_inspect, cmd_ls, cmd_stats
+from adstore.daemon.errors import AlreadyRunning, AmbiguousKey, FeatureUnavailable, UnknownKey
+from adstore.daemon.maintenance import (
+    cmd_daemon,
+    cmd_demo,
+    cmd_gc,
+    cmd_pin,
+    cmd_rm,
+    cmd_unpin,
+    cmd_verify,
+)
+from adstore.store.errors import (
+    AdstoreError,
+    BlobMissing,
+    ChecksumMismatch,
+    ConfigError,
+    CorruptRecord,
+    OverBudget,
+    StoreError,
+    StoreFull,
+    UnsafeRoot,
+    UnsupportedFilesystem,
+)
+from adstore.store.fsutil import parse_duration, parse_size
+
+__all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for"]
+
+log = logging.getLogger(__name__)
+
+# The one table: error class -> exit code (first match wins; order matters).
+# 0 success, 1 a check failed (verify found problems, rm refused an entry),
+# 2 usage (argparse uses 2 as well).
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (ConfigError, 2),
+    (UnknownKey, 3),
+    (AmbiguousKey, 4),
+    (AlreadyRunning, 5),
+    (FeatureUnavailable, 6),
+    (UnsupportedFilesystem, 7),
+    (UnsafeRoot, 7),
+    (OverBudget, 8),
+    (StoreFull, 8),
+    (ChecksumMismatch, 9),
+    (BlobMissing, 9),
+    (CorruptRecord, 9),
+    (StoreError, 10),
+    (AdstoreError, 10),
+    (PermissionError, 11),
+    (OSError, 12),
+    (KeyboardInterrupt, 130),
+    (Exception, 70),  # a bug: EX_SOFTWARE
+)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return 70
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, AdstoreError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or exc}{':' if where else ''}{where}"
+    return f"internal error: {type(exc).__name__}: {exc} (run with -v for details)"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, field="size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.why) from None
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text, field="duration")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.why) from None
+
+
+def _min_free(text: str) -> str | int:
+    if text.strip().endswith("%"):
+        return text.strip()
+    return _size(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (and exit 2) like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a value given after the subcommand must not be reset by the default.
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
+                        help="store root (default: $ADSTORE_ROOT or ~/.cache/adstore)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging")
+    parser = _Parser(prog="adstore", parents=[common],
+                     description="Content-addressed artifact store for model-compilation pipelines.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def add(name: str, func: Callable[..., int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("stats", cmd_stats, "summary of the store, like `ccache -s`")
+    p.add_argument("--config", type=Path, help="also show the budget of this daemon config")
+
+    p = add("ls", cmd_ls, "list entries")
+    p.add_argument("--sort", choices=SORT_CHOICES, default="last_access")
+    p.add_argument("--reverse", "-r", action="store_true", help="reverse the sort order")
+    p.add_argument("--namespace", "-n", help="only this namespace (pipeline, engine, …)")
+    p.add_argument("--match", metavar="PREFIX", help="only keys starting with PREFIX")
+    p.add_argument("--pinned", action="store_true", help="only pinned entries")
+    p.add_argument("--unused-for", type=_duration, metavar="DURATION",
+                   help="only entries not used for DURATION (e.g. 7d)")
+    p.add_argument("--min-size", type=_size, metavar="SIZE", help="only entries of at least SIZE")
+    p.add_argument("--limit", "-l", type=int, metavar="N", help="show at most N entries")
+
+    p = add("inspect", cmd_inspect, "show an entry: per-rank manifests, artifacts, snapshot summary")
+    p.add_argument("key", help="cache key or unambiguous prefix")
+    p.add_argument("--no-summary", action="store_true",
+                   help="do not summarize snapshots (avoids importing torch)")
+
+    p = add("explain", cmd_explain, "show an entry's key components, or which differ between two")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="one or two keys (or prefixes)")
+
+    p = add("verify", cmd_verify, "rehash blobs and check every invariant")
+    p.add_argument("--fix", action="store_true", help="repair what can be repaired")
+
+    p = add("gc", cmd_gc, "evict entries over a budget and sweep orphans (plan first)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--max-size", type=_size, metavar="SIZE", help="evict LRU entries down to SIZE")
+    p.add_argument("--min-free", type=_min_free, metavar="SIZE|PCT",
+                   help="evict until the filesystem has this much free (bytes or e.g. 10%%)")
+    p.add_argument("--older-than", type=_duration, metavar="DURATION", help="evict entries unused for DURATION")
+    p.add_argument("--grace-period", type=_duration, metavar="DURATION",
+                   help="spare entries and blobs younger than this (default: the store's)")
+    p.add_argument("--no-sweep", action="store_true", help="do not sweep orphans")
+    p.add_argument("--config", type=Path, help="take limits not given as flags from this daemon config")
+
+    p = add("rm", cmd_rm, "remove entries (all ranks)")
+    p.add_argument("keys", nargs="+", metavar="KEY")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+
+    p = add("pin", cmd_pin, "keep entries whatever the budget")
+    p.add_argument("keys", nargs="+", metavar="KEY")
+    p = add("unpin", cmd_unpin, "let entries be evicted again")
+    p.add_argument("keys", nargs="+", metavar="KEY")
+
+    p = add("daemon", cmd_daemon, "run the eviction daemon (systemd Type=notify)")
+    p.add_argument("--config", type=Path, help="TOML configuration (flags override it)")
+    p.add_argument("--once", action="store_true", help="run one enforcement pass and a sweep, then exit")
+    for name, kind, hint in (
+        ("max_size", str, "SIZE"), ("min_free", str, "SIZE|PCT"), ("high_watermark", str, "FRACTION"),
+        ("low_watermark", str, "FRACTION"), ("grace_period", str, "DURATION"), ("max_age", str, "DURATION"),
+        ("batch_size", str, "N"), ("debounce", str, "DURATION"), ("max_delay", str, "DURATION"),
+        ("fallback_interval", str, "DURATION"), ("sweep_interval", str, "DURATION"),
+        ("log_level", str, "LEVEL"),
+    ):
+        # Parsed and checked by DaemonConfig, so flags and the file give the same errors.
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=hint)
+
+    p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--world-size", type=int, default=1)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``adstore`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    verbose = getattr(args, "verbose", False)
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+    ctx = Context(root=getattr(args, "root", None), json=getattr(args, "json", False),
+                  grace_period=getattr(args, "grace_period", None))
+    try:
+        return int(args.func(args, ctx))
+    except BrokenPipeError:  # `adstore ls | head`: quiet, and no flush error at exit
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+        if isinstance(exc, SystemExit):
+            raise
+        log.debug("command %s failed", args.command, exc_info=True)
+        sys.stderr.write(f"adstore {args.command}: error: {_message(exc)}\n")
+        return exit_code_for(exc)
+    finally:
+        try:
+            ctx.close()
+        except Exception:  # closing must not mask the command's result
+            log.debug("closing the store failed", exc_info=True)

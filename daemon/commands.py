@@ -1,0 +1,473 @@
+"""Read-only CLI commands: ``stats``, ``ls``, ``inspect``, ``explain``.
+
+Each command takes the parsed arguments and a :class:`Context` and returns an
+exit code; it prints either a human view or, with ``--json``, the raw data
+(bytes as ints, times as epoch seconds).  Errors are raised, never printed:
+:mod:`adstore.daemon.cli` turns them into one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from adstore.daemon.errors import AmbiguousKey, UnknownKey
+from adstore.daemon.format import (
+    Progress,
+    human_age,
+    human_duration,
+    human_size,
+    kv_block,
+    short_key,
+    table,
+)
+from adstore.daemon.lock import read_status
+from adstore.store import Store
+from adstore.store.errors import AdstoreError, InvalidKey
+
+__all__ = [
+    "Context",
+    "resolve_key",
+    "entry_dict",
+    "manifest_dict",
+    "cmd_stats",
+    "cmd_ls",
+    "cmd_inspect",
+    "cmd_explain",
+    "SNAPSHOT_ARTIFACTS",
+]
+
+# Artifacts whose content the torch-side summarizer understands.
+SNAPSHOT_ARTIFACTS = ("module.pt", "hooks.json")
+
+
+@dataclasses.dataclass
+class Context:
+    """What every command needs: where the store is, how to print."""
+
+    root: Path | None
+    json: bool = False
+    out: TextIO = dataclasses.field(default_factory=lambda: sys.stdout)
+    err: TextIO = dataclasses.field(default_factory=lambda: sys.stderr)
+    grace_period: float | None = None
+    _store: Store | None = None
+
+    def store(self) -> Store:
+        if self._store is None:
+            kwargs: dict[str, Any] = {}
+            if self.grace_period is not None:
+                kwargs["grace_period"] = self.grace_period
+            self._store = Store.open(self.root, **kwargs)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def emit(self, data: Any, text: str) -> None:
+        if self.json:
+            self.out.write(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+        elif text:
+            self.out.write(text.rstrip("\n") + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+# ---------------------------------------------------------------- keys
+def resolve_key(store: Store, text: str) -> str:
+    """The full key for an exact key or an unambiguous prefix (like git).
+
+    The store's own cursor lookup does the work; only when it refuses do we
+    scan, to say precisely whether nothing or several entries matched.
+    """
+    text = text.strip()
+    if not text:
+        raise UnknownKey(text)
+    try:
+        return store.resolve_key(text)
+    except InvalidKey:
+        pass
+    matches = sorted(e.key for e in _scan(store) if e.key.startswith(text))
+    if not matches:
+        raise UnknownKey(text)
+    if len(matches) > 1:
+        raise AmbiguousKey(text, matches)
+    return matches[0]
+
+
+def _scan(store: Store, namespace: str | None = None, *, label: str = "scanning") -> Iterator[Any]:
+    """Iterate entries, with a progress counter on stderr if it takes a while."""
+    with Progress(label, delay=0.5) as progress:
+        for i, entry in enumerate(store.entries(namespace=namespace), 1):
+            if i % 256 == 0:
+                progress(i)
+            yield entry
+
+
+def entry_dict(entry: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(entry)
+    d["ranks"] = {str(r): g for r, g in entry.ranks.items()}
+    return d
+
+
+def manifest_dict(m: Any) -> dict[str, Any]:
+    return {
+        "key": m.key,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "generation": m.generation,
+        "committed": m.committed,
+        "namespace": m.namespace,
+        "producer": m.producer,
+        "created": m.created,
+        "meta": m.meta,
+        "artifacts": {n: {"digest": r.digest, "size": r.size} for n, r in m.artifacts.items()},
+        "bytes": sum(r.size for r in m.artifacts.values()),
+    }
+
+
+# ---------------------------------------------------------------- stats
+def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int, list[tuple[str, int]]]]:
+    """``misses``, ``misses.absent`` … → [(misses, n, [(absent, k), …]), …]."""
+    order = ["hits", "misses", "bypasses", "saves", "evictions"]
+    groups: dict[str, list[tuple[str, int]]] = {}
+    totals: dict[str, int] = {}
+    for name, value in counters.items():
+        head, _, reason = name.partition(".")
+        if reason:
+            groups.setdefault(head, []).append((reason, value))
+        else:
+            totals[head] = value
+    names = order + sorted((set(totals) | set(groups)) - set(order))
+    out = []
+    for name in names:
+        subs = sorted(groups.get(name, []), key=lambda kv: (-kv[1], kv[0]))
+        out.append((name, totals.get(name, sum(v for _, v in subs)), subs))
+    return out
+
+
+def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    st = store.stats()
+    data = st.to_dict()
+    data["root"] = str(store.root)
+    daemon = read_status(store.root)
+    data["daemon"] = daemon
+    budget = None
+    if getattr(args, "config", None):
+        from adstore.daemon.config import DaemonConfig
+
+        cfg = DaemonConfig.from_config(args.config)
+        budget = {"max_size": cfg.max_size, "min_free_bytes": cfg.min_free_bytes,
+                  "min_free_percent": cfg.min_free_percent, "high_watermark": cfg.high_watermark,
+                  "low_watermark": cfg.low_watermark, "source": str(cfg.source)}
+    elif daemon and daemon.get("running"):
+        cfg_d = daemon.get("config", {})
+        budget = {k: cfg_d.get(k) for k in ("max_size", "min_free_bytes", "min_free_percent",
+                                            "high_watermark", "low_watermark")}
+        budget["current_limit"] = daemon.get("budget")
+    data["budget"] = budget
+    if ctx.json:
+        ctx.emit(data, "")
+        return 0
+    counters = dict(st.counters)
+    rows: list[tuple[str, Any]] = [
+        ("Store root", store.root),
+        ("Entries", st.entries),
+        ("Blobs", f"{st.blobs} ({st.inline_blobs} inline)"),
+        ("Logical size", human_size(st.logical_bytes)),
+        ("Physical size", human_size(st.physical_bytes)),
+        ("Dedup ratio", f"{st.dedup_ratio:.2f}x"),
+        ("Pinned", human_size(st.pinned_bytes)),
+        ("Live leases", st.leases),
+        ("Index size", human_size(st.index_bytes)),
+    ]
+    rows.append(("Budget", _budget_text(budget, st.physical_bytes)))
+    if daemon is None:
+        rows.append(("Daemon", "not running"))
+    else:
+        state = "running" if daemon.get("running") else "not running (stale status)"
+        rows.append(("Daemon", f"{state}, pid {daemon.get('pid')}, last pass "
+                               f"{human_age(daemon.get('updated'))}"))
+    lines = [kv_block(rows), ""]
+    counter_rows: list[tuple[str, Any]] = []
+    ms_saved = counters.pop("ms_saved", 0)
+    for name, total, subs in _grouped_counters(counters):
+        if name.startswith("bytes_"):
+            counter_rows.append((name.replace("_", " ").capitalize(), human_size(total)))
+            continue
+        counter_rows.append((name.capitalize(), total))
+        counter_rows.extend((f"  {reason}", value) for reason, value in subs)
+    hits, misses = counters.get("hits", 0), counters.get("misses", 0)
+    if hits + misses:
+        counter_rows.insert(0, ("Hit rate", f"{100.0 * hits / (hits + misses):.1f}%"))
+    counter_rows.append(("Time saved", human_duration(ms_saved / 1000.0)))
+    lines.append(kv_block(counter_rows))
+    ctx.emit(data, "\n".join(lines))
+    return 0
+
+
+def _budget_text(budget: dict[str, Any] | None, size: int) -> str:
+    if not budget:
+        return "unknown (no daemon running; pass --config to show a configured budget)"
+    parts = []
+    if budget.get("max_size"):
+        pct = 100.0 * size / budget["max_size"]
+        parts.append(f"max {human_size(budget['max_size'])} ({pct:.0f}% used)")
+    if budget.get("min_free_percent"):
+        parts.append(f"min free {budget['min_free_percent']:g}%")
+    elif budget.get("min_free_bytes"):
+        parts.append(f"min free {human_size(budget['min_free_bytes'])}")
+    if budget.get("current_limit") is not None:
+        parts.append(f"effective {human_size(budget['current_limit'])}")
+    if budget.get("high_watermark"):
+        parts.append(f"watermarks {budget['high_watermark']:.0%}/{budget['low_watermark']:.0%}")
+    return ", ".join(parts) or "none"
+
+
+# ---------------------------------------------------------------- ls
+_SORTS = {
+    "last_access": lambda e: e.last_access,
+    "created": lambda e: e.created,
+    "size": lambda e: e.bytes,
+    "hits": lambda e: e.hits,
+    "key": lambda e: e.key,
+    "namespace": lambda e: (e.namespace, e.key),
+}
+SORT_CHOICES = tuple(_SORTS)
+
+
+def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    now = time.time()
+    selected = []
+    for e in _scan(store, args.namespace, label="listing"):
+        if args.match and not e.key.startswith(args.match):
+            continue
+        if args.pinned and not e.pinned:
+            continue
+        if args.unused_for is not None and now - e.last_access < args.unused_for:
+            continue
+        if args.min_size is not None and e.bytes < args.min_size:
+            continue
+        selected.append(e)
+    # Default: most recently used / largest / newest first; keys alphabetically.
+    descending = args.sort not in ("key", "namespace")
+    selected.sort(key=_SORTS[args.sort], reverse=descending != args.reverse)
+    total = len(selected)
+    if args.limit is not None:
+        selected = selected[: args.limit]
+    data = {"total": total, "entries": [entry_dict(e) for e in selected]}
+    if ctx.json:
+        ctx.emit(data, "")
+        return 0
+    if not selected:
+        ctx.emit(data, "no entries" if total == 0 else f"{total} entries (none shown)")
+        return 0
+    rows = []
+    for e in selected:
+        committed = len(e.ranks)
+        rows.append((short_key(e.key), e.namespace, f"{committed}/{e.world_size}", human_size(e.bytes),
+                     e.hits, human_age(e.last_access, now=now), human_age(e.created, now=now),
+                     "yes" if e.pinned else ""))
+    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "HITS", "LAST USED", "CREATED", "PINNED"),
+                 align="llrrrllll")
+    footer = f"\n{len(selected)} of {total} entries" if len(selected) < total else f"\n{total} entries"
+    ctx.emit(data, text + footer)
+    return 0
+
+
+# ---------------------------------------------------------------- inspect
+def _summarize_snapshot(store: Store, manifest: Any) -> dict[str, Any] | None:
+    """Torch-side summary of a snapshot's artifacts, or a note why there is none."""
+    names = [n for n in SNAPSHOT_ARTIFACTS if n in manifest.artifacts]
+    if not names:
+        return None
+    try:
+        from adstore.integration.snapshot import summarize  # lazy: imports torch
+    except Exception as exc:  # ImportError, or a broken optional dependency
+        return {"unavailable": f"snapshot summary unavailable ({type(exc).__name__}: {exc})"}
+    artifacts: dict[str, bytes] = {}
+    for name in names:
+        try:
+            artifacts[name] = store.read_artifact(manifest, name)
+        except AdstoreError as exc:
+            return {"error": f"cannot read {name}: {exc}"}
+    try:
+        summary = summarize(artifacts)
+    except Exception as exc:  # a damaged snapshot is shown, not fatal
+        return {"error": f"cannot summarize snapshot ({type(exc).__name__}: {exc})"}
+    return summary if isinstance(summary, dict) else {"summary": summary}
+
+
+def _render_summary(summary: dict[str, Any], indent: int = 4) -> list[str]:
+    pad = " " * indent
+    lines = []
+    for name, value in summary.items():
+        if isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values()):
+            lines.append(f"{pad}{name}:")
+            ranked = sorted(value.items(), key=lambda kv: (-kv[1], str(kv[0])))
+            shown = ranked[:20]
+            rows = [(f"{pad}  {k}", v) for k, v in shown]
+            lines.append(kv_block(rows))
+            if len(ranked) > len(shown):
+                lines.append(f"{pad}  … {len(ranked) - len(shown)} more")
+        elif isinstance(value, dict):
+            lines.append(f"{pad}{name}:")
+            lines.extend(_render_summary(value, indent + 2))
+        else:
+            text = json.dumps(value, default=str) if not isinstance(value, str) else value
+            lines.append(f"{pad}{name}: {text[:200]}")
+    return lines
+
+
+def cmd_inspect(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    key = resolve_key(store, args.key)
+    entry = store.entry(key)
+    manifests = sorted(store.manifests(key), key=lambda m: (m.rank, m.generation))
+    summaries: dict[str, Any] = {}
+    if not args.no_summary:
+        for m in manifests:
+            if m.committed:
+                s = _summarize_snapshot(store, m)
+                if s is not None:
+                    summaries[f"{m.rank}:{m.generation}"] = s
+    data = {
+        "entry": entry_dict(entry) if entry is not None else None,
+        "manifests": [manifest_dict(m) for m in manifests],
+        "snapshots": summaries,
+    }
+    if ctx.json:
+        ctx.emit(data, "")
+        return 0
+    lines = [f"key {key}"]
+    if entry is not None:
+        lines.append(kv_block([
+            ("namespace", entry.namespace),
+            ("world size", entry.world_size),
+            ("committed ranks", f"{len(entry.ranks)}/{entry.world_size}"),
+            ("size", human_size(entry.bytes)),
+            ("hits", entry.hits),
+            ("created", human_age(entry.created)),
+            ("last used", human_age(entry.last_access)),
+            ("pinned", "yes" if entry.pinned else "no"),
+        ], indent=2))
+    for m in manifests:
+        state = "committed" if m.committed else "UNCOMMITTED"
+        producer = ", ".join(f"{k}={v}" for k, v in sorted(m.producer.items()))
+        lines.append("")
+        lines.append(f"rank {m.rank}/{m.world_size}  generation {m.generation}  {state}  "
+                     f"{human_size(sum(r.size for r in m.artifacts.values()))}  "
+                     f"created {human_age(m.created)}" + (f"  ({producer})" if producer else ""))
+        rows = [(f"  {name}", human_size(ref.size), ref.digest[:16])
+                for name, ref in sorted(m.artifacts.items())]
+        if rows:
+            lines.append(table(rows, ("  ARTIFACT", "SIZE", "DIGEST"), align="lrl"))
+        summary = summaries.get(f"{m.rank}:{m.generation}")
+        if summary:
+            lines.append("  snapshot:")
+            lines.extend(_render_summary(summary))
+    if not manifests:
+        lines.append("  (no manifests)")
+    ctx.emit(data, "\n".join(lines))
+    return 0
+
+
+# ---------------------------------------------------------------- explain
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k in sorted(value, key=str):
+            out.update(_flatten(value[k], f"{prefix}.{k}" if prefix else str(k)))
+        return out or {prefix: {}}
+    if isinstance(value, list):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}[{i}]"))
+        return out or {prefix: []}
+    return {prefix: value}
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = json.dumps(value, default=str, sort_keys=True)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def compare_components(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per top-level component: same or not, and the differing leaf paths."""
+    result: dict[str, Any] = {}
+    for name in sorted(set(a) | set(b), key=str):
+        if name not in a or name not in b:
+            result[name] = {"same": False, "only_in": "a" if name in a else "b", "differences": []}
+            continue
+        fa, fb = _flatten(a[name]), _flatten(b[name])
+        diffs = [{"path": f"{name}.{p}" if p else name, "a": fa.get(p, "<absent>"), "b": fb.get(p, "<absent>")}
+                 for p in sorted(set(fa) | set(fb)) if fa.get(p, _MISSING) != fb.get(p, _MISSING)]
+        result[name] = {"same": not diffs, "differences": diffs}
+    return result
+
+
+_MISSING = object()
+
+
+def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    keys = [resolve_key(store, k) for k in args.keys]
+    entries = []
+    for key in keys:
+        entry = store.entry(key)
+        if entry is None:
+            raise UnknownKey(key)
+        entries.append(entry)
+    if len(entries) == 1:
+        comps = entries[0].components
+        data = {"key": keys[0], "components": comps}
+        lines = [f"key {keys[0]}"]
+        if not comps:
+            lines.append("  (no key components were stored with this entry)")
+        for name in sorted(comps, key=str):
+            lines.append(f"  {name}:")
+            for path, value in _flatten(comps[name]).items():
+                lines.append(f"    {path or name} = {_short(value, 100)}")
+        ctx.emit(data, "\n".join(lines))
+        return 0
+    a, b = entries
+    cmp = compare_components(a.components, b.components)
+    differing = [name for name, c in cmp.items() if not c["same"]]
+    data = {"a": a.key, "b": b.key, "components": cmp, "differing": differing,
+            "identical": a.key == b.key}
+    lines = [f"A {a.key}", f"B {b.key}", ""]
+    rows = []
+    for name, c in cmp.items():
+        state = "same" if c["same"] else (f"only in {c['only_in'].upper()}" if "only_in" in c else "DIFFERS")
+        rows.append((name, state))
+    lines.append(table(rows, ("COMPONENT", "A vs B")))
+    for name in differing:
+        for d in cmp[name]["differences"][:20]:
+            lines.append(f"  {d['path']}: A={_short(d['a'])}  B={_short(d['b'])}")
+        extra = len(cmp[name]["differences"]) - 20
+        if extra > 0:
+            lines.append(f"  … {extra} more differences in {name}")
+    if not differing:
+        lines.append("\nall stored components are equal" + (
+            "" if a.key == b.key else " (the keys differ by something not stored as a component)"))
+    else:
+        lines.append(f"\ndiffering: {', '.join(differing)}")
+    ctx.emit(data, "\n".join(lines))
+    return 0

@@ -1,0 +1,162 @@
+"""Human-readable output for the CLI: sizes, ages, tables, a progress bar.
+
+Kept separate from the commands so that every command prints sizes and ages
+the same way and the JSON output stays raw numbers.  The progress bar writes
+to stderr only (stdout stays parseable) and only when stderr is a terminal,
+unless forced.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TextIO
+
+__all__ = [
+    "human_size",
+    "human_duration",
+    "human_age",
+    "short_key",
+    "table",
+    "kv_block",
+    "Progress",
+]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_size(n: int | float | None) -> str:
+    """``1536`` → ``"1.5 KiB"``; binary units, like ``du -h`` and systemd."""
+    if n is None:
+        return "-"
+    value = float(n)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in _UNITS:
+        if value < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float | None) -> str:
+    """``5400`` → ``"1h30m"``; two most significant units."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, float(seconds))
+    if s < 1:
+        return f"{s * 1000:.0f}ms"
+    if s < 60:
+        return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if s >= size:
+            count = int(s // size)
+            parts.append(f"{count}{unit}")
+            s -= count * size
+        if len(parts) == 2:
+            break
+    return "".join(parts) or "0s"
+
+
+def human_age(timestamp: float | None, *, now: float | None = None) -> str:
+    """A wall-clock timestamp as ``"3m ago"``; ``"-"`` when unknown."""
+    if not timestamp:
+        return "-"
+    delta = (time.time() if now is None else now) - float(timestamp)
+    if delta < 0:
+        return "in the future"
+    return f"{human_duration(delta)} ago"
+
+
+def short_key(key: str, width: int = 12) -> str:
+    return key if len(key) <= width else key[:width]
+
+
+def table(rows: Iterable[Sequence[Any]], headers: Sequence[str], *,
+          align: str | None = None) -> str:
+    """A plain text table; ``align`` has one ``l``/``r`` per column (default: left)."""
+    body = [[("" if cell is None else str(cell)) for cell in row] for row in rows]
+    cols = len(headers)
+    aligns = (align or "l" * cols).ljust(cols, "l")
+    widths = [len(h) for h in headers]
+    for row in body:
+        for i, cell in enumerate(row[:cols]):
+            widths[i] = max(widths[i], len(cell))
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = []
+        for i in range(cols):
+            cell = row[i] if i < len(row) else ""
+            cells.append(cell.rjust(widths[i]) if aligns[i] == "r" else cell.ljust(widths[i]))
+        return "  ".join(cells).rstrip()
+
+    lines = [fmt(list(headers)), fmt(["-" * w for w in widths])]
+    lines.extend(fmt(row) for row in body)
+    return "\n".join(lines)
+
+
+def kv_block(pairs: Iterable[tuple[str, Any]] | Mapping[str, Any], *, indent: int = 0) -> str:
+    """``ccache -s`` style aligned ``label   value`` lines."""
+    items = list(pairs.items() if isinstance(pairs, Mapping) else pairs)
+    if not items:
+        return ""
+    width = max(len(k) for k, _ in items)
+    pad = " " * indent
+    return "\n".join(f"{pad}{k.ljust(width)}  {v}".rstrip() for k, v in items)
+
+
+class Progress:
+    """A throttled one-line progress bar on stderr; use as ``callback(done, total)``.
+
+    Silent unless stderr is a terminal (or ``force=True``), so logs and
+    pipes never fill with carriage returns.
+    """
+
+    def __init__(self, label: str, *, stream: TextIO | None = None, force: bool = False,
+                 min_interval: float = 0.1, delay: float = 0.0) -> None:
+        self.label = label
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", lambda: False)
+        self.enabled = force or bool(isatty())
+        self.min_interval = min_interval
+        self.delay = delay  # quick scans never draw a bar
+        self._last = 0.0
+        self._drawn = False
+        self._start = time.monotonic()
+
+    def __call__(self, done: int, total: int | None = None, *_: Any) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._start < self.delay:
+            return
+        if now - self._last < self.min_interval and not (total and done >= total):
+            return
+        self._last = now
+        width = max(10, min(40, shutil.get_terminal_size((80, 20)).columns - 40))
+        if total:
+            frac = min(1.0, done / total)
+            bar = "#" * int(frac * width)
+            text = f"\r{self.label} [{bar.ljust(width)}] {done}/{total} {frac * 100:5.1f}%"
+        else:
+            text = f"\r{self.label} {done} ({human_duration(now - self._start)})"
+        self.stream.write(text)
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

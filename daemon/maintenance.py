@@ -1,0 +1,181 @@
+"""CLI commands that change the store or run things: ``verify``, ``gc``,
+``rm``, ``pin``/``unpin``, ``daemon``, ``demo``.
+
+Destructive commands build the store's plan first, print it (victims and the
+bytes it will free) and only then execute it; ``--dry-run`` stops after the
+plan.  The torch-side ``demo`` is imported lazily so the rest of the CLI and
+the daemon never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from adstore.daemon.commands import Context, entry_dict, resolve_key
+from adstore.daemon.errors import FeatureUnavailable
+from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
+
+__all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo",
+           "DAEMON_FLAGS"]
+
+
+# ---------------------------------------------------------------- verify
+def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    with Progress("verifying blobs", stream=ctx.err, delay=0.3) as progress:
+        report = store.verify(fix=args.fix, progress=progress)
+    data = report.to_dict()
+    lines = [kv_block([
+        ("Blobs checked", f"{report.blobs_checked} ({human_size(getattr(report, 'bytes_checked', 0))})"),
+        ("Manifests checked", report.manifests_checked),
+        ("Entries checked", getattr(report, "entries_checked", "-")),
+        ("Problems", len(report.problems)),
+        ("Warnings", len(report.warnings)),
+        ("Fixed", len(report.fixed)),
+    ])]
+    for title, items in (("problem", report.problems), ("warning", report.warnings), ("fixed", report.fixed)):
+        shown = items[:50]
+        lines.extend(f"  {title}: {item}" for item in shown)
+        if len(items) > len(shown):
+            lines.append(f"  … {len(items) - len(shown)} more {title}s (use --json for all)")
+    if report.ok:
+        lines.append("store is consistent" if not report.fixed else "store repaired")
+    else:
+        lines.append("store has problems; run `adstore verify --fix` to repair")
+    ctx.emit(data, "\n".join(lines))
+    return 0 if report.ok else 1
+
+
+# ---------------------------------------------------------------- gc / rm
+def _plan_text(plan: Any, *, verb: str) -> list[str]:
+    lines = []
+    if plan.victims:
+        rows = [(short_key(e.key), e.namespace, human_size(e.bytes), human_age(e.last_access))
+                for e in plan.victims[:50]]
+        lines.append(table(rows, ("KEY", "NAMESPACE", "SIZE", "LAST USED"), align="llrl"))
+        if len(plan.victims) > 50:
+            lines.append(f"… {len(plan.victims) - 50} more entries")
+    skipped = [str(s) for s in (getattr(plan, "skipped", []) or [])]
+    if skipped:
+        shown = ", ".join(short_key(s) for s in skipped[:10])
+        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        lines.append(f"skipped {len(skipped)} entries (leased, pinned or younger than the grace "
+                     f"period): {shown}{more}")
+    lines.append(f"{verb}: {len(plan.victims)} entries, {len(plan.blobs)} blobs, "
+                 f"{human_size(plan.bytes_to_free)} to free ({plan.reason})")
+    if plan.victims and len(plan.blobs) == 0:
+        lines.append("(their blobs are shared or younger than the grace period; the sweep frees them later)")
+    return lines
+
+
+def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    max_size, min_free, older_than = args.max_size, args.min_free, args.older_than
+    if args.config:
+        from adstore.daemon.config import DaemonConfig
+
+        cfg = DaemonConfig.from_config(args.config)
+        max_size = max_size if max_size is not None else cfg.max_size
+        if min_free is None and cfg.min_free_percent is not None:
+            min_free = f"{cfg.min_free_percent:g}%"
+        elif min_free is None:
+            min_free = cfg.min_free_bytes
+        older_than = older_than if older_than is not None else cfg.max_age
+    evict = None
+    if max_size is not None or min_free is not None or older_than is not None:
+        evict = store.plan_eviction(max_size=max_size, min_free=min_free, older_than=older_than)
+    sweep = store.plan_sweep() if not args.no_sweep else None
+    data: dict[str, Any] = {
+        "dry_run": args.dry_run,
+        "eviction": evict.to_dict() if evict is not None else None,
+        "sweep": sweep.to_dict() if sweep is not None else None,
+        "bytes_to_free": (evict.bytes_to_free if evict else 0) + (sweep.bytes_to_free if sweep else 0),
+        "bytes_freed": 0,
+    }
+    lines: list[str] = []
+    if evict is not None:
+        lines.extend(_plan_text(evict, verb="evict"))
+    else:
+        lines.append("no size or age limit given (--max-size, --min-free, --older-than): "
+                     "only sweeping orphans")
+    if sweep is not None:
+        sd = sweep.to_dict()
+        parts = [f"{v} {k.replace('_', ' ')}" for k, v in sd.items() if k != "bytes_to_free" and v]
+        lines.append(f"sweep: {', '.join(parts) or 'nothing'}; {human_size(sweep.bytes_to_free)} to free")
+    if args.dry_run:
+        lines.append(f"dry run: nothing removed (would free {human_size(data['bytes_to_free'])})")
+    else:
+        freed = 0
+        if evict is not None:
+            freed += int(evict.execute() or 0)
+        if sweep is not None:
+            freed += int(sweep.execute() or 0)
+        data["bytes_freed"] = freed
+        lines.append(f"freed {human_size(freed)}")
+    ctx.emit(data, "\n".join(lines))
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store()
+    keys = list(dict.fromkeys(resolve_key(store, k) for k in args.keys))
+    plan = store.plan_remove(keys)
+    data: dict[str, Any] = {"dry_run": args.dry_run, "plan": plan.to_dict(), "bytes_freed": 0}
+    lines = _plan_text(plan, verb="remove")
+    if args.dry_run:
+        lines.append("dry run: nothing removed")
+    else:
+        freed = int(plan.execute() or 0)
+        data["bytes_freed"] = freed
+        lines.append(f"removed {len(plan.victims)} entries, freed {human_size(freed)}")
+    ctx.emit(data, "\n".join(lines))
+    # Entries the store refused (leased by a live process) make the command fail.
+    return 0 if len(plan.victims) == len(keys) or args.dry_run else 1
+
+
+def _set_pin(args: argparse.Namespace, ctx: Context, pinned: bool) -> int:
+    store = ctx.store()
+    keys = list(dict.fromkeys(resolve_key(store, k) for k in args.keys))
+    for key in keys:
+        (store.pin if pinned else store.unpin)(key)
+    entries = [store.entry(k) for k in keys]
+    verb = "pinned" if pinned else "unpinned"
+    ctx.emit({verb: keys, "entries": [entry_dict(e) for e in entries if e is not None]},
+             "\n".join(f"{verb} {k}" for k in keys))
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace, ctx: Context) -> int:
+    return _set_pin(args, ctx, True)
+
+
+def cmd_unpin(args: argparse.Namespace, ctx: Context) -> int:
+    return _set_pin(args, ctx, False)
+
+
+# ---------------------------------------------------------------- daemon / demo
+# Flags of `adstore daemon`, each overriding the same setting of the TOML file.
+DAEMON_FLAGS = ("max_size", "min_free", "high_watermark", "low_watermark", "grace_period", "max_age",
+                "batch_size", "debounce", "max_delay", "fallback_interval", "sweep_interval", "log_level")
+
+
+def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:
+    from adstore.daemon.config import DaemonConfig
+    from adstore.daemon.daemon import Daemon
+
+    overrides = {name: getattr(args, name) for name in DAEMON_FLAGS}
+    overrides["root"] = str(ctx.root) if ctx.root is not None else None
+    config = DaemonConfig.from_config(args.config, **overrides)
+    return Daemon(config).run(once=args.once)
+
+
+def cmd_demo(args: argparse.Namespace, ctx: Context) -> int:
+    try:
+        from adstore.integration.demo import format_demo, run_demo  # lazy: imports torch
+    except Exception as exc:
+        raise FeatureUnavailable("the demo (adstore.integration.demo)", f"{type(exc).__name__}: {exc}") from None
+    result = run_demo(arch=args.arch, layers=args.layers, hidden=args.hidden,
+                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None)
+    ctx.emit(result, "" if ctx.json else format_demo(result))
+    return 0
