@@ -1,0 +1,75 @@
+"""Helper processes for the daemon tests (run as scripts, never imported by pytest).
+
+    python procs.py write ROOT --count N --size BYTES --prefix P [--world-size W] [--delay S]
+    python procs.py lease ROOT KEY        # holds a lease until killed; prints "leased"
+
+Each writer is a separate OS process using the public store API, like a real
+pipeline rank would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+from adstore.store import Store
+
+
+def key_for(prefix: str, i: int) -> str:
+    return hashlib.sha256(f"{prefix}-{i}".encode()).hexdigest()
+
+
+def write(root: str, *, count: int, size: int, prefix: str, world_size: int, delay: float,
+          grace_period: float) -> None:
+    store = Store.open(root, grace_period=grace_period)
+    for i in range(count):
+        key = key_for(prefix, i)
+        gen = store.new_generation()
+        for rank in range(world_size):
+            ref = store.put_bytes(os.urandom(size))
+            store.publish(key, rank=rank, world_size=world_size, generation=gen,
+                          artifacts={"module.pt": ref}, namespace="pipeline",
+                          components={"model": {"prefix": prefix, "i": i}, "dist": {"world": world_size}})
+        for rank in range(world_size):
+            store.commit(key, rank=rank, generation=gen)
+        if delay:
+            time.sleep(delay)
+    store.close()
+    print(f"wrote {count}", flush=True)
+
+
+def lease(root: str, key: str) -> None:
+    store = Store.open(root)
+    with store.lease(key):
+        print("leased", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("root")
+    w.add_argument("--count", type=int, required=True)
+    w.add_argument("--size", type=int, required=True)
+    w.add_argument("--prefix", required=True)
+    w.add_argument("--world-size", type=int, default=1)
+    w.add_argument("--delay", type=float, default=0.0)
+    w.add_argument("--grace-period", type=float, default=3600.0)
+    le = sub.add_parser("lease")
+    le.add_argument("root")
+    le.add_argument("key")
+    a = p.parse_args()
+    if a.cmd == "write":
+        write(a.root, count=a.count, size=a.size, prefix=a.prefix, world_size=a.world_size,
+              delay=a.delay, grace_period=a.grace_period)
+    else:
+        lease(a.root, a.key)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
