@@ -4,8 +4,10 @@ LMDB is fast and crash-safe (copy-on-write B+tree, durable commits), but it
 asks its users for care that this module concentrates in one place:
 
 * an environment must not be used across ``fork``: every access checks the
-  pid and reopens in a child (the inherited handle is kept, never closed,
-  because closing it would drop the child's POSIX locks on the lock file);
+  pid, and a child closes the inherited handle (its POSIX locks belong to the
+  parent, so the parent keeps them) before opening its own;
+* an environment must not be opened twice in one process: stores on the same
+  root share one :class:`Index` (``Index.acquire``/``release``);
 * the map size is a hard limit: start large (the file is sparse) and double
   it on ``MapFullError``; another process that grew it shows up as
   ``MapResizedError``, answered by adopting the new size;
@@ -41,8 +43,8 @@ DATABASES = ("blobs", "blobdata", "entries", "manifests", "leases", "stats", "me
 _READER_CHECK_INTERVAL = 30.0
 _MAX_GROWTHS = 16
 
-# Handles inherited across fork: kept alive (never closed) on purpose, see module doc.
-_ABANDONED: list[lmdb.Environment] = []
+_SHARED: dict[tuple[int, str], list] = {}  # (pid, index path) -> [Index, users]
+_SHARED_LOCK = threading.Lock()
 
 
 def _is_disk_full(exc: lmdb.Error) -> bool:
@@ -68,6 +70,30 @@ class Index:
         self._open()
 
     # -- lifecycle -------------------------------------------------------
+    @classmethod
+    def acquire(cls, path: Path, *, map_size: int = 1 << 30) -> Index:
+        """The process's one Index for ``path`` (LMDB forbids opening it twice)."""
+        key = (os.getpid(), os.path.realpath(path))
+        with _SHARED_LOCK:
+            slot = _SHARED.get(key)
+            if slot is None or slot[0]._env is None:
+                slot = _SHARED[key] = [cls(path, map_size=map_size), 0]
+            slot[1] += 1
+            return slot[0]
+
+    def release(self) -> None:
+        """Drop one user; the environment closes with its last user."""
+        key = (os.getpid(), os.path.realpath(self.path))
+        with _SHARED_LOCK:
+            slot = _SHARED.get(key)
+            if slot is None or slot[0] is not self:
+                self.close()
+                return
+            slot[1] -= 1
+            if slot[1] <= 0:
+                del _SHARED[key]
+                self.close()
+
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         env = lmdb.open(
@@ -100,7 +126,7 @@ class Index:
             with self._lock:
                 if self._pid != os.getpid():
                     if self._env is not None:
-                        _ABANDONED.append(self._env)
+                        self._env.close()  # the parent's handle; its locks stay the parent's
                     self._env = None
                     self._open()
         if self._env is None:

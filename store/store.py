@@ -115,8 +115,7 @@ class Store:
         self.inline_threshold = int(inline_threshold)
         self.max_size = max_size
         self.flush_interval = flush_interval
-        self._index = Index(self.layout.index, map_size=map_size)
-        self._dbs = self._index.db
+        self._index = Index.acquire(self.layout.index, map_size=map_size)
         self._lock = threading.Lock()
         self._pending_counters: Counter[str] = Counter()
         self._pending_access: dict[str, tuple[float, int]] = {}
@@ -131,6 +130,11 @@ class Store:
         )
         self._gc = Collector(self._index, self.layout, grace_period=self.grace_period)
         _OPEN_STORES.add(self)
+
+    @property
+    def _dbs(self) -> dict[str, object]:
+        # Looked up on every use: the handles change when the index reopens after fork.
+        return self._index.db
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -151,9 +155,11 @@ class Store:
         return cls(default_root(env), **settings)
 
     def close(self) -> None:
+        if self not in _OPEN_STORES:
+            return
         self.flush()
-        self._index.close()
         _OPEN_STORES.discard(self)
+        self._index.release()
 
     def __enter__(self) -> Store:
         return self

@@ -1,0 +1,21 @@
+"""Shared fixtures: every test gets its own store root under pytest's tmp_path."""
+
+from __future__ import annotations
+
+import pytest
+
+from adstore.store import Store
+
+
+@pytest.fixture
+def store_root(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    monkeypatch.setenv("ADSTORE_ROOT", str(root))
+    return root
+
+
+@pytest.fixture
+def store(store_root):
+    s = Store.open(store_root, grace_period=0.0)
+    yield s
+    s.close()

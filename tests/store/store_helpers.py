@@ -1,0 +1,90 @@
+"""Helpers for store tests that run in spawned processes (importable by path)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+
+from adstore.store import Store
+
+
+def payload(key: str, generation: int, rank: int, name: str, size: int) -> bytes:
+    """Self-describing content: a reader can tell which save a blob belongs to."""
+    head = f"{key}|{generation}|{rank}|{name}|".encode()
+    body = hashlib.sha256(head).digest() * (size // 32 + 1)
+    return (head + body)[:max(size, len(head))]
+
+
+def parse_payload(data: bytes) -> tuple[str, int, int, str]:
+    key, gen, rank, name, _ = data.split(b"|", 4)
+    return key.decode(), int(gen), int(rank), name.decode()
+
+
+def save(store: Store, key: str, *, world_size: int = 1, sizes=(100, 70_000), shared: bytes | None = None) -> int:
+    gen = store.new_generation()
+    for rank in range(world_size):
+        artifacts = {
+            f"a{i}": store.put_bytes(payload(key, gen, rank, f"a{i}", size)) for i, size in enumerate(sizes)
+        }
+        if shared is not None:
+            artifacts["shared"] = store.put_bytes(shared)
+        store.publish(key, rank=rank, world_size=world_size, generation=gen, artifacts=artifacts,
+                      components={"key": key})
+    for rank in range(world_size):
+        store.commit(key, rank=rank, generation=gen)
+    return gen
+
+
+def check_hit(store: Store, key: str) -> bool:
+    """Lookup; on a hit, every artifact must belong to the same save. Returns hit."""
+    res = store.lookup(key)
+    if not res.hit:
+        return False
+    gens = set()
+    for rank, m in res.manifests.items():
+        for name, ref in m.artifacts.items():
+            if name == "shared":
+                continue
+            k, gen, r, n = parse_payload(store.get_bytes(ref))
+            assert (k, r, n) == (key, rank, name), (k, r, n, key, rank, name)
+            assert gen == m.generation
+            gens.add(gen)
+    assert len(gens) <= 1, f"mixed generations served for {key}: {gens}"
+    return True
+
+
+def worker_mixed(root: str, worker: int, seconds: float, keys: int, result_q) -> None:
+    """Publish and read a mix of shared and private keys for a bounded time."""
+    store = Store.open(root, grace_period=0.0)
+    rng = random.Random(worker)
+    ops = errors = 0
+    deadline = time.monotonic() + seconds
+    shared = b"S" * 100_000
+    try:
+        while time.monotonic() < deadline:
+            key = f"shared-{rng.randrange(keys)}" if rng.random() < 0.5 else f"w{worker}-{rng.randrange(keys)}"
+            if rng.random() < 0.4:
+                save(store, key, world_size=rng.choice((1, 2)), shared=shared)
+            else:
+                check_hit(store, key)
+            ops += 1
+    except Exception as exc:  # reported to the parent, which fails the test
+        errors += 1
+        result_q.put(("error", worker, repr(exc)))
+    store.close()
+    result_q.put(("done", worker, ops, errors))
+
+
+def writer_forever(root: str, seed: int) -> None:
+    """Save entries until killed (SIGKILL from the parent)."""
+    store = Store.open(root, grace_period=0.0)
+    rng = random.Random(seed)
+    i = 0
+    while True:
+        key = f"k{rng.randrange(6)}"
+        save(store, key, world_size=rng.choice((1, 2)), sizes=(rng.randrange(10, 5000), rng.randrange(65_536, 400_000)))
+        i += 1
+        if os.environ.get("ADSTORE_TEST_EVICT") and i % 3 == 0:
+            store.plan_eviction(max_size=500_000).execute()
