@@ -1,0 +1,491 @@
+"""Encode one GraphModule's graph and GraphModule-only state; rebuild it without exec of payload text.
+
+What is written per GraphModule: the node list in order (name, op, target,
+args, kwargs, type, plain meta, ``meta["val"]`` as tensor specs), the codegen
+state (plain or pytree, with the in/out ``TreeSpec`` as pytree JSON), the
+GraphModule class (from a small table: ``GraphModule`` and export's
+``_StatefulGraphModule``), its instance-bound methods, ``range_constraints``
+and export's standard forward hooks and guard module, which are recognised
+and recreated rather than pickled.
+
+The one thing a restore executes is the code FX generates from the rebuilt
+graph (``recompile``).  Every string that reaches that generated source is
+validated first: node names and placeholder/arg names must be identifiers,
+attribute paths dotted identifiers without dunders, call targets resolved
+objects under the allow-list.  Constants appear only through ``repr`` of
+decoded JSON values.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import logging
+import types
+import weakref
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+
+from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
+from adstore.integration.snapshot_values import Unencodable, ValueDecoder, ValueEncoder
+from adstore.integration.targets import is_allowed, qualname_of, resolve_target
+
+__all__ = [
+    "GM_CLASSES",
+    "STALE_SHAPE_KEY",
+    "GraphDecoder",
+    "RestoredGuards",
+    "encode_graph_module",
+    "is_shape_stale",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``node.meta`` key set to True on weight (parameter) ``get_attr`` nodes after a restore:
+#: their shape metadata predates weight loading/sharding and must not be trusted.
+STALE_SHAPE_KEY = "adstore_stale_shape"
+
+_OPS = frozenset({"placeholder", "get_attr", "call_function", "call_module", "call_method", "output"})
+_SKIP_META = frozenset({"from_node", "unbacked_bindings", "tensor_meta", "example_value", STALE_SHAPE_KEY})
+_SPEC_META = frozenset({"val"})
+_STATEFUL = "torch.export._unlift._StatefulGraphModule"
+#: GraphModule classes a snapshot may name, and therefore rebuild.
+GM_CLASSES = ("torch.fx.graph_module.GraphModule", _STATEFUL)
+#: GraphModule instance attributes handled here (everything else goes to generic attrs).
+GM_KEYS = frozenset({
+    "_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras", "meta",
+    "_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks", "_in_spec", "_out_spec",
+    "shape_env", "range_constraints", "validate_inputs",
+})
+_PYTREE_BUILTIN_TYPES = frozenset({
+    None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
+    "collections.defaultdict", "collections.deque", "torch.Size",
+})
+
+
+def is_shape_stale(node: torch.fx.Node) -> bool:
+    """True when ``node`` is a weight node whose shape metadata came from a snapshot."""
+    return bool(node.meta.get(STALE_SHAPE_KEY, False))
+
+
+def _ident(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise CorruptSnapshot(f"{what} {name!r} is not a valid identifier")
+    return name
+
+
+def _attr_path(path: Any, what: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise CorruptSnapshot(f"{what} {path!r} is not an attribute path")
+    for part in path.split("."):
+        if not part.isidentifier() or (part.startswith("__") and part.endswith("__")):
+            raise UntrustedTarget(path) if "__" in part else CorruptSnapshot(f"bad {what} {path!r}")
+    return path
+
+
+def _placeholder_target(t: Any) -> str:
+    if isinstance(t, str):
+        bare = t[2:] if t.startswith("**") else t[1:] if t.startswith("*") else t
+        _ident(bare, "placeholder")
+        return t
+    raise CorruptSnapshot(f"placeholder target {t!r} is not a string")
+
+
+# ----------------------------------------------------------------------------- export specifics
+def _export_train(self: torch.nn.Module, mode: bool = True) -> Any:
+    """Stands in for the ``train`` that ``ExportedProgram.module()`` binds (same behaviour)."""
+    raise NotImplementedError("Calling train() is not supported yet.")
+
+
+def _export_eval(self: torch.nn.Module, mode: bool = True) -> Any:
+    """Stands in for the ``eval`` that ``ExportedProgram.module()`` binds (same behaviour)."""
+    raise NotImplementedError("Calling eval() is not supported yet.")
+
+
+_EXPORT_METHODS = {
+    "ExportedProgram.module.<locals>._train": "export_train",
+    "ExportedProgram.module.<locals>._eval": "export_eval",
+    "_export_train": "export_train",
+    "_export_eval": "export_eval",
+}
+
+
+class RestoredGuards(torch.nn.Module):
+    """Replaces export's ``_guards_fn`` (whose body is ``exec``'d text) after a restore.
+
+    It checks the same input constraints export checks without a guards module:
+    ranks, static sizes and symbolic ranges of the placeholders, using torch's own
+    ``_check_input_constraints_for_graph`` over the restored ``meta["val"]``.
+    """
+
+    _is_impure = True
+
+    def bind(self, gm: torch.fx.GraphModule) -> None:
+        object.__setattr__(self, "_gm_ref", weakref.ref(gm))
+
+    def forward(self, *args: Any) -> None:
+        from torch._export.utils import _check_input_constraints_for_graph
+
+        ref = self.__dict__.get("_gm_ref")
+        gm = ref() if ref is not None else None
+        if gm is None:
+            return None
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        flat = [((pytree.SequenceKey(i),), a) for i, a in enumerate(args)]
+        _check_input_constraints_for_graph(placeholders, flat, getattr(gm, "range_constraints", {}) or {})
+        return None
+
+
+def _is_export_hook_lambda(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "__module__", "") != "torch.export._unlift":
+        return False
+    if "_create_stateful_graph_module" not in getattr(fn, "__qualname__", ""):
+        return False
+    cells = [c.cell_contents for c in (fn.__closure__ or ())]
+    return all(isinstance(c, (set, frozenset, list, tuple)) and not c for c in cells)
+
+
+def export_forward_hooks(module: torch.nn.Module) -> bool | None:
+    """True if ``module``'s forward hooks are exactly export's standard ones (recreated on load),
+    None if it has no forward hooks, False otherwise (the save must skip)."""
+    pre = list(module._forward_pre_hooks.values())
+    post = list(module._forward_hooks.values())
+    if not pre and not post:
+        return None
+    if not isinstance(module, torch.fx.GraphModule) or _real_class_name(module) != _STATEFUL:
+        return False
+    from torch.export._unlift import _check_input_constraints_pre_hook
+
+    for h in pre:
+        if h is not _check_input_constraints_pre_hook and not _is_export_hook_lambda(h):
+            return False
+    return all(_is_export_hook_lambda(h) for h in post)
+
+
+def _real_class(module: torch.nn.Module) -> type:
+    cls = type(module)
+    if isinstance(module, torch.fx.GraphModule):
+        for c in cls.__mro__:
+            if "<locals>" not in c.__qualname__:
+                return c
+    return cls
+
+
+def _real_class_name(module: torch.nn.Module) -> str | None:
+    return qualname_of(_real_class(module))
+
+
+# ----------------------------------------------------------------------------- encode
+def _encode_meta(meta: dict[str, Any], enc: ValueEncoder) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in meta.items():
+        if k in _SKIP_META or not isinstance(k, str):
+            continue
+        try:
+            out[k] = enc.encode(v, specs=True if k in _SPEC_META else None)
+        except Unencodable as exc:
+            if k in _SPEC_META:
+                raise
+            logger.debug("dropping node meta %r: %s", k, exc)
+    if "tensor_meta" in meta:
+        out["tensor_meta"] = 1
+    return out
+
+
+def _encode_codegen(graph: torch.fx.Graph) -> dict[str, Any]:
+    cg = graph._codegen
+    if getattr(cg, "_body_transformer", None) is not None:
+        raise UnsupportedModule("graph codegen has a body transformer, which snapshots do not encode")
+    if type(cg) is CodeGen:
+        return {"kind": "plain"}
+    if type(cg) is _PyTreeCodeGen:
+        info = cg.pytree_info
+        try:
+            specs = [None if s is None else pytree.treespec_dumps(s) for s in (info.in_spec, info.out_spec)]
+        except Exception as exc:  # torch raises NotImplementedError/TypeError for unregistered types
+            raise UnsupportedModule(f"pytree spec is not serializable: {exc}") from exc
+        return {"kind": "pytree", "orig_args": list(info.orig_args), "in_spec": specs[0], "out_spec": specs[1]}
+    raise UnsupportedModule(f"graph codegen {type(cg).__qualname__} is not supported")
+
+
+def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str) -> dict[str, Any]:
+    """Encode the graph and GraphModule-only state of ``gm`` (submodules/params are the tree's job)."""
+    cls_name = _real_class_name(gm)
+    if cls_name not in GM_CLASSES:
+        raise UnsupportedModule(f"{path or '<root>'}: GraphModule subclass {cls_name or type(gm)} is not supported")
+    graph = gm.graph
+    node_index: dict[torch.fx.Node, int] = {}
+    enc.node_index = node_index
+    targets: list[str] = []
+    tindex: dict[str, int] = {}
+    nodes = []
+    stale: list[str] = []
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for i, n in enumerate(graph.nodes):
+        if n.op == "call_function":
+            q = qualname_of(n.target)
+            if q is None:
+                raise UnsupportedModule(f"{path or '<root>'}: node {n.name!r} target {n.target!r} is not importable")
+            target: Any = tindex.get(q)
+            if target is None:
+                target = tindex[q] = len(targets)
+                targets.append(q)
+        elif isinstance(n.target, str):
+            target = n.target
+        else:
+            raise UnsupportedModule(f"{path or '<root>'}: node {n.name!r} has non-string target for op {n.op}")
+        try:
+            args = enc.encode(n.args)
+            kwargs = enc.encode(n.kwargs)
+            type_enc = None
+            if n.type is not None:
+                q = qualname_of(n.type)
+                if q is None:
+                    raise Unencodable(f"type annotation {n.type!r} is not importable")
+                type_enc = q
+            meta = _encode_meta(n.meta, enc)
+        except Unencodable as exc:
+            raise UnsupportedModule(f"{path or '<root>'}: node {n.name!r}: {exc}") from exc
+        if n.op == "get_attr" and n.target in params:
+            stale.append(n.name)
+        nodes.append([n.name, n.op, target, args, kwargs, type_enc, meta])
+        node_index[n] = i
+    enc.node_index = {}
+    out: dict[str, Any] = {
+        "gm_class": cls_name,
+        "class_name": type(gm).__name__,
+        "targets": targets,
+        "nodes": nodes,
+        "codegen": _encode_codegen(graph),
+        "weight_nodes": stale,
+    }
+    gm_meta = {}
+    for k, v in getattr(gm, "meta", {}).items():
+        try:
+            gm_meta[k] = enc.encode(v, specs=None)
+        except Unencodable:
+            logger.debug("dropping GraphModule meta %r", k)
+    out["meta"] = gm_meta
+    rc = gm.__dict__.get("range_constraints")
+    if isinstance(rc, dict):
+        out["range_constraints"] = enc.symbols.add_ranges(rc)
+    elif rc is not None and rc != []:
+        raise UnsupportedModule(f"{path or '<root>'}: unsupported range_constraints {type(rc)}")
+    if "validate_inputs" in gm.__dict__:
+        out["validate_inputs"] = bool(gm.validate_inputs)
+    if gm.__dict__.get("shape_env") is not None:
+        out["shape_env"] = True
+    tracer = gm.__dict__.get("_tracer_cls")
+    out["tracer_cls"] = qualname_of(tracer) if tracer is not None else None
+    try:
+        out["tracer_extras"] = enc.encode(gm.__dict__.get("_tracer_extras") or {}, specs=None)
+    except Unencodable:
+        out["tracer_extras"] = None
+    for hooks_name in ("_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks"):
+        if gm.__dict__.get(hooks_name):
+            raise UnsupportedModule(f"{path or '<root>'}: GraphModule has {hooks_name}")
+    out["export_hooks"] = bool(export_forward_hooks(gm))
+    return out
+
+
+def encode_bound_method(gm: torch.nn.Module, name: str, value: types.MethodType, path: str) -> list[str]:
+    """Spec of an instance-bound method: ``[name, kind, qualname]``."""
+    if value.__self__ is not gm:
+        raise UnsupportedModule(f"{path or '<root>'}: attribute {name!r} is a method bound to another object")
+    func = value.__func__
+    kind = _EXPORT_METHODS.get(getattr(func, "__qualname__", ""))
+    if kind and getattr(func, "__module__", "") in ("torch.export.exported_program", __name__):
+        return [name, kind, ""]
+    q = qualname_of(func)
+    if q is None:
+        raise UnsupportedModule(f"{path or '<root>'}: bound method {name!r} ({func!r}) is not importable")
+    return [name, "func", q]
+
+
+# ----------------------------------------------------------------------------- decode
+def _check_pytree_types(spec_json: str, extra: Sequence[str]) -> None:
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            raise CorruptSnapshot("bad pytree spec")
+        t = node.get("type")
+        if t not in _PYTREE_BUILTIN_TYPES and not is_allowed(t, extra):
+            raise UntrustedTarget(str(t))
+        for child in node.get("children_spec", []):
+            walk(child)
+
+    try:
+        data = json.loads(spec_json)
+    except (TypeError, ValueError) as exc:
+        raise CorruptSnapshot(f"bad pytree spec: {exc}") from exc
+    if not isinstance(data, list) or len(data) != 2:
+        raise CorruptSnapshot("bad pytree spec")
+    walk(data[1])
+
+
+class GraphDecoder:
+    """Rebuilds graphs of one snapshot; shares the symbol/fake-tensor context between graphs."""
+
+    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str]) -> None:
+        self.tensors = tensors
+        self.syms = syms  # tensor_meta.SymDecoder
+        self.extra = tuple(extra_prefixes)
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        self._tensor_meta = _extract_tensor_metadata
+
+    def _spec(self, e: list[Any]) -> torch.Tensor:
+        _, shape, stride, offset, dtype, device, grad = e
+        d = self._values.decode
+        shape = [d(s) for s in shape]
+        stride = [d(s) for s in stride]
+        dt = self._values._lookup(self._dtypes, ["dt", dtype], "dtype")
+        t = torch.empty_strided(shape, stride, dtype=dt, device=device, requires_grad=bool(grad))
+        off = d(offset)
+        if off:
+            t = t.as_strided(shape, stride, off)
+        return t
+
+    def codegen(self, enc: dict[str, Any]) -> CodeGen:
+        kind = enc.get("kind")
+        if kind == "plain":
+            return CodeGen()
+        if kind != "pytree":
+            raise CorruptSnapshot(f"unknown codegen kind {kind!r}")
+        args = [_ident(a, "argument name") for a in enc["orig_args"]]
+        specs = []
+        for s in (enc.get("in_spec"), enc.get("out_spec")):
+            if s is None:
+                specs.append(None)
+                continue
+            _check_pytree_types(s, self.extra)
+            try:
+                specs.append(pytree.treespec_loads(s))
+            except Exception as exc:  # unknown type names etc.
+                raise CorruptSnapshot(f"pytree spec does not load: {exc}") from exc
+        return _PyTreeCodeGen(_PyTreeInfo(args, specs[0], specs[1]))
+
+    def graph(self, enc: dict[str, Any]) -> torch.fx.Graph:
+        from adstore.integration.tensor_meta import DTYPES
+
+        self._dtypes = DTYPES
+        targets = [resolve_target(q, self.extra) for q in enc["targets"]]
+        for t in targets:
+            if not callable(t):
+                raise UntrustedTarget(repr(t))
+        graph = torch.fx.Graph()
+        nodes: list[torch.fx.Node] = []
+        self._values = values = ValueDecoder(nodes=nodes, tensors=self.tensors, sym=self.syms.sym,
+                                             spec=self._spec, extra_prefixes=self.extra)
+        decode = values.decode
+        create = graph.create_node
+        tensor_meta = self._tensor_meta
+        ntargets = len(targets)
+        with self.syms.fake_mode:
+            for rec in enc["nodes"]:
+                try:
+                    name, op, target, a, k, ty, meta = rec
+                except (TypeError, ValueError):
+                    raise CorruptSnapshot("bad node record") from None
+                if op == "call_function":
+                    if type(target) is not int or not 0 <= target < ntargets:
+                        raise CorruptSnapshot(f"node {name!r}: bad target index")
+                    target = targets[target]
+                elif op == "placeholder":
+                    target = _placeholder_target(target)
+                elif op == "output":
+                    if target != "output":
+                        raise CorruptSnapshot("output node target must be 'output'")
+                elif op in ("get_attr", "call_module", "call_method"):
+                    target = _attr_path(target, op)
+                else:
+                    raise CorruptSnapshot(f"unknown node op {op!r}")
+                _ident(name, "node name")
+                args = decode(a)
+                kwargs = decode(k)
+                if type(args) is not tuple or type(kwargs) is not dict:
+                    raise CorruptSnapshot(f"node {name!r}: args/kwargs have the wrong type")
+                type_expr = resolve_target(ty, self.extra) if ty is not None else None
+                node = create(op, target, args, kwargs, name=name, type_expr=type_expr)
+                if node.name != name:
+                    raise CorruptSnapshot(f"duplicate node name {name!r}")
+                if meta:
+                    m = node.meta
+                    for key, v in meta.items():
+                        if key == "tensor_meta":
+                            continue
+                        try:
+                            m[key] = decode(v)
+                        except UntrustedTarget:
+                            if key in _SPEC_META:
+                                raise
+                            logger.debug("node %s: dropping meta %r naming an untrusted callable", name, key)
+                    if "tensor_meta" in meta and isinstance(m.get("val"), torch.Tensor):
+                        m["tensor_meta"] = tensor_meta(m["val"])
+                nodes.append(node)
+        graph._codegen = self.codegen(enc["codegen"])
+        for name in enc.get("weight_nodes", ()):
+            for node in graph.find_nodes(op="get_attr"):
+                if node.name == name:
+                    node.meta[STALE_SHAPE_KEY] = True
+        return graph
+
+    def plain(self, e: Any) -> Any:
+        return ValueDecoder(tensors=self.tensors, sym=self.syms.sym, extra_prefixes=self.extra).decode(e)
+
+    def make_module(self, enc: dict[str, Any]) -> torch.fx.GraphModule:
+        """An empty GraphModule of the recorded class; the caller fills it and sets ``.graph``."""
+        cls_name = enc.get("gm_class")
+        class_name = _ident(enc.get("class_name", "GraphModule"), "class name")
+        if cls_name == GM_CLASSES[0]:
+            gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
+        elif cls_name == _STATEFUL:
+            from torch.export._unlift import _StatefulGraphModule
+
+            rc = self.syms.range_constraints(enc.get("range_constraints") or [])
+            gm = _StatefulGraphModule._create(torch.nn.Module(), torch.fx.Graph(), range_constraints=rc)
+            type(gm).__name__ = class_name
+            if "validate_inputs" in enc:
+                gm.validate_inputs = bool(enc["validate_inputs"])
+        else:
+            raise UntrustedTarget(str(cls_name))
+        return gm
+
+    def finish(self, gm: torch.fx.GraphModule, enc: dict[str, Any], graph: torch.fx.Graph,
+               methods: list[list[str]]) -> None:
+        """Attach the graph (one recompile) and the GraphModule-only state."""
+        gm.graph = graph
+        gm.meta.update(self.plain(["d", *sum(([k, v] for k, v in enc.get("meta", {}).items()), [])]))
+        if enc.get("shape_env"):
+            gm.shape_env = self.syms.shape_env
+        if enc.get("tracer_cls"):
+            try:
+                gm._tracer_cls = resolve_target(enc["tracer_cls"], self.extra)
+            except UntrustedTarget:
+                gm._tracer_cls = None
+        if enc.get("tracer_extras") is not None:
+            gm._tracer_extras = self.plain(enc["tracer_extras"])
+        if enc.get("export_hooks"):
+            from torch.export._unlift import _check_input_constraints_pre_hook
+
+            gm.register_forward_pre_hook(_check_input_constraints_pre_hook, with_kwargs=True)
+        guards = gm._modules.get("_guards_fn")
+        if isinstance(guards, RestoredGuards):
+            guards.bind(gm)
+        for name, kind, q in methods:
+            _ident(name, "method name")
+            if kind == "export_train":
+                fn: Any = _export_train
+            elif kind == "export_eval":
+                fn = _export_eval
+            elif kind == "func":
+                fn = resolve_target(q, self.extra)
+                if not isinstance(fn, types.FunctionType):
+                    raise UntrustedTarget(q)
+            else:
+                raise CorruptSnapshot(f"unknown bound-method kind {kind!r}")
+            setattr(gm, name, types.MethodType(fn, gm))
