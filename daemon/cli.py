@@ -208,8 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error already printed
         return int(exc.code) if isinstance(exc.code, int) else 2
     verbose = getattr(args, "verbose", False)
-    if verbose:
-        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "daemon":  # the daemon configures its own logging
+        # The store reports what it tolerated (skipped records, quarantines) as warnings.
+        logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                            format="adstore: %(levelname)s: %(message)s" if not verbose
+                            else "%(levelname)s %(name)s: %(message)s")
     ctx = Context(root=getattr(args, "root", None), json=getattr(args, "json", False),
                   grace_period=getattr(args, "grace_period", None))
     try:

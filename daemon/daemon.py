@@ -218,7 +218,7 @@ class Daemon:
             text += "; BLOCKED: remaining entries are leased, pinned or too young"
         return text
 
-    def _publish_status(self, result: PassResult) -> None:
+    def _publish_status(self, result: PassResult, *, once: bool = False) -> None:
         assert self._store is not None
         self.notifier.status(self._status_text(result.after, result))
         write_status(self._store.root, {
@@ -228,6 +228,7 @@ class Daemon:
             "started": self._started,
             "updated": time.time(),
             "passes": self._passes,
+            "once": once,
             "config": self.config.describe(),
             "size": result.after.size,
             "budget": result.after.limit,
@@ -247,7 +248,7 @@ class Daemon:
             if once:
                 result = self._enforcer().run_pass(sweep=True)
                 self._passes += 1
-                self._publish_status(result)
+                self._publish_status(result, once=True)
                 log.info("%s", self._status_text(result.after, result))
                 return 0
             old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)

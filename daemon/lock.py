@@ -113,5 +113,6 @@ def read_status(root: Path) -> dict[str, Any] | None:
     if not isinstance(pid, int) or not isinstance(started, (int, float)):
         return None
     alive = process_start_time(pid)
-    data["running"] = alive is not None and abs(alive - float(started)) < 1.0
+    # A one-shot pass (`adstore daemon --once`) leaves a status but no running daemon.
+    data["running"] = (not data.get("once") and alive is not None and abs(alive - float(started)) < 1.0)
     return data
