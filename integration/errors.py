@@ -21,6 +21,9 @@ __all__ = [
     "RankDisagreement",
     "EngineCacheError",
     "CorruptEngine",
+    "TruncatedEngine",
+    "EngineMismatch",
+    "EngineUnavailable",
     "ConfigError",
 ]
 
@@ -90,3 +93,30 @@ class EngineCacheError(IntegrationError):
 
 class CorruptEngine(EngineCacheError):
     reason = "corrupt_engine"
+
+
+class TruncatedEngine(CorruptEngine):
+    """A stored engine record is shorter than its header says."""
+
+    reason = "truncated_engine"
+
+
+class EngineMismatch(EngineCacheError):
+    """A stored engine is intact but does not fit this request (hash, format, constants, spec)."""
+
+    reason = "engine_mismatch"
+
+    def __init__(self, what: str, message: str) -> None:
+        self.what = what
+        super().__init__(f"engine {what} mismatch: {message}")
+
+
+class EngineUnavailable(EngineCacheError):
+    """The backend has the engine's key but cannot serve it (e.g. the store said blob_missing)."""
+
+    reason = "engine_unavailable"
+
+    def __init__(self, key: str, store_reason: str | None) -> None:
+        self.key = key
+        self.store_reason = store_reason
+        super().__init__(f"engine {key} unavailable: {store_reason}")

@@ -1,0 +1,497 @@
+'''Where compiled engines live: the record format and the pluggable backends.
+
+A backend stores opaque blobs by engine hash, like Torch-TensorRT's
+``BaseEngineCache``: ``save(hash, blob)`` and ``load(hash) -> blob | None``.
+The blob is an :class:`EngineRecord`: a small header, JSON metadata (input and
+output specs, settings, format version, the constants the engine expects and
+the toolchain it was built with) and the AOTInductor package, with one SHA-256
+over metadata and package. A blob that is truncated, bit-flipped or written for
+another hash fails :meth:`EngineRecord.from_bytes` with a reasoned error; the
+engine cache turns that into a miss.
+
+Three backends ship here:
+
+* :class:`AdstoreEngineCache` (the default): the adstore store, namespace
+  ``engine``, with the store's checksums, LRU, leases and budget. Metadata and
+  package are two artifacts, so a hit copies the package straight from its
+  verified blob to a temp file under the store's ``tmp/`` (the loader needs a
+  path) without holding it in memory.
+* :class:`InMemoryEngineCache`: a bounded LRU dict, for tests and short jobs.
+* Your own: subclass :class:`BaseEngineCache` and implement ``save``/``load``.
+  Only whole, verified blobs need to round-trip; the record format and all the
+  checks stay in adstore. For example, a directory per engine (a shared NFS
+  export, a mounted bucket):
+
+.. code-block:: python
+
+    import os
+    from pathlib import Path
+
+    from adstore.integration.engine_backends import BaseEngineCache
+    from adstore.store.fsutil import atomic_write
+
+
+    class DirectoryEngineCache(BaseEngineCache):
+        """One file per engine: <root>/<hash[:2]>/<hash>.engine."""
+
+        name = "directory"
+
+        def __init__(self, root):
+            self.root = Path(root)
+
+        def _path(self, hash):
+            if len(hash) != 64 or not all(c in "0123456789abcdef" for c in hash):
+                raise ValueError(f"not an engine hash: {hash!r}")   # never join junk into a path
+            return self.root / hash[:2] / f"{hash}.engine"
+
+        def save(self, hash, blob):
+            path = self._path(hash)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, blob)          # unique temp, fsync, rename
+
+        def load(self, hash):
+            try:
+                return self._path(hash).read_bytes()
+            except FileNotFoundError:
+                return None                   # absent: a plain miss
+
+Pass it as ``compile(model, inputs, engine_cache=DirectoryEngineCache("/mnt/engines"))``.
+'''
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import logging
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adstore.integration.errors import (
+    ConfigError,
+    CorruptEngine,
+    EngineCacheError,
+    EngineMismatch,
+    EngineUnavailable,
+    TruncatedEngine,
+)
+from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
+
+__all__ = [
+    "ENGINE_FORMAT_VERSION",
+    "EngineRecord",
+    "BaseEngineCache",
+    "InMemoryEngineCache",
+    "AdstoreEngineCache",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Version of the record layout and of the metadata schema; another version is a miss.
+ENGINE_FORMAT_VERSION = 1
+
+_MAGIC = b"ADSENGv1"
+_HEADER = struct.Struct(">8sQQ32s")  # magic, meta length, payload length, sha256(meta + payload)
+_READ_CHUNK = 1 << 20
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_READ_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_meta(meta: Any, expected_hash: str) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise CorruptEngine("engine metadata is not a JSON object")
+    version = meta.get("format_version")
+    if version != ENGINE_FORMAT_VERSION:
+        raise EngineMismatch("format_version", f"record has {version!r}, this adstore reads {ENGINE_FORMAT_VERSION}")
+    if meta.get("hash") != expected_hash:
+        raise EngineMismatch("hash", f"record was written for {meta.get('hash')!r}, asked for {expected_hash!r}")
+    payload = meta.get("payload")
+    if not isinstance(payload, dict) or not isinstance(payload.get("sha256"), str) or not isinstance(
+        payload.get("size"), int
+    ):
+        raise CorruptEngine("engine metadata has no payload checksum")
+    return meta
+
+
+@dataclass
+class EngineRecord:
+    """One stored engine: metadata plus the package, as bytes or as a file.
+
+    ``payload_path`` with ``owns_path=True`` is a temp copy made for this read;
+    :meth:`release` deletes it (the engine cache calls it once the package is loaded
+    or copied into its in-process layer).
+    """
+
+    hash: str
+    meta: dict[str, Any]
+    payload: bytes | None = None
+    payload_path: Path | None = None
+    owns_path: bool = False
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def payload_size(self) -> int:
+        return int(self.meta["payload"]["size"])
+
+    @classmethod
+    def create(cls, hash: str, meta: Mapping[str, Any], payload: bytes) -> EngineRecord:
+        """A new record; fills in the format version, hash and payload checksum."""
+        full = dict(meta)
+        full["format_version"] = ENGINE_FORMAT_VERSION
+        full["hash"] = hash
+        full["payload"] = {
+            **dict(full.get("payload") or {}),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "size": len(payload),
+        }
+        return cls(hash=hash, meta=full, payload=bytes(payload))
+
+    def meta_bytes(self) -> bytes:
+        return json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    def payload_bytes(self) -> bytes:
+        if self.payload is not None:
+            return self.payload
+        if self.payload_path is None:
+            raise EngineCacheError(f"engine record {self.hash} has no payload")
+        return self.payload_path.read_bytes()
+
+    def to_bytes(self) -> bytes:
+        """The backend blob: header, metadata JSON, package."""
+        meta = self.meta_bytes()
+        payload = self.payload_bytes()
+        digest = hashlib.sha256(meta + payload).digest()
+        return _HEADER.pack(_MAGIC, len(meta), len(payload), digest) + meta + payload
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, *, expected_hash: str) -> EngineRecord:
+        """Parse and verify a backend blob; CorruptEngine / TruncatedEngine / EngineMismatch on trouble."""
+        view = memoryview(blob)
+        if len(view) < _HEADER.size:
+            raise TruncatedEngine(f"engine blob of {len(view)} bytes is shorter than its header")
+        magic, meta_len, payload_len, digest = _HEADER.unpack_from(view)
+        if magic != _MAGIC:
+            raise CorruptEngine(f"engine blob has magic {bytes(magic)!r}, expected {_MAGIC!r}")
+        want = _HEADER.size + meta_len + payload_len
+        if len(view) < want:
+            raise TruncatedEngine(f"engine blob has {len(view)} bytes, header says {want}")
+        if len(view) > want:
+            raise CorruptEngine(f"engine blob has {len(view) - want} trailing bytes")
+        body = view[_HEADER.size :]
+        if hashlib.sha256(body).digest() != digest:
+            raise CorruptEngine("engine blob checksum mismatch")
+        try:
+            meta = json.loads(bytes(body[:meta_len]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptEngine(f"engine metadata is not JSON: {exc}") from exc
+        meta = _check_meta(meta, expected_hash)
+        payload = bytes(body[meta_len:])
+        if meta["payload"]["size"] != len(payload) or meta["payload"]["sha256"] != hashlib.sha256(payload).hexdigest():
+            raise CorruptEngine("engine payload does not match its metadata")
+        return cls(hash=expected_hash, meta=meta, payload=payload)
+
+    def release(self) -> None:
+        """Delete the temp copy this record owns (idempotent)."""
+        if self.owns_path and self.payload_path is not None and not self._released:
+            self._released = True
+            try:
+                self.payload_path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("could not remove temp engine copy %s: %s", self.payload_path, exc)
+
+
+class BaseEngineCache(abc.ABC):
+    """A place to keep engine blobs by hash. Implement ``save`` and ``load``.
+
+    ``load`` returns ``None`` when the hash is absent. Anything a backend raises
+    is caught by the engine cache and reported as a miss (or a failed save) with
+    the error's reason; a backend never has to validate what it returns.
+    """
+
+    name = "base"
+
+    @abc.abstractmethod
+    def save(self, hash: str, blob: bytes) -> None:
+        """Store ``blob`` under ``hash``, replacing what was there."""
+
+    @abc.abstractmethod
+    def load(self, hash: str) -> bytes | None:
+        """The blob saved under ``hash``, or None."""
+
+    # Optional hooks; the defaults go through save/load.
+    def save_record(self, record: EngineRecord) -> None:
+        self.save(record.hash, record.to_bytes())
+
+    def load_record(self, hash: str) -> EngineRecord | None:
+        """The verified record for ``hash`` (None when absent; raises EngineCacheError when unusable)."""
+        blob = self.load(hash)
+        if blob is None:
+            return None
+        return EngineRecord.from_bytes(blob, expected_hash=hash)
+
+    def touch(self, hash: str) -> None:
+        """Mark ``hash`` as used (an in-process hit skipped ``load``); default: nothing."""
+
+    def record_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+        """Count a hit/miss/bypass/save; default: nothing (the engine cache logs anyway)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class InMemoryEngineCache(BaseEngineCache):
+    """Engines in a dict of this process, least recently used dropped first."""
+
+    name = "memory"
+
+    def __init__(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ConfigError("max_bytes", f"must be >= 0, got {max_bytes}")
+        if max_entries is not None and max_entries < 0:
+            raise ConfigError("max_entries", f"must be >= 0, got {max_entries}")
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> InMemoryEngineCache:
+        return cls(max_bytes=config.get("max_bytes"), max_entries=config.get("max_entries"))
+
+    def save(self, hash: str, blob: bytes) -> None:
+        with self._lock:
+            self._blobs[hash] = bytes(blob)
+            self._blobs.move_to_end(hash)
+            self._evict_locked()
+
+    def load(self, hash: str) -> bytes | None:
+        with self._lock:
+            blob = self._blobs.get(hash)
+            if blob is not None:
+                self._blobs.move_to_end(hash)
+            return blob
+
+    def touch(self, hash: str) -> None:
+        with self._lock:
+            if hash in self._blobs:
+                self._blobs.move_to_end(hash)
+
+    def _evict_locked(self) -> None:
+        def over() -> bool:
+            if self.max_entries is not None and len(self._blobs) > self.max_entries:
+                return True
+            return self.max_bytes is not None and self.nbytes > self.max_bytes
+
+        while self._blobs and over():
+            victim, _ = self._blobs.popitem(last=False)
+            self.evictions += 1
+            logger.debug("in-memory engine cache evicted %s", victim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._blobs.values())
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._blobs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __contains__(self, hash: object) -> bool:
+        return hash in self._blobs
+
+    def __repr__(self) -> str:
+        return f"InMemoryEngineCache(entries={len(self._blobs)}, max_bytes={self.max_bytes})"
+
+
+class AdstoreEngineCache(BaseEngineCache):
+    """Engines in the adstore store (namespace ``engine``): checksums, LRU, budget.
+
+    ``max_size`` (bytes or a size string like ``"2G"``) is a budget for the whole
+    store that this cache enforces after each save by evicting least recently used
+    *engine* entries only (the store's own ``max_size`` hard limit, the daemon and
+    ``adstore gc`` apply too).
+    """
+
+    name = "adstore"
+    NAMESPACE = "engine"
+    META_ARTIFACT = "engine.json"
+    PACKAGE_ARTIFACT = "engine.pt2"
+
+    def __init__(self, store: Any = None, *, root: str | Path | None = None, max_size: int | str | None = None) -> None:
+        from adstore.store import Store, parse_size
+
+        if store is not None and root is not None:
+            raise ConfigError("store", "give either store= or root=, not both")
+        self._owns_store = store is None
+        self.store = store if store is not None else Store.open(root)
+        self.max_size = None if max_size is None else parse_size(max_size, field="max_size")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AdstoreEngineCache:
+        unknown = set(config) - {"root", "max_size"}
+        if unknown:
+            raise ConfigError(",".join(sorted(unknown)), "unknown engine cache option")
+        return cls(root=config.get("root"), max_size=config.get("max_size"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AdstoreEngineCache:
+        """The store from ``ADSTORE_ROOT`` (and friends); ``ADSTORE_ENGINE_MAX_SIZE`` sets the budget."""
+        import os
+
+        from adstore.store import Store
+
+        env = os.environ if environ is None else environ
+        cache = cls(store=Store.from_env(env), max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None)
+        cache._owns_store = True
+        return cache
+
+    def close(self) -> None:
+        if self._owns_store:
+            self.store.close()
+
+    # -- records -------------------------------------------------------------
+    def save_record(self, record: EngineRecord) -> None:
+        store = self.store
+        meta_ref = store.put_bytes(record.meta_bytes())
+        if record.payload is not None:
+            pkg_ref = store.put_bytes(record.payload)
+        elif record.payload_path is not None:
+            pkg_ref = store.put_file(record.payload_path)
+        else:
+            raise EngineCacheError(f"engine record {record.hash} has no payload")
+        if pkg_ref.digest != record.meta["payload"]["sha256"] or pkg_ref.size != record.payload_size:
+            raise CorruptEngine(f"engine package for {record.hash} changed while being saved")
+        generation = store.new_generation()
+        summary = {
+            "format_version": record.meta.get("format_version"),
+            "kind": record.meta.get("kind"),
+            "package_bytes": record.payload_size,
+            "weights_included": bool(record.meta["payload"].get("weights_included", False)),
+            "constants": len(record.meta.get("constants") or ()),
+            "compile_seconds": record.meta.get("compile_seconds"),
+        }
+        store.publish(
+            record.hash,
+            rank=0,
+            world_size=1,
+            generation=generation,
+            artifacts={self.META_ARTIFACT: meta_ref, self.PACKAGE_ARTIFACT: pkg_ref},
+            namespace=self.NAMESPACE,
+            components=record.meta.get("components") or {},
+            meta=summary,
+        )
+        try:
+            store.commit(record.hash, rank=0, generation=generation)
+        except BaseException:
+            store.abort(record.hash, rank=0, generation=generation)
+            raise
+        store.record("save")
+        if self.max_size is not None:
+            self.enforce_budget()
+
+    def load_record(self, hash: str) -> EngineRecord | None:
+        from adstore.store.fsutil import unique_temp
+
+        store = self.store
+        res = store.lookup(hash, record=False)
+        if not res.hit:
+            if res.reason == "absent":
+                return None
+            raise EngineUnavailable(hash, res.reason)
+        manifest = res.manifest
+        if manifest is None or manifest.namespace != self.NAMESPACE:
+            raise EngineUnavailable(hash, "not an engine entry")
+        try:
+            meta_raw = store.read_artifact(manifest, self.META_ARTIFACT)
+            meta = _check_meta(json.loads(meta_raw.decode("utf-8")), hash)
+            pkg_ref = manifest.artifacts[self.PACKAGE_ARTIFACT]
+        except ChecksumMismatch as exc:
+            raise CorruptEngine(f"engine metadata blob is corrupt: {exc}") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptEngine(f"engine metadata is not JSON: {exc}") from exc
+        except (KeyError, BlobMissing) as exc:
+            raise EngineUnavailable(hash, f"artifact missing: {exc}") from exc
+        if pkg_ref.digest != meta["payload"]["sha256"] or pkg_ref.size != meta["payload"]["size"]:
+            raise CorruptEngine("engine package blob does not match its metadata")
+        dest = unique_temp(Path(store.root) / "tmp", ".pt2")
+        try:
+            store.copy_blob_to(pkg_ref, dest)  # streaming, verified against the digest
+        except ChecksumMismatch as exc:
+            dest.unlink(missing_ok=True)
+            raise CorruptEngine(f"engine package blob is corrupt: {exc}") from exc
+        except BlobMissing as exc:
+            dest.unlink(missing_ok=True)
+            raise EngineUnavailable(hash, f"package blob missing: {exc}") from exc
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+        return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True)
+
+    # -- BaseEngineCache -----------------------------------------------------
+    def save(self, hash: str, blob: bytes) -> None:
+        self.save_record(EngineRecord.from_bytes(blob, expected_hash=hash))
+
+    def load(self, hash: str) -> bytes | None:
+        try:
+            record = self.load_record(hash)
+        except EngineUnavailable:
+            return None
+        if record is None:
+            return None
+        try:
+            return record.to_bytes()
+        finally:
+            record.release()
+
+    def touch(self, hash: str) -> None:
+        try:
+            self.store.lookup(hash, record=False)  # a hit refreshes the entry's last access
+        except AdstoreError as exc:
+            logger.debug("touch %s: %s", hash, exc)
+
+    def record_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+        try:
+            self.store.record(event, reason, seconds_saved=seconds_saved)
+        except AdstoreError as exc:
+            logger.debug("could not count %s: %s", event, exc)
+
+    # -- budget --------------------------------------------------------------
+    def plan_eviction(self, max_size: int | str | None = None) -> Any:
+        """LRU engine entries to drop so the store fits ``max_size`` (a plan; nothing deleted)."""
+        budget = self.max_size if max_size is None else max_size
+        if budget is None:
+            raise ConfigError("max_size", "no budget: pass max_size or construct with max_size=")
+        return self.store.plan_eviction(max_size=budget, namespace=self.NAMESPACE)
+
+    def enforce_budget(self, max_size: int | str | None = None) -> int:
+        """Execute :meth:`plan_eviction`; returns bytes freed."""
+        plan = self.plan_eviction(max_size)
+        if not plan.victims:
+            return 0
+        freed = plan.execute()
+        logger.info(
+            "engine budget: evicted %d engine(s), %d bytes (%s)", len(plan.victims), freed, plan.reason
+        )
+        return freed
+
+    def keys(self) -> list[str]:
+        return [e.key for e in self.store.entries(namespace=self.NAMESPACE)]
+
+    def __repr__(self) -> str:
+        return f"AdstoreEngineCache({str(self.store.root)!r}, max_size={self.max_size})"

@@ -1,0 +1,560 @@
+"""Architecture hash of a compiled engine: graph structure, inputs, settings, toolchain.
+
+The engine cache reuses a compiled engine for any model with the same
+*architecture* and refits the current weights into it, so the hash must cover
+everything that changes the generated code and nothing that is a weight:
+
+* the graph: every node in order with its op, its target, its arguments and
+  keyword arguments (literal values included, so ``leaky_relu(x, 0.1)`` and
+  ``leaky_relu(x, 0.2)`` differ although the op sequence is the same), the
+  tensor metadata of its result, and the topology (arguments refer to earlier
+  nodes by position, not by name, so graphs that differ only in their input
+  names share a hash);
+* weights (parameters and buffers) by name, shape, dtype and stride only,
+  never by value; lifted tensor constants (``torch.tensor([...])`` written in
+  ``forward``) are code, so their *content* is hashed;
+* the input specs: pytree structure, dtypes, shapes with symbolic dimensions
+  renamed canonically, and the dynamic ranges of those symbols;
+* the settings that change code generation (the inductor options the caller
+  passes, the options the engine cache forces, and a digest of the rest of the
+  inductor configuration, so a global ``torch._inductor.config`` change is a
+  miss, not a stale hit);
+* the toolchain: torch version and commit, the C++ compiler and its version,
+  the CPU instruction set and CPU flags (AOTInductor compiles with
+  ``-march=native``: a package built on one CPU may crash with an illegal
+  instruction on another) and the GPU architecture when there is one.
+
+Hashing reads metadata and never writes to the caller's parameters (unlike
+the "zero the weights, then hash the module" approach).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from adstore.integration.errors import CacheKeyError, ConfigError
+
+__all__ = [
+    "HASH_VERSION",
+    "REQUIRED_SETTINGS",
+    "STORAGE_SETTINGS",
+    "canonical_json",
+    "codegen_settings",
+    "effective_inductor_configs",
+    "get_hash",
+    "graph_fingerprint",
+    "hash_components",
+    "input_specs",
+    "tensor_digest",
+    "toolchain_identity",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Bumped whenever the canonical form below changes, so old engines become misses.
+HASH_VERSION = 1
+
+#: Options without which an engine cannot be refit: inductor would otherwise inline
+#: small weights into the kernels as literals (``always_keep_tensor_constants``) or
+#: fold weights into derived constants (``freezing``, runtime constant folding), and
+#: a refit would leave the old values in the code — a wrong answer, not a miss.
+REQUIRED_SETTINGS: dict[str, Any] = {
+    "always_keep_tensor_constants": True,
+    "freezing": False,
+    "aot_inductor.use_runtime_constant_folding": False,
+}
+
+#: Options that keep the weights out of the package (they are refit on load).
+STORAGE_SETTINGS: dict[str, Any] = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": None,
+}
+
+# Inductor options that are paths or packaging details, not code generation.
+# (``aot_inductor.metadata`` is also written back into the global config by every
+# AOTI compile in torch 2.13, so including it would make the first compile of a
+# process change every later hash.)
+_CONFIG_IGNORED = frozenset(
+    {
+        "aot_inductor.metadata",
+        "aot_inductor.output_path",
+        "aot_inductor.package",
+        "aot_inductor.package_constants_in_so",
+        "aot_inductor.package_constants_on_disk_format",
+    }
+)
+
+_SYMBOL_RE = re.compile(r"\b[a-zA-Z]+\d+\b")
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON text (sorted keys, no spaces, no NaN) for hashing."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (dtype and shape included); reads, never writes."""
+    with torch.no_grad():
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        h = hashlib.sha256(f"{t.dtype}|{tuple(tensor.shape)}|".encode())
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- graph
+
+
+class _Canon:
+    """Canonical rendering of one graph: node positions and symbol names."""
+
+    def __init__(self) -> None:
+        self.node_index: dict[torch.fx.Node, int] = {}
+        self.symbols: dict[str, str] = {}
+
+    def sym(self, text: str) -> str:
+        """Rename symbols (``s0``, ``s77``, ``u3``) by order of first appearance."""
+
+        def repl(m: re.Match[str]) -> str:
+            name = m.group(0)
+            if not re.fullmatch(r"[su]\d+", name):
+                return name
+            if name not in self.symbols:
+                self.symbols[name] = f"{name[0]}#{len(self.symbols)}"
+            return self.symbols[name]
+
+        return _SYMBOL_RE.sub(repl, text)
+
+    def meta(self, val: Any) -> Any:
+        """Tensor metadata of a node result (fake tensor, SymInt, tuples of them)."""
+        if isinstance(val, torch.Tensor):
+            return {
+                "shape": [self.dim(d) for d in val.shape],
+                "stride": [self.dim(d) for d in val.stride()] if val.layout == torch.strided else None,
+                "dtype": str(val.dtype),
+                "device": val.device.type,
+                "layout": str(val.layout),
+            }
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ["sym", self.sym(str(val))]
+        if isinstance(val, (list, tuple)):
+            return [self.meta(v) for v in val]
+        if val is None or isinstance(val, (bool, int, str)):
+            return val
+        if isinstance(val, float):
+            return ["f", repr(val)]
+        return ["type", _qualname(type(val))]
+
+    def dim(self, d: Any) -> Any:
+        return int(d) if isinstance(d, int) else self.sym(str(d))
+
+    def arg(self, a: Any) -> Any:
+        """Canonical form of a node argument; literal values are kept exactly."""
+        if isinstance(a, torch.fx.Node):
+            return ["node", self.node_index[a]]
+        if a is None or isinstance(a, str):
+            return a
+        if isinstance(a, bool):
+            return ["b", a]
+        if isinstance(a, int):
+            return ["i", a]
+        if isinstance(a, float):
+            return ["f", repr(a)]
+        if isinstance(a, complex):
+            return ["c", repr(a)]
+        if isinstance(a, (list, tuple)):
+            return [type(a).__name__, [self.arg(x) for x in a]]
+        if isinstance(a, Mapping):
+            return ["dict", sorted([str(k), self.arg(v)] for k, v in a.items())]
+        if isinstance(a, slice):
+            return ["slice", self.arg(a.start), self.arg(a.stop), self.arg(a.step)]
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return ["torch", str(a)]
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ["sym", self.sym(str(a))]
+        if isinstance(a, torch.Tensor):
+            if _is_fake(a):
+                return ["tensor", self.meta(a)]
+            return ["tensor", self.meta(a), tensor_digest(a)]
+        if isinstance(a, enum.Enum):
+            return ["enum", _qualname(type(a)), a.name]
+        if a is Ellipsis:
+            return ["ellipsis"]
+        if callable(a):
+            return ["fn", _target_name(a)]
+        # Unknown objects: type plus repr. A repr that embeds an address makes the
+        # hash unstable, which costs a miss, never a wrong hit.
+        return ["obj", _qualname(type(a)), repr(a)]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return isinstance(t, FakeTensor) or t.device.type == "meta"
+    except ImportError:  # pragma: no cover - torch always has it
+        return t.device.type == "meta"
+
+
+def _qualname(obj: Any) -> str:
+    mod = getattr(obj, "__module__", None) or ""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return f"{mod}.{name}" if mod else str(name)
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"hop.{target.name()}"
+    return _qualname(target)
+
+
+def _input_descriptors(program: Any) -> dict[str, Any]:
+    """Placeholder name -> what it stands for (user input index, weight name, constant)."""
+    out: dict[str, Any] = {}
+    if isinstance(program, torch.export.ExportedProgram):
+        user = 0
+        for spec in program.graph_signature.input_specs:
+            name = getattr(spec.arg, "name", None)
+            if name is None:
+                continue
+            kind = spec.kind.name
+            if kind == "USER_INPUT":
+                out[name] = ["user", user]
+                user += 1
+            elif kind == "CONSTANT_TENSOR":
+                value = program.constants.get(spec.target)
+                digest = tensor_digest(value) if isinstance(value, torch.Tensor) else _qualname(type(value))
+                out[name] = ["constant", spec.target, digest]
+            else:
+                out[name] = [kind.lower(), spec.target, bool(spec.persistent) if spec.persistent is not None else None]
+    return out
+
+
+def _graph_payload(gm: torch.fx.GraphModule, descriptors: Mapping[str, Any], canon: _Canon) -> list[Any]:
+    nodes: list[Any] = []
+    user = 0
+    for i, node in enumerate(gm.graph.nodes):
+        canon.node_index[node] = i
+        meta = canon.meta(node.meta.get("val", node.meta.get("tensor_meta")))
+        if node.op == "placeholder":
+            desc = descriptors.get(node.name)
+            if desc is None:  # plain GraphModule: placeholders are user inputs in order
+                desc = ["user", user]
+                user += 1
+            nodes.append(["placeholder", desc, meta])
+            continue
+        if node.op == "get_attr":
+            attr = _get_attr(gm, str(node.target))
+            if isinstance(attr, torch.fx.GraphModule):
+                sub = _Canon()
+                sub.symbols = canon.symbols
+                body = _graph_payload(attr, {}, sub)
+                nodes.append(["get_attr", "graph", _sha256(canonical_json(body))])
+            elif isinstance(attr, torch.Tensor):
+                # A weight of a plain GraphModule: by name and metadata, never by value.
+                nodes.append(["get_attr", str(node.target), canon.meta(attr)])
+            else:
+                nodes.append(["get_attr", str(node.target), _qualname(type(attr))])
+            continue
+        target: Any = _target_name(node.target)
+        if node.op == "call_module":
+            sub_mod = _get_attr(gm, str(node.target))
+            extra = sub_mod.extra_repr() if isinstance(sub_mod, torch.nn.Module) else ""
+            target = [str(node.target), _qualname(type(sub_mod)), extra]
+        nodes.append(
+            [
+                node.op,
+                target,
+                canon.arg(tuple(node.args)),
+                canon.arg(dict(node.kwargs)),
+                meta,
+            ]
+        )
+    return nodes
+
+
+def _get_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def graph_fingerprint(program: Any) -> dict[str, Any]:
+    """Structural fingerprint of an ExportedProgram or GraphModule (no weight values)."""
+    if isinstance(program, torch.export.ExportedProgram):
+        gm = program.graph_module
+    elif isinstance(program, torch.fx.GraphModule):
+        gm = program
+    else:
+        raise CacheKeyError(f"cannot fingerprint {type(program).__name__}: expected ExportedProgram or GraphModule")
+    canon = _Canon()
+    nodes = _graph_payload(gm, _input_descriptors(program), canon)
+    out: dict[str, Any] = {"nodes": _sha256(canonical_json(nodes)), "num_nodes": len(nodes)}
+    if isinstance(program, torch.export.ExportedProgram):
+        out["outputs"] = [
+            [s.kind.name, s.target if s.kind.name != "USER_OUTPUT" else None]
+            for s in program.graph_signature.output_specs
+        ]
+        ranges = []
+        for sym, vr in program.range_constraints.items():
+            ranges.append([canon.sym(str(sym)), str(vr.lower), str(vr.upper)])
+        out["ranges"] = sorted(ranges)
+        out["call_spec"] = _call_spec(program)
+    return out
+
+
+def _call_spec(program: torch.export.ExportedProgram) -> list[str | None]:
+    spec = program.call_spec
+    return [
+        pytree.treespec_dumps(spec.in_spec) if spec.in_spec is not None else None,
+        pytree.treespec_dumps(spec.out_spec) if spec.out_spec is not None else None,
+    ]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _dim_spec(d: Any, names: dict[str, str]) -> Any:
+    if d is None or isinstance(d, (bool, int, str)):
+        return d
+    name = getattr(d, "__name__", None)
+    if name is not None and hasattr(d, "min") and hasattr(d, "max"):
+        if name not in names:
+            names[name] = f"d{len(names)}"
+        root = getattr(d, "root", None)
+        fn = getattr(d, "fn", None)
+        derived = None
+        if root is not None and fn is not None:
+            derived = [_dim_spec(root, names), repr(fn(7)), repr(fn(11))]
+        return ["dim", names[name], int(d.min), int(d.max), derived]
+    return ["obj", _qualname(type(d)), repr(d)]
+
+
+def input_specs(example_inputs: Any, dynamic_shapes: Any = None, *, shapes: bool = True) -> dict[str, Any]:
+    """Pytree structure, dtypes and (unless ``shapes=False``) sizes of the example inputs.
+
+    For an ExportedProgram the sizes come from the graph (where dynamic dimensions
+    are symbols), so the example sizes are left out: an engine with a dynamic batch
+    serves every batch size in its range.
+    """
+    if example_inputs is None:
+        example_inputs = ()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    leaves, spec = pytree.tree_flatten(example_inputs)
+    rendered: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            item: dict[str, Any] = {"dtype": str(leaf.dtype), "ndim": leaf.dim(), "device": leaf.device.type}
+            if shapes:
+                item["shape"] = list(leaf.shape)
+            rendered.append(item)
+        else:
+            rendered.append(_Canon().arg(leaf))
+    names: dict[str, str] = {}
+    dyn = None
+    if dynamic_shapes is not None:
+        dyn_leaves, dyn_spec = pytree.tree_flatten(
+            dynamic_shapes, is_leaf=lambda x: x is None or not isinstance(x, (list, tuple, dict))
+        )
+        dyn = [str(dyn_spec), [_dim_spec(d, names) for d in dyn_leaves]]
+    return {"structure": str(spec), "leaves": rendered, "dynamic_shapes": dyn}
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@functools.cache
+def _known_config_keys() -> frozenset[str]:
+    from torch._inductor import config
+
+    return frozenset(config.get_config_copy().keys())
+
+
+def effective_inductor_configs(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The inductor options an engine is compiled with: the caller's plus the forced ones.
+
+    Raises ConfigError for an unknown option, a value that is not JSON-safe, or an
+    option that would bake the weights into the code (the engine could not be refit).
+    """
+    user = dict(settings or {})
+    known = _known_config_keys()
+    for key, value in user.items():
+        if key not in known:
+            raise ConfigError(key, "unknown inductor option in engine settings")
+        try:
+            canonical_json(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(key, f"engine setting is not JSON-safe: {value!r}") from exc
+        forced = {**REQUIRED_SETTINGS, **STORAGE_SETTINGS}
+        if key in forced and value != forced[key]:
+            raise ConfigError(
+                key,
+                f"{value!r} is incompatible with the engine cache (needs {forced[key]!r}: "
+                "the weights must stay refittable and out of the package)",
+            )
+    return {**user, **REQUIRED_SETTINGS, **STORAGE_SETTINGS}
+
+
+def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Settings component of the hash: explicit options plus a digest of the global config."""
+    from torch._inductor import config
+
+    effective = effective_inductor_configs(settings)
+    with config.patch(effective):
+        portable = config.save_config_portable()
+    rest = {k: v for k, v in portable.items() if k not in _CONFIG_IGNORED}
+    try:
+        rest_text = canonical_json(rest)
+    except (TypeError, ValueError):
+        rest_text = json.dumps(rest, sort_keys=True, default=repr)
+    return {"options": {k: effective[k] for k in sorted(effective)}, "inductor_config": _sha256(rest_text)}
+
+
+# --------------------------------------------------------------------------- toolchain
+
+
+@functools.cache
+def _compiler_identity() -> dict[str, str]:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = str(get_cpp_compiler())
+    except Exception as exc:  # noqa: BLE001 - identity is best effort, recorded as such
+        return {"cxx": "unknown", "version": f"error: {type(exc).__name__}"}
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"error: {type(exc).__name__}"
+    return {"cxx": os.path.basename(cxx), "version": version}
+
+
+@functools.cache
+def _cpu_identity() -> dict[str, str]:
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = str(pick_vec_isa())
+    except Exception as exc:  # noqa: BLE001
+        isa = f"error: {type(exc).__name__}"
+    return {
+        "machine": platform.machine(),
+        "model": model,
+        "flags": _sha256(flags)[:16] if flags else "",
+        "isa": isa,
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+    }
+
+
+@functools.cache
+def toolchain_identity() -> dict[str, Any]:
+    """Everything outside the graph that decides whether a built engine runs here."""
+    gpus: list[Any] = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
+    return {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", ""),
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
+        "system": platform.system(),
+        "compiler": _compiler_identity(),
+        "cpu": _cpu_identity(),
+        "gpus": gpus,
+    }
+
+
+# --------------------------------------------------------------------------- hash
+
+
+def hash_components(
+    program: Any,
+    example_inputs: Any = (),
+    *,
+    settings: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> dict[str, Any]:
+    """The named, JSON-safe components of an engine hash (stored for ``adstore explain``)."""
+    if isinstance(program, torch.nn.Module) and not isinstance(program, torch.fx.GraphModule):
+        program = torch.export.export(program, _as_tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+    is_ep = isinstance(program, torch.export.ExportedProgram)
+    try:
+        graph = graph_fingerprint(program)
+        inputs = input_specs(example_inputs, dynamic_shapes, shapes=not is_ep)
+    except (CacheKeyError, ConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - an unhashable graph is a bypass, with its reason
+        raise CacheKeyError(f"cannot hash graph: {type(exc).__name__}: {exc}") from exc
+    return {
+        "version": HASH_VERSION,
+        "graph": graph,
+        "inputs": inputs,
+        "settings": codegen_settings(settings),
+        "toolchain": toolchain_identity(),
+    }
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def get_hash(
+    program: Any,
+    example_inputs: Any = (),
+    *,
+    settings: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> str:
+    """SHA-256 hex of the engine's architecture (see module docstring); never mutates weights."""
+    components = hash_components(program, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
+    return _sha256(canonical_json(components))
