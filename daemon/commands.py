@@ -319,7 +319,15 @@ def _render_summary(summary: dict[str, Any], indent: int = 4) -> list[str]:
     pad = " " * indent
     lines = []
     for name, value in summary.items():
-        if isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values()):
+        if isinstance(value, (dict, list)) and not value:
+            lines.append(f"{pad}{name}: none")
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            lines.append(f"{pad}{name}: {len(value)}")
+            for item in value[:10]:
+                lines.append(f"{pad}  - " + ", ".join(f"{k}={v}" for k, v in item.items()))
+            if len(value) > 10:
+                lines.append(f"{pad}  … {len(value) - 10} more")
+        elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
             lines.append(f"{pad}{name}:")
             ranked = sorted(value.items(), key=lambda kv: (-kv[1], str(kv[0])))
             shown = ranked[:20]

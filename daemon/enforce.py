@@ -154,16 +154,6 @@ class Enforcer:
 
 
 def _count_items(plan: Any) -> int:
-    """Number of things a SweepPlan will remove, whatever its exact fields."""
-    items = getattr(plan, "items", None)
-    if items is not None:
-        try:
-            return len(items)
-        except TypeError:
-            pass
-    total = 0
-    for name in ("files", "tmp_files", "manifests", "blobs", "leases"):
-        value = getattr(plan, name, None)
-        if isinstance(value, (list, tuple, set, dict)):
-            total += len(value)
-    return total
+    """Number of things a SweepPlan will remove (its ``to_dict`` counts, minus the byte total)."""
+    counts = plan.to_dict()
+    return sum(int(v) for k, v in counts.items() if k != "bytes_to_free" and isinstance(v, int))

@@ -374,3 +374,35 @@ def test_python_dash_m_is_the_same_cli(empty: Path) -> None:
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip().endswith("False"), probe.stdout + probe.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_inspect_summarizes_a_real_snapshot(capsys, tmp_path: Path) -> None:
+    """module.pt/hooks.json written by the integration codec: node counts, op histogram, hooks."""
+    import torch
+    from adstore.integration.snapshot import dump_module
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):  # noqa: ANN001
+            return torch.relu(self.lin(x)) + 1
+
+    with torch.device("meta"):
+        gm = torch.fx.symbolic_trace(Tiny())
+    artifacts = dump_module(gm)
+    root = tmp_path / "snap"
+    key = "5" * 64
+    with Store.open(root) as store:
+        gen = store.new_generation()
+        store.publish(key, rank=0, world_size=1, generation=gen, namespace="pipeline",
+                      artifacts={n: store.put_bytes(b) for n, b in artifacts.items()})
+        store.commit(key, rank=0, generation=gen)
+    code, data = run_json(capsys, "inspect", "555", "--root", str(root))
+    assert code == 0
+    summary = next(iter(data["snapshots"].values()))
+    assert summary["nodes"] == 5 and summary["op_histogram"]["torch.relu"] == 1
+    assert summary["hooks"]["total"] == 0
+    code, out, _ = run(capsys, "inspect", "555", "--root", str(root))
+    assert "op_histogram:" in out and "torch.relu" in out and "nodes: 5" in out

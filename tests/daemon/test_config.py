@@ -1,0 +1,120 @@
+"""DaemonConfig: TOML + flags into one validated, frozen value; errors name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adstore.daemon.config import DaemonConfig, parse_fraction, parse_min_free, parse_size
+from adstore.store.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "systemd" / "adstore.toml"
+
+
+def test_example_config_is_valid_and_documented() -> None:
+    cfg = DaemonConfig.from_config(EXAMPLE)
+    assert cfg.max_size == 20 * 1024**3
+    assert cfg.min_free_percent == 10.0 and cfg.min_free_bytes is None
+    assert (cfg.high_watermark, cfg.low_watermark) == (0.95, 0.85)
+    assert cfg.grace_period == 3600.0 and cfg.max_age is None
+    text = EXAMPLE.read_text()
+    for key in DaemonConfig.KEYS:  # every setting appears in the example, at least commented
+        assert key in text, key
+
+
+def test_flags_override_file_and_reload_keeps_them(tmp_path: Path) -> None:
+    path = tmp_path / "a.toml"
+    path.write_text('max_size = "1G"\nbatch_size = 10\nlog_level = "debug"\n')
+    cfg = DaemonConfig.from_config(path, max_size="512MiB", root=str(tmp_path / "r"))
+    assert cfg.max_size == 512 * 1024**2 and cfg.batch_size == 10 and cfg.log_level == "debug"
+    assert cfg.root == tmp_path / "r"
+    path.write_text('max_size = "2G"\nbatch_size = 20\n')
+    new = cfg.reload()
+    assert new.max_size == 512 * 1024**2 and new.batch_size == 20 and new.log_level == "info"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_size = 1  # type: ignore[misc]
+
+
+def test_daemon_table_and_relative_root(tmp_path: Path) -> None:
+    path = tmp_path / "a.toml"
+    path.write_text('[daemon]\nroot = "store"\nmin_free = "1G"\n')
+    cfg = DaemonConfig.from_config(path)
+    assert cfg.root == tmp_path / "store" and cfg.min_free_bytes == 1024**3
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"max_size": "ten gigs"}, "max_size"),
+    ({"max_size": -1}, "max_size"),
+    ({"min_free": "101%"}, "min_free"),
+    ({"min_free": "abc%"}, "min_free"),
+    ({"high_watermark": 1.5}, "high_watermark"),
+    ({"low_watermark": "0%"}, "low_watermark"),
+    ({"high_watermark": 0.5, "low_watermark": 0.6}, "low_watermark"),
+    ({"grace_period": "soon"}, "grace_period"),
+    ({"max_age": [1]}, "max_age"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 2.5}, "batch_size"),
+    ({"log_level": "loud"}, "log_level"),
+    ({"fallback_interval": 0}, "fallback_interval"),
+    ({"debounce": "2s", "max_delay": "1s"}, "max_delay"),
+    ({"root": ""}, "root"),
+    ({"max_sise": "1G"}, "max_sise"),
+])
+def test_invalid_settings_name_the_field(settings: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig.from_mapping(settings)
+    assert info.value.field == field and info.value.reason == "config"
+    assert field in str(info.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        DaemonConfig.from_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_size = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        DaemonConfig.from_config(bad)
+
+
+def test_budget_takes_the_smaller_of_max_size_and_free_space() -> None:
+    cfg = DaemonConfig.from_mapping({"max_size": "10G", "min_free": "10%"})
+    total = 100 * 1024**3
+    # plenty of free space: max_size rules
+    assert cfg.budget(size=1024**3, fs_total=total, fs_free=50 * 1024**3) == 10 * 1024**3
+    # 12 GiB free, 10 GiB must stay free: the store may grow by 2 GiB only
+    assert cfg.budget(size=5 * 1024**3, fs_total=total, fs_free=12 * 1024**3) == 7 * 1024**3
+    # disk filled by others: never negative
+    assert cfg.budget(size=0, fs_total=total, fs_free=0) == 0
+    only_free = DaemonConfig.from_mapping({"min_free": 1000})
+    assert only_free.budget(size=10, fs_total=10**6, fs_free=5000) == 4010
+    assert DaemonConfig.from_mapping({}).budget(size=1, fs_total=2, fs_free=1) is None
+
+
+def test_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "a.toml"
+    path.write_text('max_size = "1M"\n')
+    cfg = DaemonConfig.from_env({"ADSTORE_CONFIG": str(path), "ADSTORE_ROOT": str(tmp_path)})
+    assert cfg.max_size == 1024**2 and cfg.root == tmp_path
+
+
+@given(st.integers(min_value=0, max_value=2**50))
+def test_sizes_round_trip(n: int) -> None:
+    assert parse_size(n) == n
+    assert parse_size(str(n)) == n
+    assert parse_size(f"{n}K") == n * 1024
+
+
+def test_parsers() -> None:
+    assert parse_size("1.5G") == int(1.5 * 1024**3)
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_min_free("10%") == (None, 10.0)
+    assert parse_min_free("2G") == (2 * 1024**3, None)
+    assert parse_fraction("90%", field="x") == pytest.approx(0.9)
+    assert parse_fraction(1, field="x") == 1.0
+    with pytest.raises(ConfigError):
+        parse_size(float("inf"))
