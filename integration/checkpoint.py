@@ -1,0 +1,169 @@
+"""Local safetensors checkpoints: write random weights, read them, fingerprint them.
+
+The fingerprint is the ``checkpoint`` component of the cache key.  It must be
+cheap on checkpoints of many gigabytes, so it reads only file names, sizes and
+the safetensors headers (tensor names, dtypes, shapes and byte offsets), never
+the tensor data.  A changed tensor shape, a renamed tensor or a different file
+set changes it; rewriting the same layout with different values does not (the
+snapshot holds no weights, so it is still valid for those weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from adstore.store.errors import ConfigError
+from adstore.store.fsutil import atomic_write
+
+__all__ = [
+    "INDEX_NAME",
+    "write_random_checkpoint",
+    "random_state_dict",
+    "read_checkpoint",
+    "checkpoint_files",
+    "checkpoint_fingerprint",
+]
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def random_state_dict(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random tensors for every entry of ``model.state_dict()``.
+
+    Works on a meta model (only shapes are read).  Each tensor gets its own
+    generator seeded from its name, so values do not depend on iteration order.
+    Matrices are scaled by ``1/sqrt(fan_in)`` so activations of deep models stay
+    finite; vectors (norm weights, biases) are small perturbations around 1 / 0.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        gen = torch.Generator().manual_seed((zlib.crc32(name.encode()) + seed * 7919) % (2**63))
+        if not t.dtype.is_floating_point:
+            out[name] = torch.zeros(t.shape, dtype=t.dtype)
+            continue
+        if t.dim() >= 2:
+            fan_in = t.shape[-1]
+            val = torch.randn(t.shape, generator=gen) / (fan_in**0.5)
+        elif name.endswith("bias") or "bias" in name.rsplit(".", 1)[-1]:
+            val = torch.randn(t.shape, generator=gen) * 0.02
+        else:
+            val = 1.0 + torch.randn(t.shape, generator=gen) * 0.1
+        out[name] = val.to(t.dtype).contiguous()
+    return out
+
+
+def write_random_checkpoint(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = 1 << 30,
+) -> Path:
+    """Write deterministic random weights for ``model`` as safetensors shards.
+
+    More than one shard also writes ``model.safetensors.index.json`` (the
+    Hugging Face layout).  Files are published with the store's atomic write.
+    """
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = random_state_dict(model, seed=seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        atomic_write(directory / "model.safetensors", save(shards[0]))
+        return directory
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        atomic_write(directory / fname, save(shard))
+        weight_map.update({k: fname for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    atomic_write(directory / INDEX_NAME, json.dumps(index, indent=1, sort_keys=True).encode())
+    return directory
+
+
+def checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint directory (or a single file), sorted."""
+    path = Path(directory)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ConfigError("checkpoint", f"{path} does not exist")
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    if not files:
+        raise ConfigError("checkpoint", f"no *.safetensors files in {path}")
+    return files
+
+
+def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint (every shard), on CPU."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(directory):
+        part = load_file(str(f), device="cpu")
+        dup = set(part) & set(out)
+        if dup:
+            raise ConfigError("checkpoint", f"tensor(s) {sorted(dup)[:3]} appear in more than one shard")
+        out.update(part)
+    return out
+
+
+def _header(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise ConfigError("checkpoint", f"{path} is too short to be safetensors")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER:
+            raise ConfigError("checkpoint", f"{path} declares a {n}-byte header")
+        header = fh.read(n)
+    try:
+        json.loads(header)
+    except ValueError as exc:
+        raise ConfigError("checkpoint", f"{path} has an unreadable safetensors header: {exc}") from exc
+    return header
+
+
+def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Cheap identity of a checkpoint: per file name, size and header hash."""
+    files = checkpoint_files(directory)
+    entries: list[dict[str, Any]] = []
+    for f in files:
+        entries.append({
+            "name": f.name,
+            "size": f.stat().st_size,
+            "header_sha256": hashlib.sha256(_header(f)).hexdigest(),
+        })
+    index = Path(directory) / INDEX_NAME
+    if Path(directory).is_dir() and index.is_file():
+        entries.append({
+            "name": INDEX_NAME,
+            "size": index.stat().st_size,
+            "sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
+        })
+    return {"format": "safetensors", "files": entries}
+

@@ -1,0 +1,245 @@
+"""Model factory: real ``transformers`` architectures built from a config dict.
+
+The pipeline builds the model on the meta device (parameters and buffers carry
+shapes, not data), so the expensive front half of the pipeline never touches
+weights; the weights come later from a checkpoint.  The factory's
+:meth:`ModelFactory.identity` is the ``model`` component of the cache key: the
+architecture, the full config dict after defaults and the construction kwargs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from adstore.store.errors import ConfigError
+
+__all__ = [
+    "ARCHITECTURES",
+    "ModelFactory",
+    "meta_parameters",
+    "tiny_config",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _llama_like(model_type: str, layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
+    heads = max(2, hidden // 32)
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": 512,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(2, heads // 2),
+        "head_dim": hidden // heads,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _moe(model_type: str, layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
+    return _llama_like(
+        model_type,
+        layers,
+        hidden,
+        num_local_experts=4,
+        num_experts=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden // 2,
+        **extra,
+    )
+
+
+#: Short architecture names -> builder of a small config dict (layers, hidden).
+ARCHITECTURES: dict[str, Any] = {
+    "llama": lambda n, h: _llama_like("llama", n, h),
+    "qwen2": lambda n, h: _llama_like("qwen2", n, h),
+    "gemma": lambda n, h: _llama_like("gemma", n, h),
+    "mixtral": lambda n, h: _moe("mixtral", n, h),
+    "qwen3_moe": lambda n, h: _moe("qwen3_moe", n, h, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen3.5-MoE text model: hybrid linear (gated delta) + full attention layers.
+    "qwen3_5_moe": lambda n, h: _moe(
+        "qwen3_5_moe_text",
+        n,
+        h,
+        shared_expert_intermediate_size=h // 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=h // 4,
+        linear_value_head_dim=h // 4,
+        full_attention_interval=2,
+    ),
+    "glm4_moe": lambda n, h: _moe(
+        "glm4_moe", n, h, first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1
+    ),
+}
+
+
+def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64) -> dict[str, Any]:
+    """A small config dict for ``arch`` (see :data:`ARCHITECTURES`)."""
+    try:
+        builder = ARCHITECTURES[arch]
+    except KeyError:
+        raise ConfigError("arch", f"unknown architecture {arch!r}; choose from {sorted(ARCHITECTURES)}") from None
+    if layers < 1 or hidden < 32 or hidden % 32:
+        raise ConfigError("hidden", f"need layers >= 1 and hidden a multiple of 32, got {layers=} {hidden=}")
+    return builder(layers, hidden)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Register every new parameter on the meta device (buffers stay real).
+
+    Buffers that models compute at construction (rotary ``inv_freq``) keep their
+    real values this way, while parameters never allocate memory.
+    """
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """Builds one ``transformers`` causal LM from a config dict.
+
+    ``config`` holds ``model_type`` plus any config fields; ``model_kwargs`` are
+    construction overrides (``attn_implementation``, ``torch_dtype``) that change
+    the built model and are therefore part of the identity.
+    """
+
+    config: Mapping[str, Any]
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelFactory":
+        """``{"arch": "llama", "layers": 2, "hidden": 64, "overrides": {...}, "model_kwargs": {...}}``."""
+        allowed = {"arch", "layers", "hidden", "overrides", "model_kwargs"}
+        unknown = set(config) - allowed
+        if unknown:
+            raise ConfigError("model", f"unknown option(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+        cfg = tiny_config(config.get("arch", "llama"), layers=config.get("layers", 2), hidden=config.get("hidden", 64))
+        cfg.update(config.get("overrides", {}))
+        return cls(config=cfg, model_kwargs=dict(config.get("model_kwargs", {})))
+
+    def __post_init__(self) -> None:
+        if "model_type" not in self.config:
+            raise ConfigError("model.config", "needs a 'model_type' (e.g. 'llama')")
+        unknown = set(self.model_kwargs) - {"attn_implementation", "torch_dtype", "experts_implementation"}
+        if unknown:
+            raise ConfigError("model.model_kwargs", f"unsupported kwargs {sorted(unknown)}")
+
+    # ------------------------------------------------------------------ config
+    def hf_config(self) -> Any:
+        """The transformers config object (defaults filled in)."""
+        from transformers import AutoConfig
+
+        cfg = dict(self.config)
+        model_type = cfg.pop("model_type")
+        try:
+            hf = AutoConfig.for_model(model_type, **cfg)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError("model.config", f"transformers rejects the config: {exc}") from exc
+        hf.use_cache = False
+        hf._attn_implementation = self.model_kwargs.get("attn_implementation", "sdpa")
+        # Dense per-token expert matmuls trace the same on every device; the
+        # grouped kernels pick integer paths by the trace device (meta).
+        hf._experts_implementation = self.model_kwargs.get("experts_implementation", "batched_mm")
+        return hf
+
+    @property
+    def dtype(self) -> torch.dtype:
+        name = self.model_kwargs.get("torch_dtype", "float32")
+        dtype = getattr(torch, str(name).replace("torch.", ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError("model.model_kwargs.torch_dtype", f"not a torch dtype: {name!r}")
+        return dtype
+
+    def identity(self) -> dict[str, Any]:
+        """The ``model`` key component: architecture, full config dict, kwargs."""
+        hf = self.hf_config()
+        full = hf.to_dict()
+        for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
+            full.pop(volatile, None)
+        return {
+            "architecture": self._model_class(hf).__name__,
+            "model_type": self.config["model_type"],
+            "config": full,
+            "model_kwargs": dict(sorted(self.model_kwargs.items())),
+        }
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel plan by parameter-owner pattern (``*`` = layer index)."""
+        hf = self.hf_config()
+        plan = {f"model.{k}": v for k, v in (getattr(hf, "base_model_tp_plan", None) or {}).items()}
+        plan.update(getattr(self._model_class(hf), "_tp_plan", None) or {})
+        return plan
+
+    def attention_shape(self) -> dict[str, int]:
+        """Head counts the sharding transform checks divisibility against."""
+        hf = self.hf_config()
+        heads = int(hf.num_attention_heads)
+        return {
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(hf, "num_key_value_heads", None) or heads),
+            "vocab_size": int(hf.vocab_size),
+        }
+
+    # ------------------------------------------------------------------- build
+    @staticmethod
+    def _model_class(hf: Any) -> type:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        try:
+            return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
+        except KeyError:
+            raise ConfigError("model.config", f"no causal LM for {type(hf).__name__}") from None
+
+    def build(self, *, device: str = "meta") -> nn.Module:
+        """Build the model: meta parameters (``device="meta"``) or real random ones."""
+        hf = self.hf_config()
+        cls = self._model_class(hf)
+        ctx = meta_parameters() if device == "meta" else contextlib.nullcontext()
+        with ctx:
+            model = cls(copy.deepcopy(hf))
+        model = model.to(self.dtype) if device != "meta" else model
+        if device == "meta":
+            for mod in model.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
+                        mod._parameters[name] = nn.Parameter(p.to(self.dtype), requires_grad=False)
+        model.eval()
+        log.debug("built %s (%d layers) on %s", cls.__name__, hf.num_hidden_layers, device)
+        return model
+
+    def eager_model(self, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+        """The reference eager model with ``state_dict`` loaded (for comparisons)."""
+        model = self.build(device="cpu")
+        model.load_state_dict(dict(state_dict), strict=True)
+        return model.eval()
+
+    def example_inputs(self, *, batch: int = 2, seq: int = 8, seed: int = 0) -> tuple[torch.Tensor]:
+        """Token ids of the export / comparison shape (deterministic)."""
+        gen = torch.Generator().manual_seed(seed)
+        vocab = int(self.hf_config().vocab_size)
+        return (torch.randint(0, vocab, (batch, seq), generator=gen),)

@@ -1,0 +1,113 @@
+"""Custom operators the reference pipeline rewrites graphs into.
+
+They live in the ``adstore`` torch.library namespace so that a graph node's
+target is ``torch.ops.adstore.<name>.default``: an importable qualified name
+that the snapshot allow-list accepts, and that resolves again once this module
+is imported.  Every op has a fake (meta) implementation so graphs holding them
+still export, shape-propagate and run on the meta device before weights exist.
+
+The collective ops wrap ``torch.distributed`` and degrade to a copy when no
+process group is initialised, so a sharded graph also runs in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["rms_norm", "silu_mul", "all_reduce", "all_gather", "OPS"]
+
+
+@torch.library.custom_op("adstore::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
+    """RMSNorm in float32, scaled by ``weight + weight_offset`` (Gemma uses offset 1).
+
+    The arithmetic follows the order of the transformers reference modules
+    (variance of the float32 input, rsqrt, cast back, then scale) so that the
+    rewritten graph stays within float rounding of the eager model.
+    """
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    if weight_offset != 0.0:
+        return (h * (weight.to(torch.float32) + weight_offset)).to(dtype)
+    return weight * h.to(dtype)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
+    if weight_offset != 0.0:
+        return torch.empty_like(x)
+    return torch.empty(
+        torch.broadcast_shapes(x.shape, weight.shape),
+        dtype=torch.promote_types(x.dtype, weight.dtype),
+        device=x.device,
+    )
+
+
+@torch.library.custom_op("adstore::silu_mul", mutates_args=())
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU activation: ``silu(gate) * up`` in one op."""
+    return torch.nn.functional.silu(gate) * up
+
+
+@silu_mul.register_fake
+def _silu_mul_fake(gate: Tensor, up: Tensor) -> Tensor:
+    return torch.empty(
+        torch.broadcast_shapes(gate.shape, up.shape),
+        dtype=torch.promote_types(gate.dtype, up.dtype),
+        device=gate.device,
+    )
+
+
+def _group_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+@torch.library.custom_op("adstore::all_reduce", mutates_args=())
+def all_reduce(x: Tensor) -> Tensor:
+    """Sum over ranks (row-parallel linear outputs); a copy without a process group."""
+    out = x.clone()
+    if _group_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("adstore::all_gather", mutates_args=())
+def all_gather(x: Tensor, dim: int, world_size: int) -> Tensor:
+    """Concatenate every rank's shard along ``dim`` (column-parallel outputs).
+
+    ``world_size`` is the topology the graph was sharded for; the fake
+    implementation needs it to give the gathered shape without a process group.
+    """
+    n = _group_size()
+    if n == 1:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+@all_gather.register_fake
+def _all_gather_fake(x: Tensor, dim: int, world_size: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world_size
+    return x.new_empty(shape)
+
+
+#: The op overloads this module registers, for code that needs to recognise them.
+OPS = {
+    "rms_norm": torch.ops.adstore.rms_norm.default,
+    "silu_mul": torch.ops.adstore.silu_mul.default,
+    "all_reduce": torch.ops.adstore.all_reduce.default,
+    "all_gather": torch.ops.adstore.all_gather.default,
+}

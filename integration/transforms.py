@@ -1,0 +1,506 @@
+"""Transform framework and the stage-bound transforms of the reference pipeline.
+
+A transform is a class with a ``name``, a :class:`Stage`, and a typed config
+dataclass; :func:`register` puts it in the registry the optimizer reads.
+Configs are validated when parsed: an unknown option or a wrongly typed value
+is a :class:`ConfigError`, because a silently ignored option would also be
+silently missing from the cache key.
+
+The transforms here cover build, export, post-export cleanup, weight loading,
+cache init and compile; pattern rewrites, sharding and post-load fusion live in
+``transforms_patterns``, ``transforms_sharding`` and ``transforms_fusion``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import fx, nn
+
+from adstore.integration import ops as _ops  # noqa: F401  (registers torch.ops.adstore.*)
+from adstore.integration.errors import IntegrationError
+from adstore.integration.models import ModelFactory
+from adstore.store.errors import ConfigError
+
+__all__ = [
+    "Stage",
+    "TransformConfig",
+    "Transform",
+    "PipelineContext",
+    "REGISTRY",
+    "register",
+    "transform_class",
+    "graph_modules",
+    "replace_devices",
+    "propagate_shapes",
+    "BuildModel",
+    "ExportToGraph",
+    "CleanupExport",
+    "LoadWeights",
+    "InitCache",
+    "Compile",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Stage(enum.IntEnum):
+    """Pipeline stages in run order; transforms are sorted by stage."""
+
+    BUILD_MODEL = 0
+    EXPORT = 1
+    POST_EXPORT = 2
+    PATTERN_MATCHING = 3
+    SHARDING = 4
+    WEIGHT_LOADING = 5
+    POST_LOAD_FUSION = 6
+    CACHE_INIT = 7
+    COMPILE = 8
+
+    @classmethod
+    def parse(cls, value: "str | int | Stage") -> "Stage":
+        if isinstance(value, Stage):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ConfigError("stage", f"unknown stage {value!r}; stages: {[s.name.lower() for s in cls]}")
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Validate (and lightly normalise) ``value`` against a simple annotation."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _check_type(value, arm, where)
+            except ConfigError as exc:
+                errors.append(exc.why)
+        raise ConfigError(where, f"{value!r} matches none of {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(where, f"expected None, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(where, f"expected a list, got {type(value).__name__}")
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        out = [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(where, f"expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(where, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(where, f"expected an integer, got {value!r}")
+        return value
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise ConfigError(where, f"expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    return value
+
+
+@dataclass(kw_only=True)
+class TransformConfig:
+    """Base of every transform config; ``enabled=False`` skips the transform."""
+
+    enabled: bool = True
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, owner: str = "transform") -> "TransformConfig":
+        data = dict(data or {})
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ConfigError(f"{owner}.{unknown[0]}", f"unknown option(s) {unknown}; allowed: {sorted(fields)}")
+        values = {k: _check_type(v, hints[k], f"{owner}.{k}") for k, v in data.items()}
+        cfg = cls(**values)
+        cfg.validate(owner)
+        return cfg
+
+    def validate(self, owner: str) -> None:
+        """Cross-field checks; subclasses raise :class:`ConfigError`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PipelineContext:
+    """What every transform may read: the factory, checkpoint and topology.
+
+    ``info`` collects per-transform results (match counts, sharded layers).
+    A restored module has no context from the prefix, so transforms after the
+    cache point read only the module and their own config.
+    """
+
+    factory: ModelFactory
+    checkpoint: Path
+    rank: int = 0
+    world_size: int = 1
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def example_inputs(self, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
+        return self.factory.example_inputs(batch=batch, seq=seq)
+
+
+class Transform:
+    """A pipeline step; subclasses set ``name``, ``stage``, ``config_cls``, ``apply``.
+
+    ``code_modules`` names extra modules whose source belongs to this
+    transform's code fingerprint (helpers it calls that live elsewhere).
+    """
+
+    name: ClassVar[str] = ""
+    stage: ClassVar[Stage] = Stage.BUILD_MODEL
+    config_cls: ClassVar[type[TransformConfig]] = TransformConfig
+    code_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: TransformConfig) -> None:
+        self.config = config
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+
+REGISTRY: dict[str, type[Transform]] = {}
+
+
+def register(cls: type[Transform]) -> type[Transform]:
+    """Class decorator adding a transform to :data:`REGISTRY` (last one wins)."""
+    if not cls.name:
+        raise ConfigError("transform", f"{cls.__qualname__} has no name")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def transform_class(name: str) -> type[Transform]:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"transforms.{name}", f"unknown transform; registered: {sorted(REGISTRY)}") from None
+
+
+# ----------------------------------------------------------------- graph utils
+def graph_modules(module: nn.Module) -> list[tuple[str, fx.GraphModule]]:
+    """The module itself if it is a GraphModule, else its outermost GraphModule children."""
+    if isinstance(module, fx.GraphModule):
+        return [("", module)]
+    found: list[tuple[str, fx.GraphModule]] = []
+    for name, child in module.named_children():
+        found.extend((f"{name}.{sub}" if sub else name, gm) for sub, gm in graph_modules(child))
+    return found
+
+
+def _swap_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _swap_device(v, device) for k, v in value.items()}
+    return value
+
+
+def replace_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
+    """Point every device argument baked into the graph at ``device``."""
+    dev = torch.device(device)
+    count = 0
+    for node in gm.graph.nodes:
+        new_args, new_kwargs = _swap_device(node.args, dev), _swap_device(node.kwargs, dev)
+        if new_args != node.args or new_kwargs != node.kwargs:
+            node.args, node.kwargs = new_args, new_kwargs
+            count += 1
+    return count
+
+
+def propagate_shapes(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: str = "cpu") -> None:
+    """Recompute every node's ``meta["val"]`` with fake tensors (no memory, no weights).
+
+    Parameters and buffers become fake tensors on ``device`` with their shapes,
+    so meta parameters and real buffers mix freely.  A shape error here means a
+    rewrite produced an inconsistent graph and surfaces before any weight loads.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        def fake(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+
+        state = {n: fake(t) for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+        args = iter(fake(t) for t in inputs)
+
+        class _Prop(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                if n.op == "placeholder":
+                    out = next(args)
+                elif n.op == "get_attr":
+                    out = state.get(n.target)
+                    if out is None:
+                        out = super().run_node(n)
+                else:
+                    out = super().run_node(n)
+                if isinstance(out, torch.Tensor):
+                    n.meta["val"] = out
+                return out
+
+        _Prop(gm).run()
+
+
+# ------------------------------------------------------------------ transforms
+@register
+class BuildModel(Transform):
+    """Build the architecture on the meta device from the factory's config."""
+
+    name = "build_model"
+    stage = Stage.BUILD_MODEL
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        return ctx.factory.build(device="meta")
+
+
+@dataclass(kw_only=True)
+class ExportConfig(TransformConfig):
+    batch: int = 2
+    seq: int = 8
+    strict: bool = False
+
+    def validate(self, owner: str) -> None:
+        if self.batch < 1 or self.seq < 2:
+            raise ConfigError(f"{owner}.seq", "batch must be >= 1 and seq >= 2")
+
+
+@register
+class ExportToGraph(Transform):
+    """``torch.export`` the meta model into a GraphModule (static shapes).
+
+    Buffers go to the meta device for tracing (some architectures mix their
+    buffers with parameter outputs); afterwards non-persistent buffers
+    (rotary tables) get their real values back, persistent ones stay meta
+    until weight loading fills them from the checkpoint.
+    """
+
+    name = "export_to_gm"
+    stage = Stage.EXPORT
+    config_cls = ExportConfig
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        if module is None:
+            raise IntegrationError("export_to_gm needs a built model")
+        cfg: ExportConfig = self.config  # type: ignore[assignment]
+        real: dict[str, torch.Tensor] = {}
+        for mname, mod in module.named_modules():
+            for bname, buf in list(mod._buffers.items()):
+                if buf is None:
+                    continue
+                if bname in mod._non_persistent_buffers_set and buf.device.type != "meta":
+                    real[f"{mname}.{bname}" if mname else bname] = buf
+                mod._buffers[bname] = buf.to("meta")
+        inputs = ctx.example_inputs(cfg.batch, cfg.seq)
+        ep = torch.export.export(module, inputs, strict=cfg.strict)
+        gm = ep.module()
+        for qual, value in real.items():
+            owner, _, leaf = qual.rpartition(".")
+            try:
+                sub = gm.get_submodule(owner) if owner else gm
+            except AttributeError:
+                continue
+            if leaf in sub._buffers:
+                sub._buffers[leaf] = value
+        ctx.info["export"] = {"nodes": len(gm.graph.nodes), "batch": cfg.batch, "seq": cfg.seq}
+        return gm
+
+
+@dataclass(kw_only=True)
+class CleanupConfig(TransformConfig):
+    device: str = "cpu"
+    logits_only: bool = True
+
+
+@register
+class CleanupExport(Transform):
+    """Make the exported graph a plain, portable GraphModule.
+
+    Removes export's runtime guards (forward pre-hooks, the ``_guards_fn``
+    call and tensor-metadata asserts, all of which pin the trace device),
+    points baked device arguments at the target device, returns the logits
+    tensor instead of the model-output dataclass, and drops dead code.
+    """
+
+    name = "cleanup_export"
+    stage = Stage.POST_EXPORT
+    config_cls = CleanupConfig
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        cfg: CleanupConfig = self.config  # type: ignore[assignment]
+        if not isinstance(module, fx.GraphModule):
+            raise IntegrationError("cleanup_export needs a GraphModule")
+        gm = module
+        gm._forward_pre_hooks.clear()
+        gm._forward_hooks.clear()
+        gm._forward_hooks_with_kwargs.clear()
+        gm._forward_pre_hooks_with_kwargs.clear()
+        removed = 0
+        for node in list(gm.graph.nodes):
+            drop = (node.op == "call_module" and node.target == "_guards_fn") or (
+                node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+            )
+            if drop and not node.users:
+                gm.graph.erase_node(node)
+                removed += 1
+        if hasattr(gm, "_guards_fn"):
+            delattr(gm, "_guards_fn")
+        moved = replace_devices(gm, cfg.device)
+        if cfg.logits_only:
+            _logits_only(gm)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        ctx.info["cleanup_export"] = {"removed": removed, "device_args": moved}
+        return gm
+
+
+def _logits_only(gm: fx.GraphModule) -> None:
+    """Return the first output leaf (the logits) as a bare tensor."""
+    import torch.utils._pytree as pytree
+
+    codegen = gm.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves = out.args[0]
+    if not isinstance(leaves, (list, tuple)) or not leaves:
+        return
+    out.args = ((leaves[0],),)
+    if info is not None:
+        codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(torch.empty(0)))
+
+
+@dataclass(kw_only=True)
+class LoadWeightsConfig(TransformConfig):
+    device: str = "cpu"
+    strict: bool = True
+
+
+@register
+class LoadWeights(Transform):
+    """Load the checkpoint through the module's load-state-dict pre-hooks.
+
+    ``assign=True`` replaces the meta parameters; the tensor-parallel hooks
+    slice each full checkpoint tensor to this rank's shard on the way in.
+    """
+
+    name = "load_weights"
+    stage = Stage.WEIGHT_LOADING
+    config_cls = LoadWeightsConfig
+    code_modules = ("adstore.integration.checkpoint",)
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        from adstore.integration.checkpoint import read_checkpoint
+
+        cfg: LoadWeightsConfig = self.config  # type: ignore[assignment]
+        if module is None:
+            raise IntegrationError("load_weights needs a module")
+        state = read_checkpoint(ctx.checkpoint)
+        result = module.load_state_dict(state, strict=cfg.strict, assign=True)
+        still_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+        still_meta += [n for n, b in module.named_buffers() if b.device.type == "meta"]
+        if still_meta:
+            raise IntegrationError(f"checkpoint left {len(still_meta)} tensors unloaded, e.g. {still_meta[:3]}")
+        module = module.to(cfg.device)
+        for _, gm in graph_modules(module):
+            replace_devices(gm, cfg.device)
+            gm.recompile()
+        ctx.info["load_weights"] = {"tensors": len(state), "unexpected": list(result.unexpected_keys)}
+        return module
+
+
+@dataclass(kw_only=True)
+class InitCacheConfig(TransformConfig):
+    max_batch_size: int = 8
+    max_seq_len: int = 256
+
+    def validate(self, owner: str) -> None:
+        if self.max_batch_size < 1 or self.max_seq_len < 1:
+            raise ConfigError(f"{owner}.max_batch_size", "sizes must be positive")
+
+
+@register
+class InitCache(Transform):
+    """Allocate per-attention-layer KV buffers sized by the runtime settings.
+
+    Runtime sizing happens after the cache point, so changing it reuses the
+    cached prefix.  The buffers are shaped from the attention nodes' metadata
+    when present (local heads and head dim after sharding).
+    """
+
+    name = "init_cache"
+    stage = Stage.CACHE_INIT
+    config_cls = InitCacheConfig
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        cfg: InitCacheConfig = self.config  # type: ignore[assignment]
+        if module is None:
+            raise IntegrationError("init_cache needs a module")
+        layers = 0
+        for _, gm in graph_modules(module):
+            for node in gm.graph.nodes:
+                if node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+                    continue
+                key = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+                shape = getattr(key, "shape", None)
+                if shape is None or len(shape) != 4:
+                    continue
+                heads, head_dim = int(shape[1]), int(shape[3])
+                buf = torch.zeros(2, cfg.max_batch_size, heads, cfg.max_seq_len, head_dim, dtype=key.dtype)
+                gm.register_buffer(f"kv_cache_{layers}", buf, persistent=False)
+                layers += 1
+        ctx.info["init_cache"] = {"layers": layers}
+        return module
+
+
+@dataclass(kw_only=True)
+class CompileConfig(TransformConfig):
+    backend: str = "eager"
+
+    def validate(self, owner: str) -> None:
+        if self.backend not in ("eager", "torch_compile"):
+            raise ConfigError(f"{owner}.backend", f"unknown backend {self.backend!r} (eager, torch_compile)")
+
+
+@register
+class Compile(Transform):
+    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` wraps it."""
+
+    name = "compile"
+    stage = Stage.COMPILE
+    config_cls = CompileConfig
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        cfg: CompileConfig = self.config  # type: ignore[assignment]
+        if module is None:
+            raise IntegrationError("compile needs a module")
+        if cfg.backend == "torch_compile":
+            return torch.compile(module, dynamic=False)  # type: ignore[return-value]
+        return module

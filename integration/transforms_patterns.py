@@ -1,0 +1,190 @@
+"""Pattern rewrites: replace matched ATen subgraphs by ``adstore`` custom ops.
+
+Matching walks the graph structurally from an anchor node (``rsqrt`` for
+RMSNorm, ``silu`` for SwiGLU) instead of tracing a pattern graph, because the
+exported graphs carry incidental casts (``to.dtype``, ``type_as``) that differ
+between architectures; the walk tolerates them and checks every intermediate
+has no other users before anything is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from adstore.integration import ops as _ops  # noqa: F401
+from adstore.integration.errors import IntegrationError
+from adstore.integration.transforms import (
+    PipelineContext,
+    Stage,
+    Transform,
+    TransformConfig,
+    graph_modules,
+    register,
+)
+
+__all__ = ["MatchRMSNorm", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_swiglu"]
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default}
+
+
+def _is(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _strip_cast(node: Any) -> Any:
+    """The tensor under a chain of dtype casts."""
+    while _is(node, *_CASTS):
+        node = node.args[0]
+    return node
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _other(node: fx.Node, known: Any) -> Any:
+    a, b = node.args[0], node.args[1]
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def _weight_operand(operand: Any) -> tuple[fx.Node, float] | None:
+    """``weight`` or ``1 + weight`` (Gemma), under optional casts -> (get_attr node, offset)."""
+    operand = _strip_cast(operand)
+    offset = 0.0
+    if _is(operand, aten.add.Tensor, aten.add.Scalar) and isinstance(operand.args[1], (int, float)):
+        offset = float(operand.args[1])
+        operand = _strip_cast(operand.args[0])
+    elif _is(operand, aten.add.Tensor) and isinstance(operand.args[0], (int, float)):
+        offset = float(operand.args[0])
+        operand = _strip_cast(operand.args[1])
+    if isinstance(operand, fx.Node) and operand.op == "get_attr":
+        return operand, offset
+    return None
+
+
+def rewrite_rms_norm(gm: fx.GraphModule) -> int:
+    """``w * (x * rsqrt(mean(x**2, -1) + eps))`` -> ``adstore.rms_norm(x, w, eps, offset)``."""
+    count = 0
+    for r in list(gm.graph.nodes):
+        if not _is(r, aten.rsqrt.default):
+            continue
+        add = r.args[0]
+        if not (_is(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
+            continue
+        eps = float(add.args[1])
+        mean = add.args[0]
+        if not (_is(mean, aten.mean.dim) and list(mean.args[1]) in ([-1],) and (len(mean.args) > 2 and mean.args[2])):
+            continue
+        pw = mean.args[0]
+        if not (_is(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2):
+            continue
+        h = pw.args[0]
+        norm = _only_user(r)
+        if norm is None or not _is(norm, aten.mul.Tensor) or _other(norm, r) is not h:
+            continue
+        # optional cast back, then the weight multiply
+        nxt = _only_user(norm)
+        while nxt is not None and _is(nxt, aten.to.dtype, aten._to_copy.default):
+            nxt = _only_user(nxt)
+        if nxt is None or not _is(nxt, aten.mul.Tensor):
+            continue
+        prev = nxt.args[0] if _strip_cast(nxt.args[0]) is norm else nxt.args[1]
+        weight = _weight_operand(_other(nxt, prev))
+        if weight is None:
+            continue
+        w_node, offset = weight
+        out = nxt
+        if offset != 0.0:
+            # Gemma: (norm * (1 + w)).type_as(x)
+            tail = _only_user(nxt)
+            if tail is not None and _is(tail, aten.type_as.default, aten.to.dtype):
+                out = tail
+        x = h.args[0] if _is(h, aten.to.dtype, aten._to_copy.default) else h
+        with gm.graph.inserting_before(out):
+            new = gm.graph.call_function(torch.ops.adstore.rms_norm.default, (x, w_node, eps, offset))
+        new.meta.update({k: v for k, v in out.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+        out.replace_all_uses_with(new)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def rewrite_swiglu(gm: fx.GraphModule) -> int:
+    """``silu(gate) * up`` -> ``adstore.silu_mul(gate, up)``."""
+    count = 0
+    for s in list(gm.graph.nodes):
+        if not _is(s, aten.silu.default):
+            continue
+        mul = _only_user(s)
+        if mul is None or not _is(mul, aten.mul.Tensor):
+            continue
+        up = _other(mul, s)
+        if not isinstance(up, fx.Node):
+            continue
+        with gm.graph.inserting_before(mul):
+            new = gm.graph.call_function(torch.ops.adstore.silu_mul.default, (s.args[0], up))
+        new.meta.update({k: v for k, v in mul.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+        mul.replace_all_uses_with(new)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+@dataclass(kw_only=True)
+class PatternConfig(TransformConfig):
+    require_match: bool = False
+
+
+class _Rewrite(Transform):
+    stage = Stage.PATTERN_MATCHING
+    config_cls = PatternConfig
+
+    def rewrite(self, gm: fx.GraphModule) -> int:
+        raise NotImplementedError
+
+    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
+        if module is None:
+            raise IntegrationError(f"{self.name} needs an exported module")
+        total = sum(self.rewrite(gm) for _, gm in graph_modules(module))
+        if total == 0 and self.config.require_match:  # type: ignore[attr-defined]
+            raise IntegrationError(f"{self.name}: pattern not found")
+        ctx.info[self.name] = {"matches": total}
+        log.debug("%s: %d matches", self.name, total)
+        return module
+
+
+@register
+class MatchRMSNorm(_Rewrite):
+    name = "match_rms_norm"
+    code_modules = ("adstore.integration.ops",)
+
+    def rewrite(self, gm: fx.GraphModule) -> int:
+        return rewrite_rms_norm(gm)
+
+
+@register
+class MatchSwiGLU(_Rewrite):
+    name = "match_swiglu"
+    code_modules = ("adstore.integration.ops",)
+
+    def rewrite(self, gm: fx.GraphModule) -> int:
+        return rewrite_swiglu(gm)
