@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,7 @@ class Blobs:
     def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
         key = bytes.fromhex(ref.digest)
         dbs = self._index.db
+        crc = zlib.crc32(inline_data) if inline_data is not None else 0
 
         def fn(txn: lmdb.Transaction) -> None:
             if inline_data is None and not self._file_ok(ref):
@@ -270,10 +272,10 @@ class Blobs:
                     txn.put(key, row.encode(), db=dbs["blobs"])
                     return
                 bump(txn, dbs["meta"], PHYSICAL, ref.size - row.size)
-                row = BlobRow(ref.size, row.refs, now, flags)
+                row = BlobRow(ref.size, row.refs, now, flags, crc)
             else:
                 bump(txn, dbs["meta"], PHYSICAL, ref.size)
-                row = BlobRow(ref.size, 0, now, flags)
+                row = BlobRow(ref.size, 0, now, flags, crc)
             if inline_data is not None:
                 txn.put(key, inline_data, db=dbs["blobdata"])
             else:
@@ -316,20 +318,26 @@ class Blobs:
         return self._layout.blob_path(digest)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        """The blob's content, verified against its digest."""
+        """The blob's content, verified (SHA-256 for files, CRC-32 for inline blobs)."""
         digest = _digest_of(ref_or_digest)
         key = bytes.fromhex(digest)
-        with self._index.read() as txn:
-            raw = txn.get(key, db=self._index.db["blobs"])
+        dbs = self._index.db
+        txn = self._index.begin_read()
+        try:
+            raw = txn.get(key, db=dbs["blobs"])
             if raw is None:
                 raise BlobMissing(digest, "not registered")
             row = BlobRow.decode(raw, key)
-            data = txn.get(key, db=self._index.db["blobdata"]) if row.inline else None
+            data = txn.get(key, db=dbs["blobdata"]) if row.inline else None
+        finally:
+            txn.abort()
         if row.quarantined:
             raise BlobMissing(digest, "quarantined after failing verification")
         if row.inline:
             if data is None:
                 raise BlobMissing(digest, "inline data missing")
+            if len(data) == row.size and zlib.crc32(data) == row.crc:
+                return data
         else:
             try:
                 with open(self._layout.blob_path(digest), "rb", buffering=0) as f:

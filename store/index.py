@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
-DATABASES = ("blobs", "blobdata", "entries", "manifests", "leases", "stats", "meta")
+DATABASES = ("blobs", "blobdata", "entries", "components", "manifests", "leases", "stats", "meta")
 _READER_CHECK_INTERVAL = 30.0
 _MAX_GROWTHS = 16
 
@@ -104,7 +104,11 @@ class Index:
             subdir=True,
             lock=True,
             sync=True,
-            metasync=True,
+            # One fsync per commit instead of two: LMDB keeps its integrity and
+            # a power loss can only undo the last commit, which for a cache is
+            # a miss, never a wrong answer.
+            metasync=False,
+            mode=0o664,
             readahead=False,
         )
         # Another process may already have grown the map beyond our initial size.
@@ -146,21 +150,22 @@ class Index:
             log.info("cleared %d stale LMDB reader slot(s) in %s", stale, self.path)
         return stale
 
-    def _maybe_reader_check(self) -> None:
+    # -- transactions ----------------------------------------------------
+    def begin_read(self) -> lmdb.Transaction:
+        """Start a read-only transaction; the caller aborts it (hot paths use this)."""
+        env = self.env
         if time.monotonic() - self._last_reader_check > _READER_CHECK_INTERVAL:
             self.reader_check()
+        try:
+            return env.begin(buffers=False)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # another process grew the map: adopt its size
+            return env.begin(buffers=False)
 
-    # -- transactions ----------------------------------------------------
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
         """A short read-only transaction (adopts a map grown by another process)."""
-        env = self.env
-        self._maybe_reader_check()
-        try:
-            txn = env.begin(buffers=False)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)
-            txn = env.begin(buffers=False)
+        txn = self.begin_read()
         try:
             yield txn
         finally:

@@ -9,6 +9,7 @@ reason of every miss.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,7 +20,7 @@ import lmdb
 
 from .errors import BlobMissing, CorruptRecord, StoreError
 from .leases import hostname
-from .records import BlobRef, BlobRow, Entry, Manifest, manifest_key, manifest_prefix
+from .records import FLAG_QUARANTINED, BlobRef, BlobRow, Entry, Manifest, decode_json, encode_json, manifest_key, manifest_prefix
 from .stats import LOGICAL, bump
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "drop_entry_txn",
     "iter_manifests",
     "get_entry",
+    "get_components",
     "lookup_txn",
 ]
 
@@ -55,6 +57,16 @@ def get_entry(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Entry | None:
     raw_key = key.encode()
     raw = txn.get(raw_key, db=dbs["entries"])
     return None if raw is None else Entry.decode(raw_key, raw)
+
+
+def get_components(txn: lmdb.Transaction, dbs: Dbs, key: str) -> dict[str, Any]:
+    raw = txn.get(key.encode(), db=dbs["components"])
+    return {} if raw is None else decode_json(raw, "components", key.encode())
+
+
+def _put_components(txn: lmdb.Transaction, dbs: Dbs, key: str, components: Mapping[str, Any]) -> None:
+    if components:
+        txn.put(key.encode(), encode_json(dict(components)), db=dbs["components"])
 
 
 def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manifest]:
@@ -137,8 +149,9 @@ def publish_txn(
     txn.put(manifest_key(key, rank, generation), manifest.encode(), db=dbs["manifests"])
     entry = get_entry(txn, dbs, key)
     if entry is None:
-        entry = Entry(key, namespace, world_size, dict(components), now, now)
+        entry = Entry(key, namespace, world_size, {}, now, now)
         txn.put(key.encode(), entry.encode(), db=dbs["entries"])
+        _put_components(txn, dbs, key, components)
     return manifest
 
 
@@ -171,7 +184,7 @@ def commit_txn(txn: lmdb.Transaction, dbs: Dbs, *, key: str, rank: int, generati
     entry.world_size = manifest.world_size
     entry.namespace = manifest.namespace
     if components is not None:
-        entry.components = dict(components)
+        _put_components(txn, dbs, key, components)
     entry.last_access = now
     new_bytes = 0
     for r, g in entry.ranks.items():
@@ -201,7 +214,18 @@ def drop_entry_txn(txn: lmdb.Transaction, dbs: Dbs, key: str) -> list[str]:
         except CorruptRecord:
             pass
         txn.delete(key.encode(), db=dbs["entries"])
+    txn.delete(key.encode(), db=dbs["components"])
     return zero
+
+
+@functools.lru_cache(maxsize=8192)
+def _decode_entry_cached(raw_key: bytes, raw: bytes) -> Entry:
+    return Entry.decode(raw_key, raw)
+
+
+@functools.lru_cache(maxsize=8192)
+def _decode_manifest_cached(raw_key: bytes, raw: bytes) -> Manifest:
+    return Manifest.decode(raw_key, raw)
 
 
 def _check_manifest(
@@ -209,13 +233,14 @@ def _check_manifest(
 ) -> str | None:
     if not m.committed:
         return "uncommitted"
+    blobs_db = dbs["blobs"]
     for ref in m.artifacts.values():
         k = bytes.fromhex(ref.digest)
-        raw = txn.get(k, db=dbs["blobs"])
+        raw = txn.get(k, db=blobs_db)
         if raw is None:
             return "blob_missing"
         row = BlobRow.decode(raw, k)
-        if row.quarantined or row.size != ref.size or not blob_ok(ref, row):
+        if row.flags & FLAG_QUARANTINED or row.size != ref.size or not blob_ok(ref, row):
             return "blob_missing"
     return None
 
@@ -227,10 +252,17 @@ def lookup_txn(
     rank: int | None,
     blob_ok: Callable[[BlobRef, BlobRow], bool],
 ) -> LookupResult:
-    """Check invariants 5-6 for one rank (``rank``) or the whole entry (``None``)."""
-    entry = get_entry(txn, dbs, key)
-    if entry is None:
+    """Check invariants 5-6 for one rank (``rank``) or the whole entry (``None``).
+
+    Rows are decoded through a small cache keyed by their exact bytes (a
+    repeated lookup of an unchanged entry decodes no JSON); the returned
+    entry and manifests are shared and must be treated as read-only.
+    """
+    raw_key = key.encode()
+    raw = txn.get(raw_key, db=dbs["entries"])
+    if raw is None:
         return LookupResult(False, "absent")
+    entry = _decode_entry_cached(raw_key, raw)
     ranks = [rank] if rank is not None else list(range(entry.world_size))
     found: dict[int, Manifest] = {}
     for r in ranks:
@@ -238,9 +270,11 @@ def lookup_txn(
         if gen is None:
             pending = any(m.rank == r and not m.committed for m in iter_manifests(txn, dbs, key))
             return LookupResult(False, "uncommitted" if pending else "incomplete", entry=entry)
-        m = _get_manifest(txn, dbs, key, r, gen)
-        if m is None:
+        mk = manifest_key(key, r, gen)
+        mraw = txn.get(mk, db=dbs["manifests"])
+        if mraw is None:
             return LookupResult(False, "incomplete", entry=entry)
+        m = _decode_manifest_cached(mk, mraw)
         if m.world_size != entry.world_size:
             return LookupResult(False, "generation_mismatch", entry=entry)
         reason = _check_manifest(txn, dbs, m, blob_ok)

@@ -6,9 +6,9 @@ once (LMDB serialises writers; blob files are published atomically).
 
 Access bookkeeping is deliberately lazy: a hit refreshes the entry's last
 access and bumps counters in memory, and those are written at most once per
-``flush_interval`` (and at ``close``/exit).  A lookup therefore costs one
-short read transaction and no disk write, and LRU order is exact to within
-that interval.
+``flush_interval`` by a background thread (and at ``close``/exit).  A lookup
+therefore costs one short read transaction and never waits for a disk write,
+and LRU order is exact to within that interval.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from .leases import new_lease_record
 from .manifests import (
     LookupResult,
     commit_txn,
+    drop_entry_txn,
     drop_manifest_txn,
+    get_components,
     get_entry,
     iter_manifests,
     lookup_txn,
@@ -119,7 +121,8 @@ class Store:
         self._lock = threading.Lock()
         self._pending_counters: Counter[str] = Counter()
         self._pending_access: dict[str, tuple[float, int]] = {}
-        self._last_flush = time.monotonic()
+        self._flusher_pid = -1
+        self._closed = threading.Event()
         self._blobs = Blobs(
             self._index,
             self.layout,
@@ -157,6 +160,7 @@ class Store:
     def close(self) -> None:
         if self not in _OPEN_STORES:
             return
+        self._closed.set()
         self.flush()
         _OPEN_STORES.discard(self)
         self._index.release()
@@ -295,7 +299,7 @@ class Store:
             drop_manifest_txn(txn, self._dbs, m)
             entry = get_entry(txn, self._dbs, key)
             if entry is not None and not entry.ranks and not any(iter_manifests(txn, self._dbs, key)):
-                txn.delete(key.encode(), db=self._dbs["entries"])
+                drop_entry_txn(txn, self._dbs, key)
             return True
 
         return self._index.write(fn)
@@ -303,20 +307,24 @@ class Store:
     def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold; else a miss with a named reason."""
         validate_key(key)
+        txn = self._index.begin_read()
         try:
-            with self._index.read() as txn:
-                result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
+            result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
         except CorruptRecord as exc:
             log.warning("lookup of %s: %s", key, exc)
             result = LookupResult(False, "corrupt_index")
+        finally:
+            txn.abort()
         with self._lock:
+            pending = self._pending_counters
             if result.hit:
-                last, hits = self._pending_access.get(key, (0.0, 0))
+                hits = self._pending_access.get(key, (0.0, 0))[1]
                 self._pending_access[key] = (time.time(), hits + 1)
-            if record:
-                self._pending_counters.update(
-                    dict(event_counters("hit" if result.hit else "miss", result.reason))
-                )
+                if record:
+                    pending["hits"] += 1
+            elif record:
+                pending["misses"] += 1
+                pending[f"misses.{result.reason}"] += 1
         self._maybe_flush()
         return result
 
@@ -329,12 +337,16 @@ class Store:
         return self.get_bytes(ref)
 
     def entry(self, key: str) -> Entry | None:
+        """The entry of ``key`` with its key components, or None."""
         validate_key(key)
         with self._index.read() as txn:
-            return get_entry(txn, self._dbs, key)
+            entry = get_entry(txn, self._dbs, key)
+            if entry is not None:
+                entry.components = get_components(txn, self._dbs, key)
+            return entry
 
     def entries(self, namespace: str | None = None) -> Iterator[Entry]:
-        """Every entry (undecodable rows are skipped with a warning)."""
+        """Every entry, without components (undecodable rows are skipped with a warning)."""
         out: list[Entry] = []
         with self._index.read() as txn:
             for k, v in txn.cursor(db=self._dbs["entries"]):
@@ -409,15 +421,32 @@ class Store:
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
-        if time.monotonic() - self._last_flush >= self.flush_interval:
-            self.flush()
+        """Make sure this process runs a flusher thread (started lazily, again after fork)."""
+        if self._flusher_pid == os.getpid() or self._closed.is_set():
+            return
+        with self._lock:
+            if self._flusher_pid == os.getpid():
+                return
+            self._flusher_pid = os.getpid()
+            ref = weakref.ref(self)
+            closed = self._closed
+            interval = self.flush_interval
+
+            def run() -> None:
+                while not closed.wait(interval):
+                    store = ref()
+                    if store is None:
+                        return
+                    store.flush()
+                    del store
+
+            threading.Thread(target=run, name="adstore-flush", daemon=True).start()
 
     def flush(self) -> None:
         """Write pending counters and access times (lazy by design, see module doc)."""
         with self._lock:
             counters, self._pending_counters = self._pending_counters, Counter()
             access, self._pending_access = self._pending_access, {}
-            self._last_flush = time.monotonic()
         if not counters and not access:
             return
 

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,6 +136,8 @@ def verify_store(
         if row.inline:
             data = inline[digest]
             got, n = hashlib.sha256(data).hexdigest(), len(data)
+            if zlib.crc32(data) != row.crc:
+                got = f"{got} (CRC-32 mismatch)"
         else:
             res = _hash_file(layout.blob_path(digest))
             if res is None:
@@ -229,6 +232,7 @@ def _repair(
             fixed.append(f"dropped undecodable manifest {k!r}")
         for k in bad_entries:
             txn.delete(k, db=dbs["entries"])
+            txn.delete(k, db=dbs["components"])
             fixed.append(f"dropped undecodable entry {k!r}")
         for m in {(m.key, m.rank, m.generation): m for m in doomed}.values():
             if txn.get(manifest_key(m.key, m.rank, m.generation), db=dbs["manifests"]) is not None:
@@ -261,6 +265,7 @@ def _repair(
             new_bytes = sum(current[(e.key, r)].bytes for r in ranks)
             if not ranks and e.key not in all_keys:
                 txn.delete(bytes(k), db=dbs["entries"])
+                txn.delete(bytes(k), db=dbs["components"])
                 fixed.append(f"dropped entry {e.key} (nothing restorable left)")
                 continue
             if ranks != e.ranks or new_bytes != e.bytes:

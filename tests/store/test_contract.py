@@ -416,3 +416,18 @@ def test_world_writable_root_is_refused(tmp_path):
 def test_commit_without_publish_is_an_error(store):
     with pytest.raises(StoreError):
         store.commit("k", generation=5)
+
+
+def test_corrupt_inline_blob_is_a_checksum_mismatch(store):
+    save(store, "k")
+    ref = store.lookup("k").manifest.artifacts["a0"]  # 100 bytes: inline in LMDB
+    key = bytes.fromhex(ref.digest)
+    with store.index.env.begin(write=True) as txn:
+        data = bytearray(txn.get(key, db=store.index.db["blobdata"]))
+        data[50] ^= 0x40
+        txn.put(key, bytes(data), db=store.index.db["blobdata"])
+    with pytest.raises(ChecksumMismatch):
+        store.get_bytes(ref)
+    assert store.lookup("k").reason == "blob_missing"
+    assert any(p.name.startswith(ref.digest) for p in (store.root / "quarantine").iterdir())
+    assert store.verify(fix=True).ok and store.lookup("k").reason == "absent"
