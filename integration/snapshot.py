@@ -54,6 +54,8 @@ def dump_module(module: torch.nn.Module) -> dict[str, bytes]:
     ``MaterializedParameters`` when the module cannot be cached; the module is
     left exactly as it was either way.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise UnsupportedModule(f"cannot snapshot a {type(module).__qualname__}: not a torch.nn.Module")
     specs = collect_hook_specs(module)
     saved = clear_load_hooks(module)
     try:

@@ -36,6 +36,7 @@ from adstore.integration.snapshot_graph import (
     GraphDecoder,
     RestoredGuards,
     _ident,
+    _member,
     _real_class,
     encode_bound_method,
     encode_graph_module,
@@ -223,10 +224,10 @@ class TreeDecoder:
         self._modules[path] = target
         target.training = bool(enc.get("training", True))
         for name, spec in enc.get("params", ()):
-            _ident(name, "parameter name")
+            _member(name, "parameter name")
             target._parameters[name] = None if spec is None else self._param(spec, _join(path, name))
         for name, ref, persistent in enc.get("buffers", ()):
-            _ident(name, "buffer name")
+            _member(name, "buffer name")
             if ref is None:
                 buf = None
             else:
@@ -238,7 +239,7 @@ class TreeDecoder:
             if not persistent:
                 target._non_persistent_buffers_set.add(name)
         for name, child in enc.get("children", ()):
-            _ident(name, "submodule name")
+            _member(name, "submodule name")
             target._modules[name] = None if child is None else self.module(child, _join(path, name))
         for k, v in enc.get("attrs", {}).items():
             _ident(k, "attribute name")

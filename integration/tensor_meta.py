@@ -99,7 +99,8 @@ class SymbolTable:
         self.symbols: dict[str, dict[str, Any]] = {}
 
     def add(self, sym: sympy.Symbol, shape_env: ShapeEnv | None) -> None:
-        if sym.name in self.symbols:
+        known = self.symbols.get(sym.name)
+        if known is not None and (shape_env is None or known["hint"] is not None):
             return
         orig = getattr(sym, "_assumptions_orig", None) or sym.assumptions0
         info: dict[str, Any] = {"assumptions": {k: bool(orig[k]) for k in _ASSUMPTIONS if k in orig}}
@@ -178,7 +179,12 @@ class SymDecoder:
                 self.shape_env.add_backed_var_to_val(sym, hint)
             rng = info.get("range")
             if rng is not None:
-                self.shape_env._update_var_to_range(sym, ValueRanges(_unbound(rng[0]), _unbound(rng[1])))
+                vr = ValueRanges(_unbound(rng[0]), _unbound(rng[1]))
+            elif assumptions.get("positive"):
+                vr = ValueRanges(2, int_oo)  # ShapeEnv's default for a backed size
+            else:
+                vr = ValueRanges(-int_oo, int_oo)
+            self.shape_env._update_var_to_range(sym, vr)
         self._cache: dict[str, Any] = {}
 
     def range_constraints(self, encoded: list[list[Any]]) -> dict:
