@@ -201,6 +201,12 @@ class EngineRecord:
             raise CorruptEngine("engine payload does not match its metadata")
         return cls(hash=expected_hash, meta=meta, payload=payload)
 
+    def __enter__(self) -> EngineRecord:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def release(self) -> None:
         """Delete the temp copy this record owns (idempotent)."""
         if self.owns_path and self.payload_path is not None and not self._released:

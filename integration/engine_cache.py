@@ -36,38 +36,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
 from adstore.integration.engine_backends import AdstoreEngineCache, BaseEngineCache, EngineRecord
-from adstore.integration.engine_hash import (
-    _call_spec,
-    canonical_json,
-    effective_inductor_configs,
-    hash_components,
-    toolchain_identity,
+from adstore.integration.engine_hash import canonical_json, effective_inductor_configs, hash_components
+from adstore.integration.engine_runtime import (
+    CompiledEngine,
+    EngineEvent,
+    build_meta,
+    code_constant_names,
+    constants_as_buffers,
+    constants_spec,
+    load_runner,
+    refit,
+    validate_meta,
+    validate_runner,
+    weights_of,
 )
-from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
+from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError
 from adstore.store.errors import AdstoreError
 
 __all__ = ["CompiledEngine", "EngineCache", "EngineEvent", "compile", "default_engine_cache", "set_default_engine_cache"]
 
 logger = logging.getLogger(__name__)
-
-ENGINE_KIND = "aoti_package"
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineEvent:
-    """What the cache did for one compile() call (also counted in the backend's stats)."""
-
-    kind: str  # "hit" | "miss" | "bypass"
-    hash: str | None
-    source: str  # "memory" | "backend" | "compiled"
-    reason: str | None = None
-    detail: str = ""
-    seconds: float = 0.0
-    saved: bool = False
-
 
 def _as_tuple(x: Any) -> tuple[Any, ...]:
     if isinstance(x, tuple):
@@ -75,142 +65,6 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     if isinstance(x, list):
         return tuple(x)
     return (x,)
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def _constants_as_buffers(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Lifted tensor constants become non-persistent buffers (same fqn, same value).
-
-    AOTInductor renames plain tensor constants (``_tensor_constant0``) but keeps
-    buffer fqns, so after this every constant of the package has a name the refit
-    can supply. The caller's program is not modified.
-    """
-    specs = ep.graph_signature.input_specs
-    if not any(s.kind == InputKind.CONSTANT_TENSOR for s in specs):
-        return ep
-    new_specs = [
-        InputSpec(kind=InputKind.BUFFER, arg=s.arg, target=s.target, persistent=False)
-        if s.kind == InputKind.CONSTANT_TENSOR
-        else s
-        for s in specs
-    ]
-    sig = ExportGraphSignature(input_specs=new_specs, output_specs=list(ep.graph_signature.output_specs))
-    return ep._update(ep.graph_module, sig)
-
-
-def _weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
-    """fqn -> tensor for every parameter, buffer and tensor constant the graph reads."""
-    out: dict[str, torch.Tensor] = {}
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            value = ep.state_dict.get(spec.target)
-            if value is None:
-                value = ep.constants.get(spec.target)
-            if isinstance(value, torch.Tensor):
-                out[str(spec.target)] = value
-    return out
-
-
-def _code_constant_names(ep: torch.export.ExportedProgram) -> list[str]:
-    return [str(s.target) for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR]
-
-
-def _constants_spec(weights: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
-    return [
-        {"fqn": k, "shape": list(t.shape), "dtype": str(t.dtype), "stride": list(t.stride()), "device": t.device.type}
-        for k, t in sorted(weights.items())
-    ]
-
-
-def _weights_from(source: Any) -> dict[str, torch.Tensor]:
-    if isinstance(source, torch.export.ExportedProgram):
-        return _weights_of(source)
-    if isinstance(source, torch.nn.Module):
-        return dict(source.state_dict(keep_vars=True))
-    if isinstance(source, Mapping):
-        return {str(k): v for k, v in source.items()}
-    raise TypeError(f"cannot take weights from {type(source).__name__}")
-
-
-def _refit(runner: Any, weights: Mapping[str, torch.Tensor], spec: list[dict[str, Any]]) -> float:
-    """Load ``weights`` into ``runner``, in the exact layout the engine was compiled for."""
-    by_name = {c["fqn"]: c for c in spec}
-    fqns = list(runner.get_constant_fqns())
-    cmap: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for fqn in fqns:
-            want = by_name.get(fqn)
-            t = weights.get(fqn)
-            if want is None or t is None:
-                raise EngineMismatch("constants", f"engine needs {fqn!r}, which the model does not have")
-            t = t.detach()
-            if list(t.shape) != want["shape"] or str(t.dtype) != want["dtype"]:
-                raise EngineMismatch(
-                    "constants",
-                    f"{fqn}: engine expects {want['dtype']}{want['shape']}, got {t.dtype}{list(t.shape)}",
-                )
-            if list(t.stride()) != want["stride"]:
-                # The kernels index constants with the compiled strides; load_constants
-                # clones with the source's strides, so re-lay the data out first.
-                t = torch.empty_strided(want["shape"], want["stride"], dtype=t.dtype, device=t.device).copy_(t)
-            cmap[fqn] = t
-    start = time.perf_counter()
-    runner.load_constants(cmap, check_full_update=True)
-    return time.perf_counter() - start
-
-
-def _load_runner(path: Path) -> Any:
-    return torch._inductor.aoti_load_package(str(path))
-
-
-# --------------------------------------------------------------------------- engine
-
-
-class CompiledEngine:
-    """A loaded, refit engine; call it like the model. ``event`` says how it was obtained."""
-
-    def __init__(
-        self,
-        runner: Any,
-        *,
-        hash: str | None,
-        meta: Mapping[str, Any],
-        event: EngineEvent,
-        code_constants: Mapping[str, torch.Tensor],
-        timings: Mapping[str, float],
-    ) -> None:
-        self._runner = runner
-        self.hash = hash
-        self.meta = dict(meta)
-        self.event = event
-        self._code_constants = dict(code_constants)
-        self.timings = dict(timings)
-
-    @property
-    def source(self) -> str:
-        return self.event.source
-
-    @property
-    def constant_names(self) -> list[str]:
-        return sorted(self._runner.get_constant_fqns())
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runner(*args, **kwargs)
-
-    def refit(self, weights: Any) -> float:
-        """Swap in new weights (an nn.Module, ExportedProgram or fqn->tensor mapping); returns seconds.
-
-        Tensor constants written in ``forward`` are part of the architecture and are
-        kept; every other constant must be given. Raises EngineMismatch on a missing
-        name, shape or dtype (nothing is loaded then).
-        """
-        merged = {**self._code_constants, **_weights_from(weights)}
-        return _refit(self._runner, merged, self.meta["constants"])
-
-    def __repr__(self) -> str:
-        return f"CompiledEngine(hash={self.hash and self.hash[:12]}, source={self.source})"
 
 
 # --------------------------------------------------------------------------- in-process layer
@@ -286,6 +140,21 @@ class _PackageLRU:
 # --------------------------------------------------------------------------- front
 
 
+@dataclasses.dataclass
+class _Request:
+    """One compile/lookup request after export and hashing."""
+
+    ep: torch.export.ExportedProgram
+    hash: str | None
+    components: Mapping[str, Any]
+    weights: dict[str, torch.Tensor]
+    spec: list[dict[str, Any]]
+    inductor_configs: dict[str, Any]
+    code_consts: dict[str, torch.Tensor]
+    timings: dict[str, float]
+    start: float
+
+
 class EngineCache:
     """Backend + in-process layer + the hit/miss/refit logic. Thread-safe; one per backend."""
 
@@ -349,6 +218,29 @@ class EngineCache:
         **settings: Any,
     ) -> CompiledEngine:
         """See :func:`compile`."""
+        req = self._prepare(model, example_inputs, dynamic_shapes, settings)
+        miss_reason, detail = ("bypass", "unhashable graph") if req.hash is None else ("ignored", "ignore_engine_cache=True")
+        if req.hash is not None and not ignore_engine_cache:
+            engine, miss_reason, detail = self._try_hit(req)
+            if engine is not None:
+                engine.timings["total"] = time.perf_counter() - req.start
+                return engine
+        return self._compile_miss(req, miss_reason, detail)
+
+    def lookup(
+        self, model: Any, example_inputs: Any, *, dynamic_shapes: Any = None, **settings: Any
+    ) -> tuple[CompiledEngine | None, EngineEvent]:
+        """A refit engine from the cache, or None and the miss event; never compiles."""
+        req = self._prepare(model, example_inputs, dynamic_shapes, settings)
+        if req.hash is None:
+            return None, EngineEvent("bypass", None, "none", reason="bypass", detail="unhashable graph")
+        engine, reason, detail = self._try_hit(req)
+        if engine is not None:
+            return engine, engine.event
+        self._count(f"misses.{reason}")
+        return None, EngineEvent("miss", req.hash, "none", reason=reason, detail=detail)
+
+    def _prepare(self, model: Any, example_inputs: Any, dynamic_shapes: Any, settings: Mapping[str, Any]) -> _Request:
         start = time.perf_counter()
         example_inputs = _as_tuple(example_inputs)
         inductor_configs = effective_inductor_configs(settings)  # bad settings: a clear ConfigError
@@ -359,39 +251,35 @@ class EngineCache:
         else:
             raise TypeError(f"compile() takes an nn.Module or ExportedProgram, got {type(model).__name__}")
         export_seconds = time.perf_counter() - start
+        h: str | None
         try:
             components = hash_components(ep, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
-            h: str | None = hashlib.sha256(canonical_json(components).encode()).hexdigest()
+            h = hashlib.sha256(canonical_json(components).encode()).hexdigest()
         except CacheKeyError as exc:
             logger.warning("engine cache bypass (%s): %s", exc.reason, exc)
             h, components = None, {}
-        code_consts = {k: v for k, v in _weights_of(ep).items() if k in set(_code_constant_names(ep))}
-        ep = _constants_as_buffers(ep)
-        weights = _weights_of(ep)
-        spec = _constants_spec(weights)
-        timings = {"export": export_seconds}
-
-        miss_reason, detail = ("bypass", "unhashable graph") if h is None else ("ignored", "ignore_engine_cache=True")
-        if h is not None and not ignore_engine_cache:
-            engine, miss_reason, detail = self._try_hit(h, ep, weights, spec, inductor_configs, code_consts, timings)
-            if engine is not None:
-                engine.timings["total"] = time.perf_counter() - start
-                return engine
-        return self._compile_miss(
-            h, ep, weights, spec, inductor_configs, code_consts, components, timings, miss_reason, detail, start
+        code_names = set(code_constant_names(ep))
+        code_consts = {k: v for k, v in weights_of(ep).items() if k in code_names}
+        ep = constants_as_buffers(ep)
+        weights = weights_of(ep)
+        return _Request(
+            ep=ep,
+            hash=h,
+            components=components,
+            weights=weights,
+            spec=constants_spec(weights),
+            inductor_configs=inductor_configs,
+            code_consts=code_consts,
+            timings={"export": export_seconds},
+            start=start,
         )
 
     # -- hit ---------------------------------------------------------------
-    def _try_hit(
-        self,
-        h: str,
-        ep: torch.export.ExportedProgram,
-        weights: dict[str, torch.Tensor],
-        spec: list[dict[str, Any]],
-        inductor_configs: dict[str, Any],
-        code_consts: dict[str, torch.Tensor],
-        timings: dict[str, float],
-    ) -> tuple[CompiledEngine | None, str, str]:
+    def _try_hit(self, req: _Request) -> tuple[CompiledEngine | None, str, str]:
+        h = req.hash
+        assert h is not None
+        ep, weights, spec, timings = req.ep, req.weights, req.spec, req.timings
+        inductor_configs, code_consts = req.inductor_configs, req.code_consts
         t0 = time.perf_counter()
         source = "memory"
         cached = self._memory.get(h)
@@ -414,7 +302,7 @@ class EngineCache:
             backend.touch(h)
         timings["fetch"] = time.perf_counter() - t0
         try:
-            _validate_meta(meta, h, ep, spec, inductor_configs)
+            validate_meta(meta, h, ep, spec, inductor_configs)
             if record is not None:
                 path = record.payload_path if record.payload_path is not None else None
                 if path is None:
@@ -425,10 +313,10 @@ class EngineCache:
             else:
                 path = cached[1]  # type: ignore[index]
             t1 = time.perf_counter()
-            runner = _load_runner(path)
+            runner = load_runner(path)
             timings["load"] = time.perf_counter() - t1
-            _validate_runner(runner, meta)
-            timings["refit"] = _refit(runner, weights, spec)
+            validate_runner(runner, meta)
+            timings["refit"] = refit(runner, weights, spec)
         except EngineCacheError as exc:
             self._memory.discard(h)
             return self._miss(h, exc.reason, str(exc))
@@ -453,20 +341,9 @@ class EngineCache:
         return None, reason, detail
 
     # -- miss --------------------------------------------------------------
-    def _compile_miss(
-        self,
-        h: str | None,
-        ep: torch.export.ExportedProgram,
-        weights: dict[str, torch.Tensor],
-        spec: list[dict[str, Any]],
-        inductor_configs: dict[str, Any],
-        code_consts: dict[str, torch.Tensor],
-        components: Mapping[str, Any],
-        timings: dict[str, float],
-        reason: str,
-        detail: str,
-        start: float,
-    ) -> CompiledEngine:
+    def _compile_miss(self, req: _Request, reason: str, detail: str) -> CompiledEngine:
+        h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
+        inductor_configs, code_consts, components = req.inductor_configs, req.code_consts, req.components
         backend = self.backend
         path = self._memory.new_path()
         t0 = time.perf_counter()
@@ -475,9 +352,9 @@ class EngineCache:
         compile_seconds = time.perf_counter() - t0
         timings["compile"] = compile_seconds
         self._count("compiles")
-        runner = _load_runner(path)
-        timings["refit"] = _refit(runner, weights, spec)
-        meta = _build_meta(h, ep, spec, inductor_configs, components, runner, compile_seconds)
+        runner = load_runner(path)
+        timings["refit"] = refit(runner, weights, spec)
+        meta = build_meta(h, ep, spec, inductor_configs, components, runner, compile_seconds)
         saved = False
         if h is not None:
             record = EngineRecord.create(h, meta, path.read_bytes())
@@ -500,95 +377,8 @@ class EngineCache:
         event = EngineEvent(kind, h, "compiled", reason=reason, detail=detail, seconds=compile_seconds, saved=saved)
         logger.info("engine cache %s (%s): compiled %s in %.1fs", kind, reason, h and h[:12], compile_seconds)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
-        engine.timings["total"] = time.perf_counter() - start
+        engine.timings["total"] = time.perf_counter() - req.start
         return engine
-
-
-def _io_meta(ep: torch.export.ExportedProgram) -> tuple[list[Any], list[Any]]:
-    def render(node: Any) -> dict[str, Any]:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return {"name": node.name, "shape": [str(d) for d in val.shape], "dtype": str(val.dtype)}
-        return {"name": node.name, "type": type(val).__name__}
-
-    users = set(ep.graph_signature.user_inputs)
-    inputs = [render(n) for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
-    out_node = next(n for n in ep.graph.nodes if n.op == "output")
-    outs = [render(a) for a in out_node.args[0] if isinstance(a, torch.fx.Node)]
-    return inputs, outs
-
-
-def _build_meta(
-    h: str | None,
-    ep: torch.export.ExportedProgram,
-    spec: list[dict[str, Any]],
-    inductor_configs: dict[str, Any],
-    components: Mapping[str, Any],
-    runner: Any,
-    compile_seconds: float,
-) -> dict[str, Any]:
-    inputs, outputs = _io_meta(ep)
-    return {
-        "kind": ENGINE_KIND,
-        "created": time.time(),
-        "compile_seconds": compile_seconds,
-        "inputs": inputs,
-        "outputs": outputs,
-        "call_spec": _call_spec(ep),
-        "runner_call_spec": list(runner.loader.get_call_spec()),
-        "runner_metadata": dict(runner.get_metadata()),
-        "settings": inductor_configs,
-        "constants": spec,
-        "toolchain": toolchain_identity(),
-        "components": {k: (v if k in ("version", "toolchain") else _digest(v)) for k, v in components.items()},
-        "payload": {"weights_included": False},
-    }
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
-
-
-def _json_roundtrip(obj: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(obj, sort_keys=True))
-
-
-def _validate_meta(
-    meta: Mapping[str, Any],
-    h: str,
-    ep: torch.export.ExportedProgram,
-    spec: list[dict[str, Any]],
-    inductor_configs: dict[str, Any],
-) -> None:
-    """A stored engine must be exactly what this request would compile; else EngineMismatch."""
-    if meta.get("kind") != ENGINE_KIND:
-        raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
-    if meta.get("hash") != h:
-        raise EngineMismatch("hash", f"record says {meta.get('hash')!r}")
-    if meta.get("payload", {}).get("weights_included"):
-        raise EngineMismatch("payload", "record carries weights; this cache stores architecture only")
-    checks = {
-        "toolchain": toolchain_identity(),
-        "constants": spec,
-        "call_spec": _call_spec(ep),
-        "settings": inductor_configs,
-    }
-    for what, want in checks.items():
-        if _json_roundtrip(meta.get(what)) != _json_roundtrip(want):
-            raise EngineMismatch(what, "stored engine was built for different " + what)
-
-
-def _validate_runner(runner: Any, meta: Mapping[str, Any]) -> None:
-    if list(runner.loader.get_call_spec()) != list(meta.get("runner_call_spec") or []):
-        raise EngineMismatch("call_spec", "loaded package has a different call spec")
-    if dict(runner.get_metadata()) != dict(meta.get("runner_metadata") or {}):
-        raise EngineMismatch("runner_metadata", "loaded package reports a different device or ISA")
-    expected = {c["fqn"] for c in meta.get("constants") or ()}
-    extra = set(runner.get_constant_fqns()) - expected
-    if extra:
-        raise EngineMismatch("constants", f"package wants constants the record does not list: {sorted(extra)[:5]}")
 
 
 # --------------------------------------------------------------------------- module API

@@ -1,0 +1,275 @@
+"""Runtime side of the engine cache: weights, refit, engine metadata and its checks.
+
+A cached AOTInductor package holds code, no weights. This module collects the
+weights a graph reads (parameters, buffers, tensor constants), writes them into
+a loaded runner in the exact layout the engine was compiled for, describes an
+engine in the metadata stored with it, and checks that metadata (and the loaded
+runner) against a request before an engine is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+
+from adstore.integration.engine_hash import _call_spec, canonical_json, toolchain_identity
+from adstore.integration.errors import EngineMismatch
+
+__all__ = [
+    "ENGINE_KIND",
+    "CompiledEngine",
+    "EngineEvent",
+    "build_meta",
+    "code_constant_names",
+    "constants_as_buffers",
+    "constants_spec",
+    "load_runner",
+    "refit",
+    "validate_meta",
+    "validate_runner",
+    "weights_of",
+]
+
+ENGINE_KIND = "aoti_package"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEvent:
+    """What the cache did for one compile() call (also counted in the backend's stats)."""
+
+    kind: str  # "hit" | "miss" | "bypass"
+    hash: str | None
+    source: str  # "memory" | "backend" | "compiled"
+    reason: str | None = None
+    detail: str = ""
+    seconds: float = 0.0
+    saved: bool = False
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def constants_as_buffers(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Lifted tensor constants become non-persistent buffers (same fqn, same value).
+
+    AOTInductor renames plain tensor constants (``_tensor_constant0``) but keeps
+    buffer fqns, so after this every constant of the package has a name the refit
+    can supply. The caller's program is not modified.
+    """
+    specs = ep.graph_signature.input_specs
+    if not any(s.kind == InputKind.CONSTANT_TENSOR for s in specs):
+        return ep
+    new_specs = [
+        InputSpec(kind=InputKind.BUFFER, arg=s.arg, target=s.target, persistent=False)
+        if s.kind == InputKind.CONSTANT_TENSOR
+        else s
+        for s in specs
+    ]
+    sig = ExportGraphSignature(input_specs=new_specs, output_specs=list(ep.graph_signature.output_specs))
+    return ep._update(ep.graph_module, sig)
+
+
+def weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """fqn -> tensor for every parameter, buffer and tensor constant the graph reads."""
+    out: dict[str, torch.Tensor] = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            value = ep.state_dict.get(spec.target)
+            if value is None:
+                value = ep.constants.get(spec.target)
+            if isinstance(value, torch.Tensor):
+                out[str(spec.target)] = value
+    return out
+
+
+def code_constant_names(ep: torch.export.ExportedProgram) -> list[str]:
+    return [str(s.target) for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR]
+
+
+def constants_spec(weights: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    return [
+        {"fqn": k, "shape": list(t.shape), "dtype": str(t.dtype), "stride": list(t.stride()), "device": t.device.type}
+        for k, t in sorted(weights.items())
+    ]
+
+
+def _weights_from(source: Any) -> dict[str, torch.Tensor]:
+    if isinstance(source, torch.export.ExportedProgram):
+        return weights_of(source)
+    if isinstance(source, torch.nn.Module):
+        return dict(source.state_dict(keep_vars=True))
+    if isinstance(source, Mapping):
+        return {str(k): v for k, v in source.items()}
+    raise TypeError(f"cannot take weights from {type(source).__name__}")
+
+
+def refit(runner: Any, weights: Mapping[str, torch.Tensor], spec: list[dict[str, Any]]) -> float:
+    """Load ``weights`` into ``runner``, in the exact layout the engine was compiled for."""
+    by_name = {c["fqn"]: c for c in spec}
+    fqns = list(runner.get_constant_fqns())
+    cmap: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for fqn in fqns:
+            want = by_name.get(fqn)
+            t = weights.get(fqn)
+            if want is None or t is None:
+                raise EngineMismatch("constants", f"engine needs {fqn!r}, which the model does not have")
+            t = t.detach()
+            if list(t.shape) != want["shape"] or str(t.dtype) != want["dtype"]:
+                raise EngineMismatch(
+                    "constants",
+                    f"{fqn}: engine expects {want['dtype']}{want['shape']}, got {t.dtype}{list(t.shape)}",
+                )
+            if list(t.stride()) != want["stride"]:
+                # The kernels index constants with the compiled strides; load_constants
+                # clones with the source's strides, so re-lay the data out first.
+                t = torch.empty_strided(want["shape"], want["stride"], dtype=t.dtype, device=t.device).copy_(t)
+            cmap[fqn] = t
+    start = time.perf_counter()
+    runner.load_constants(cmap, check_full_update=True)
+    return time.perf_counter() - start
+
+
+def load_runner(path: Path) -> Any:
+    return torch._inductor.aoti_load_package(str(path))
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class CompiledEngine:
+    """A loaded, refit engine; call it like the model. ``event`` says how it was obtained."""
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        hash: str | None,
+        meta: Mapping[str, Any],
+        event: EngineEvent,
+        code_constants: Mapping[str, torch.Tensor],
+        timings: Mapping[str, float],
+    ) -> None:
+        self._runner = runner
+        self.hash = hash
+        self.meta = dict(meta)
+        self.event = event
+        self._code_constants = dict(code_constants)
+        self.timings = dict(timings)
+
+    @property
+    def source(self) -> str:
+        return self.event.source
+
+    @property
+    def constant_names(self) -> list[str]:
+        return sorted(self._runner.get_constant_fqns())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner(*args, **kwargs)
+
+    def refit(self, weights: Any) -> float:
+        """Swap in new weights (an nn.Module, ExportedProgram or fqn->tensor mapping); returns seconds.
+
+        Tensor constants written in ``forward`` are part of the architecture and are
+        kept; every other constant must be given. Raises EngineMismatch on a missing
+        name, shape or dtype (nothing is loaded then).
+        """
+        merged = {**self._code_constants, **_weights_from(weights)}
+        return refit(self._runner, merged, self.meta["constants"])
+
+    def __repr__(self) -> str:
+        return f"CompiledEngine(hash={self.hash and self.hash[:12]}, source={self.source})"
+
+
+def _io_meta(ep: torch.export.ExportedProgram) -> tuple[list[Any], list[Any]]:
+    def render(node: Any) -> dict[str, Any]:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return {"name": node.name, "shape": [str(d) for d in val.shape], "dtype": str(val.dtype)}
+        return {"name": node.name, "type": type(val).__name__}
+
+    users = set(ep.graph_signature.user_inputs)
+    inputs = [render(n) for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outs = [render(a) for a in out_node.args[0] if isinstance(a, torch.fx.Node)]
+    return inputs, outs
+
+
+def build_meta(
+    h: str | None,
+    ep: torch.export.ExportedProgram,
+    spec: list[dict[str, Any]],
+    inductor_configs: dict[str, Any],
+    components: Mapping[str, Any],
+    runner: Any,
+    compile_seconds: float,
+) -> dict[str, Any]:
+    inputs, outputs = _io_meta(ep)
+    return {
+        "kind": ENGINE_KIND,
+        "created": time.time(),
+        "compile_seconds": compile_seconds,
+        "inputs": inputs,
+        "outputs": outputs,
+        "call_spec": _call_spec(ep),
+        "runner_call_spec": list(runner.loader.get_call_spec()),
+        "runner_metadata": dict(runner.get_metadata()),
+        "settings": inductor_configs,
+        "constants": spec,
+        "toolchain": toolchain_identity(),
+        "components": {k: (v if k in ("version", "toolchain") else _digest(v)) for k, v in components.items()},
+        "payload": {"weights_included": False},
+    }
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def _json_roundtrip(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True))
+
+
+def validate_meta(
+    meta: Mapping[str, Any],
+    h: str,
+    ep: torch.export.ExportedProgram,
+    spec: list[dict[str, Any]],
+    inductor_configs: dict[str, Any],
+) -> None:
+    """A stored engine must be exactly what this request would compile; else EngineMismatch."""
+    if meta.get("kind") != ENGINE_KIND:
+        raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
+    if meta.get("hash") != h:
+        raise EngineMismatch("hash", f"record says {meta.get('hash')!r}")
+    if meta.get("payload", {}).get("weights_included"):
+        raise EngineMismatch("payload", "record carries weights; this cache stores architecture only")
+    checks = {
+        "toolchain": toolchain_identity(),
+        "constants": spec,
+        "call_spec": _call_spec(ep),
+        "settings": inductor_configs,
+    }
+    for what, want in checks.items():
+        if _json_roundtrip(meta.get(what)) != _json_roundtrip(want):
+            raise EngineMismatch(what, "stored engine was built for different " + what)
+
+
+def validate_runner(runner: Any, meta: Mapping[str, Any]) -> None:
+    if list(runner.loader.get_call_spec()) != list(meta.get("runner_call_spec") or []):
+        raise EngineMismatch("call_spec", "loaded package has a different call spec")
+    if dict(runner.get_metadata()) != dict(meta.get("runner_metadata") or {}):
+        raise EngineMismatch("runner_metadata", "loaded package reports a different device or ISA")
+    expected = {c["fqn"] for c in meta.get("constants") or ()}
+    extra = set(runner.get_constant_fqns()) - expected
+    if extra:
+        raise EngineMismatch("constants", f"package wants constants the record does not list: {sorted(extra)[:5]}")

@@ -1,0 +1,475 @@
+"""Engine cache on a real AOTInductor package and a real store.
+
+Real compiles are expensive (tens of seconds on 2 cores), so the default run
+makes three: the first ``compile()`` of the MLP (a miss, shared by the module
+fixture), one plain ``aoti_compile_and_package`` with the weights baked in (the
+oracle a refit must match), and one ``ignore_engine_cache=True`` recompile.
+Every other test reuses the stored record: corrupt copies of it, renamed
+copies, copies in other backends. Heavier cases are marked slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import textwrap
+
+import pytest
+import torch
+
+from adstore.integration import engine_backends
+from adstore.integration.engine_backends import (
+    AdstoreEngineCache,
+    BaseEngineCache,
+    EngineRecord,
+    InMemoryEngineCache,
+)
+from adstore.integration.engine_cache import EngineCache, compile
+from adstore.integration.engine_hash import get_hash, hash_components
+from adstore.integration.errors import ConfigError, CorruptEngine, EngineMismatch, TruncatedEngine
+from adstore.store import Store
+
+
+class MLP(torch.nn.Module):
+    """Linear/ReLU/Linear with a buffer and a constant written in forward()."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = torch.tensor([0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 0.25, -0.25])
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale + offset
+
+
+class MLPRenamed(MLP):
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:  # same graph, other input name
+        offset = torch.tensor([0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 0.25, -0.25])
+        return self.fc2(torch.relu(self.fc1(inp))) * self.scale + offset
+
+
+def make_model(seed: int) -> MLP:
+    torch.manual_seed(seed)
+    m = MLP().eval()
+    with torch.no_grad():
+        m.scale.uniform_(0.5, 2.0)
+    return m
+
+
+def digests(model: torch.nn.Module) -> dict[str, str]:
+    return {k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in model.state_dict().items()}
+
+
+X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One store, one backend, and the one shared first compile (a miss)."""
+    root = tmp_path_factory.mktemp("engine-store")
+    store = Store.open(root, grace_period=0.0)
+    backend = AdstoreEngineCache(store)
+    model = make_model(1)
+    before = digests(model)
+    front = EngineCache(backend)
+    engine = front.compile(model, (X,))
+    yield {
+        "store": store,
+        "backend": backend,
+        "front": front,
+        "model": model,
+        "before": before,
+        "engine": engine,
+        "hash": engine.hash,
+        "blob": backend.load(engine.hash),
+    }
+    front.close()
+    store.close()
+
+
+def lookup_in(backend: BaseEngineCache, model: torch.nn.Module):
+    front = EngineCache(backend)
+    try:
+        return front.lookup(model, (X,))
+    finally:
+        front.close()
+
+
+# --------------------------------------------------------------------------- hit / miss / refit
+
+
+def test_first_compile_is_a_miss_and_is_stored(env):
+    engine = env["engine"]
+    assert engine.event.kind == "miss" and engine.event.reason == "absent" and engine.event.saved
+    torch.testing.assert_close(engine(X), env["model"](X), rtol=0, atol=0)
+    entry = env["store"].entry(env["hash"])
+    assert entry is not None and entry.namespace == "engine"
+    assert set(entry.components) >= {"graph", "inputs", "settings", "toolchain"}
+    record = EngineRecord.from_bytes(env["blob"], expected_hash=env["hash"])
+    assert record.meta["payload"]["weights_included"] is False
+    names = {c["fqn"] for c in record.meta["constants"]}
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "scale"} <= names
+    assert [i["name"] for i in record.meta["inputs"]] == ["x"] and record.meta["outputs"]
+    assert not list((env["store"].root / "tmp").iterdir()), "hit/miss left temp copies in the store"
+
+
+def test_hit_refits_new_weights_from_store_then_memory(env):
+    other = make_model(2)
+    front = EngineCache(env["backend"])  # empty in-process layer: must read the store
+    try:
+        hit = front.compile(other, (X,))
+        assert hit.event.kind == "hit" and hit.event.source == "backend"
+        assert front.counters["compiles"] == 0
+        torch.testing.assert_close(hit(X), other(X), rtol=1e-6, atol=1e-6)
+        again = front.compile(make_model(3), (X,))
+        assert again.event.source == "memory"
+        torch.testing.assert_close(again(X), make_model(3)(X), rtol=1e-6, atol=1e-6)
+        # engines do not share weights: the first one still computes with model 2
+        torch.testing.assert_close(hit(X), other(X), rtol=1e-6, atol=1e-6)
+    finally:
+        front.close()
+    assert not list((env["store"].root / "tmp").iterdir())
+
+
+def test_refit_matches_a_fresh_compile_with_those_weights(env, tmp_path):
+    new = make_model(4)
+    hit = env["front"].compile(new, (X,))
+    assert hit.event.kind == "hit"
+    pkg = torch._inductor.aoti_compile_and_package(
+        torch.export.export(new, (X,)), package_path=str(tmp_path / "fresh.pt2")
+    )  # plain AOTInductor defaults: weights baked into the package
+    fresh = torch._inductor.aoti_load_package(pkg)
+    for batch in (X, torch.randn(4, 16), torch.randn(4, 16) * 10):
+        torch.testing.assert_close(hit(batch), fresh(batch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hit(batch), new(batch), rtol=1e-5, atol=1e-5)
+    env["fresh_with_weights_bytes"] = os.path.getsize(pkg)
+    assert os.path.getsize(pkg) > 0
+
+
+def test_engine_refit_method_handles_layout_and_rejects_wrong_shapes(env):
+    engine = env["front"].compile(make_model(5), (X,))
+    target = make_model(6)
+    with torch.no_grad():  # same values, transposed storage: must be re-laid out, not reinterpreted
+        target.fc1.weight = torch.nn.Parameter(target.fc1.weight.detach().t().contiguous().t())
+    assert not target.fc1.weight.is_contiguous()
+    engine.refit(target)
+    torch.testing.assert_close(engine(X), target(X), rtol=1e-6, atol=1e-6)
+    bad = dict(target.state_dict())
+    bad["fc2.weight"] = torch.zeros(3, 3)
+    with pytest.raises(EngineMismatch):
+        engine.refit(bad)
+    torch.testing.assert_close(engine(X), target(X), rtol=1e-6, atol=1e-6)  # old weights kept
+
+
+def test_ignore_engine_cache_recompiles_and_overwrites(env):
+    store, h = env["store"], env["hash"]
+    gen_before = {m.generation for m in store.manifests(h) if m.committed}
+    front = EngineCache(env["backend"])
+    try:
+        model = make_model(7)
+        engine = front.compile(model, (X,), ignore_engine_cache=True)
+        assert engine.event.kind == "miss" and engine.event.reason == "ignored" and engine.event.saved
+        assert front.counters["compiles"] == 1
+        torch.testing.assert_close(engine(X), model(X), rtol=1e-6, atol=1e-6)
+        gen_after = {m.generation for m in store.manifests(h) if m.committed}
+        assert gen_after and gen_after.isdisjoint(gen_before), "the stored engine was not overwritten"
+        assert store.lookup(h, record=False).hit
+        hit = front.compile(make_model(8), (X,))
+        assert hit.event.kind == "hit" and front.counters["compiles"] == 1
+    finally:
+        front.close()
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def test_hash_equal_on_reexport_and_matches_compile(env):
+    a = get_hash(torch.export.export(make_model(1), (X,)), (X,))
+    b = get_hash(torch.export.export(make_model(9), (X,)), (X,))
+    assert a == b == env["hash"]
+
+
+def test_hash_differs_on_shape_setting_and_arguments():
+    base_ep = torch.export.export(make_model(1), (X,))
+    base = get_hash(base_ep, (X,))
+    x8 = torch.randn(8, 16)
+    assert get_hash(torch.export.export(make_model(1), (x8,)), (x8,)) != base
+    assert get_hash(base_ep, (X,), settings={"cpp.simdlen": 8}) != base
+    assert get_hash(base_ep, (X,), settings={"max_autotune": True}) != base
+    assert MLP(hidden=64) is not None and get_hash(torch.export.export(MLP(hidden=64).eval(), (X,)), (X,)) != base
+
+    class Leaky(torch.nn.Module):
+        def __init__(self, slope: float, dim: int) -> None:
+            super().__init__()
+            self.slope, self.dim = slope, dim
+
+        def forward(self, x):
+            return torch.nn.functional.leaky_relu(x, self.slope).sum(self.dim)
+
+    def h(slope, dim):
+        ep = torch.export.export(Leaky(slope, dim), (X,))
+        return get_hash(ep, (X,)), [str(n.target) for n in ep.graph.nodes]
+
+    (h1, ops1), (h2, ops2), (h3, ops3) = h(0.1, 0), h(0.2, 0), h(0.1, 1)
+    assert ops1 == ops2 == ops3, "the test needs graphs with the same op sequence"
+    assert len({h1, h2, h3}) == 3
+
+
+def test_isomorphic_graphs_with_renamed_inputs_share():
+    a = torch.export.export(make_model(1), (X,))
+    b = torch.export.export(MLPRenamed().eval(), (X,))
+    assert [n.name for n in a.graph.nodes if n.op == "placeholder"][-1] == "x"
+    assert [n.name for n in b.graph.nodes if n.op == "placeholder"][-1] == "inp"
+    assert get_hash(a, (X,)) == get_hash(b, (X,))
+
+
+def test_dynamic_shapes_are_in_the_hash_and_renaming_still_shares():
+    batch = torch.export.Dim("batch", min=2, max=64)
+    x8 = torch.randn(8, 16)
+    a = get_hash(torch.export.export(make_model(1), (X,), dynamic_shapes=({0: batch},)), (X,),
+                 dynamic_shapes=({0: batch},))
+    b = get_hash(torch.export.export(MLPRenamed().eval(), (x8,), dynamic_shapes=({0: batch},)), (x8,),
+                 dynamic_shapes=({0: batch},))
+    narrow = torch.export.Dim("batch", min=2, max=16)
+    c = get_hash(torch.export.export(make_model(1), (X,), dynamic_shapes=({0: narrow},)), (X,),
+                 dynamic_shapes=({0: narrow},))
+    static = get_hash(torch.export.export(make_model(1), (X,)), (X,))
+    assert a == b and a != c and a != static
+
+
+def test_hashing_and_compiling_never_touch_parameters(env):
+    assert digests(env["model"]) == env["before"]  # after the fixture's compile
+    model = make_model(11)
+    before = digests(model)
+    ep = torch.export.export(model, (X,))
+    ep_before = {k: v.clone() for k, v in ep.state_dict.items()}
+    get_hash(ep, (X,))
+    get_hash(model, (X,))
+    hash_components(ep.graph_module, (X,))
+    assert digests(model) == before
+    assert all(torch.equal(ep.state_dict[k], v) for k, v in ep_before.items())
+    assert all(t.abs().sum() > 0 for t in model.state_dict().values())
+
+
+def test_bad_settings_are_clear_errors_before_any_compile(env):
+    with pytest.raises(ConfigError):
+        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), freezing=True)
+    with pytest.raises(ConfigError):
+        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), **{"not.an_option": 1})
+    with pytest.raises(ConfigError):
+        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), always_keep_tensor_constants=False)
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+def fake_record(meta: dict, nbytes: int, tag: int) -> EngineRecord:
+    h = hashlib.sha256(f"fake-engine-{tag}".encode()).hexdigest()
+    return EngineRecord.create(h, dict(meta), os.urandom(nbytes))
+
+
+def test_store_budget_evicts_least_recently_used_engines(env, tmp_path):
+    meta = EngineRecord.from_bytes(env["blob"], expected_hash=env["hash"]).meta
+    with Store.open(tmp_path / "s", grace_period=0.0) as store:
+        cache = AdstoreEngineCache(store)
+        a, b, c = (fake_record(meta, 300_000, i) for i in range(3))
+        cache.save_record(a)
+        cache.save_record(b)
+        with cache.load_record(a.hash) as read:  # a is now more recent than b
+            assert read.payload_path is not None and read.payload_path.exists()
+        assert not read.payload_path.exists(), "the temp copy outlived the read"
+        limited = AdstoreEngineCache(store, max_size=store.size() + 150_000)
+        limited.save_record(c)  # c's 300 KB put the store ~150 KB over budget: the LRU engine (b) goes
+        assert sorted(cache.keys()) == sorted([a.hash, c.hash])
+        assert cache.load_record(b.hash) is None
+        plan = cache.plan_eviction(max_size=0)
+        assert [e.key for e in plan.victims][:1] == [a.hash]  # a was read before c was written
+        assert not list((store.root / "tmp").iterdir())
+
+
+def test_in_memory_backend_is_a_bounded_lru():
+    cache = InMemoryEngineCache(max_entries=2)
+    cache.save("a" * 64, b"1")
+    cache.save("b" * 64, b"2")
+    assert cache.load("a" * 64) == b"1"
+    cache.save("c" * 64, b"3")
+    assert cache.keys() == ["a" * 64, "c" * 64] and cache.evictions == 1
+    by_bytes = InMemoryEngineCache(max_bytes=5)
+    by_bytes.save("a" * 64, b"123")
+    by_bytes.save("b" * 64, b"456")
+    assert "a" * 64 not in by_bytes and by_bytes.load("b" * 64) == b"456"
+
+
+# --------------------------------------------------------------------------- corruption and mismatch
+
+
+def test_truncated_and_bitflipped_records_are_misses(env):
+    blob, h = env["blob"], env["hash"]
+    with pytest.raises(TruncatedEngine):
+        EngineRecord.from_bytes(blob[: len(blob) // 2], expected_hash=h)
+    cases = {
+        "truncated_engine": blob[:-100],
+        "truncated_engine ": blob[:20],
+        "corrupt_engine": blob[:5000] + bytes([blob[5000] ^ 0x01]) + blob[5001:],
+        "corrupt_engine ": blob[:-3] + bytes([blob[-3] ^ 0x80]) + blob[-2:],
+    }
+    for reason, bad in cases.items():
+        mem = InMemoryEngineCache()
+        mem.save(h, bad)
+        engine, event = lookup_in(mem, make_model(2))
+        assert engine is None and event.kind == "miss" and event.reason == reason.strip(), (reason, event)
+    mem = InMemoryEngineCache()
+    mem.save(h, blob)
+    engine, event = lookup_in(mem, make_model(2))  # the intact copy is a hit
+    assert engine is not None and event.source == "backend"
+    torch.testing.assert_close(engine(X), make_model(2)(X), rtol=1e-6, atol=1e-6)
+
+
+def test_corrupt_or_truncated_store_blobs_are_misses(env, tmp_path):
+    h = env["hash"]
+    for damage in ("flip", "truncate"):
+        with Store.open(tmp_path / damage, grace_period=0.0) as store:
+            cache = AdstoreEngineCache(store)
+            cache.save(h, env["blob"])
+            pkg = store.manifests(h)[0].artifacts[AdstoreEngineCache.PACKAGE_ARTIFACT]
+            path = store.blob_path(pkg.digest)
+            os.chmod(path, 0o600)
+            data = bytearray(path.read_bytes())
+            if damage == "flip":
+                data[len(data) // 2] ^= 0x10
+            else:
+                data = data[: len(data) - 1000]
+            path.write_bytes(bytes(data))
+            engine, event = lookup_in(cache, make_model(2))
+            assert engine is None and event.kind == "miss"
+            assert event.reason == ("corrupt_engine" if damage == "flip" else "engine_unavailable"), event
+            assert not list((store.root / "tmp").iterdir())
+
+
+def rewrite(blob: bytes, h: str, edit) -> bytes:
+    rec = EngineRecord.from_bytes(blob, expected_hash=h)
+    meta = json.loads(json.dumps(rec.meta))
+    payload = rec.payload
+    out = edit(meta, payload)
+    if out is not None:
+        meta, payload = out
+    new = EngineRecord.create(meta["hash"], meta, payload)
+    new.meta["format_version"] = meta["format_version"]
+    return new.to_bytes()
+
+
+def test_mismatched_metadata_is_a_miss(env):
+    blob, h = env["blob"], env["hash"]
+
+    def constants_shape(meta, payload):
+        for c in meta["constants"]:
+            if c["fqn"] == "fc1.weight":
+                c["shape"], c["stride"] = [16, 32], [32, 1]
+
+    def constants_missing(meta, payload):
+        meta["constants"] = [c for c in meta["constants"] if c["fqn"] != "fc2.bias"]
+
+    def toolchain(meta, payload):
+        meta["toolchain"]["torch"] = "1.0.0"
+
+    def settings(meta, payload):
+        meta["settings"]["cpp.simdlen"] = 4
+
+    def version(meta, payload):
+        meta["format_version"] = 999
+
+    def other_hash(meta, payload):
+        meta["hash"] = "0" * 64
+
+    def garbage_package(meta, payload):
+        return meta, os.urandom(len(payload))
+
+    cases = {
+        constants_shape: "engine_mismatch",
+        constants_missing: "engine_mismatch",
+        toolchain: "engine_mismatch",
+        settings: "engine_mismatch",
+        version: "engine_mismatch",
+        other_hash: "engine_mismatch",
+        garbage_package: "load_failed",
+    }
+    for edit, reason in cases.items():
+        mem = InMemoryEngineCache()
+        mem.save(h, rewrite(blob, h, edit))
+        engine, event = lookup_in(mem, make_model(2))
+        assert engine is None and event.reason == reason, (edit.__name__, event)
+    with pytest.raises(EngineMismatch):
+        EngineRecord.from_bytes(rewrite(blob, h, other_hash), expected_hash=h)
+    with pytest.raises(CorruptEngine):
+        EngineRecord.from_bytes(b"NOTANENG" + blob[8:], expected_hash=h)
+
+
+class ExplodingBackend(BaseEngineCache):
+    def save(self, hash, blob):
+        raise OSError("disk on fire")
+
+    def load(self, hash):
+        raise RuntimeError("remote cache down")
+
+
+def test_backend_errors_are_misses_not_crashes():
+    engine, event = lookup_in(ExplodingBackend(), make_model(2))
+    assert engine is None and event.reason == "backend_error" and "remote cache down" in event.detail
+
+
+def test_documented_directory_backend_round_trips(env, tmp_path):
+    doc = engine_backends.__doc__
+    code = textwrap.dedent(re.search(r"\.\. code-block:: python\n(.*?)\nPass it", doc, re.S).group(1))
+    namespace: dict = {}
+    exec(compile_source(code), namespace)  # noqa: S102 - our own docstring
+    cache = namespace["DirectoryEngineCache"](tmp_path / "engines")
+    assert cache.load(env["hash"]) is None
+    cache.save(env["hash"], env["blob"])
+    engine, event = lookup_in(cache, make_model(2))
+    assert engine is not None and event.source == "backend"
+    torch.testing.assert_close(engine(X), make_model(2)(X), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        cache.save("../../etc/passwd", b"x")
+
+
+def compile_source(code: str):
+    import builtins
+
+    return builtins.compile(code, "<engine_backends docstring>", "exec")
+
+
+# --------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+def test_corrupt_stored_engine_is_recompiled_and_overwritten(env, tmp_path):
+    h = env["hash"]
+    with Store.open(tmp_path / "s", grace_period=0.0) as store:
+        cache = AdstoreEngineCache(store)
+        cache.save(h, rewrite(env["blob"], h, lambda m, p: (m, os.urandom(len(p)))))
+        front = EngineCache(cache)
+        model = make_model(12)
+        engine = front.compile(model, (X,))
+        assert engine.event.kind == "miss" and engine.event.reason == "load_failed" and engine.event.saved
+        torch.testing.assert_close(engine(X), model(X), rtol=1e-6, atol=1e-6)
+        front.close()
+        engine2, event = lookup_in(cache, make_model(13))
+        assert engine2 is not None and event.kind == "hit"
+
+
+@pytest.mark.slow
+def test_dynamic_batch_engine_serves_every_batch_in_range(tmp_path):
+    batch = torch.export.Dim("batch", min=2, max=64)
+    mem = InMemoryEngineCache()
+    engine = compile(make_model(1), (X,), engine_cache=mem, dynamic_shapes=({0: batch},))
+    other = make_model(2)
+    hit = compile(other, (torch.randn(9, 16),), engine_cache=mem, dynamic_shapes=({0: batch},))
+    assert engine.event.kind == "miss" and hit.event.kind == "hit"
+    for n in (2, 5, 64):
+        xb = torch.randn(n, 16)
+        torch.testing.assert_close(hit(xb), other(xb), rtol=1e-5, atol=1e-5)
