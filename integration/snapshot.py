@@ -112,8 +112,9 @@ def _read_payload(artifacts: Mapping[str, bytes]) -> tuple[dict[str, Any], list[
         structure = json.loads(text)
     except ValueError as exc:
         raise CorruptSnapshot(f"snapshot structure is not JSON: {exc}") from None
-    if not isinstance(structure, dict) or structure.get("format") != FORMAT or not isinstance(structure.get("tree"), dict):
-        raise CorruptSnapshot("snapshot structure is malformed")
+    if (not isinstance(structure, dict) or structure.get("format") != FORMAT
+            or structure.get("version") != VERSION or not isinstance(structure.get("tree"), dict)):
+        raise CorruptSnapshot("snapshot structure is malformed or of another version")
     return structure, tensors
 
 

@@ -1,0 +1,281 @@
+"""Poisoned snapshots are rejected as misses and nothing they name runs.
+
+Every payload here is crafted by hand to run ``touch <sentinel>`` if any part
+of it were executed (a pickle REDUCE, a graph target, a hook, a class, code
+injected into generated source); the sentinel file must never appear.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import pickle
+import subprocess
+
+import pytest
+import torch
+import torch.fx
+
+from adstore.integration.errors import CorruptSnapshot, SnapshotError, UntrustedTarget
+from adstore.integration.snapshot import FORMAT, VERSION, dump_module, load_module, summarize
+from adstore.integration.targets import allow_prefix, resolve_target
+
+from test_snapshot_support import to_meta
+
+REJECT = ("untrusted_target", "corrupt_snapshot")
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + x.shape[0]
+
+
+@pytest.fixture
+def sentinel(tmp_path):
+    path = tmp_path / "pwned"
+    yield path
+    assert not path.exists(), "a poisoned snapshot executed code"
+
+
+@pytest.fixture(scope="module")
+def fx_art():
+    gm = torch.fx.symbolic_trace(Small())
+    to_meta(gm)
+    return dump_module(gm)
+
+
+@pytest.fixture(scope="module")
+def export_art():
+    gm = torch.export.export(Small(), (torch.randn(2, 4),)).module()
+    to_meta(gm)
+    return dump_module(gm)
+
+
+def _open(art):
+    payload = torch.load(io.BytesIO(art["module.pt"]), weights_only=True)
+    return json.loads(payload["structure"]), payload["tensors"]
+
+
+def _craft(structure, tensors=(), hooks=b"[]"):
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, "structure": json.dumps(structure),
+                "tensors": list(tensors)}, buf)
+    return {"module.pt": buf.getvalue(), "hooks.json": hooks}
+
+
+def _rejected(art, reason=None, **kw) -> SnapshotError:
+    with pytest.raises(SnapshotError) as exc:
+        load_module(art, **kw)
+    assert exc.value.reason in ((reason,) if reason else REJECT), exc.value
+    return exc.value
+
+
+def _touch(sentinel):
+    return f"touch {sentinel}"
+
+
+# ----------------------------------------------------------------------------- pickles
+def test_plain_torch_save_of_graph_module_rejected(sentinel):
+    gm = torch.fx.symbolic_trace(Small())
+    buf = io.BytesIO()
+    torch.save(gm, buf)
+    _rejected({"module.pt": buf.getvalue(), "hooks.json": b"[]"})
+
+
+class _Evil:
+    def __init__(self, cmd):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+class _EvilPopen:
+    def __init__(self, cmd):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (subprocess.Popen, (["sh", "-c", self.cmd],))
+
+
+@pytest.mark.parametrize("evil", [_Evil, _EvilPopen])
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_raw_pickle_with_global_opcodes_rejected(sentinel, evil, protocol):
+    raw = pickle.dumps({"format": FORMAT, "x": evil(_touch(sentinel))}, protocol=protocol)
+    assert b"system" in raw or b"Popen" in raw
+    err = _rejected({"module.pt": raw, "hooks.json": b"[]"})
+    if isinstance(err, UntrustedTarget):
+        assert "system" in err.qualname or "Popen" in err.qualname
+
+
+def test_torch_save_zip_with_pickled_object_rejected(sentinel):
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, "structure": _Evil(_touch(sentinel)), "tensors": []}, buf)
+    err = _rejected({"module.pt": buf.getvalue(), "hooks.json": b"[]"}, "untrusted_target")
+    assert err.qualname == "posix.system"
+
+
+@pytest.mark.parametrize("blob", [b"", b"garbage", b"PK\x03\x04broken zip"])
+def test_garbage_is_corrupt(blob):
+    _rejected({"module.pt": blob, "hooks.json": b"[]"}, "corrupt_snapshot")
+
+
+def test_missing_or_bad_artifacts_are_corrupt(fx_art):
+    _rejected({"hooks.json": b"[]"}, "corrupt_snapshot")
+    _rejected({"module.pt": fx_art["module.pt"]}, "corrupt_snapshot")
+    _rejected({**fx_art, "hooks.json": b"\xff\xfe"}, "corrupt_snapshot")
+    _rejected({**fx_art, "hooks.json": b"{}"}, "corrupt_snapshot")
+
+
+# ----------------------------------------------------------------------------- graph targets
+@pytest.mark.parametrize("qualname", [
+    "os.system", "posix.system", "subprocess.Popen", "subprocess.run", "builtins.eval", "builtins.exec",
+    "builtins.__import__", "builtins.open", "torch.os.system", "torch.hub.load", "torch.load",
+    "torch.serialization.pickle.loads", "torch.utils.cpp_extension.load_inline", "nosuch.module.fn",
+])
+def test_untrusted_call_function_target_rejected(fx_art, sentinel, qualname):
+    structure, tensors = _open(fx_art)
+    graph = structure["tree"]["graph"]
+    graph["targets"][0] = qualname
+    graph["nodes"].insert(1, ["pwn", "call_function", 0, ["t", _touch(sentinel)], ["d"], None, {}])
+    err = _rejected(_craft(structure, tensors), "untrusted_target")
+    assert err.qualname == qualname
+    # summarize reads the same payload without resolving anything
+    assert qualname in summarize(_craft(structure, tensors))["op_histogram"]
+
+
+@pytest.mark.parametrize("cls", ["subprocess.Popen", "os._wrap_close", "collections.OrderedDict",
+                                 "torch.Tensor", "nosuch.Module", "builtins.object"])
+def test_untrusted_module_class_rejected(fx_art, sentinel, cls):
+    structure, tensors = _open(fx_art)
+    structure["tree"]["children"][0][1]["class"] = cls
+    _rejected(_craft(structure, tensors), "untrusted_target")
+
+
+def test_unknown_graph_module_class_rejected(fx_art):
+    structure, tensors = _open(fx_art)
+    structure["tree"]["graph"]["gm_class"] = "subprocess.Popen"
+    _rejected(_craft(structure, tensors), "untrusted_target")
+
+
+def test_module_attribute_naming_untrusted_callable(fx_art, sentinel):
+    structure, tensors = _open(fx_art)
+    structure["tree"]["children"][0][1]["attrs"]["forward"] = ["fn", "os.system"]
+    _rejected(_craft(structure, tensors), "untrusted_target")
+    structure["tree"]["children"][0][1]["attrs"] = {"__class__": ["fn", "torch.nn.Linear"]}
+    _rejected(_craft(structure, tensors))
+
+
+def test_untrusted_pytree_type_and_type_annotation(export_art, fx_art):
+    structure, tensors = _open(export_art)
+    spec = json.loads(structure["tree"]["graph"]["codegen"]["out_spec"])
+    spec[1]["type"] = "subprocess.Popen"
+    structure["tree"]["graph"]["codegen"]["out_spec"] = json.dumps(spec)
+    _rejected(_craft(structure, tensors), "untrusted_target")
+    structure, tensors = _open(fx_art)
+    structure["tree"]["graph"]["nodes"][0][5] = "os.system"
+    _rejected(_craft(structure, tensors), "untrusted_target")
+
+
+def test_untrusted_callable_in_meta_val_rejected(export_art):
+    structure, tensors = _open(export_art)
+    node = next(n for n in structure["tree"]["graph"]["nodes"] if "val" in n[6])
+    node[6]["val"] = ["fn", "os.system"]
+    _rejected(_craft(structure, tensors), "untrusted_target")
+    # in other meta keys it is dropped (never resolved into a call) and the load succeeds
+    structure, tensors = _open(export_art)
+    node = next(n for n in structure["tree"]["graph"]["nodes"] if "val" in n[6])
+    node[6]["source_fn_stack"] = ["l", ["t", "x", ["fn", "os.system"]]]
+    restored = load_module(_craft(structure, tensors))
+    assert all("source_fn_stack" not in n.meta for n in restored.graph.nodes)
+
+
+# ----------------------------------------------------------------------------- code injection into generated source
+@pytest.mark.parametrize("field, value", [
+    ("name", "x = __import__('os').system('touch {s}')"),
+    ("placeholder", "x=__import__('os').system('touch {s}')"),
+    ("get_attr", "__class__.__init__.__globals__"),
+    ("call_method", "__reduce_ex__"),
+    ("call_module", "lin.__class__"),
+    ("orig_args", "x=__import__('os').system('touch {s}')"),
+])
+def test_injection_into_generated_code_rejected(fx_art, export_art, sentinel, field, value):
+    value = value.format(s=sentinel)
+    structure, tensors = _open(export_art if field == "orig_args" else fx_art)
+    nodes = structure["tree"]["graph"]["nodes"]
+    if field == "name":
+        nodes[0][0] = value
+    elif field == "placeholder":
+        nodes[0][2] = value
+    elif field == "orig_args":
+        structure["tree"]["graph"]["codegen"]["orig_args"] = [value]
+    else:
+        nodes.insert(1, ["pwn", field, value, ["t", ["n", 0]], ["d"], None, {}])
+    _rejected(_craft(structure, tensors))
+
+
+def test_bad_structure_records_are_corrupt(fx_art):
+    structure, tensors = _open(fx_art)
+    bad = copy.deepcopy(structure)
+    bad["tree"]["graph"]["nodes"][1][3] = ["n", 999]
+    _rejected(_craft(bad, tensors), "corrupt_snapshot")
+    bad = copy.deepcopy(structure)
+    bad["tree"]["graph"]["nodes"][1][1] = "call_anything"
+    _rejected(_craft(bad, tensors), "corrupt_snapshot")
+    bad = copy.deepcopy(structure)
+    bad["tree"]["graph"]["nodes"][1][3] = ["zz", 1]
+    _rejected(_craft(bad, tensors), "corrupt_snapshot")
+    bad = copy.deepcopy(structure)
+    bad["tree"]["children"][0][1]["params"][0][1] = ["P", [4, 4], [4, 1], "no_dtype", True]
+    _rejected(_craft(bad, tensors), "corrupt_snapshot")
+    bad = copy.deepcopy(structure)
+    bad["version"] = 99
+    _rejected(_craft(bad, tensors), "corrupt_snapshot")
+
+
+# ----------------------------------------------------------------------------- hooks.json
+@pytest.mark.parametrize("params", [
+    {"kind": "function", "qualname": "os.system"},
+    {"kind": "partial", "target": {"kind": "function", "qualname": "builtins.exec"}, "keywords": {}},
+    {"kind": "instance", "owner_class": "subprocess.Popen", "owner_state": {"args": "touch x"}},
+    {"kind": "method", "bound": "owner", "owner_class": "torch.nn.Linear", "owner_state": {}, "func": "forward"},
+    {"kind": "method", "bound": "module", "func": "os.system"},
+])
+def test_poisoned_hook_specs_rejected(fx_art, sentinel, params):
+    hooks = json.dumps([{"type": "importable", "scope": "", "phase": "pre", "with_module": False,
+                         "params": params}]).encode()
+    _rejected({**fx_art, "hooks.json": hooks}, "untrusted_target")
+
+
+def test_unknown_hook_type_is_unsupported(fx_art):
+    hooks = json.dumps([{"type": "pickle", "scope": "", "phase": "pre", "with_module": False,
+                         "params": {}}]).encode()
+    _rejected({**fx_art, "hooks.json": hooks}, "unsupported_hook")
+
+
+# ----------------------------------------------------------------------------- the allow-list itself
+def test_allow_prefix_registry_is_narrow(monkeypatch):
+    from adstore.integration import targets
+
+    monkeypatch.setattr(targets, "_user_prefixes", [])  # keep the process-wide registry clean
+    monkeypatch.setattr(targets, "_cache", {})
+    with pytest.raises(ValueError):
+        allow_prefix("os.")
+    with pytest.raises(ValueError):
+        allow_prefix("builtins.")
+    with pytest.raises(UntrustedTarget):
+        resolve_target("json.loads")
+    allow_prefix("json.")
+    assert resolve_target("json.loads") is json.loads
+    with pytest.raises(UntrustedTarget):
+        resolve_target("jsonevil.x")
+    # re-exports are judged by where the object lives, not by the name used
+    with pytest.raises(UntrustedTarget):
+        resolve_target("json.decoder.re.compile")
