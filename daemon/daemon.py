@@ -105,6 +105,8 @@ class Daemon:
         self._watchdog_every = watchdog_interval(self._env)
         self._next_watchdog = float("inf")
         self._last: PassResult | None = None
+        self._last_eviction: PassResult | None = None
+        self._status_written = -float("inf")
         self._passes = 0
         self._started = time.time()
 
@@ -207,20 +209,29 @@ class Daemon:
         self.notifier.ready(status="configuration reloaded")
         self.poke()  # re-check the budget under the new limits now
 
-    def _status_text(self, budget: Budget, result: PassResult | None) -> str:
-        text = budget.describe()
-        if result is not None and (result.evicted_entries or result.aged_entries):
-            from adstore.daemon.format import human_size
+    def _status_text(self, result: PassResult) -> str:
+        """``size … / budget …; last eviction …`` for systemd's STATUS= and the logs."""
+        from adstore.daemon.format import human_age, human_size
 
-            text += (f"; last pass evicted {result.evicted_entries + result.aged_entries} entries, "
-                     f"freed {human_size(result.bytes_freed)}")
-        if result is not None and result.blocked:
+        text = result.after.describe()
+        last = self._last_eviction
+        if last is not None:
+            text += (f"; last eviction {human_age(last.finished)}: "
+                     f"{last.evicted_entries + last.aged_entries} entries, {human_size(last.bytes_freed)}")
+        if result.blocked:
             text += "; BLOCKED: remaining entries are leased, pinned or too young"
         return text
 
     def _publish_status(self, result: PassResult, *, once: bool = False) -> None:
+        """STATUS= every pass; the status file when something happened or every 30 s."""
         assert self._store is not None
-        self.notifier.status(self._status_text(result.after, result))
+        acted = bool(result.evicted_entries or result.aged_entries or result.swept_items or result.blocked)
+        if result.evicted_entries or result.aged_entries:
+            self._last_eviction = result
+        self.notifier.status(self._status_text(result))
+        if not (acted or once or time.monotonic() - self._status_written >= 30.0):
+            return
+        self._status_written = time.monotonic()
         write_status(self._store.root, {
             "pid": os.getpid(),
             "pid_start": process_start_time(os.getpid()),
@@ -235,6 +246,7 @@ class Daemon:
             "high": result.after.high,
             "low": result.after.low,
             "last_pass": result.to_dict(),
+            "last_eviction": self._last_eviction.to_dict() if self._last_eviction else None,
         })
 
     def run(self, *, once: bool = False) -> int:
@@ -249,7 +261,7 @@ class Daemon:
                 result = self._enforcer().run_pass(sweep=True)
                 self._passes += 1
                 self._publish_status(result, once=True)
-                log.info("%s", self._status_text(result.after, result))
+                log.info("%s", self._status_text(result))
                 return 0
             old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
             previous[-1] = old_fd

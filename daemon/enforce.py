@@ -67,6 +67,7 @@ class PassResult:
     blocked: bool = False        # over budget but nothing more may be evicted (leases, pins, grace)
     interrupted: bool = False    # stopped between batches (SIGTERM)
     swept: bool = False
+    finished: float = 0.0        # wall-clock time the pass ended
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,25 +96,40 @@ class Enforcer:
                       int(limit * self.config.low_watermark), usage.total, usage.free)
 
     def _evict(self, result: PassResult, **plan_args: Any) -> int:
-        """Batches of ``plan_eviction(**plan_args)`` until empty; returns entries evicted."""
+        """Plan once (one LRU scan), execute in batches of ``batch_size``; returns entries evicted.
+
+        Re-planning before every batch would rescan every entry per batch
+        (quadratic on a large store).  Executing slices of one plan is as safe:
+        the store re-checks each victim in the executing transaction (still
+        unleased, unpinned, not used or recommitted since the plan) and skips
+        any that no longer qualify.  Slices are cut with ``dataclasses.replace``
+        so each one stays a plan of the store's own type.  If the slices freed
+        too little (skipped victims), the loop plans again.
+        """
         evicted = 0
-        while True:
-            if self.should_stop():
-                result.interrupted = True
-                break
-            plan = self.store.plan_eviction(max_entries=self.config.batch_size, **plan_args)
-            if not plan.victims and not plan.blobs:
-                break
-            freed = int(plan.execute())
-            result.batches += 1
-            result.bytes_freed += freed
-            evicted += len(plan.victims)
-            log.info("evicted %d entries (%d bytes): %s", len(plan.victims), freed, plan.reason)
-            self.on_batch()
+        target = plan_args.get("max_size")
+        for _round in range(8):  # each round is a fresh plan; normally one suffices
+            plan = self.store.plan_eviction(**plan_args)
             if not plan.victims:
                 break
-            if "max_size" in plan_args and self.store.size() <= plan_args["max_size"]:
-                break
+            batch = self.config.batch_size
+            for start in range(0, len(plan.victims), batch):
+                if self.should_stop():
+                    result.interrupted = True
+                    return evicted
+                chunk = plan.victims[start:start + batch]
+                part = dataclasses.replace(plan, victims=chunk, blobs=[],
+                                           bytes_to_free=sum(e.bytes for e in chunk))
+                freed = int(part.execute())
+                result.batches += 1
+                result.bytes_freed += freed
+                evicted += len(chunk)
+                log.info("evicted %d entries (%d bytes): %s", len(chunk), freed, plan.reason)
+                self.on_batch()
+                if target is not None and self.store.size() <= target:
+                    return evicted
+            if target is None:
+                break  # an age pass evicts exactly what it planned
         return evicted
 
     def run_pass(self, *, sweep: bool = False, sweep_if_stuck: bool = True) -> PassResult:
@@ -150,6 +166,7 @@ class Enforcer:
             log.warning("still over budget after eviction (%s): the rest is leased, pinned or "
                         "younger than the grace period", result.after.describe())
         result.seconds = time.monotonic() - start
+        result.finished = time.time()
         return result
 
 

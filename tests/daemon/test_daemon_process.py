@@ -78,7 +78,7 @@ def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
     finally:
         holder.kill()
         holder.wait()
-    status = notify_socket.wait_for(lambda m: "evicted" in m.get("STATUS", ""), proc=d.proc)
+    status = notify_socket.wait_for(lambda m: "last eviction" in m.get("STATUS", ""), proc=d.proc)
     assert "budget 2.0 MiB" in status["STATUS"]
 
 
