@@ -55,7 +55,14 @@ from adstore.integration.engine_runtime import (
 from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError
 from adstore.store.errors import AdstoreError
 
-__all__ = ["CompiledEngine", "EngineCache", "EngineEvent", "compile", "default_engine_cache", "set_default_engine_cache"]
+__all__ = [
+    "CompiledEngine",
+    "EngineCache",
+    "EngineEvent",
+    "compile",
+    "default_engine_cache",
+    "set_default_engine_cache",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +78,10 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
 
 
 class _PackageLRU:
-    """Recently used packages (metadata + a private temp file), bounded by count and bytes."""
+    """Recently used packages (metadata + a private temp file), bounded by count and bytes.
+
+    The most recent package is always kept (so ``max_entries=0`` keeps one).
+    """
 
     def __init__(self, *, max_entries: int, max_bytes: int, tmp_root: str | None = None) -> None:
         self.max_entries = max_entries
@@ -119,7 +129,8 @@ class _PackageLRU:
             item[1].unlink(missing_ok=True)
 
     def _evict_locked(self) -> None:
-        while self._items and (
+        # The newest package always stays: its caller is about to load it.
+        while len(self._items) > 1 and (
             len(self._items) > self.max_entries or sum(i[2] for i in self._items.values()) > self.max_bytes
         ):
             _h, (_m, path, _s) = self._items.popitem(last=False)
@@ -219,7 +230,10 @@ class EngineCache:
     ) -> CompiledEngine:
         """See :func:`compile`."""
         req = self._prepare(model, example_inputs, dynamic_shapes, settings)
-        miss_reason, detail = ("bypass", "unhashable graph") if req.hash is None else ("ignored", "ignore_engine_cache=True")
+        if req.hash is None:
+            miss_reason, detail = "bypass", "unhashable graph"
+        else:
+            miss_reason, detail = "ignored", "ignore_engine_cache=True"
         if req.hash is not None and not ignore_engine_cache:
             engine, miss_reason, detail = self._try_hit(req)
             if engine is not None:
@@ -238,6 +252,7 @@ class EngineCache:
         if engine is not None:
             return engine, engine.event
         self._count(f"misses.{reason}")
+        self.backend.record_event("miss", reason)
         return None, EngineEvent("miss", req.hash, "none", reason=reason, detail=detail)
 
     def _prepare(self, model: Any, example_inputs: Any, dynamic_shapes: Any, settings: Mapping[str, Any]) -> _Request:
@@ -252,6 +267,7 @@ class EngineCache:
             raise TypeError(f"compile() takes an nn.Module or ExportedProgram, got {type(model).__name__}")
         export_seconds = time.perf_counter() - start
         h: str | None
+        t_hash = time.perf_counter()
         try:
             components = hash_components(ep, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
             h = hashlib.sha256(canonical_json(components).encode()).hexdigest()
@@ -270,7 +286,7 @@ class EngineCache:
             spec=constants_spec(weights),
             inductor_configs=inductor_configs,
             code_consts=code_consts,
-            timings={"export": export_seconds},
+            timings={"export": export_seconds, "hash": time.perf_counter() - t_hash},
             start=start,
         )
 
@@ -352,13 +368,16 @@ class EngineCache:
         compile_seconds = time.perf_counter() - t0
         timings["compile"] = compile_seconds
         self._count("compiles")
+        t1 = time.perf_counter()
         runner = load_runner(path)
+        timings["load"] = time.perf_counter() - t1
         timings["refit"] = refit(runner, weights, spec)
         meta = build_meta(h, ep, spec, inductor_configs, components, runner, compile_seconds)
         saved = False
         if h is not None:
             record = EngineRecord.create(h, meta, path.read_bytes())
             meta = record.meta
+            t2 = time.perf_counter()
             try:
                 backend.save_record(record)
                 saved = True
@@ -367,6 +386,7 @@ class EngineCache:
                 self._count("save_failures")
                 logger.warning("could not save engine %s (%s): %s", h[:12], getattr(exc, "reason", "error"), exc)
                 backend.record_event("bypass", getattr(exc, "reason", "save_failed"))
+            timings["save"] = time.perf_counter() - t2
             self._memory.put(h, meta, path)
             self._count(f"misses.{reason}")
             backend.record_event("miss", reason)
