@@ -67,6 +67,7 @@ def dump_module(module: torch.nn.Module) -> dict[str, bytes]:
             "torch": torch.__version__,
             "graph_modules": enc.graph_count,
             "symbols": enc.values.symbols.symbols,
+            "meta_table": enc.meta_table.values,
             "tree": tree,
         }
         text = json.dumps(structure, allow_nan=False, separators=(",", ":"))
@@ -144,7 +145,11 @@ def load_module(artifacts: Mapping[str, bytes], *, allowed_prefixes: Sequence[st
     extra = tuple(allowed_prefixes)
     try:
         syms = SymDecoder(structure.get("symbols") or {})
-        module = TreeDecoder(tensors=tensors, syms=syms, extra_prefixes=extra).module(structure["tree"], "")
+        table = structure.get("meta_table") or []
+        if not isinstance(table, list):
+            raise CorruptSnapshot("meta table is not a list")
+        decoder = TreeDecoder(tensors=tensors, syms=syms, extra_prefixes=extra, meta_table=table)
+        module = decoder.module(structure["tree"], "")
         reattach_hooks(module, specs, allowed_prefixes=extra)
     except SnapshotError:
         raise

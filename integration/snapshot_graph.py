@@ -52,6 +52,8 @@ STALE_SHAPE_KEY = "adstore_stale_shape"
 _OPS = frozenset({"placeholder", "get_attr", "call_function", "call_module", "call_method", "output"})
 _SKIP_META = frozenset({"from_node", "unbacked_bindings", "tensor_meta", "example_value", STALE_SHAPE_KEY})
 _SPEC_META = frozenset({"val"})
+_MISSING = object()
+_DROPPED = object()
 _STATEFUL = "torch.export._unlift._StatefulGraphModule"
 #: GraphModule classes a snapshot may name, and therefore rebuild.
 GM_CLASSES = ("torch.fx.graph_module.GraphModule", _STATEFUL)
@@ -190,13 +192,40 @@ def _real_class_name(module: torch.nn.Module) -> str | None:
 
 
 # ----------------------------------------------------------------------------- encode
-def _encode_meta(meta: dict[str, Any], enc: ValueEncoder) -> dict[str, Any]:
+class MetaTable:
+    """Interns plain node-meta values: each distinct value is written and decoded once.
+
+    Transformer graphs repeat the same ``stack_trace`` / ``nn_module_stack`` /
+    ``torch_fn`` values layer after layer, so interning shrinks the payload and
+    lets restore decode each value once (nodes get their own shallow copy of
+    mutable containers).
+    """
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self._index: dict[str, int] = {}
+
+    def add(self, encoded: Any) -> int:
+        key = json.dumps(encoded, separators=(",", ":"))
+        idx = self._index.get(key)
+        if idx is None:
+            idx = self._index[key] = len(self.values)
+            self.values.append(encoded)
+        return idx
+
+
+def _encode_meta(meta: dict[str, Any], enc: ValueEncoder, plain: ValueEncoder, table: MetaTable) -> dict[str, Any]:
+    """``val`` inline as tensor specs; every other plain value interned (``plain`` refuses node refs,
+    so an interned value never depends on the graph it came from)."""
     out: dict[str, Any] = {}
     for k, v in meta.items():
         if k in _SKIP_META or not isinstance(k, str):
             continue
         try:
-            out[k] = enc.encode(v, specs=True if k in _SPEC_META else None)
+            if k in _SPEC_META:
+                out[k] = enc.encode(v, specs=True)
+            else:
+                out[k] = table.add(plain.encode(v, specs=None))
         except Unencodable as exc:
             if k in _SPEC_META:
                 raise
@@ -222,7 +251,8 @@ def _encode_codegen(graph: torch.fx.Graph) -> dict[str, Any]:
     raise UnsupportedModule(f"graph codegen {type(cg).__qualname__} is not supported")
 
 
-def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str) -> dict[str, Any]:
+def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
+                        table: MetaTable) -> dict[str, Any]:
     """Encode the graph and GraphModule-only state of ``gm`` (submodules/params are the tree's job)."""
     cls_name = _real_class_name(gm)
     if cls_name not in GM_CLASSES:
@@ -235,6 +265,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str) 
     nodes = []
     stale: list[str] = []
     params = dict(gm.named_parameters(remove_duplicate=False))
+    plain = ValueEncoder(node_index={}, tensors=enc.tensors, symbols=enc.symbols)
     for i, n in enumerate(graph.nodes):
         if n.op == "call_function":
             q = qualname_of(n.target)
@@ -257,7 +288,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str) 
                 if q is None:
                     raise Unencodable(f"type annotation {n.type!r} is not importable")
                 type_enc = q
-            meta = _encode_meta(n.meta, enc)
+            meta = _encode_meta(n.meta, enc, plain, table)
         except Unencodable as exc:
             raise UnsupportedModule(f"{path or '<root>'}: node {n.name!r}: {exc}") from exc
         if n.op == "get_attr" and n.target in params:
@@ -339,8 +370,11 @@ def _check_pytree_types(spec_json: str, extra: Sequence[str]) -> None:
 class GraphDecoder:
     """Rebuilds graphs of one snapshot; shares the symbol/fake-tensor context between graphs."""
 
-    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str]) -> None:
+    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str],
+                 meta_table: Sequence[Any] = ()) -> None:
         self.tensors = tensors
+        self.meta_table = meta_table
+        self._meta_cache: dict[int, Any] = {}
         self.syms = syms  # tensor_meta.SymDecoder
         self.extra = tuple(extra_prefixes)
         from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -415,6 +449,7 @@ class GraphDecoder:
         create = graph.create_node
         tensor_meta = self._tensor_meta
         ntargets = len(targets)
+        cache = self._meta_cache
         for rec in enc["nodes"]:
             try:
                 name, op, target, a, k, ty, meta = rec
@@ -447,12 +482,19 @@ class GraphDecoder:
                 for key, v in meta.items():
                     if key == "tensor_meta":
                         continue
-                    try:
+                    if key in _SPEC_META:
                         m[key] = decode(v)
-                    except UntrustedTarget:
-                        if key in _SPEC_META:
-                            raise
+                        continue
+                    if type(v) is not int:
+                        raise CorruptSnapshot(f"node {name!r}: meta {key!r} is not a meta-table index")
+                    hit = cache.get(v, _MISSING)
+                    if hit is _MISSING:
+                        hit = cache[v] = self._table_value(v)
+                    if hit is _DROPPED:
                         logger.debug("node %s: dropping meta %r naming an untrusted callable", name, key)
+                        continue
+                    tv = type(hit)
+                    m[key] = hit.copy() if tv is dict or tv is list else hit
                 if "tensor_meta" in meta and isinstance(m.get("val"), torch.Tensor):
                     m["tensor_meta"] = tensor_meta(m["val"])
             nodes.append(node)
@@ -463,6 +505,14 @@ class GraphDecoder:
                 if node.name in weight_nodes:
                     node.meta[STALE_SHAPE_KEY] = True
         return graph
+
+    def _table_value(self, idx: Any) -> Any:
+        if type(idx) is not int or not 0 <= idx < len(self.meta_table):
+            raise CorruptSnapshot(f"meta table index {idx!r} out of range")
+        try:
+            return self._values.decode(self.meta_table[idx])
+        except UntrustedTarget:
+            return _DROPPED
 
     def plain(self, e: Any) -> Any:
         return ValueDecoder(tensors=self.tensors, sym=self.syms.sym, extra_prefixes=self.extra).decode(e)

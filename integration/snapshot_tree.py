@@ -34,6 +34,7 @@ from adstore.integration.errors import (
 from adstore.integration.snapshot_graph import (
     GM_KEYS,
     GraphDecoder,
+    MetaTable,
     RestoredGuards,
     _ident,
     _member,
@@ -71,6 +72,7 @@ class TreeEncoder:
         self._buffers: dict[int, str] = {}
         self.materialized: list[str] = []
         self.graph_count = 0
+        self.meta_table = MetaTable()
 
     def encode(self, root: torch.nn.Module) -> dict[str, Any]:
         if not isinstance(root, torch.nn.Module):
@@ -155,7 +157,7 @@ class TreeEncoder:
                             for name, c in m._modules.items()]
         if is_gm:
             self.graph_count += 1
-            node["graph"] = encode_graph_module(m, self.values, path)
+            node["graph"] = encode_graph_module(m, self.values, path, self.meta_table)
             node["methods"] = methods
         return node
 
@@ -163,10 +165,11 @@ class TreeEncoder:
 class TreeDecoder:
     """Load side of the module tree; resolves every class under the allow-list."""
 
-    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str]) -> None:
+    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str],
+                 meta_table: Sequence[Any] = ()) -> None:
         self.tensors = tensors
         self.extra = tuple(extra_prefixes)
-        self.graphs = GraphDecoder(tensors=tensors, syms=syms, extra_prefixes=self.extra)
+        self.graphs = GraphDecoder(tensors=tensors, syms=syms, extra_prefixes=self.extra, meta_table=meta_table)
         self._modules: dict[str, torch.nn.Module] = {}
         self._params: dict[str, torch.nn.Parameter] = {}
         self._buffers: dict[str, torch.Tensor] = {}

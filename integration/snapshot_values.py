@@ -193,6 +193,8 @@ class ValueDecoder:
         return self.nodes[i]
 
     def _dict(self, e: list[Any]) -> dict[Any, Any]:
+        if len(e) == 1:
+            return {}
         d = self.decode
         items = e[1:]
         if len(items) % 2:

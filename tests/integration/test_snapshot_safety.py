@@ -192,7 +192,8 @@ def test_untrusted_callable_in_meta_val_rejected(export_art):
     # in other meta keys it is dropped (never resolved into a call) and the load succeeds
     structure, tensors = _open(export_art)
     node = next(n for n in structure["tree"]["graph"]["nodes"] if "val" in n[6])
-    node[6]["source_fn_stack"] = ["l", ["t", "x", ["fn", "os.system"]]]
+    structure["meta_table"].append(["l", ["t", "x", ["fn", "os.system"]]])
+    node[6]["source_fn_stack"] = len(structure["meta_table"]) - 1
     restored = load_module(_craft(structure, tensors))
     assert all("source_fn_stack" not in n.meta for n in restored.graph.nodes)
 
