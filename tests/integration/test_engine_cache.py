@@ -423,11 +423,7 @@ def test_backend_errors_are_misses_not_crashes():
 
 
 def test_documented_directory_backend_round_trips(env, tmp_path):
-    doc = engine_backends.__doc__
-    code = textwrap.dedent(re.search(r"\.\. code-block:: python\n(.*?)\nPass it", doc, re.S).group(1))
-    namespace: dict = {}
-    exec(compile_source(code), namespace)  # noqa: S102 - our own docstring
-    cache = namespace["DirectoryEngineCache"](tmp_path / "engines")
+    cache = directory_backend(tmp_path)
     assert cache.load(env["hash"]) is None
     cache.save(env["hash"], env["blob"])
     engine, event = lookup_in(cache, make_model(2))
@@ -473,3 +469,114 @@ def test_dynamic_batch_engine_serves_every_batch_in_range(tmp_path):
     for n in (2, 5, 64):
         xb = torch.randn(n, 16)
         torch.testing.assert_close(hit(xb), other(xb), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- backend contract and layers
+
+
+def directory_backend(tmp_path):
+    doc = engine_backends.__doc__
+    code = textwrap.dedent(re.search(r"\.\. code-block:: python\n(.*?)\nPass it", doc, re.S).group(1))
+    namespace: dict = {}
+    exec(compile_source(code), namespace)  # noqa: S102 - our own docstring
+    return namespace["DirectoryEngineCache"](tmp_path / "engines")
+
+
+@pytest.fixture(params=["memory", "adstore", "directory"])
+def any_backend(request, tmp_path):
+    if request.param == "memory":
+        yield InMemoryEngineCache()
+    elif request.param == "adstore":
+        with Store.open(tmp_path / "store", grace_period=0.0) as store:
+            yield AdstoreEngineCache(store)
+    else:
+        yield directory_backend(tmp_path)
+
+
+def test_backend_contract(any_backend, env):
+    """Every backend: absent is None, save/load round-trips, save overwrites, records verify."""
+    h, blob = env["hash"], env["blob"]
+    other = "f" * 64
+    assert any_backend.load(h) is None and any_backend.load_record(other) is None
+    any_backend.save(h, blob)
+    assert any_backend.load(h) == blob
+    with any_backend.load_record(h) as rec:
+        assert rec.meta == EngineRecord.from_bytes(blob, expected_hash=h).meta
+        assert rec.payload_bytes() == EngineRecord.from_bytes(blob, expected_hash=h).payload
+    meta = EngineRecord.from_bytes(blob, expected_hash=h).meta
+    replacement = EngineRecord.create(h, {**meta, "compile_seconds": 1.5}, b"new package").to_bytes()
+    any_backend.save(h, replacement)
+    assert any_backend.load(h) == replacement
+    assert any_backend.load(other) is None
+
+
+def test_in_process_layer_does_not_reread_the_backend(env):
+    class CountingBackend(InMemoryEngineCache):
+        loads = 0
+        touches = 0
+
+        def load(self, hash):
+            CountingBackend.loads += 1
+            return super().load(hash)
+
+        def touch(self, hash):
+            CountingBackend.touches += 1
+            super().touch(hash)
+
+    backend = CountingBackend()
+    backend.save(env["hash"], env["blob"])
+    front = EngineCache(backend, memory_entries=2)
+    try:
+        first, _ = front.lookup(make_model(2), (X,))
+        assert first is not None and first.event.source == "backend" and CountingBackend.loads == 1
+        for seed in (3, 4, 5):
+            engine, event = front.lookup(make_model(seed), (X,))
+            assert event.source == "memory"
+            torch.testing.assert_close(engine(X), make_model(seed)(X), rtol=1e-6, atol=1e-6)
+        assert CountingBackend.loads == 1 and CountingBackend.touches == 3
+        assert front.counters["hits.memory"] == 3 and front.counters["hits.backend"] == 1
+    finally:
+        front.close()
+
+
+def test_hash_is_stable_across_processes(env):
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_engine_cache import MLPRenamed, X
+        from adstore.integration.engine_hash import get_hash
+        print(get_hash(torch.export.export(MLPRenamed().eval(), (X,)), (X,)))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == env["hash"]
+
+
+def test_record_round_trip_property():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=20,
+    )
+
+    @settings(max_examples=60, deadline=None)
+    @given(meta=st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=6),
+           payload=st.binary(max_size=2048), cut=st.integers(min_value=0))
+    def check(meta, payload, cut):
+        h = hashlib.sha256(payload).hexdigest()
+        rec = EngineRecord.create(h, meta, payload)
+        blob = rec.to_bytes()
+        back = EngineRecord.from_bytes(blob, expected_hash=h)
+        assert back.payload == payload and back.meta == rec.meta
+        short = blob[: cut % len(blob)]
+        with pytest.raises((TruncatedEngine, CorruptEngine)):
+            EngineRecord.from_bytes(short, expected_hash=h)
+
+    check()
