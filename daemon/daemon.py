@@ -256,6 +256,7 @@ class Daemon:
         self._open()
         assert self._store is not None
         previous: dict[int, Any] = {}
+        previous_wakeup_fd: int | None = None
         try:
             if once:
                 result = self._enforcer().run_pass(sweep=True)
@@ -263,18 +264,17 @@ class Daemon:
                 self._publish_status(result, once=True)
                 log.info("%s", self._status_text(result))
                 return 0
-            old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
-            previous[-1] = old_fd
+            # Signals (main thread only) wake the select() through this socket.
+            previous_wakeup_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
             self._start_observer()
             return self._loop()
         finally:
             for sig, handler in previous.items():
-                if sig == -1:
-                    signal.set_wakeup_fd(handler)
-                else:
-                    signal.signal(sig, handler)
+                signal.signal(sig, handler)
+            if previous_wakeup_fd is not None:
+                signal.set_wakeup_fd(previous_wakeup_fd)
             self._stop_observer()
             self._store.close()
             self._rsock.close()

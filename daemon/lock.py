@@ -44,15 +44,23 @@ def process_start_time(pid: int) -> float | None:
 class InstanceLock:
     """An exclusive, non-blocking ``flock`` on ``<root>/daemon.lock``."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, *, writable: bool = True) -> None:
         self.path = path
         self._fd: int | None = fd
+        self._writable = writable
 
     @classmethod
     def acquire(cls, root: Path) -> InstanceLock:
         """Take the lock or raise :class:`AlreadyRunning` naming the holder's pid."""
         path = Path(root) / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o664)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o664)
+            writable = True
+        except PermissionError:
+            # Created by another member of a shared store's group without g+w:
+            # flock works on a read-only descriptor too; we just cannot record our pid.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            writable = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -66,10 +74,11 @@ class InstanceLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         log.debug("acquired %s", path)
-        return cls(path, fd)
+        return cls(path, fd, writable=writable)
 
     @property
     def held(self) -> bool:
@@ -78,10 +87,11 @@ class InstanceLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass
+        if self._writable:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

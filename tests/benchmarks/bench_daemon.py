@@ -178,10 +178,13 @@ def bench_idle(work: Path, seconds: float) -> dict[str, Any]:
         poller.wait()
     wall = t1 - t0
     daemon_pct, poll_pct = 100 * (d1 - d0) / wall, 100 * (p1 - p0) / wall
-    return {"seconds": wall, "daemon_cpu_percent": daemon_pct, "daemon_rss_mib": rss / MIB,
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")  # cpu_times resolution: report an upper bound too
+    return {"seconds": wall, "daemon_cpu_percent": daemon_pct,
+            "daemon_cpu_percent_upper_bound": max(daemon_pct, 100 * tick / wall),
+            "daemon_rss_mib": rss / MIB,
             "baseline_polling_cpu_percent": poll_pct,
             "ratio_daemon_to_polling": daemon_pct / poll_pct if poll_pct else None,
-            "target_percent": 0.1, "meets_target": daemon_pct < 0.1}
+            "target_percent": 0.1, "meets_target": max(daemon_pct, 100 * tick / wall) < 0.1}
 
 
 # ---------------------------------------------------------------- 3 + 4. 100k entries
@@ -292,6 +295,7 @@ def main() -> int:
             results["idle"] = r = bench_idle(work, args.idle_seconds)
             ratio = r["ratio_daemon_to_polling"]
             print(f"idle CPU over {r['seconds']:.0f}s: daemon {r['daemon_cpu_percent']:.4f}% "
+                  f"(<= {r['daemon_cpu_percent_upper_bound']:.4f}% at clock-tick resolution) "
                   f"(target < 0.1%), RSS {r['daemon_rss_mib']:.0f} MiB; polling baseline "
                   f"{r['baseline_polling_cpu_percent']:.3f}%, ratio {ratio if ratio is None else round(ratio, 4)}",
                   flush=True)

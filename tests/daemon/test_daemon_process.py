@@ -145,3 +145,21 @@ def test_sigkill_mid_eviction_leaves_a_verifiable_store(tmp_path: Path, start_da
     with Store.open(root) as store:
         report = store.verify()
         assert report.ok and not report.problems, report.problems
+
+
+def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, notify_socket,
+                                                            start_daemon) -> None:
+    root = tmp_path / "store"
+    populate(root, count=300, size=70 * KIB, prefix="bulk")
+    cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.5,
+                       grace_period="0s", batch_size=2, fallback_interval="1h")
+    d = start_daemon(cfg, root, notify=notify_socket)
+    wait_until(lambda: "evicted" in d.log(), timeout=15, interval=0.005)
+    d.signal(signal.SIGTERM)
+    assert d.wait(timeout=10) == 0, d.log()
+    assert "stopping" in d.log()
+    notify_socket.poll()
+    assert any(m.get("STOPPING") == "1" for m in notify_socket.messages)
+    assert store_size(root) > int(2 * MIB * 0.5), "the daemon did not stop between batches"
+    with Store.open(root) as store:
+        assert store.verify().ok
