@@ -437,7 +437,13 @@ def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
         rest_text = canonical_json(rest)
     except (TypeError, ValueError):
         rest_text = json.dumps(rest, sort_keys=True, default=repr)
-    return {"options": {k: effective[k] for k in sorted(effective)}, "inductor_config": _sha256(rest_text)}
+    return {
+        "options": {k: effective[k] for k in sorted(effective)},
+        "inductor_config": _sha256(rest_text),
+        # Global torch switches that change the kernels inductor picks (TF32 on GPUs).
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
 
 
 # --------------------------------------------------------------------------- toolchain

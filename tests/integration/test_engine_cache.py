@@ -580,3 +580,31 @@ def test_record_round_trip_property():
             EngineRecord.from_bytes(short, expected_hash=h)
 
     check()
+
+
+def _compile_in_child(root: str, seed: int) -> tuple[str, str, float]:
+    """Spawned worker: compile through a store another process is writing too."""
+    with Store.open(root, grace_period=0.0) as store:
+        front = EngineCache(AdstoreEngineCache(store))
+        model = make_model(seed)
+        engine = front.compile(model, (X,))
+        err = (engine(X) - model(X)).abs().max().item()
+        front.close()
+        return engine.event.kind, engine.hash, err
+
+
+@pytest.mark.slow
+def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
+    import multiprocessing as mp
+
+    root = str(tmp_path / "shared")
+    Store.open(root, grace_period=0.0).close()
+    with mp.get_context("spawn").Pool(2) as pool:
+        results = pool.starmap(_compile_in_child, [(root, 21), (root, 22)])
+    assert {r[1] for r in results} == {env["hash"]}
+    assert all(r[2] < 1e-5 for r in results), results
+    with Store.open(root, grace_period=0.0) as store:
+        assert store.verify().ok
+        assert [e.key for e in store.entries(namespace="engine")] == [env["hash"]]
+        engine, event = lookup_in(AdstoreEngineCache(store), make_model(23))
+        assert engine is not None and event.kind == "hit"
