@@ -102,6 +102,16 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(exc.why) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _min_free(text: str) -> str | int:
     if text.strip().endswith("%"):
         return text.strip()
@@ -146,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unused-for", type=_duration, metavar="DURATION",
                    help="only entries not used for DURATION (e.g. 7d)")
     p.add_argument("--min-size", type=_size, metavar="SIZE", help="only entries of at least SIZE")
-    p.add_argument("--limit", "-l", type=int, metavar="N", help="show at most N entries")
+    p.add_argument("--limit", "-l", type=_positive_int, metavar="N", help="show at most N entries")
 
     p = add("inspect", cmd_inspect, "show an entry: per-rank manifests, artifacts, snapshot summary")
     p.add_argument("key", help="cache key or unambiguous prefix")
@@ -168,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=_duration, metavar="DURATION",
                    help="spare entries and blobs younger than this (default: the store's)")
     p.add_argument("--no-sweep", action="store_true", help="do not sweep orphans")
+    p.add_argument("--batch-size", type=_positive_int, default=1000, metavar="N",
+                   help="entries evicted per write transaction (default 1000)")
     p.add_argument("--config", type=Path, help="take limits not given as flags from this daemon config")
 
     p = add("rm", cmd_rm, "remove entries (all ranks)")

@@ -171,7 +171,12 @@ class Daemon:
                             path, exc, self.config.fallback_interval)
         if watched:
             observer.daemon = True
-            observer.start()
+            try:
+                observer.start()
+            except OSError as exc:  # inotify instance/watch limits hit when the emitters start
+                log.warning("cannot start the inotify observer (%s); relying on the %ss fallback timer",
+                            exc, self.config.fallback_interval)
+                return
             self._observer = observer
 
     def _stop_observer(self) -> None:

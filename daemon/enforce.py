@@ -20,9 +20,9 @@ from typing import Any
 import psutil
 
 from adstore.daemon.config import DaemonConfig
-from adstore.store import Store
+from adstore.store import EvictionPlan, Store
 
-__all__ = ["Budget", "PassResult", "Enforcer"]
+__all__ = ["Budget", "PassResult", "Enforcer", "execute_in_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,8 @@ class Enforcer:
         """Plan once (one LRU scan), execute in batches of ``batch_size``; returns entries evicted.
 
         Re-planning before every batch would rescan every entry per batch
-        (quadratic on a large store).  Executing slices of one plan is as safe:
-        the store re-checks each victim in the executing transaction (still
-        unleased, unpinned, not used or recommitted since the plan) and skips
-        any that no longer qualify.  Slices are cut with ``dataclasses.replace``
-        so each one stays a plan of the store's own type.  If the slices freed
-        too little (skipped victims), the loop plans again.
+        (quadratic on a large store).  If the batches freed too little (the
+        store skipped victims used or pinned since the plan), plan again.
         """
         evicted = 0
         target = plan_args.get("max_size")
@@ -112,23 +108,21 @@ class Enforcer:
             plan = self.store.plan_eviction(**plan_args)
             if not plan.victims:
                 break
-            batch = self.config.batch_size
-            for start in range(0, len(plan.victims), batch):
-                if self.should_stop():
-                    result.interrupted = True
-                    return evicted
-                chunk = plan.victims[start:start + batch]
-                part = dataclasses.replace(plan, victims=chunk, blobs=[],
-                                           bytes_to_free=sum(e.bytes for e in chunk))
-                freed = int(part.execute())
+
+            def after_batch(entries: int, freed: int) -> bool:
                 result.batches += 1
                 result.bytes_freed += freed
-                evicted += len(chunk)
-                log.info("evicted %d entries (%d bytes): %s", len(chunk), freed, plan.reason)
+                log.info("evicted %d entries (%d bytes): %s", entries, freed, plan.reason)
                 self.on_batch()
-                if target is not None and self.store.size() <= target:
-                    return evicted
-            if target is None:
+                return target is not None and self.store.size() <= target
+
+            done, _freed, stopped = execute_in_batches(
+                plan, self.config.batch_size, should_stop=self.should_stop, after_batch=after_batch)
+            evicted += done
+            if stopped:
+                result.interrupted = True
+                return evicted
+            if target is None or self.store.size() <= target:
                 break  # an age pass evicts exactly what it planned
         return evicted
 
@@ -168,6 +162,38 @@ class Enforcer:
         result.seconds = time.monotonic() - start
         result.finished = time.time()
         return result
+
+
+def execute_in_batches(
+    plan: EvictionPlan,
+    batch_size: int,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    after_batch: Callable[[int, int], bool] = lambda entries, freed: False,
+) -> tuple[int, int, bool]:
+    """Carry out ``plan`` ``batch_size`` victims per write transaction.
+
+    Executing slices of one plan is as safe as re-planning: the store
+    re-checks each victim in the executing transaction (still unleased,
+    unpinned, not used or recommitted since the plan) and skips any that no
+    longer qualify.  Slices are cut with ``dataclasses.replace`` so each is a
+    plan of the store's own type.  ``should_stop`` is asked before each batch
+    (SIGTERM finishes the current one); ``after_batch(entries, freed)``
+    returning True ends early (target reached).  Returns
+    ``(entries, bytes_freed, stopped)``.
+    """
+    entries = freed_total = 0
+    for start in range(0, len(plan.victims), batch_size):
+        if should_stop():
+            return entries, freed_total, True
+        chunk = plan.victims[start:start + batch_size]
+        part = dataclasses.replace(plan, victims=chunk, blobs=[], bytes_to_free=sum(e.bytes for e in chunk))
+        freed = int(part.execute() or 0)
+        entries += len(chunk)
+        freed_total += freed
+        if after_batch(len(chunk), freed):
+            break
+    return entries, freed_total, False
 
 
 def _count_items(plan: Any) -> int:

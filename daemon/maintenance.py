@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, entry_dict, resolve_key
+from adstore.daemon.enforce import execute_in_batches
 from adstore.daemon.errors import FeatureUnavailable
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
 
@@ -107,8 +108,8 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
         lines.append(f"dry run: nothing removed (would free {human_size(data['bytes_to_free'])})")
     else:
         freed = 0
-        if evict is not None:
-            freed += int(evict.execute() or 0)
+        if evict is not None:  # bounded transactions, like the daemon: writers never wait long
+            freed += execute_in_batches(evict, args.batch_size)[1]
         if sweep is not None:
             freed += int(sweep.execute() or 0)
         data["bytes_freed"] = freed
