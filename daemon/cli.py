@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("low_watermark", str, "FRACTION"), ("grace_period", str, "DURATION"), ("max_age", str, "DURATION"),
         ("batch_size", str, "N"), ("debounce", str, "DURATION"), ("max_delay", str, "DURATION"),
         ("fallback_interval", str, "DURATION"), ("sweep_interval", str, "DURATION"),
-        ("log_level", str, "LEVEL"),
+        ("log_level", str, "LEVEL"), ("watch", str, "BOOL"),
     ):
         # Parsed and checked by DaemonConfig, so flags and the file give the same errors.
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=hint)

@@ -58,6 +58,17 @@ def parse_duration(value: object, *, field: str = "duration") -> float:
     return _store_parse_duration(value, field=field)
 
 
+def _parse_bool(value: object, *, field: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(field, f"expected true or false, got {value!r}")
+
+
 def parse_fraction(value: object, *, field: str) -> float:
     """A fraction in (0, 1] from ``0.9`` or ``"90%"``."""
     if isinstance(value, bool):
@@ -115,6 +126,7 @@ class DaemonConfig:
     fallback_interval: float = 300.0
     sweep_interval: float = 3600.0
     log_level: str = "info"
+    watch: bool = True
     source: Path | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
 
@@ -122,7 +134,7 @@ class DaemonConfig:
     KEYS = (
         "root", "max_size", "min_free", "high_watermark", "low_watermark", "grace_period",
         "max_age", "batch_size", "debounce", "max_delay", "fallback_interval",
-        "sweep_interval", "log_level",
+        "sweep_interval", "log_level", "watch",
     )
 
     def __post_init__(self) -> None:
@@ -190,6 +202,8 @@ class DaemonConfig:
                 raise ConfigError("batch_size", f"expected a whole number, got {raw!r}") from None
         if "log_level" in merged:
             kwargs["log_level"] = str(merged["log_level"]).strip().lower()
+        if "watch" in merged:
+            kwargs["watch"] = _parse_bool(merged["watch"], field="watch")
         return cls(source=source, overrides=tuple(sorted((overrides or {}).items())), **kwargs)
 
     @classmethod

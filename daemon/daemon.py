@@ -156,6 +156,10 @@ class Daemon:
 
     def _start_observer(self) -> None:
         assert self._store is not None
+        if not self.config.watch:
+            log.info("filesystem events disabled (watch = false): checking every %ss",
+                     self.config.fallback_interval)
+            return
         observer = Observer(timeout=30)
         handler = _Poke(self)
         watched = 0

@@ -158,7 +158,8 @@ def cmd_unpin(args: argparse.Namespace, ctx: Context) -> int:
 # ---------------------------------------------------------------- daemon / demo
 # Flags of `adstore daemon`, each overriding the same setting of the TOML file.
 DAEMON_FLAGS = ("max_size", "min_free", "high_watermark", "low_watermark", "grace_period", "max_age",
-                "batch_size", "debounce", "max_delay", "fallback_interval", "sweep_interval", "log_level")
+                "batch_size", "debounce", "max_delay", "fallback_interval", "sweep_interval", "log_level",
+                "watch")
 
 
 def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:

@@ -163,3 +163,18 @@ def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, not
     assert store_size(root) > int(2 * MIB * 0.5), "the daemon did not stop between batches"
     with Store.open(root) as store:
         assert store.verify().ok
+
+
+def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notify_socket,
+                                                           start_daemon) -> None:
+    root = tmp_path / "store"
+    cfg = write_config(tmp_path / "adstore.toml", max_size="1M", high_watermark=0.9, low_watermark=0.5,
+                       grace_period="0s", fallback_interval="500ms", watch="false")
+    d = start_daemon(cfg, root, notify=notify_socket)
+    notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
+    populate(root, count=20, size=100 * KIB, prefix="f")  # 2 MB, no inotify watching
+    waited = wait_until(lambda: store_size(root) <= 512 * KIB, timeout=10)
+    assert waited < 5
+    assert "filesystem events disabled" in d.log()
+    d.signal(signal.SIGTERM)
+    assert d.wait() == 0
