@@ -39,7 +39,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.enforce import Budget, Enforcer, PassResult
+from adstore.daemon.enforce import Enforcer, PassResult
 from adstore.daemon.lock import InstanceLock, process_start_time, write_status
 from adstore.daemon.notify import Notifier, watchdog_interval
 from adstore.store import Store

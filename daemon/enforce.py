@@ -109,10 +109,10 @@ class Enforcer:
             if not plan.victims:
                 break
 
-            def after_batch(entries: int, freed: int) -> bool:
+            def after_batch(entries: int, freed: int, reason: str = plan.reason) -> bool:
                 result.batches += 1
                 result.bytes_freed += freed
-                log.info("evicted %d entries (%d bytes): %s", entries, freed, plan.reason)
+                log.info("evicted %d entries (%d bytes): %s", entries, freed, reason)
                 self.on_batch()
                 return target is not None and self.store.size() <= target
 
