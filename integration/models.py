@@ -181,8 +181,12 @@ class ModelFactory:
         full = hf.to_dict()
         for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
             full.pop(volatile, None)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        # The class name without importing the modeling module (identity stays cheap on a hit).
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.model_type, type(hf).__name__)
         return {
-            "architecture": self._model_class(hf).__name__,
+            "architecture": arch,
             "model_type": self.config["model_type"],
             "config": full,
             "model_kwargs": dict(sorted(self.model_kwargs.items())),

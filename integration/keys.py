@@ -1,0 +1,173 @@
+"""Cache keys: SHA-256 over canonical JSON of named components (DESIGN §3).
+
+Components: ``model`` (factory identity), ``checkpoint`` (cheap fingerprint),
+``prefix`` (every transform before the cache point: name + config, from the
+copy taken before any transform ran), ``dist`` (topology without the rank,
+only when the prefix reaches sharding), ``env`` (adstore format version,
+torch/transformers versions and a fingerprint of the prefix transforms' source
+code) and ``extra`` (caller's own).  The components are stored with the entry
+so ``adstore explain`` can say which one made two keys differ.
+
+Canonical JSON: sorted keys, no whitespace, floats by their shortest exact
+repr (non-finite floats spelled out), paths as POSIX strings, enums by value,
+tuples and sets as lists, dtypes and devices by name.  Anything else is a
+:class:`CacheKeyError`, never a silently lossy ``str()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from adstore.integration.errors import CacheKeyError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "COMPONENTS",
+    "CacheKey",
+    "canonical",
+    "canonical_json",
+    "code_fingerprint",
+    "env_component",
+    "build_key",
+    "diff_components",
+]
+
+#: Bump when the snapshot layout or the key recipe changes: old entries then miss.
+FORMAT_VERSION = 1
+COMPONENTS = ("model", "checkpoint", "prefix", "dist", "env", "extra")
+
+
+def canonical(obj: Any, where: str = "key") -> Any:
+    """A JSON-safe, normalised copy of ``obj`` (see module doc)."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return canonical(obj.value, where)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {"__float__": repr(obj)}
+    if isinstance(obj, PurePath):
+        return obj.as_posix()
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return canonical(dataclasses.asdict(obj), where)
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(k, enum.Enum):
+                k = k.value
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CacheKeyError(f"{where}: mapping key {k!r} is not a string")
+            out[str(k)] = canonical(v, f"{where}.{k}")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        items = [canonical(v, where) for v in obj]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+    raise CacheKeyError(f"{where}: {type(obj).__name__} value {obj!r} has no canonical form")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _module_source(modname: str) -> str:
+    mod = sys.modules.get(modname) or importlib.import_module(modname)
+    try:
+        return inspect.getsource(mod)
+    except (OSError, TypeError):
+        path = getattr(mod, "__file__", None)
+        if path and os.path.exists(path):
+            with open(path, "rb") as fh:
+                return fh.read().decode("utf-8", "replace")
+        return f"<no source for {modname}>"
+
+
+def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
+    """SHA-256 of the source of each class, its module and its ``code_modules``.
+
+    The whole defining module is hashed, not only the class body, because a
+    transform's behaviour lives in the helpers beside it.
+    """
+    out: dict[str, str] = {}
+    for cls in classes:
+        h = hashlib.sha256()
+        try:
+            h.update(inspect.getsource(cls).encode())
+        except (OSError, TypeError):
+            h.update(cls.__qualname__.encode())
+        modules = [cls.__module__, *getattr(cls, "code_modules", ())]
+        for modname in sorted(set(modules)):
+            h.update(b"\0" + modname.encode() + b"\0")
+            h.update(_module_source(modname).encode())
+        out[f"{cls.__module__}.{cls.__qualname__}"] = h.hexdigest()
+    return out
+
+
+def env_component(prefix_classes: Iterable[type]) -> dict[str, Any]:
+    """Format version, library versions and the prefix code fingerprint."""
+    env: dict[str, Any] = {
+        "adstore_format": FORMAT_VERSION,
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "code": code_fingerprint(prefix_classes),
+    }
+    tf = sys.modules.get("transformers")
+    if tf is not None:
+        env["transformers"] = getattr(tf, "__version__", "unknown")
+    return env
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """A key and the components it hashes (stored with the entry)."""
+
+    key: str
+    components: dict[str, Any]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def build_key(
+    *,
+    model: Mapping[str, Any],
+    checkpoint: Mapping[str, Any],
+    prefix: list[Any],
+    dist: Mapping[str, Any] | None,
+    env: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+) -> CacheKey:
+    components = canonical({
+        "model": model,
+        "checkpoint": checkpoint,
+        "prefix": prefix,
+        "dist": dist,
+        "env": env,
+        "extra": extra or {},
+    })
+    digest = hashlib.sha256(canonical_json(components).encode()).hexdigest()
+    return CacheKey(key=digest, components=components)
+
+
+def diff_components(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """Names of the components that differ between two keys' components."""
+    return [c for c in COMPONENTS if canonical_json(a.get(c)) != canonical_json(b.get(c))]

@@ -1,0 +1,161 @@
+"""``InferenceOptimizer``: runs registered transforms by stage, restoring from the cache first.
+
+Config shape::
+
+    {
+      "model": {"arch": "llama", "layers": 2, "hidden": 64},      # ModelFactory.from_config
+      "checkpoint": "/path/to/safetensors/dir",
+      "transforms": {"build_model": {}, "export_to_gm": {"seq": 8}, ...,
+                     "pipeline_cache": {"stage": "sharding"}, "load_weights": {}, ...},
+    }
+
+Transforms run sorted by stage (stable within a stage); the cache point runs
+at the end of its stage.  Before anything runs the optimizer deep-copies the
+parsed configs: that copy, not the live configs a transform may mutate, is
+what the cache key hashes.  With a ``pipeline_cache`` transform the optimizer
+asks it to restore first and on a hit resumes at the transform right after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from adstore.integration import transforms as _t
+from adstore.integration import transforms_fusion as _f  # noqa: F401  (registers)
+from adstore.integration import transforms_patterns as _p  # noqa: F401
+from adstore.integration import transforms_sharding as _s  # noqa: F401
+from adstore.integration.dist import topology
+from adstore.integration.events import CacheEvent
+from adstore.integration.models import ModelFactory
+from adstore.integration.pipeline_cache import PipelineCache
+from adstore.integration.transforms import PipelineContext, Stage, Transform, transform_class
+from adstore.store.errors import ConfigError
+
+__all__ = ["InferenceOptimizer", "DEFAULT_TRANSFORMS", "default_transforms"]
+
+log = logging.getLogger(__name__)
+
+#: The reference pipeline, in stage order.
+DEFAULT_TRANSFORMS: dict[str, dict[str, Any]] = {
+    "build_model": {},
+    "export_to_gm": {},
+    "cleanup_export": {},
+    "match_rms_norm": {},
+    "match_swiglu": {},
+    "tp_sharding": {},
+    "pipeline_cache": {},
+    "load_weights": {},
+    "fuse_linears": {},
+    "init_cache": {},
+    "compile": {},
+}
+
+
+def default_transforms(**overrides: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The reference pipeline with per-transform option overrides."""
+    out = copy.deepcopy(DEFAULT_TRANSFORMS)
+    for name, opts in overrides.items():
+        if name not in out:
+            raise ConfigError(f"transforms.{name}", "not part of the reference pipeline")
+        out[name].update(opts)
+    return out
+
+
+class InferenceOptimizer:
+    """Build, transform and (optionally) cache one model for one rank."""
+
+    def __init__(
+        self,
+        factory: ModelFactory,
+        checkpoint: str | Path,
+        transforms: Mapping[str, Mapping[str, Any] | None] | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        topo = topology(rank, world_size)
+        self.factory = factory
+        self.ctx = PipelineContext(factory=factory, checkpoint=Path(checkpoint), rank=topo.rank,
+                                   world_size=topo.world_size)
+        specs = DEFAULT_TRANSFORMS if transforms is None else transforms
+        if not isinstance(specs, Mapping):
+            raise ConfigError("transforms", "expected a mapping of transform name -> options")
+        built: list[tuple[int, int, int, Transform]] = []
+        for index, (name, opts) in enumerate(specs.items()):
+            cls = transform_class(name)
+            config = cls.config_cls.from_dict(opts, owner=f"transforms.{name}")
+            t = cls(config)
+            if isinstance(t, PipelineCache):
+                built.append((int(t.cache_stage), 1, index, t))
+            else:
+                built.append((int(cls.stage), 0, index, t))
+        built.sort(key=lambda item: item[:3])
+        self.transforms: list[Transform] = [t for *_, t in built]
+        caches = [t for t in self.transforms if isinstance(t, PipelineCache) and t.config.enabled]
+        if len(caches) > 1:
+            raise ConfigError("transforms.pipeline_cache", "at most one cache point")
+        self.cache: PipelineCache | None = caches[0] if caches else None
+        # The copy the cache key hashes: taken before any transform can mutate a config.
+        self._cache_key_config = [(t.name, copy.deepcopy(t.config.to_dict())) for t in self.transforms]
+        self.timings: dict[str, float] = {}
+        self.resumed_at: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> "InferenceOptimizer":
+        unknown = set(config) - {"model", "checkpoint", "transforms"}
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "unknown top-level option; allowed: model, checkpoint, transforms")
+        if "checkpoint" not in config:
+            raise ConfigError("checkpoint", "required")
+        return cls(ModelFactory.from_config(config.get("model", {})), config["checkpoint"],
+                   config.get("transforms"), **kwargs)
+
+    @property
+    def events(self) -> list[CacheEvent]:
+        return list(self.cache.events) if self.cache is not None else []
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.ctx.info
+
+    def _cache_index(self) -> int | None:
+        if self.cache is None:
+            return None
+        return self.transforms.index(self.cache)
+
+    def __call__(self) -> nn.Module:
+        t_start = time.perf_counter()
+        module: nn.Module | None = None
+        start = 0
+        idx = self._cache_index()
+        if idx is not None and self.cache is not None:
+            prefix = [t for t in self.transforms[:idx] if t.config.enabled]
+            prefix_names = {t.name for t in prefix}
+            self.cache.bind([(n, c) for n, c in self._cache_key_config[:idx] if n in prefix_names],
+                            [type(t) for t in prefix])
+            t0 = time.perf_counter()
+            restored = self.cache.maybe_restore(self.ctx)
+            self.timings["restore"] = time.perf_counter() - t0
+            if restored is not None:
+                module, start = restored, idx + 1
+                self.resumed_at = self.transforms[start].name if start < len(self.transforms) else None
+        prefix_t0 = time.perf_counter()
+        for i in range(start, len(self.transforms)):
+            t = self.transforms[i]
+            if not t.config.enabled:
+                continue
+            if t is self.cache:
+                self.cache.prefix_seconds = time.perf_counter() - prefix_t0
+            t0 = time.perf_counter()
+            module = t.apply(module, self.ctx)
+            self.timings[t.name] = time.perf_counter() - t0
+        self.timings["total"] = time.perf_counter() - t_start
+        if module is None:
+            raise ConfigError("transforms", "the pipeline produced no module (is build_model missing?)")
+        return module
