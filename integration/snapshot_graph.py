@@ -353,8 +353,11 @@ def _check_pytree_types(spec_json: str, extra: Sequence[str]) -> None:
         if not isinstance(node, dict):
             raise CorruptSnapshot("bad pytree spec")
         t = node.get("type")
-        if t not in _PYTREE_BUILTIN_TYPES and not is_allowed(t, extra):
-            raise UntrustedTarget(str(t))
+        if t not in _PYTREE_BUILTIN_TYPES:
+            # Resolving imports the (allow-listed) module, which registers its pytree nodes.
+            resolve_target(t, extra) if isinstance(t, str) else None
+            if not isinstance(t, str):
+                raise CorruptSnapshot(f"bad pytree type {t!r}")
         for child in node.get("children_spec", []):
             walk(child)
 

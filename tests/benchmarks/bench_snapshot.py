@@ -63,27 +63,32 @@ def to_meta(module: torch.nn.Module) -> None:
 
 
 def timed(fn, repeat: int):
-    """(median seconds, min seconds, last result) over ``repeat`` runs."""
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), out
+    """(median CPU seconds, min CPU seconds, last result) over ``repeat`` runs (GC paused, see race)."""
+    r = race({"x": fn}, repeat)["x"]
+    return r
 
 
 def race(fns: dict, repeat: int) -> dict:
     """Interleaved runs (A, B, A, B, ...) so CPU contention hits every contender alike.
 
-    Returns name -> (median s, min s, last result).
+    Timed in process CPU time (the machine is shared; wall time mostly measures the
+    neighbours) with the cyclic GC paused for every contender, as ``load_module``
+    does internally.  Returns name -> (median s, min s, last result).
     """
+    import gc
+
     times: dict = {k: [] for k in fns}
     outs: dict = {}
     for _ in range(repeat):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            outs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.process_time()
+                outs[name] = fn()
+                times[name].append(time.process_time() - t0)
+            finally:
+                gc.enable()
     return {k: (statistics.median(v), min(v), outs[k]) for k, v in times.items()}
 
 
