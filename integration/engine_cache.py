@@ -38,7 +38,12 @@ from typing import Any
 import torch
 
 from adstore.integration.engine_backends import AdstoreEngineCache, BaseEngineCache, EngineRecord
-from adstore.integration.engine_hash import canonical_json, effective_inductor_configs, hash_components
+from adstore.integration.engine_hash import (
+    STORAGE_SETTINGS,
+    canonical_json,
+    effective_inductor_configs,
+    hash_components,
+)
 from adstore.integration.engine_runtime import (
     CompiledEngine,
     EngineEvent,
@@ -52,7 +57,7 @@ from adstore.integration.engine_runtime import (
     validate_runner,
     weights_of,
 )
-from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError
+from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
 from adstore.store.errors import AdstoreError
 
 __all__ = [
@@ -333,11 +338,14 @@ class EngineCache:
             timings["load"] = time.perf_counter() - t1
             validate_runner(runner, meta)
             timings["refit"] = refit(runner, weights, spec)
-        except EngineCacheError as exc:
-            self._memory.discard(h)
-            return self._miss(h, exc.reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
             self._memory.discard(h)
+            if source == "memory":
+                # The private copy went bad (removed by a tmp cleaner, ...): ask the backend.
+                logger.warning("in-process engine copy of %s unusable (%s); reading the backend", h[:12], exc)
+                return self._try_hit(req)
+            if isinstance(exc, EngineCacheError):
+                return self._miss(h, exc.reason, str(exc))
             return self._miss(h, "load_failed", f"{type(exc).__name__}: {exc}")
         finally:
             if record is not None:
@@ -363,15 +371,24 @@ class EngineCache:
         backend = self.backend
         path = self._memory.new_path()
         t0 = time.perf_counter()
-        # A copy: the compiler writes into the dict it is given.
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(inductor_configs))
-        compile_seconds = time.perf_counter() - t0
-        timings["compile"] = compile_seconds
-        self._count("compiles")
-        t1 = time.perf_counter()
-        runner = load_runner(path)
-        timings["load"] = time.perf_counter() - t1
-        timings["refit"] = refit(runner, weights, spec)
+        try:
+            # A copy: the compiler writes into the dict it is given.
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(path), inductor_configs=dict(inductor_configs)
+            )
+            compile_seconds = time.perf_counter() - t0
+            timings["compile"] = compile_seconds
+            self._count("compiles")
+            t1 = time.perf_counter()
+            runner = load_runner(path)
+            timings["load"] = time.perf_counter() - t1
+            timings["refit"] = refit(runner, weights, spec)
+        except EngineMismatch as exc:
+            path.unlink(missing_ok=True)
+            return self._compile_with_weights(req, exc)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         meta = build_meta(h, ep, spec, inductor_configs, components, runner, compile_seconds)
         saved = False
         if h is not None:
@@ -392,6 +409,7 @@ class EngineCache:
             backend.record_event("miss", reason)
             kind = "miss"
         else:
+            path.unlink(missing_ok=True)  # the runner has extracted what it needs
             self._count(f"bypasses.{reason}")
             kind = "bypass"
         event = EngineEvent(kind, h, "compiled", reason=reason, detail=detail, seconds=compile_seconds, saved=saved)
@@ -399,6 +417,27 @@ class EngineCache:
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         engine.timings["total"] = time.perf_counter() - req.start
         return engine
+
+    def _compile_with_weights(self, req: _Request, why: EngineMismatch) -> CompiledEngine:
+        """Fail-open path for a graph whose compiled constants the weights cannot fill.
+
+        The weight-free package would be unusable, so compile once more with the
+        weights inside (AOTInductor's own defaults for packaging) and cache nothing.
+        """
+        logger.warning("engine %s cannot be refit (%s); compiling with weights, not cached", req.hash, why)
+        options = {k: v for k, v in req.inductor_configs.items() if k not in STORAGE_SETTINGS}
+        with tempfile.TemporaryDirectory(dir=self._memory.dir) as tmp:
+            pkg = Path(tmp) / "engine.pt2"
+            t0 = time.perf_counter()
+            torch._inductor.aoti_compile_and_package(req.ep, package_path=str(pkg), inductor_configs=options)
+            seconds = time.perf_counter() - t0
+            runner = load_runner(pkg)
+        self._count("bypasses.unrefittable")
+        self.backend.record_event("bypass", "unrefittable")
+        event = EngineEvent("bypass", req.hash, "compiled", reason="unrefittable", detail=str(why), seconds=seconds)
+        meta = {"constants": req.spec, "payload": {"weights_included": True}}
+        return CompiledEngine(runner, hash=None, meta=meta, event=event, code_constants=req.code_consts,
+                              timings={**req.timings, "compile": seconds})
 
 
 # --------------------------------------------------------------------------- module API

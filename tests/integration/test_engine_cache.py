@@ -608,3 +608,18 @@ def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
         assert [e.key for e in store.entries(namespace="engine")] == [env["hash"]]
         engine, event = lookup_in(AdstoreEngineCache(store), make_model(23))
         assert engine is not None and event.kind == "hit"
+
+
+def test_damaged_in_process_copy_falls_back_to_the_backend(env):
+    backend = InMemoryEngineCache()
+    backend.save(env["hash"], env["blob"])
+    front = EngineCache(backend)
+    try:
+        assert front.lookup(make_model(2), (X,))[1].source == "backend"
+        _meta, path = front._memory.get(env["hash"])
+        path.write_bytes(b"not a zip any more")  # e.g. a tmp cleaner or a full disk got to it
+        engine, event = front.lookup(make_model(3), (X,))
+        assert engine is not None and event.source == "backend"
+        torch.testing.assert_close(engine(X), make_model(3)(X), rtol=1e-6, atol=1e-6)
+    finally:
+        front.close()
