@@ -310,7 +310,14 @@ def main() -> int:
                   f"{r['ratio_stats_to_python_startup']:.1f}x", flush=True)
     out = REPO / "bench-results"
     out.mkdir(exist_ok=True)
-    (out / "daemon.json").write_text(json.dumps(results, indent=2))
+    merged: dict[str, Any] = {}
+    if args.skip:  # a partial run keeps the other sections of the last run
+        try:
+            merged = json.loads((out / "daemon.json").read_text())
+        except (OSError, ValueError):
+            merged = {}
+    merged.update(results)
+    (out / "daemon.json").write_text(json.dumps(merged, indent=2))
     print(f"wrote {out / 'daemon.json'}")
     return 0
 
