@@ -223,7 +223,10 @@ def summarize(artifacts: Mapping[str, bytes]) -> dict[str, Any]:
         for name, child in node.get("children", ()):
             walk(child, f"{path}.{name}" if path else str(name))
 
-    walk(structure["tree"], "")
+    try:
+        walk(structure["tree"], "")
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:
+        raise CorruptSnapshot(f"snapshot structure is malformed: {exc}") from None
     hook_types = Counter(str(s.get("type")) if isinstance(s, dict) else "<invalid>" for s in specs)
     return {
         "format": structure.get("format"),

@@ -22,7 +22,6 @@ import json
 import keyword
 import logging
 import types
-import weakref
 from typing import Any, Sequence
 
 import torch
@@ -32,7 +31,15 @@ from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
 from adstore.integration.snapshot_values import Unencodable, ValueDecoder, ValueEncoder
-from adstore.integration.targets import is_allowed, qualname_of, resolve_target
+from adstore.integration.snapshot_export import (
+    _EXPORT_METHODS,
+    _STATEFUL,
+    RestoredGuards,
+    _export_eval,
+    _export_train,
+    export_forward_hooks,
+)
+from adstore.integration.targets import qualname_of, resolve_target
 
 __all__ = [
     "GM_CLASSES",
@@ -54,7 +61,6 @@ _SKIP_META = frozenset({"from_node", "unbacked_bindings", "tensor_meta", "exampl
 _SPEC_META = frozenset({"val"})
 _MISSING = object()
 _DROPPED = object()
-_STATEFUL = "torch.export._unlift._StatefulGraphModule"
 #: GraphModule classes a snapshot may name, and therefore rebuild.
 GM_CLASSES = ("torch.fx.graph_module.GraphModule", _STATEFUL)
 #: GraphModule instance attributes handled here (everything else goes to generic attrs).
@@ -104,78 +110,6 @@ def _placeholder_target(t: Any) -> str:
         _ident(bare, "placeholder")
         return t
     raise CorruptSnapshot(f"placeholder target {t!r} is not a string")
-
-
-# ----------------------------------------------------------------------------- export specifics
-def _export_train(self: torch.nn.Module, mode: bool = True) -> Any:
-    """Stands in for the ``train`` that ``ExportedProgram.module()`` binds (same behaviour)."""
-    raise NotImplementedError("Calling train() is not supported yet.")
-
-
-def _export_eval(self: torch.nn.Module, mode: bool = True) -> Any:
-    """Stands in for the ``eval`` that ``ExportedProgram.module()`` binds (same behaviour)."""
-    raise NotImplementedError("Calling eval() is not supported yet.")
-
-
-_EXPORT_METHODS = {
-    "ExportedProgram.module.<locals>._train": "export_train",
-    "ExportedProgram.module.<locals>._eval": "export_eval",
-    "_export_train": "export_train",
-    "_export_eval": "export_eval",
-}
-
-
-class RestoredGuards(torch.nn.Module):
-    """Replaces export's ``_guards_fn`` (whose body is ``exec``'d text) after a restore.
-
-    It checks the same input constraints export checks without a guards module:
-    ranks, static sizes and symbolic ranges of the placeholders, using torch's own
-    ``_check_input_constraints_for_graph`` over the restored ``meta["val"]``.
-    """
-
-    _is_impure = True
-
-    def bind(self, gm: torch.fx.GraphModule) -> None:
-        object.__setattr__(self, "_gm_ref", weakref.ref(gm))
-
-    def forward(self, *args: Any) -> None:
-        from torch._export.utils import _check_input_constraints_for_graph
-
-        ref = self.__dict__.get("_gm_ref")
-        gm = ref() if ref is not None else None
-        if gm is None:
-            return None
-        placeholders = gm.graph.find_nodes(op="placeholder")
-        flat = [((pytree.SequenceKey(i),), a) for i, a in enumerate(args)]
-        _check_input_constraints_for_graph(placeholders, flat, getattr(gm, "range_constraints", {}) or {})
-        return None
-
-
-def _is_export_hook_lambda(fn: Any) -> bool:
-    code = getattr(fn, "__code__", None)
-    if code is None or getattr(fn, "__module__", "") != "torch.export._unlift":
-        return False
-    if "_create_stateful_graph_module" not in getattr(fn, "__qualname__", ""):
-        return False
-    cells = [c.cell_contents for c in (fn.__closure__ or ())]
-    return all(isinstance(c, (set, frozenset, list, tuple)) and not c for c in cells)
-
-
-def export_forward_hooks(module: torch.nn.Module) -> bool | None:
-    """True if ``module``'s forward hooks are exactly export's standard ones (recreated on load),
-    None if it has no forward hooks, False otherwise (the save must skip)."""
-    pre = list(module._forward_pre_hooks.values())
-    post = list(module._forward_hooks.values())
-    if not pre and not post:
-        return None
-    if not isinstance(module, torch.fx.GraphModule) or _real_class_name(module) != _STATEFUL:
-        return False
-    from torch.export._unlift import _check_input_constraints_pre_hook
-
-    for h in pre:
-        if h is not _check_input_constraints_pre_hook and not _is_export_hook_lambda(h):
-            return False
-    return all(_is_export_hook_lambda(h) for h in post)
 
 
 def _real_class(module: torch.nn.Module) -> type:

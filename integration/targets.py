@@ -49,22 +49,25 @@ logger = logging.getLogger(__name__)
 #: Prefixes every process trusts. ``builtins`` is handled by :data:`SAFE_BUILTINS`.
 BUILTIN_PREFIXES: tuple[str, ...] = ("torch.", "operator.", "_operator.", "math.", "adstore.")
 
-#: Entry points inside ``torch`` that load or compile code from elsewhere.
+#: Entry points inside ``torch`` that load or compile code from elsewhere (a name is denied
+#: when it equals an entry or lies below it).
 _DENIED_PREFIXES: tuple[str, ...] = (
-    "torch.hub.",
-    "torch.utils.cpp_extension.",
-    "torch.package.",
-    "torch.serialization.",
+    "torch.hub",
+    "torch.utils.cpp_extension",
+    "torch.package",
+    "torch.serialization",
     "torch.load",
     "torch.jit.load",
-    "torch.jit._serialization.",
-    "torch._C._jit",
-    "torch._C._import_ir_module",
+    "torch.jit._serialization",
     "torch.ops.load_library",
     "torch._ops.load_library",
     "torch.export.load",
     "torch.compile",
+    "torch._dynamo",
+    "torch._inductor",
 )
+#: Raw name prefixes denied regardless of dots (private C bindings of the above).
+_DENIED_RAW: tuple[str, ...] = ("torch._C._jit", "torch._C._import_ir", "torch._C._load_for_lite")
 
 #: The side-effect-free builtins a graph may name (``builtins.getattr`` etc.).
 SAFE_BUILTINS: frozenset[str] = frozenset(
@@ -116,7 +119,7 @@ def is_allowed(qualname: str, extra_prefixes: Iterable[str] = ()) -> bool:
     """Whether ``qualname`` is under an allowed prefix and not denied (no import happens)."""
     if not isinstance(qualname, str) or not qualname:
         return False
-    if any(_prefix_match(qualname, p) or qualname.startswith(p) for p in _DENIED_PREFIXES):
+    if any(_prefix_match(qualname, p) for p in _DENIED_PREFIXES) or qualname.startswith(_DENIED_RAW):
         return False
     if qualname.startswith("builtins."):
         return qualname[len("builtins."):] in SAFE_BUILTINS

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.fx
 
-from adstore.integration.errors import CorruptSnapshot, SnapshotError, UntrustedTarget
+from adstore.integration.errors import SnapshotError, UntrustedTarget
 from adstore.integration.snapshot import FORMAT, VERSION, dump_module, load_module, summarize
 from adstore.integration.targets import allow_prefix, resolve_target
 

@@ -1,0 +1,98 @@
+"""What ``torch.export(...).module()`` adds to a GraphModule, recognised and recreated.
+
+An exported module carries pieces that are not plain structure: forward
+pre/post hooks that are lambdas, ``train``/``eval`` bound to local functions, and
+a ``_guards_fn`` submodule whose body is ``exec``'d text.  None of them can be
+serialised safely, and all of them are standard, so the snapshot records only
+*that* they were there and restore builds equivalents from code in this module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["RestoredGuards", "export_forward_hooks"]
+
+_STATEFUL = "torch.export._unlift._StatefulGraphModule"
+
+
+def _is_stateful(module: torch.nn.Module) -> bool:
+    from torch.export._unlift import _StatefulGraphModule
+
+    return isinstance(module, _StatefulGraphModule)
+
+
+def _export_train(self: torch.nn.Module, mode: bool = True) -> Any:
+    """Stands in for the ``train`` that ``ExportedProgram.module()`` binds (same behaviour)."""
+    raise NotImplementedError("Calling train() is not supported yet.")
+
+
+def _export_eval(self: torch.nn.Module, mode: bool = True) -> Any:
+    """Stands in for the ``eval`` that ``ExportedProgram.module()`` binds (same behaviour)."""
+    raise NotImplementedError("Calling eval() is not supported yet.")
+
+
+_EXPORT_METHODS = {
+    "ExportedProgram.module.<locals>._train": "export_train",
+    "ExportedProgram.module.<locals>._eval": "export_eval",
+    "_export_train": "export_train",
+    "_export_eval": "export_eval",
+}
+
+
+class RestoredGuards(torch.nn.Module):
+    """Replaces export's ``_guards_fn`` (whose body is ``exec``'d text) after a restore.
+
+    It checks the same input constraints export checks without a guards module:
+    ranks, static sizes and symbolic ranges of the placeholders, using torch's own
+    ``_check_input_constraints_for_graph`` over the restored ``meta["val"]``.
+    """
+
+    _is_impure = True
+
+    def bind(self, gm: torch.fx.GraphModule) -> None:
+        object.__setattr__(self, "_gm_ref", weakref.ref(gm))
+
+    def forward(self, *args: Any) -> None:
+        from torch._export.utils import _check_input_constraints_for_graph
+
+        ref = self.__dict__.get("_gm_ref")
+        gm = ref() if ref is not None else None
+        if gm is None:
+            return None
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        flat = [((pytree.SequenceKey(i),), a) for i, a in enumerate(args)]
+        _check_input_constraints_for_graph(placeholders, flat, getattr(gm, "range_constraints", {}) or {})
+        return None
+
+
+def _is_export_hook_lambda(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "__module__", "") != "torch.export._unlift":
+        return False
+    if "_create_stateful_graph_module" not in getattr(fn, "__qualname__", ""):
+        return False
+    cells = [c.cell_contents for c in (fn.__closure__ or ())]
+    return all(isinstance(c, (set, frozenset, list, tuple)) and not c for c in cells)
+
+
+def export_forward_hooks(module: torch.nn.Module) -> bool | None:
+    """True if ``module``'s forward hooks are exactly export's standard ones (recreated on load),
+    None if it has no forward hooks, False otherwise (the save must skip)."""
+    pre = list(module._forward_pre_hooks.values())
+    post = list(module._forward_hooks.values())
+    if not pre and not post:
+        return None
+    if not isinstance(module, torch.fx.GraphModule) or not _is_stateful(module):
+        return False
+    from torch.export._unlift import _check_input_constraints_pre_hook
+
+    for h in pre:
+        if h is not _check_input_constraints_pre_hook and not _is_export_hook_lambda(h):
+            return False
+    return all(_is_export_hook_lambda(h) for h in post)
