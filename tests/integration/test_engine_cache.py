@@ -172,7 +172,11 @@ def test_ignore_engine_cache_recompiles_and_overwrites(env):
     front = EngineCache(env["backend"])
     try:
         model = make_model(7)
-        engine = front.compile(model, (X,), ignore_engine_cache=True)
+        ep = torch.export.export(model, (X,))  # an ExportedProgram this time: compile must not change it
+        graph_before, sig_before = str(ep.graph), str(ep.graph_signature)
+        engine = front.compile(ep, (X,), ignore_engine_cache=True)
+        assert str(ep.graph) == graph_before and str(ep.graph_signature) == sig_before
+        assert get_hash(ep, (X,)) == h
         assert engine.event.kind == "miss" and engine.event.reason == "ignored" and engine.event.saved
         assert front.counters["compiles"] == 1
         torch.testing.assert_close(engine(X), model(X), rtol=1e-6, atol=1e-6)
