@@ -40,7 +40,7 @@ import torch
 from adstore.integration.errors import CorruptSnapshot, UnsupportedHook, UntrustedTarget
 from adstore.integration.hook_builtins import AliasHook, DedupHook, TPShardHook
 from adstore.integration.snapshot_values import Unencodable, ValueDecoder, ValueEncoder
-from adstore.integration.targets import qualname_of, resolve_target
+from adstore.integration.targets import check_prefix, qualname_of, resolve_target
 
 __all__ = [
     "HookType",
@@ -220,9 +220,12 @@ def _rebuild_callable(params: Mapping[str, Any], module: torch.nn.Module) -> Cal
     raise CorruptSnapshot(f"unknown importable hook kind {kind!r}")
 
 
+_NO_MODULE = torch.nn.Module()  # stands in for "no scope module" while matching
+
 _builtin(HookType(
     "importable",
-    match=lambda h: _encode_callable(h, torch.nn.Module()) is not None or isinstance(h, types.MethodType),
+    # Methods always match so that one with an unrepresentable owner is reported by name.
+    match=lambda h: isinstance(h, types.MethodType) or _encode_callable(h, _NO_MODULE) is not None,
     encode=lambda h, m: _require(_encode_callable(h, m), h),
     rebuild=_rebuild_callable,
 ))
@@ -327,7 +330,7 @@ def reattach_hooks(module: torch.nn.Module, specs: Sequence[Mapping[str, Any]], 
     if not isinstance(specs, (list, tuple)):
         raise CorruptSnapshot("hook specs must be a list")
     types_ = hook_types()
-    token = _extra_prefixes.set(tuple(allowed_prefixes))
+    token = _extra_prefixes.set(tuple(check_prefix(p) for p in allowed_prefixes))
     try:
         plan = []
         for spec in specs:

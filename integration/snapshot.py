@@ -36,6 +36,7 @@ import torch
 from adstore.integration.errors import CorruptSnapshot, SnapshotError, UnsupportedModule, UntrustedTarget
 from adstore.integration.hooks import clear_load_hooks, collect_hook_specs, reattach_hooks, restore_load_hooks
 from adstore.integration.snapshot_tree import TreeDecoder, TreeEncoder
+from adstore.integration.targets import check_prefix
 from adstore.integration.tensor_meta import SymDecoder
 
 __all__ = ["FORMAT", "VERSION", "MODULE_ARTIFACT", "HOOKS_ARTIFACT", "dump_module", "load_module", "summarize"]
@@ -160,8 +161,9 @@ def load_module(artifacts: Mapping[str, bytes], *, allowed_prefixes: Sequence[st
     ``allowed_prefixes``) and ``CorruptSnapshot`` for anything malformed; in both
     cases nothing named by the payload has been called.
     """
+    extra = tuple(check_prefix(p) for p in allowed_prefixes)
     with _gc_paused():
-        return _load(artifacts, tuple(allowed_prefixes))
+        return _load(artifacts, extra)
 
 
 def _load(artifacts: Mapping[str, bytes], extra: tuple[str, ...]) -> torch.nn.Module:

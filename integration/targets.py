@@ -39,6 +39,7 @@ __all__ = [
     "SAFE_BUILTINS",
     "allow_prefix",
     "allowed_prefixes",
+    "check_prefix",
     "is_allowed",
     "qualname_of",
     "resolve_target",
@@ -87,16 +88,26 @@ _lock = threading.Lock()
 _cache: dict[tuple[str, tuple[str, ...]], object] = {}
 
 
+_UNSAFE_ROOTS = frozenset({"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "pickle",
+                           "marshal", "ctypes", "shutil", "runpy", "code", "codeop", "pty", "socket", ""})
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate an allow-list prefix; modules that grant code execution outright are refused."""
+    if not isinstance(prefix, str) or not prefix.strip(".") or "__" in prefix or " " in prefix:
+        raise ValueError(f"invalid allow-list prefix {prefix!r}")
+    if prefix.split(".")[0] in _UNSAFE_ROOTS:
+        raise ValueError(f"refusing to allow-list {prefix!r}: it grants arbitrary code execution")
+    return prefix
+
+
 def allow_prefix(prefix: str) -> None:
     """Trust ``prefix`` (e.g. ``"mypkg."``) process-wide for targets, classes and hooks.
 
     A prefix without a trailing dot also matches the bare module name (``"mypkg"``
     allows ``mypkg`` and ``mypkg.x`` but not ``mypkgevil``).
     """
-    if not isinstance(prefix, str) or not prefix.strip(".") or "__" in prefix:
-        raise ValueError(f"invalid allow-list prefix {prefix!r}")
-    if prefix.startswith(("builtins", "os", "subprocess", "sys", "posix", "nt", "importlib")):
-        raise ValueError(f"refusing to allow-list {prefix!r}: it grants arbitrary code execution")
+    check_prefix(prefix)
     with _lock:
         if prefix not in _user_prefixes:
             _user_prefixes.append(prefix)

@@ -324,3 +324,22 @@ def test_reattach_refuses_untrusted_callables_before_registering_any():
     # without the allow-list entry even the test's own function is refused
     with pytest.raises(UntrustedTarget):
         reattach_hooks(m, specs[:1])
+
+
+def test_hooks_are_cleared_while_the_payload_is_written(monkeypatch):
+    m = Model()
+    to_meta(m)
+    m.a._register_load_state_dict_pre_hook(scale_pre_hook)
+    m.register_load_state_dict_post_hook(record_post_hook)
+    seen = []
+    real_save = torch.save
+
+    def spying_save(obj, f, *args, **kwargs):
+        seen.append([len(x._load_state_dict_pre_hooks) + len(x._load_state_dict_post_hooks) for x in m.modules()])
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", spying_save)
+    art = dump_module(m)
+    assert seen == [[0, 0, 0]]
+    assert len(m.a._load_state_dict_pre_hooks) == 1 and len(m._load_state_dict_post_hooks) == 1
+    assert len(json.loads(art["hooks.json"])) == 2

@@ -271,6 +271,8 @@ def test_allow_prefix_registry_is_narrow(monkeypatch):
         allow_prefix("os.")
     with pytest.raises(ValueError):
         allow_prefix("builtins.")
+    with pytest.raises(ValueError):
+        load_module({}, allowed_prefixes=("subprocess",))
     with pytest.raises(UntrustedTarget):
         resolve_target("json.loads")
     allow_prefix("json.")
