@@ -89,35 +89,33 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def _module_source(modname: str) -> str:
+def _module_source(modname: str) -> bytes:
+    """The bytes of a module's source file (read, not parsed: this runs on every hit)."""
     mod = sys.modules.get(modname) or importlib.import_module(modname)
+    path = getattr(mod, "__file__", None)
+    if path and path.endswith(".py") and os.path.exists(path):
+        with open(path, "rb") as fh:
+            return fh.read()
     try:
-        return inspect.getsource(mod)
+        return inspect.getsource(mod).encode()
     except (OSError, TypeError):
-        path = getattr(mod, "__file__", None)
-        if path and os.path.exists(path):
-            with open(path, "rb") as fh:
-                return fh.read().decode("utf-8", "replace")
-        return f"<no source for {modname}>"
+        return f"<no source for {modname}>".encode()
 
 
 def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
-    """SHA-256 of the source of each class, its module and its ``code_modules``.
+    """SHA-256 of the source of each class's module and its ``code_modules``.
 
     The whole defining module is hashed, not only the class body, because a
-    transform's behaviour lives in the helpers beside it.
+    transform's behaviour lives in the helpers beside it (and reading a file is
+    much cheaper than locating a class in its parsed source).
     """
     out: dict[str, str] = {}
     for cls in classes:
-        h = hashlib.sha256()
-        try:
-            h.update(inspect.getsource(cls).encode())
-        except (OSError, TypeError):
-            h.update(cls.__qualname__.encode())
+        h = hashlib.sha256(cls.__qualname__.encode())
         modules = [cls.__module__, *getattr(cls, "code_modules", ())]
         for modname in sorted(set(modules)):
             h.update(b"\0" + modname.encode() + b"\0")
-            h.update(_module_source(modname).encode())
+            h.update(_module_source(modname))
         out[f"{cls.__module__}.{cls.__qualname__}"] = h.hexdigest()
     return out
 

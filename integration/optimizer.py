@@ -26,15 +26,15 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from adstore.integration import transforms as _t
 from adstore.integration import transforms_fusion as _f  # noqa: F401  (registers)
 from adstore.integration import transforms_patterns as _p  # noqa: F401
 from adstore.integration import transforms_sharding as _s  # noqa: F401
 from adstore.integration.dist import topology
 from adstore.integration.events import CacheEvent
+from adstore.integration.keys import CacheKey
 from adstore.integration.models import ModelFactory
 from adstore.integration.pipeline_cache import PipelineCache
-from adstore.integration.transforms import PipelineContext, Stage, Transform, transform_class
+from adstore.integration.transforms import PipelineContext, Transform, transform_class
 from adstore.store.errors import ConfigError
 
 __all__ = ["InferenceOptimizer", "DEFAULT_TRANSFORMS", "default_transforms"]
@@ -129,16 +129,28 @@ class InferenceOptimizer:
             return None
         return self.transforms.index(self.cache)
 
+    def _bind_cache(self) -> None:
+        idx = self._cache_index()
+        if idx is None or self.cache is None:
+            return
+        prefix = [t for t in self.transforms[:idx] if t.config.enabled]
+        names = {t.name for t in prefix}
+        self.cache.bind([(n, c) for n, c in self._cache_key_config[:idx] if n in names], [type(t) for t in prefix])
+
+    def cache_key(self) -> CacheKey | None:
+        """This run's cache key (None without an enabled cache point); may raise."""
+        if self.cache is None:
+            return None
+        self._bind_cache()
+        return self.cache.key(self.ctx)
+
     def __call__(self) -> nn.Module:
         t_start = time.perf_counter()
         module: nn.Module | None = None
         start = 0
         idx = self._cache_index()
         if idx is not None and self.cache is not None:
-            prefix = [t for t in self.transforms[:idx] if t.config.enabled]
-            prefix_names = {t.name for t in prefix}
-            self.cache.bind([(n, c) for n, c in self._cache_key_config[:idx] if n in prefix_names],
-                            [type(t) for t in prefix])
+            self._bind_cache()
             t0 = time.perf_counter()
             restored = self.cache.maybe_restore(self.ctx)
             self.timings["restore"] = time.perf_counter() - t0
