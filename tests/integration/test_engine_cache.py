@@ -627,3 +627,30 @@ def test_damaged_in_process_copy_falls_back_to_the_backend(env):
         torch.testing.assert_close(engine(X), make_model(3)(X), rtol=1e-6, atol=1e-6)
     finally:
         front.close()
+
+
+@pytest.mark.slow
+def test_transformers_encoder_hit_refits_other_checkpoint(tmp_path):
+    """A real architecture from a config (random weights): one compile, then a hit per 'checkpoint'."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+
+    def bert(seed):
+        torch.manual_seed(seed)
+        return transformers.BertModel(cfg).eval()
+
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with Store.open(tmp_path / "s", grace_period=0.0) as store:
+        front = EngineCache(AdstoreEngineCache(store))
+        first = front.compile(bert(1), (ids,))
+        front.clear_memory()
+        second_model = bert(2)
+        second = front.compile(second_model, (ids,))
+        assert first.event.kind == "miss" and second.event.kind == "hit" and second.event.source == "backend"
+        with torch.no_grad():
+            want = second_model(ids)
+        got = second(ids)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-4)
+        front.close()
