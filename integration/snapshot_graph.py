@@ -185,6 +185,29 @@ def _encode_codegen(graph: torch.fx.Graph) -> dict[str, Any]:
     raise UnsupportedModule(f"graph codegen {type(cg).__qualname__} is not supported")
 
 
+_BUILTIN_OP_NAMESPACES = frozenset({"aten", "prims", "prim", "higher_order", "_c10d_functional", "c10d_functional",
+                                    "_c10d_functional_autograd", "quantized", "rngprims", "inductor"})
+
+
+def _op_modules(graph: torch.fx.Graph) -> list[str]:
+    """Python modules that define the graph's custom ops (``torch.library.custom_op``).
+
+    A fresh process only knows ``torch.ops.<ns>.<op>`` once that module has been
+    imported, so restore imports these first (each still under the allow-list).
+    """
+    from torch._library.custom_ops import OPDEFS
+
+    mods: list[str] = []
+    for n in graph.nodes:
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace not in _BUILTIN_OP_NAMESPACES:
+            opdef = OPDEFS.get(f"{t.namespace}::{t._opname}")
+            mod = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+            if isinstance(mod, str) and mod not in mods and mod != "__main__":
+                mods.append(mod)
+    return mods
+
+
 def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
                         table: MetaTable) -> dict[str, Any]:
     """Encode the graph and GraphModule-only state of ``gm`` (submodules/params are the tree's job)."""
@@ -233,6 +256,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
     out: dict[str, Any] = {
         "gm_class": cls_name,
         "class_name": type(gm).__name__,
+        "op_modules": _op_modules(graph),
         "targets": targets,
         "nodes": nodes,
         "codegen": _encode_codegen(graph),
@@ -374,6 +398,10 @@ class GraphDecoder:
         return _PyTreeCodeGen(_PyTreeInfo(args, specs[0], specs[1]))
 
     def graph(self, enc: dict[str, Any]) -> torch.fx.Graph:
+        for mod in enc.get("op_modules", ()):
+            # an allow-listed module that registers custom ops (resolving it imports it)
+            if not isinstance(resolve_target(mod, self.extra), types.ModuleType):
+                raise UntrustedTarget(str(mod))
         targets = [resolve_target(q, self.extra) for q in enc["targets"]]
         for t in targets:
             if not callable(t):

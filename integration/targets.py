@@ -243,7 +243,11 @@ def resolve_target(qualname: str, extra_prefixes: Sequence[str] = ()) -> object:
         try:
             obj = getattr(obj, part)
         except (AttributeError, RuntimeError):
-            raise UntrustedTarget(qualname) from None
+            # a submodule that is not imported yet (allowed names only)
+            sub = _import_allowed(f"{obj.__name__}.{part}", extra) if isinstance(obj, types.ModuleType) else None
+            if sub is None:
+                raise UntrustedTarget(qualname) from None
+            obj = sub
     _check_identity(qualname, obj, extra)
     _cache[key] = obj
     return obj

@@ -352,3 +352,41 @@ def test_restored_meta_feeds_a_later_transform():
     restored.recompile()
     out = FakeTensorProp(restored, mode).propagate_dont_convert_inputs(placeholders[0].meta["val"])
     assert tuple(str(d) for d in out.shape) == (str(placeholders[0].meta["val"].shape[0]), "4")
+
+
+def test_custom_op_module_is_imported_by_a_fresh_process(tmp_path):
+    """A graph using ``torch.ops.adstore.*`` restores in a process that never imported the ops."""
+    import pickle
+    import subprocess
+    import sys
+
+    import adstore.integration.ops  # noqa: F401  (registers torch.ops.adstore.*)
+
+    class UsesOp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return torch.ops.adstore.rms_norm(x, self.w, 1e-6, 0.0)
+
+    gm = torch.export.export(UsesOp(), (torch.randn(2, 8),)).module()
+    x = torch.randn(2, 8)
+    ref = gm(x)
+    to_meta(gm)
+    path = tmp_path / "art.pkl"
+    path.write_bytes(pickle.dumps({"art": dump_module(gm), "x": x, "ref": ref, "code": gm.code}))
+    script = (
+        "import pickle, sys, torch\n"
+        "from adstore.integration.snapshot import load_module\n"
+        "assert 'adstore.integration.ops' not in sys.modules\n"
+        f"d = pickle.loads(open({str(path)!r}, 'rb').read())\n"
+        "r = load_module(d['art'])\n"
+        "assert r.code == d['code']\n"
+        "r.load_state_dict({'w': torch.ones(8)}, assign=True)\n"
+        "assert torch.equal(r(d['x']), d['ref'])\n"
+        "print('ok', 'adstore.integration.ops' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok True"
