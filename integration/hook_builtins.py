@@ -97,15 +97,20 @@ class TPShardHook(_SpecHook):
         return tuple(out)
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full ``tensor`` (a new contiguous tensor or a view of one block)."""
+        """This rank's slice of a full ``tensor``, always a new contiguous tensor.
+
+        Never a view: a parameter loaded with ``assign=True`` would otherwise keep
+        the whole checkpoint tensor alive, which is what sharding is meant to avoid.
+        """
         pieces = []
         offset = 0
         for b in self._blocks:
             local = b // self.world_size
             pieces.append(tensor.narrow(self.dim, offset + self.rank * local, local))
             offset += b
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
-        return out.contiguous()
+        if len(pieces) == 1:
+            return pieces[0].clone(memory_format=torch.contiguous_format)
+        return torch.cat(pieces, dim=self.dim)
 
     def __call__(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:

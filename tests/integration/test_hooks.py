@@ -156,6 +156,11 @@ def test_tp_shard_fused_blocks_pick_each_block():
     hook(sd, "p.", {}, True, [], [], [])
     expected = torch.cat([full[2:4], full[6:8], full[10:12]])
     assert torch.equal(sd["p.w"], expected)
+    plain = TPShardHook("w", (12, 2), 0, rank=1, world_size=3)
+    sd = {"w": full.clone()}
+    plain(sd, "", {}, True, [], [], [])
+    assert torch.equal(sd["w"], full[4:8]) and sd["w"].is_contiguous()
+    assert sd["w"].untyped_storage().nbytes() == 4 * 2 * 4  # a copy, not a view of the checkpoint
     # already-local or unrelated shapes pass through untouched
     sd = {"p.w": expected.clone()}
     hook(sd, "p.", {}, True, [], [], [])
