@@ -654,3 +654,25 @@ def test_transformers_encoder_hit_refits_other_checkpoint(tmp_path):
         torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-4)
         front.close()
+
+
+def test_default_cache_comes_from_the_environment(env, store_root, monkeypatch):
+    from adstore.integration import engine_cache as ec
+
+    monkeypatch.setenv("ADSTORE_ENGINE_MAX_SIZE", "64M")
+    ec.set_default_engine_cache(None)
+    try:
+        front = ec.default_engine_cache()
+        backend = front.backend
+        assert isinstance(backend, AdstoreEngineCache) and backend.max_size == 64 << 20
+        assert backend.store.root == store_root.absolute()
+        backend.save(env["hash"], env["blob"])
+        engine, event = front.lookup(make_model(2), (X,))
+        assert engine is not None and event.source == "backend"
+        assert ec.default_engine_cache() is front
+        assert store_root.joinpath("CACHEDIR.TAG").exists()
+        assert backend.store.stats().counters.get("hits", 0) >= 1
+    finally:
+        front.close()
+        ec.set_default_engine_cache(None)
+        backend.close()
