@@ -97,3 +97,30 @@ def test_symbolic_expression_roundtrip(hints, k):
         assert got.node.hint == orig.node.hint
     for s in syms:
         assert dec.shape_env.var_to_range[dec.symbols[s.name]].upper == 1024
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(min_value=2, max_value=4096), st.integers(min_value=1, max_value=9))
+def test_symint_args_keep_expression_and_hint(hint, k):
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv()
+    s = sympy.Symbol("s5", integer=True, positive=True)
+    env.add_backed_var_to_val(s, hint)
+    env._update_var_to_range(s, ValueRanges(2, 8192))
+    si = env.create_symintnode(s, hint=hint)
+    value = {"size": torch.Size([si, k]), "pair": (si * k, [si // k, si + k])}
+    enc = ValueEncoder()
+    text = json.dumps({"v": enc.encode(value), "symbols": enc.symbols.symbols})
+    data = json.loads(text)
+    dec = SymDecoder(data["symbols"])
+    out = ValueDecoder(sym=dec.sym).decode(data["v"])
+    assert type(out["size"]) is torch.Size and type(out["pair"]) is tuple and type(out["pair"][1]) is list
+    flat_in = [value["size"][0], value["pair"][0], *value["pair"][1]]
+    flat_out = [out["size"][0], out["pair"][0], *out["pair"][1]]
+    for a, b in zip(flat_in, flat_out):
+        assert isinstance(b, torch.SymInt)
+        assert str(b.node.expr) == str(a.node.expr)
+        assert b.node.hint == a.node.hint and int(b.node.hint) == int(a.node.hint)
+    assert out["size"][1] == k
