@@ -246,7 +246,7 @@ class TreeDecoder:
             target._modules[name] = None if child is None else self.module(child, _join(path, name))
         for k, v in enc.get("attrs", {}).items():
             _ident(k, "attribute name")
-            if k in MODULE_KEYS or (k.startswith("__") and k.endswith("__")):
+            if k in MODULE_KEYS or (is_gm and k in GM_KEYS) or (k.startswith("__") and k.endswith("__")):
                 raise CorruptSnapshot(f"attribute {k!r} may not be set from a snapshot")
             target.__dict__[k] = self.graphs.plain(v)
         if is_gm:

@@ -171,6 +171,10 @@ def test_module_attribute_naming_untrusted_callable(fx_art, sentinel):
     _rejected(_craft(structure, tensors), "untrusted_target")
     structure["tree"]["children"][0][1]["attrs"] = {"__class__": ["fn", "torch.nn.Linear"]}
     _rejected(_craft(structure, tensors))
+    structure, tensors = _open(fx_art)
+    for key in ("_forward_hooks", "_graph", "range_constraints"):  # module / GraphModule internals
+        structure["tree"]["attrs"] = {key: ["d"]}
+        _rejected(_craft(structure, tensors), "corrupt_snapshot")
 
 
 def test_untrusted_pytree_type_and_type_annotation(export_art, fx_art):
