@@ -322,19 +322,17 @@ class Blobs:
         digest = _digest_of(ref_or_digest)
         key = bytes.fromhex(digest)
         dbs = self._index.db
-        txn = self._index.begin_read()
-        try:
+        with self._index.read() as txn:
             raw = txn.get(key, db=dbs["blobs"])
             if raw is None:
                 raise BlobMissing(digest, "not registered")
             row = BlobRow.decode(raw, key)
             data = txn.get(key, db=dbs["blobdata"]) if row.inline else None
-        finally:
-            txn.abort()
         if row.quarantined:
             raise BlobMissing(digest, "quarantined after failing verification")
         if row.inline:
             if data is None:
+                self.quarantine(digest)  # flag the row: lookups miss on it from now on
                 raise BlobMissing(digest, "inline data missing")
             if len(data) == row.size and zlib.crc32(data) == row.crc:
                 return data
@@ -344,6 +342,9 @@ class Blobs:
                     data = f.read()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except OSError as exc:  # a directory or unreadable thing where the blob should be
+                self.quarantine(digest)
+                raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
         got = hashlib.sha256(data).hexdigest()
         if got != digest or len(data) != row.size:
             self.quarantine(digest, content=data if row.inline else None)

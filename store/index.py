@@ -3,11 +3,17 @@
 LMDB is fast and crash-safe (copy-on-write B+tree, durable commits), but it
 asks its users for care that this module concentrates in one place:
 
-* an environment must not be used across ``fork``: every access checks the
-  pid, and a child closes the inherited handle (its POSIX locks belong to the
-  parent, so the parent keeps them) before opening its own;
 * an environment must not be opened twice in one process: stores on the same
   root share one :class:`Index` (``Index.acquire``/``release``);
+* an environment must not be used across ``fork``.  A child closes the
+  inherited handle and opens its own.  Closing aborts every transaction
+  object the handle knows, and aborting a *read* transaction copied from the
+  parent would free the parent's slot in the shared reader table (its
+  snapshot would no longer be protected), so ``fork`` is gated: it waits
+  (briefly) until this process has no transaction open and none can start.
+  A child that inherits an open transaction anyway (a caller held one across
+  ``fork``) leaves the inherited handle alone and refuses to use the index;
+  the cache above fails open;
 * the map size is a hard limit: start large (the file is sparse) and double
   it on ``MapFullError``; another process that grew it shows up as
   ``MapResizedError``, answered by adopting the new size;
@@ -21,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +37,7 @@ from typing import TypeVar
 
 import lmdb
 
-from .errors import StoreError, StoreFull
+from .errors import CorruptRecord, StoreError, StoreFull
 
 __all__ = ["Index", "DATABASES", "SCHEMA_VERSION"]
 
@@ -41,18 +48,121 @@ T = TypeVar("T")
 SCHEMA_VERSION = 1
 DATABASES = ("blobs", "blobdata", "entries", "components", "manifests", "leases", "stats", "meta")
 _READER_CHECK_INTERVAL = 30.0
-_MAX_GROWTHS = 16
+_MAX_RETRIES = 16
+_FORK_WAIT = 2.0
 
 _SHARED: dict[tuple[int, str], list] = {}  # (pid, index path) -> [Index, users]
+_INHERITED: list[lmdb.Environment] = []  # kept alive, never closed (see module doc)
 _SHARED_LOCK = threading.Lock()
 
 
-def _is_disk_full(exc: lmdb.Error) -> bool:
+class _ForkGate:
+    """Counts this process's open transactions; ``fork`` waits for none.
+
+    Held from just before ``fork`` until just after it, so no transaction can
+    start meanwhile and the child inherits none (see the module docstring).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._at_fork = 0
+        #: Transactions that were open when this process was forked from its parent.
+        self.inherited = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._active <= 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Run with no transaction open in this process and none starting.
+
+        LMDB's ``mdb_env_set_mapsize`` is only allowed then (it remaps).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._active <= 0, timeout=_FORK_WAIT):
+                log.warning("resizing the LMDB map while %d transaction(s) stay open", self._active)
+            yield
+
+    def before_fork(self) -> None:
+        self._cond.acquire()
+        if not self._cond.wait_for(lambda: self._active <= 0, timeout=_FORK_WAIT):
+            log.warning("fork while %d LMDB transaction(s) stay open in this process", self._active)
+        self._at_fork = self._active
+
+    def after_fork_in_parent(self) -> None:
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        self.inherited = self._at_fork
+        self._cond = threading.Condition()
+        self._active = 0
+
+
+_GATE = _ForkGate()
+os.register_at_fork(
+    before=_GATE.before_fork,
+    after_in_parent=_GATE.after_fork_in_parent,
+    after_in_child=_GATE.after_fork_in_child,
+)
+
+
+def _is_disk_full(exc: lmdb.Error, path: Path) -> bool:
     text = str(exc)
-    return "No space left" in text or "Disk quota" in text or getattr(exc, "errno", None) in (
-        errno.ENOSPC,
-        errno.EDQUOT,
-    )
+    if "No space left" in text or "Disk quota" in text:
+        return True
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "Input/output error" in text or code == errno.EIO:
+        # LMDB reports a short pwrite (ENOSPC after a partial write) as EIO.
+        try:
+            return shutil.disk_usage(path).free < (1 << 20)
+        except OSError:
+            return False
+    return False
+
+
+class _Read:
+    """A read-only transaction as a context manager (class-based: it is on the hot path)."""
+
+    __slots__ = ("_index", "_txn")
+
+    def __init__(self, index: Index) -> None:
+        self._index = index
+        self._txn: lmdb.Transaction | None = None
+
+    def __enter__(self) -> lmdb.Transaction:
+        env = self._index.env
+        index = self._index
+        if time.monotonic() - index._last_reader_check > _READER_CHECK_INTERVAL:
+            index.reader_check()
+        for _ in range(_MAX_RETRIES):
+            _GATE.enter()
+            try:
+                self._txn = env.begin(buffers=False)
+                return self._txn
+            except lmdb.MapResizedError:
+                _GATE.exit()
+                index.resize_map(0)  # another process grew the map: adopt its size
+            except BaseException:
+                _GATE.exit()
+                raise
+        raise StoreError(f"index {index.path}: the map kept being resized")
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._txn is not None:
+                self._txn.abort()
+        finally:
+            _GATE.exit()
 
 
 class Index:
@@ -67,6 +177,7 @@ class Index:
         self._env: lmdb.Environment | None = None
         self.db: dict[str, object] = {}
         self._last_reader_check = 0.0
+        self._unusable = ""
         self._open()
 
     # -- lifecycle -------------------------------------------------------
@@ -96,32 +207,49 @@ class Index:
 
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(
-            str(self.path),
-            map_size=self._initial_map_size,
-            max_dbs=len(DATABASES) + 4,
-            max_readers=self._max_readers,
-            subdir=True,
-            lock=True,
-            sync=True,
-            # One fsync per commit instead of two: LMDB keeps its integrity and
-            # a power loss can only undo the last commit, which for a cache is
-            # a miss, never a wrong answer.
-            metasync=False,
-            mode=0o664,
-            readahead=False,
-        )
-        # Another process may already have grown the map beyond our initial size.
-        info = env.info()
-        if info["map_size"] < self._initial_map_size:
-            env.set_mapsize(self._initial_map_size)
-        self.db = {name: env.open_db(name.encode()) for name in DATABASES}
+        try:
+            env = lmdb.open(
+                str(self.path),
+                map_size=self._initial_map_size,
+                max_dbs=len(DATABASES) + 4,
+                max_readers=self._max_readers,
+                subdir=True,
+                lock=True,
+                sync=True,
+                # One fsync per commit instead of two: LMDB keeps its integrity
+                # and a power loss can only undo the last commit, which for a
+                # cache is a miss, never a wrong answer.
+                metasync=False,
+                mode=0o664,
+                readahead=False,
+            )
+        except lmdb.Error as exc:
+            if _is_disk_full(exc, self.path):
+                raise StoreFull(str(self.path), str(exc)) from exc
+            raise CorruptRecord("index", str(self.path), f"cannot open the LMDB index: {exc}") from exc
+        try:
+            # Another process may already have grown the map beyond our initial size.
+            if env.info()["map_size"] < self._initial_map_size:
+                env.set_mapsize(self._initial_map_size)
+            for _ in range(_MAX_RETRIES):
+                try:
+                    self.db = {name: env.open_db(name.encode()) for name in DATABASES}
+                    with env.begin(write=True) as txn:
+                        if txn.get(b"schema", db=self.db["meta"]) is None:
+                            txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=self.db["meta"])
+                    break
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)
+            else:
+                raise StoreError(f"index {self.path}: the map kept being resized while opening")
+        except lmdb.Error as exc:
+            env.close()
+            if _is_disk_full(exc, self.path):
+                raise StoreFull(str(self.path), str(exc)) from exc
+            raise CorruptRecord("index", str(self.path), f"cannot open the LMDB index: {exc}") from exc
         self._env = env
         self._pid = os.getpid()
         self.reader_check()
-        with env.begin(write=True) as txn:
-            if txn.get(b"schema", db=self.db["meta"]) is None:
-                txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=self.db["meta"])
 
     @property
     def env(self) -> lmdb.Environment:
@@ -129,10 +257,23 @@ class Index:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    if self._env is not None:
-                        self._env.close()  # the parent's handle; its locks stay the parent's
-                    self._env = None
-                    self._open()
+                    if self._env is not None and _GATE.inherited:
+                        _INHERITED.append(self._env)
+                        self._env = None
+                        self._pid = os.getpid()
+                        self._unusable = (
+                            "this process was forked while an index transaction was open; "
+                            "open the store after fork instead"
+                        )
+                    elif self._env is not None:
+                        # Fork is gated, so no transaction of the parent's was copied
+                        # here; closing leaves the parent's locks and reader slots alone.
+                        self._env.close()
+                        self._env = None
+                    if not self._unusable:
+                        self._open()
+        if self._unusable:
+            raise StoreError(f"index {self.path}: {self._unusable}")
         if self._env is None:
             raise StoreError(f"index {self.path} is closed")
         return self._env
@@ -151,68 +292,62 @@ class Index:
         return stale
 
     # -- transactions ----------------------------------------------------
-    def begin_read(self) -> lmdb.Transaction:
-        """Start a read-only transaction; the caller aborts it (hot paths use this)."""
-        env = self.env
-        if time.monotonic() - self._last_reader_check > _READER_CHECK_INTERVAL:
-            self.reader_check()
-        try:
-            return env.begin(buffers=False)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)  # another process grew the map: adopt its size
-            return env.begin(buffers=False)
-
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        """A short read-only transaction (adopts a map grown by another process)."""
-        txn = self.begin_read()
-        try:
-            yield txn
-        finally:
-            txn.abort()
+    def read(self) -> _Read:
+        """``with index.read() as txn:`` a short read-only transaction."""
+        return _Read(self)
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction and commit it.
 
         ``fn`` may run more than once (after the map grew), so it must only
-        touch the transaction; any file work belongs before or after.
+        touch the transaction; any file work belongs before or after (or must
+        be idempotent, like unlinking).
         """
         env = self.env
-        for _ in range(_MAX_GROWTHS):
+        for _ in range(_MAX_RETRIES):
+            resize: int | None = None
+            _GATE.enter()
             try:
-                txn = env.begin(write=True)
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)
-                continue
-            try:
-                result = fn(txn)
-                txn.commit()
-                return result
-            except lmdb.MapFullError:
-                txn.abort()
-                self._grow(env)
-            except lmdb.MapResizedError:
-                txn.abort()
-                env.set_mapsize(0)
-            except lmdb.Error as exc:
-                txn.abort()
-                if _is_disk_full(exc):
-                    raise StoreFull(str(self.path), str(exc)) from exc
-                raise StoreError(f"index write failed in {self.path}: {exc}") from exc
-            except BaseException:
-                txn.abort()
-                raise
+                try:
+                    txn = env.begin(write=True)
+                except lmdb.MapResizedError:
+                    resize = 0
+                else:
+                    try:
+                        result = fn(txn)
+                        txn.commit()
+                        return result
+                    except lmdb.MapFullError:
+                        txn.abort()
+                        resize = env.info()["map_size"] * 2
+                    except lmdb.MapResizedError:
+                        txn.abort()
+                        resize = 0
+                    except lmdb.Error as exc:
+                        txn.abort()
+                        if _is_disk_full(exc, self.path):
+                            raise StoreFull(str(self.path), str(exc)) from exc
+                        raise StoreError(f"index write failed in {self.path}: {exc}") from exc
+                    except BaseException:
+                        txn.abort()
+                        raise
+            finally:
+                _GATE.exit()
+            self.resize_map(resize)
         raise StoreError(f"index {self.path}: could not complete a write after growing the map")
 
-    def _grow(self, env: lmdb.Environment) -> None:
-        new_size = env.info()["map_size"] * 2
-        log.info("growing LMDB map of %s to %d bytes", self.path, new_size)
+    def resize_map(self, size: int) -> None:
+        """Grow the map to ``size`` bytes, or adopt another process's size with 0."""
+        env = self.env
+        if size:
+            log.info("growing LMDB map of %s to %d bytes", self.path, size)
         try:
-            env.set_mapsize(new_size)
+            with _GATE.exclusive():
+                env.set_mapsize(size)
         except lmdb.Error as exc:
-            if _is_disk_full(exc):
+            if _is_disk_full(exc, self.path):
                 raise StoreFull(str(self.path), str(exc)) from exc
-            raise
+            raise StoreError(f"cannot resize the LMDB map of {self.path}: {exc}") from exc
 
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])

@@ -210,7 +210,13 @@ class Manifest:
         key, rank, generation = split_manifest_key(raw_key)
         obj = decode_json(raw, "manifests", raw_key)
         try:
-            artifacts = {name: BlobRef.trusted(str(d), int(s)) for name, (d, s) in obj["a"].items()}
+            artifacts = {}
+            for name, (d, s) in obj["a"].items():
+                if not isinstance(d, str) or not _DIGEST_RE.match(d) or not isinstance(s, int) or s < 0:
+                    raise ValueError(f"artifact {name!r} has a malformed digest or size")
+                artifacts[name] = BlobRef.trusted(d, s)
+            if int(obj["ws"]) < 1:
+                raise ValueError("world size below 1")
             return cls(
                 key=key,
                 rank=rank,
@@ -223,7 +229,7 @@ class Manifest:
                 created=float(obj.get("t", 0.0)),
                 meta=dict(obj.get("m", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptRecord("manifests", raw_key, f"bad manifest fields ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +276,8 @@ class Entry:
     def decode(cls, raw_key: bytes, raw: bytes) -> Entry:
         obj = decode_json(raw, "entries", raw_key)
         try:
+            if int(obj["ws"]) < 1:
+                raise ValueError("world size below 1")
             return cls(
                 key=raw_key.decode(),
                 namespace=str(obj["ns"]),
@@ -282,7 +290,7 @@ class Entry:
                 ranks={int(r): int(g) for r, g in obj.get("r", {}).items()},
                 pinned=bool(obj.get("pin", False)),
             )
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptRecord("entries", raw_key, f"bad entry fields ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,5 +316,5 @@ class LeaseRecord:
         obj = decode_json(raw, "leases", raw_key)
         try:
             return cls(**{f: obj[f] for f in ("key", "pid", "start_time", "host", "created", "expires")})
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise CorruptRecord("leases", raw_key, f"bad lease fields ({exc})") from None

@@ -89,7 +89,17 @@ def _flush_open_stores() -> None:
             log.debug("flush at exit failed", exc_info=True)
 
 
+def _forget_parent_bookkeeping() -> None:
+    # A forked child inherits the parent's unflushed counters; the parent
+    # flushes those itself, so the child must not count them again.
+    for store in list(_OPEN_STORES):
+        store._pending_counters = Counter()
+        store._pending_access = {}
+        store._lock = threading.Lock()
+
+
 atexit.register(_flush_open_stores)
+os.register_at_fork(after_in_child=_forget_parent_bookkeeping)
 
 
 class Store:
@@ -307,14 +317,12 @@ class Store:
     def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold; else a miss with a named reason."""
         validate_key(key)
-        txn = self._index.begin_read()
         try:
-            result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
+            with self._index.read() as txn:
+                result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
         except CorruptRecord as exc:
             log.warning("lookup of %s: %s", key, exc)
             result = LookupResult(False, "corrupt_index")
-        finally:
-            txn.abort()
         with self._lock:
             pending = self._pending_counters
             if result.hit:

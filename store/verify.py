@@ -73,7 +73,7 @@ def _hash_file(path: os.PathLike[str]) -> tuple[str, int] | None:
             while chunk := f.read(CHUNK_SIZE):
                 h.update(chunk)
                 n += len(chunk)
-    except FileNotFoundError:
+    except OSError:  # missing, a directory, unreadable: the blob is not there
         return None
     return h.hexdigest(), n
 
@@ -141,7 +141,7 @@ def verify_store(
         else:
             res = _hash_file(layout.blob_path(digest))
             if res is None:
-                rep.problems.append(f"blob {digest}: file missing")
+                rep.problems.append(f"blob {digest}: file missing or unreadable")
                 bad_blobs.add(digest)
                 continue
             got, n = res

@@ -85,8 +85,6 @@ def test_file_blob_saves_fail_with_disk_full_and_nothing_is_half_written(small_f
         store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: LMDB reports a short page write on ENOSPC as EIO; Index.write maps it "
-                   "to StoreError(store_error), not StoreFull(disk_full) (bugs-found.md)")
 def test_index_writes_on_a_full_disk_are_disk_full(small_fs):
     """Small (inline) blobs fill the LMDB file itself: the error must still say disk_full."""
     store = Store.open(small_fs / "store", grace_period=0.0)

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -368,7 +369,7 @@ def test_sigkill_writer_after_n_milliseconds_sweep(tmp_path):
 
 def _hold_reader_and_hang(root: str, ready) -> None:
     store = Store.open(root)
-    txn = store.index.begin_read()  # a reader slot, held until SIGKILL
+    txn = store.index.read().__enter__()  # a reader slot, held until SIGKILL
     txn.get(b"K", db=store.index.db["entries"])
     ready.set()
     time.sleep(600)
@@ -484,8 +485,6 @@ def _open_while_another_process_grows(root: str, q) -> None:
         q.put(f"{type(exc).__name__}: {exc}")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Index._open does not handle MapResizedError from open_db when "
-                   "another process grew the map during the open (bugs-found.md)")
 def test_open_while_another_process_grows_the_map(store_root):
     Store.open(store_root, map_size=128 << 10).close()
     q = CTX.Queue()
@@ -498,7 +497,14 @@ def test_open_while_another_process_grows_the_map(store_root):
 
 def test_use_after_fork_concurrent_children_and_parent(store):
     save(store, "parent")
-    txn = store.index.begin_read()  # the parent holds a read transaction across the fork
+    stop = threading.Event()
+
+    def read_loop() -> None:  # a parent thread keeps reading while the process forks
+        while not stop.is_set():
+            assert check_hit(store, "parent")
+
+    reader = threading.Thread(target=read_loop)
+    reader.start()
     kids = []
     for c in range(4):
         pid = os.fork()
@@ -514,7 +520,8 @@ def test_use_after_fork_concurrent_children_and_parent(store):
             os._exit(code)
         kids.append(pid)
     save(store, "parent2")  # the parent keeps writing while the children do
-    txn.abort()
+    stop.set()
+    reader.join()
     for pid in kids:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
@@ -530,23 +537,25 @@ def _snapshot_across_fork(root: str, q) -> None:
     store = Store.open(root, grace_period=0.0)
     meta = store.index.db["meta"]
     store.index.write(lambda txn: txn.put(b"probe", b"0" * 2000, db=meta))
-    txn = store.index.begin_read()
+    reading = store.index.read()
+    txn = reading.__enter__()  # held across the fork, in the forking thread itself
     before = bytes(txn.get(b"probe", db=meta))
     pid = os.fork()
     if pid == 0:
-        store.put_bytes(b"the child uses the inherited store")
-        os._exit(0)
+        try:  # the child must not touch the parent's slot; the store refuses instead
+            store.put_bytes(b"the child uses the inherited store")
+        except StoreError:
+            os._exit(0)
+        os._exit(3)
     os.waitpid(pid, 0)
     for i in range(1, 40):
         store.index.write(lambda t, i=i: t.put(b"probe", str(i % 10).encode() * 2000, db=meta))
     after = txn.get(b"probe", db=meta)
     q.put(after is not None and bytes(after) == before)
-    txn.abort()
+    reading.__exit__(None, None, None)
     store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Index.env closes the inherited LMDB env in a forked child, which "
-                   "aborts the parent's open read transactions in shared memory (bugs-found.md)")
 def test_parent_read_snapshot_survives_a_child_using_the_store(store_root):
     """LMDB snapshot isolation of the parent must not depend on what a forked child does."""
     Store.open(store_root).close()
@@ -574,8 +583,6 @@ def _fork_child_counts(root: str, q) -> None:
     store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Store pending counters/access times are inherited by fork and "
-                   "flushed by both processes (bugs-found.md)")
 def test_counters_after_fork_are_not_counted_twice(store_root):
     """6 hit lookups happened (5 in the parent, 1 in the child): the store must count 6."""
     with Store.open(store_root, grace_period=0.0) as store:
@@ -650,8 +657,6 @@ def _file_damage(kind: str):
 
 FILE_DAMAGE = ["flip_first", "flip_middle", "flip_last", "truncate_zero", "truncate_half", "append",
                "same_size_garbage", "missing", "symlink_elsewhere", "directory"]
-_DIR_BUG = pytest.mark.xfail(strict=True, reason="bug: verify()/get_bytes raise IsADirectoryError when a blob path "
-                             "is a directory instead of reporting the blob as damaged (bugs-found.md)")
 
 
 def _rows(store: Store, dbname: str, fn) -> None:
@@ -710,9 +715,6 @@ def _lmdb_damage(kind: str):
 LMDB_DAMAGE = ["inline_flip", "inline_missing", "blob_row_short", "blob_row_deleted", "manifest_not_json",
                "manifest_wrong_fields", "manifest_artifacts_not_pairs", "manifest_deleted", "entry_not_json",
                "entry_wrong_fields", "entry_wrong_generation", "manifest_uncommitted_flag"]
-_DECODE_BUG = pytest.mark.xfail(strict=True, reason="bug: Manifest.decode/Entry.decode let AttributeError escape "
-                                "for JSON of the wrong shape instead of CorruptRecord (bugs-found.md)")
-_KNOWN_BUGS = {"directory": None, "manifest_wrong_fields": _DECODE_BUG, "entry_wrong_fields": _DECODE_BUG}
 
 MISS_REASONS = {"blob_missing", "corrupt_index", "incomplete", "uncommitted", "generation_mismatch", "absent"}
 
@@ -724,8 +726,7 @@ def _read_all(store: Store, key: str) -> None:
             store.read_artifact(m, name)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=_KNOWN_BUGS[k] or _DIR_BUG) if k in _KNOWN_BUGS else k
-                                  for k in FILE_DAMAGE + LMDB_DAMAGE])
+@pytest.mark.parametrize("kind", FILE_DAMAGE + LMDB_DAMAGE)
 def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     gens = _populate(store)
     damage = _file_damage(kind) if kind in FILE_DAMAGE else _lmdb_damage(kind)
@@ -760,13 +761,11 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     assert store.lookup("a", record=False).generation == gens["a"]
 
 
-_HOSTILE_BUG = pytest.mark.xfail(strict=True, reason="bug: lookup/verify raise ValueError/IndexError on these "
-                                 "rows instead of a corrupt_index miss (bugs-found.md)")
 
 
-@pytest.mark.parametrize("kind", [pytest.param("manifest_path_traversal_digest", marks=_HOSTILE_BUG),
-                                  pytest.param("entry_world_size_zero", marks=_HOSTILE_BUG),
-                                  pytest.param("entry_negative_world_size", marks=_HOSTILE_BUG)])
+@pytest.mark.parametrize("kind", [pytest.param("manifest_path_traversal_digest"),
+                                  pytest.param("entry_world_size_zero"),
+                                  pytest.param("entry_negative_world_size")])
 def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     """Values that decode as JSON but break the record's invariants (see bugs-found.md)."""
     gen = save(store, "b")
@@ -793,8 +792,6 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     assert store.verify().ok and check_hit(store, "a")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a failed read of a missing inline blob does not flag the row, so "
-                   "lookup keeps answering hit until verify --fix (bugs-found.md)")
 def test_missing_inline_data_becomes_a_lookup_miss_after_the_failed_read(store):
     save(store, "k")
     small = bytes.fromhex(store.lookup("k", record=False).manifest.artifacts["a0"].digest)
@@ -804,8 +801,6 @@ def test_missing_inline_data_becomes_a_lookup_miss_after_the_failed_read(store):
     assert store.lookup("k", record=False).reason == "blob_missing"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Index._open lets lmdb.InvalidError escape; it should be a "
-                   "StoreError with a reason (CLI exit 9, cache bypass) (bugs-found.md)")
 def test_garbage_lmdb_file_is_a_store_error_not_a_crash(tmp_path):
     """A data.mdb that is not LMDB at all (overwritten by something else)."""
     root = tmp_path / "store"
