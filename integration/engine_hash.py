@@ -481,18 +481,15 @@ def _cpu_identity() -> dict[str, str]:
                     break
     except OSError:
         pass
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        isa = str(pick_vec_isa())
-    except Exception as exc:  # noqa: BLE001
-        isa = f"error: {type(exc).__name__}"
+    # Inductor's own ISA pick (cpu_vec_isa.pick_vec_isa) is a function of the CPU
+    # flags, the compiler and ATEN_CPU_CAPABILITY, all recorded here; calling it
+    # would cost ~2 s per process (it compiles probe programs) on every hit.
     return {
         "machine": platform.machine(),
         "model": model,
         "flags": _sha256(flags)[:16] if flags else "",
-        "isa": isa,
         "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY", ""),
     }
 
 
