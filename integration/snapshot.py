@@ -114,7 +114,7 @@ def _read_payload(artifacts: Mapping[str, bytes]) -> tuple[dict[str, Any], list[
         raise CorruptSnapshot("snapshot structure is missing")
     try:
         structure = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptSnapshot(f"snapshot structure is not JSON: {exc}") from None
     if (not isinstance(structure, dict) or structure.get("format") != FORMAT
             or structure.get("version") != VERSION or not isinstance(structure.get("tree"), dict)):
@@ -146,7 +146,7 @@ def _read_hooks(artifacts: Mapping[str, bytes]) -> list[Any]:
         raise CorruptSnapshot(f"snapshot has no {HOOKS_ARTIFACT}")
     try:
         specs = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+    except (UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise CorruptSnapshot(f"{HOOKS_ARTIFACT} is not UTF-8 JSON: {exc}") from None
     if not isinstance(specs, list):
         raise CorruptSnapshot(f"{HOOKS_ARTIFACT} is not a list")

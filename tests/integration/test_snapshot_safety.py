@@ -132,6 +132,17 @@ def test_missing_or_bad_artifacts_are_corrupt(fx_art):
     _rejected({"module.pt": fx_art["module.pt"]}, "corrupt_snapshot")
     _rejected({**fx_art, "hooks.json": b"\xff\xfe"}, "corrupt_snapshot")
     _rejected({**fx_art, "hooks.json": b"{}"}, "corrupt_snapshot")
+    _rejected({**fx_art, "hooks.json": b"[" * 100000}, "corrupt_snapshot")
+
+
+def test_deeply_nested_structure_is_corrupt(fx_art):
+    structure, tensors = _open(fx_art)
+    structure["tree"]["graph"]["nodes"][1][3] = "DEEP"
+    deep = '["t",' + '["l",' * 50000 + '["l"]' + "]" * 50001
+    text = json.dumps(structure).replace('"DEEP"', deep)
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, "structure": text, "tensors": list(tensors)}, buf)
+    _rejected({"module.pt": buf.getvalue(), "hooks.json": b"[]"}, "corrupt_snapshot")
 
 
 # ----------------------------------------------------------------------------- graph targets
