@@ -28,6 +28,7 @@ from adstore.daemon.maintenance import (
     cmd_verify,
 )
 from adstore.store.errors import (
+    AccessDenied,
     AdstoreError,
     BlobMissing,
     ChecksumMismatch,
@@ -61,6 +62,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (ChecksumMismatch, 9),
     (BlobMissing, 9),
     (CorruptRecord, 9),
+    (AccessDenied, 11),
     (StoreError, 10),
     (AdstoreError, 10),
     (PermissionError, 11),

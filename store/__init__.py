@@ -6,6 +6,7 @@ DESIGN.md §2 for the layout and the invariants every operation keeps.
 """
 
 from .errors import (
+    AccessDenied,
     AdstoreError,
     BlobMissing,
     ChecksumMismatch,
@@ -46,6 +47,7 @@ __all__ = [
     "parse_min_free",
     "parse_duration",
     "AdstoreError",
+    "AccessDenied",
     "StoreError",
     "InvalidDigest",
     "InvalidKey",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -70,12 +71,36 @@ class Layout:
         validate_digest(digest)
         return self.root / "blobs" / digest[:2] / digest
 
+    @property
+    def group_shared(self) -> bool:
+        """A setgid root is shared by its group (DESIGN.md §7, README)."""
+        try:
+            return bool(self.root.stat().st_mode & stat.S_ISGID)
+        except FileNotFoundError:
+            return False
+
+    def mkdir(self, path: Path) -> None:
+        """Create a directory of the store; group-writable in a group-shared store.
+
+        Explicit, so a member's restrictive umask cannot lock the group out.
+        """
+        try:
+            path.mkdir()
+        except FileExistsError:
+            return
+        if self.group_shared:
+            try:
+                os.chmod(path, 0o2775)
+            except PermissionError:
+                pass
+
     def create(self) -> None:
-        for d in (self.root, self.index, self.blobs, self.tmp, self.quarantine):
-            d.mkdir(parents=True, exist_ok=True)
+        """Create the layout (call after the root passed its permission checks)."""
+        for d in (self.index, self.blobs, self.tmp, self.quarantine):
+            self.mkdir(d)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():
-            atomic_write(tag, _CACHEDIR_TAG, tmp_dir=self.tmp)
+            atomic_write(tag, _CACHEDIR_TAG, tmp_dir=self.tmp, mode=0o444)
 
 
 def _digest_of(ref_or_digest: BlobRef | str) -> str:
@@ -249,7 +274,7 @@ class Blobs:
 
     def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:
         dest = self._layout.blob_path(ref.digest)
-        dest.parent.mkdir(exist_ok=True)
+        self._layout.mkdir(dest.parent)
         publish_temp(tmp, dest, mode=BLOB_MODE)
         self._register(ref, inline_data=None)
 

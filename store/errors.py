@@ -22,6 +22,7 @@ __all__ = [
     "OverBudget",
     "StoreFull",
     "LeaseError",
+    "AccessDenied",
     "ConfigError",
 ]
 
@@ -142,6 +143,17 @@ class StoreFull(StoreError):
         self.path = path
         self.detail = detail
         super().__init__(f"no space left writing {path}" + (f": {detail}" if detail else ""))
+
+
+class AccessDenied(StoreError):
+    """The store exists but this user may not open or write it."""
+
+    reason = "permission_denied"
+
+    def __init__(self, path: str, detail: str = "") -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(f"permission denied on {path}" + (f": {detail}" if detail else ""))
 
 
 class LeaseError(StoreError):

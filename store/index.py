@@ -37,7 +37,7 @@ from typing import TypeVar
 
 import lmdb
 
-from .errors import CorruptRecord, StoreError, StoreFull
+from .errors import AccessDenied, CorruptRecord, StoreError, StoreFull
 
 __all__ = ["Index", "DATABASES", "SCHEMA_VERSION"]
 
@@ -130,6 +130,15 @@ def _is_disk_full(exc: lmdb.Error, path: Path) -> bool:
     return False
 
 
+def _open_error(exc: lmdb.Error, path: Path) -> StoreError:
+    """The adstore error for an index that would not open."""
+    if _is_disk_full(exc, path):
+        return StoreFull(str(path), str(exc))
+    if "Permission denied" in str(exc) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
+        return AccessDenied(str(path), "cannot open the LMDB index")
+    return CorruptRecord("index", str(path), f"cannot open the LMDB index: {exc}")
+
+
 class _Read:
     """A read-only transaction as a context manager (class-based: it is on the hot path)."""
 
@@ -168,8 +177,10 @@ class _Read:
 class Index:
     """An LMDB environment with the store's named databases."""
 
-    def __init__(self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024) -> None:
+    def __init__(self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024,
+                 group_shared: bool = False) -> None:
         self.path = path
+        self._group_shared = group_shared
         self._initial_map_size = map_size
         self._max_readers = max_readers
         self._lock = threading.Lock()
@@ -182,13 +193,13 @@ class Index:
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
-    def acquire(cls, path: Path, *, map_size: int = 1 << 30) -> Index:
+    def acquire(cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False) -> Index:
         """The process's one Index for ``path`` (LMDB forbids opening it twice)."""
         key = (os.getpid(), os.path.realpath(path))
         with _SHARED_LOCK:
             slot = _SHARED.get(key)
             if slot is None or slot[0]._env is None:
-                slot = _SHARED[key] = [cls(path, map_size=map_size), 0]
+                slot = _SHARED[key] = [cls(path, map_size=map_size, group_shared=group_shared), 0]
             slot[1] += 1
             return slot[0]
 
@@ -224,9 +235,7 @@ class Index:
                 readahead=False,
             )
         except lmdb.Error as exc:
-            if _is_disk_full(exc, self.path):
-                raise StoreFull(str(self.path), str(exc)) from exc
-            raise CorruptRecord("index", str(self.path), f"cannot open the LMDB index: {exc}") from exc
+            raise _open_error(exc, self.path) from exc
         try:
             # Another process may already have grown the map beyond our initial size.
             if env.info()["map_size"] < self._initial_map_size:
@@ -244,9 +253,15 @@ class Index:
                 raise StoreError(f"index {self.path}: the map kept being resized while opening")
         except lmdb.Error as exc:
             env.close()
-            if _is_disk_full(exc, self.path):
-                raise StoreFull(str(self.path), str(exc)) from exc
-            raise CorruptRecord("index", str(self.path), f"cannot open the LMDB index: {exc}") from exc
+            raise _open_error(exc, self.path) from exc
+        if self._group_shared:  # a member's umask must not lock the group out of the index
+            for name in ("data.mdb", "lock.mdb"):
+                try:
+                    f = self.path / name
+                    if f.stat().st_uid == os.geteuid():
+                        os.chmod(f, f.stat().st_mode | 0o060)
+                except OSError:
+                    pass
         self._env = env
         self._pid = os.getpid()
         self.reader_check()

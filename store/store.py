@@ -118,16 +118,18 @@ class Store:
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         self.layout = Layout(self.root)
-        self.layout.create()
+        self.root.mkdir(parents=True, exist_ok=True)
         self.fstype = check_local_filesystem(self.root)
-        if check_permissions:
+        if check_permissions:  # before anything is created inside the root
             for warning in check_root_permissions(self.root):
                 log.warning("%s", warning)
+        self.layout.create()
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
         self.max_size = max_size
         self.flush_interval = flush_interval
-        self._index = Index.acquire(self.layout.index, map_size=map_size)
+        self._index = Index.acquire(self.layout.index, map_size=map_size,
+                                    group_shared=self.layout.group_shared)
         self._lock = threading.Lock()
         self._pending_counters: Counter[str] = Counter()
         self._pending_access: dict[str, tuple[float, int]] = {}
