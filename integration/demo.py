@@ -89,8 +89,13 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
 
 
 def run_ranks(job: dict[str, Any], world_size: int, *, target: Any = _rank_main,
-              timeout: float = _PHASE_TIMEOUT) -> list[dict[str, Any]]:
-    """Run ``target(rank, world_size, port, job, queue)`` in ``world_size`` spawned processes."""
+              timeout: float = _PHASE_TIMEOUT, allow_dead: bool = False) -> list[dict[str, Any]]:
+    """Run ``target(rank, world_size, port, job, queue)`` in ``world_size`` spawned processes.
+
+    Each rank puts one result dict (with its ``rank``) on the queue.  A rank
+    that dies without reporting raises, or with ``allow_dead`` is reported as
+    ``{"rank": r, "exitcode": code}``.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -110,10 +115,14 @@ def run_ranks(job: dict[str, Any], world_size: int, *, target: Any = _rank_main,
             try:
                 results.append(queue.get(timeout=min(remaining, 1.0)))
             except Exception:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                reported = {r["rank"] for r in results}
+                dead = [(i, p) for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in reported]
                 if dead and queue.empty():
-                    codes = {p.pid: p.exitcode for p in dead}
-                    raise RuntimeError(f"rank process(es) died: {codes}") from None
+                    if not allow_dead:
+                        codes = {i: p.exitcode for i, p in dead}
+                        raise RuntimeError(f"rank process(es) died: {codes}") from None
+                    if len(dead) + len(results) == world_size:
+                        results.extend({"rank": i, "exitcode": p.exitcode} for i, p in dead)
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -355,9 +355,18 @@ class CleanupExport(Transform):
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         cfg: CleanupConfig = self.config  # type: ignore[assignment]
-        if not isinstance(module, fx.GraphModule):
-            raise IntegrationError("cleanup_export needs a GraphModule")
-        gm = module
+        gms = graph_modules(module) if module is not None else []
+        if not gms:
+            raise IntegrationError("cleanup_export needs a GraphModule (or a wrapper holding one)")
+        removed = moved = 0
+        for _, gm in gms:
+            r, m = self._clean(gm, cfg)
+            removed, moved = removed + r, moved + m
+        ctx.info["cleanup_export"] = {"removed": removed, "device_args": moved}
+        return module  # type: ignore[return-value]
+
+    @staticmethod
+    def _clean(gm: fx.GraphModule, cfg: CleanupConfig) -> tuple[int, int]:
         gm._forward_pre_hooks.clear()
         gm._forward_hooks.clear()
         gm._forward_hooks_with_kwargs.clear()
@@ -378,8 +387,7 @@ class CleanupExport(Transform):
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-        ctx.info["cleanup_export"] = {"removed": removed, "device_args": moved}
-        return gm
+        return removed, moved
 
 
 def _logits_only(gm: fx.GraphModule) -> None:
@@ -423,7 +431,14 @@ class LoadWeights(Transform):
         if module is None:
             raise IntegrationError("load_weights needs a module")
         state = read_checkpoint(ctx.checkpoint)
-        result = module.load_state_dict(state, strict=cfg.strict, assign=True)
+        # Checkpoint names are relative to the exported graph: load each graph
+        # child (a wrapper's own prefix is not in the checkpoint).
+        targets = graph_modules(module) or [("", module)]
+        unexpected: set[str] = set(state)
+        for _, gm in targets:
+            strict = cfg.strict and len(targets) == 1
+            result = gm.load_state_dict(state, strict=strict, assign=True)
+            unexpected &= set(result.unexpected_keys)
         still_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
         still_meta += [n for n, b in module.named_buffers() if b.device.type == "meta"]
         if still_meta:
@@ -432,7 +447,7 @@ class LoadWeights(Transform):
         for _, gm in graph_modules(module):
             replace_devices(gm, cfg.device)
             gm.recompile()
-        ctx.info["load_weights"] = {"tensors": len(state), "unexpected": list(result.unexpected_keys)}
+        ctx.info["load_weights"] = {"tensors": len(state), "unexpected": sorted(unexpected)}
         return module
 
 

@@ -85,6 +85,10 @@ def fuse_parallel_linears(gm: fx.GraphModule, *, min_group: int = 2) -> int:
             for i, m in enumerate(members):
                 piece = gm.graph.call_function(operator.getitem, (parts, i))
                 m.replace_all_uses_with(piece)
+                for user in list(piece.users):
+                    # split pieces are strided views: ``view`` may refuse them, ``reshape`` copies if needed
+                    if user.op == "call_function" and user.target is aten.view.default:
+                        user.target = aten.reshape.default
         for m in members:
             gm.graph.erase_node(m)
         fused += 1
