@@ -17,6 +17,7 @@ current eviction batch and the daemon exits 0.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import select
@@ -273,6 +274,8 @@ class Daemon:
                 self._publish_status(result, once=True)
                 log.info("%s", self._status_text(result))
                 return 0
+            # `kill -USR1 <pid>` dumps every thread's stack to the journal (diagnosing hangs).
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
             # Signals (main thread only) wake the select() through this socket.
             previous_wakeup_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -52,8 +52,8 @@ def watchdog_interval(environ: Mapping[str, str] | None = None, *, pid: int | No
 class Notifier:
     """Sends sd_notify datagrams to ``address`` (None: every call is a no-op).
 
-    Send errors are logged, never raised: a supervisor that went away must not
-    take the daemon down with it.
+    Sends never block and errors are logged, never raised: a supervisor that
+    stopped reading or went away must not stall or take the daemon down.
     """
 
     def __init__(self, *, address: str | None) -> None:
@@ -87,8 +87,12 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(payload, self._target())
+            # Never block: a supervisor that stopped reading must not stall eviction.
+            self._sock.sendto(payload, socket.MSG_DONTWAIT, self._target())
             return True
+        except BlockingIOError:
+            log.debug("sd_notify queue of %s is full; dropped %s", self.address, payload[:60])
+            return False
         except OSError as exc:
             log.warning("sd_notify to %s failed: %s", self.address, exc)
             self.close()

@@ -2,6 +2,7 @@
 
     python procs.py write ROOT --count N --size BYTES --prefix P [--world-size W] [--delay S]
     python procs.py lease ROOT KEY        # holds a lease until killed; prints "leased"
+    python procs.py read ROOT [--seconds S]   # leased lookups + reads; prints counts as JSON
 
 Each writer is a separate OS process using the public store API, like a real
 pipeline rank would.
@@ -49,6 +50,37 @@ def lease(root: str, key: str) -> None:
             time.sleep(3600)
 
 
+def read(root: str, seconds: float) -> None:
+    """Lease, look up and read entries while the daemon evicts; report what happened as JSON.
+
+    Under a lease a hit must stay readable: a missing or corrupt blob there is a failure.
+    """
+    import json
+
+    from adstore.store.errors import AdstoreError
+
+    store = Store.open(root)
+    counts = {"hits": 0, "misses": 0, "read_errors": 0, "errors": []}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        keys = [e.key for e in store.entries()]
+        for key in keys[-5:]:  # the newest: most likely to be hit while the oldest go
+            with store.lease(key):
+                res = store.lookup(key, record=False)
+                if not res.hit:
+                    counts["misses"] += 1
+                    continue
+                counts["hits"] += 1
+                try:
+                    store.read_artifact(res.manifest, "module.pt")
+                except AdstoreError as exc:
+                    counts["read_errors"] += 1
+                    counts["errors"].append(str(exc))
+        time.sleep(0.01)
+    store.close()
+    print(json.dumps(counts), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -60,6 +92,9 @@ def main() -> None:
     w.add_argument("--world-size", type=int, default=1)
     w.add_argument("--delay", type=float, default=0.0)
     w.add_argument("--grace-period", type=float, default=3600.0)
+    rd = sub.add_parser("read")
+    rd.add_argument("root")
+    rd.add_argument("--seconds", type=float, default=3.0)
     le = sub.add_parser("lease")
     le.add_argument("root")
     le.add_argument("key")
@@ -67,6 +102,8 @@ def main() -> None:
     if a.cmd == "write":
         write(a.root, count=a.count, size=a.size, prefix=a.prefix, world_size=a.world_size,
               delay=a.delay, grace_period=a.grace_period)
+    elif a.cmd == "read":
+        read(a.root, a.seconds)
     else:
         lease(a.root, a.key)
 

@@ -178,3 +178,40 @@ def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notif
     assert "filesystem events disabled" in d.log()
     d.signal(signal.SIGTERM)
     assert d.wait() == 0
+
+
+def test_readers_under_lease_never_lose_blobs_while_writers_and_daemon_race(
+        tmp_path: Path, notify_socket, start_daemon) -> None:
+    import json
+
+    root = tmp_path / "store"
+    populate(root, count=10, size=70 * KIB, prefix="seed")
+    cfg = write_config(tmp_path / "adstore.toml", max_size="1500K", high_watermark=0.8, low_watermark=0.4,
+                       grace_period="0s", batch_size=2, debounce="50ms", max_delay="200ms",
+                       fallback_interval="1h")
+    d = start_daemon(cfg, root, notify=notify_socket)
+    notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
+    reader = subprocess.Popen([sys.executable, str(PROCS), "read", str(root), "--seconds", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writers = [run_writer(root, count=25, size=70 * KIB, prefix=f"w{w}", delay=0.03, wait=False,
+                          grace_period=0) for w in range(2)]
+    for w in writers:
+        assert w.wait(timeout=60) == 0
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    counts = json.loads(out)
+    assert counts["read_errors"] == 0, counts["errors"]
+    assert counts["hits"] > 0
+    wait_until(lambda: store_size(root) <= int(1500 * KIB * 0.8), timeout=10)
+    d.signal(signal.SIGTERM)
+    try:
+        code = d.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        d.signal(signal.SIGUSR1)
+        time.sleep(1)
+        raise AssertionError("daemon hung after SIGTERM:\n" + d.log()[-6000:]) from None
+    assert code == 0
+    assert "evicted" in d.log()
+    with Store.open(root) as store:
+        report = store.verify()
+        assert report.ok, report.problems
