@@ -27,10 +27,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
+from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.snapshot_values import Unencodable, ValueDecoder, ValueEncoder
 from adstore.integration.snapshot_export import (
     _EXPORT_METHODS,
     _STATEFUL,
@@ -39,6 +39,7 @@ from adstore.integration.snapshot_export import (
     _export_train,
     export_forward_hooks,
 )
+from adstore.integration.snapshot_values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
 from adstore.integration.targets import qualname_of, resolve_target
 
 __all__ = [
@@ -164,8 +165,12 @@ def _encode_meta(meta: dict[str, Any], enc: ValueEncoder, plain: ValueEncoder, t
             if k in _SPEC_META:
                 raise
             logger.debug("dropping node meta %r: %s", k, exc)
-    if "tensor_meta" in meta:
-        out["tensor_meta"] = 1
+    tm = meta.get("tensor_meta")
+    if isinstance(tm, TensorMetadata) and not tm.is_quantized:
+        # Only the memory format is not derivable cheaply from ``val``; the rest is rebuilt from it.
+        # (``requires_grad`` is recorded too: export computes it under a different grad mode than ``val``.)
+        out["tensor_meta"] = ["tm", None if tm.memory_format is None else str(tm.memory_format).removeprefix("torch."),
+                              bool(tm.requires_grad)]
     return out
 
 
@@ -338,13 +343,12 @@ class GraphDecoder:
         self._meta_cache: dict[int, Any] = {}
         self.syms = syms  # tensor_meta.SymDecoder
         self.extra = tuple(extra_prefixes)
-        from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
         from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
         from adstore.integration.tensor_meta import DTYPES
 
-        self._tensor_meta = _extract_tensor_metadata
+        self._extract_tensor_metadata = _extract_tensor_metadata
         self._fake_cls = FakeTensor
         self._dtypes = DTYPES
         self._devices: dict[str, torch.device] = {}
@@ -412,7 +416,6 @@ class GraphDecoder:
                                              spec=self._spec, extra_prefixes=self.extra)
         decode = values.decode
         create = graph.create_node
-        tensor_meta = self._tensor_meta
         ntargets = len(targets)
         cache = self._meta_cache
         for rec in enc["nodes"]:
@@ -460,8 +463,11 @@ class GraphDecoder:
                         continue
                     tv = type(hit)
                     m[key] = hit.copy() if tv is dict or tv is list else hit
-                if "tensor_meta" in meta and isinstance(m.get("val"), torch.Tensor):
-                    m["tensor_meta"] = tensor_meta(m["val"])
+                tm = meta.get("tensor_meta")
+                if tm is not None:
+                    val = m.get("val")
+                    if isinstance(val, torch.Tensor):
+                        m["tensor_meta"] = self._tensor_meta(val, tm)
             nodes.append(node)
         graph._codegen = self.codegen(enc["codegen"])
         weight_nodes = set(enc.get("weight_nodes", ()))
@@ -470,6 +476,18 @@ class GraphDecoder:
                 if node.name in weight_nodes:
                     node.meta[STALE_SHAPE_KEY] = True
         return graph
+
+    def _tensor_meta(self, val: torch.Tensor, enc: Any) -> TensorMetadata:
+        """``TensorMetadata`` from the restored ``val`` and the recorded memory format
+        (what ``_extract_tensor_metadata`` returns, without its contiguity probing)."""
+        if type(enc) is list and len(enc) == 3 and enc[0] == "tm":
+            mf = None
+            if enc[1] is not None:
+                mf = MEMORY_FORMATS.get(enc[1])
+                if mf is None:
+                    raise CorruptSnapshot(f"unknown memory format {enc[1]!r}")
+            return TensorMetadata(val.shape, val.dtype, bool(enc[2]), val.stride(), mf, False, {})
+        return self._extract_tensor_metadata(val)
 
     def _table_value(self, idx: Any) -> Any:
         if type(idx) is not int or not 0 <= idx < len(self.meta_table):

@@ -112,7 +112,9 @@ def _prepare_floor(gm: torch.fx.GraphModule):
         val = n.meta.get("val")
         spec = None
         if isinstance(val, torch.Tensor):
-            spec = (tuple(val.shape), tuple(val.stride()), val.dtype, val.device, val.requires_grad)
+            tm = n.meta.get("tensor_meta")
+            spec = (tuple(val.shape), tuple(val.stride()), val.dtype, val.device, val.requires_grad,
+                    tm is not None, getattr(tm, "memory_format", None), getattr(tm, "requires_grad", False))
         nodes.append((n.op, n.name, n.target, map_aggregate(n.args, ref), map_aggregate(n.kwargs, ref),
                       n.type, meta, spec))
     tree = []
@@ -126,10 +128,10 @@ def _prepare_floor(gm: torch.fx.GraphModule):
 
 def _floor_rebuild(prepared):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.export._unlift import _StatefulGraphModule
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.node import map_aggregate
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    from torch.fx.passes.shape_prop import TensorMetadata
 
     nodes, tree, codegen, root_buffers = prepared
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)  # a restore needs one too
@@ -152,12 +154,14 @@ def _floor_rebuild(prepared):
                                  name=name, type_expr=type_)
         node.meta = dict(meta)
         if spec is not None:
-            shape, stride, dtype, device, grad = spec
+            shape, stride, dtype, device, grad, has_tm, memory_format, tm_grad = spec
             val = FakeTensor(fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
             if grad:
                 val.requires_grad_(True)
             node.meta["val"] = val
-            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+            if has_tm:  # built directly, like the restore does (memory format known)
+                node.meta["tensor_meta"] = TensorMetadata(val.shape, val.dtype, tm_grad, val.stride(),
+                                                          memory_format, False, {})
         built.append(node)
     graph._codegen = codegen
     gm.graph = graph  # recompile()
@@ -217,9 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["export"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     # GraphPickler
-    from torch.fx._graph_pickler import GraphPickler
-
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     for label, target in (("pickler_module", gm), ("pickler_graph_module", ep.graph_module)):

@@ -157,6 +157,9 @@ def test_weight_nodes_marked_stale_and_tensor_meta_present():
     gm = torch.export.export(Net().eval(), (x,)).module()
     to_meta(gm)
     restored, _ = roundtrip(gm)
+    originals = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
+    for n in restored.graph.nodes:
+        assert n.meta.get("tensor_meta") == originals[n.name], n.name
     params = dict(restored.named_parameters())
     for n in restored.graph.nodes:
         if n.op == "get_attr":
