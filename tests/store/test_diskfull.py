@@ -185,7 +185,7 @@ def test_daemon_keeps_running_on_a_full_disk_and_restores_min_free(small_fs, tmp
     root = small_fs / "store"
     store = Store.open(root, grace_period=0.0)
     log = tmp_path / "daemon.log"
-    daemon = _daemon(root, log, "--min-free", "3M", "--grace-period", "0s", "--debounce", "50ms",
+    daemon = _daemon(root, log, "--min-free", "3M", "--grace-period", "1s", "--debounce", "50ms",
                      "--max-delay", "200ms", "--fallback-interval", "1s", "--low-watermark", "0.8",
                      "--high-watermark", "0.9", "--sweep-interval", "2s")
     try:
