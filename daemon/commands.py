@@ -194,7 +194,7 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         ("Physical size", human_size(st.physical_bytes)),
         ("Dedup ratio", f"{st.dedup_ratio:.2f}x"),
         ("Pinned", human_size(st.pinned_bytes)),
-        ("Live leases", st.leases),
+        ("Leases", st.leases),
         ("Index size", human_size(st.index_bytes)),
     ]
     rows.append(("Budget", _budget_text(budget, st.physical_bytes)))
@@ -202,7 +202,7 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         rows.append(("Daemon", "not running"))
     else:
         state = "running" if daemon.get("running") else "not running (stale status)"
-        rows.append(("Daemon", f"{state}, pid {daemon.get('pid')}, last pass "
+        rows.append(("Daemon", f"{state}, pid {daemon.get('pid')}, status from "
                                f"{human_age(daemon.get('updated'))}"))
     lines = [kv_block(rows), ""]
     counter_rows: list[tuple[str, Any]] = []
