@@ -70,11 +70,16 @@ class Notify:
                 return
 
 
+STARTUPS: list[float] = []  # seconds from exec to READY=1, every daemon start
+
+
 def start_daemon(root: Path, config: Path, notify: Notify) -> subprocess.Popen:
     env = {**os.environ, "NOTIFY_SOCKET": notify.address}
+    t0 = time.perf_counter()
     proc = subprocess.Popen([*_adstore_cmd(), "daemon", "--config", str(config), "--root", str(root)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     notify.wait_ready()
+    STARTUPS.append(time.perf_counter() - t0)
     return proc
 
 
@@ -308,6 +313,10 @@ def main() -> int:
             print(f"adstore stats on {r['entries']} entries: {r['stats_s']:.3f}s (--json {r['stats_json_s']:.3f}s); "
                   f"python start-up {r['baseline_python_startup_s']:.3f}s, ratio "
                   f"{r['ratio_stats_to_python_startup']:.1f}x", flush=True)
+    if STARTUPS:
+        results["startup_to_ready_s"] = STARTUPS
+        print(f"daemon start-up to READY=1: {', '.join(f'{s:.2f}s' for s in STARTUPS)} "
+              f"(python start-up {_time_cmd([sys.executable, '-c', 'pass']):.2f}s)")
     out = REPO / "bench-results"
     out.mkdir(exist_ok=True)
     merged: dict[str, Any] = {}
