@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -210,6 +211,7 @@ def main() -> int:
         },
         "max_abs_error_vs_eager": err,
     }
+    shutil.rmtree(work, ignore_errors=True)  # store, packages and the private inductor cache
     out_dir = Path(__file__).resolve().parents[2] / "bench-results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
