@@ -46,8 +46,10 @@ __all__ = [
     "GM_CLASSES",
     "STALE_SHAPE_KEY",
     "GraphDecoder",
+    "MetaTable",
     "RestoredGuards",
     "encode_graph_module",
+    "encode_bound_method",
     "is_shape_stale",
 ]
 

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args(argv)
 
     ep, ids, export_s = build(args.layers, args.hidden)
