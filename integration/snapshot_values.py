@@ -169,13 +169,24 @@ class ValueDecoder:
         }
 
     def decode(self, e: Any) -> Any:
-        if type(e) is list:
+        te = type(e)
+        if te is list:
+            tag = e[0] if e else None
+            # Fast paths for the two tags that make up most of a graph: node refs and tuples.
+            if tag == "n" and len(e) == 2:
+                i = e[1]
+                if type(i) is int and 0 <= i < len(self.nodes):
+                    return self.nodes[i]
+                raise CorruptSnapshot(f"node reference {i!r} out of range")
+            if tag == "t":
+                d = self.decode
+                return tuple([d(x) for x in e[1:]])
             try:
-                fn = self._dispatch[e[0]]
-            except (KeyError, IndexError, TypeError):
+                fn = self._dispatch[tag]
+            except (KeyError, TypeError):
                 raise CorruptSnapshot(f"unknown value tag in {str(e)[:80]}") from None
             return fn(e)
-        if e is None or type(e) in (str, int, bool, float):
+        if e is None or te is str or te is int or te is bool or te is float:
             return e
         raise CorruptSnapshot(f"unexpected JSON value {e!r}")
 
