@@ -676,3 +676,22 @@ def test_default_cache_comes_from_the_environment(env, store_root, monkeypatch):
         front.close()
         ec.set_default_engine_cache(None)
         backend.close()
+
+
+def test_plain_graph_modules_hash_by_structure_not_weights():
+    class Net(torch.nn.Module):
+        def __init__(self, out: int) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, out)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * 2.0
+
+    a = torch.fx.symbolic_trace(Net(8))
+    b = torch.fx.symbolic_trace(Net(8))
+    c = torch.fx.symbolic_trace(Net(4))
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    assert not torch.equal(a.lin.weight, b.lin.weight)
+    assert get_hash(a, (X,)) == get_hash(b, (X,)) != get_hash(c, (X,))
+    assert get_hash(a, (X,)) != get_hash(a, (torch.randn(2, 16),))  # no graph meta: example shapes count
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in before.items())
