@@ -162,6 +162,7 @@ def test_two_ranks_cold_warm_and_failures(setup, tmp_path):
     assert len({m.generation for m in hit.manifests.values()}) == 1
 
 
+@pytest.mark.slow  # three 2-rank launches and a gloo timeout on the survivor
 def test_rank_killed_mid_save_leaves_nothing_restorable(setup, tmp_path):
     factory, ckpt = setup
     root = tmp_path / "store"
