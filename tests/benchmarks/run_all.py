@@ -1,0 +1,477 @@
+"""Run every benchmark and publish one results file and one Markdown table.
+
+    python tests/benchmarks/run_all.py [--quick] [--only store,daemon] [--timeout 3600]
+
+Runs each ``tests/benchmarks/bench_*.py`` in its own process (from the
+repository root, so every benchmark writes ``bench-results/<name>.json``),
+streams its output, then reads the JSON files it wrote and writes
+
+* ``bench-results/results.json`` — machine info (CPU model from
+  ``/proc/cpuinfo``, ``nproc``, RAM, torch/python/kernel versions, git
+  commit, date), each benchmark's command, exit code, wall time and full
+  figures, and the table rows below as data;
+* ``bench-results/RESULTS.md`` — the Markdown table for the README:
+  benchmark, adstore figure, baseline (measured in the same run), ratio,
+  target, met?  Reliability figures kept by the test suite
+  (``bench-results/faults.json``, ``stress.json``) are appended when present.
+
+``--quick`` passes each benchmark its smaller settings (``--quick`` where it
+has one, fewer entries/repeats/idle seconds otherwise): minutes instead of
+most of an hour, with figures that are indicative only (the table says so).
+
+Every benchmark's rows come from a small extractor that knows its JSON; a
+benchmark without one (a new ``bench_*.py``) still gets a row per ratio it
+reports, so the runner never has to be edited for the table to be complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+OUT = REPO / "bench-results"
+
+#: Smaller settings per benchmark for ``--quick`` (a benchmark with its own ``--quick`` gets that).
+QUICK_ARGS: dict[str, list[str]] = {
+    "bench_daemon": ["--entries", "10000", "--idle-seconds", "10", "--trials", "3", "--unique-blobs", "1000"],
+    "bench_snapshot": ["--layers", "8", "--repeat", "3"],
+    "bench_engine": ["--hidden", "256"],
+    "bench_pipeline": ["--layers", "8"],
+}
+
+#: Where a benchmark writes its figures, when the file is not named after the script.
+JSON_NAMES: dict[str, list[str]] = {
+    "bench_store": ["store.json"],
+    "bench_daemon": ["daemon.json"],
+    "bench_engine": ["engine.json"],
+    "bench_snapshot": ["bench_snapshot.json", "snapshot.json"],
+    "bench_pipeline": ["bench_pipeline.json", "pipeline.json"],
+}
+
+Row = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- machine
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+        info["cpu_model"] = models[0] if models else platform.processor() or "unknown"
+        info["cpu_threads_total"] = len(models) or os.cpu_count()
+        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+        info["cpu_avx512"] = " avx512f" in flags
+    except OSError:
+        info["cpu_model"] = platform.processor() or "unknown"
+    try:
+        info["nproc"] = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        info["nproc"] = len(os.sched_getaffinity(0))
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        info["ram_gib"] = round(int(meminfo["MemTotal"].split()[0]) / 1024 / 1024, 1)
+    except (OSError, KeyError, ValueError):
+        info["ram_gib"] = None
+    info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    info["python"] = platform.python_version()
+    info["kernel"] = platform.release()
+    try:
+        info["torch"] = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                                       capture_output=True, text=True, timeout=120).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        info["torch"] = None
+    try:
+        info["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+# --------------------------------------------------------------------------- running
+
+def discover(only: set[str] | None) -> list[Path]:
+    benches = sorted(HERE.glob("bench_*.py"))
+    if only:
+        benches = [b for b in benches if b.stem in only or b.stem.removeprefix("bench_") in only]
+    return benches
+
+
+def quick_args(bench: Path) -> list[str]:
+    if bench.stem in QUICK_ARGS:
+        return QUICK_ARGS[bench.stem]
+    try:
+        help_text = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True, text=True,
+                                   cwd=REPO, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ["--quick"] if "--quick" in help_text else []
+
+
+def _json_candidates(bench: Path) -> list[Path]:
+    names = JSON_NAMES.get(bench.stem, []) + [f"{bench.stem}.json", f"{bench.stem.removeprefix('bench_')}.json"]
+    return [OUT / n for n in dict.fromkeys(names)]
+
+
+def run_one(bench: Path, *, quick: bool, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, str(bench.relative_to(REPO))] + (quick_args(bench) if quick else [])
+    OUT.mkdir(exist_ok=True)
+    (OUT / "logs").mkdir(exist_ok=True)
+    before = {p: p.stat().st_mtime for p in OUT.glob("*.json")}
+    log_path = OUT / "logs" / f"{bench.stem}.log"
+    print(f"\n=== {bench.stem}: {' '.join(argv)}", flush=True)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+    seconds = time.monotonic() - start
+    written = [p for p in OUT.glob("*.json") if p.stat().st_mtime > before.get(p, 0.0)
+               and p.name not in ("results.json", "faults.json", "stress.json")]
+    data: Any = None
+    source = None
+    for cand in _json_candidates(bench) + written:
+        if cand in written or (rc == 0 and cand.exists() and cand.stat().st_mtime >= start - 1):
+            try:
+                data = json.loads(cand.read_text())
+                source = cand.name
+                break
+            except (OSError, ValueError):
+                continue
+    if rc != 0:
+        print(f"!!! {bench.stem} exited with {rc} after {seconds:.0f}s (log: {log_path})", flush=True)
+    return {"argv": argv, "returncode": rc, "seconds": round(seconds, 1), "json_file": source, "figures": data,
+            "log": str(log_path.relative_to(REPO))}
+
+
+# --------------------------------------------------------------------------- table rows
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            raise KeyError("/".join(path))
+        d = d[p]
+    return d
+
+
+def _us(x: float) -> str:
+    return f"{x:.1f} µs" if x < 1000 else f"{x / 1000:.2f} ms"
+
+
+def _s(x: float) -> str:
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def row(bench: str, name: str, figure: str, baseline: str, ratio: float | str | None, target: str = "",
+        met: bool | None = None, note: str = "") -> Row:
+    return {"benchmark": bench, "name": name, "adstore": figure, "baseline": baseline,
+            "ratio": ratio, "target": target, "met": met, "note": note}
+
+
+def rows_store(d: dict) -> list[Row]:
+    s, lk, c = d["small"], d["lookup"], d["concurrent"]
+    out = [
+        row("store", "small get p50 (4 KiB)", _us(s["get_p50_us"]), f"diskcache {_us(s['dc_get_p50_us'])}",
+            s["dc_get_p50_us"] / s["get_p50_us"], "≥ 3× faster than diskcache",
+            s["dc_get_p50_us"] / s["get_p50_us"] >= 3),
+        row("store", "small put p50 (4 KiB)", _us(s["put_p50_us"]), f"diskcache {_us(s['dc_put_p50_us'])}",
+            s["dc_put_p50_us"] / s["put_p50_us"]),
+        row("store", "lookup p50", _us(lk["lookup_p50_us"]), f"diskcache get {_us(lk['dc_lookup_p50_us'])}",
+            lk["dc_lookup_p50_us"] / lk["lookup_p50_us"], "< 20 µs", lk["lookup_p50_us"] < 20),
+        row("store", "lookup p99", _us(lk["lookup_p99_us"]), f"diskcache get {_us(lk['dc_lookup_p99_us'])}",
+            lk["dc_lookup_p99_us"] / lk["lookup_p99_us"]),
+    ]
+    for key in ("1mib", "big"):
+        if key not in d:
+            continue
+        t = d[key]
+        label = f"{t['size_mib']:.0f} MiB"
+        out += [
+            row("store", f"verified get {label}", f"{t['get_verified_mib_s']:.0f} MiB/s",
+                f"read+sha256 floor {t['floor_read_hash_mib_s']:.0f} MiB/s", t["get_vs_floor"],
+                "≤ 1.5× the floor's time", t["get_vs_floor"] <= 1.5),
+            row("store", f"put {label}", f"{t['put_mib_s']:.0f} MiB/s",
+                f"file copy {t['floor_copy_mib_s']:.0f} MiB/s", t["put_vs_floor"], "", None,
+                "ratio = adstore time / copy time"),
+            row("store", f"re-put {label} (already stored)", _s(t["reput_s"]), f"hash only {_s(t['hash_only_s'])}",
+                t["reput_vs_hash"], "≤ 1.2× hashing alone", t["reput_vs_hash"] <= 1.2),
+        ]
+    out.append(row("store", f"lookups, {d.get('procs', 8)} reader processes",
+                   f"{c['adstore']['ops_per_s']:.0f}/s (p99 {_us(c['adstore']['p99_us'])})",
+                   f"diskcache {c['diskcache']['ops_per_s']:.0f}/s (p99 {_us(c['diskcache']['p99_us'])})",
+                   c["throughput_ratio"]))
+    return out
+
+
+def rows_daemon(d: dict) -> list[Row]:
+    out = []
+    if "crossing" in d:
+        c = d["crossing"]
+        out.append(row("daemon", "write crossing high watermark → under low watermark",
+                       f"median {_s(c['latency_median_s'])}, max {_s(c['latency_max_s'])}",
+                       f"eviction work alone {_s(c['baseline_eviction_work_s'])}", c.get("ratio_latency_to_work"),
+                       "< 2 s", c["latency_max_s"] < 2.0))
+    if "idle" in d:
+        i = d["idle"]
+        out.append(row("daemon", f"idle CPU over {i.get('seconds', 0):.0f} s",
+                       f"{i['daemon_cpu_percent']:.4f}% (RSS {i.get('daemon_rss_mib', 0):.0f} MiB)",
+                       f"1 s polling loop {i['baseline_polling_cpu_percent']:.3f}%", i.get("ratio_daemon_to_polling"),
+                       "< 0.1%", i["daemon_cpu_percent"] < 0.1))
+    if "bulk" in d:
+        b = d["bulk"]
+        n = b["entries"]
+        out.append(row("daemon", f"evict {n} entries in batches of {b.get('batch_size')}",
+                       f"{_s(b['evict_s'])} ({b.get('evict_entries_per_s') or 0:.0f}/s)",
+                       f"diskcache cull {_s(b['baseline_diskcache_cull_s'])}", b.get("ratio_evict_to_diskcache"),
+                       "100k in < 10 s", (b["evict_s"] * 100_000 / n < 10.0) if n else None,
+                       "" if n >= 100_000 else f"scaled: {n} entries measured"))
+        out.append(row("daemon", f"`adstore stats` on {n} entries", _s(b["stats_s"]),
+                       f"python start-up {_s(b['baseline_python_startup_s'])}", b.get("ratio_stats_to_python_startup")))
+    return out
+
+
+def rows_snapshot(d: dict) -> list[Row]:
+    a, f = d["adstore"], d["floor"]
+    alts = {k: d[k] for k in ("export", "pickler_module", "pickler_graph_module") if isinstance(d.get(k), dict)}
+    label = f"{d.get('layers')}-layer transformer, {d.get('nodes')} nodes"
+    out = [row("snapshot", f"decode ({label})", _s(a["decode_s"]), f"floor (rebuild from decoded list) {_s(f['decode_s'])}",
+               a["decode_s"] / f["decode_s"], "≤ 1.5× floor", a["decode_s"] / f["decode_s"] <= 1.5)]
+    for name, alt in alts.items():
+        dec = alt.get("decode_module_s", alt.get("decode_s"))
+        if dec is None:
+            continue
+        what = "torch.export.load + .module()" if name == "export" else f"GraphPickler ({name.split('_', 1)[1]})"
+        out.append(row("snapshot", f"decode vs {what}", _s(a["decode_s"]), _s(dec), dec / a["decode_s"],
+                       "faster than both alternatives", a["decode_s"] < dec))
+        if "bytes" in alt:
+            out.append(row("snapshot", f"payload bytes vs {what}", f"{a['bytes']:,} B", f"{alt['bytes']:,} B",
+                           alt["bytes"] / a["bytes"], "", None,
+                           "export includes weights" if name == "export" else ""))
+    for name in ("export", "pickler_module", "pickler_graph_module"):
+        if isinstance(d.get(name), dict) and "error" in d[name]:
+            out.append(row("snapshot", f"{name}", "-", f"failed: {d[name]['error'][:60]}", None))
+    out.append(row("snapshot", f"encode ({label})", _s(a["encode_s"]), "", None))
+    return out
+
+
+def rows_engine(d: dict) -> list[Row]:
+    s, r, b = d["seconds"], d["ratios"], d["bytes"]
+    cold = s.get("compile_miss_cold_total", s.get("compile_miss_total"))
+    out = [row("engine", "hit from store + refit", _s(s["hit_from_store_total"]), f"cold compile {_s(cold)}",
+               r.get("cold_compile_over_store_hit", r.get("compile_over_store_hit")), "", None,
+               "ratio = compile time / hit time")]
+    if "compile_miss_warm_total" in s:
+        out.append(row("engine", "hit from store + refit (vs warm compile)", _s(s["hit_from_store_total"]),
+                       f"compile with warm inductor caches {_s(s['compile_miss_warm_total'])}",
+                       r.get("warm_compile_over_store_hit")))
+    if "next_process_hit_total" in s:
+        out.append(row("engine", "next process: compile() call, engine cached", _s(s["next_process_hit_compile_call"]),
+                       f"next process recompiles {_s(s['next_process_recompile_compile_call'])}",
+                       r.get("next_process_recompile_over_hit_call")))
+    out.append(row("engine", "hit from memory + refit", _s(s["hit_from_memory_total"]), f"cold compile {_s(cold)}",
+                   r.get("cold_compile_over_memory_hit", r.get("compile_over_memory_hit"))))
+    out.append(row("engine", "engine bytes stored (no weights)", f"{b['package_without_weights']:,} B",
+                   f"package with weights {b['package_with_weights']:,} B", r.get("bytes_with_weights_over_without")))
+    return out
+
+
+def rows_pipeline(d: dict) -> list[Row]:
+    r = d["ratios"]
+    m = d.get("model", {})
+    label = f"{m.get('arch', '?')}, {m.get('layers', '?')} layers, hidden {m.get('hidden', '?')}"
+    speed = r["restore_speedup_vs_prefix"]
+    overhead = r["save_overhead_fraction_of_cold"]
+    return [
+        row("pipeline", f"warm restore vs the prefix it replaces ({label})", _s(d["restore_s"]),
+            f"prefix {_s(d['prefix_s'])}", speed, "≥ 20× faster", speed >= 20),
+        row("pipeline", "warm run vs cold run (whole pipeline)", _s(d["warm_s"]), f"cold {_s(d['cold_s'])}",
+            r.get("warm_speedup_vs_cold")),
+        row("pipeline", "save overhead on a miss", f"{_s(d['save_s'])} ({overhead * 100:.1f}% of cold)",
+            f"pipeline without cache {_s(d['baseline_nocache_s'])}", overhead, "< 10% of the cold run",
+            overhead < 0.10, "ratio = overhead / cold time"),
+        row("pipeline", "outputs warm == cold == no cache", str(d.get("outputs_match")), "", None, "bit-identical",
+            bool(d.get("outputs_match"))),
+    ]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(_flatten(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+    return out
+
+
+def rows_generic(bench: str, d: Any, *, skip: bool = False) -> list[Row]:
+    """One row per reported ratio (and target flag) for a benchmark without an extractor."""
+    out = []
+    for k, v in _flatten(d).items():
+        leaf = k.rsplit(".", 1)[-1]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and ("ratio" in leaf or "_over_" in leaf
+                                                                         or "_vs_" in leaf or "speedup" in leaf):
+            out.append(row(bench, k, "-", "-", float(v)))
+        elif leaf.startswith("meets") and isinstance(v, bool) and not skip:
+            out.append(row(bench, k, "-", "-", None, "see benchmark", v))
+    return out
+
+
+EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
+    "bench_store": rows_store,
+    "bench_daemon": rows_daemon,
+    "bench_snapshot": rows_snapshot,
+    "bench_engine": rows_engine,
+    "bench_pipeline": rows_pipeline,
+}
+
+
+def table_rows(name: str, result: dict[str, Any]) -> list[Row]:
+    data = result.get("figures")
+    short = name.removeprefix("bench_")
+    if result["returncode"] != 0 and not data:
+        return [row(short, "(benchmark failed)", "-", "-", None, "", False,
+                    f"exit {result['returncode']}, see {result['log']}")]
+    if not isinstance(data, dict):
+        return [row(short, "(no JSON figures found)", "-", "-", None, "", None, f"see {result['log']}")]
+    extractor = EXTRACTORS.get(name)
+    if extractor is not None:
+        try:
+            return extractor(data)
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            rows = rows_generic(short, data)
+            return rows + [row(short, "(table extractor out of date)", "-", "-", None, "", None,
+                               f"missing {exc}; generic rows shown")]
+    return rows_generic(short, data) or [row(short, "(no ratios reported)", "-", "-", None)]
+
+
+# --------------------------------------------------------------------------- reliability figures (from tests)
+
+def reliability_rows() -> list[str]:
+    lines = []
+    try:
+        faults = json.loads((OUT / "faults.json").read_text())
+    except (OSError, ValueError):
+        faults = {}
+    kp = faults.get("kill_points")
+    if kp:
+        lines.append(f"| SIGKILL kill points (save/publish/commit/remove/sweep, every I/O step) | "
+                     f"{kp['kill_points']} | {len(kp.get('failures', []))} failures |")
+    try:
+        stress = json.loads((OUT / "stress.json").read_text())
+    except (OSError, ValueError):
+        stress = {}
+    for name, s in sorted(stress.items()):
+        lines.append(f"| stress `{name}`: {s['workers']} processes vs daemon, budget "
+                     f"{s['budget_bytes'] // (1 << 20)} MiB, {s['seconds']:.0f} s | {s['ops_per_s']:.0f} ops/s, "
+                     f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, {s['evictions']} evictions | "
+                     f"{s['errors']} errors, {s['wrong_reads']} wrong reads |")
+    return lines
+
+
+# --------------------------------------------------------------------------- output
+
+def _fmt_ratio(r: Any) -> str:
+    if r is None:
+        return "–"
+    if isinstance(r, (int, float)):
+        return f"{r:.2f}×" if r < 100 else f"{r:.0f}×"
+    return str(r)
+
+
+def _fmt_met(m: Any) -> str:
+    return {True: "yes", False: "**no**", None: "–"}[m]
+
+
+def write_markdown(machine: dict[str, Any], results: dict[str, dict], rows: list[Row], quick: bool) -> str:
+    lines = [
+        "# adstore benchmark results",
+        "",
+        f"Measured {machine['date']} on {machine.get('cpu_model')} ({machine.get('nproc')} CPUs available to the "
+        f"run, {machine.get('ram_gib')} GiB RAM, load average at start {machine.get('load_average')}), "
+        f"Python {machine.get('python')}, torch {machine.get('torch')}, Linux {machine.get('kernel')}, "
+        f"commit {machine.get('git_commit')}."
+        + (" **Quick mode** (`--quick`): smaller workloads, indicative figures only." if quick else ""),
+        "",
+        "Every baseline is measured in the same run on the same machine. Ratio: how many times better "
+        "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise.",
+        "",
+        "| benchmark | measurement | adstore | baseline | ratio | target | met? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["name"] + (f" ({r['note']})" if r.get("note") else "")
+        lines.append(f"| {r['benchmark']} | {name} | {r['adstore']} | {r['baseline']} | {_fmt_ratio(r['ratio'])} | "
+                     f"{r['target'] or '–'} | {_fmt_met(r['met'])} |")
+    lines += ["", "| benchmark | command | exit | wall time |", "|---|---|---|---|"]
+    for name, res in results.items():
+        cmd = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(res["argv"]))
+        lines.append(f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s |")
+    rel = reliability_rows()
+    if rel:
+        lines += ["", "## Reliability (figures kept by the test suite)", "",
+                  "| test | figure | result |", "|---|---|---|"] + rel
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (minutes, indicative figures)")
+    ap.add_argument("--only", default="", help="comma-separated benchmark names (store,daemon,...)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per benchmark")
+    ap.add_argument("--table-only", action="store_true",
+                    help="do not run anything: rebuild results.json/RESULTS.md from the JSON already there")
+    args = ap.parse_args(argv)
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or None
+    machine = machine_info()
+    results: dict[str, dict] = {}
+    for bench in discover(only):
+        if args.table_only:
+            cands = [c for c in _json_candidates(bench) if c.exists()]
+            data = json.loads(cands[0].read_text()) if cands else None
+            results[bench.stem] = {"argv": [sys.executable, str(bench.relative_to(REPO))], "returncode": 0,
+                                   "seconds": 0.0, "json_file": cands[0].name if cands else None, "figures": data,
+                                   "log": f"bench-results/logs/{bench.stem}.log"}
+        else:
+            results[bench.stem] = run_one(bench, quick=args.quick, timeout=args.timeout)
+    rows: list[Row] = []
+    for name, res in results.items():
+        res["rows"] = table_rows(name, res)
+        rows += res["rows"]
+    OUT.mkdir(exist_ok=True)
+    doc = {"machine": machine, "quick": args.quick, "benchmarks": results, "rows": rows}
+    (OUT / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md = write_markdown(machine, results, rows, args.quick)
+    (OUT / "RESULTS.md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {OUT / 'results.json'} and {OUT / 'RESULTS.md'}")
+    failed = [n for n, r in results.items() if r["returncode"] != 0]
+    if failed:
+        print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
