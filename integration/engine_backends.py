@@ -64,10 +64,11 @@ import abc
 import hashlib
 import json
 import logging
+import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ from adstore.integration.errors import (
     EngineMismatch,
     EngineUnavailable,
     TruncatedEngine,
+    UntrustedEngine,
 )
 from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
 
@@ -248,6 +250,13 @@ class BaseEngineCache(abc.ABC):
             return None
         return EngineRecord.from_bytes(blob, expected_hash=hash)
 
+    def check_loadable(self, record: EngineRecord) -> None:
+        """Raise UntrustedEngine if this record's package must not be loaded (it is native code).
+
+        Called after the metadata matched the request and before the package is
+        loaded. Default: everything this backend returns is trusted.
+        """
+
     def touch(self, hash: str) -> None:
         """Mark ``hash`` as used (an in-process hit skipped ``load``); default: nothing."""
 
@@ -332,6 +341,10 @@ class AdstoreEngineCache(BaseEngineCache):
     store that this cache enforces after each save by evicting least recently used
     *engine* entries only (the store's own ``max_size`` hard limit, the daemon and
     ``adstore gc`` apply too).
+
+    An engine is native code, so a package is loaded only from a blob file owned by
+    this user, root, or one of ``trusted_uids`` (``ADSTORE_TRUSTED_UIDS``); in a
+    group-shared store another member's engine is a miss (``untrusted_engine``).
     """
 
     name = "adstore"
@@ -339,7 +352,14 @@ class AdstoreEngineCache(BaseEngineCache):
     META_ARTIFACT = "engine.json"
     PACKAGE_ARTIFACT = "engine.pt2"
 
-    def __init__(self, store: Any = None, *, root: str | Path | None = None, max_size: int | str | None = None) -> None:
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        root: str | Path | None = None,
+        max_size: int | str | None = None,
+        trusted_uids: Iterable[int] = (),
+    ) -> None:
         from adstore.store import Store, parse_size
 
         if store is not None and root is not None:
@@ -347,23 +367,41 @@ class AdstoreEngineCache(BaseEngineCache):
         self._owns_store = store is None
         self.store = store if store is not None else Store.open(root)
         self.max_size = None if max_size is None else parse_size(max_size, field="max_size")
+        try:
+            extra = {int(u) for u in trusted_uids}
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("trusted_uids", f"expected user ids, got {trusted_uids!r}") from exc
+        #: Owners whose package blobs may be loaded: this user, root, and the ones given.
+        self.trusted_uids = frozenset({os.geteuid(), 0} | extra)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> AdstoreEngineCache:
-        unknown = set(config) - {"root", "max_size"}
+        unknown = set(config) - {"root", "max_size", "trusted_uids"}
         if unknown:
             raise ConfigError(",".join(sorted(unknown)), "unknown engine cache option")
-        return cls(root=config.get("root"), max_size=config.get("max_size"))
+        return cls(root=config.get("root"), max_size=config.get("max_size"),
+                   trusted_uids=config.get("trusted_uids") or ())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AdstoreEngineCache:
-        """The store from ``ADSTORE_ROOT`` (and friends); ``ADSTORE_ENGINE_MAX_SIZE`` sets the budget."""
-        import os
+        """The store from ``ADSTORE_ROOT`` (and friends).
 
+        ``ADSTORE_ENGINE_MAX_SIZE`` sets the budget; ``ADSTORE_TRUSTED_UIDS``
+        (comma-separated) adds users whose engines may be loaded.
+        """
         from adstore.store import Store
 
         env = os.environ if environ is None else environ
-        cache = cls(store=Store.from_env(env), max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None)
+        raw = env.get("ADSTORE_TRUSTED_UIDS", "")
+        try:
+            uids = [int(u) for u in raw.replace(" ", "").split(",") if u]
+        except ValueError as exc:
+            raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
+        cache = cls(
+            store=Store.from_env(env),
+            max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None,
+            trusted_uids=uids,
+        )
         cache._owns_store = True
         return cache
 
@@ -448,6 +486,30 @@ class AdstoreEngineCache(BaseEngineCache):
             dest.unlink(missing_ok=True)
             raise
         return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True)
+
+    def check_loadable(self, record: EngineRecord) -> None:
+        self._check_writer(record.hash, record.meta["payload"]["sha256"])
+
+    def _check_writer(self, hash: str, digest: str) -> None:
+        """Load native code only from blob files a trusted user wrote.
+
+        A user cannot create a file owned by someone else, and the copy that follows
+        is verified against the digest, so a foreign file swapped in later cannot
+        pass either. Inline blobs live in the shared index, where the writer is
+        unknown, so an inline package is refused (real packages are far larger
+        than the inline threshold).
+        """
+        path = self.store.blob_path(digest)
+        if path is None:
+            raise UntrustedEngine(hash, None, "package is stored inline, its writer cannot be verified")
+        try:
+            owner = os.stat(path).st_uid
+        except FileNotFoundError as exc:
+            raise EngineUnavailable(hash, "package blob missing") from exc
+        if owner not in self.trusted_uids:
+            raise UntrustedEngine(
+                hash, owner, f"package blob is owned by uid {owner}, not a trusted user (ADSTORE_TRUSTED_UIDS)"
+            )
 
     # -- BaseEngineCache -----------------------------------------------------
     def save(self, hash: str, blob: bytes) -> None:

@@ -325,6 +325,7 @@ class EngineCache:
         try:
             validate_meta(meta, h, ep, spec, inductor_configs)
             if record is not None:
+                backend.check_loadable(record)  # native code: only from trusted writers
                 path = record.payload_path if record.payload_path is not None else None
                 if path is None:
                     path = self._memory.new_path()

@@ -24,6 +24,7 @@ __all__ = [
     "TruncatedEngine",
     "EngineMismatch",
     "EngineUnavailable",
+    "UntrustedEngine",
     "ConfigError",
 ]
 
@@ -120,3 +121,14 @@ class EngineUnavailable(EngineCacheError):
         self.key = key
         self.store_reason = store_reason
         super().__init__(f"engine {key} unavailable: {store_reason}")
+
+
+class UntrustedEngine(EngineCacheError):
+    """A stored engine was written by a user this process does not trust; it is native code, so it is not loaded."""
+
+    reason = "untrusted_engine"
+
+    def __init__(self, key: str, owner: int | None, detail: str) -> None:
+        self.key = key
+        self.owner = owner
+        super().__init__(f"engine {key} not loaded: {detail}")

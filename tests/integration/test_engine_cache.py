@@ -695,3 +695,31 @@ def test_plain_graph_modules_hash_by_structure_not_weights():
     assert get_hash(a, (X,)) == get_hash(b, (X,)) != get_hash(c, (X,))
     assert get_hash(a, (X,)) != get_hash(a, (torch.randn(2, 16),))  # no graph meta: example shapes count
     assert all(torch.equal(a.state_dict()[k], v) for k, v in before.items())
+
+
+def test_engines_written_by_untrusted_users_are_not_loaded(env, tmp_path, monkeypatch):
+    """An engine is native code: only packages owned by this user, root or a trusted uid load."""
+    h, stranger = env["hash"], 54321
+    with Store.open(tmp_path / "shared", grace_period=0.0) as store:
+        AdstoreEngineCache(store).save(h, env["blob"])
+        digest = store.manifests(h)[0].artifacts[AdstoreEngineCache.PACKAGE_ARTIFACT].digest
+        assert lookup_in(AdstoreEngineCache(store), make_model(2))[0] is not None  # own engine: loads
+        if os.geteuid() != 0:
+            pytest.xfail("needs root to create a blob owned by another uid")  # CI runs as root
+        os.chown(store.blob_path(digest), stranger, -1)  # as if another group member had written it
+        engine, event = lookup_in(AdstoreEngineCache(store), make_model(2))
+        assert engine is None and event.reason == "untrusted_engine", event
+        monkeypatch.setenv("ADSTORE_ROOT", str(tmp_path / "shared"))
+        monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", f"777, {stranger}")
+        trusting = AdstoreEngineCache.from_env()
+        assert stranger in trusting.trusted_uids
+        engine, event = lookup_in(trusting, make_model(2))
+        assert engine is not None and event.source == "backend"
+        trusting.close()
+    with Store.open(tmp_path / "inline", grace_period=0.0, inline_threshold=1 << 24) as store:
+        AdstoreEngineCache(store).save(h, env["blob"])  # package inside the shared index: writer unknown
+        engine, event = lookup_in(AdstoreEngineCache(store), make_model(2))
+        assert engine is None and event.reason == "untrusted_engine", event
+    monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "alice")
+    with pytest.raises(ConfigError):
+        AdstoreEngineCache.from_env()
