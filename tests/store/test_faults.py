@@ -292,7 +292,7 @@ def _run_driver(root: Path, stride: int, seed: int) -> dict:
     assert p.exitcode == 0
     print(f"\nkill points tried: {result['kill_points']} ({'every tick' if stride == 1 else 'sampled'}); outcomes {result['outcomes']}; "
           f"killed at {result['killed_at']}")
-    _report("kill_points", {**result, "stride": stride})
+    _report("kill_points" + ("_every_tick" if stride == 1 else ""), {**result, "stride": stride})
     return result
 
 
@@ -341,7 +341,7 @@ def _evict_baseline(store: Store) -> None:
         save(store, key, world_size=1 + i % 2, sizes=(120, 70_000))
 
 
-def eviction_kill_driver(root: str, q) -> None:
+def eviction_kill_driver(root: str, q, stride: int = 0) -> None:
     """Like ``kill_point_driver``, but the child runs one daemon enforcement pass (batches + sweep)."""
     from adstore.daemon.config import DaemonConfig
     from adstore.daemon.enforce import Enforcer
@@ -419,7 +419,7 @@ def eviction_kill_driver(root: str, q) -> None:
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")
             if len(failures) > 20:
                 break
-            k += 2 if kill_points % 2 else 3
+            k += stride if stride > 0 else (2 if kill_points % 2 else 3)
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
@@ -427,22 +427,35 @@ def eviction_kill_driver(root: str, q) -> None:
            "killed_at": dict(labels), "entries_evicted_over_all_rounds": evicted_total})
 
 
-def test_sigkill_the_daemons_eviction_pass_at_sampled_io_steps(tmp_path):
+def _run_eviction_driver(tmp_path: Path, stride: int) -> dict:
     pytest.importorskip("adstore.daemon.enforce")
     root = tmp_path / "store"
     Store.open(root).close()
     q = CTX.Queue()
-    p = CTX.Process(target=eviction_kill_driver, args=(str(root), q))
+    p = CTX.Process(target=eviction_kill_driver, args=(str(root), q, stride))
     p.start()
     result = q.get(timeout=900)
     p.join(timeout=60)
     print(f"\ndaemon eviction kill points: {result['kill_points']}; killed at {result['killed_at']}")
-    _report("eviction_kill_points", result)
+    _report("eviction_kill_points" + ("_every_tick" if stride == 1 else ""), result)
+    return result
+
+
+def test_sigkill_the_daemons_eviction_pass_at_sampled_io_steps(tmp_path):
+    result = _run_eviction_driver(tmp_path, 0)
     assert result["completed"], result
     assert not result["failures"], "\n".join(result["failures"])
     assert result["kill_points"] >= 10
     assert result["entries_evicted_over_all_rounds"] > 0
     assert "txn.before_commit" in result["killed_at"] and "os.unlink" in result["killed_at"]
+
+
+@pytest.mark.slow
+def test_sigkill_the_daemons_eviction_pass_at_every_io_step(tmp_path):
+    result = _run_eviction_driver(tmp_path, 1)
+    assert result["completed"], result
+    assert not result["failures"], "\n".join(result["failures"])
+    assert result["kill_points"] >= 40
 
 
 # --------------------------------------------------------------------------- timing sweep with the real writer
