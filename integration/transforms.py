@@ -213,6 +213,16 @@ def graph_modules(module: nn.Module) -> list[tuple[str, fx.GraphModule]]:
     return found
 
 
+def _other_device(value: Any, device: torch.device) -> bool:
+    if isinstance(value, torch.device):
+        return value != device
+    if isinstance(value, (list, tuple)):
+        return any(_other_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return any(_other_device(v, device) for v in value.values())
+    return False
+
+
 def _swap_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.device):
         return device
@@ -224,13 +234,12 @@ def _swap_device(value: Any, device: torch.device) -> Any:
 
 
 def replace_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
-    """Point every device argument baked into the graph at ``device``."""
+    """Point every device argument baked into the graph at ``device``; returns nodes changed."""
     dev = torch.device(device)
     count = 0
     for node in gm.graph.nodes:
-        new_args, new_kwargs = _swap_device(node.args, dev), _swap_device(node.kwargs, dev)
-        if new_args != node.args or new_kwargs != node.kwargs:
-            node.args, node.kwargs = new_args, new_kwargs
+        if _other_device(node.args, dev) or _other_device(node.kwargs, dev):
+            node.args, node.kwargs = _swap_device(node.args, dev), _swap_device(node.kwargs, dev)
             count += 1
     return count
 
@@ -445,8 +454,8 @@ class LoadWeights(Transform):
             raise IntegrationError(f"checkpoint left {len(still_meta)} tensors unloaded, e.g. {still_meta[:3]}")
         module = module.to(cfg.device)
         for _, gm in graph_modules(module):
-            replace_devices(gm, cfg.device)
-            gm.recompile()
+            if replace_devices(gm, cfg.device):
+                gm.recompile()
         ctx.info["load_weights"] = {"tensors": len(state), "unexpected": sorted(unexpected)}
         return module
 

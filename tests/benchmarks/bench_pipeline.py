@@ -83,6 +83,7 @@ def main() -> int:
         "prefix_s": round(prefix_s, 4),
         "prefix_breakdown_s": {n: round(ct.get(n, 0.0), 4) for n in PREFIX},
         "restore_s": round(restore_s, 4),
+        "warm_breakdown_s": {n: round(v, 4) for n, v in wt.items()},
         "miss_lookup_s": round(miss_lookup_s, 4),
         "save_s": round(save_s, 4),
         "bytes_stored": stored,
