@@ -326,6 +326,8 @@ class Collector:
         registered: set[str] = set()
         with self._index.read() as txn:
             for k, v in txn.cursor(db=self._index.db["blobs"]):
+                if len(k) != 32:
+                    continue  # malformed row: verify reports it, --fix drops it
                 try:
                     row = BlobRow.decode(bytes(v), bytes(k))
                 except CorruptRecord:

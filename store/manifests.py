@@ -172,15 +172,11 @@ def commit_txn(txn: lmdb.Transaction, dbs: Dbs, *, key: str, rank: int, generati
     zero: list[str] = []
     old_gen = entry.ranks.get(rank)
     if old_gen is not None and old_gen != generation:
-        old = _get_manifest(txn, dbs, key, rank, old_gen)
-        if old is not None:
-            zero += drop_manifest_txn(txn, dbs, old)
+        zero += _release_generation(txn, dbs, key, rank, old_gen)
     entry.ranks[rank] = generation
     # A new topology: ranks beyond the new world size belong to an old save.
     for r in [r for r in entry.ranks if r >= manifest.world_size]:
-        old = _get_manifest(txn, dbs, key, r, entry.ranks.pop(r))
-        if old is not None:
-            zero += drop_manifest_txn(txn, dbs, old)
+        zero += _release_generation(txn, dbs, key, r, entry.ranks.pop(r))
     entry.world_size = manifest.world_size
     entry.namespace = manifest.namespace
     if components is not None:
@@ -194,6 +190,20 @@ def commit_txn(txn: lmdb.Transaction, dbs: Dbs, *, key: str, rank: int, generati
     entry.bytes = new_bytes
     txn.put(key.encode(), entry.encode(), db=dbs["entries"])
     return manifest, zero
+
+
+def _release_generation(txn: lmdb.Transaction, dbs: Dbs, key: str, rank: int, generation: int) -> list[str]:
+    """Drop a superseded manifest; a row that no longer decodes is deleted as is.
+
+    A damaged old row must not block every later save of its key; its blob
+    references cannot be read back, so ``verify --fix`` recounts them.
+    """
+    try:
+        old = _get_manifest(txn, dbs, key, rank, generation)
+    except CorruptRecord:
+        txn.delete(manifest_key(key, rank, generation), db=dbs["manifests"])
+        return []
+    return drop_manifest_txn(txn, dbs, old) if old is not None else []
 
 
 def drop_manifest_txn(txn: lmdb.Transaction, dbs: Dbs, manifest: Manifest) -> list[str]:

@@ -98,6 +98,10 @@ def verify_store(
     bad_entries: list[bytes] = []
     with index.read() as txn:
         for k, v in txn.cursor(db=dbs["blobs"]):
+            if len(k) != 32:  # not a SHA-256: never turned into a path
+                rep.problems.append(f"blob row with a malformed key {bytes(k)!r}")
+                bad_rows.append(bytes(k))
+                continue
             try:
                 row = BlobRow.decode(bytes(v), bytes(k))
                 rows[bytes(k).hex()] = row
@@ -247,7 +251,12 @@ def _repair(
         all_keys = {m.key for m in manifests}
         physical = 0
         for k, v in list(txn.cursor(db=dbs["blobs"])):
-            row = BlobRow.decode(bytes(v), bytes(k))
+            if len(k) != 32:
+                continue
+            try:
+                row = BlobRow.decode(bytes(v), bytes(k))
+            except CorruptRecord:
+                continue
             digest = bytes(k).hex()
             if digest in bad_blobs and refs.get(digest, 0) == 0:
                 txn.delete(bytes(k), db=dbs["blobs"])
