@@ -141,7 +141,7 @@ def publish_txn(
         artifacts=dict(artifacts),
         committed=False,
         namespace=namespace,
-        producer={"host": hostname(), "pid": os.getpid()},
+        producer={"host": hostname(), "pid": os.getpid(), "uid": os.geteuid()},
         created=now,
         meta=dict(meta),
     )
