@@ -302,14 +302,16 @@ def test_foreign_owned_root_warns(users, shared_dir):
     assert f"owned by uid {uid}" in json.dumps(res_b), res_b
 
 
-def test_group_store_with_a_restrictive_umask_fails_with_a_clear_error(users, shared_dir):
-    """A user with umask 022 creates a blob directory the group cannot write; the next
-    user's save into it must fail with an adstore error (a cache bypass), not a crash."""
+def test_a_member_with_umask_022_does_not_lock_the_group_out(users, shared_dir):
+    """A user with umask 022 creates blob directories and index files; the other member
+    must still be able to save into them (the store keeps a setgid root group-writable)."""
     root = _shared_root(users, shared_dir)
     a = as_user(users, "alice", _save, str(root), "k1", "alice" * 3, umask=0o022)
     assert a["ok"], a
     # Bob writes content whose blob directory alice may have created with 0755.
     results = [as_user(users, "bob", _save, str(root), f"k{i}", f"bob {i}" * 5) for i in range(2, 40)]
     failures = [r for r in results if not r["ok"]]
-    for r in failures:
-        assert r["error"] in ("StoreError", "StoreFull", "OverBudget", "UnsafeRoot") or r["reason"], r
+    assert not failures, failures[:3]
+    for i in range(2, 40):
+        res = as_user(users, "alice", _read, str(root), f"k{i}", umask=0o022)
+        assert res["ok"] and res["value"]["hit"], res
