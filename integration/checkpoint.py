@@ -17,21 +17,20 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
-from torch import nn
-
 from adstore.store.errors import ConfigError
 from adstore.store.fsutil import atomic_write
+from torch import nn
 
 __all__ = [
     "INDEX_NAME",
-    "write_random_checkpoint",
-    "random_state_dict",
-    "read_checkpoint",
     "checkpoint_files",
     "checkpoint_fingerprint",
+    "random_state_dict",
+    "read_checkpoint",
+    "write_random_checkpoint",
 ]
 
 log = logging.getLogger(__name__)

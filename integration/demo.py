@@ -26,7 +26,7 @@ from typing import Any
 
 from adstore.store.errors import ConfigError
 
-__all__ = ["run_demo", "format_demo", "run_ranks", "free_port"]
+__all__ = ["format_demo", "free_port", "run_demo", "run_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
         import torch
         import torch.distributed as dist
         import transformers  # noqa: F401  (import cost outside the timed region)
-
         from adstore.integration.models import ModelFactory
         from adstore.integration.optimizer import InferenceOptimizer
 
@@ -59,7 +58,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         factory = ModelFactory.from_config(job["model"])
         # Library set-up both runs need (config classes, dynamo) is paid before the clock.
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
 
         factory.hf_config()
         setup_s = time.perf_counter() - job_t0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "topology", "is_distributed", "all_true", "agree_int", "broadcast_int", "barrier"]
+__all__ = ["Topology", "agree_int", "all_true", "barrier", "broadcast_int", "is_distributed", "topology"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def topology(rank: int | None = None, world_size: int | None = None) -> Topology
     return Topology(rank or 0, world_size or 1)
 
 
-def _reduce(value: int, op: "dist.ReduceOp.RedOpType") -> int:
+def _reduce(value: int, op: dist.ReduceOp.RedOpType) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=op)
     return int(t.item())

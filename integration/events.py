@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CacheEvent", "EVENT_KINDS"]
+__all__ = ["EVENT_KINDS", "CacheEvent"]
 
 #: hit: restored; miss: not restorable (reason); bypass: cache skipped on
 #: purpose or by failure (reason); save: an entry was committed.

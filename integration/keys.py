@@ -25,24 +25,24 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
-
 from adstore.integration.errors import CacheKeyError
 
 __all__ = [
-    "FORMAT_VERSION",
     "COMPONENTS",
+    "FORMAT_VERSION",
     "CacheKey",
+    "build_key",
     "canonical",
     "canonical_json",
     "code_fingerprint",
-    "env_component",
-    "build_key",
     "diff_components",
+    "env_component",
 ]
 
 #: Bump when the snapshot layout or the key recipe changes: old entries then miss.

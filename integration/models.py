@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
-from torch import nn
-
 from adstore.store.errors import ConfigError
+from torch import nn
 
 __all__ = [
     "ARCHITECTURES",
@@ -132,7 +132,7 @@ class ModelFactory:
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "ModelFactory":
+    def from_config(cls, config: Mapping[str, Any]) -> ModelFactory:
         """``{"arch": "llama", "layers": 2, "hidden": 64, "overrides": {...}, "model_kwargs": {...}}``."""
         allowed = {"arch", "layers", "hidden", "overrides", "model_kwargs"}
         unknown = set(config) - allowed
@@ -181,7 +181,9 @@ class ModelFactory:
         full = hf.to_dict()
         for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
             full.pop(volatile, None)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        )
 
         # The class name without importing the modeling module (identity stays cheap on a hit).
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.model_type, type(hf).__name__)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["rms_norm", "silu_mul", "all_reduce", "all_gather", "OPS"]
+__all__ = ["OPS", "all_gather", "all_reduce", "rms_norm", "silu_mul"]
 
 
 @torch.library.custom_op("adstore::rms_norm", mutates_args=())

@@ -21,10 +21,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
-
-from torch import nn
+from typing import Any
 
 from adstore.integration import transforms_fusion as _f  # noqa: F401  (registers)
 from adstore.integration import transforms_patterns as _p  # noqa: F401
@@ -36,8 +35,9 @@ from adstore.integration.models import ModelFactory
 from adstore.integration.pipeline_cache import PipelineCache
 from adstore.integration.transforms import PipelineContext, Transform, transform_class
 from adstore.store.errors import ConfigError
+from torch import nn
 
-__all__ = ["InferenceOptimizer", "DEFAULT_TRANSFORMS", "default_transforms"]
+__all__ = ["DEFAULT_TRANSFORMS", "InferenceOptimizer", "default_transforms"]
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class InferenceOptimizer:
         self.resumed_at: str | None = None
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> "InferenceOptimizer":
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> InferenceOptimizer:
         unknown = set(config) - {"model", "checkpoint", "transforms"}
         if unknown:
             raise ConfigError(sorted(unknown)[0], "unknown top-level option; allowed: model, checkpoint, transforms")

@@ -26,20 +26,26 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-from torch import nn
+from typing import Any
 
 from adstore.integration import dist as agree
 from adstore.integration import ops as _ops  # noqa: F401  (custom ops resolve before load)
 from adstore.integration.checkpoint import checkpoint_fingerprint
 from adstore.integration.events import CacheEvent
 from adstore.integration.keys import CacheKey, build_key, env_component
-from adstore.integration.transforms import PipelineContext, Stage, Transform, TransformConfig, register
-from adstore.store.errors import AdstoreError, ConfigError
+from adstore.integration.transforms import (
+    PipelineContext,
+    Stage,
+    Transform,
+    TransformConfig,
+    register,
+)
+from adstore.store.errors import ConfigError
+from torch import nn
 
-__all__ = ["PipelineCache", "PipelineCacheConfig", "NAMESPACE"]
+__all__ = ["NAMESPACE", "PipelineCache", "PipelineCacheConfig"]
 
 log = logging.getLogger(__name__)
 

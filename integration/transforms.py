@@ -18,35 +18,35 @@ import enum
 import logging
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
-from torch import fx, nn
-
 from adstore.integration import ops as _ops  # noqa: F401  (registers torch.ops.adstore.*)
 from adstore.integration.errors import IntegrationError
 from adstore.integration.models import ModelFactory
 from adstore.store.errors import ConfigError
+from torch import fx, nn
 
 __all__ = [
-    "Stage",
-    "TransformConfig",
-    "Transform",
-    "PipelineContext",
     "REGISTRY",
-    "register",
-    "transform_class",
-    "graph_modules",
-    "replace_devices",
-    "propagate_shapes",
     "BuildModel",
-    "ExportToGraph",
     "CleanupExport",
-    "LoadWeights",
-    "InitCache",
     "Compile",
+    "ExportToGraph",
+    "InitCache",
+    "LoadWeights",
+    "PipelineContext",
+    "Stage",
+    "Transform",
+    "TransformConfig",
+    "graph_modules",
+    "propagate_shapes",
+    "register",
+    "replace_devices",
+    "transform_class",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Stage(enum.IntEnum):
     COMPILE = 8
 
     @classmethod
-    def parse(cls, value: "str | int | Stage") -> "Stage":
+    def parse(cls, value: str | int | Stage) -> Stage:
         if isinstance(value, Stage):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
@@ -124,7 +124,7 @@ class TransformConfig:
     enabled: bool = True
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, owner: str = "transform") -> "TransformConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None, *, owner: str = "transform") -> TransformConfig:
         data = dict(data or {})
         hints = typing.get_type_hints(cls)
         fields = {f.name for f in dataclasses.fields(cls)}

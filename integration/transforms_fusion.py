@@ -14,8 +14,6 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
-
 from adstore.integration.errors import IntegrationError
 from adstore.integration.transforms import (
     PipelineContext,
@@ -25,6 +23,7 @@ from adstore.integration.transforms import (
     graph_modules,
     register,
 )
+from torch import fx, nn
 
 __all__ = ["FuseLinears", "fuse_parallel_linears"]
 

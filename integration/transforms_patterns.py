@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
-
 from adstore.integration import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
 from adstore.integration.transforms import (
@@ -26,6 +24,7 @@ from adstore.integration.transforms import (
     graph_modules,
     register,
 )
+from torch import fx, nn
 
 __all__ = ["MatchRMSNorm", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_swiglu"]
 

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
-
 from adstore.integration import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
 from adstore.integration.transforms import (
@@ -40,6 +38,7 @@ from adstore.integration.transforms import (
     propagate_shapes,
     register,
 )
+from torch import fx, nn
 
 try:  # the hook module's public name; the builtins module holds the classes
     from adstore.integration.hooks import TPShardHook

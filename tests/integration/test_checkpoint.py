@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from adstore.integration.checkpoint import (
     INDEX_NAME,
     checkpoint_fingerprint,

@@ -9,9 +9,6 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.keys import (
     FORMAT_VERSION,
@@ -22,6 +19,8 @@ from adstore.integration.keys import (
     diff_components,
     env_component,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BASE = dict(model={"arch": "llama"}, checkpoint={"files": []}, prefix=[{"name": "export", "config": {"seq": 8}}],
             dist=None, env={"adstore_format": 1}, extra={})

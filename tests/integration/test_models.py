@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.models import ARCHITECTURES, ModelFactory, tiny_config
 from adstore.integration.optimizer import InferenceOptimizer, default_transforms

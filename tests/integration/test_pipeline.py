@@ -8,15 +8,21 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import fx, nn
-
 from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.keys import diff_components
 from adstore.integration.models import ModelFactory
 from adstore.integration.optimizer import InferenceOptimizer, default_transforms
-from adstore.integration.transforms import REGISTRY, Stage, Transform, TransformConfig, graph_modules, register
+from adstore.integration.transforms import (
+    REGISTRY,
+    Stage,
+    Transform,
+    TransformConfig,
+    graph_modules,
+    register,
+)
 from adstore.store import Store
 from adstore.store.errors import ConfigError
+from torch import fx, nn
 
 MODEL = {"arch": "llama", "layers": 2, "hidden": 64}
 

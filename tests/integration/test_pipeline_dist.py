@@ -14,7 +14,6 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-
 from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.demo import run_ranks
 from adstore.integration.models import ModelFactory
