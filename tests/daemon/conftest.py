@@ -49,7 +49,7 @@ class NotifyListener:
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             self.messages.append(fields)
 
-    def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0,
+    def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 20.0,
                  proc: subprocess.Popen | None = None) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         seen = 0
@@ -134,7 +134,7 @@ class DaemonProcess:
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
-    def wait(self, timeout: float = 15.0) -> int:
+    def wait(self, timeout: float = 30.0) -> int:
         return self.proc.wait(timeout=timeout)
 
     def stop(self) -> None:

@@ -39,7 +39,7 @@ def test_notify_lifecycle_ready_watchdog_stopping(tmp_path: Path, notify_socket,
     for _ in range(3):
         notify_socket.wait_for(lambda m: m.get("WATCHDOG") == "1", timeout=2.0, proc=d.proc)
         notify_socket.messages.clear()
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 6.0  # 3 pings at 0.15 s, generous for a loaded machine
     d.signal(signal.SIGTERM)
     assert d.wait() == 0, d.log()
     notify_socket.poll()
@@ -65,7 +65,7 @@ def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
         for w in writers:
             assert w.wait(timeout=60) == 0
         low = int(2 * MIB * 0.6)
-        wait_until(lambda: store_size(root) <= low, timeout=10)
+        wait_until(lambda: store_size(root) <= low, timeout=30)
         with Store.open(root) as store:
             assert store.entry(old[0]) is not None, "a leased entry was evicted"
             assert store.lookup(old[0], record=False).hit
@@ -97,7 +97,7 @@ def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) 
     d.signal(signal.SIGHUP)
     notify_socket.wait_for(lambda m: m.get("RELOADING") == "1", proc=d.proc)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
-    wait_until(lambda: store_size(root) <= 300 * KIB, timeout=10)
+    wait_until(lambda: store_size(root) <= 300 * KIB, timeout=30)
     # An invalid edit is reported and the daemon keeps running on the last good config.
     cfg.write_text('max_size = "lots"\n')
     notify_socket.messages.clear()
@@ -130,7 +130,7 @@ def test_sigkill_mid_eviction_leaves_a_verifiable_store(tmp_path: Path, start_da
     cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.5,
                        grace_period="0s", batch_size=2, fallback_interval="1h", log_level="info")
     d = start_daemon(cfg, root)
-    wait_until(lambda: "evicted" in d.log(), timeout=15, interval=0.005)
+    wait_until(lambda: "evicted" in d.log(), timeout=30, interval=0.005)
     d.signal(signal.SIGKILL)
     assert d.wait() == -signal.SIGKILL
     low = int(2 * MIB * 0.5)
@@ -138,7 +138,7 @@ def test_sigkill_mid_eviction_leaves_a_verifiable_store(tmp_path: Path, start_da
     assert killed_at > low, "eviction finished before the kill; the test did not kill mid-eviction"
     # After a restart the daemon completes the job and the store verifies clean.
     d2 = start_daemon(cfg, root)
-    wait_until(lambda: store_size(root) <= low, timeout=20)
+    wait_until(lambda: store_size(root) <= low, timeout=30)
     d2.signal(signal.SIGTERM)
     assert d2.wait() == 0
     assert cli_main(["verify", "--root", str(root)]) == 0
@@ -154,7 +154,7 @@ def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, not
     cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.5,
                        grace_period="0s", batch_size=2, fallback_interval="1h")
     d = start_daemon(cfg, root, notify=notify_socket)
-    wait_until(lambda: "evicted" in d.log(), timeout=15, interval=0.005)
+    wait_until(lambda: "evicted" in d.log(), timeout=30, interval=0.005)
     d.signal(signal.SIGTERM)
     assert d.wait(timeout=10) == 0, d.log()
     assert "stopping" in d.log()
@@ -202,10 +202,10 @@ def test_readers_under_lease_never_lose_blobs_while_writers_and_daemon_race(
     counts = json.loads(out)
     assert counts["read_errors"] == 0, counts["errors"]
     assert counts["hits"] > 0
-    wait_until(lambda: store_size(root) <= int(1500 * KIB * 0.8), timeout=10)
+    wait_until(lambda: store_size(root) <= int(1500 * KIB * 0.8), timeout=30)
     d.signal(signal.SIGTERM)
     try:
-        code = d.wait(timeout=10)
+        code = d.wait(timeout=30)
     except subprocess.TimeoutExpired:
         d.signal(signal.SIGUSR1)
         time.sleep(1)
