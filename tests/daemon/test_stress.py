@@ -331,7 +331,7 @@ def _report(name: str, data: dict) -> None:
 
 def test_eight_processes_against_a_daemon_with_a_tight_budget(tmp_path, start_daemon, notify_socket):
     summary = run_stress(tmp_path, start_daemon, notify_socket, seconds=float(os.environ.get(
-        "ADSTORE_STRESS_SECONDS", "8")), snapshot_workers=1)
+        "ADSTORE_STRESS_SECONDS", "6")), snapshot_workers=1)
     assert summary["ops"] > 100
 
 

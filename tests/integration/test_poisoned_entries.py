@@ -348,3 +348,28 @@ def test_engine_manifest_with_traversal_digest_is_a_miss(engine_req, sentinel):
     engine, event = r["cache"].lookup(r["model"], (r["x"],))
     assert engine is None and event.reason == "engine_unavailable", event
     assert store.verify(fix=True).ok and store.verify().ok
+
+
+@pytest.mark.xfail(strict=True, reason="bug: PipelineCache.apply does not abort its published manifest when "
+                   "commit fails, leaving an uncommitted row until gc (bugs-found.md §10)")
+def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
+    """The disk fills between publish and commit (ENOSPC injected at the commit call)."""
+    from adstore.store import StoreFull
+
+    with Store.open(pipeline["root"]) as store:
+        store.plan_remove([pipeline["key"]]).execute()
+
+    def full(self, key, **kw):
+        raise StoreFull(str(self.root), "injected: no space left at commit")
+
+    monkeypatch.setattr(Store, "commit", full)
+    events, _ = _victim_run(pipeline)
+    monkeypatch.undo()
+    assert events[-1] == ("bypass", "disk_full"), events
+    with Store.open(pipeline["root"]) as store:
+        left = store.manifests(pipeline["key"])
+        store.plan_sweep()  # (gc would take it only after the grace period)
+    try:
+        assert left == [], [(m.rank, m.committed) for m in left]
+    finally:
+        events, _ = _victim_run(pipeline)  # heal: the next run saves for the other tests
