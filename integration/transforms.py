@@ -474,6 +474,8 @@ class InitCacheConfig(TransformConfig):
 class InitCache(Transform):
     """Allocate per-attention-layer KV buffers sized by the runtime settings.
 
+    Uninitialised (``torch.empty``): a KV cache is written before it is read.
+
     Runtime sizing happens after the cache point, so changing it reuses the
     cached prefix.  The buffers are shaped from the attention nodes' metadata
     when present (local heads and head dim after sharding).
@@ -497,7 +499,7 @@ class InitCache(Transform):
                 if shape is None or len(shape) != 4:
                     continue
                 heads, head_dim = int(shape[1]), int(shape[3])
-                buf = torch.zeros(2, cfg.max_batch_size, heads, cfg.max_seq_len, head_dim, dtype=key.dtype)
+                buf = torch.empty(2, cfg.max_batch_size, heads, cfg.max_seq_len, head_dim, dtype=key.dtype)
                 gm.register_buffer(f"kv_cache_{layers}", buf, persistent=False)
                 layers += 1
         ctx.info["init_cache"] = {"layers": layers}

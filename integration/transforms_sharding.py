@@ -40,10 +40,7 @@ from adstore.integration.transforms import (
 )
 from torch import fx, nn
 
-try:  # the hook module's public name; the builtins module holds the classes
-    from adstore.integration.hooks import TPShardHook
-except ImportError:  # pragma: no cover - until the re-export lands
-    from adstore.integration.hook_builtins import TPShardHook
+from adstore.integration.hooks import TPShardHook
 
 __all__ = ["ShardLinears", "ShardingError", "shard_graph"]
 

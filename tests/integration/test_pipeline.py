@@ -333,8 +333,12 @@ def test_config_errors(factory, checkpoint, root):
 
 def test_cache_point_is_ordered_at_the_end_of_its_stage(factory, checkpoint, root):
     tr = default_transforms(pipeline_cache={"root": str(root)})
-    shuffled = {"pipeline_cache": tr["pipeline_cache"], **{k: v for k, v in reversed(tr.items())
-                                                           if k != "pipeline_cache"}}
-    opt = InferenceOptimizer(factory, checkpoint, shuffled)
-    names = [t.name for t in opt.transforms]
-    assert names == list(default_transforms())
+    cache_first = {"pipeline_cache": tr["pipeline_cache"], **{k: v for k, v in tr.items() if k != "pipeline_cache"}}
+    opt = InferenceOptimizer(factory, checkpoint, cache_first)
+    assert [t.name for t in opt.transforms] == list(default_transforms())
+    reversed_order = InferenceOptimizer(factory, checkpoint, dict(reversed(list(tr.items()))))
+    names = [t.name for t in reversed_order.transforms]
+    stages = [t.cache_stage if t.name == "pipeline_cache" else t.stage for t in reversed_order.transforms]
+    assert stages == sorted(stages)
+    assert names.index("pipeline_cache") == names.index("tp_sharding") + 1
+    assert names.index("match_swiglu") < names.index("match_rms_norm")  # user order kept within a stage

@@ -103,8 +103,8 @@ def setup(tmp_path_factory):
     return factory, ckpt
 
 
-def _job(root, ckpt, runs, timeout=120):
-    return {"model": MODEL, "checkpoint": str(ckpt), "root": str(root), "runs": runs, "timeout": timeout}
+def _job(root, ckpt, runs, timeout=120, model=MODEL):
+    return {"model": model, "checkpoint": str(ckpt), "root": str(root), "runs": runs, "timeout": timeout}
 
 
 def _out(run):
@@ -183,3 +183,20 @@ def test_rank_killed_mid_save_leaves_nothing_restorable(setup, tmp_path):
         assert r["runs"][0]["events"][1] == ("save", None)
         assert r["runs"][1]["events"] == [("hit", None)]
     assert store.lookup(key, record=False).hit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "gemma", "mixtral", "glm4_moe"])
+def test_more_architectures_shard_and_restore(arch, tmp_path):
+    model = {"arch": arch, "layers": 2, "hidden": 128}
+    factory = ModelFactory.from_config(model)
+    ckpt = write_random_checkpoint(factory.build(), tmp_path / "ckpt", seed=4)
+    results = run_ranks(_job(tmp_path / "store", ckpt, [{}, {}], model=model), 2, target=_worker, timeout=900)
+    for r in results:
+        assert "error" not in r, r["error"]
+        cold, warm = r["runs"]
+        assert cold["events"] == [("miss", "absent"), ("save", None)] and warm["events"] == [("hit", None)]
+        assert cold["output"] == warm["output"]
+        assert cold["sharding"]["rowwise"] >= 2
+    ref = factory.eager_model(read_checkpoint(ckpt))(*factory.example_inputs()).logits
+    torch.testing.assert_close(_out(results[0]["runs"][0]), ref, rtol=1e-4, atol=1e-5)
