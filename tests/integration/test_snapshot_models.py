@@ -39,3 +39,28 @@ def test_hf_output_type_requires_allow_list():
     with pytest.raises(UntrustedTarget) as exc:
         load_module(art)
     assert "transformers" in exc.value.qualname and exc.value.reason == "untrusted_target"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_hf_dynamic_sequence_export_roundtrip(arch):
+    """A dynamic sequence dimension survives as a symbol: other lengths run bit-identically."""
+    from torch.export import Dim
+
+    from test_snapshot_support import build_hf, real_state
+
+    model = build_hf(arch)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    gm = torch.export.export(model, (), {"input_ids": ids},
+                             dynamic_shapes={"input_ids": {1: Dim("seq", min=2, max=64)}}).module()
+    weights = real_state(gm)
+    other = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(3))
+    ref = gm(input_ids=other).logits
+    code = gm.code
+    to_meta(gm)
+    restored, art = roundtrip(gm, allowed_prefixes=("transformers.",))
+    assert restored.code == code
+    assert len(summarize(art)["symbols"]) == 1
+    restored.load_state_dict(weights, assign=True)
+    assert torch.equal(restored(input_ids=other).logits, ref)
+    with pytest.raises(Exception, match="64"):
+        restored(input_ids=torch.zeros(2, 65, dtype=torch.long))
