@@ -16,10 +16,15 @@ computes, or written straight into LMDB rows.  The victim then runs the real
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import pickle
+import shutil
 import subprocess
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +378,94 @@ def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
         assert left == [], [(m.rank, m.committed) for m in left]
     finally:
         events, _ = _victim_run(pipeline)  # heal: the next run saves for the other tests
+
+
+# ----------------------------------------------------------------------------- engine packages are native code
+# A compiled engine is a shared object: loading it runs its code.  Another member of the store's
+# group publishes, under the victim's engine hash, a package whose .so has a constructor and whose
+# metadata is the victim's own (every field is derivable from what the group can read).  The
+# engine cache must refuse a package file it did not write (bugs-found.md §12).
+
+_EVIL_C = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void adstore_test_pwn(void) {
+    FILE *f = fopen(SENTINEL, "w");
+    if (f) fclose(f);
+}
+"""
+
+
+def _as_nobody(fn) -> None:
+    """Run ``fn()`` in a forked child as uid/gid 65534 (another user with group write access)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([65534])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.umask(0o002)
+            fn()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("gcc") is None, reason="needs root (a second uid) and gcc")
+def test_engine_package_from_another_user_is_not_loaded(tmp_path, sentinel):
+    shared = Path(f"/tmp/adstore-engine-{os.getpid()}-{id(tmp_path)}")  # pytest's tmp is 0700: not shareable
+    shared.mkdir(mode=0o755)
+    try:
+        _engine_attack(shared, tmp_path, sentinel)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
+    root = shared / "store"
+    root.mkdir()
+    os.chown(root, 0, 65534)
+    os.chmod(root, 0o2775)
+    model, x = Tiny(), torch.randn(2, 8)
+    with Store.open(root) as store:
+        cache = EngineCache(AdstoreEngineCache(store))
+        honest = cache.compile(model, (x,))  # the victim's own engine, compiled once
+        h = honest.hash
+        res = store.lookup(h, record=False)
+        meta = json.loads(store.read_artifact(res.manifest, "engine.json"))
+        package = Path(store.blob_path(res.manifest.artifacts["engine.pt2"])).read_bytes()
+        cache.close()
+    # The attacker swaps the shared object inside the package for one with a constructor.
+    src = tmp_path / "evil.c"
+    src.write_text(_EVIL_C)
+    so = tmp_path / "evil.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", f'-DSENTINEL="{sentinel}"', "-o", str(so), str(src)], check=True)
+    evil = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(package)) as zin, zipfile.ZipFile(evil, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = so.read_bytes() if info.filename.endswith(".so") else zin.read(info)
+            zout.writestr(info, data)
+    evil_pkg = evil.getvalue()
+    meta["payload"] = {**meta["payload"], "sha256": hashlib.sha256(evil_pkg).hexdigest(), "size": len(evil_pkg)}
+
+    def attack() -> None:
+        with Store.open(root) as s:
+            _publish_engine(s, h, meta, evil_pkg)
+
+    for path in root.rglob("*"):  # the store is shared with the attacker's group
+        os.chown(path, -1, 65534)
+        os.chmod(path, os.stat(path).st_mode | 0o060)
+    _as_nobody(attack)
+    with Store.open(root) as store:
+        victim = EngineCache(AdstoreEngineCache(store))
+        engine, event = victim.lookup(model, (x,))
+        victim.close()
+    assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"
+    assert engine is None and event.kind == "miss" and event.reason == "untrusted_engine", event
