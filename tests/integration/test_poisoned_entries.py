@@ -469,3 +469,15 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
         victim.close()
     assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"
     assert engine is None and event.kind == "miss" and event.reason == "untrusted_engine", event
+    # Control: the attack is live — a victim who trusts the attacker's uid does load it, and its code runs.
+    pid = os.fork()
+    if pid == 0:  # in a child: the victim's process would be taken over
+        try:
+            with Store.open(root) as store:
+                trusting = EngineCache(AdstoreEngineCache(store, trusted_uids=[65534]))
+                trusting.lookup(model, (x,))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert sentinel.exists(), "control failed: the crafted package did not run, so the test proves nothing"
+    sentinel.unlink()
