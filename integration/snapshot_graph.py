@@ -98,6 +98,32 @@ def _member(name: Any, what: str) -> str:
     return name
 
 
+def _has_dunder_string(value: Any) -> bool:
+    if type(value) is str:
+        return value.startswith("__") and value.endswith("__") and len(value) > 4
+    if type(value) in (tuple, list):
+        return any(_has_dunder_string(v) for v in value)
+    if type(value) is dict:
+        return any(_has_dunder_string(k) or _has_dunder_string(v) for k, v in value.items())
+    return False
+
+
+def _check_attribute_access(name: str, target: object, args: tuple, kwargs: dict) -> None:
+    """Keep a restored graph from reaching objects it does not name.
+
+    Targets resolve only under the allow-list, but attribute access at run time
+    could walk from a tensor to ``__class__.__init__.__globals__`` and from there
+    to anything.  So ``getattr``/``hasattr`` take a literal, non-dunder name, and
+    no argument of a call is a dunder string.
+    """
+    if target is getattr or target is hasattr:
+        attr = args[1] if len(args) > 1 else kwargs.get("name")
+        if type(attr) is not str or attr.startswith("__"):
+            raise UntrustedTarget(f"{getattr(target, '__name__', target)}(…, {attr!r}) in node {name!r}")
+    if _has_dunder_string(args) or _has_dunder_string(kwargs):
+        raise UntrustedTarget(f"a dunder attribute name in the arguments of node {name!r}")
+
+
 def _attr_path(path: Any, what: str) -> str:
     if not isinstance(path, str) or not path:
         raise CorruptSnapshot(f"{what} {path!r} is not an attribute path")
@@ -443,6 +469,8 @@ class GraphDecoder:
             kwargs = decode(k)
             if type(args) is not tuple or type(kwargs) is not dict:
                 raise CorruptSnapshot(f"node {name!r}: args/kwargs have the wrong type")
+            if op in ("call_function", "call_method"):
+                _check_attribute_access(name, target, args, kwargs)
             type_expr = resolve_target(ty, self.extra) if ty is not None else None
             node = create(op, target, args, kwargs, name=name, type_expr=type_expr)
             if node.name != name:

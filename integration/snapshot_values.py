@@ -24,16 +24,20 @@ container and needs no schema.  Decoding never calls anything it names:
 from __future__ import annotations
 
 import math
+import types
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
-from adstore.integration.errors import CorruptSnapshot, UnsupportedModule
+from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
 from adstore.integration.targets import qualname_of, resolve_target
 from adstore.integration.tensor_meta import DTYPES, SymbolTable, dtype_name
 
 __all__ = ["ValueEncoder", "ValueDecoder", "Unencodable", "LAYOUTS", "MEMORY_FORMATS"]
+
+#: Callables a payload may use as call targets but never pass around as values.
+_NOT_AS_VALUES = (getattr, hasattr)
 
 LAYOUTS: dict[str, torch.layout] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)
@@ -165,8 +169,20 @@ class ValueDecoder:
             "sym": self._symval,
             "T": self._tensor,
             "FT": self._fake,
-            "fn": lambda e: resolve_target(e[1], self.extra_prefixes),
+            "fn": self._fn,
         }
+
+    def _fn(self, e: list) -> object:
+        """A callable named as a value; never a module or an attribute getter.
+
+        A module as a value would give a graph ``getattr(module, name)`` access to
+        everything it imports, and ``getattr`` as a value could be applied to a
+        name computed at run time; both would bypass the checks on graph nodes.
+        """
+        obj = resolve_target(e[1], self.extra_prefixes)
+        if isinstance(obj, types.ModuleType) or obj in _NOT_AS_VALUES:
+            raise UntrustedTarget(str(e[1]))
+        return obj
 
     def decode(self, e: Any) -> Any:
         te = type(e)

@@ -66,6 +66,13 @@ _DENIED_PREFIXES: tuple[str, ...] = (
     "torch.compile",
     "torch._dynamo",
     "torch._inductor",
+    # Attribute getters and callers would let a graph reach names it does not spell out.
+    "operator.attrgetter",
+    "operator.methodcaller",
+    "operator.call",
+    "_operator.attrgetter",
+    "_operator.methodcaller",
+    "_operator.call",
 )
 #: Raw name prefixes denied regardless of dots (private C bindings of the above).
 _DENIED_RAW: tuple[str, ...] = ("torch._C._jit", "torch._C._import_ir", "torch._C._load_for_lite")

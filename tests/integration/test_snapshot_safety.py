@@ -297,3 +297,45 @@ def test_allow_prefix_registry_is_narrow(monkeypatch):
     # re-exports are judged by where the object lives, not by the name used
     with pytest.raises(UntrustedTarget):
         resolve_target("json.decoder.re.compile")
+
+
+# -- attribute walks at forward time -------------------------------------------------------------
+
+def _graph_with(build) -> dict[str, bytes]:
+    import builtins  # noqa: F401  (the graph names builtins.getattr)
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(build(g, x))
+    return dump_module(torch.fx.GraphModule(torch.nn.Module(), g))
+
+
+def test_getattr_to_a_dunder_is_rejected():
+    """x.__class__.__init__.__globals__ would reach any module at forward time."""
+    art = _graph_with(lambda g, x: g.call_function(getattr, (x, "__class__")))
+    with pytest.raises(UntrustedTarget):
+        load_module(art)
+
+
+def test_getattr_with_a_computed_name_is_rejected():
+    import operator
+
+    art = _graph_with(lambda g, x: g.call_function(getattr, (x, g.call_function(operator.add, ("__cl", "ass__")))))
+    with pytest.raises(UntrustedTarget):
+        load_module(art)
+
+
+def test_plain_getattr_and_methods_still_restore():
+    art = _graph_with(lambda g, x: g.call_method("reshape", (g.call_function(getattr, (x, "T")), -1)))
+    gm = load_module(art)
+    t = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(gm(t), t.T.reshape(-1))
+
+
+@pytest.mark.parametrize("qualname", ["torch", "torch.nn", "builtins.getattr", "builtins.hasattr",
+                                      "operator.attrgetter", "operator.methodcaller", "operator.call"])
+def test_modules_and_attribute_getters_are_not_values(qualname):
+    from adstore.integration.snapshot_values import ValueDecoder
+
+    with pytest.raises(UntrustedTarget):
+        ValueDecoder().decode(["fn", qualname])
