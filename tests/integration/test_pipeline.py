@@ -342,3 +342,11 @@ def test_cache_point_is_ordered_at_the_end_of_its_stage(factory, checkpoint, roo
     assert stages == sorted(stages)
     assert names.index("pipeline_cache") == names.index("tp_sharding") + 1
     assert names.index("match_swiglu") < names.index("match_rms_norm")  # user order kept within a stage
+
+
+def test_key_failure_fails_open(factory, checkpoint, root):
+    tr = default_transforms(pipeline_cache={"root": str(root), "extra": {"not_json": object()}})
+    opt, _, out = run(factory, checkpoint, tr)
+    assert kinds(opt) == [("miss", "key_error"), ("bypass", "key_error")]
+    assert out.shape == (2, 8, 512)
+    assert list(Store.open(root).entries()) == []
