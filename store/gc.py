@@ -297,6 +297,7 @@ class Collector:
         def fn(txn: lmdb.Transaction) -> list[tuple[str, BlobRow]]:
             leased, _ = self._leases(txn, now)
             zero: list[str] = []
+            evicted = 0
             for victim in plan.victims:
                 try:
                     entry = get_entry(txn, dbs, victim.key)
@@ -308,8 +309,9 @@ class Collector:
                     entry.pinned or entry.ranks != victim.ranks or entry.last_access > victim.last_access
                 ):
                     continue  # used, pinned or recommitted since the plan: no longer a victim
-                zero += drop_entry_txn(txn, dbs, entry.key)
-                bump(txn, dbs["stats"], "evictions", 1)
+                zero += drop_entry_txn(txn, dbs, entry.key, entry)
+                evicted += 1
+            bump(txn, dbs["stats"], "evictions", evicted)
             return self._delete_blob_rows(txn, zero, now)
 
         deleted = self._index.write(fn)
