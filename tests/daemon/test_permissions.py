@@ -25,7 +25,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from adstore.store import Store, UnsafeRoot
 from adstore.store.fsutil import check_root_permissions
 
@@ -171,9 +170,8 @@ def _remove(root: str, key: str) -> dict:
 
 
 def _hold_lease(root: str, key: str, seconds: float) -> dict:
-    with Store.open(root) as store:
-        with store.lease(key):
-            time.sleep(seconds)
+    with Store.open(root) as store, store.lease(key):
+        time.sleep(seconds)
     return {}
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.engine_backends import AdstoreEngineCache
 from adstore.integration.engine_cache import EngineCache

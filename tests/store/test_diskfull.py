@@ -13,7 +13,6 @@ skipped with the reason.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,9 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from store_helpers import check_hit, payload, save
-
 from adstore.store import Store, StoreError, StoreFull
+from store_helpers import check_hit, payload, save
 
 MIB = 1 << 20
 
