@@ -292,13 +292,25 @@ class BuildModel(Transform):
 
 @dataclass(kw_only=True)
 class ExportConfig(TransformConfig):
+    """Example shape of the trace; ``dynamic`` makes batch and sequence symbolic.
+
+    With ``dynamic`` the module runs at any batch up to ``max_batch`` and any
+    sequence length up to ``max_seq`` (slower to export); without it only at
+    ``batch`` x ``seq``.
+    """
+
     batch: int = 2
     seq: int = 8
     strict: bool = False
+    dynamic: bool = False
+    max_batch: int = 64
+    max_seq: int = 4096
 
     def validate(self, owner: str) -> None:
-        if self.batch < 1 or self.seq < 2:
-            raise ConfigError(f"{owner}.seq", "batch must be >= 1 and seq >= 2")
+        if self.batch < 2 or self.seq < 2:
+            raise ConfigError(f"{owner}.seq", "batch and seq must be >= 2 (size 1 would be specialised)")
+        if self.dynamic and (self.max_batch < self.batch or self.max_seq < self.seq):
+            raise ConfigError(f"{owner}.max_seq", "max_batch/max_seq must cover the example shape")
 
 
 @register
@@ -328,7 +340,12 @@ class ExportToGraph(Transform):
                     real[f"{mname}.{bname}" if mname else bname] = buf
                 mod._buffers[bname] = buf.to("meta")
         inputs = ctx.example_inputs(cfg.batch, cfg.seq)
-        ep = torch.export.export(module, inputs, strict=cfg.strict)
+        dynamic = None
+        if cfg.dynamic:
+            from torch.export import Dim
+
+            dynamic = ({0: Dim("batch", min=1, max=cfg.max_batch), 1: Dim("seq", min=1, max=cfg.max_seq)},)
+        ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=cfg.strict)
         gm = ep.module()
         for qual, value in real.items():
             owner, _, leaf = qual.rpartition(".")

@@ -74,6 +74,14 @@ def _val(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _hint(size: Any) -> int:
+    """A concrete size: the example value behind a symbolic dim."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else int(size)
+    return int(size)
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
@@ -296,7 +304,7 @@ class ShardLinears(Transform):
             got = shard_graph(gm, plan, ctx.rank, ctx.world_size)
             stats = {k: stats.get(k, 0) + v for k, v in got.items()}
             inputs = tuple(
-                torch.zeros(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
+                torch.zeros(tuple(_hint(d) for d in n.meta["val"].shape), dtype=n.meta["val"].dtype)
                 for n in gm.graph.nodes if n.op == "placeholder"
             )
             propagate_shapes(gm, inputs)

@@ -350,3 +350,19 @@ def test_key_failure_fails_open(factory, checkpoint, root):
     assert kinds(opt) == [("miss", "key_error"), ("bypass", "key_error")]
     assert out.shape == (2, 8, 512)
     assert list(Store.open(root).entries()) == []
+
+
+def test_dynamic_shapes_restore_and_run_at_other_sizes(factory, checkpoint, root):
+    tr = default_transforms(pipeline_cache={"root": str(root)}, export_to_gm={"dynamic": True, "max_seq": 64})
+    eager = factory.eager_model(read_checkpoint(checkpoint))
+    cold = InferenceOptimizer(factory, checkpoint, tr)
+    m1 = cold()
+    warm = InferenceOptimizer(factory, checkpoint, tr)
+    m2 = warm()
+    assert kinds(cold) == [("miss", "absent"), ("save", None)] and kinds(warm) == [("hit", None)]
+    with torch.no_grad():
+        for batch, seq in [(2, 8), (3, 5), (1, 17)]:
+            x = factory.example_inputs(batch=batch, seq=seq)
+            a, b = m1(*x), m2(*x)
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, eager(*x).logits, rtol=1e-5, atol=1e-5)

@@ -70,11 +70,12 @@ def _worker(rank, world_size, port, job, queue):
         for spec in job["runs"]:
             undo = _inject(spec["fault"]) if spec.get("fault") and spec.get("fault_rank") == rank else None
             try:
-                tr = default_transforms(pipeline_cache={"root": job["root"], "extra": spec.get("extra", {})})
+                tr = default_transforms(pipeline_cache={"root": job["root"], "extra": spec.get("extra", {})},
+                                        export_to_gm=spec.get("export", {}))
                 opt = InferenceOptimizer(factory, job["checkpoint"], tr)
                 module = opt()
                 with torch.no_grad():
-                    out = module(*factory.example_inputs())
+                    out = module(*factory.example_inputs(**spec.get("inputs", {})))
             finally:
                 if undo:
                     undo()
@@ -199,4 +200,19 @@ def test_more_architectures_shard_and_restore(arch, tmp_path):
         assert cold["output"] == warm["output"]
         assert cold["sharding"]["rowwise"] >= 2
     ref = factory.eager_model(read_checkpoint(ckpt))(*factory.example_inputs()).logits
+    torch.testing.assert_close(_out(results[0]["runs"][0]), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_shard_and_restore(setup, tmp_path):
+    factory, ckpt = setup
+    spec = {"export": {"dynamic": True}, "inputs": {"batch": 3, "seq": 5}}
+    results = run_ranks(_job(tmp_path / "store", ckpt, [spec, spec]), 2, target=_worker, timeout=900)
+    for r in results:
+        assert "error" not in r, r["error"]
+        cold, warm = r["runs"]
+        assert cold["events"] == [("miss", "absent"), ("save", None)] and warm["events"] == [("hit", None)]
+        assert cold["output"] == warm["output"] and cold["shape"] == [3, 5, 512]
+    x = factory.example_inputs(batch=3, seq=5)
+    ref = factory.eager_model(read_checkpoint(ckpt))(*x).logits
     torch.testing.assert_close(_out(results[0]["runs"][0]), ref, rtol=1e-4, atol=1e-5)
