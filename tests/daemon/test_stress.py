@@ -342,3 +342,41 @@ def test_eight_processes_against_a_daemon_with_a_tight_budget(tmp_path, start_da
 def test_eight_processes_long_run(tmp_path, start_daemon, notify_socket):
     summary = run_stress(tmp_path, start_daemon, notify_socket, seconds=90.0)
     assert summary["ops"] > 1000
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the daemon evicts live entries for zero-ref garbage it cannot free "
+                   "yet (replaced generations inside the grace period), emptying the cache (bugs-found.md §13)")
+def test_budget_pressure_from_replaced_generations_does_not_evict_live_entries(tmp_path):
+    """Live entries use half the budget; replaced generations (garbage inside the grace period)
+    push the store over it.  Eviction cannot free garbage, so no live entry may be evicted."""
+    from adstore.daemon.config import DaemonConfig
+    from adstore.daemon.enforce import Enforcer
+
+    root = tmp_path / "store"
+    keys = [f"live{i}" for i in range(5)]
+    with Store.open(root, grace_period=60.0) as store:
+        for key in keys:
+            _save_payload(store, key, 100 * KIB)
+        with store.index.env.begin(write=True) as txn:  # these entries were created an hour ago
+            db = store.index.db["entries"]
+            for key in keys:
+                obj = json.loads(bytes(txn.get(key.encode(), db=db)))
+                obj["t"] -= 3600
+                obj["la"] -= 3600
+                txn.put(key.encode(), json.dumps(obj).encode(), db=db)
+        for _ in range(2):  # re-saved twice: the older generations are garbage within the grace period
+            for key in keys:
+                _save_payload(store, key, 100 * KIB)
+        live = sum(store.entry(k).bytes for k in keys)
+        config = DaemonConfig(max_size=1_000_000, high_watermark=0.9, low_watermark=0.7, grace_period=60.0)
+        assert live < 0.7 * 1_000_000 < 0.9 * 1_000_000 < store.size()
+        result = Enforcer(store, config).run_pass(sweep=True)
+        left = [k for k in keys if store.lookup(k, record=False).hit]
+        assert left == keys, f"evicted {result.evicted_entries} live entries for garbage: {sorted(set(keys) - set(left))}"
+
+
+def _save_payload(store: Store, key: str, size: int) -> None:
+    gen = store.new_generation()
+    arts = {"body": store.put_bytes(_payload(key, gen, 0, "body", size))}
+    store.publish(key, generation=gen, artifacts=arts, namespace="pipeline")
+    store.commit(key, generation=gen)
