@@ -307,8 +307,11 @@ class ExportConfig(TransformConfig):
     max_seq: int = 4096
 
     def validate(self, owner: str) -> None:
-        if self.batch < 2 or self.seq < 2:
-            raise ConfigError(f"{owner}.seq", "batch and seq must be >= 2 (size 1 would be specialised)")
+        if self.batch < 1 or self.seq < 1:
+            raise ConfigError(f"{owner}.seq", "batch and seq must be positive")
+        if self.dynamic and (self.batch < 2 or self.seq < 2):
+            raise ConfigError(f"{owner}.seq", "a dynamic export needs an example batch and seq >= 2 "
+                              "(export specialises sizes 0 and 1)")
         if self.dynamic and (self.max_batch < self.batch or self.max_seq < self.seq):
             raise ConfigError(f"{owner}.max_seq", "max_batch/max_seq must cover the example shape")
 
