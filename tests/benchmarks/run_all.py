@@ -162,7 +162,14 @@ def run_one(bench: Path, *, quick: bool, timeout: float) -> dict[str, Any]:
     if rc != 0:
         print(f"!!! {bench.stem} exited with {rc} after {seconds:.0f}s (log: {log_path})", flush=True)
     return {"argv": argv, "returncode": rc, "seconds": round(seconds, 1), "json_file": source, "figures": data,
-            "log": str(log_path.relative_to(REPO))}
+            "json_written": _mtime(OUT / source) if source else None, "log": str(log_path.relative_to(REPO))}
+
+
+def _mtime(path: Path) -> str | None:
+    try:
+        return _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------- table rows
@@ -424,8 +431,8 @@ def write_markdown(machine: dict[str, Any], results: dict[str, dict], rows: list
         f"commit {machine.get('git_commit')}."
         + (" **Quick mode** (`--quick`): smaller workloads, indicative figures only." if quick else ""),
         "",
-        "Every baseline is measured in the same run on the same machine. Ratio: how many times better "
-        "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise.",
+        ("Every baseline is measured in the same run on the same machine. Ratio: how many times better "
+         "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise."),
         "",
         "| benchmark | measurement | adstore | baseline | ratio | target | met? |",
         "|---|---|---|---|---|---|---|",
@@ -434,10 +441,11 @@ def write_markdown(machine: dict[str, Any], results: dict[str, dict], rows: list
         name = r["name"] + (f" ({r['note']})" if r.get("note") else "")
         lines.append(f"| {r['benchmark']} | {name} | {r['adstore']} | {r['baseline']} | {_fmt_ratio(r['ratio'])} | "
                      f"{r['target'] or '–'} | {_fmt_met(r['met'])} |")
-    lines += ["", "| benchmark | command | exit | wall time |", "|---|---|---|---|"]
+    lines += ["", "| benchmark | command | exit | wall time | figures written (UTC) |", "|---|---|---|---|---|"]
     for name, res in results.items():
         cmd = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(res["argv"]))
-        lines.append(f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s |")
+        lines.append(f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s | "
+                     f"{res.get('json_written') or '–'} |")
     rel = reliability_rows()
     if rel:
         lines += ["", "## Reliability (figures kept by the test suite)", "",
@@ -471,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             results[bench.stem] = {"argv": prev.get("argv", [sys.executable, str(bench.relative_to(REPO))]),
                                    "returncode": prev.get("returncode", 0), "seconds": prev.get("seconds", 0.0),
                                    "json_file": cands[0].name if cands else None, "figures": data,
+                                   "json_written": _mtime(cands[0]) if cands else None,
                                    "log": f"bench-results/logs/{bench.stem}.log"}
             args.quick = bool(previous.get("quick", args.quick))
         else:
