@@ -963,3 +963,33 @@ def test_bit_rot_sweep_over_every_blob_byte_class(store):
     assert caught == 16
     fixed = store.verify(fix=True)  # quarantine leftovers are not problems
     assert fixed.ok
+
+
+def test_cli_verify_fix_repairs_several_kinds_of_damage_at_once(store_root):
+    """``adstore verify`` exits 1 on a damaged store, ``verify --fix`` repairs it, then 0."""
+    import subprocess
+    import sys
+
+    with Store.open(store_root, grace_period=0.0) as store:
+        _populate(store)
+        _file_damage("flip_middle")(store, "a")
+        _lmdb_damage("manifest_not_json")(store, "b")
+        _lmdb_damage("inline_flip")(store, "c")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(store_root), *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    first = cli("verify")
+    assert first.returncode == 1, (first.returncode, first.stdout, first.stderr)
+    fixed = cli("verify", "--fix")
+    assert fixed.returncode == 0, (fixed.returncode, fixed.stdout, fixed.stderr)
+    again = cli("--json", "verify")
+    assert again.returncode == 0 and json.loads(again.stdout)["ok"], again.stdout
+    with Store.open(store_root, grace_period=0.0) as store:
+        assert check_hit(store, "d")
+        for key in ("a", "b", "c"):
+            assert not store.lookup(key, record=False).hit
+            save(store, key)
+            assert check_hit(store, key)
+        assert store.verify().ok
