@@ -230,3 +230,45 @@ def _daemon_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _full_disk_writer(root: str, worker: int, q) -> None:
+    """Save until the disk has refused this writer 5 times; report what was committed."""
+    store = Store.open(root, grace_period=0.0)
+    saved, full, other = [], 0, []
+    i = 0
+    while full < 5 and i < 400:
+        key = f"w{worker}-{i}"
+        try:
+            save(store, key, world_size=1 + i % 2, sizes=(100 + worker, 150_000 + 1000 * worker))
+            saved.append(key)
+        except StoreFull:
+            full += 1
+        except StoreError as exc:  # anything else is a finding
+            other.append(f"{type(exc).__name__}: {exc}")
+        i += 1
+    store.close()
+    q.put((worker, saved, full, other))
+
+
+def test_concurrent_writers_on_a_full_disk_corrupt_nothing(small_fs):
+    import multiprocessing as mp
+
+    root = small_fs / "store"
+    Store.open(root).close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_full_disk_writer, args=(str(root), w, q)) for w in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert all(full == 5 for _, _, full, _ in results), results
+    assert not [o for *_, other in results for o in other], results
+    with Store.open(root, grace_period=0.0) as store:
+        _assert_nothing_half_written(store)
+        for _, saved, _, _ in results:
+            for key in saved:
+                assert check_hit(store, key), key
