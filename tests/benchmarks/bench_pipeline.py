@@ -15,6 +15,7 @@ the no-cache baseline), cold and warm totals.  Targets: restore >= 20x faster
 than the prefix; save overhead < 10% of the cold run.
 
     python tests/benchmarks/bench_pipeline.py [--layers 24] [--hidden 128] [--arch llama]
+                                              [--world-size 2] [--dynamic]
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--world-size", type=int, default=1, help="ranks over gloo (figures: the slowest rank)")
+    ap.add_argument("--dynamic", action="store_true", help="export with symbolic batch/seq")
     ap.add_argument("--out", default="bench-results/bench_pipeline.json")
     args = ap.parse_args()
 
@@ -49,11 +52,14 @@ def main() -> int:
         root = Path(tmp) / "store"
 
         def phase(cache: bool) -> dict:
-            tr = default_transforms(pipeline_cache={"root": str(root), "enabled": cache})
-            res = run_ranks({"model": model, "checkpoint": str(ckpt), "transforms": tr}, 1)[0]
-            if "error" in res:
-                raise SystemExit(res["error"])
-            return res
+            tr = default_transforms(pipeline_cache={"root": str(root), "enabled": cache},
+                                    export_to_gm={"dynamic": args.dynamic})
+            ranks = run_ranks({"model": model, "checkpoint": str(ckpt), "transforms": tr}, args.world_size)
+            for res in ranks:
+                if "error" in res:
+                    raise SystemExit(res["error"])
+            slowest = max(ranks, key=lambda r: r["timings"]["total"])
+            return {**slowest, "output": ranks[0]["output"], "events": [e for r in ranks for e in r["events"]]}
 
         t0 = time.perf_counter()
         baseline = phase(False)
@@ -74,8 +80,10 @@ def main() -> int:
     overhead_s = miss_lookup_s + save_s
     figures = {
         "model": model,
-        "cold_events": [e["kind"] for e in cold["events"]],
-        "warm_events": [e["kind"] for e in warm["events"]],
+        "world_size": args.world_size,
+        "dynamic": args.dynamic,
+        "cold_events": sorted({e["kind"] for e in cold["events"]}),
+        "warm_events": sorted({e["kind"] for e in warm["events"]}),
         "outputs_match": cold["output"] == warm["output"] == baseline["output"],
         "baseline_nocache_s": round(bt["total"], 4),
         "cold_s": round(ct["total"], 4),
@@ -103,7 +111,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2))
     r = figures["ratios"]
-    print(f"pipeline cache, {args.arch} {args.layers} layers hidden {args.hidden} ({stored} bytes stored)")
+    print(f"pipeline cache, {args.arch} {args.layers} layers hidden {args.hidden}, world size {args.world_size}"
+          f"{', dynamic shapes' if args.dynamic else ''} ({stored} bytes stored per entry)")
     print(f"  no-cache baseline  {bt['total']:8.3f} s")
     print(f"  cold (miss+save)   {ct['total']:8.3f} s   x{r['cold_vs_nocache_baseline']:.3f} of baseline")
     print(f"  warm (hit)         {wt['total']:8.3f} s   {r['warm_speedup_vs_cold']:.1f}x faster than cold")
