@@ -380,3 +380,27 @@ def _save_payload(store: Store, key: str, size: int) -> None:
     arts = {"body": store.put_bytes(_payload(key, gen, 0, "body", size))}
     store.publish(key, generation=gen, artifacts=arts, namespace="pipeline")
     store.commit(key, generation=gen)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a deeply nested JSON row raises RecursionError in the enforcement pass; "
+                   "the daemon only catches AdstoreError and dies (bugs-found.md §15)")
+def test_daemon_survives_a_poisoned_index_row(tmp_path, start_daemon, notify_socket):
+    """One hostile row (deeply nested JSON in a manifest) must not kill the daemon or stop gc."""
+    from adstore.store.records import manifest_key
+
+    root = tmp_path / "store"
+    with Store.open(root, grace_period=0.0) as store:
+        for i in range(12):
+            _save_payload(store, f"k{i}", 100 * KIB)
+        gen = store.lookup("k0", record=False).generation
+        deep = "[" * 100_000 + "]" * 100_000
+        with store.index.env.begin(write=True) as txn:
+            txn.put(manifest_key("k0", 0, gen), f'{{"ws": 1, "c": true, "a": {{}}, "m": {deep}}}'.encode(),
+                    db=store.index.db["manifests"])
+    cfg = write_config(tmp_path / "adstore.toml", max_size="600K", grace_period="0s", fallback_interval="1s",
+                       debounce="50ms", max_delay="200ms")
+    d = start_daemon(cfg, root, notify=notify_socket)
+    notify_socket.wait_for(lambda m: m.get("READY") == "1", timeout=30, proc=d.proc)
+    time.sleep(3.0)
+    assert d.proc.poll() is None, f"the daemon died on one poisoned row:\n{d.log()[-2000:]}"
+    assert _size(root) <= 600 * KIB, "the daemon stopped enforcing the budget"

@@ -480,3 +480,39 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
     os.waitpid(pid, 0)
     assert sentinel.exists(), "control failed: the crafted package did not run, so the test proves nothing"
     sentinel.unlink()
+
+
+# ----------------------------------------------------------------------------- the CLI reads entries too
+
+def _cli(root, *args: str) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_adstore_inspect_of_a_poisoned_snapshot_runs_nothing(tmp_path, sentinel):
+    root = tmp_path / "store"
+    hooks = json.dumps([{"type": "importable", "scope": "", "phase": "pre", "with_module": False,
+                         "params": {"kind": "function", "qualname": "os.system"}}]).encode()
+    evil = b"cos\nsystem\n(Vtouch " + str(sentinel).encode() + b"\ntR."
+    _publish(root, "evil", {"module.pt": evil, "hooks.json": hooks})
+    out = _cli(root, "inspect", "evil")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    assert "os.system" in out.stdout and "outside the allowed prefixes" in out.stdout, out.stdout
+    assert not sentinel.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: deeply nested JSON in an entry's components row makes `adstore "
+                   "inspect`/`explain` fail as an internal error (exit 70) (bugs-found.md §15)")
+def test_adstore_explain_of_a_poisoned_components_row_is_a_clean_error(tmp_path):
+    root = tmp_path / "store"
+    _publish(root, "evil", {"module.pt": b"x", "hooks.json": b"[]"})
+    with Store.open(root) as store:
+        with store.index.env.begin(write=True) as txn:
+            txn.put(b"evil", ('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}").encode(),
+                    db=store.index.db["components"])
+    for args in (("explain", "evil"), ("inspect", "--no-summary", "evil")):
+        out = _cli(root, *args)
+        assert out.returncode not in (0, 70), (args, out.returncode, out.stderr)  # 9: damaged store
+        assert "internal error" not in out.stderr, (args, out.stderr)

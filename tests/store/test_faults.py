@@ -34,7 +34,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from adstore.store import BlobMissing, ChecksumMismatch, Store, StoreError
+from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
 from adstore.store.fsutil import atomic_write
 from adstore.store.records import manifest_key
 from store_helpers import check_hit, parse_payload, payload, save
@@ -895,21 +895,32 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
 
 
 
-@pytest.mark.parametrize("kind", [pytest.param("manifest_path_traversal_digest"),
-                                  pytest.param("entry_world_size_zero"),
-                                  pytest.param("entry_negative_world_size")])
+_DEEP = "[" * 100_000 + "]" * 100_000
+_RECURSION_BUG = pytest.mark.xfail(strict=True, reason="bug: decode_json lets RecursionError escape on deeply "
+                                   "nested JSON: lookup, verify, verify --fix, sweep and eviction all raise "
+                                   "(bugs-found.md §15)")
+
+
+@pytest.mark.parametrize("kind", ["manifest_path_traversal_digest", "entry_world_size_zero",
+                                  "entry_negative_world_size",
+                                  pytest.param("manifest_deeply_nested", marks=_RECURSION_BUG),
+                                  pytest.param("entry_deeply_nested", marks=_RECURSION_BUG)])
 def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     """Values that decode as JSON but break the record's invariants (see bugs-found.md)."""
     gen = save(store, "b")
     save(store, "a")
+    mk = manifest_key("b", 0, gen)
     if kind == "manifest_path_traversal_digest":
-        mk = manifest_key("b", 0, gen)
-
         def fn(txn, db):
             obj = json.loads(bytes(txn.get(mk, db=db)))
             obj["a"]["a1"][0] = "../../../../../etc/passwd"
             txn.put(mk, json.dumps(obj).encode(), db=db)
         _rows(store, "manifests", fn)
+    elif kind == "manifest_deeply_nested":
+        _rows(store, "manifests", lambda txn, db: txn.put(mk, f'{{"ws": 1, "c": true, "a": {{}}, "m": {_DEEP}}}'
+                                                          .encode(), db=db))
+    elif kind == "entry_deeply_nested":
+        _rows(store, "entries", lambda txn, db: txn.put(b"b", f'{{"ns": "x", "r": {_DEEP}}}'.encode(), db=db))
     else:
         def fn(txn, db):
             obj = json.loads(bytes(txn.get(b"b", db=db)))
@@ -920,8 +931,19 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     assert not res.hit and res.reason == "corrupt_index", res
     assert check_hit(store, "a")
     assert not store.verify().ok
+    store.plan_sweep()
+    store.plan_eviction(max_size=0)
     assert store.verify(fix=True).ok
     assert store.verify().ok and check_hit(store, "a")
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a deeply nested components row makes Store.entry() raise RecursionError "
+                   "(adstore inspect/explain exit 70) instead of CorruptRecord (bugs-found.md §15)")
+def test_deeply_nested_components_row_is_corrupt_record(store):
+    save(store, "b")
+    _rows(store, "components", lambda txn, db: txn.put(b"b", f'{{"model": {_DEEP}}}'.encode(), db=db))
+    with pytest.raises(CorruptRecord):
+        store.entry("b")
 
 
 def test_missing_inline_data_becomes_a_lookup_miss_after_the_failed_read(store):
