@@ -89,10 +89,13 @@ def fuse_parallel_linears(gm: fx.GraphModule, *, min_group: int = 2) -> int:
                     if user.op == "call_function" and user.target is aten.view.default:
                         user.target = aten.reshape.default
         for m in members:
+            operands = [a for a in m.args[1:] if isinstance(a, fx.Node)]
             gm.graph.erase_node(m)
+            for a in operands:  # the unfused weights' get_attr nodes (a full DCE pass costs more)
+                if a.op == "get_attr" and not a.users:
+                    gm.graph.erase_node(a)
         fused += 1
     if fused:
-        gm.graph.eliminate_dead_code()
         _drop_unused_params(gm)
         gm.graph.lint()
         gm.recompile()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from adstore.integration import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
+from adstore.integration.hooks import TPShardHook
 from adstore.integration.transforms import (
     PipelineContext,
     Stage,
@@ -39,8 +40,6 @@ from adstore.integration.transforms import (
     register,
 )
 from torch import fx, nn
-
-from adstore.integration.hooks import TPShardHook
 
 __all__ = ["ShardLinears", "ShardingError", "shard_graph"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from adstore.integration.demo import format_demo, run_demo
 from adstore.store import Store
 from adstore.store.errors import ConfigError
