@@ -516,3 +516,39 @@ def test_adstore_explain_of_a_poisoned_components_row_is_a_clean_error(tmp_path)
         out = _cli(root, *args)
         assert out.returncode not in (0, 70), (args, out.returncode, out.stderr)  # 9: damaged store
         assert "internal error" not in out.stderr, (args, out.stderr)
+
+
+# ----------------------------------------------------------------------------- restores under eviction
+
+@pytest.mark.xfail(strict=True, reason="bug: PipelineCache.maybe_restore holds no lease between lookup and reads, "
+                   "so an eviction in that window turns a hit into a blob_missing miss (bugs-found.md §16)")
+def test_an_eviction_between_lookup_and_read_does_not_break_a_restore(pipeline, monkeypatch):
+    """The daemon (here `adstore rm`, another process) evicts the entry right after the pipeline's
+    lookup said hit.  A restore that holds a lease is skipped by eviction; one that does not, loses."""
+    from adstore.store.records import BlobRow
+
+    with Store.open(pipeline["root"]) as store:  # the entry was saved an hour ago (past any grace period)
+        with store.index.env.begin(write=True) as txn:
+            db = store.index.db["blobs"]
+            for k, v in list(txn.cursor(db=db)):
+                row = BlobRow.decode(bytes(v), bytes(k))
+                row.touched -= 3600
+                txn.put(bytes(k), row.encode(), db=db)
+    real_lookup = Store.lookup
+    fired = []
+
+    def lookup_then_evict(self, key, **kw):
+        res = real_lookup(self, key, **kw)
+        if res.hit and not fired:
+            fired.append(_cli(pipeline["root"], "rm", key))
+        return res
+
+    monkeypatch.setattr(Store, "lookup", lookup_then_evict)
+    events, _ = _victim_run(pipeline)
+    monkeypatch.undo()
+    assert fired, "the pipeline never looked the entry up"
+    try:
+        assert events == [("hit", None)], (events, fired[0].returncode, fired[0].stdout[-200:])
+    finally:
+        if events != [("hit", None)]:
+            _victim_run(pipeline)  # the entry was evicted: save it again for the other tests
