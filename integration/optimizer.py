@@ -110,7 +110,7 @@ class InferenceOptimizer:
     def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> InferenceOptimizer:
         unknown = set(config) - {"model", "checkpoint", "transforms"}
         if unknown:
-            raise ConfigError(sorted(unknown)[0], "unknown top-level option; allowed: model, checkpoint, transforms")
+            raise ConfigError(min(unknown), "unknown top-level option; allowed: model, checkpoint, transforms")
         if "checkpoint" not in config:
             raise ConfigError("checkpoint", "required")
         return cls(ModelFactory.from_config(config.get("model", {})), config["checkpoint"],

@@ -262,11 +262,11 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
     for node in row:
         with gm.graph.inserting_after(node):
             red = gm.graph.call_function(torch.ops.adstore.all_reduce.default, (node,))
-        node.replace_all_uses_with(red, delete_user_cb=lambda u: u is not red)
+        node.replace_all_uses_with(red, delete_user_cb=lambda u, red=red: u is not red)
     for node in gather:
         with gm.graph.inserting_after(node):
             gat = gm.graph.call_function(torch.ops.adstore.all_gather.default, (node, -1, world_size))
-        node.replace_all_uses_with(gat, delete_user_cb=lambda u: u is not gat)
+        node.replace_all_uses_with(gat, delete_user_cb=lambda u, gat=gat: u is not gat)
     gm.graph.lint()
     gm.recompile()
     return {"colwise": len(col), "rowwise": len(row), "gathered": len(gather), "reshapes": len(tracker.new_args)}
