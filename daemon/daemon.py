@@ -331,9 +331,13 @@ class Daemon:
             stuck_ok = now - last_stuck_sweep >= _STUCK_SWEEP_INTERVAL
             try:
                 result = self._enforcer().run_pass(sweep=sweep, sweep_if_stuck=stuck_ok)
-            except AdstoreError as exc:
-                # Fail open: a damaged record must not kill the daemon; verify --fix repairs.
-                log.error("enforcement pass failed: %s", exc)
+            except Exception as exc:
+                # Fail open: a damaged record (or a bug) must not stop budget
+                # enforcement for good; the next pass retries, verify --fix repairs.
+                if isinstance(exc, AdstoreError):
+                    log.error("enforcement pass failed: %s", exc)
+                else:
+                    log.exception("enforcement pass failed unexpectedly")
                 self.notifier.status(f"last pass failed: {exc}")
                 next_fallback = time.monotonic() + self.config.fallback_interval
                 continue

@@ -130,6 +130,18 @@ class Collector:
                 dead.append(bytes(k))
         return live, dead
 
+    def _unreferenced_bytes(self, txn: lmdb.Transaction) -> int:
+        total = 0
+        for k, v in txn.cursor(db=self._index.db["blobs"]):
+            if len(v) > 16 and len(k) == 32:
+                try:
+                    row = BlobRow.decode(bytes(v), bytes(k))
+                except CorruptRecord:
+                    continue
+                if row.refs == 0:
+                    total += row.size
+        return total
+
     def _blob_row(self, txn: lmdb.Transaction, digest: str) -> BlobRow | None:
         k = bytes.fromhex(digest)
         raw = txn.get(k, db=self._index.db["blobs"])
@@ -202,6 +214,13 @@ class Collector:
                 if du.free < want:
                     need = max(need, want - du.free)
                     reasons.append(f"free {du.free} < min_free {want}")
+            if need > 0:
+                # Unreferenced blobs go with the sweep (or are a save in flight):
+                # never evict live entries for bytes that are garbage already.
+                garbage = self._unreferenced_bytes(txn)
+                if garbage:
+                    need = max(0, need - garbage)
+                    reasons.append(f"{garbage} bytes unreferenced (swept, not evicted)")
             if older_than is not None:
                 reasons.append(f"unused for more than {older_than:g}s")
             cutoff = now - older_than if older_than is not None else None
@@ -309,7 +328,7 @@ class Collector:
                     entry.pinned or entry.ranks != victim.ranks or entry.last_access > victim.last_access
                 ):
                     continue  # used, pinned or recommitted since the plan: no longer a victim
-                zero += drop_entry_txn(txn, dbs, entry.key, entry)
+                zero += drop_entry_txn(txn, dbs, entry.key, entry, keep_pending_since=now - self.grace)
                 evicted += 1
             bump(txn, dbs["stats"], "evictions", evicted)
             return self._delete_blob_rows(txn, zero, now)

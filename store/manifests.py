@@ -213,17 +213,19 @@ def drop_manifest_txn(txn: lmdb.Transaction, dbs: Dbs, manifest: Manifest) -> li
     return _adjust_refs(txn, dbs, manifest.digests(), -1)
 
 
-def _referenced_digests(raw: bytes) -> set[str]:
-    """The digests a manifest row references (the only field eviction needs).
+def _manifest_refs(raw: bytes) -> tuple[set[str], bool, float]:
+    """(digests referenced, committed, created) of a manifest row, decoding only that.
 
-    A row that does not decode yields none: its references cannot be read
-    back, and ``verify --fix`` recounts them.
+    A row that does not decode yields no digests: its references cannot be
+    read back, and ``verify --fix`` recounts them.
     """
     try:
-        found = {d for d, _ in json.loads(raw.decode())["a"].values()}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        return set()
-    return {d for d in found if isinstance(d, str) and len(d) == 64 and _is_hex(d)}
+        obj = json.loads(raw.decode())
+        found = {d for d, _ in obj["a"].values()}
+        committed, created = bool(obj.get("c")), float(obj.get("t", 0.0))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
+        return set(), True, 0.0
+    return {d for d in found if isinstance(d, str) and len(d) == 64 and _is_hex(d)}, committed, created
 
 
 def _is_hex(text: str) -> bool:
@@ -234,19 +236,33 @@ def _is_hex(text: str) -> bool:
     return text == text.lower()
 
 
-def drop_entry_txn(txn: lmdb.Transaction, dbs: Dbs, key: str, entry: Entry | None = None) -> list[str]:
+def drop_entry_txn(
+    txn: lmdb.Transaction,
+    dbs: Dbs,
+    key: str,
+    entry: Entry | None = None,
+    *,
+    keep_pending_since: float | None = None,
+) -> list[str]:
     """Delete an entry with all its manifests (every rank, every generation).
 
     ``entry`` is the already decoded row when the caller has it (eviction
-    does), so the hot path decodes each row once.
+    does), so the hot path decodes each row once.  With
+    ``keep_pending_since``, uncommitted manifests created since then (a save
+    in flight) are kept with an empty entry, so eviction does not make that
+    save's commit fail.
     """
     zero: list[str] = []
+    kept = False
     prefix = manifest_prefix(key)
     cur = txn.cursor(db=dbs["manifests"])
     found = cur.set_range(prefix)
     while found and cur.key().startswith(prefix):
-        raw_key, raw = cur.key(), cur.value()
-        digests = _referenced_digests(raw)
+        digests, committed, created = _manifest_refs(cur.value())
+        if keep_pending_since is not None and not committed and created >= keep_pending_since:
+            kept = True
+            found = cur.next()
+            continue
         zero += _adjust_refs(txn, dbs, digests, -1)
         found = cur.delete()  # moves to the next row
     raw_key = key.encode()
@@ -259,6 +275,10 @@ def drop_entry_txn(txn: lmdb.Transaction, dbs: Dbs, key: str, entry: Entry | Non
                 entry = None
     if entry is not None:
         bump(txn, dbs["meta"], LOGICAL, -entry.bytes)
+    if kept and entry is not None:
+        entry.ranks, entry.bytes = {}, 0
+        txn.put(raw_key, entry.encode(), db=dbs["entries"])
+        return zero
     txn.delete(raw_key, db=dbs["entries"])
     txn.delete(raw_key, db=dbs["components"])
     return zero

@@ -146,7 +146,7 @@ def encode_json(obj: Any) -> bytes:
 def decode_json(raw: bytes, db: str, key: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting bombs too
         raise CorruptRecord(db, key, f"undecodable JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise CorruptRecord(db, key, "expected a JSON object")

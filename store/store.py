@@ -236,6 +236,10 @@ class Store:
             if plan.victims:
                 log.info("over the hard limit: evicting %d entr(ies) inline", len(plan.victims))
                 plan.execute()
+        if self.size() + nbytes > self.max_size:
+            sweep = self._gc.plan_sweep()  # unreferenced blobs past the grace period
+            if not sweep.empty:
+                sweep.execute()
         size = self.size()
         if size + nbytes > self.max_size:
             raise OverBudget(nbytes, self.max_size, size)

@@ -344,8 +344,6 @@ def test_eight_processes_long_run(tmp_path, start_daemon, notify_socket):
     assert summary["ops"] > 1000
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the daemon evicts live entries for zero-ref garbage it cannot free "
-                   "yet (replaced generations inside the grace period), emptying the cache (bugs-found.md §13)")
 def test_budget_pressure_from_replaced_generations_does_not_evict_live_entries(tmp_path):
     """Live entries use half the budget; replaced generations (garbage inside the grace period)
     push the store over it.  Eviction cannot free garbage, so no live entry may be evicted."""
@@ -382,8 +380,6 @@ def _save_payload(store: Store, key: str, size: int) -> None:
     store.commit(key, generation=gen)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a deeply nested JSON row raises RecursionError in the enforcement pass; "
-                   "the daemon only catches AdstoreError and dies (bugs-found.md §15)")
 def test_daemon_survives_a_poisoned_index_row(tmp_path, start_daemon, notify_socket):
     """One hostile row (deeply nested JSON in a manifest) must not kill the daemon or stop gc."""
     from adstore.store.records import manifest_key

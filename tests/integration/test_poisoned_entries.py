@@ -503,8 +503,6 @@ def test_adstore_inspect_of_a_poisoned_snapshot_runs_nothing(tmp_path, sentinel)
     assert not sentinel.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: deeply nested JSON in an entry's components row makes `adstore "
-                   "inspect`/`explain` fail as an internal error (exit 70) (bugs-found.md §15)")
 def test_adstore_explain_of_a_poisoned_components_row_is_a_clean_error(tmp_path):
     root = tmp_path / "store"
     _publish(root, "evil", {"module.pt": b"x", "hooks.json": b"[]"})

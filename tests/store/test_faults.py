@@ -896,15 +896,12 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
 
 
 _DEEP = "[" * 100_000 + "]" * 100_000
-_RECURSION_BUG = pytest.mark.xfail(strict=True, reason="bug: decode_json lets RecursionError escape on deeply "
-                                   "nested JSON: lookup, verify, verify --fix, sweep and eviction all raise "
-                                   "(bugs-found.md §15)")
 
 
 @pytest.mark.parametrize("kind", ["manifest_path_traversal_digest", "entry_world_size_zero",
                                   "entry_negative_world_size",
-                                  pytest.param("manifest_deeply_nested", marks=_RECURSION_BUG),
-                                  pytest.param("entry_deeply_nested", marks=_RECURSION_BUG)])
+                                  pytest.param("manifest_deeply_nested"),
+                                  pytest.param("entry_deeply_nested")])
 def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     """Values that decode as JSON but break the record's invariants (see bugs-found.md)."""
     gen = save(store, "b")
@@ -937,8 +934,6 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     assert store.verify().ok and check_hit(store, "a")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a deeply nested components row makes Store.entry() raise RecursionError "
-                   "(adstore inspect/explain exit 70) instead of CorruptRecord (bugs-found.md §15)")
 def test_deeply_nested_components_row_is_corrupt_record(store):
     save(store, "b")
     _rows(store, "components", lambda txn, db: txn.put(b"b", f'{{"model": {_DEEP}}}'.encode(), db=db))
