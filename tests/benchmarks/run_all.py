@@ -484,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
             args.quick = bool(previous.get("quick", args.quick))
         else:
             results[bench.stem] = run_one(bench, quick=args.quick, timeout=args.timeout)
+    if only and not args.table_only:  # a partial run updates its benchmarks and keeps the others
+        try:
+            before = json.loads((OUT / "results.json").read_text()).get("benchmarks", {})
+        except (OSError, ValueError):
+            before = {}
+        results = {**{k: v for k, v in before.items() if k not in results}, **results}
+        results = dict(sorted(results.items()))
     rows: list[Row] = []
     for name, res in results.items():
         res["rows"] = table_rows(name, res)
