@@ -22,6 +22,7 @@ untrusted payloads, unsupported modules and hooks each become a ``miss`` or a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -42,7 +43,7 @@ from adstore.integration.transforms import (
     TransformConfig,
     register,
 )
-from adstore.store.errors import ConfigError
+from adstore.store.errors import AdstoreError, ConfigError
 from torch import nn
 
 __all__ = ["NAMESPACE", "PipelineCache", "PipelineCacheConfig"]
@@ -159,7 +160,16 @@ class PipelineCache(Transform):
 
     # -------------------------------------------------------------- restore
     def maybe_restore(self, ctx: PipelineContext) -> nn.Module | None:
-        """The restored module on a hit on every rank, else None (full pipeline)."""
+        """The restored module on a hit on every rank, else None (full pipeline).
+
+        The entry is leased from before the lookup until the blobs are read, so
+        an eviction in between (the daemon, `adstore gc`) skips it instead of
+        turning the hit into a ``blob_missing`` miss.
+        """
+        with contextlib.ExitStack() as leases:
+            return self._restore(ctx, leases)
+
+    def _restore(self, ctx: PipelineContext, leases: contextlib.ExitStack) -> nn.Module | None:
         t0 = time.perf_counter()
         if not (self.cfg.enabled and self.cfg.restore):
             self._event("bypass", ctx, reason="restore_disabled")
@@ -167,6 +177,10 @@ class PipelineCache(Transform):
         ok, reason, gen, manifest, detail = False, None, None, None, ""
         try:
             key = self.key(ctx).key
+            try:
+                leases.enter_context(self.store().lease(key))
+            except AdstoreError as exc:  # no lease (e.g. a full disk): restore unprotected
+                log.debug("no lease on %s: %s", key, exc)
             res = self.store().lookup(key, rank=ctx.rank if ctx.world_size > 1 else None, record=False)
             if res.hit:
                 manifest = res.manifest if res.manifest is not None else res.manifests.get(ctx.rank)
@@ -252,6 +266,10 @@ class PipelineCache(Transform):
                 kind = "save"
             except Exception as exc:
                 reason, detail = _reason(exc), str(exc)
+                try:  # leave nothing uncommitted behind (gc would sweep it only later)
+                    store.abort(key.key, rank=ctx.rank, generation=gen)  # type: ignore[union-attr]
+                except Exception as abort_exc:
+                    log.warning("abort of uncommitted manifest failed: %s", abort_exc)
         else:
             reason = reason or "peer_save_failed"
             if published:

@@ -354,8 +354,6 @@ def test_engine_manifest_with_traversal_digest_is_a_miss(engine_req, sentinel):
     assert store.verify(fix=True).ok and store.verify().ok
 
 
-@pytest.mark.xfail(strict=True, reason="bug: PipelineCache.apply does not abort its published manifest when "
-                   "commit fails, leaving an uncommitted row until gc (bugs-found.md §10)")
 def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
     """The disk fills between publish and commit (ENOSPC injected at the commit call)."""
     from adstore.store import StoreFull
@@ -518,8 +516,6 @@ def test_adstore_explain_of_a_poisoned_components_row_is_a_clean_error(tmp_path)
 
 # ----------------------------------------------------------------------------- restores under eviction
 
-@pytest.mark.xfail(strict=True, reason="bug: PipelineCache.maybe_restore holds no lease between lookup and reads, "
-                   "so an eviction in that window turns a hit into a blob_missing miss (bugs-found.md §16)")
 def test_an_eviction_between_lookup_and_read_does_not_break_a_restore(pipeline, monkeypatch):
     """The daemon (here `adstore rm`, another process) evicts the entry right after the pipeline's
     lookup said hit.  A restore that holds a lease is skipped by eviction; one that does not, loses."""
