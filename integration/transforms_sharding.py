@@ -186,6 +186,41 @@ class _Tracker:
         raise self.fail(node, "op not supported between column- and row-parallel linears")
 
 
+def _group_of(node: fx.Node) -> str:
+    """The owner module of a linear's weight's module (``model.layers.0.self_attn``)."""
+    return node.args[1].target.rsplit(".", 2)[0]
+
+
+def _track_region(col: list[fx.Node], row: set[fx.Node], world_size: int,
+                  order: dict[fx.Node, int]) -> dict[fx.Node, tuple[Any, ...]]:
+    """Follow the sharded dim from ``col`` to ``row``; the shape-arg rewrites it needs."""
+    tracker = _Tracker(world_size)
+    pending: set[fx.Node] = set()
+    for node in col:
+        tracker.dim[node] = _val(node).dim() - 1  # type: ignore[union-attr]
+        pending.update(node.users)
+    reached: set[fx.Node] = set()
+    while pending:
+        node = min(pending, key=order.__getitem__)
+        pending.discard(node)
+        if node in tracker.dim:
+            continue
+        if node in row:
+            if node.args[0] not in tracker.dim or tracker.dim[node.args[0]] != _val(node.args[0]).dim() - 1:
+                raise ShardingError(f"row-parallel {node.name} input is not sharded on its last dim")
+            if len(node.args) > 2 and node.args[2] is not None:
+                raise ShardingError(f"row-parallel {node.name} has a bias (unsupported)")
+            reached.add(node)
+            continue
+        if node.op != "call_function" or (node.target is aten.linear.default and node.args[0] in tracker.dim):
+            raise ShardingError(f"sharded value reaches {node.op} {node.name} outside its region")
+        tracker.dim[node] = tracker.output_dim(node)
+        pending.update(node.users)
+    if reached != row:
+        raise ShardingError(f"row-parallel linears without sharded input: {sorted(n.name for n in row - reached)}")
+    return tracker.new_args
+
+
 def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size: int) -> dict[str, int]:
     """Shard ``gm`` in place for ``rank`` of ``world_size``; returns counts per style."""
     regex = _plan_regex(plan)
@@ -206,35 +241,30 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
         elif style == "rowwise":
             row.add(node)
 
-    tracker = _Tracker(world_size)
-    frontier: list[fx.Node] = []
-    for node in col:
-        tracker.dim[node] = _val(node).dim() - 1  # type: ignore[union-attr]
-        frontier.append(node)
+    # Regions are the plan's owner modules (``...self_attn``, ``...mlp``): each is
+    # tracked on its own, and one the tracker cannot follow stays replicated.
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    reached_rows: set[fx.Node] = set()
-    pending: set[fx.Node] = set()
-    for n in frontier:
-        pending.update(n.users)
-    while pending:
-        node = min(pending, key=order.__getitem__)
-        pending.discard(node)
-        if node in tracker.dim:
+    groups: dict[str, tuple[list[fx.Node], set[fx.Node]]] = {}
+    for node in col:
+        groups.setdefault(_group_of(node), ([], set()))[0].append(node)
+    for node in row:
+        groups.setdefault(_group_of(node), ([], set()))[1].add(node)
+    new_args: dict[fx.Node, tuple[Any, ...]] = {}
+    sharded_col: list[fx.Node] = []
+    sharded_row: set[fx.Node] = set()
+    replicated: list[str] = []
+    for name, (g_col, g_row) in groups.items():
+        try:
+            if not g_col or not g_row:
+                raise ShardingError(f"{name}: needs both column- and row-parallel linears")
+            new_args.update(_track_region(g_col, g_row, world_size, order))
+        except ShardingError as exc:
+            replicated.append(name)
+            log.info("tp_sharding: %s stays replicated: %s", name, exc)
             continue
-        if node in row:
-            if node.args[0] not in tracker.dim or tracker.dim[node.args[0]] != _val(node.args[0]).dim() - 1:
-                raise ShardingError(f"row-parallel {node.name} input is not sharded on its last dim")
-            reached_rows.add(node)
-            continue
-        if node.op != "call_function":
-            raise ShardingError(f"sharded value reaches {node.op} {node.name} without a row-parallel linear")
-        tracker.dim[node] = tracker.output_dim(node)
-        pending.update(node.users)
-    unmatched = row - reached_rows
-    if unmatched and col:
-        raise ShardingError(f"row-parallel linears without sharded input: {sorted(n.name for n in unmatched)[:3]}")
-    if not col:
-        row = set()
+        sharded_col.extend(g_col)
+        sharded_row.update(g_row)
+    col, row = sharded_col, sharded_row
 
     # ---- apply: parameters, hooks, shape args, collectives
     def shard_param(target: str, dim: int) -> None:
@@ -254,10 +284,8 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
         if len(node.args) > 2 and isinstance(node.args[2], fx.Node):
             shard_param(node.args[2].target, 0)
     for node in row:
-        if len(node.args) > 2 and node.args[2] is not None:
-            raise ShardingError(f"row-parallel {node.name} has a bias (unsupported)")
         shard_param(node.args[1].target, 1)
-    for node, args in tracker.new_args.items():
+    for node, args in new_args.items():
         node.args = args
     for node in row:
         with gm.graph.inserting_after(node):
@@ -269,7 +297,8 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
         node.replace_all_uses_with(gat, delete_user_cb=lambda u, gat=gat: u is not gat)
     gm.graph.lint()
     gm.recompile()
-    return {"colwise": len(col), "rowwise": len(row), "gathered": len(gather), "reshapes": len(tracker.new_args)}
+    return {"colwise": len(col), "rowwise": len(row), "gathered": len(gather), "reshapes": len(new_args),
+            "replicated_regions": len(replicated)}
 
 
 @dataclass(kw_only=True)
