@@ -347,12 +347,15 @@ class Blobs:
         digest = _digest_of(ref_or_digest)
         key = bytes.fromhex(digest)
         dbs = self._index.db
-        with self._index.read() as txn:
+        txn = self._index.begin_read()
+        try:
             raw = txn.get(key, db=dbs["blobs"])
             if raw is None:
                 raise BlobMissing(digest, "not registered")
             row = BlobRow.decode(raw, key)
             data = txn.get(key, db=dbs["blobdata"]) if row.inline else None
+        finally:
+            self._index.end_read(txn)
         if row.quarantined:
             raise BlobMissing(digest, "quarantined after failing verification")
         if row.inline:

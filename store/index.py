@@ -54,31 +54,52 @@ _FORK_WAIT = 2.0
 _SHARED: dict[tuple[int, str], list] = {}  # (pid, index path) -> [Index, users]
 _INHERITED: list[lmdb.Environment] = []  # kept alive, never closed (see module doc)
 _SHARED_LOCK = threading.Lock()
+_PID = os.getpid()  # kept current by the fork hook: os.getpid() is a syscall on the hot path
 
 
 class _ForkGate:
     """Counts this process's open transactions; ``fork`` waits for none.
 
-    Held from just before ``fork`` until just after it, so no transaction can
-    start meanwhile and the child inherits none (see the module docstring).
+    While ``fork`` (or a map resize) waits, no transaction can start, so the
+    child inherits none (see the module docstring).  Lock-free on the hot
+    path: ``list.append``/``pop`` are atomic under the GIL, and a thread
+    announces itself *before* checking the flag, so a fork that saw no open
+    transaction cannot race with one starting.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
+        self._open: list[None] = []  # one item per open transaction
+        self._blocking = False
+        self._resume = threading.Event()
+        self._resume.set()
+        self._mutex = threading.Lock()  # one fork or resize at a time
         self._at_fork = 0
         #: Transactions that were open when this process was forked from its parent.
         self.inherited = 0
 
     def enter(self) -> None:
-        with self._cond:
-            self._active += 1
+        while True:
+            self._open.append(None)
+            if not self._blocking:
+                return
+            self._open.pop()
+            self._resume.wait()
 
     def exit(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if self._active <= 0:
-                self._cond.notify_all()
+        self._open.pop()
+
+    def _block_and_wait(self, what: str) -> None:
+        self._resume.clear()
+        self._blocking = True
+        deadline = time.monotonic() + _FORK_WAIT
+        while self._open and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if self._open:
+            log.warning("%s while %d LMDB transaction(s) stay open in this process", what, len(self._open))
+
+    def _unblock(self) -> None:
+        self._blocking = False
+        self._resume.set()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -86,24 +107,28 @@ class _ForkGate:
 
         LMDB's ``mdb_env_set_mapsize`` is only allowed then (it remaps).
         """
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._active <= 0, timeout=_FORK_WAIT):
-                log.warning("resizing the LMDB map while %d transaction(s) stay open", self._active)
-            yield
+        with self._mutex:
+            self._block_and_wait("resizing the LMDB map")
+            try:
+                yield
+            finally:
+                self._unblock()
 
     def before_fork(self) -> None:
-        self._cond.acquire()
-        if not self._cond.wait_for(lambda: self._active <= 0, timeout=_FORK_WAIT):
-            log.warning("fork while %d LMDB transaction(s) stay open in this process", self._active)
-        self._at_fork = self._active
+        self._mutex.acquire()
+        self._block_and_wait("fork")
+        self._at_fork = len(self._open)
 
     def after_fork_in_parent(self) -> None:
-        self._cond.release()
+        self._unblock()
+        self._mutex.release()
 
     def after_fork_in_child(self) -> None:
-        self.inherited = self._at_fork
-        self._cond = threading.Condition()
-        self._active = 0
+        global _PID
+        _PID = os.getpid()
+        inherited = self._at_fork
+        self.__init__()  # type: ignore[misc]  # fresh state: this process has no transaction open
+        self.inherited = inherited
 
 
 _GATE = _ForkGate()
@@ -140,7 +165,7 @@ def _open_error(exc: lmdb.Error, path: Path) -> StoreError:
 
 
 class _Read:
-    """A read-only transaction as a context manager (class-based: it is on the hot path)."""
+    """``with index.read() as txn``: a read-only transaction as a context manager."""
 
     __slots__ = ("_index", "_txn")
 
@@ -149,29 +174,12 @@ class _Read:
         self._txn: lmdb.Transaction | None = None
 
     def __enter__(self) -> lmdb.Transaction:
-        env = self._index.env
-        index = self._index
-        if time.monotonic() - index._last_reader_check > _READER_CHECK_INTERVAL:
-            index.reader_check()
-        for _ in range(_MAX_RETRIES):
-            _GATE.enter()
-            try:
-                self._txn = env.begin(buffers=False)
-                return self._txn
-            except lmdb.MapResizedError:
-                _GATE.exit()
-                index.resize_map(0)  # another process grew the map: adopt its size
-            except BaseException:
-                _GATE.exit()
-                raise
-        raise StoreError(f"index {index.path}: the map kept being resized")
+        self._txn = self._index.begin_read()
+        return self._txn
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            if self._txn is not None:
-                self._txn.abort()
-        finally:
-            _GATE.exit()
+        if self._txn is not None:
+            self._index.end_read(self._txn)
 
 
 class Index:
@@ -269,7 +277,7 @@ class Index:
     @property
     def env(self) -> lmdb.Environment:
         """The environment of *this* process (reopened after fork)."""
-        if self._pid != os.getpid():
+        if self._pid != _PID:
             with self._lock:
                 if self._pid != os.getpid():
                     if self._env is not None and _GATE.inherited:
@@ -310,6 +318,33 @@ class Index:
     def read(self) -> _Read:
         """``with index.read() as txn:`` a short read-only transaction."""
         return _Read(self)
+
+    def begin_read(self) -> lmdb.Transaction:
+        """Start a read-only transaction; the caller must pass it to :meth:`end_read`.
+
+        The hot paths (lookup, small-blob reads) use this pair directly.
+        """
+        env = self._env if self._pid == _PID and self._env is not None else self.env
+        if time.monotonic() - self._last_reader_check > _READER_CHECK_INTERVAL:
+            self.reader_check()
+        for _ in range(_MAX_RETRIES):
+            _GATE.enter()
+            try:
+                return env.begin(buffers=False)
+            except lmdb.MapResizedError:
+                _GATE.exit()
+                self.resize_map(0)  # another process grew the map: adopt its size
+            except BaseException:
+                _GATE.exit()
+                raise
+        raise StoreError(f"index {self.path}: the map kept being resized")
+
+    @staticmethod
+    def end_read(txn: lmdb.Transaction) -> None:
+        try:
+            txn.abort()
+        finally:
+            _GATE.exit()
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction and commit it.

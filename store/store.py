@@ -323,12 +323,14 @@ class Store:
     def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold; else a miss with a named reason."""
         validate_key(key)
+        txn = self._index.begin_read()
         try:
-            with self._index.read() as txn:
-                result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
+            result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
         except CorruptRecord as exc:
             log.warning("lookup of %s: %s", key, exc)
             result = LookupResult(False, "corrupt_index")
+        finally:
+            self._index.end_read(txn)
         with self._lock:
             pending = self._pending_counters
             if result.hit:
