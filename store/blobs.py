@@ -318,8 +318,17 @@ class Blobs:
             return False
 
     def _read_chunks(self, path: Path) -> Iterator[bytes]:
+        # Sized reads: asking for a whole chunk of a smaller file allocates the
+        # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
         with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(CHUNK_SIZE):
+            left = os.fstat(f.fileno()).st_size
+            while left > 0:
+                chunk = f.read(min(CHUNK_SIZE, left))
+                if not chunk:
+                    return
+                left -= len(chunk)
+                yield chunk
+            while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
                 yield chunk
 
     def row(self, digest: str) -> BlobRow | None:
