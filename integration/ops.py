@@ -62,6 +62,24 @@ def _silu_mul_fake(gate: Tensor, up: Tensor) -> Tensor:
     )
 
 
+@torch.library.custom_op("adstore::rope", mutates_args=())
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding ``x * cos + rotate_half(x) * sin`` (half-split rotation, last dim).
+
+    Same arithmetic, in the same order, as the transformers reference, so the
+    rewrite is bit-identical to the graph it replaces.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@rope.register_fake
+def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    return x.new_empty(shape, dtype=torch.promote_types(x.dtype, torch.promote_types(cos.dtype, sin.dtype)))
+
+
 def _group_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -108,6 +126,7 @@ def _all_gather_fake(x: Tensor, dim: int, world_size: int) -> Tensor:
 OPS = {
     "rms_norm": torch.ops.adstore.rms_norm.default,
     "silu_mul": torch.ops.adstore.silu_mul.default,
+    "rope": torch.ops.adstore.rope.default,
     "all_reduce": torch.ops.adstore.all_reduce.default,
     "all_gather": torch.ops.adstore.all_gather.default,
 }

@@ -48,6 +48,7 @@ DEFAULT_TRANSFORMS: dict[str, dict[str, Any]] = {
     "cleanup_export": {},
     "match_rms_norm": {},
     "match_swiglu": {},
+    "match_rope": {},
     "tp_sharding": {},
     "pipeline_cache": {},
     "load_weights": {},

@@ -26,7 +26,7 @@ from adstore.integration.transforms import (
 )
 from torch import fx, nn
 
-__all__ = ["MatchRMSNorm", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_swiglu"]
+__all__ = ["MatchRMSNorm", "MatchRoPE", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_rope", "rewrite_swiglu"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,75 @@ def rewrite_swiglu(gm: fx.GraphModule) -> int:
     return count
 
 
+def _slice_of(node: Any) -> tuple[fx.Node, int, int, int] | None:
+    """``slice(x, dim, start, end)`` -> (x, dim, start, end)."""
+    if not _is(node, aten.slice.Tensor) or len(node.args) < 4:
+        return None
+    x, dim, start, end = node.args[:4]
+    if not isinstance(x, fx.Node) or not all(isinstance(v, int) for v in (dim, start, end)):
+        return None
+    return x, dim, start, end
+
+
+def _last_dim(x: fx.Node) -> int | None:
+    val = x.meta.get("val")
+    shape = getattr(val, "shape", None)
+    if shape is None or not isinstance(shape[-1], int):
+        return None
+    return int(shape[-1])
+
+
+def rewrite_rope(gm: fx.GraphModule) -> int:
+    """``x * cos + cat(-x[..., h:], x[..., :h]) * sin`` -> ``adstore.rope(x, cos, sin)``."""
+    count = 0
+    for cat in list(gm.graph.nodes):
+        if not _is(cat, aten.cat.default) or len(cat.args[0]) != 2:
+            continue
+        size = None
+        neg, first = cat.args[0]
+        if not _is(neg, aten.neg.default):
+            continue
+        hi, lo = _slice_of(neg.args[0]), _slice_of(first)
+        if hi is None or lo is None or hi[0] is not lo[0]:
+            continue
+        x = hi[0]
+        size = _last_dim(x)
+        cat_dim = cat.args[1] if len(cat.args) > 1 else 0
+        if size is None or size % 2 or x.meta["val"].dim() == 0:
+            continue
+        ndim = x.meta["val"].dim()
+        half = size // 2
+        if {hi[1] % ndim, lo[1] % ndim, cat_dim % ndim} != {ndim - 1}:
+            continue
+        if lo[2] != 0 or lo[3] != half or hi[2] != half or hi[3] < size:
+            continue
+        mul_sin = _only_user(cat)
+        if mul_sin is None or not _is(mul_sin, aten.mul.Tensor):
+            continue
+        sin = _other(mul_sin, cat)
+        add = _only_user(mul_sin)
+        if not isinstance(sin, fx.Node) or add is None or not _is(add, aten.add.Tensor):
+            continue
+        mul_cos = _other(add, mul_sin)
+        if not _is(mul_cos, aten.mul.Tensor) or _other(mul_cos, x) is None:
+            continue
+        cos = _other(mul_cos, x)
+        if not isinstance(cos, fx.Node) or add.args[0] is not mul_cos:
+            continue  # keep the reference's operand order (x*cos first) for bit-identical sums
+        if mul_sin.args[0] is not cat or mul_cos.args[0] is not x:
+            continue
+        with gm.graph.inserting_before(add):
+            new = gm.graph.call_function(torch.ops.adstore.rope.default, (x, cos, sin))
+        new.meta.update({k: v for k, v in add.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+        add.replace_all_uses_with(new)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 @dataclass(kw_only=True)
 class PatternConfig(TransformConfig):
     require_match: bool = False
@@ -187,3 +256,12 @@ class MatchSwiGLU(_Rewrite):
 
     def rewrite(self, gm: fx.GraphModule) -> int:
         return rewrite_swiglu(gm)
+
+
+@register
+class MatchRoPE(_Rewrite):
+    name = "match_rope"
+    code_modules = ("adstore.integration.ops",)
+
+    def rewrite(self, gm: fx.GraphModule) -> int:
+        return rewrite_rope(gm)

@@ -90,7 +90,7 @@ _ELEMENTWISE_OK = {
     aten.silu.default, aten.gelu.default, aten.contiguous.default, aten.clone.default,
     aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.alias.default,
     aten.sigmoid.default, aten.tanh.default, aten.pow.Tensor_Scalar,
-    torch.ops.adstore.silu_mul.default, torch.ops.adstore.rms_norm.default,
+    torch.ops.adstore.silu_mul.default, torch.ops.adstore.rms_norm.default, torch.ops.adstore.rope.default,
 }
 
 

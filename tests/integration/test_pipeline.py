@@ -67,6 +67,7 @@ def test_cold_equals_eager_and_warm_is_bit_identical(factory, checkpoint, root):
     cold, _, out_cold = run(factory, checkpoint, tr)
     assert kinds(cold) == [("miss", "absent"), ("save", None)]
     assert cold.info["match_rms_norm"]["matches"] == 5 and cold.info["match_swiglu"]["matches"] == 2
+    assert cold.info["match_rope"]["matches"] == 4  # q and k of each layer
     assert cold.info["fuse_linears"]["groups"] == 4  # q/k/v and gate/up per layer
     ref = factory.eager_model(read_checkpoint(checkpoint))(*factory.example_inputs()).logits
     torch.testing.assert_close(out_cold, ref, rtol=1e-5, atol=1e-5)
