@@ -26,8 +26,8 @@ from pathlib import Path
 
 import lmdb
 
-from .errors import BlobMissing, ChecksumMismatch, StoreError, StoreFull
-from .fsutil import atomic_write, fsync_dir, is_disk_full, publish_temp, unique_temp, write_chunks
+from .errors import BlobMissing, ChecksumMismatch, StoreError
+from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
 from .index import Index
 from .records import FLAG_INLINE, FLAG_QUARANTINED, BlobRef, BlobRow, validate_digest
 from .stats import PHYSICAL, bump
@@ -177,7 +177,7 @@ class Blobs:
                 h.update(chunk)
                 yield chunk
 
-        try:
+        with discarding_on_error(tmp):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 size = write_chunks(fd, hashed())
@@ -196,14 +196,6 @@ class Blobs:
             self._reserve(size)
             self._publish_and_register(ref, tmp)
             return ref
-        except BaseException as exc:
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
-            if is_disk_full(exc):
-                raise StoreFull(str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
-            raise
 
     def _existing(self, ref: BlobRef) -> bool:
         """True when the blob is stored intact; refreshes its freshness if stale.
@@ -247,29 +239,22 @@ class Blobs:
         for _attempt in range(3):
             tmp = unique_temp(self._layout.tmp)
             try:
-                h = hashlib.sha256()
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    for chunk in chunks():
-                        h.update(chunk)
-                        write_chunks(fd, (chunk,))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if h.hexdigest() != ref.digest:
-                    raise StoreError("source changed while it was being stored")
-                self._publish_and_register(ref, tmp)
+                with discarding_on_error(tmp):
+                    h = hashlib.sha256()
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        for chunk in chunks():
+                            h.update(chunk)
+                            write_chunks(fd, (chunk,))
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    if h.hexdigest() != ref.digest:
+                        raise StoreError("source changed while it was being stored")
+                    self._publish_and_register(ref, tmp)
                 return
             except _FileVanished:
                 continue
-            except BaseException as exc:
-                try:
-                    tmp.unlink()
-                except FileNotFoundError:
-                    pass
-                if is_disk_full(exc):
-                    raise StoreFull(str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
-                raise
         raise StoreError(f"blob {ref.digest} kept disappearing while being stored")
 
     def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:

@@ -13,7 +13,8 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -22,6 +23,7 @@ from .errors import ConfigError, StoreFull, UnsafeRoot, UnsupportedFilesystem
 
 __all__ = [
     "atomic_write",
+    "discarding_on_error",
     "publish_temp",
     "unique_temp",
     "fsync_dir",
@@ -91,6 +93,25 @@ def publish_temp(tmp: Path, dest: Path, *, mode: int | None = None, sync_dir: bo
         fsync_dir(dest.parent)
 
 
+@contextmanager
+def discarding_on_error(tmp: Path, *, name: str | None = None) -> Iterator[Path]:
+    """Unlink the temp file ``tmp`` if the block fails; a full disk becomes StoreFull.
+
+    Every writer of a temp file (``atomic_write``, blob puts) uses this, so a
+    failed or interrupted write never leaves a temp behind.
+    """
+    try:
+        yield tmp
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        if is_disk_full(exc):
+            raise StoreFull(name or str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
+        raise
+
+
 def atomic_write(
     path: str | os.PathLike[str],
     data: bytes | Iterable[bytes],
@@ -107,7 +128,7 @@ def atomic_write(
     dest = Path(path)
     tmp = unique_temp(Path(tmp_dir) if tmp_dir is not None else dest.parent)
     chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    try:
+    with discarding_on_error(tmp, name=str(dest)):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_chunks(fd, chunks)
@@ -115,14 +136,6 @@ def atomic_write(
         finally:
             os.close(fd)
         publish_temp(tmp, dest, mode=mode)
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        if is_disk_full(exc):
-            raise StoreFull(str(dest), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
-        raise
     return dest
 
 
