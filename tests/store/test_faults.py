@@ -46,6 +46,16 @@ CTX = mp.get_context("spawn")
 _TRAPPED_OS = ("open", "write", "fsync", "chmod", "replace", "rename", "unlink", "mkdir")
 
 
+def _wait_for_trap(pid: int, r_fd: int) -> tuple[int, list[str]]:
+    """Read a trapped child's step trace until it exits (or is killed); returns (status, lines)."""
+    chunks = []
+    while chunk := os.read(r_fd, 65536):
+        chunks.append(chunk)
+    os.close(r_fd)
+    _, status = os.waitpid(pid, 0)
+    return status, b"".join(chunks).decode().splitlines()
+
+
 class _Trap:
     """Counts I/O steps in a forked child; SIGKILLs the process at step ``kill_at``."""
 
@@ -192,12 +202,7 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
                 code = 3
             os._exit(code)
         os.close(w_fd)
-        chunks = []
-        while chunk := os.read(r_fd, 65536):
-            chunks.append(chunk)
-        os.close(r_fd)
-        _, status = os.waitpid(pid, 0)
-        trace = b"".join(chunks).decode().splitlines()
+        status, trace = _wait_for_trap(pid, r_fd)
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         if not killed:
             if os.waitstatus_to_exitcode(status) != 0:
@@ -384,12 +389,7 @@ def eviction_kill_driver(root: str, q, stride: int = 0) -> None:
                     code = 3
                 os._exit(code)
             os.close(w_fd)
-            chunks = []
-            while chunk := os.read(r_fd, 65536):
-                chunks.append(chunk)
-            os.close(r_fd)
-            _, status = os.waitpid(pid, 0)
-            trace = b"".join(chunks).decode().splitlines()
+            status, trace = _wait_for_trap(pid, r_fd)
             if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
                 kill_points += 1
                 last = next((line for line in reversed(trace) if line[:1].isdigit()), "?:?")
