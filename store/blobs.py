@@ -19,7 +19,6 @@ import logging
 import os
 import stat
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ import lmdb
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
 from .index import Index
-from .records import FLAG_INLINE, FLAG_QUARANTINED, BlobRef, BlobRow, validate_digest
-from .stats import PHYSICAL, bump
+from .records import FLAG_INLINE, FLAG_QUARANTINED, BlobRef, BlobRow, pack_inline, unpack_inline, validate_digest
+from .stats import BLOB_EPOCH, PHYSICAL, bump
 
 __all__ = ["Layout", "Blobs", "CHUNK_SIZE", "BLOB_MODE"]
 
@@ -126,6 +125,7 @@ class Blobs:
     ) -> None:
         self._index = index
         self._layout = layout
+        self._blobs_dir = str(layout.blobs)
         self._inline_threshold = inline_threshold
         self._grace = grace_period
         self._reserve = reserve
@@ -212,7 +212,7 @@ class Blobs:
         row = BlobRow.decode(raw, key)
         if row.quarantined or row.size != ref.size:
             return False
-        if not row.inline and not self._file_ok(ref):
+        if not row.inline and not self.file_ok(ref.digest, ref.size):
             return False
         if time.time() - row.touched > self._grace / 4:
             if not self._touch(key, ref):
@@ -226,7 +226,7 @@ class Blobs:
             if raw is None:
                 return False
             row = BlobRow.decode(raw, key)
-            if row.quarantined or (not row.inline and not self._file_ok(ref)):
+            if row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
                 return False
             row.touched = time.time()
             txn.put(key, row.encode(), db=self._index.db["blobs"])
@@ -266,28 +266,29 @@ class Blobs:
     def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
         key = bytes.fromhex(ref.digest)
         dbs = self._index.db
-        crc = zlib.crc32(inline_data) if inline_data is not None else 0
+        value = pack_inline(inline_data) if inline_data is not None else None
 
         def fn(txn: lmdb.Transaction) -> None:
-            if inline_data is None and not self._file_ok(ref):
+            if inline_data is None and not self.file_ok(ref.digest, ref.size):
                 raise _FileVanished
             raw = txn.get(key, db=dbs["blobs"])
             now = time.time()
             flags = FLAG_INLINE if inline_data is not None else 0
             if raw is not None:
                 row = BlobRow.decode(raw, key)
-                intact = not row.quarantined and row.size == ref.size and (row.inline or self._file_ok(ref))
+                intact = not row.quarantined and row.size == ref.size and (row.inline or self.file_ok(ref.digest, ref.size))
                 if intact:
                     row.touched = now
                     txn.put(key, row.encode(), db=dbs["blobs"])
                     return
                 bump(txn, dbs["meta"], PHYSICAL, ref.size - row.size)
-                row = BlobRow(ref.size, row.refs, now, flags, crc)
+                bump(txn, dbs["meta"], BLOB_EPOCH, 1)  # a repair: the old row's checks no longer hold
+                row = BlobRow(ref.size, row.refs, now, flags)
             else:
                 bump(txn, dbs["meta"], PHYSICAL, ref.size)
-                row = BlobRow(ref.size, 0, now, flags, crc)
-            if inline_data is not None:
-                txn.put(key, inline_data, db=dbs["blobdata"])
+                row = BlobRow(ref.size, 0, now, flags)
+            if value is not None:
+                txn.put(key, value, db=dbs["blobdata"])
             else:
                 txn.delete(key, db=dbs["blobdata"])
             txn.put(key, row.encode(), db=dbs["blobs"])
@@ -296,10 +297,16 @@ class Blobs:
         self._index.write(fn)
 
     # -- read ------------------------------------------------------------
-    def _file_ok(self, ref: BlobRef) -> bool:
+    def file_ok(self, digest: str, size: int) -> bool:
+        """Is the blob file of ``digest`` on disk with ``size`` bytes?
+
+        On the lookup path, so the path is joined without ``Layout.blob_path``'s
+        validation: callers pass a digest that is already validated (a
+        BlobRef, or a manifest row whose decoder checked every digest).
+        """
         try:
-            return os.stat(self._layout.blob_path(ref.digest)).st_size == ref.size
-        except FileNotFoundError:
+            return os.stat(f"{self._blobs_dir}/{digest[:2]}/{digest}").st_size == size
+        except (FileNotFoundError, NotADirectoryError):
             return False
 
     def _read_chunks(self, path: Path) -> Iterator[bytes]:
@@ -327,7 +334,7 @@ class Blobs:
         row = self.row(digest)
         if row is None or row.quarantined:
             return False
-        return row.inline or self._file_ok(BlobRef(digest, row.size))
+        return row.inline or self.file_ok(digest, row.size)
 
     def path(self, ref_or_digest: BlobRef | str) -> Path | None:
         digest = _digest_of(ref_or_digest)
@@ -337,28 +344,37 @@ class Blobs:
         return self._layout.blob_path(digest)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        """The blob's content, verified (SHA-256 for files, CRC-32 for inline blobs)."""
-        digest = _digest_of(ref_or_digest)
+        """The blob's content, verified: SHA-256 for files, the inline checksum for inline blobs.
+
+        The hot path of small reads is one get: an inline blob's value in
+        ``blobdata`` exists only while its row is inline and not quarantined,
+        and carries its own checksum (:func:`records.pack_inline`).
+        """
+        digest = ref_or_digest.digest if type(ref_or_digest) is BlobRef else _digest_of(ref_or_digest)
         key = bytes.fromhex(digest)
         dbs = self._index.db
+        raw = None
         txn = self._index.begin_read()
         try:
-            raw = txn.get(key, db=dbs["blobs"])
+            value = txn.get(key, None, dbs["blobdata"])
+            if value is None:
+                raw = txn.get(key, None, dbs["blobs"])
+        finally:
+            self._index.end_read(txn)
+        if value is not None:
+            data, intact = unpack_inline(value)
+            if intact:
+                return data
+            inline = True
+        else:
             if raw is None:
                 raise BlobMissing(digest, "not registered")
             row = BlobRow.decode(raw, key)
-            data = txn.get(key, db=dbs["blobdata"]) if row.inline else None
-        finally:
-            self._index.end_read(txn)
-        if row.quarantined:
-            raise BlobMissing(digest, "quarantined after failing verification")
-        if row.inline:
-            if data is None:
+            if row.quarantined:
+                raise BlobMissing(digest, "quarantined after failing verification")
+            if row.inline:
                 self.quarantine(digest)  # flag the row: lookups miss on it from now on
                 raise BlobMissing(digest, "inline data missing")
-            if len(data) == row.size and zlib.crc32(data) == row.crc:
-                return data
-        else:
             try:
                 with open(self._layout.blob_path(digest), "rb", buffering=0) as f:
                     data = f.read()
@@ -367,11 +383,15 @@ class Blobs:
             except OSError as exc:  # a directory or unreadable thing where the blob should be
                 self.quarantine(digest)
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
+            if len(data) != row.size:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, hashlib.sha256(data).hexdigest(), len(data))
+            inline = False
         got = hashlib.sha256(data).hexdigest()
-        if got != digest or len(data) != row.size:
-            self.quarantine(digest, content=data if row.inline else None)
+        if got != digest:
+            self.quarantine(digest, content=data if inline else None)
             raise ChecksumMismatch(digest, got, len(data))
-        return data
+        return data  # a damaged checksum over intact bytes
 
     def copy_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
         """Copy a blob to ``dest`` (atomically), verifying while streaming."""
@@ -420,10 +440,11 @@ class Blobs:
             if raw is None:
                 return
             row = BlobRow.decode(raw, key)
-            if not row.inline and self._file_ok(BlobRef(digest, row.size)):
+            if not row.inline and self.file_ok(digest, row.size):
                 return  # a writer repaired it meanwhile
             row.flags = (row.flags & ~FLAG_INLINE) | FLAG_QUARANTINED
             txn.delete(key, db=self._index.db["blobdata"])
             txn.put(key, row.encode(), db=self._index.db["blobs"])
+            bump(txn, self._index.db["meta"], BLOB_EPOCH, 1)
 
         self._index.write(fn)

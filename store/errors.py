@@ -19,6 +19,7 @@ __all__ = [
     "CorruptRecord",
     "UnsupportedFilesystem",
     "UnsafeRoot",
+    "IncompatibleStore",
     "OverBudget",
     "StoreFull",
     "LeaseError",
@@ -118,6 +119,21 @@ class UnsafeRoot(StoreError):
         self.root = root
         self.why = why
         super().__init__(f"refusing store root {root}: {why}")
+
+
+class IncompatibleStore(StoreError):
+    """The index was written with another schema version than this adstore reads."""
+
+    reason = "incompatible_store"
+
+    def __init__(self, root: str, found: str, expected: int) -> None:
+        self.root = root
+        self.found = found
+        self.expected = expected
+        super().__init__(
+            f"refusing store root {root}: its index has schema {found}, this adstore reads schema "
+            f"{expected}; the store is a cache, so move it aside or delete it, or set ADSTORE_ROOT"
+        )
 
 
 class OverBudget(StoreError):

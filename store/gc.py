@@ -30,7 +30,7 @@ from .index import Index
 from .leases import lease_is_live
 from .manifests import drop_entry_txn, drop_manifest_txn, get_entry, iter_manifests
 from .records import BlobRef, BlobRow, Entry, LeaseRecord, Manifest, manifest_key, validate_key
-from .stats import PHYSICAL, bump, read_int
+from .stats import BLOB_EPOCH, PHYSICAL, bump, read_int
 
 __all__ = ["EvictionPlan", "SweepPlan", "Collector"]
 
@@ -160,6 +160,8 @@ class Collector:
             txn.delete(k, db=dbs["blobdata"])
             bump(txn, dbs["meta"], PHYSICAL, -row.size)
             deleted.append((digest, row))
+        if deleted:
+            bump(txn, dbs["meta"], BLOB_EPOCH, 1)
         return deleted
 
     def unlink_unregistered(self, digests: Sequence[str]) -> int:

@@ -37,7 +37,7 @@ from typing import TypeVar
 
 import lmdb
 
-from .errors import AccessDenied, CorruptRecord, StoreError, StoreFull
+from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
 
 __all__ = ["Index", "DATABASES", "SCHEMA_VERSION"]
 
@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+#: Bumped whenever a row's layout changes; an index of another version is refused.
+#: 2: inline blobs are stored with an xxh3-64 head (was a CRC-32 in the blob row).
+SCHEMA_VERSION = 2
 DATABASES = ("blobs", "blobdata", "entries", "components", "manifests", "leases", "stats", "meta")
 _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
@@ -248,11 +250,13 @@ class Index:
             # Another process may already have grown the map beyond our initial size.
             if env.info()["map_size"] < self._initial_map_size:
                 env.set_mapsize(self._initial_map_size)
+            schema: bytes | None = None
             for _ in range(_MAX_RETRIES):
                 try:
                     self.db = {name: env.open_db(name.encode()) for name in DATABASES}
                     with env.begin(write=True) as txn:
-                        if txn.get(b"schema", db=self.db["meta"]) is None:
+                        schema = txn.get(b"schema", db=self.db["meta"])
+                        if schema is None:
                             txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=self.db["meta"])
                     break
                 except lmdb.MapResizedError:
@@ -262,6 +266,10 @@ class Index:
         except lmdb.Error as exc:
             env.close()
             raise _open_error(exc, self.path) from exc
+        if schema is not None and schema != str(SCHEMA_VERSION).encode():
+            # Rows of another layout would read as corruption (and be "repaired"): refuse.
+            env.close()
+            raise IncompatibleStore(str(self.path.parent), schema.decode(errors="replace"), SCHEMA_VERSION)
         if self._group_shared:  # a member's umask must not lock the group out of the index
             for name in ("data.mdb", "lock.mdb"):
                 try:
@@ -324,13 +332,15 @@ class Index:
 
         The hot paths (lookup, small-blob reads) use this pair directly.
         """
-        env = self._env if self._pid == _PID and self._env is not None else self.env
+        env = self._env
+        if self._pid != _PID or env is None:
+            env = self.env
         if time.monotonic() - self._last_reader_check > _READER_CHECK_INTERVAL:
             self.reader_check()
         for _ in range(_MAX_RETRIES):
             _GATE.enter()
             try:
-                return env.begin(buffers=False)
+                return env.begin()  # read-only, copying values (buffers=False is the default)
             except lmdb.MapResizedError:
                 _GATE.exit()
                 self.resize_map(0)  # another process grew the map: adopt its size

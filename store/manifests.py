@@ -9,7 +9,6 @@ reason of every miss.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -21,8 +20,21 @@ import lmdb
 
 from .errors import BlobMissing, CorruptRecord, StoreError
 from .leases import hostname
-from .records import FLAG_QUARANTINED, BlobRef, BlobRow, Entry, Manifest, decode_json, encode_json, manifest_key, manifest_prefix
-from .stats import LOGICAL, bump
+from .records import (
+    BLOB_ROW,
+    FLAG_INLINE,
+    FLAG_QUARANTINED,
+    MANIFEST_SUFFIX,
+    BlobRef,
+    BlobRow,
+    Entry,
+    Manifest,
+    decode_json,
+    encode_json,
+    manifest_key,
+    manifest_prefix,
+)
+from .stats import BLOB_EPOCH, LOGICAL, bump
 
 __all__ = [
     "LookupResult",
@@ -34,12 +46,15 @@ __all__ = [
     "get_entry",
     "get_components",
     "lookup_txn",
+    "LookupMemo",
 ]
 
 Dbs = Mapping[str, Any]
+#: ``file_ok(digest, size)``: is the blob file of that digest on disk with that size?
+FileCheck = Callable[[str, int], bool]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     """A hit with its manifest(s), or a miss with a named reason."""
 
@@ -117,7 +132,7 @@ def publish_txn(
     namespace: str,
     components: Mapping[str, Any],
     meta: Mapping[str, Any],
-    blob_ok: Callable[[BlobRef, BlobRow], bool],
+    file_ok: FileCheck,
 ) -> Manifest:
     """Record an uncommitted manifest and take references on its blobs."""
     for ref in artifacts.values():
@@ -126,7 +141,7 @@ def publish_txn(
         if raw is None:
             raise BlobMissing(ref.digest, "not registered (put it before publishing)")
         row = BlobRow.decode(raw, k)
-        if row.size != ref.size or row.quarantined or not blob_ok(ref, row):
+        if row.size != ref.size or row.quarantined or not (row.inline or file_ok(ref.digest, ref.size)):
             raise BlobMissing(ref.digest, "absent, quarantined or of the wrong size")
     old = _get_manifest(txn, dbs, key, rank, generation)
     if old is not None:
@@ -284,31 +299,124 @@ def drop_entry_txn(
     return zero
 
 
-@functools.lru_cache(maxsize=8192)
+# Decoded rows, keyed by their LMDB key and checked against their exact bytes:
+# a repeated lookup of an unchanged row decodes no JSON.  A plain dict, not
+# functools.lru_cache: on thousands of keys looked up at random, the LRU's
+# linked-list bookkeeping costs more than the lookup's LMDB reads.  Cleared
+# when full; dict operations are atomic under the GIL.
+_DECODED_MAX = 1 << 14
+_entries_decoded: dict[bytes, tuple[bytes, Entry]] = {}
+_manifests_decoded: dict[bytes, tuple[bytes, Manifest, tuple[tuple[bytes, int, str], ...]]] = {}
+
+
 def _decode_entry_cached(raw_key: bytes, raw: bytes) -> Entry:
-    return Entry.decode(raw_key, raw)
+    hit = _entries_decoded.get(raw_key)
+    if hit is not None and hit[0] == raw:
+        return hit[1]
+    entry = Entry.decode(raw_key, raw)
+    if len(_entries_decoded) >= _DECODED_MAX:
+        _entries_decoded.clear()
+    _entries_decoded[raw_key] = (raw, entry)
+    return entry
 
 
-@functools.lru_cache(maxsize=8192)
-def _decode_manifest_cached(raw_key: bytes, raw: bytes) -> Manifest:
-    return Manifest.decode(raw_key, raw)
+def _decode_manifest_cached(raw_key: bytes, raw: bytes) -> tuple[Manifest, tuple[tuple[bytes, int, str], ...]]:
+    """The manifest and its blob checks: (row key, size, digest) per artifact."""
+    hit = _manifests_decoded.get(raw_key)
+    if hit is not None and hit[0] == raw:
+        return hit[1], hit[2]
+    m = Manifest.decode(raw_key, raw)
+    checks = tuple((bytes.fromhex(ref.digest), ref.size, ref.digest) for ref in m.artifacts.values())
+    if len(_manifests_decoded) >= _DECODED_MAX:
+        _manifests_decoded.clear()
+    _manifests_decoded[raw_key] = (raw, m, checks)
+    return m, checks
 
 
-def _check_manifest(
-    txn: lmdb.Transaction, dbs: Dbs, m: Manifest, blob_ok: Callable[[BlobRef, BlobRow], bool]
+def _check_blobs(
+    txn: lmdb.Transaction,
+    blobs_db: Any,
+    checks: tuple[tuple[bytes, int, str], ...],
+    file_ok: FileCheck,
+    files: list[tuple[str, int]],
 ) -> str | None:
-    if not m.committed:
-        return "uncommitted"
-    blobs_db = dbs["blobs"]
-    for ref in m.artifacts.values():
-        k = bytes.fromhex(ref.digest)
-        raw = txn.get(k, db=blobs_db)
+    """Invariant 5 for one manifest: every blob registered, not quarantined, of its size.
+
+    Rows are unpacked in place (no BlobRow per check); a file blob's size is
+    checked on disk by ``file_ok`` (and the blob added to ``files``), an
+    inline blob lives in the index itself.
+    """
+    get = txn.get
+    for row_key, size, digest in checks:
+        raw = get(row_key, None, blobs_db)
         if raw is None:
             return "blob_missing"
-        row = BlobRow.decode(raw, k)
-        if row.flags & FLAG_QUARANTINED or row.size != ref.size or not blob_ok(ref, row):
+        if len(raw) != BLOB_ROW.size:
+            raise CorruptRecord("blobs", digest, f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+        row_size, _refs, _touched, flags = BLOB_ROW.unpack(raw)
+        if flags & FLAG_QUARANTINED or row_size != size:
             return "blob_missing"
+        if not flags & FLAG_INLINE:
+            if not file_ok(digest, size):
+                return "blob_missing"
+            files.append((digest, size))
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A hit as checked: the rows it was read from, and its file blobs."""
+
+    entry_raw: bytes
+    epoch: bytes | None
+    manifests: tuple[tuple[bytes, bytes], ...]  # (manifest key, row bytes) per rank
+    files: tuple[tuple[str, int], ...]  # (digest, size) of blobs stored as files
+    result: LookupResult
+
+
+class LookupMemo:
+    """The hits one store already checked in this process, reused while provably unchanged.
+
+    A repeated lookup re-reads the entry row, each rank's manifest row and the
+    blob epoch (``stats.BLOB_EPOCH``) and compares their bytes with the ones
+    the hit was checked against.  The blob rows are not read again: every
+    transaction that could fail their check (a row deleted, quarantined or
+    given another size) bumps the epoch.  Files are stat'ed every time, since
+    they can vanish without the index knowing.  Damage done to the index
+    from outside the store cannot bump the epoch; the verified read that
+    follows a hit catches it and clears the memo (``Store.get_bytes``).
+    Only hits are memoized; a miss is always checked in full.  Bounded;
+    cleared when full.
+    """
+
+    __slots__ = ("_checked", "_capacity")
+
+    def __init__(self, capacity: int = 1 << 14) -> None:
+        self._checked: dict[tuple[str, int | None], _Checked] = {}
+        self._capacity = capacity
+
+    def get(self, txn: lmdb.Transaction, dbs: Dbs, key: str, rank: int | None, entry_raw: bytes,
+            file_ok: FileCheck) -> LookupResult | None:
+        c = self._checked.get((key, rank))
+        if c is None or c.entry_raw != entry_raw or txn.get(BLOB_EPOCH, None, dbs["meta"]) != c.epoch:
+            return None
+        manifests_db = dbs["manifests"]
+        for mk, mraw in c.manifests:
+            if txn.get(mk, None, manifests_db) != mraw:
+                return None
+        for digest, size in c.files:
+            if not file_ok(digest, size):
+                return None
+        return c.result
+
+    def clear(self) -> None:
+        """Trust nothing checked so far (a read found damage the epoch cannot show)."""
+        self._checked.clear()
+
+    def put(self, key: str, rank: int | None, checked: _Checked) -> None:
+        if len(self._checked) >= self._capacity:
+            self._checked.clear()
+        self._checked[(key, rank)] = checked
 
 
 def lookup_txn(
@@ -316,42 +424,54 @@ def lookup_txn(
     dbs: Dbs,
     key: str,
     rank: int | None,
-    blob_ok: Callable[[BlobRef, BlobRow], bool],
+    file_ok: FileCheck,
+    memo: LookupMemo | None = None,
 ) -> LookupResult:
     """Check invariants 5-6 for one rank (``rank``) or the whole entry (``None``).
 
-    Rows are decoded through a small cache keyed by their exact bytes (a
-    repeated lookup of an unchanged entry decodes no JSON); the returned
-    entry and manifests are shared and must be treated as read-only.
+    The hot path of every model start: two B-tree reads (entry, manifest) plus
+    one per blob, with decoded rows reused while their bytes are unchanged
+    (see ``_decode_entry_cached``), or fewer with a ``memo``.  The returned
+    result, entry and manifests are shared and must be treated as read-only.
     """
     raw_key = key.encode()
-    raw = txn.get(raw_key, db=dbs["entries"])
+    raw = txn.get(raw_key, None, dbs["entries"])
     if raw is None:
         return LookupResult(False, "absent")
+    if memo is not None:
+        known = memo.get(txn, dbs, key, rank, raw, file_ok)
+        if known is not None:
+            return known
     entry = _decode_entry_cached(raw_key, raw)
-    ranks = [rank] if rank is not None else list(range(entry.world_size))
+    ranks = (rank,) if rank is not None else range(entry.world_size)
+    manifests_db, blobs_db = dbs["manifests"], dbs["blobs"]
+    prefix = raw_key + b"\x00"
     found: dict[int, Manifest] = {}
+    rows: list[tuple[bytes, bytes]] = []
+    files: list[tuple[str, int]] = []
     for r in ranks:
         gen = entry.ranks.get(r)
         if gen is None:
             pending = any(m.rank == r and not m.committed for m in iter_manifests(txn, dbs, key))
             return LookupResult(False, "uncommitted" if pending else "incomplete", entry=entry)
-        mk = manifest_key(key, r, gen)
-        mraw = txn.get(mk, db=dbs["manifests"])
+        mk = prefix + MANIFEST_SUFFIX.pack(r, gen)
+        mraw = txn.get(mk, None, manifests_db)
         if mraw is None:
             return LookupResult(False, "incomplete", entry=entry)
-        m = _decode_manifest_cached(mk, mraw)
+        m, checks = _decode_manifest_cached(mk, mraw)
         if m.world_size != entry.world_size:
             return LookupResult(False, "generation_mismatch", entry=entry)
-        reason = _check_manifest(txn, dbs, m, blob_ok)
+        if not m.committed:
+            return LookupResult(False, "uncommitted", entry=entry)
+        reason = _check_blobs(txn, blobs_db, checks, file_ok, files)
         if reason:
             return LookupResult(False, reason, entry=entry)
         found[r] = m
-    generations = {m.generation for m in found.values()}
-    if len(generations) > 1:
+        rows.append((mk, mraw))
+    if len({m.generation for m in found.values()}) > 1:
         return LookupResult(False, "generation_mismatch", entry=entry)
     first = found[ranks[0]]
-    return LookupResult(
+    result = LookupResult(
         True,
         None,
         manifest=first if rank is not None or len(found) == 1 else found.get(0, first),
@@ -359,3 +479,7 @@ def lookup_txn(
         generation=first.generation,
         entry=entry,
     )
+    if memo is not None:
+        epoch = txn.get(BLOB_EPOCH, None, dbs["meta"])
+        memo.put(key, rank, _Checked(raw, epoch, tuple(rows), tuple(files), result))
+    return result

@@ -14,6 +14,8 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xxhash import xxh3_64_intdigest
+
 from .errors import CorruptRecord, InvalidDigest, InvalidKey
 
 __all__ = [
@@ -29,6 +31,10 @@ __all__ = [
     "manifest_key",
     "manifest_prefix",
     "split_manifest_key",
+    "BLOB_ROW",
+    "pack_inline",
+    "unpack_inline",
+    "MANIFEST_SUFFIX",
     "encode_json",
     "decode_json",
     "FLAG_INLINE",
@@ -103,23 +109,44 @@ class BlobRef:
         return ref
 
 
-_BLOB_ROW = struct.Struct("<QqdBI")
+#: A blob row: size, refcount, last put, flags.
+BLOB_ROW = struct.Struct("<QqdB")
+#: The head of an inline blob's value in ``blobdata``: the checksum of the bytes after it.
+_INLINE_HEAD = struct.Struct("<Q")
+
+
+def pack_inline(data: bytes | memoryview) -> bytes:
+    """The ``blobdata`` value of an inline blob: an xxh3-64 checksum, then the bytes.
+
+    A small-blob read must cost a few microseconds: SHA-256 of 4 KiB takes
+    about 4 µs here, CRC-32 2 µs, xxh3 0.2 µs.  The checksum only has to
+    catch damage to the index's pages (LMDB keeps no checksums of its own);
+    the SHA-256 digest stays the blob's identity and ``verify`` rehashes with
+    it.  Kept beside the bytes, so a read needs one get and no blob row.
+    """
+    return _INLINE_HEAD.pack(xxh3_64_intdigest(data)) + bytes(data)
+
+
+def unpack_inline(value: bytes) -> tuple[bytes, bool]:
+    """The content of a ``blobdata`` value and whether its checksum holds."""
+    if len(value) < _INLINE_HEAD.size:
+        return value, False
+    data = value[_INLINE_HEAD.size:]
+    return data, xxh3_64_intdigest(data) == _INLINE_HEAD.unpack_from(value)[0]
 
 
 @dataclass(slots=True)
 class BlobRow:
     """Index row of one blob: size, manifests referencing it, last put, flags.
 
-    ``crc`` is the CRC-32 of an inline blob's bytes: reads of small blobs are
-    checked with it (a fraction of SHA-256's cost on a 4 KiB blob); the
-    SHA-256 digest stays the blob's identity and ``verify`` rehashes with it.
+    An inline blob's bytes live in ``blobdata`` (see :func:`pack_inline`)
+    exactly while its row is flagged inline and not quarantined.
     """
 
     size: int
     refs: int
     touched: float
     flags: int = 0
-    crc: int = 0
 
     @property
     def inline(self) -> bool:
@@ -130,13 +157,13 @@ class BlobRow:
         return bool(self.flags & FLAG_QUARANTINED)
 
     def encode(self) -> bytes:
-        return _BLOB_ROW.pack(self.size, self.refs, self.touched, self.flags, self.crc)
+        return BLOB_ROW.pack(self.size, self.refs, self.touched, self.flags)
 
     @classmethod
     def decode(cls, raw: bytes, key: bytes = b"") -> BlobRow:
-        if len(raw) != _BLOB_ROW.size:
-            raise CorruptRecord("blobs", key.hex(), f"row of {len(raw)} bytes, expected {_BLOB_ROW.size}")
-        return cls(*_BLOB_ROW.unpack(raw))
+        if len(raw) != BLOB_ROW.size:
+            raise CorruptRecord("blobs", key.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+        return cls(*BLOB_ROW.unpack(raw))
 
 
 def encode_json(obj: Any) -> bytes:
@@ -153,20 +180,24 @@ def decode_json(raw: bytes, db: str, key: bytes) -> dict[str, Any]:
     return obj
 
 
+#: The tail of a manifest key after the cache key and its NUL: rank, generation.
+MANIFEST_SUFFIX = struct.Struct(">IQ")
+
+
 def manifest_prefix(key: str) -> bytes:
     return key.encode() + b"\x00"
 
 
 def manifest_key(key: str, rank: int, generation: int) -> bytes:
     """Manifests sort by (cache key, rank, generation); keys never contain NUL."""
-    return manifest_prefix(key) + struct.pack(">IQ", rank, generation)
+    return manifest_prefix(key) + MANIFEST_SUFFIX.pack(rank, generation)
 
 
 def split_manifest_key(raw: bytes) -> tuple[str, int, int]:
     head, sep, tail = raw.partition(b"\x00")
     if not sep or len(tail) != 12:
         raise CorruptRecord("manifests", raw, "malformed manifest key")
-    rank, generation = struct.unpack(">IQ", tail)
+    rank, generation = MANIFEST_SUFFIX.unpack(tail)
     return head.decode(), rank, generation
 
 

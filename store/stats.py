@@ -15,12 +15,17 @@ from typing import Any
 
 import lmdb
 
-__all__ = ["StoreStats", "bump", "read_int", "write_int", "read_counters", "event_counters", "PHYSICAL", "LOGICAL"]
+__all__ = ["StoreStats", "bump", "read_int", "write_int", "read_counters", "event_counters", "PHYSICAL", "LOGICAL", "BLOB_EPOCH"]
 
 _I64 = struct.Struct("<q")
 
 PHYSICAL = b"physical_bytes"
 LOGICAL = b"logical_bytes"
+#: In ``meta``: bumped by every transaction that takes a blob row away from
+#: lookups (deletes it, quarantines it, changes its size), so that a lookup
+#: may trust blob rows it checked before while this value is unchanged
+#: (``manifests.LookupMemo``).
+BLOB_EPOCH = b"blob_epoch"
 
 
 def read_int(txn: lmdb.Transaction, db: object, name: bytes) -> int:

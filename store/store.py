@@ -30,12 +30,13 @@ from typing import Any
 import lmdb
 
 from .blobs import Blobs, Layout
-from .errors import CorruptRecord, InvalidKey, OverBudget
+from .errors import CorruptRecord, InvalidKey, OverBudget, StoreError
 from .fsutil import check_local_filesystem, check_root_permissions, parse_duration, parse_size
 from .gc import Collector, EvictionPlan, SweepPlan
 from .index import Index
 from .leases import new_lease_record
 from .manifests import (
+    LookupMemo,
     LookupResult,
     commit_txn,
     drop_entry_txn,
@@ -48,7 +49,6 @@ from .manifests import (
 )
 from .records import (
     BlobRef,
-    BlobRow,
     Entry,
     LeaseRecord,
     Manifest,
@@ -96,6 +96,7 @@ def _forget_parent_bookkeeping() -> None:
         store._pending_counters = Counter()
         store._pending_access = {}
         store._lock = threading.Lock()
+        store._flusher_started = False  # threads do not survive fork
 
 
 atexit.register(_flush_open_stores)
@@ -133,7 +134,8 @@ class Store:
         self._lock = threading.Lock()
         self._pending_counters: Counter[str] = Counter()
         self._pending_access: dict[str, tuple[float, int]] = {}
-        self._flusher_pid = -1
+        self._lookups = LookupMemo()
+        self._flusher_started = False
         self._closed = threading.Event()
         self._blobs = Blobs(
             self._index,
@@ -197,10 +199,18 @@ class Store:
         return self._blobs.put_stream(chunks)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        return self._blobs.get_bytes(ref_or_digest)
+        try:
+            return self._blobs.get_bytes(ref_or_digest)
+        except StoreError:
+            self._lookups.clear()  # a read failed: re-check every entry in full from now on
+            raise
 
     def copy_blob_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
-        return self._blobs.copy_to(ref_or_digest, dest)
+        try:
+            return self._blobs.copy_to(ref_or_digest, dest)
+        except StoreError:
+            self._lookups.clear()
+            raise
 
     def has_blob(self, ref_or_digest: BlobRef | str) -> bool:
         return self._blobs.has(ref_or_digest)
@@ -210,14 +220,6 @@ class Store:
 
     def quarantine(self, digest: str) -> None:
         self._blobs.quarantine(digest)
-
-    def _blob_ok(self, ref: BlobRef, row: BlobRow) -> bool:
-        if row.inline:
-            return True
-        try:
-            return os.stat(self.layout.blob_path(ref.digest)).st_size == ref.size
-        except FileNotFoundError:
-            return False
 
     def _count_dedup(self, size: int) -> None:
         with self._lock:
@@ -287,7 +289,7 @@ class Store:
                 namespace=namespace,
                 components=components or {},
                 meta=meta or {},
-                blob_ok=self._blob_ok,
+                file_ok=self._blobs.file_ok,
             )
         )
 
@@ -325,7 +327,7 @@ class Store:
         validate_key(key)
         txn = self._index.begin_read()
         try:
-            result = lookup_txn(txn, self._dbs, key, rank, self._blob_ok)
+            result = lookup_txn(txn, self._dbs, key, rank, self._blobs.file_ok, self._lookups)
         except CorruptRecord as exc:
             log.warning("lookup of %s: %s", key, exc)
             result = LookupResult(False, "corrupt_index")
@@ -438,12 +440,12 @@ class Store:
 
     def _maybe_flush(self) -> None:
         """Make sure this process runs a flusher thread (started lazily, again after fork)."""
-        if self._flusher_pid == os.getpid() or self._closed.is_set():
+        if self._flusher_started or self._closed.is_set():
             return
         with self._lock:
-            if self._flusher_pid == os.getpid():
+            if self._flusher_started:
                 return
-            self._flusher_pid = os.getpid()
+            self._flusher_started = True
             ref = weakref.ref(self)
             closed = self._closed
             interval = self.flush_interval

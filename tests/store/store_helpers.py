@@ -88,3 +88,24 @@ def writer_forever(root: str, seed: int) -> None:
         i += 1
         if os.environ.get("ADSTORE_TEST_EVICT") and i % 3 == 0:
             store.plan_eviction(max_size=500_000).execute()
+
+
+def damage_inline_and_read(root: str, digest: str) -> str:
+    """In another process: flip a byte of an inline blob in the index, then read it.
+
+    The read fails verification and quarantines the blob; returns the error's class name.
+    """
+    store = Store.open(root, grace_period=0.0)
+    key = bytes.fromhex(digest)
+    with store.index.env.begin(write=True) as txn:
+        db = store.index.db["blobdata"]
+        data = bytearray(txn.get(key, db=db))
+        data[-1] ^= 1  # in the content, after the checksum head
+        txn.put(key, bytes(data), db=db)
+    try:
+        store.get_bytes(digest)
+    except Exception as exc:
+        return type(exc).__name__
+    finally:
+        store.close()
+    return "no error"

@@ -431,3 +431,22 @@ def test_corrupt_inline_blob_is_a_checksum_mismatch(store):
     assert store.lookup("k").reason == "blob_missing"
     assert any(p.name.startswith(ref.digest) for p in (store.root / "quarantine").iterdir())
     assert store.verify(fix=True).ok and store.lookup("k").reason == "absent"
+
+
+def test_index_of_another_schema_is_refused_and_left_alone(store_root):
+    import lmdb
+
+    from adstore.store import IncompatibleStore
+
+    Store.open(store_root).close()
+    env = lmdb.open(str(store_root / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"1", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(IncompatibleStore, match="schema 1") as err:
+        Store.open(store_root)
+    assert err.value.reason == "incompatible_store" and "delete" in str(err.value)
+    env = lmdb.open(str(store_root / "index"), max_dbs=16)
+    with env.begin() as txn:  # refused, not rewritten
+        assert txn.get(b"schema", db=env.open_db(b"meta", txn=txn)) == b"1"
+    env.close()
