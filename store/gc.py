@@ -28,7 +28,7 @@ from .errors import CorruptRecord, InvalidKey
 from .fsutil import parse_min_free
 from .index import Index
 from .leases import lease_is_live
-from .manifests import drop_entry_txn, drop_manifest_txn, get_entry, iter_manifests
+from .manifests import drop_entry_txn, drop_manifest_txn, get_entry, iter_manifests, with_access
 from .records import BlobRef, BlobRow, Entry, LeaseRecord, Manifest, manifest_key, validate_key
 from .stats import BLOB_EPOCH, PHYSICAL, bump, read_int
 
@@ -242,7 +242,7 @@ class Collector:
                 if e.pinned or e.key in leased or now - e.created < self.grace:
                     skipped.append(e.key)
                     continue
-                candidates.append(e)
+                candidates.append(with_access(txn, self._index.db, e))
             candidates.sort(key=lambda e: e.last_access)
             victims, blobs, freed = self._select(txn, candidates, need, cutoff, max_entries, now)
         return EvictionPlan(victims, blobs, freed, "; ".join(reasons), skipped, _collector=self)

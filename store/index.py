@@ -47,8 +47,9 @@ T = TypeVar("T")
 
 #: Bumped whenever a row's layout changes; an index of another version is refused.
 #: 2: inline blobs are stored with an xxh3-64 head (was a CRC-32 in the blob row).
-SCHEMA_VERSION = 2
-DATABASES = ("blobs", "blobdata", "entries", "components", "manifests", "leases", "stats", "meta")
+#: 3: an entry's last access and hits moved from its JSON row to ``access``.
+SCHEMA_VERSION = 3
+DATABASES = ("blobs", "blobdata", "entries", "access", "components", "manifests", "leases", "stats", "meta")
 _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
 _FORK_WAIT = 2.0

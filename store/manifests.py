@@ -21,6 +21,7 @@ import lmdb
 from .errors import BlobMissing, CorruptRecord, StoreError
 from .leases import hostname
 from .records import (
+    ACCESS_ROW,
     BLOB_ROW,
     FLAG_INLINE,
     FLAG_QUARANTINED,
@@ -44,6 +45,8 @@ __all__ = [
     "drop_entry_txn",
     "iter_manifests",
     "get_entry",
+    "with_access",
+    "put_access",
     "get_components",
     "lookup_txn",
     "LookupMemo",
@@ -70,9 +73,22 @@ class LookupResult:
 
 
 def get_entry(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Entry | None:
+    """The entry of ``key`` with its last access and hits, or None."""
     raw_key = key.encode()
     raw = txn.get(raw_key, db=dbs["entries"])
-    return None if raw is None else Entry.decode(raw_key, raw)
+    return None if raw is None else with_access(txn, dbs, Entry.decode(raw_key, raw))
+
+
+def with_access(txn: lmdb.Transaction, dbs: Dbs, entry: Entry) -> Entry:
+    """Fill in ``entry``'s last access and hits from its ``access`` row (if readable)."""
+    raw = txn.get(entry.key.encode(), None, dbs["access"])
+    if raw is not None and len(raw) == ACCESS_ROW.size:
+        entry.last_access, entry.hits = ACCESS_ROW.unpack(raw)
+    return entry
+
+
+def put_access(txn: lmdb.Transaction, dbs: Dbs, key: str, when: float, hits: int) -> None:
+    txn.put(key.encode(), ACCESS_ROW.pack(when, hits), db=dbs["access"])
 
 
 def get_components(txn: lmdb.Transaction, dbs: Dbs, key: str) -> dict[str, Any]:
@@ -167,6 +183,7 @@ def publish_txn(
     if entry is None:
         entry = Entry(key, namespace, world_size, {}, now, now)
         txn.put(key.encode(), entry.encode(), db=dbs["entries"])
+        put_access(txn, dbs, key, now, 0)
         _put_components(txn, dbs, key, components)
     return manifest
 
@@ -197,7 +214,7 @@ def commit_txn(txn: lmdb.Transaction, dbs: Dbs, *, key: str, rank: int, generati
     entry.namespace = manifest.namespace
     if components is not None:
         _put_components(txn, dbs, key, components)
-    entry.last_access = now
+    put_access(txn, dbs, key, now, entry.hits)
     new_bytes = 0
     for r, g in entry.ranks.items():
         m = manifest if r == rank else _get_manifest(txn, dbs, key, r, g)
@@ -295,6 +312,7 @@ def drop_entry_txn(
         txn.put(raw_key, entry.encode(), db=dbs["entries"])
         return zero
     txn.delete(raw_key, db=dbs["entries"])
+    txn.delete(raw_key, db=dbs["access"])
     txn.delete(raw_key, db=dbs["components"])
     return zero
 

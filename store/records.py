@@ -35,6 +35,7 @@ __all__ = [
     "pack_inline",
     "unpack_inline",
     "MANIFEST_SUFFIX",
+    "ACCESS_ROW",
     "encode_json",
     "decode_json",
     "FLAG_INLINE",
@@ -180,6 +181,13 @@ def decode_json(raw: bytes, db: str, key: bytes) -> dict[str, Any]:
     return obj
 
 
+#: An entry's row in ``access``: last access (epoch seconds), hits.  Apart
+#: from the entry's JSON row because hits are recorded all the time: a
+#: fixed-size struct is cheap to rewrite, and the entry row (which lookups
+#: decode and memoize by its bytes) stays unchanged.
+ACCESS_ROW = struct.Struct("<dq")
+
+
 #: The tail of a manifest key after the cache key and its NUL: rank, generation.
 MANIFEST_SUFFIX = struct.Struct(">IQ")
 
@@ -275,7 +283,9 @@ class Entry:
 
     ``components`` (the key's named parts, for `adstore explain`) are stored in
     their own database so that lookups and LRU scans never decode them; they
-    are filled in by ``Store.entry``.
+    are filled in by ``Store.entry``.  ``last_access`` and ``hits`` live in
+    the ``access`` database (see :data:`ACCESS_ROW`), so that recording hits
+    never rewrites this row; readers fill them in (``manifests.get_entry``).
     """
 
     key: str
@@ -295,8 +305,6 @@ class Entry:
                 "ns": self.namespace,
                 "ws": self.world_size,
                 "t": self.created,
-                "la": self.last_access,
-                "h": self.hits,
                 "b": self.bytes,
                 "r": {str(r): g for r, g in self.ranks.items()},
                 "pin": self.pinned,
@@ -315,8 +323,7 @@ class Entry:
                 world_size=int(obj["ws"]),
                 components={},
                 created=float(obj["t"]),
-                last_access=float(obj["la"]),
-                hits=int(obj.get("h", 0)),
+                last_access=float(obj["t"]),  # until the access row is read
                 bytes=int(obj.get("b", 0)),
                 ranks={int(r): int(g) for r, g in obj.get("r", {}).items()},
                 pinned=bool(obj.get("pin", False)),

@@ -46,8 +46,11 @@ from .manifests import (
     iter_manifests,
     lookup_txn,
     publish_txn,
+    put_access,
+    with_access,
 )
 from .records import (
+    ACCESS_ROW,
     BlobRef,
     Entry,
     LeaseRecord,
@@ -374,7 +377,7 @@ class Store:
                     log.warning("%s", exc)
                     continue
                 if namespace is None or e.namespace == namespace:
-                    out.append(e)
+                    out.append(with_access(txn, self._dbs, e))
         return iter(out)
 
     def resolve_key(self, prefix: str) -> str:
@@ -472,15 +475,14 @@ class Store:
             for name, delta in counters.items():
                 bump(txn, self._dbs["stats"], name, delta)
             for key, (when, hits) in access.items():
-                try:
-                    entry = get_entry(txn, self._dbs, key)
-                except CorruptRecord:
-                    continue
-                if entry is None:
-                    continue
-                entry.last_access = max(entry.last_access, when)
-                entry.hits += hits
-                txn.put(key.encode(), entry.encode(), db=self._dbs["entries"])
+                raw_key = key.encode()
+                if txn.get(raw_key, None, self._dbs["entries"]) is None:
+                    continue  # evicted meanwhile
+                raw = txn.get(raw_key, None, self._dbs["access"])
+                if raw is not None and len(raw) == ACCESS_ROW.size:
+                    last, total = ACCESS_ROW.unpack(raw)
+                    when, hits = max(last, when), total + hits
+                put_access(txn, self._dbs, key, when, hits)
 
         try:
             self._index.write(fn)

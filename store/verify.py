@@ -123,6 +123,8 @@ def verify_store(
             except CorruptRecord as exc:
                 rep.problems.append(str(exc))
                 bad_entries.append(bytes(k))
+        stray_access = sum(1 for k in txn.cursor(db=dbs["access"]).iternext(values=False)
+                           if txn.get(bytes(k), db=dbs["entries"]) is None)
         stored_physical = read_int(txn, dbs["meta"], PHYSICAL)
         stored_logical = read_int(txn, dbs["meta"], LOGICAL)
 
@@ -191,6 +193,9 @@ def verify_store(
             f"totals drifted: physical {stored_physical} (actual {physical}), logical {stored_logical} (actual {logical})"
         )
 
+    if stray_access:
+        rep.warnings.append(f"{stray_access} access row(s) without an entry (verify --fix drops them)")
+
     # 3. files without rows, leftovers
     registered = {d for d, r in rows.items() if not r.inline}
     if layout.blobs.exists():
@@ -201,7 +206,7 @@ def verify_store(
     if temps:
         rep.warnings.append(f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)")
 
-    if fix and (rep.problems or physical != stored_physical or logical != stored_logical):
+    if fix and (rep.problems or stray_access or physical != stored_physical or logical != stored_logical):
         _repair(index, layout, rep, rows, bad_blobs, bad_rows, bad_manifests, bad_entries, doomed, quarantine)
     return rep
 
@@ -236,6 +241,7 @@ def _repair(
             fixed.append(f"dropped undecodable manifest {k!r}")
         for k in bad_entries:
             txn.delete(k, db=dbs["entries"])
+            txn.delete(k, db=dbs["access"])
             txn.delete(k, db=dbs["components"])
             fixed.append(f"dropped undecodable entry {k!r}")
         for m in {(m.key, m.rank, m.generation): m for m in doomed}.values():
@@ -274,6 +280,7 @@ def _repair(
             new_bytes = sum(current[(e.key, r)].bytes for r in ranks)
             if not ranks and e.key not in all_keys:
                 txn.delete(bytes(k), db=dbs["entries"])
+                txn.delete(bytes(k), db=dbs["access"])
                 txn.delete(bytes(k), db=dbs["components"])
                 fixed.append(f"dropped entry {e.key} (nothing restorable left)")
                 continue
@@ -282,6 +289,9 @@ def _repair(
                 txn.put(bytes(k), e.encode(), db=dbs["entries"])
                 fixed.append(f"repaired entry {e.key}")
             logical += e.bytes
+        for k in list(txn.cursor(db=dbs["access"]).iternext(values=False)):
+            if txn.get(bytes(k), db=dbs["entries"]) is None:
+                txn.delete(bytes(k), db=dbs["access"])
         write_int(txn, dbs["meta"], PHYSICAL, physical)
         write_int(txn, dbs["meta"], LOGICAL, logical)
         return fixed

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 from adstore.store import BlobMissing, ChecksumMismatch, Store, StoreError
+from adstore.store.records import ACCESS_ROW
 from adstore.store.fsutil import atomic_write
 from conftest import wait_until, write_config
 
@@ -356,12 +357,13 @@ def test_budget_pressure_from_replaced_generations_does_not_evict_live_entries(t
         for key in keys:
             _save_payload(store, key, 100 * KIB)
         with store.index.env.begin(write=True) as txn:  # these entries were created an hour ago
-            db = store.index.db["entries"]
+            db, access = store.index.db["entries"], store.index.db["access"]
             for key in keys:
                 obj = json.loads(bytes(txn.get(key.encode(), db=db)))
                 obj["t"] -= 3600
-                obj["la"] -= 3600
                 txn.put(key.encode(), json.dumps(obj).encode(), db=db)
+                last, hits = ACCESS_ROW.unpack(txn.get(key.encode(), db=access))
+                txn.put(key.encode(), ACCESS_ROW.pack(last - 3600, hits), db=access)
         for _ in range(2):  # re-saved twice: the older generations are garbage within the grace period
             for key in keys:
                 _save_payload(store, key, 100 * KIB)

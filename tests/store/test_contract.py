@@ -450,3 +450,27 @@ def test_index_of_another_schema_is_refused_and_left_alone(store_root):
     with env.begin() as txn:  # refused, not rewritten
         assert txn.get(b"schema", db=env.open_db(b"meta", txn=txn)) == b"1"
     env.close()
+
+
+def test_hits_are_recorded_beside_the_entry_row(store):
+    """Recording hits rewrites a small access row, never the entry (lookups memoize it by its bytes)."""
+    from adstore.store.records import ACCESS_ROW
+
+    save(store, "k")
+    env, dbs = store.index.env, store.index.db
+    with env.begin() as txn:
+        row = txn.get(b"k", db=dbs["entries"])
+    assert store.lookup("k").hit and store.lookup("k").hit
+    store.flush()
+    with env.begin() as txn:
+        assert txn.get(b"k", db=dbs["entries"]) == row
+    assert store.entry("k").hits == 2
+    with env.begin(write=True) as txn:  # an access row whose entry is gone
+        txn.put(b"gone", ACCESS_ROW.pack(1.0, 1), db=dbs["access"])
+    rep = store.verify()
+    assert rep.ok and any("access row" in w for w in rep.warnings), rep.to_dict()
+    store.verify(fix=True)
+    with env.begin() as txn:
+        assert txn.get(b"gone", db=dbs["access"]) is None
+        assert txn.get(b"k", db=dbs["access"]) is not None
+    assert store.verify().warnings == []
