@@ -212,7 +212,7 @@ def populate_bulk(store: Store, n: int, size: int, unique: int) -> float:
                 gen = i + 1
                 publish_txn(txn, dbs, key=key, rank=0, world_size=1, generation=gen,
                             artifacts={"module.pt": refs[i % unique]}, namespace="pipeline",
-                            components={"i": i}, meta={}, blob_ok=lambda ref, row: True)
+                            components={"i": i}, meta={}, file_ok=lambda digest, size: True)
                 commit_txn(txn, dbs, key=key, rank=0, generation=gen)
         index.write(fn)
     return time.perf_counter() - t0
