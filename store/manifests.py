@@ -44,6 +44,7 @@ __all__ = [
     "drop_manifest_txn",
     "drop_entry_txn",
     "iter_manifests",
+    "manifest_digests",
     "get_entry",
     "with_access",
     "put_access",
@@ -110,6 +111,22 @@ def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manife
         if not raw_key.startswith(prefix):
             break
         yield Manifest.decode(bytes(raw_key), bytes(raw))
+
+
+def manifest_digests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[set[str]]:
+    """The digests each manifest of ``key`` references, decoding nothing else.
+
+    For scans over many entries (eviction planning); an undecodable row
+    yields no digests (see ``_manifest_refs``).
+    """
+    prefix = manifest_prefix(key)
+    cur = txn.cursor(db=dbs["manifests"])
+    if not cur.set_range(prefix):
+        return
+    for raw_key, raw in cur:
+        if not raw_key.startswith(prefix):
+            break
+        yield _manifest_refs(raw)[0]
 
 
 def _get_manifest(txn: lmdb.Transaction, dbs: Dbs, key: str, rank: int, gen: int) -> Manifest | None:

@@ -309,6 +309,22 @@ def test_eviction_plan_rechecks_at_execute(store):
     assert store.lookup("k").hit
 
 
+def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store):
+    for key in ("used", "pinned", "resaved", "idle"):
+        save(store, key)
+    time.sleep(0.01)
+    plan = store.plan_eviction(max_size=0)
+    assert {e.key for e in plan.victims} == {"used", "pinned", "resaved", "idle"}
+    assert store.lookup("used").hit  # its entry row is unchanged; only its access row moves
+    store.flush()
+    store.pin("pinned")
+    save(store, "resaved")
+    plan.execute()
+    assert [k for k in ("used", "pinned", "resaved", "idle") if store.lookup(k, record=False).hit] == [
+        "used", "pinned", "resaved"]
+    assert store.verify().ok
+
+
 def test_older_than_and_min_free(store):
     save(store, "old")
     assert store.plan_eviction(older_than=3600).victims == []
