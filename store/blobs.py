@@ -107,7 +107,12 @@ def _digest_of(ref_or_digest: BlobRef | str) -> str:
 
 
 class _FileVanished(Exception):
-    """gc removed the file between our rename and our registration: write again."""
+    """gc removed our file before we registered it: write again.
+
+    Either the blob file between rename and registration, or the temp file
+    before the rename (a sweep inside a zero grace period takes temps that
+    are still being written).
+    """
 
 
 class Blobs:
@@ -186,15 +191,19 @@ class Blobs:
                 os.close(fd)
             ref = BlobRef(h.hexdigest(), size)
             if self._existing(ref):
-                tmp.unlink()
+                tmp.unlink(missing_ok=True)
                 return ref
-            if size < self._inline_threshold:
-                data = tmp.read_bytes()
-                tmp.unlink()
-                self._register(ref, inline_data=data)
-                return ref
-            self._reserve(size)
-            self._publish_and_register(ref, tmp)
+            try:
+                if size < self._inline_threshold:
+                    data = tmp.read_bytes()
+                    tmp.unlink()
+                    self._register(ref, inline_data=data)
+                    return ref
+                self._reserve(size)
+                self._publish_and_register(ref, tmp)
+            except (FileNotFoundError, _FileVanished):  # a stream cannot be read twice
+                raise StoreError(f"blob {ref.digest}: its temp file was swept while being stored "
+                                 f"(grace period {self._grace:g}s)") from None
             return ref
 
     def _existing(self, ref: BlobRef) -> bool:
@@ -260,7 +269,10 @@ class Blobs:
     def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:
         dest = self._layout.blob_path(ref.digest)
         self._layout.mkdir(dest.parent)
-        publish_temp(tmp, dest, mode=BLOB_MODE)
+        try:
+            publish_temp(tmp, dest, mode=BLOB_MODE)
+        except FileNotFoundError:
+            raise _FileVanished from None
         self._register(ref, inline_data=None)
 
     def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:

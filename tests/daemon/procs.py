@@ -25,21 +25,33 @@ def key_for(prefix: str, i: int) -> str:
 
 def write(root: str, *, count: int, size: int, prefix: str, world_size: int, delay: float,
           grace_period: float) -> None:
+    """Save ``count`` entries.  With a zero grace period a daemon may sweep a blob
+    between its put and its publish (the grace period is what protects that
+    window): such a save fails with ``BlobMissing``, is counted as lost, and the
+    writer goes on, as a pipeline would.  With any other grace period it is an error."""
+    from adstore.store import BlobMissing
+
     store = Store.open(root, grace_period=grace_period)
+    lost = 0
     for i in range(count):
         key = key_for(prefix, i)
         gen = store.new_generation()
-        for rank in range(world_size):
-            ref = store.put_bytes(os.urandom(size))
-            store.publish(key, rank=rank, world_size=world_size, generation=gen,
-                          artifacts={"module.pt": ref}, namespace="pipeline",
-                          components={"model": {"prefix": prefix, "i": i}, "dist": {"world": world_size}})
-        for rank in range(world_size):
-            store.commit(key, rank=rank, generation=gen)
+        try:
+            for rank in range(world_size):
+                ref = store.put_bytes(os.urandom(size))
+                store.publish(key, rank=rank, world_size=world_size, generation=gen,
+                              artifacts={"module.pt": ref}, namespace="pipeline",
+                              components={"model": {"prefix": prefix, "i": i}, "dist": {"world": world_size}})
+            for rank in range(world_size):
+                store.commit(key, rank=rank, generation=gen)
+        except BlobMissing:
+            if grace_period > 0:
+                raise
+            lost += 1
         if delay:
             time.sleep(delay)
     store.close()
-    print(f"wrote {count}", flush=True)
+    print(f"wrote {count - lost}, lost {lost} to a sweep inside the zero grace period", flush=True)
 
 
 def lease(root: str, key: str) -> None:

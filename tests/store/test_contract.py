@@ -490,3 +490,30 @@ def test_hits_are_recorded_beside_the_entry_row(store):
         assert txn.get(b"gone", db=dbs["access"]) is None
         assert txn.get(b"k", db=dbs["access"]) is not None
     assert store.verify().warnings == []
+
+
+def test_a_temp_swept_before_its_rename_is_written_again_or_a_clear_error(store, monkeypatch):
+    """With a zero grace period, a concurrent sweep may take a temp file still being written.
+
+    Simulated at the real rename: the temp is unlinked just before it.
+    """
+    import adstore.store.blobs as blobs_mod
+
+    real = blobs_mod.publish_temp
+    swept: list[str] = []
+
+    def sweep_first(tmp, dest, **kw):
+        if not swept:
+            swept.append(tmp.name)
+            tmp.unlink()
+        return real(tmp, dest, **kw)
+
+    monkeypatch.setattr(blobs_mod, "publish_temp", sweep_first)
+    data = os.urandom(100_000)
+    ref = store.put_bytes(data)  # a file blob: written again
+    assert swept and store.get_bytes(ref) == data
+    swept.clear()
+    with pytest.raises(StoreError, match="swept while being stored"):
+        store.put_stream([os.urandom(100_000)])  # a stream cannot be replayed
+    assert list((store.root / "tmp").iterdir()) == []
+    assert store.verify().ok
