@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from bench_results import results_dir
 
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer
@@ -47,7 +48,6 @@ from adstore.daemon.lock import STATUS_NAME
 from adstore.store import Store
 from adstore.store.manifests import commit_txn, publish_txn
 
-REPO = Path(__file__).resolve().parents[2]
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -317,8 +317,7 @@ def main() -> int:
         results["startup_to_ready_s"] = STARTUPS
         print(f"daemon start-up to READY=1: {', '.join(f'{s:.2f}s' for s in STARTUPS)} "
               f"(python start-up {_time_cmd([sys.executable, '-c', 'pass']):.2f}s)")
-    out = REPO / "bench-results"
-    out.mkdir(exist_ok=True)
+    out = results_dir()
     merged: dict[str, Any] = {}
     if args.skip:  # a partial run keeps the other sections of the last run
         try:

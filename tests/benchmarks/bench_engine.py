@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_results import results_dir
+
 
 def build(hidden: int, seed: int) -> Any:
     import torch
@@ -212,9 +214,7 @@ def main() -> int:
         "max_abs_error_vs_eager": err,
     }
     shutil.rmtree(work, ignore_errors=True)  # store, packages and the private inductor cache
-    out_dir = Path(__file__).resolve().parents[2] / "bench-results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
+    (results_dir() / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
     r, b = results["ratios"], results["bytes"]
     print(f"model: {results['model']}, weights {weight_bytes / 1e6:.1f} MB")
     print(f"compile (miss, cold):        {t_compile:8.3f} s")
@@ -230,7 +230,7 @@ def main() -> int:
     print(f"package without weights:     {b['package_without_weights']:10d} B   -> "
           f"{r['bytes_with_weights_over_without']}x smaller (+{meta_bytes} B metadata)")
     print(f"max |engine - eager|:        {err:.2e}")
-    print(f"wrote {out_dir / 'engine.json'}")
+    print(f"wrote {results_dir() / 'engine.json'}")
     return 0
 
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_results import results_dir
 
 
 def prefix_names(timings: dict) -> list[str]:
@@ -47,7 +48,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--world-size", type=int, default=1, help="ranks over gloo (figures: the slowest rank)")
     ap.add_argument("--dynamic", action="store_true", help="export with symbolic batch/seq")
-    ap.add_argument("--out", default="bench-results/bench_pipeline.json")
+    ap.add_argument("--out", help="JSON file (default: bench_pipeline.json in the results directory)")
     args = ap.parse_args()
 
     from adstore.integration.checkpoint import write_random_checkpoint
@@ -118,7 +119,7 @@ def main() -> int:
     }
     figures["targets_met"] = (figures["ratios"]["restore_speedup_vs_prefix"] >= 20
                               and figures["ratios"]["save_overhead_fraction_of_cold"] < 0.10)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_dir() / "bench_pipeline.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2))
     r = figures["ratios"]

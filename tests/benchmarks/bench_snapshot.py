@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import pathlib
 import statistics
 import sys
 import time
@@ -31,11 +30,11 @@ import warnings
 
 import torch
 import torch.fx
+from bench_results import results_dir
 
 from adstore.integration.snapshot import dump_module, load_module
 
 warnings.filterwarnings("ignore")
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def build(layers: int, hidden: int):
@@ -270,9 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{'  + .module()':<22}{'':>11}{r['decode_module_s'] * 1e3:11.1f}")
     for k, v in ratios.items():
         print(f"ratio {k:<40} {v:6.2f}x")
-    out = ROOT / "bench-results"
-    out.mkdir(exist_ok=True)
-    (out / "bench_snapshot.json").write_text(json.dumps(results, indent=2))
+    (results_dir() / "bench_snapshot.json").write_text(json.dumps(results, indent=2))
     return results
 
 

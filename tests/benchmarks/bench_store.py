@@ -30,11 +30,9 @@ import time
 from pathlib import Path
 
 import diskcache
+from bench_results import results_dir
 
 from adstore.store import Store
-
-RESULTS = Path("bench-results")
-
 
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
@@ -221,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'benchmark':38} {'adstore':28} {'baseline':34} ratio")
     for r in rows:
         print(f"{r[0]:38} {r[1]:28} {r[2]:34} {r[3]}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "store.json").write_text(json.dumps(res, indent=2))
+    (results_dir() / "store.json").write_text(json.dumps(res, indent=2))
     return 0
 
 
