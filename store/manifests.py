@@ -102,7 +102,8 @@ def _put_components(txn: lmdb.Transaction, dbs: Dbs, key: str, components: Mappi
         txn.put(key.encode(), encode_json(dict(components)), db=dbs["components"])
 
 
-def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manifest]:
+def _manifest_rows(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[tuple[bytes, bytes]]:
+    """(manifest key, row) of every manifest of ``key``: every rank, every generation."""
     prefix = manifest_prefix(key)
     cur = txn.cursor(db=dbs["manifests"])
     if not cur.set_range(prefix):
@@ -110,7 +111,12 @@ def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manife
     for raw_key, raw in cur:
         if not raw_key.startswith(prefix):
             break
-        yield Manifest.decode(bytes(raw_key), bytes(raw))
+        yield bytes(raw_key), bytes(raw)
+
+
+def iter_manifests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[Manifest]:
+    for raw_key, raw in _manifest_rows(txn, dbs, key):
+        yield Manifest.decode(raw_key, raw)
 
 
 def manifest_digests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[set[str]]:
@@ -119,13 +125,7 @@ def manifest_digests(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Iterator[set[
     For scans over many entries (eviction planning); an undecodable row
     yields no digests (see ``_manifest_refs``).
     """
-    prefix = manifest_prefix(key)
-    cur = txn.cursor(db=dbs["manifests"])
-    if not cur.set_range(prefix):
-        return
-    for raw_key, raw in cur:
-        if not raw_key.startswith(prefix):
-            break
+    for _, raw in _manifest_rows(txn, dbs, key):
         yield _manifest_refs(raw)[0]
 
 
