@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -270,6 +271,15 @@ class Tiny(torch.nn.Module):
         return torch.relu(self.lin(x))
 
 
+def _trusting_lookup(root: str) -> str:
+    """A victim that trusts uid 65534 looks the engine up (run in a spawned process)."""
+    with Store.open(root) as store:
+        trusting = EngineCache(AdstoreEngineCache(store, trusted_uids=[65534]))
+        _engine, event = trusting.lookup(Tiny(), (torch.randn(2, 8),))
+        trusting.close()
+    return f"{event.kind} {event.reason or ''}: {event.detail or ''}"
+
+
 @pytest.fixture(scope="module")
 def engine_req(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine") / "store"
@@ -452,8 +462,8 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
     evil_pkg = evil.getvalue()
     meta["payload"] = {**meta["payload"], "sha256": hashlib.sha256(evil_pkg).hexdigest(), "size": len(evil_pkg)}
 
-    def attack() -> None:
-        with Store.open(root) as s:
+    def attack() -> None:  # as a file the attacker owns (a small package would be stored inline)
+        with Store.open(root, inline_threshold=1024) as s:
             _publish_engine(s, h, meta, evil_pkg)
 
     for path in root.rglob("*"):  # the store is shared with the attacker's group
@@ -467,16 +477,12 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
     assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"
     assert engine is None and event.kind == "miss" and event.reason == "untrusted_engine", event
     # Control: the attack is live — a victim who trusts the attacker's uid does load it, and its code runs.
-    pid = os.fork()
-    if pid == 0:  # in a child: the victim's process would be taken over
-        try:
-            with Store.open(root) as store:
-                trusting = EngineCache(AdstoreEngineCache(store, trusted_uids=[65534]))
-                trusting.lookup(model, (x,))
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    assert sentinel.exists(), "control failed: the crafted package did not run, so the test proves nothing"
+    # In a fresh (spawned) interpreter: a forked one inherits the objects this process dlopen'ed, and
+    # glibc may hand back one of those for the extracted file (same device and inode, reused after the
+    # first extraction was deleted) without running the constructor; seen on a cold inductor cache.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        outcome = pool.apply(_trusting_lookup, (str(root),))
+    assert sentinel.exists(), f"control failed: the crafted package did not run ({outcome}), so the test proves nothing"
     sentinel.unlink()
 
 
