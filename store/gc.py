@@ -28,8 +28,16 @@ from .errors import CorruptRecord, InvalidKey
 from .fsutil import parse_min_free
 from .index import Index
 from .leases import lease_is_live
-from .manifests import drop_entry_txn, drop_manifest_txn, get_entry, iter_manifests, manifest_digests, with_access
-from .records import ACCESS_ROW, BlobRef, BlobRow, Entry, LeaseRecord, Manifest, manifest_key, validate_key
+from .manifests import (
+    drop_entry_txn,
+    drop_manifest_txn,
+    get_entry,
+    iter_manifests,
+    manifest_digests,
+    read_access,
+    with_access,
+)
+from .records import BlobRef, BlobRow, Entry, LeaseRecord, Manifest, manifest_key, validate_key
 from .stats import BLOB_EPOCH, PHYSICAL, bump, read_int
 
 __all__ = ["EvictionPlan", "SweepPlan", "Collector"]
@@ -335,11 +343,6 @@ class Collector:
         log.info("evicted %d entr(ies), freed %d bytes", len(plan.victims), freed)
         return freed
 
-    @staticmethod
-    def _last_access(txn: lmdb.Transaction, dbs: Any, key: bytes) -> float | None:
-        raw = txn.get(key, None, dbs["access"])
-        return ACCESS_ROW.unpack(raw)[0] if raw is not None and len(raw) == ACCESS_ROW.size else None
-
     def _current(self, txn: lmdb.Transaction, victim: Entry, planned: bytes | None) -> tuple[Entry | None, bool]:
         """A victim's entry as it is now (None: gone), and whether it was used since the plan.
 
@@ -359,8 +362,8 @@ class Collector:
                 entry = Entry.decode(key, raw)
             except CorruptRecord:
                 entry = victim
-        last = self._last_access(txn, dbs, key)
-        return entry, last is not None and last > victim.last_access
+        access = read_access(txn, dbs, key)
+        return entry, access is not None and access[0] > victim.last_access
 
     # -- sweep -----------------------------------------------------------
     def plan_sweep(self, *, now: float | None = None) -> SweepPlan:

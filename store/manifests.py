@@ -47,6 +47,7 @@ __all__ = [
     "manifest_digests",
     "get_entry",
     "with_access",
+    "read_access",
     "put_access",
     "get_components",
     "lookup_txn",
@@ -80,11 +81,17 @@ def get_entry(txn: lmdb.Transaction, dbs: Dbs, key: str) -> Entry | None:
     return None if raw is None else with_access(txn, dbs, Entry.decode(raw_key, raw))
 
 
+def read_access(txn: lmdb.Transaction, dbs: Dbs, raw_key: bytes) -> tuple[float, int] | None:
+    """(last access, hits) of an entry from its ``access`` row; None if absent or unreadable."""
+    raw = txn.get(raw_key, None, dbs["access"])
+    return ACCESS_ROW.unpack(raw) if raw is not None and len(raw) == ACCESS_ROW.size else None
+
+
 def with_access(txn: lmdb.Transaction, dbs: Dbs, entry: Entry) -> Entry:
     """Fill in ``entry``'s last access and hits from its ``access`` row (if readable)."""
-    raw = txn.get(entry.key.encode(), None, dbs["access"])
-    if raw is not None and len(raw) == ACCESS_ROW.size:
-        entry.last_access, entry.hits = ACCESS_ROW.unpack(raw)
+    access = read_access(txn, dbs, entry.key.encode())
+    if access is not None:
+        entry.last_access, entry.hits = access
     return entry
 
 

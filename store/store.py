@@ -47,10 +47,10 @@ from .manifests import (
     lookup_txn,
     publish_txn,
     put_access,
+    read_access,
     with_access,
 )
 from .records import (
-    ACCESS_ROW,
     BlobRef,
     Entry,
     LeaseRecord,
@@ -478,10 +478,9 @@ class Store:
                 raw_key = key.encode()
                 if txn.get(raw_key, None, self._dbs["entries"]) is None:
                     continue  # evicted meanwhile
-                raw = txn.get(raw_key, None, self._dbs["access"])
-                if raw is not None and len(raw) == ACCESS_ROW.size:
-                    last, total = ACCESS_ROW.unpack(raw)
-                    when, hits = max(last, when), total + hits
+                recorded = read_access(txn, self._dbs, raw_key)
+                if recorded is not None:
+                    when, hits = max(recorded[0], when), recorded[1] + hits
                 put_access(txn, self._dbs, key, when, hits)
 
         try:
