@@ -74,6 +74,23 @@ def _weight_operand(operand: Any) -> tuple[fx.Node, float] | None:
     return None
 
 
+def _replace_with(gm: fx.GraphModule, old: fx.Node, op: Any, args: tuple[Any, ...]) -> None:
+    """Put ``op(*args)`` where ``old`` was; it keeps ``old``'s value, trace and module path."""
+    with gm.graph.inserting_before(old):
+        new = gm.graph.call_function(op, args)
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+    old.replace_all_uses_with(new)
+
+
+def _finish(gm: fx.GraphModule, count: int) -> int:
+    """After ``count`` rewrites: drop the replaced subgraphs and regenerate the code."""
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def rewrite_rms_norm(gm: fx.GraphModule) -> int:
     """``w * (x * rsqrt(mean(x**2, -1) + eps))`` -> ``adstore.rms_norm(x, w, eps, offset)``."""
     count = 0
@@ -112,16 +129,9 @@ def rewrite_rms_norm(gm: fx.GraphModule) -> int:
             if tail is not None and _is(tail, aten.type_as.default, aten.to.dtype):
                 out = tail
         x = h.args[0] if _is(h, aten.to.dtype, aten._to_copy.default) else h
-        with gm.graph.inserting_before(out):
-            new = gm.graph.call_function(torch.ops.adstore.rms_norm.default, (x, w_node, eps, offset))
-        new.meta.update({k: v for k, v in out.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-        out.replace_all_uses_with(new)
+        _replace_with(gm, out, torch.ops.adstore.rms_norm.default, (x, w_node, eps, offset))
         count += 1
-    if count:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _finish(gm, count)
 
 
 def rewrite_swiglu(gm: fx.GraphModule) -> int:
@@ -136,16 +146,9 @@ def rewrite_swiglu(gm: fx.GraphModule) -> int:
         up = _other(mul, s)
         if not isinstance(up, fx.Node):
             continue
-        with gm.graph.inserting_before(mul):
-            new = gm.graph.call_function(torch.ops.adstore.silu_mul.default, (s.args[0], up))
-        new.meta.update({k: v for k, v in mul.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-        mul.replace_all_uses_with(new)
+        _replace_with(gm, mul, torch.ops.adstore.silu_mul.default, (s.args[0], up))
         count += 1
-    if count:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _finish(gm, count)
 
 
 def _slice_of(node: Any) -> tuple[fx.Node, int, int, int] | None:
@@ -205,16 +208,9 @@ def rewrite_rope(gm: fx.GraphModule) -> int:
             continue  # keep the reference's operand order (x*cos first) for bit-identical sums
         if mul_sin.args[0] is not cat or mul_cos.args[0] is not x:
             continue
-        with gm.graph.inserting_before(add):
-            new = gm.graph.call_function(torch.ops.adstore.rope.default, (x, cos, sin))
-        new.meta.update({k: v for k, v in add.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-        add.replace_all_uses_with(new)
+        _replace_with(gm, add, torch.ops.adstore.rope.default, (x, cos, sin))
         count += 1
-    if count:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _finish(gm, count)
 
 
 @dataclass(kw_only=True)
