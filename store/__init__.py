@@ -8,6 +8,7 @@ DESIGN.md §2 for the layout and the invariants every operation keeps.
 from .errors import (
     AccessDenied,
     AdstoreError,
+    AmbiguousKey,
     BlobMissing,
     ChecksumMismatch,
     ConfigError,
@@ -15,6 +16,7 @@ from .errors import (
     IncompatibleStore,
     InvalidDigest,
     InvalidKey,
+    KeyNotFound,
     OverBudget,
     StoreError,
     StoreFull,
@@ -24,6 +26,7 @@ from .errors import (
 from .fsutil import atomic_write, parse_duration, parse_min_free, parse_size
 from .gc import EvictionPlan, SweepPlan
 from .manifests import LookupResult
+from .reasons import Reason
 from .records import BlobRef, Entry, LeaseRecord, Manifest
 from .stats import StoreStats
 from .store import DEFAULT_GRACE_PERIOD, DEFAULT_INLINE_THRESHOLD, Store, default_root
@@ -39,6 +42,7 @@ __all__ = [
     "Manifest",
     "LeaseRecord",
     "LookupResult",
+    "Reason",
     "EvictionPlan",
     "SweepPlan",
     "VerifyReport",
@@ -52,6 +56,8 @@ __all__ = [
     "StoreError",
     "InvalidDigest",
     "InvalidKey",
+    "KeyNotFound",
+    "AmbiguousKey",
     "BlobMissing",
     "ChecksumMismatch",
     "CorruptRecord",

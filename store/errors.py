@@ -2,18 +2,24 @@
 
 Every error raised on purpose by any adstore package derives from
 :class:`AdstoreError`.  Errors carry data (digests, keys, ranks) instead of
-only a message, and each has a short machine-readable ``reason`` that the
-cache layers report as the reason of a miss or a bypass and that the CLI maps
-to an exit code.
+only a message, and each has a :class:`~adstore.store.reasons.Reason` that the cache layers
+report as the reason of a miss or a bypass and that the CLI maps to an exit
+code (README, "Misses and bypasses").
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .reasons import Reason
 
 __all__ = [
     "AdstoreError",
     "StoreError",
     "InvalidDigest",
     "InvalidKey",
+    "KeyNotFound",
+    "AmbiguousKey",
     "BlobMissing",
     "ChecksumMismatch",
     "CorruptRecord",
@@ -22,7 +28,6 @@ __all__ = [
     "IncompatibleStore",
     "OverBudget",
     "StoreFull",
-    "LeaseError",
     "AccessDenied",
     "ConfigError",
 ]
@@ -31,19 +36,19 @@ __all__ = [
 class AdstoreError(Exception):
     """Base of every adstore error; ``reason`` names it in events and stats."""
 
-    reason = "error"
+    reason: Reason = Reason.ERROR
 
 
 class StoreError(AdstoreError):
     """Something about the store itself (layout, index, files) went wrong."""
 
-    reason = "store_error"
+    reason: Reason = Reason.STORE_ERROR
 
 
 class InvalidDigest(StoreError, ValueError):
     """A digest that is not 64 lowercase hex characters; never joined into a path."""
 
-    reason = "bad_digest"
+    reason: Reason = Reason.BAD_DIGEST
 
     def __init__(self, digest: object) -> None:
         self.digest = digest
@@ -53,7 +58,7 @@ class InvalidDigest(StoreError, ValueError):
 class InvalidKey(StoreError, ValueError):
     """A cache key, namespace or artifact name the store will not index."""
 
-    reason = "bad_key"
+    reason: Reason = Reason.BAD_KEY
 
     def __init__(self, key: object, why: str) -> None:
         self.key = key
@@ -61,10 +66,42 @@ class InvalidKey(StoreError, ValueError):
         super().__init__(f"invalid key {key!r}: {why}")
 
 
+class KeyNotFound(InvalidKey, KeyError):
+    """No entry's key equals (or, for a prefix, starts with) the given text."""
+
+    reason: Reason = Reason.UNKNOWN_KEY
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        super().__init__(prefix, "no entry has this key or key prefix")
+
+    def __str__(self) -> str:  # KeyError would repr() the argument
+        return f"no entry matches key {self.prefix!r}"
+
+
+class AmbiguousKey(InvalidKey, KeyError):
+    """A key prefix matches more than one entry (like an ambiguous short git hash)."""
+
+    reason: Reason = Reason.AMBIGUOUS_KEY
+
+    def __init__(self, prefix: str, candidates: Sequence[str]) -> None:
+        self.prefix = prefix
+        self.candidates = list(candidates)
+        super().__init__(prefix, "ambiguous key prefix")
+
+    def __str__(self) -> str:
+        shown = ", ".join(c[:16] for c in self.candidates[:5])
+        more = f" and {len(self.candidates) - 5} more" if len(self.candidates) > 5 else ""
+        return (
+            f"key prefix {self.prefix!r} is ambiguous: it matches {len(self.candidates)} "
+            f"entries ({shown}{more}); type more characters"
+        )
+
+
 class BlobMissing(StoreError):
     """A referenced blob has no row, no file, or a file of the wrong size."""
 
-    reason = "blob_missing"
+    reason: Reason = Reason.BLOB_MISSING
 
     def __init__(self, digest: str, detail: str = "") -> None:
         self.digest = digest
@@ -75,7 +112,7 @@ class BlobMissing(StoreError):
 class ChecksumMismatch(StoreError):
     """Blob content does not hash to its digest; the blob has been quarantined."""
 
-    reason = "checksum"
+    reason: Reason = Reason.CHECKSUM
 
     def __init__(self, expected: str, got: str, size: int | None = None) -> None:
         self.expected = expected
@@ -87,7 +124,7 @@ class ChecksumMismatch(StoreError):
 class CorruptRecord(StoreError):
     """An LMDB value that does not decode (damaged index)."""
 
-    reason = "corrupt_index"
+    reason: Reason = Reason.CORRUPT_INDEX
 
     def __init__(self, db: str, key: bytes | str, detail: str) -> None:
         self.db = db
@@ -99,7 +136,7 @@ class CorruptRecord(StoreError):
 class UnsupportedFilesystem(StoreError):
     """The root is on a network filesystem, where LMDB locking is unsafe."""
 
-    reason = "network_fs"
+    reason: Reason = Reason.NETWORK_FS
 
     def __init__(self, root: str, fstype: str) -> None:
         self.root = root
@@ -113,7 +150,7 @@ class UnsupportedFilesystem(StoreError):
 class UnsafeRoot(StoreError):
     """The root is world-writable or owned by another user without group sharing."""
 
-    reason = "unsafe_root"
+    reason: Reason = Reason.UNSAFE_ROOT
 
     def __init__(self, root: str, why: str) -> None:
         self.root = root
@@ -124,7 +161,7 @@ class UnsafeRoot(StoreError):
 class IncompatibleStore(StoreError):
     """The index was written with another schema version than this adstore reads."""
 
-    reason = "incompatible_store"
+    reason: Reason = Reason.INCOMPATIBLE_STORE
 
     def __init__(self, root: str, found: str, expected: int) -> None:
         self.root = root
@@ -139,7 +176,7 @@ class IncompatibleStore(StoreError):
 class OverBudget(StoreError):
     """A write would exceed the hard size limit and inline eviction cannot make room."""
 
-    reason = "over_budget"
+    reason: Reason = Reason.OVER_BUDGET
 
     def __init__(self, needed: int, limit: int, size: int) -> None:
         self.needed = needed
@@ -153,7 +190,7 @@ class OverBudget(StoreError):
 class StoreFull(StoreError):
     """The filesystem under the store is full (ENOSPC / EDQUOT)."""
 
-    reason = "disk_full"
+    reason: Reason = Reason.DISK_FULL
 
     def __init__(self, path: str, detail: str = "") -> None:
         self.path = path
@@ -164,7 +201,7 @@ class StoreFull(StoreError):
 class AccessDenied(StoreError):
     """The store exists but this user may not open or write it."""
 
-    reason = "permission_denied"
+    reason: Reason = Reason.PERMISSION_DENIED
 
     def __init__(self, path: str, detail: str = "") -> None:
         self.path = path
@@ -172,14 +209,10 @@ class AccessDenied(StoreError):
         super().__init__(f"permission denied on {path}" + (f": {detail}" if detail else ""))
 
 
-class LeaseError(StoreError):
-    reason = "lease"
-
-
 class ConfigError(AdstoreError, ValueError):
     """Invalid configuration; ``field`` names the offending setting."""
 
-    reason = "config"
+    reason: Reason = Reason.CONFIG
 
     def __init__(self, field: str, why: str) -> None:
         self.field = field
