@@ -41,7 +41,7 @@ from adstore.store.errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from adstore.store.fsutil import parse_duration, parse_size
+from adstore.store.units import parse_duration, parse_size
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for"]
 

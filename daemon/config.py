@@ -17,7 +17,6 @@ filesystem (``"10%"``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -25,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.store.errors import ConfigError
-from adstore.store.fsutil import parse_duration as _store_parse_duration
-from adstore.store.fsutil import parse_size as _store_parse_size
+from adstore.store.units import parse_duration, parse_fraction, parse_min_free, parse_size
 
 __all__ = [
     "DaemonConfig",
@@ -40,24 +38,6 @@ __all__ = [
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-def parse_size(value: object, *, field: str = "size") -> int:
-    """Bytes from an int or ``"10G"``/``"512MiB"`` — the store's own parser, so units agree."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(field, f"size must be finite, got {value!r}")
-    if not isinstance(value, (int, float, str)):
-        raise ConfigError(field, f"expected a size such as 10G or 512MiB, got {type(value).__name__}")
-    return _store_parse_size(value, field=field)
-
-
-def parse_duration(value: object, *, field: str = "duration") -> float:
-    """Seconds from a number or ``"250ms"``/``"90s"``/``"5m"``/``"2h"``/``"7d"`` (the store's parser)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(field, f"duration must be finite, got {value!r}")
-    if not isinstance(value, (int, float, str)):
-        raise ConfigError(field, f"expected a duration such as 90s or 2h, got {type(value).__name__}")
-    return _store_parse_duration(value, field=field)
-
-
 def _parse_bool(value: object, *, field: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -67,37 +47,6 @@ def _parse_bool(value: object, *, field: str) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ConfigError(field, f"expected true or false, got {value!r}")
-
-
-def parse_fraction(value: object, *, field: str) -> float:
-    """A fraction in (0, 1] from ``0.9`` or ``"90%"``."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a fraction, got boolean {value!r}")
-    try:
-        if isinstance(value, str) and value.strip().endswith("%"):
-            frac = float(value.strip()[:-1]) / 100.0
-        elif isinstance(value, (int, float, str)):
-            frac = float(value)
-        else:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(field, f"expected a fraction such as 0.9 or \"90%\", got {value!r}") from None
-    if not (0.0 < frac <= 1.0):
-        raise ConfigError(field, f"must be in (0, 1] (or (0%, 100%]), got {value!r}")
-    return frac
-
-
-def parse_min_free(value: object, *, field: str = "min_free") -> tuple[int | None, float | None]:
-    """``(bytes, None)`` for a size, ``(None, percent)`` for ``"10%"``."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            pct = float(value.strip()[:-1])
-        except ValueError:
-            raise ConfigError(field, f"cannot parse percentage {value!r}") from None
-        if not (0.0 < pct < 100.0):
-            raise ConfigError(field, f"percentage must be between 0 and 100 (exclusive), got {value!r}")
-        return None, pct
-    return parse_size(value, field=field), None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
+from adstore.store.units import human_size
+
 __all__ = [
     "human_size",
     "human_duration",
@@ -23,25 +25,6 @@ __all__ = [
     "kv_block",
     "Progress",
 ]
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_size(n: int | float | None) -> str:
-    """``1536`` → ``"1.5 KiB"``; binary units, like ``du -h`` and systemd."""
-    if n is None:
-        return "-"
-    value = float(n)
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for unit in _UNITS:
-        if value < 1024 or unit == _UNITS[-1]:
-            if unit == "B":
-                return f"{sign}{int(value)} B"
-            return f"{sign}{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 
 def human_duration(seconds: float | None) -> str:
     """``5400`` → ``"1h30m"``; two most significant units."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.store.errors import ConfigError
+from adstore.store.units import human_size
 
 __all__ = ["format_demo", "free_port", "run_demo", "run_ranks"]
 
@@ -217,15 +218,6 @@ def _prefix_names(result: dict[str, Any]) -> set[str]:
     return set(names)
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 def format_demo(result: dict[str, Any]) -> str:
     """A short human table of :func:`run_demo`'s result."""
     rows = [
@@ -233,7 +225,7 @@ def format_demo(result: dict[str, Any]) -> str:
         ("warm run (hit)", f"{result['warm_s']:.3f} s"),
         ("speedup", f"{result['speedup']:.1f}x" if result.get("speedup") else "n/a"),
         ("cached prefix / restore", f"{result['prefix_s']:.3f} s / {result['restore_s']:.3f} s"),
-        ("bytes stored", _human_bytes(int(result["bytes_stored"]))),
+        ("bytes stored", human_size(int(result["bytes_stored"]))),
         ("store dedup ratio", f"{result['dedup_ratio']:.2f}"),
         ("outputs match", "yes (bit for bit)" if result["outputs_match"] else "NO"),
         ("warm run was a hit", "yes" if result["warm_hit"] else f"no ({', '.join(result['warm_events'])})"),

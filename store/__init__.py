@@ -23,13 +23,22 @@ from .errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from .fsutil import atomic_write, parse_duration, parse_min_free, parse_size
+from .fsutil import atomic_write
 from .gc import EvictionPlan, SweepPlan
 from .manifests import LookupResult
 from .reasons import Reason
 from .records import BlobRef, Entry, LeaseRecord, Manifest
 from .stats import StoreStats
 from .store import DEFAULT_GRACE_PERIOD, DEFAULT_INLINE_THRESHOLD, Store, default_root
+from .units import (
+    MinFree,
+    human_size,
+    parse_duration,
+    parse_fraction,
+    parse_min_free,
+    parse_percent,
+    parse_size,
+)
 from .verify import VerifyReport
 
 __all__ = [
@@ -50,7 +59,11 @@ __all__ = [
     "atomic_write",
     "parse_size",
     "parse_min_free",
+    "parse_percent",
+    "parse_fraction",
     "parse_duration",
+    "MinFree",
+    "human_size",
     "AdstoreError",
     "AccessDenied",
     "StoreError",

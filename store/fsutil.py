@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import stat
 import uuid
 from collections.abc import Iterable, Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from .errors import ConfigError, StoreFull, UnsafeRoot, UnsupportedFilesystem
+from .errors import StoreFull, UnsafeRoot, UnsupportedFilesystem
 
 __all__ = [
     "atomic_write",
@@ -33,9 +32,6 @@ __all__ = [
     "NETWORK_FILESYSTEMS",
     "check_local_filesystem",
     "check_root_permissions",
-    "parse_size",
-    "parse_min_free",
-    "parse_duration",
 ]
 
 log = logging.getLogger(__name__)
@@ -177,54 +173,3 @@ def check_root_permissions(root: Path) -> list[str]:
             "and is not shared with one of your groups"
         )
     return warnings
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(value: int | float | str, *, field: str = "size") -> int:
-    """Bytes from ``123``, ``"64k"``, ``"10G"``, ``"512MiB"`` (binary units)."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a size, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(field, f"size must not be negative, got {value!r}")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ConfigError(field, f"cannot parse size {value!r} (examples: 1048576, 512M, 10GiB)")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    return int(number * (1024 ** _UNITS[unit]))
-
-
-def parse_min_free(value: int | float | str, *, total: int, field: str = "min_free") -> int:
-    """Bytes of free space wanted: a size, or a percentage of ``total``."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            pct = float(value.strip()[:-1])
-        except ValueError:
-            raise ConfigError(field, f"cannot parse percentage {value!r}") from None
-        if not 0 <= pct <= 100:
-            raise ConfigError(field, f"percentage must be within 0..100, got {value!r}")
-        return int(total * pct / 100)
-    return parse_size(value, field=field)
-
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
-_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
-
-
-def parse_duration(value: int | float | str, *, field: str = "duration") -> float:
-    """Seconds from ``30``, ``"90s"``, ``"15m"``, ``"2h"``, ``"7d"``."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a duration, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(field, f"duration must not be negative, got {value!r}")
-        return float(value)
-    m = _DURATION_RE.match(str(value))
-    if not m:
-        raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
-    unit = m.group(2).lower() if m.group(2) else None
-    return float(m.group(1)) * _SECONDS[unit]

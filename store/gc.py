@@ -25,7 +25,6 @@ import lmdb
 
 from .blobs import Layout
 from .errors import CorruptRecord, InvalidKey
-from .fsutil import parse_min_free
 from .index import Index
 from .leases import lease_is_live
 from .manifests import (
@@ -39,6 +38,7 @@ from .manifests import (
 )
 from .records import BlobRef, BlobRow, Entry, LeaseRecord, Manifest, manifest_key, validate_key
 from .stats import BLOB_EPOCH, PHYSICAL, bump, read_int
+from .units import parse_min_free
 
 __all__ = ["EvictionPlan", "SweepPlan", "Collector"]
 
@@ -222,7 +222,7 @@ class Collector:
                 reasons.append(f"size {physical} > max_size {max_size}")
             if min_free is not None:
                 du = shutil.disk_usage(self._layout.root)
-                want = parse_min_free(min_free, total=du.total)
+                want = parse_min_free(min_free).of(du.total)
                 if du.free < want:
                     need = max(need, want - du.free)
                     reasons.append(f"free {du.free} < min_free {want}")

@@ -31,7 +31,7 @@ import lmdb
 
 from .blobs import Blobs, Layout
 from .errors import CorruptRecord, InvalidKey, OverBudget, StoreError
-from .fsutil import check_local_filesystem, check_root_permissions, parse_duration, parse_size
+from .fsutil import check_local_filesystem, check_root_permissions
 from .gc import Collector, EvictionPlan, SweepPlan
 from .index import Index
 from .leases import new_lease_record
@@ -61,6 +61,7 @@ from .records import (
     validate_namespace,
 )
 from .stats import LOGICAL, PHYSICAL, StoreStats, bump, event_counters, read_counters, read_int
+from .units import parse_duration, parse_size
 from .verify import Progress, VerifyReport, verify_store
 
 __all__ = ["Store", "default_root", "DEFAULT_GRACE_PERIOD", "DEFAULT_INLINE_THRESHOLD"]
