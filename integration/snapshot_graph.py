@@ -330,7 +330,7 @@ def encode_bound_method(gm: torch.nn.Module, name: str, value: types.MethodType,
         raise UnsupportedModule(f"{path or '<root>'}: attribute {name!r} is a method bound to another object")
     func = value.__func__
     kind = _EXPORT_METHODS.get(getattr(func, "__qualname__", ""))
-    if kind and getattr(func, "__module__", "") in ("torch.export.exported_program", __name__):
+    if kind and getattr(func, "__module__", "") in ("torch.export.exported_program", _export_train.__module__):
         return [name, kind, ""]
     q = qualname_of(func)
     if q is None:

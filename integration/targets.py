@@ -1,23 +1,37 @@
-"""Qualified names for callables and classes, resolved only under an allow-list.
+"""Qualified names for callables and classes, resolved only under a positive allow-list.
 
 A snapshot names every node target, module class and hook callable by its
 qualified name (``torch.ops.aten.add.Tensor``, ``operator.getitem``,
-``torch.nn.modules.linear.Linear``).  Restoring must never turn a name chosen by
-whoever wrote the payload into code that runs, so resolution is deliberately
-narrow:
+``torch.nn.modules.linear.Linear``).  A store may be written by other users
+and hosts, so restoring must never turn a name chosen by whoever wrote the
+payload into code that runs.  "Anything public under ``torch.``" is not an
+allow-list: torch ships Python functions that execute source text
+(``torch.fx.graph_module._exec_with_source``) or run shell commands
+(``torch.utils.collect_env.run``).  A name is accepted only when the object it
+resolves to is one of (README, "Snapshots and their safety"):
 
-* the name must start with an allowed prefix (the built-in ones below, the
-  process-wide registry filled by :func:`allow_prefix`, and per-call extras);
-* a small deny-list inside ``torch`` (hub, cpp_extension, package, loaders)
-  is refused even though it starts with ``torch.``;
-* a module is only imported when its own name is allowed, and no path
-  component may be a dunder (``torch.__builtins__``);
-* the resolved object's *own* identity (``__module__`` of a function or class,
-  ``__name__`` of a module) must be allowed too, so re-exports such as
-  ``torch.os.system`` resolve to ``posix.system`` and are refused;
-* from ``builtins`` only an explicit side-effect-free subset is allowed.
+* an operator overload, packet or higher-order operator (``torch.ops.*``);
+* one of torch's builtin (C) tensor functions: the homes in
+  :data:`TORCH_C_HOMES` (``torch.add``, ``torch._C._nn.linear``, tensor
+  methods), less :data:`DENIED_TORCH_BUILTINS` (``from_file`` maps files);
+* a reviewed Python-level function in :data:`REVIEWED_FUNCTIONS` (what
+  exported and FX-traced graphs contain, derived from the graphs of every
+  architecture the tests export);
+* a reviewed class: a module class defined in ``torch.nn.modules`` or a
+  GraphModule class, an FX tracer class, or a value type in
+  :data:`REVIEWED_CLASSES`;
+* a function of ``operator``/``math`` (less attribute getters and callers) or
+  a side-effect-free builtin in :data:`SAFE_BUILTINS`;
+* one of the project's own modules (importing one registers custom ops) or a
+  project object marked with :func:`snapshot_safe`;
+* anything under a prefix the user registered with :func:`allow_prefix` or
+  passes per call.
 
-Resolution never calls the object it finds.
+The check is on the object's *own* identity (where it is defined), so a
+re-export such as ``torch.os.system`` (really ``posix.system``) is refused
+whatever name reached it.  Modules are imported only when their own name is
+allowed, no path component may be a dunder, and resolution never calls the
+object it finds.
 """
 
 from __future__ import annotations
@@ -28,54 +42,100 @@ import logging
 import sys
 import threading
 import types
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TypeVar
 
 import torch
 
 from adstore.integration.errors import UntrustedTarget
 
 __all__ = [
-    "BUILTIN_PREFIXES",
+    "DENIED_TORCH_BUILTINS",
+    "REVIEWED_CLASSES",
+    "REVIEWED_FUNCTIONS",
     "SAFE_BUILTINS",
+    "TORCH_C_HOMES",
     "allow_prefix",
     "allowed_prefixes",
     "check_prefix",
     "is_allowed",
     "qualname_of",
     "resolve_target",
+    "snapshot_safe",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Prefixes every process trusts. ``builtins`` is handled by :data:`SAFE_BUILTINS`.
-BUILTIN_PREFIXES: tuple[str, ...] = ("torch.", "operator.", "_operator.", "math.", "adstore.")
+#: Where torch's builtin (C) tensor functions live: ``torch.add`` is a method of
+#: ``torch._C._VariableFunctionsClass``, ``F.linear`` lives in ``torch._C._nn``,
+#: tensor methods are descriptors of ``torch._C.TensorBase``.
+TORCH_C_HOMES: frozenset[str] = frozenset({
+    "torch._C._VariableFunctionsClass", "torch._C._nn", "torch._C._fft", "torch._C._linalg",
+    "torch._C._special", "torch._C._nested", "torch._C._sparse", "torch._C.TensorBase",
+})
 
-#: Entry points inside ``torch`` that load or compile code from elsewhere (a name is denied
-#: when it equals an entry or lies below it).
-_DENIED_PREFIXES: tuple[str, ...] = (
-    "torch.hub",
-    "torch.utils.cpp_extension",
-    "torch.package",
-    "torch.serialization",
-    "torch.load",
-    "torch.jit.load",
-    "torch.jit._serialization",
-    "torch.ops.load_library",
-    "torch._ops.load_library",
-    "torch.export.load",
-    "torch.compile",
-    "torch._dynamo",
-    "torch._inductor",
-    # Attribute getters and callers would let a graph reach names it does not spell out.
-    "operator.attrgetter",
-    "operator.methodcaller",
-    "operator.call",
-    "_operator.attrgetter",
-    "_operator.methodcaller",
-    "_operator.call",
+_C_HOME_OBJECTS: tuple[object, ...] = (
+    torch._C._VariableFunctions, torch._C._nn, torch._C._fft, torch._C._linalg, torch._C._special,
+    torch._C._nested, torch._C._sparse, torch._C.TensorBase,
 )
-#: Raw name prefixes denied regardless of dots (private C bindings of the above).
-_DENIED_RAW: tuple[str, ...] = ("torch._C._jit", "torch._C._import_ir", "torch._C._load_for_lite")
+
+#: Builtin torch functions that touch files, devices or process-wide state rather
+#: than compute on their arguments (names as they appear in the homes above).
+DENIED_TORCH_BUILTINS: frozenset[str] = frozenset({
+    "from_file", "_print", "_cufft_set_plan_cache_max_size", "_cufft_clear_plan_cache",
+    "untyped_storage", "storage", "_typed_storage", "record_stream", "set_", "share_memory_",
+    "_share_memory_", "pin_memory", "_pin_memory", "data_ptr", "_make_subclass",
+})
+
+# Reviewed Python-level functions, by module.  Each is tensor math or a shape
+# check: none reads files, imports, compiles or evaluates text.
+_NN_FUNCTIONAL = (
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "batch_norm", "celu", "dropout", "dropout1d", "dropout2d", "dropout3d",
+    "alpha_dropout", "elu", "embedding", "embedding_bag", "glu", "group_norm", "hardsigmoid",
+    "hardswish", "hardtanh", "instance_norm", "interpolate", "layer_norm", "leaky_relu",
+    "local_response_norm", "log_softmax", "max_pool1d", "max_pool2d", "max_pool3d", "mish",
+    "normalize", "pad", "relu", "relu6", "rms_norm", "selu", "sigmoid", "silu", "softmax",
+    "softmin", "softsign", "tanh", "tanhshrink", "threshold", "unfold", "fold",
+)
+_TORCH_FUNCTIONAL = (
+    "atleast_1d", "atleast_2d", "atleast_3d", "block_diag", "broadcast_shapes", "broadcast_tensors",
+    "cartesian_prod", "cdist", "einsum", "meshgrid", "norm", "split", "tensordot", "unique",
+    "unique_consecutive", "unravel_index",
+)
+_TORCH_SYM = (
+    "_assert", "_check", "_check_is_size", "_sym_sqrt", "sym_constrain_range",
+    "sym_constrain_range_for_size", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min",
+    "sym_not", "sym_sqrt", "sym_sum",
+)
+
+#: Python-level functions graphs really contain, by the module that defines them.
+REVIEWED_FUNCTIONS: frozenset[str] = frozenset(
+    [f"torch.nn.functional.{n}" for n in _NN_FUNCTIONAL]
+    + [f"torch.functional.{n}" for n in _TORCH_FUNCTIONAL]
+    + [f"torch.{n}" for n in _TORCH_SYM]
+    + [f"torch._tensor.Tensor.{n}" for n in ("split", "unflatten", "norm", "unique", "stft")]
+    + [
+        "torch._C._set_grad_enabled",  # pre-dispatch exports wrap no_grad regions in it
+        "torch.autograd.grad_mode._enter_inference_mode",
+        "torch.autograd.grad_mode._exit_inference_mode",
+        "torch.amp.autocast_mode._enter_autocast",
+        "torch.amp.autocast_mode._exit_autocast",
+        "torch.fx._symbolic_trace._assert_is_none",
+        "torch.export._unlift._check_input_constraints_pre_hook",
+    ]
+)
+
+#: Value and annotation types a snapshot may name (pytree nodes, ``node.type``).
+REVIEWED_CLASSES: frozenset[str] = frozenset({
+    "torch.Tensor", "torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer", "torch.Size",
+    "torch.SymInt", "torch.SymFloat", "torch.SymBool", "torch.dtype", "torch.device",
+    "torch.layout", "torch.memory_format",
+})
+
+#: Modules whose module classes (``torch.nn.Module`` subclasses) a snapshot may rebuild.
+_MODULE_CLASS_HOMES: tuple[str, ...] = ("torch.nn.modules.", "torch.fx.graph_module", "torch.export.")
+#: Modules whose FX tracer classes a GraphModule may record as its ``_tracer_cls``.
+_TRACER_HOMES: tuple[str, ...] = ("torch.fx.",)
 
 #: The side-effect-free builtins a graph may name (``builtins.getattr`` etc.).
 SAFE_BUILTINS: frozenset[str] = frozenset(
@@ -86,6 +146,14 @@ SAFE_BUILTINS: frozenset[str] = frozenset(
         "sum", "tuple", "zip", "enumerate", "map", "filter", "Ellipsis", "NotImplemented",
     }
 )
+#: ``operator`` functions that would let a graph reach names it does not spell out.
+_DENIED_OPERATOR: frozenset[str] = frozenset({"attrgetter", "methodcaller", "call"})
+
+#: Name prefixes a qualified name must start with before anything is imported or walked.
+_NAME_PREFIXES: tuple[str, ...] = ("torch.", "operator.", "_operator.", "math.", "builtins.", "adstore.integration.")
+#: The project's own modules: importing one is safe (it registers custom ops at most).
+_PROJECT_PREFIX = "adstore.integration."
+_SAFE_MARK = "_adstore_snapshot_safe"
 
 # Canonical module names that are aliases of an allowed public module.
 _MODULE_ALIASES = {"_operator": "operator"}
@@ -94,13 +162,30 @@ _user_prefixes: list[str] = []
 _lock = threading.Lock()
 _cache: dict[tuple[str, tuple[str, ...]], object] = {}
 
-
 _UNSAFE_ROOTS = frozenset({"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "pickle",
-                           "marshal", "ctypes", "shutil", "runpy", "code", "codeop", "pty", "socket", ""})
+                           "marshal", "ctypes", "shutil", "runpy", "code", "codeop", "pty", "socket",
+                           "torch", "operator", "_operator", ""})
+
+_T = TypeVar("_T")
+
+
+def snapshot_safe(obj: _T) -> _T:
+    """Mark one of the project's own functions or classes as nameable by snapshots.
+
+    Only objects defined under ``adstore.integration`` honour the mark, and a
+    class's mark is not inherited by subclasses defined elsewhere.
+    """
+    setattr(obj, _SAFE_MARK, True)
+    return obj
 
 
 def check_prefix(prefix: str) -> str:
-    """Validate an allow-list prefix; modules that grant code execution outright are refused."""
+    """Validate a user allow-list prefix.
+
+    Modules that grant code execution outright are refused, and so are
+    ``torch`` and ``operator`` as a whole: widening those is what the positive
+    list exists to prevent (name a package of your own, e.g. ``"mypkg."``).
+    """
     if not isinstance(prefix, str) or not prefix.strip(".") or "__" in prefix or " " in prefix:
         raise ValueError(f"invalid allow-list prefix {prefix!r}")
     if prefix.split(".")[0] in _UNSAFE_ROOTS:
@@ -123,8 +208,8 @@ def allow_prefix(prefix: str) -> None:
 
 
 def allowed_prefixes(extra_prefixes: Iterable[str] = ()) -> tuple[str, ...]:
-    """The prefixes in force: built-in, registered with :func:`allow_prefix`, and ``extra_prefixes``."""
-    return BUILTIN_PREFIXES + tuple(_user_prefixes) + tuple(extra_prefixes)
+    """The user prefixes in force: registered with :func:`allow_prefix`, and ``extra_prefixes``."""
+    return tuple(_user_prefixes) + tuple(extra_prefixes)
 
 
 def _prefix_match(name: str, prefix: str) -> bool:
@@ -133,65 +218,105 @@ def _prefix_match(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def _user_allowed(name: str, extra: Iterable[str]) -> bool:
+    return any(_prefix_match(name, p) for p in allowed_prefixes(extra))
+
+
 def is_allowed(qualname: str, extra_prefixes: Iterable[str] = ()) -> bool:
-    """Whether ``qualname`` is under an allowed prefix and not denied (no import happens)."""
+    """Whether ``qualname`` may be looked up at all (a name check; no import happens).
+
+    Passing this is necessary, not sufficient: :func:`resolve_target` then checks
+    the identity of the object the name resolves to.
+    """
     if not isinstance(qualname, str) or not qualname:
-        return False
-    if any(_prefix_match(qualname, p) for p in _DENIED_PREFIXES) or qualname.startswith(_DENIED_RAW):
         return False
     if qualname.startswith("builtins."):
         return qualname[len("builtins."):] in SAFE_BUILTINS
-    return any(_prefix_match(qualname, p) for p in allowed_prefixes(extra_prefixes))
+    if qualname.split(".", 1)[0] in ("operator", "_operator") and qualname.rsplit(".", 1)[-1] in _DENIED_OPERATOR:
+        return False
+    return qualname.startswith(_NAME_PREFIXES) or _user_allowed(qualname, extra_prefixes)
 
 
-def _owner_name(obj: object) -> str | None:
-    """The module an object really lives in, for the identity check."""
-    if isinstance(obj, types.ModuleType):
-        return obj.__name__
+def _home_of_builtin(obj: object) -> str | None:
+    """Where a C function or method descriptor lives (its module, or the class that holds it)."""
+    holder = getattr(obj, "__self__", None)
+    if holder is None or isinstance(holder, types.ModuleType):
+        holder = getattr(obj, "__objclass__", holder)
+    if isinstance(holder, types.ModuleType):
+        return holder.__name__
+    if isinstance(holder, type):
+        return f"{holder.__module__}.{holder.__qualname__}"
     mod = getattr(obj, "__module__", None)
-    if isinstance(mod, str):
-        return _MODULE_ALIASES.get(mod, mod)
-    # C functions bound to a class (torch.relu is a method of torch._C._VariableFunctionsClass)
-    # and method descriptors (torch.Tensor.add) live where their class lives.
+    return mod if isinstance(mod, str) else None
+
+
+def _is_torch_builtin(obj: object, name: str) -> bool:
+    """Whether ``obj`` *is* one of torch's C tensor functions (by identity, not by name)."""
+    return any(getattr(home, name, None) is obj for home in _C_HOME_OBJECTS)
+
+
+def _defined_name(obj: object) -> str | None:
+    mod = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if not isinstance(mod, str) or not isinstance(name, str):
+        return None
+    return f"{_MODULE_ALIASES.get(mod, mod)}.{name}"
+
+
+def _is_reviewed(obj: object) -> bool:
+    """The positive list: is this object, judged by where it is defined, safe to name?"""
+    if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return True
+    if obj is Ellipsis or obj is NotImplemented:
+        return True
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__.startswith(_PROJECT_PREFIX)
     if isinstance(obj, (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)):
-        holder = getattr(obj, "__self__", None) or getattr(obj, "__objclass__", None)
-        if isinstance(holder, type):
-            hmod = getattr(holder, "__module__", None)
-            if isinstance(hmod, str) and hmod != "builtins":
-                return hmod
-    return None
+        name = getattr(obj, "__name__", "")
+        if _is_torch_builtin(obj, name):
+            return name not in DENIED_TORCH_BUILTINS
+        home = _home_of_builtin(obj)
+        if home in ("_operator", "operator"):
+            return name not in _DENIED_OPERATOR
+        if home == "math":
+            return True
+        if home == "builtins":
+            return name in SAFE_BUILTINS
+        return f"{home}.{name}" in REVIEWED_FUNCTIONS
+    defined = _defined_name(obj)
+    if defined is None:
+        return False
+    if defined.startswith(_PROJECT_PREFIX) and _SAFE_MARK in getattr(obj, "__dict__", {}):
+        return True
+    if isinstance(obj, type):
+        if obj.__module__ == "builtins":
+            return obj.__name__ in SAFE_BUILTINS
+        if defined in REVIEWED_CLASSES or obj.__module__ == "torch.return_types":
+            return True
+        if issubclass(obj, torch.nn.Module):
+            return defined.startswith(_MODULE_CLASS_HOMES)
+        if issubclass(obj, torch.fx.Tracer):
+            return defined.startswith(_TRACER_HOMES)
+        return False
+    return isinstance(obj, types.FunctionType) and defined in REVIEWED_FUNCTIONS
 
 
 def _check_identity(qualname: str, obj: object, extra: Sequence[str]) -> None:
-    if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+    if _is_reviewed(obj):
         return
-    if obj is Ellipsis or obj is NotImplemented:
+    # User-registered prefixes are judged by where the object really lives, too.
+    owner = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    if isinstance(owner, str) and _user_allowed(_MODULE_ALIASES.get(owner, owner), extra):
         return
-    owner = _owner_name(obj)
-    if owner == "builtins":
-        name = getattr(obj, "__qualname__", getattr(obj, "__name__", ""))
-        if name in SAFE_BUILTINS:
-            return
-        raise UntrustedTarget(qualname)
-    if owner is None:
-        raise UntrustedTarget(qualname)
-    if isinstance(obj, types.ModuleType):
-        if not is_allowed(owner, extra):
-            raise UntrustedTarget(qualname)
-        return
-    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "")
-    if getattr(obj, "__module__", None) is None:
-        name = getattr(obj, "__name__", "")
-    full = f"{owner}.{name}" if name else owner
-    if not (is_allowed(full, extra) or is_allowed(owner + ".", extra)):
-        raise UntrustedTarget(qualname)
+    raise UntrustedTarget(qualname)
 
 
 def _import_allowed(modname: str, extra: Sequence[str]) -> types.ModuleType | None:
+    """An already-imported module, or one whose own name the project or the user trusts."""
     mod = sys.modules.get(modname)
     if mod is not None:
         return mod
-    if not is_allowed(modname, extra) and not is_allowed(modname + ".", extra):
+    if not (modname.startswith(_PROJECT_PREFIX) or _user_allowed(modname, extra)):
         return None
     try:
         return importlib.import_module(modname)

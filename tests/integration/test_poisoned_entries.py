@@ -117,7 +117,11 @@ def _module_pt_variants(good: bytes, sentinel) -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({**payload, "structure": json.dumps(structure)}, buf)
     target_os_system = buf.getvalue()
-    return {"raw_pickle_os_system": raw_os_system, "raw_pickle_builtins_exec": raw_exec,
+    graph["targets"][0] = "torch.utils.collect_env.run"  # public torch, runs a shell command
+    buf = io.BytesIO()
+    torch.save({**payload, "structure": json.dumps(structure)}, buf)
+    target_torch_shell = buf.getvalue()
+    return {"graph_target_torch_shell": target_torch_shell, "raw_pickle_os_system": raw_os_system, "raw_pickle_builtins_exec": raw_exec,
             "pickle_subprocess_popen": popen, "torch_save_with_pickled_object": zipped_object,
             "graph_target_os_system": target_os_system, "empty": b"", "garbage": b"\x00" * 1000}
 
@@ -140,10 +144,12 @@ def _find_graph(node):
 
 
 MODULE_POISONS = ["raw_pickle_os_system", "raw_pickle_builtins_exec", "pickle_subprocess_popen",
-                  "torch_save_with_pickled_object", "graph_target_os_system", "empty", "garbage"]
+                  "torch_save_with_pickled_object", "graph_target_os_system", "graph_target_torch_shell",
+                  "empty", "garbage"]
 
 
-_DEFAULT_MODULE = {"raw_pickle_os_system", "torch_save_with_pickled_object", "graph_target_os_system"}
+_DEFAULT_MODULE = {"raw_pickle_os_system", "torch_save_with_pickled_object", "graph_target_os_system",
+                   "graph_target_torch_shell"}
 
 
 @pytest.mark.parametrize("poison", [p if p in _DEFAULT_MODULE else pytest.param(p, marks=pytest.mark.slow)

@@ -162,6 +162,69 @@ def test_untrusted_call_function_target_rejected(fx_art, sentinel, qualname):
     assert qualname in summarize(_craft(structure, tensors))["op_histogram"]
 
 
+# Python functions that torch ships and that run code or touch files: the old deny-list
+# ("anything under torch. but loaders") accepted every one of them.
+_DANGEROUS = {
+    "torch.utils.collect_env.run": lambda s: ["t", f"touch {s}"],
+    "torch.fx.graph_module._exec_with_source": lambda s: ["t", f"import os; os.system('touch {s}')", ["d"]],
+    "torch.from_file": lambda s: ["t", str(s), True, 4],
+}
+
+
+def _poison(art, qualname, sentinel, wired):
+    """The graph of ``art`` with one more node calling ``qualname``, unused or returned."""
+    import torch.utils.collect_env  # noqa: F401  (imported, so only the allow-list stands between)
+
+    structure, tensors = _open(art)
+    graph = structure["tree"]["graph"]
+    graph["targets"].append(qualname)
+    nodes = graph["nodes"]
+    nodes.insert(len(nodes) - 1, ["pwn", "call_function", len(graph["targets"]) - 1,
+                                  _DANGEROUS[qualname](sentinel), ["d"], None, {}])
+    if wired:
+        nodes[-1][3] = ["t", ["t", nodes[-1][3][1], ["n", len(nodes) - 2]]]
+    return _craft(structure, tensors)
+
+
+@pytest.mark.parametrize("wired", [False, True], ids=["unused", "in_output"])
+@pytest.mark.parametrize("qualname", sorted(_DANGEROUS))
+def test_torch_functions_that_run_code_are_not_allow_listed(sentinel, tmp_path, monkeypatch, qualname, wired):
+    from adstore.integration import targets
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    plain_art = dump_module(torch.fx.symbolic_trace(Plain()))
+    _rejected(_poison(plain_art, qualname, sentinel, wired), "untrusted_target")
+    # Control: the same payload under an allow-list that accepts everything does run.
+    control = tmp_path / "control"
+    monkeypatch.setattr(targets, "_is_reviewed", lambda obj: True)
+    monkeypatch.setattr(targets, "_cache", {})
+    gm = load_module(_poison(plain_art, qualname, control, wired))
+    gm(torch.randn(2, 4))
+    assert control.exists(), "the control payload did not run: the test would prove nothing"
+
+
+@pytest.mark.parametrize("qualname", [
+    "torch.ops.aten.add.Tensor", "torch.add", "torch.Tensor.add", "torch.nn.functional.silu",
+    "torch._C._nn.linear", "torch.sym_int", "operator.getitem", "math.sqrt", "builtins.len",
+    "torch.nn.modules.linear.Linear", "torch.fx.graph_module.GraphModule", "torch.Size",
+])
+def test_positive_list_accepts_what_graphs_contain(qualname):
+    assert resolve_target(qualname) is not None
+
+
+@pytest.mark.parametrize("qualname", [
+    "torch.save", "torch.jit.CompilationUnit", "torch.autograd.Function", "torch.Tensor.untyped_storage",
+    "torch.ops.load_library", "torch.ops.aten.__class__", "adstore.store.fsutil.atomic_write",
+    "torch.utils.data.DataLoader", "torch.nn.Module.load_state_dict",
+])
+def test_positive_list_refuses_the_rest_of_torch(qualname):
+    with pytest.raises(UntrustedTarget):
+        resolve_target(qualname)
+
+
 @pytest.mark.parametrize("cls", ["subprocess.Popen", "os._wrap_close", "collections.OrderedDict",
                                  "torch.Tensor", "nosuch.Module", "builtins.object"])
 def test_untrusted_module_class_rejected(fx_art, sentinel, cls):
@@ -286,6 +349,8 @@ def test_allow_prefix_registry_is_narrow(monkeypatch):
         allow_prefix("os.")
     with pytest.raises(ValueError):
         allow_prefix("builtins.")
+    with pytest.raises(ValueError):
+        allow_prefix("torch.")  # widening torch is what the positive list exists to prevent
     with pytest.raises(ValueError):
         load_module({}, allowed_prefixes=("subprocess",))
     with pytest.raises(UntrustedTarget):
