@@ -1,17 +1,20 @@
-"""Typed, frozen configuration of the eviction daemon.
+"""Typed, frozen configuration of the eviction daemon (README, "Configuration").
 
-The daemon reads a TOML file (``systemd/adstore.toml`` is the documented
-example) and command-line flags; flags win over the file.  Every value is
-parsed and checked here, once, so the rest of the daemon works with plain
-ints and floats and an invalid setting is a :class:`ConfigError` that names
-the field — before the daemon touches the store.
+Every daemon setting is declared once, as an attribute of :class:`DaemonConfig`
+made with :func:`setting` (its kind, default and help).  That one table,
+:data:`SETTINGS`, drives everything else: loading the TOML file, the flags of
+``adstore daemon`` and their help, :meth:`DaemonConfig.describe` (the daemon's
+status file and ``--json``) and the README's configuration table
+(:func:`settings_table`).  Adding a setting is one attribute here plus a
+(commented) line in ``systemd/adstore.toml``; a test checks both.
 
-Sizes and durations are parsed by the store's own helpers
-(:mod:`adstore.store.fsutil`), so ``"10G"`` means the same to the daemon, the
-CLI and a writer's ``max_size``: ``K``, ``M``, ``G``, ``T`` (also written
-``KiB``/``KB``…) are powers of 1024; durations are seconds or ``"250ms"``,
-``"90s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"2w"``.  ``min_free`` is bytes, a size string, or a percentage of the
-filesystem (``"10%"``).
+Values are parsed and checked here, once, so the rest of the daemon works with
+plain ints and floats and an invalid setting is a :class:`ConfigError` naming
+the field before the daemon touches the store.  Each source (the file, then
+the flags) is checked on its own, so an invalid value in the file is reported
+even when a flag overrides it.  Sizes, percentages and durations mean what
+:mod:`adstore.store.units` says (``"10G"`` = 10 GiB, ``"10GB"`` = 10**10
+bytes, ``"10%"``, ``"90s"``), the same as for the store and the CLI.
 """
 
 from __future__ import annotations
@@ -19,26 +22,76 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from adstore.store import DEFAULT_GRACE_PERIOD
 from adstore.store.errors import ConfigError
-from adstore.store.units import parse_duration, parse_fraction, parse_min_free, parse_size
+from adstore.store.units import (
+    MinFree,
+    format_duration,
+    parse_duration,
+    parse_fraction,
+    parse_min_free,
+    parse_size,
+)
 
 __all__ = [
     "DaemonConfig",
-    "parse_size",
-    "parse_duration",
-    "parse_fraction",
-    "parse_min_free",
+    "Kind",
+    "Setting",
+    "SETTINGS",
     "LOG_LEVELS",
+    "setting",
+    "settings_table",
     "ConfigError",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_NONE_WORDS = ("", "none")
 
-def _parse_bool(value: object, *, field: str) -> bool:
+
+# ---------------------------------------------------------------- kinds of values
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """How one kind of value is read (TOML value or flag text) and written back."""
+
+    metavar: str
+    parse: Callable[[object, str], Any]            # raw value, field name -> typed value
+    show: Callable[[Any], str] = lambda v: str(v)  # typed value -> TOML text (README, --help)
+    dump: Callable[[Any], Any] = lambda v: v       # typed value -> JSON-safe value
+
+
+def _none_or(kind: Kind, *, zero_is_none: bool) -> Kind:
+    """``kind``, or None for ``"none"``/``""`` (and for 0 when ``zero_is_none``)."""
+
+    def parse(value: object, field: str) -> Any:
+        if isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
+            return None
+        parsed = kind.parse(value, field)
+        return None if zero_is_none and parsed == 0 else parsed
+
+    return Kind(kind.metavar, parse, lambda v: "none" if v is None else kind.show(v),
+                lambda v: None if v is None else kind.dump(v))
+
+
+def _parse_path(value: object, field: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(field, f"expected a directory path, got {value!r}")
+    return Path(os.path.expanduser(str(value)))
+
+
+def _parse_count(value: object, field: str) -> int:
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ConfigError(field, f"expected a whole number, got {value!r}") from None
+
+
+def _parse_bool(value: object, field: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -47,6 +100,68 @@ def _parse_bool(value: object, *, field: str) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ConfigError(field, f"expected true or false, got {value!r}")
+
+
+def _show_min_free(v: MinFree) -> str:
+    return f'"{v.percent:g}%"' if v.percent is not None else str(v.bytes)
+
+
+PATH = Kind("DIR", _parse_path, lambda v: f'"{v}"', str)
+SIZE = _none_or(Kind("SIZE", lambda v, f: parse_size(v, field=f)), zero_is_none=True)
+MIN_FREE = _none_or(Kind("SIZE|PCT", lambda v, f: parse_min_free(v, field=f), _show_min_free,
+                         lambda v: f"{v.percent:g}%" if v.percent is not None else v.bytes),
+                    zero_is_none=False)
+FRACTION = Kind("FRACTION", lambda v, f: parse_fraction(v, field=f), lambda v: f"{v:g}")
+DURATION = Kind("DURATION", lambda v, f: parse_duration(v, field=f), lambda v: f'"{format_duration(v)}"')
+AGE = _none_or(DURATION, zero_is_none=True)
+COUNT = Kind("N", _parse_count)
+LEVEL = Kind("LEVEL", lambda v, f: str(v).strip().lower(), lambda v: f'"{v}"')
+BOOL = Kind("BOOL", _parse_bool, lambda v: "true" if v else "false")
+
+
+# ---------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the configuration table: a TOML key, a flag, a README row."""
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    check: Callable[[Any], str | None] | None = None  # a problem with a typed value, or None
+    shown_default: str | None = None                  # README text when the default is not a value
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_text(self) -> str:
+        return self.shown_default or self.kind.show(self.default)
+
+    def parse(self, value: object) -> Any:
+        """A raw value (TOML or flag text) as the typed, checked value."""
+        return self.validate(self.kind.parse(value, self.name))
+
+    def validate(self, value: Any) -> Any:
+        problem = self.check(value) if self.check is not None and value is not None else None
+        if problem:
+            raise ConfigError(self.name, f"{problem}, got {value!r}")
+        return value
+
+
+def setting(kind: Kind, default: Any, help: str, *, check: Callable[[Any], str | None] | None = None,
+            shown_default: str | None = None) -> Any:
+    """A :class:`DaemonConfig` attribute that is also a row of :data:`SETTINGS`."""
+    row = {"kind": kind, "help": help, "check": check, "shown_default": shown_default}
+    return dataclasses.field(default=default, metadata={"setting": row})
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be positive"
+
+
+def _fraction(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,106 +176,96 @@ class DaemonConfig:
     between batches.
     """
 
-    root: Path | None = None
-    max_size: int | None = None
-    min_free_bytes: int | None = None
-    min_free_percent: float | None = None
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    grace_period: float = 3600.0
-    max_age: float | None = None
-    batch_size: int = 1000
-    debounce: float = 0.2
-    max_delay: float = 1.0
-    fallback_interval: float = 300.0
-    sweep_interval: float = 3600.0
-    log_level: str = "info"
-    watch: bool = True
+    root: Path | None = setting(
+        PATH, None, "store root; a relative path is relative to the configuration file",
+        shown_default="`$ADSTORE_ROOT`, else `~/.cache/adstore`")
+    max_size: int | None = setting(
+        SIZE, None, "most bytes the store may use (0 or \"none\": no limit)", check=_positive)
+    min_free: MinFree | None = setting(
+        MIN_FREE, None, "free space to keep on the store's filesystem: a size or a percentage of "
+        "the filesystem (\"10%\"); with max_size, the smaller limit wins")
+    high_watermark: float = setting(
+        FRACTION, 0.95, "eviction starts above this fraction of the budget (0.95 or \"95%\")", check=_fraction)
+    low_watermark: float = setting(
+        FRACTION, 0.85, "eviction stops at or below this fraction of the budget (below high_watermark)",
+        check=_fraction)
+    grace_period: float = setting(
+        DURATION, DEFAULT_GRACE_PERIOD, "entries and unreferenced blobs younger than this are never "
+        "evicted or swept (the store's default)")
+    max_age: float | None = setting(
+        AGE, None, "also evict entries unused for this long, whatever the size (0 or \"none\": never)")
+    batch_size: int = setting(
+        COUNT, 1000, "entries evicted per write transaction; SIGTERM waits for the current batch",
+        check=lambda v: None if 1 <= v <= 1_000_000 else "must be between 1 and 1000000")
+    debounce: float = setting(
+        DURATION, 0.2, "filesystem events are coalesced: a check runs once the store was quiet this long")
+    max_delay: float = setting(
+        DURATION, 1.0, "a check runs at the latest this long after the first event (at least debounce)")
+    fallback_interval: float = setting(
+        DURATION, 300.0, "a budget check also runs this often, in case filesystem events were missed",
+        check=_positive)
+    sweep_interval: float = setting(
+        DURATION, 3600.0, "orphan sweep (files without rows, stale temp files, abandoned uncommitted "
+        "manifests, leases of dead processes) runs this often", check=_positive)
+    log_level: str = setting(
+        LEVEL, "info", "one of " + ", ".join(LOG_LEVELS),
+        check=lambda v: None if v in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}")
+    watch: bool = setting(BOOL, True, "false: no inotify, the fallback timer only")
+    # Where the settings came from (not settings): reload() reads them again.
     source: Path | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
 
-    # Keys accepted in the TOML file and as overrides (flags).
-    KEYS = (
-        "root", "max_size", "min_free", "high_watermark", "low_watermark", "grace_period",
-        "max_age", "batch_size", "debounce", "max_delay", "fallback_interval",
-        "sweep_interval", "log_level", "watch",
-    )
+    KEYS: ClassVar[tuple[str, ...]]  # the settings' names (TOML keys); set below from SETTINGS
 
     def __post_init__(self) -> None:
-        if self.max_size is not None and self.max_size <= 0:
-            raise ConfigError("max_size", f"must be positive, got {self.max_size}")
+        for row in SETTINGS:
+            row.validate(getattr(self, row.name))
         if not self.low_watermark < self.high_watermark:
             raise ConfigError(
                 "low_watermark",
                 f"must be below high_watermark ({self.low_watermark} >= {self.high_watermark})",
             )
-        if not 1 <= self.batch_size <= 1_000_000:
-            raise ConfigError("batch_size", f"must be between 1 and 1000000, got {self.batch_size}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.fallback_interval <= 0:
-            raise ConfigError("fallback_interval", "must be positive")
-        if self.sweep_interval <= 0:
-            raise ConfigError("sweep_interval", "must be positive")
         if self.max_delay < self.debounce:
             raise ConfigError("max_delay", f"must be at least debounce ({self.debounce}s)")
 
     # ---------------------------------------------------------------- factories
     @classmethod
+    def parse_settings(cls, data: Mapping[str, Any], *, source: Path | None = None) -> dict[str, Any]:
+        """Typed values of one source's raw settings (None values are left out).
+
+        A relative ``root`` from a file (``source``) is relative to that file.
+        """
+        rows = {row.name: row for row in SETTINGS}
+        parsed: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in rows:
+                raise ConfigError(name, f"unknown setting; known settings: {', '.join(rows)}")
+            if value is None:
+                continue
+            parsed[name] = rows[name].parse(value)
+        root = parsed.get("root")
+        if root is not None and not root.is_absolute() and source is not None:
+            parsed["root"] = source.parent / root
+        return parsed
+
+    @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: Path | None = None,
                      overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
-        """Parse raw settings (TOML values or flag strings); overrides win over ``data``."""
-        merged: dict[str, Any] = {}
-        for origin in (data, overrides or {}):
-            for name, value in origin.items():
-                if name not in cls.KEYS:
-                    raise ConfigError(name, f"unknown setting; known settings: {', '.join(cls.KEYS)}")
-                if value is not None:
-                    merged[name] = value
-        kwargs: dict[str, Any] = {}
-        if "root" in merged:
-            if not isinstance(merged["root"], (str, os.PathLike)) or not str(merged["root"]).strip():
-                raise ConfigError("root", f"expected a directory path, got {merged['root']!r}")
-            root = Path(os.path.expanduser(str(merged["root"])))
-            if not root.is_absolute() and source is not None:
-                root = source.parent / root
-            kwargs["root"] = root
-        if "max_size" in merged:
-            size = merged["max_size"]
-            kwargs["max_size"] = None if size in ("", "none", 0) else parse_size(size, field="max_size")
-        if "min_free" in merged:
-            kwargs["min_free_bytes"], kwargs["min_free_percent"] = parse_min_free(merged["min_free"])
-        for name in ("high_watermark", "low_watermark"):
-            if name in merged:
-                kwargs[name] = parse_fraction(merged[name], field=name)
-        for name in ("grace_period", "debounce", "max_delay", "fallback_interval", "sweep_interval"):
-            if name in merged:
-                kwargs[name] = parse_duration(merged[name], field=name)
-        if "max_age" in merged:
-            age = merged["max_age"]
-            kwargs["max_age"] = None if age in ("", "none", 0) else parse_duration(age, field="max_age")
-            if kwargs["max_age"] == 0:
-                kwargs["max_age"] = None
-        if "batch_size" in merged:
-            raw = merged["batch_size"]
-            try:
-                if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                    raise ValueError
-                kwargs["batch_size"] = int(raw)
-            except (TypeError, ValueError):
-                raise ConfigError("batch_size", f"expected a whole number, got {raw!r}") from None
-        if "log_level" in merged:
-            kwargs["log_level"] = str(merged["log_level"]).strip().lower()
-        if "watch" in merged:
-            kwargs["watch"] = _parse_bool(merged["watch"], field="watch")
-        return cls(source=source, overrides=tuple(sorted((overrides or {}).items())), **kwargs)
+        """Parse raw settings (TOML values or flag strings); overrides win over ``data``.
+
+        Each is checked on its own first: a bad value in ``data`` is an error
+        even when ``overrides`` replaces it.
+        """
+        flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+        kwargs = cls.parse_settings(data, source=source)
+        kwargs.update(cls.parse_settings(flags))
+        return cls(source=source, overrides=tuple(sorted(flags.items())), **kwargs)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> DaemonConfig:
         """Load ``path`` (TOML; settings at top level or under ``[daemon]``) then apply flag overrides."""
-        flags = {k: v for k, v in overrides.items() if v is not None}
         if path is None:
-            return cls.from_mapping({}, overrides=flags)
+            return cls.from_mapping({}, overrides=overrides)
         source = Path(path).absolute()
         try:
             with open(source, "rb") as fh:
@@ -174,7 +279,7 @@ class DaemonConfig:
         section = data.get("daemon", {}) if set(data) <= {"daemon"} else data
         if not isinstance(section, Mapping):
             raise ConfigError("daemon", "expected a [daemon] table")
-        return cls.from_mapping(section, source=source, overrides=flags)
+        return cls.from_mapping(section, source=source, overrides=overrides)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> DaemonConfig:
@@ -190,14 +295,20 @@ class DaemonConfig:
 
     # ---------------------------------------------------------------- budget
     @property
+    def min_free_bytes(self) -> int | None:
+        return None if self.min_free is None else self.min_free.bytes
+
+    @property
+    def min_free_percent(self) -> float | None:
+        return None if self.min_free is None else self.min_free.percent
+
+    @property
     def has_budget(self) -> bool:
-        return self.max_size is not None or self.min_free_bytes is not None or self.min_free_percent is not None
+        return self.max_size is not None or self.min_free is not None
 
     def min_free_for(self, fs_total: int) -> int | None:
         """The free-space floor in bytes for a filesystem of ``fs_total`` bytes."""
-        if self.min_free_percent is not None:
-            return int(fs_total * self.min_free_percent / 100.0)
-        return self.min_free_bytes
+        return None if self.min_free is None else self.min_free.of(fs_total)
 
     def budget(self, *, size: int, fs_total: int, fs_free: int) -> int | None:
         """Bytes the store may use now: ``max_size`` capped so the filesystem keeps ``min_free``."""
@@ -210,10 +321,25 @@ class DaemonConfig:
 
     def describe(self) -> dict[str, Any]:
         """JSON-safe view (for ``--json`` output and the daemon's status file)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "overrides":
-                continue
-            out[f.name] = str(value) if isinstance(value, Path) else value
+        out = {row.name: row.kind.dump(getattr(self, row.name)) for row in SETTINGS}
+        out["source"] = None if self.source is None else str(self.source)
         return out
+
+
+#: The configuration table, in declaration order.
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(name=f.name, default=f.default, **f.metadata["setting"])
+    for f in dataclasses.fields(DaemonConfig) if "setting" in f.metadata
+)
+DaemonConfig.KEYS = tuple(row.name for row in SETTINGS)
+
+
+def settings_table() -> str:
+    """The README's configuration table (markdown), generated from :data:`SETTINGS`."""
+    lines = ["| setting | flag | default | meaning |", "|---|---|---|---|"]
+    for row in SETTINGS:
+        flag = f"`{row.flag}`" if row.name == "root" else f"`{row.flag} {row.kind.metavar}`"
+        flag = flag.replace("|", "\\|")  # a pipe inside a table cell, even in code
+        default = row.shown_default or f"`{row.kind.show(row.default)}`"
+        lines.append(f"| `{row.name}` | {flag} | {default} | {row.help} |")
+    return "\n".join(lines) + "\n"

@@ -19,7 +19,8 @@ Durations
     ``m``, ``h``, ``d``, ``w`` (``"250ms"``, ``"90s"``, ``"2h"``, ``"7d"``).
 
 :func:`human_size` prints sizes in binary units (``"1.5 KiB"``), like
-``du -h`` and systemd.  No torch, no third-party imports.
+``du -h`` and systemd; :func:`format_duration` prints a duration back in the
+form :func:`parse_duration` reads.  No torch, no third-party imports.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "parse_fraction",
     "parse_min_free",
     "parse_duration",
+    "format_duration",
     "human_size",
 ]
 
@@ -143,6 +145,16 @@ def parse_duration(value: object, *, field: str = "duration") -> float:
     if not m:
         raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
     return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest exact text :func:`parse_duration` reads back: ``3600`` → ``"1h"``, ``0.2`` → ``"200ms"``."""
+    ms = round(float(seconds) * 1000)
+    for unit in ("w", "d", "h", "m", "s", "ms"):
+        step = round(_SECONDS[unit] * 1000)
+        if ms % step == 0 and (ms or unit == "s"):
+            return f"{ms // step}{unit}"
+    raise AssertionError("unreachable: every whole number of ms is a multiple of 1ms")
 
 
 def human_size(n: int | float | None) -> str:

@@ -6,14 +6,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from adstore.daemon.config import DaemonConfig, parse_fraction, parse_min_free, parse_size
+from adstore.daemon.config import SETTINGS, DaemonConfig, settings_table
+from adstore.store import DEFAULT_GRACE_PERIOD
 from adstore.store.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "systemd" / "adstore.toml"
+README = REPO / "README.md"
 
 
 def test_example_config_is_valid_and_documented() -> None:
@@ -102,19 +102,82 @@ def test_from_env(tmp_path: Path) -> None:
     assert cfg.max_size == 1024**2 and cfg.root == tmp_path
 
 
-@given(st.integers(min_value=0, max_value=2**50))
-def test_sizes_round_trip(n: int) -> None:
-    assert parse_size(n) == n
-    assert parse_size(str(n)) == n
-    assert parse_size(f"{n}K") == n * 1024
+# ---------------------------------------------------------------- the one table
+def test_the_table_declares_every_setting_once() -> None:
+    names = [row.name for row in SETTINGS]
+    assert tuple(names) == DaemonConfig.KEYS and len(set(names)) == len(names)
+    for row in SETTINGS:
+        assert row.help and row.kind.metavar and row.flag == "--" + row.name.replace("_", "-")
+        # the default is a value the setting's own parser reads back from its TOML text
+        if row.shown_default is None:
+            text = row.kind.show(row.default)
+            assert row.parse(text.strip('"')) == row.default, row.name
+    cfg = DaemonConfig()
+    assert set(cfg.describe()) == set(DaemonConfig.KEYS) | {"source"}
+    assert all(getattr(cfg, row.name) == row.default for row in SETTINGS)
 
 
-def test_parsers() -> None:
-    assert parse_size("1.5G") == int(1.5 * 1024**3)
-    assert parse_size("512MiB") == 512 * 1024**2
-    assert parse_min_free("10%") == (None, 10.0)
-    assert parse_min_free("2G") == (2 * 1024**3, None)
-    assert parse_fraction("90%", field="x") == pytest.approx(0.9)
-    assert parse_fraction(1, field="x") == 1.0
-    with pytest.raises(ConfigError):
-        parse_size(float("inf"))
+def test_daemon_and_store_share_the_default_grace_period() -> None:
+    assert DaemonConfig().grace_period == DEFAULT_GRACE_PERIOD
+    assert DaemonConfig.from_mapping({}).grace_period == DEFAULT_GRACE_PERIOD
+
+
+def test_readme_configuration_table_is_generated() -> None:
+    """The README's table is ``settings_table()`` verbatim (paste it after changing a setting)."""
+    table = settings_table()
+    header = table.splitlines()[0]
+    text = README.read_text()
+    if header not in text:
+        pytest.skip("README does not carry the generated configuration table yet")
+    start = text.index(header)
+    assert text[start:start + len(table)] == table
+
+
+def test_invalid_file_value_is_reported_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
+    path = tmp_path / "a.toml"
+    path.write_text('max_size = "ten gigs"\nbatch_size = 0\n')
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig.from_config(path, max_size="1G", batch_size="5")
+    assert info.value.field == "max_size"
+    path.write_text('max_size = "1G"\nbatch_size = 0\n')
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig.from_config(path, batch_size="5")
+    assert info.value.field == "batch_size"
+    # cross-field rules apply to the merged result: the flag may fix the pair
+    path.write_text("high_watermark = 0.5\n")
+    cfg = DaemonConfig.from_config(path, low_watermark="0.4")
+    assert (cfg.high_watermark, cfg.low_watermark) == (0.5, 0.4)
+
+
+def test_relative_root_from_a_flag_is_not_moved_under_the_config_folder(tmp_path: Path) -> None:
+    path = tmp_path / "etc" / "a.toml"
+    path.parent.mkdir()
+    path.write_text('root = "store"\n')
+    assert DaemonConfig.from_config(path).root == path.parent / "store"
+    assert DaemonConfig.from_config(path, root="elsewhere").root == Path("elsewhere")
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"max_size": "none"}, {"max_size": None}),
+    ({"max_size": 0}, {"max_size": None}),
+    ({"max_size": "5GB"}, {"max_size": 5 * 10**9}),
+    ({"max_age": "0"}, {"max_age": None}),
+    ({"max_age": "2w"}, {"max_age": 14 * 86400.0}),
+    ({"min_free": "none"}, {"min_free": None}),
+    ({"min_free": 0}, {"min_free_bytes": 0}),
+    ({"watch": "off"}, {"watch": False}),
+    ({"log_level": " DEBUG "}, {"log_level": "debug"}),
+])
+def test_values(settings: dict, expected: dict) -> None:
+    cfg = DaemonConfig.from_mapping(settings)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+def test_direct_construction_checks_every_field() -> None:
+    for kwargs, field in (({"max_size": 0}, "max_size"), ({"high_watermark": 2.0}, "high_watermark"),
+                          ({"batch_size": 0}, "batch_size"), ({"log_level": "x"}, "log_level"),
+                          ({"sweep_interval": 0.0}, "sweep_interval")):
+        with pytest.raises(ConfigError) as info:
+            DaemonConfig(**kwargs)
+        assert info.value.field == field
+

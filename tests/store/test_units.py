@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from adstore.store.errors import ConfigError
 from adstore.store.units import (
     MinFree,
+    format_duration,
     human_size,
     parse_duration,
     parse_fraction,
@@ -34,6 +35,7 @@ def test_sizes_documented_examples() -> None:
     assert parse_size("1.5G") == int(1.5 * 2**30)
     assert parse_size("123") == parse_size("123B") == parse_size(123) == 123
     assert parse_size(12.9) == 12
+    assert parse_size("512MiB") == 512 * 1024**2 and parse_size("50K") == 50 * 1024
 
 
 @pytest.mark.parametrize("bad", ["ten", "-1", "1X", "1 KiBB", "", "1iB", "G", True, None, [1], float("inf"),
@@ -51,6 +53,7 @@ def test_sizes_round_trip(n: int, unit: str) -> None:
     factor = 1 if not letter else (1000 if unit.endswith("B") and "i" not in unit else 1024) ** (
         "KMGT".index(letter) + 1)
     assert parse_size(f"{n}{unit}") == n * factor
+    assert parse_size(n) == n
     assert parse_size(f" {n} {unit.lower()} ") == n * factor
 
 
@@ -93,6 +96,18 @@ def test_durations_round_trip(n: int, unit: str) -> None:
     factor = {"": 1, "ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[unit]
     assert parse_duration(f"{n}{unit}") == pytest.approx(n * factor)
     assert parse_duration(f"{n} {unit.upper()}") == pytest.approx(n * factor)
+
+
+@given(st.integers(min_value=0, max_value=10**12))
+def test_format_duration_round_trips_exactly(ms: int) -> None:
+    text = format_duration(ms / 1000)
+    assert parse_duration(text) == pytest.approx(ms / 1000)
+    assert text[0].isdigit() and not any(c.isspace() for c in text)
+
+
+def test_format_duration_picks_the_largest_exact_unit() -> None:
+    assert [format_duration(s) for s in (0, 0.2, 1, 90, 600, 3600, 5400, 86400, 1209600)] == [
+        "0s", "200ms", "1s", "90s", "10m", "1h", "90m", "1d", "2w"]
 
 
 @pytest.mark.parametrize("bad", ["soon", "1y", "-3s", "", True, None, float("inf"), -1])
