@@ -10,12 +10,15 @@ traceback of an unexpected error.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from adstore.daemon.config import SETTINGS
 from adstore.daemon.commands import SORT_CHOICES, Context, cmd_explain, cmd_inspect, cmd_ls, cmd_stats
 from adstore.daemon.errors import AlreadyRunning, AmbiguousKey, FeatureUnavailable, UnknownKey
 from adstore.daemon.maintenance import (
@@ -41,7 +44,7 @@ from adstore.store.errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from adstore.store.units import parse_duration, parse_size
+from adstore.store.units import DURATION_HELP, SIZE_HELP, parse_duration, parse_min_free, parse_size
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for"]
 
@@ -92,18 +95,20 @@ def _message(exc: BaseException) -> str:
     return f"internal error: {type(exc).__name__}: {exc} (run with -v for details)"
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, field="size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(exc.why) from None
+def _argtype(parse: Callable[..., Any]) -> Callable[[str], Any]:
+    """An argparse ``type=`` from a units parser: a ConfigError becomes a usage error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text, field="value")
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(exc.why) from None
+
+    return convert
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text, field="duration")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(exc.why) from None
+_size = _argtype(parse_size)
+_duration = _argtype(parse_duration)
 
 
 def _positive_int(text: str) -> int:
@@ -116,10 +121,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _min_free(text: str) -> str | int:
-    if text.strip().endswith("%"):
-        return text.strip()
-    return _size(text)
+def _min_free_flag(text: str, *, field: str) -> str | int:
+    """A percentage stays text (the store reads it against its filesystem); a size is bytes."""
+    floor = parse_min_free(text, field=field)
+    return f"{floor.percent:g}%" if floor.percent is not None else int(floor.bytes or 0)
+
+
+_min_free = _argtype(_min_free_flag)
+
+
+def _at_most(limit: int) -> type[argparse.Action]:
+    """``nargs="+"`` with an upper bound: more values is a usage error (exit 2)."""
+
+    class AtMost(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                     values: Any, option_string: str | None = None) -> None:
+            if len(values) > limit:
+                raise argparse.ArgumentError(self, f"takes at most {limit} values, got {len(values)}")
+            setattr(namespace, self.dest, values)
+
+    return AtMost
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,30 +150,46 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("adstore")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+_UNITS = f"SIZE: {SIZE_HELP}; PCT: a percentage of the filesystem (10%); DURATION: {DURATION_HELP}."
+_KEYS = "cache key or unambiguous prefix"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a value given after the subcommand must not be reset by the default.
-    common.add_argument("--root", type=Path, default=argparse.SUPPRESS,
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS, metavar="DIR",
                         help="store root (default: $ADSTORE_ROOT or ~/.cache/adstore)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="machine-readable output")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="debug logging")
-    parser = _Parser(prog="adstore", parents=[common],
+    parser = _Parser(prog="adstore", parents=[common], epilog=_UNITS,
                      description="Content-addressed artifact store for model-compilation pipelines.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                                help="one of the commands below; `adstore COMMAND --help` for its flags")
     sub.required = True
 
     def add(name: str, func: Callable[..., int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_, epilog=_UNITS)
         p.set_defaults(func=func)
         return p
 
     p = add("stats", cmd_stats, "summary of the store, like `ccache -s`")
-    p.add_argument("--config", type=Path, help="also show the budget of this daemon config")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="daemon config: its root (unless --root) and its budget")
 
     p = add("ls", cmd_ls, "list entries")
-    p.add_argument("--sort", choices=SORT_CHOICES, default="last_access")
+    p.add_argument("--sort", choices=SORT_CHOICES, default="last_access",
+                   help="sort key (default: last_access, most recent first)")
     p.add_argument("--reverse", "-r", action="store_true", help="reverse the sort order")
     p.add_argument("--namespace", "-n", help="only this namespace (pipeline, engine, …)")
     p.add_argument("--match", metavar="PREFIX", help="only keys starting with PREFIX")
@@ -163,12 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", "-l", type=_positive_int, metavar="N", help="show at most N entries")
 
     p = add("inspect", cmd_inspect, "show an entry: per-rank manifests, artifacts, snapshot summary")
-    p.add_argument("key", help="cache key or unambiguous prefix")
+    p.add_argument("key", help=_KEYS)
     p.add_argument("--no-summary", action="store_true",
                    help="do not summarize snapshots (avoids importing torch)")
 
     p = add("explain", cmd_explain, "show an entry's key components, or which differ between two")
-    p.add_argument("keys", nargs="+", metavar="KEY", help="one or two keys (or prefixes)")
+    p.add_argument("keys", nargs="+", action=_at_most(2), metavar="KEY",
+                   help=f"one or two keys: {_KEYS}")
 
     p = add("verify", cmd_verify, "rehash blobs and check every invariant")
     p.add_argument("--fix", action="store_true", help="repair what can be repaired")
@@ -180,39 +218,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict until the filesystem has this much free (bytes or e.g. 10%%)")
     p.add_argument("--older-than", type=_duration, metavar="DURATION", help="evict entries unused for DURATION")
     p.add_argument("--grace-period", type=_duration, metavar="DURATION",
-                   help="spare entries and blobs younger than this (default: the store's)")
+                   help="spare entries and blobs younger than this (default: the config's, else the store's)")
     p.add_argument("--no-sweep", action="store_true", help="do not sweep orphans")
     p.add_argument("--batch-size", type=_positive_int, default=1000, metavar="N",
                    help="entries evicted per write transaction (default 1000)")
-    p.add_argument("--config", type=Path, help="take limits not given as flags from this daemon config")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="daemon config: its root (unless --root), and the limits not given as flags")
 
-    p = add("rm", cmd_rm, "remove entries (all ranks)")
-    p.add_argument("keys", nargs="+", metavar="KEY")
-    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-
-    p = add("pin", cmd_pin, "keep entries whatever the budget")
-    p.add_argument("keys", nargs="+", metavar="KEY")
-    p = add("unpin", cmd_unpin, "let entries be evicted again")
-    p.add_argument("keys", nargs="+", metavar="KEY")
+    for name, func, help_ in (("rm", cmd_rm, "remove entries (all ranks)"),
+                              ("pin", cmd_pin, "keep entries whatever the budget"),
+                              ("unpin", cmd_unpin, "let entries be evicted again")):
+        p = add(name, func, help_)
+        p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
+        if name == "rm":
+            p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
 
     p = add("daemon", cmd_daemon, "run the eviction daemon (systemd Type=notify)")
-    p.add_argument("--config", type=Path, help="TOML configuration (flags override it)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration (flags override it)")
     p.add_argument("--once", action="store_true", help="run one enforcement pass and a sweep, then exit")
-    for name, kind, hint in (
-        ("max_size", str, "SIZE"), ("min_free", str, "SIZE|PCT"), ("high_watermark", str, "FRACTION"),
-        ("low_watermark", str, "FRACTION"), ("grace_period", str, "DURATION"), ("max_age", str, "DURATION"),
-        ("batch_size", str, "N"), ("debounce", str, "DURATION"), ("max_delay", str, "DURATION"),
-        ("fallback_interval", str, "DURATION"), ("sweep_interval", str, "DURATION"),
-        ("log_level", str, "LEVEL"), ("watch", str, "BOOL"),
-    ):
-        # Parsed and checked by DaemonConfig, so flags and the file give the same errors.
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=hint)
+    for row in SETTINGS:
+        if row.name == "root":  # --root is common to every command
+            continue
+        # Strings, parsed and checked by DaemonConfig: flags and the file give the same errors.
+        p.add_argument(row.flag, dest=row.name, metavar=row.kind.metavar,
+                       help=f"{row.help} (default: {row.default_text()})".replace("%", "%%"))
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
-    p.add_argument("--arch", default="llama")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--arch", default="llama", help="model architecture (default: llama)")
+    p.add_argument("--layers", type=_positive_int, default=4, metavar="N", help="decoder layers (default: 4)")
+    p.add_argument("--hidden", type=_positive_int, default=256, metavar="N", help="hidden size (default: 256)")
+    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
+                   help="ranks, one process each (default: 1)")
     return parser
 
 
