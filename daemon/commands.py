@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from adstore.daemon.config import DaemonConfig
 from adstore.daemon.errors import AmbiguousKey, UnknownKey
 from adstore.daemon.format import (
     Progress,
@@ -57,6 +58,15 @@ class Context:
     err: TextIO = dataclasses.field(default_factory=lambda: sys.stderr)
     grace_period: float | None = None
     _store: Store | None = None
+
+    def use_config(self, path: Path) -> DaemonConfig:
+        """Load a daemon config for ``--config``: its root and grace period apply unless given as flags."""
+        if self._store is not None:
+            raise AssertionError("use_config() must come before the store is opened")
+        cfg = DaemonConfig.from_config(path)
+        self.root = self.root if self.root is not None else cfg.root
+        self.grace_period = self.grace_period if self.grace_period is not None else cfg.grace_period
+        return cfg
 
     def store(self) -> Store:
         if self._store is None:
@@ -162,6 +172,7 @@ def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int, list[tup
 
 
 def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
+    cfg = ctx.use_config(args.config) if args.config else None
     store = ctx.store()
     st = store.stats()
     data = st.to_dict()
@@ -169,17 +180,11 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     daemon = read_status(store.root)
     data["daemon"] = daemon
     budget = None
-    if getattr(args, "config", None):
-        from adstore.daemon.config import DaemonConfig
-
-        cfg = DaemonConfig.from_config(args.config)
-        budget = {"max_size": cfg.max_size, "min_free_bytes": cfg.min_free_bytes,
-                  "min_free_percent": cfg.min_free_percent, "high_watermark": cfg.high_watermark,
-                  "low_watermark": cfg.low_watermark, "source": str(cfg.source)}
+    if cfg is not None:
+        budget = _budget_dict(cfg)
     elif daemon and daemon.get("running"):
-        cfg_d = daemon.get("config", {})
-        budget = {k: cfg_d.get(k) for k in ("max_size", "min_free_bytes", "min_free_percent",
-                                            "high_watermark", "low_watermark")}
+        budget = _budget_dict(DaemonConfig.from_mapping(
+            {k: v for k, v in daemon.get("config", {}).items() if k in DaemonConfig.KEYS}))
         budget["current_limit"] = daemon.get("budget")
     data["budget"] = budget
     if ctx.json:
@@ -220,6 +225,12 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     lines.append(kv_block(counter_rows))
     ctx.emit(data, "\n".join(lines))
     return 0
+
+
+def _budget_dict(cfg: DaemonConfig) -> dict[str, Any]:
+    return {"max_size": cfg.max_size, "min_free_bytes": cfg.min_free_bytes,
+            "min_free_percent": cfg.min_free_percent, "high_watermark": cfg.high_watermark,
+            "low_watermark": cfg.low_watermark, "source": None if cfg.source is None else str(cfg.source)}
 
 
 def _budget_text(budget: dict[str, Any] | None, size: int) -> str:
