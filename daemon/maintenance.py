@@ -174,9 +174,10 @@ def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> int:
     try:
-        from adstore.integration.demo import format_demo, run_demo  # lazy: imports torch
+        from adstore.integration.reference.demo import format_demo, run_demo  # lazy: imports torch
     except Exception as exc:
-        raise FeatureUnavailable("the demo (adstore.integration.demo)", f"{type(exc).__name__}: {exc}") from None
+        raise FeatureUnavailable("the demo (adstore.integration.reference.demo)",
+                                 f"{type(exc).__name__}: {exc}") from None
     result = run_demo(arch=args.arch, layers=args.layers, hidden=args.hidden,
                       world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None)
     ctx.emit(result, "" if ctx.json else format_demo(result))

@@ -1,7 +1,7 @@
 """Engine cache: compile once per architecture, refit the current weights on every hit.
 
 ``compile(model, example_inputs)`` exports the model, hashes its architecture
-(:mod:`adstore.integration.engine_hash`), and then
+(:mod:`adstore.integration.engine.hashing`), and then
 
 * on a hit loads the cached AOTInductor package (milliseconds) and swaps the
   model's weights in with ``load_constants``;
@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 
-from adstore.integration.engine_backends import AdstoreEngineCache, BaseEngineCache, EngineRecord
-from adstore.integration.engine_hash import (
+from adstore.integration.engine.storage import AdstoreEngineCache, BaseEngineCache, EngineRecord
+from adstore.integration.engine.hashing import (
     STORAGE_SETTINGS,
     canonical_json,
     effective_inductor_configs,
     hash_components,
 )
-from adstore.integration.engine_runtime import (
+from adstore.integration.engine.runtime import (
     CompiledEngine,
     EngineEvent,
     build_meta,

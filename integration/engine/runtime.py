@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
-from adstore.integration.engine_hash import _call_spec, canonical_json, toolchain_identity
+from adstore.integration.engine.hashing import _call_spec, canonical_json, toolchain_identity
 from adstore.integration.errors import EngineMismatch
 
 __all__ = [

@@ -27,7 +27,7 @@ Three backends ship here:
     import os
     from pathlib import Path
 
-    from adstore.integration.engine_backends import BaseEngineCache
+    from adstore.integration.engine.storage import BaseEngineCache
     from adstore.store.fsutil import atomic_write
 
 

@@ -31,12 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adstore.integration import dist as agree
-from adstore.integration import ops as _ops  # noqa: F401  (custom ops resolve before load)
-from adstore.integration.checkpoint import checkpoint_fingerprint
-from adstore.integration.events import CacheEvent
-from adstore.integration.keys import CacheKey, build_key, env_component
-from adstore.integration.transforms import (
+from adstore.integration.pipeline import dist as agree
+from adstore.integration.reference import ops as _ops  # noqa: F401  (custom ops resolve before load)
+from adstore.integration.reference.checkpoint import checkpoint_fingerprint
+from adstore.integration.pipeline.events import CacheEvent
+from adstore.integration.pipeline.keys import CacheKey, build_key, env_component
+from adstore.integration.pipeline.transforms import (
     PipelineContext,
     Stage,
     Transform,

@@ -25,15 +25,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from adstore.integration import transforms_fusion as _f  # noqa: F401  (registers)
-from adstore.integration import transforms_patterns as _p  # noqa: F401
-from adstore.integration import transforms_sharding as _s  # noqa: F401
-from adstore.integration.dist import topology
-from adstore.integration.events import CacheEvent
-from adstore.integration.keys import CacheKey
-from adstore.integration.models import ModelFactory
-from adstore.integration.pipeline_cache import PipelineCache
-from adstore.integration.transforms import PipelineContext, Transform, transform_class
+from adstore.integration.reference import fusion as _f  # noqa: F401  (registers)
+from adstore.integration.reference import patterns as _p  # noqa: F401
+from adstore.integration.reference import sharding as _s  # noqa: F401
+from adstore.integration.pipeline.dist import topology
+from adstore.integration.pipeline.events import CacheEvent
+from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.reference.models import ModelFactory
+from adstore.integration.pipeline.cache import PipelineCache
+from adstore.integration.pipeline.transforms import PipelineContext, Transform, transform_class
 from adstore.store.errors import ConfigError
 from torch import nn
 

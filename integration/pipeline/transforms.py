@@ -8,7 +8,7 @@ silently missing from the cache key.
 
 The transforms here cover build, export, post-export cleanup, weight loading,
 cache init and compile; pattern rewrites, sharding and post-load fusion live in
-``transforms_patterns``, ``transforms_sharding`` and ``transforms_fusion``.
+``reference.patterns``, ``reference.sharding`` and ``reference.fusion``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from adstore.integration import ops as _ops  # noqa: F401  (registers torch.ops.adstore.*)
+from adstore.integration.reference import ops as _ops  # noqa: F401  (registers torch.ops.adstore.*)
 from adstore.integration.errors import IntegrationError
-from adstore.integration.models import ModelFactory
+from adstore.integration.reference.models import ModelFactory
 from adstore.store.errors import ConfigError
 from torch import fx, nn
 
@@ -451,10 +451,10 @@ class LoadWeights(Transform):
     name = "load_weights"
     stage = Stage.WEIGHT_LOADING
     config_cls = LoadWeightsConfig
-    code_modules = ("adstore.integration.checkpoint",)
+    code_modules = ("adstore.integration.reference.checkpoint",)
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        from adstore.integration.checkpoint import read_checkpoint
+        from adstore.integration.reference.checkpoint import read_checkpoint
 
         cfg: LoadWeightsConfig = self.config  # type: ignore[assignment]
         if module is None:

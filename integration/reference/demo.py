@@ -48,8 +48,8 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
         import torch
         import torch.distributed as dist
         import transformers  # noqa: F401  (import cost outside the timed region)
-        from adstore.integration.models import ModelFactory
-        from adstore.integration.optimizer import InferenceOptimizer
+        from adstore.integration.reference.models import ModelFactory
+        from adstore.integration.pipeline.optimizer import InferenceOptimizer
 
         if world_size > 1:
             from datetime import timedelta
@@ -143,9 +143,9 @@ def _phase(job: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
 def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_size: int = 1,
              root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Cold then warm run of the reference pipeline; a JSON-safe result dict."""
-    from adstore.integration.checkpoint import write_random_checkpoint
-    from adstore.integration.models import ModelFactory, tiny_config
-    from adstore.integration.optimizer import InferenceOptimizer, default_transforms
+    from adstore.integration.reference.checkpoint import write_random_checkpoint
+    from adstore.integration.reference.models import ModelFactory, tiny_config
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
     from adstore.store import Store
 
     if world_size < 1 or world_size > 8:

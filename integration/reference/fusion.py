@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from adstore.integration.errors import IntegrationError
-from adstore.integration.transforms import (
+from adstore.integration.pipeline.transforms import (
     PipelineContext,
     Stage,
     Transform,

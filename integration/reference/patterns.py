@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from adstore.integration import ops as _ops  # noqa: F401
+from adstore.integration.reference import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
-from adstore.integration.transforms import (
+from adstore.integration.pipeline.transforms import (
     PipelineContext,
     Stage,
     Transform,
@@ -239,7 +239,7 @@ class _Rewrite(Transform):
 @register
 class MatchRMSNorm(_Rewrite):
     name = "match_rms_norm"
-    code_modules = ("adstore.integration.ops",)
+    code_modules = ("adstore.integration.reference.ops",)
 
     def rewrite(self, gm: fx.GraphModule) -> int:
         return rewrite_rms_norm(gm)
@@ -248,7 +248,7 @@ class MatchRMSNorm(_Rewrite):
 @register
 class MatchSwiGLU(_Rewrite):
     name = "match_swiglu"
-    code_modules = ("adstore.integration.ops",)
+    code_modules = ("adstore.integration.reference.ops",)
 
     def rewrite(self, gm: fx.GraphModule) -> int:
         return rewrite_swiglu(gm)
@@ -257,7 +257,7 @@ class MatchSwiGLU(_Rewrite):
 @register
 class MatchRoPE(_Rewrite):
     name = "match_rope"
-    code_modules = ("adstore.integration.ops",)
+    code_modules = ("adstore.integration.reference.ops",)
 
     def rewrite(self, gm: fx.GraphModule) -> int:
         return rewrite_rope(gm)

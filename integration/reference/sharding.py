@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from adstore.integration import ops as _ops  # noqa: F401
+from adstore.integration.reference import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
-from adstore.integration.hooks import TPShardHook
-from adstore.integration.transforms import (
+from adstore.integration.snapshot.hooks import TPShardHook
+from adstore.integration.pipeline.transforms import (
     PipelineContext,
     Stage,
     Transform,

@@ -11,7 +11,7 @@ The snapshot is two artifacts (bytes; the pipeline cache stores them):
     decoding fast: the C JSON parser replaces thousands of pickle opcodes run
     by the pure-Python weights-only unpickler.
 ``hooks.json``
-    UTF-8 JSON list of load-hook specs (:mod:`adstore.integration.hooks`).
+    UTF-8 JSON list of load-hook specs (:mod:`adstore.integration.snapshot.hooks`).
 
 Saving never mutates the module for longer than the call: load hooks are
 cleared while the payload is written and put back afterwards, also on error.
@@ -34,10 +34,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from adstore.integration.errors import CorruptSnapshot, SnapshotError, UnsupportedModule, UntrustedTarget
-from adstore.integration.hooks import clear_load_hooks, collect_hook_specs, reattach_hooks, restore_load_hooks
-from adstore.integration.snapshot_tree import TreeDecoder, TreeEncoder
-from adstore.integration.targets import check_prefix
-from adstore.integration.tensor_meta import SymDecoder
+from adstore.integration.snapshot.hooks import clear_load_hooks, collect_hook_specs, reattach_hooks, restore_load_hooks
+from adstore.integration.snapshot.tree import TreeDecoder, TreeEncoder
+from adstore.integration.snapshot.targets import check_prefix
+from adstore.integration.snapshot.tensor_meta import SymDecoder
 
 __all__ = ["FORMAT", "VERSION", "MODULE_ARTIFACT", "HOOKS_ARTIFACT", "dump_module", "load_module", "summarize"]
 
@@ -157,7 +157,7 @@ def load_module(artifacts: Mapping[str, bytes], *, allowed_prefixes: Sequence[st
     """Rebuild the module from :func:`dump_module`'s artifacts and reattach its load hooks.
 
     Raises ``UntrustedTarget`` if the payload names anything outside the allow-list
-    (built-in prefixes, :func:`~adstore.integration.targets.allow_prefix`, and
+    (built-in prefixes, :func:`~adstore.integration.snapshot.targets.allow_prefix`, and
     ``allowed_prefixes``) and ``CorruptSnapshot`` for anything malformed; in both
     cases nothing named by the payload has been called.
     """

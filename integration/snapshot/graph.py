@@ -31,7 +31,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.snapshot_export import (
+from adstore.integration.snapshot.export import (
     _EXPORT_METHODS,
     _STATEFUL,
     RestoredGuards,
@@ -39,8 +39,8 @@ from adstore.integration.snapshot_export import (
     _export_train,
     export_forward_hooks,
 )
-from adstore.integration.snapshot_values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
-from adstore.integration.targets import qualname_of, resolve_target
+from adstore.integration.snapshot.values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
+from adstore.integration.snapshot.targets import qualname_of, resolve_target
 
 __all__ = [
     "GM_CLASSES",
@@ -374,7 +374,7 @@ class GraphDecoder:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-        from adstore.integration.tensor_meta import DTYPES
+        from adstore.integration.snapshot.tensor_meta import DTYPES
 
         self._extract_tensor_metadata = _extract_tensor_metadata
         self._fake_cls = FakeTensor

@@ -22,7 +22,7 @@ Other code adds types with :func:`register_hook_type`.  A hook no type accepts
 (closures, lambdas, objects with private state) raises
 :class:`~adstore.integration.errors.UnsupportedHook` naming it, so the save
 skips.  Rebuilding resolves every name under the allow-list of
-:mod:`adstore.integration.targets`.
+:mod:`adstore.integration.snapshot.targets`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedHook, UntrustedTarget
-from adstore.integration.hook_builtins import AliasHook, DedupHook, TPShardHook
-from adstore.integration.snapshot_values import Unencodable, ValueDecoder, ValueEncoder
-from adstore.integration.targets import check_prefix, qualname_of, resolve_target
+from adstore.integration.snapshot.hook_builtins import AliasHook, DedupHook, TPShardHook
+from adstore.integration.snapshot.values import Unencodable, ValueDecoder, ValueEncoder
+from adstore.integration.snapshot.targets import check_prefix, qualname_of, resolve_target
 
 __all__ = [
     "HookType",

@@ -6,7 +6,7 @@ before weights are loaded, so parameters must live on the ``meta`` device),
 buffers (real values, into the payload's tensor list), plain attributes
 (structurally encoded; tensors that are not registered go to the tensor list)
 and children.  GraphModules additionally carry their graph
-(:mod:`adstore.integration.snapshot_graph`).  Shared parameters, buffers and
+(:mod:`adstore.integration.snapshot.graph`).  Shared parameters, buffers and
 modules are written once and referenced by path, so ties survive a restore.
 
 Rebuilding a plain module never runs its class's ``__init__``: the object is
@@ -31,7 +31,7 @@ from adstore.integration.errors import (
     UnsupportedModule,
     UntrustedTarget,
 )
-from adstore.integration.snapshot_graph import (
+from adstore.integration.snapshot.graph import (
     GM_KEYS,
     GraphDecoder,
     MetaTable,
@@ -43,9 +43,9 @@ from adstore.integration.snapshot_graph import (
     encode_graph_module,
     export_forward_hooks,
 )
-from adstore.integration.snapshot_values import Unencodable, ValueEncoder
-from adstore.integration.targets import qualname_of, resolve_target
-from adstore.integration.tensor_meta import DTYPES, dtype_name
+from adstore.integration.snapshot.values import Unencodable, ValueEncoder
+from adstore.integration.snapshot.targets import qualname_of, resolve_target
+from adstore.integration.snapshot.tensor_meta import DTYPES, dtype_name
 
 __all__ = ["TreeEncoder", "TreeDecoder", "MODULE_KEYS"]
 

@@ -18,7 +18,7 @@ bools, ints, finite floats, strings) or as a list whose first element is a tag:
 
 Because every JSON list is tagged, decoding is one dict dispatch per
 container and needs no schema.  Decoding never calls anything it names:
-``fn`` goes through :func:`adstore.integration.targets.resolve_target`.
+``fn`` goes through :func:`adstore.integration.snapshot.targets.resolve_target`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.fx
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.targets import qualname_of, resolve_target
-from adstore.integration.tensor_meta import DTYPES, SymbolTable, dtype_name
+from adstore.integration.snapshot.targets import qualname_of, resolve_target
+from adstore.integration.snapshot.tensor_meta import DTYPES, SymbolTable, dtype_name
 
 __all__ = ["ValueEncoder", "ValueDecoder", "Unencodable", "LAYOUTS", "MEMORY_FORMATS"]
 

@@ -60,8 +60,8 @@ def child(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     import torch
 
-    from adstore.integration.engine_backends import AdstoreEngineCache
-    from adstore.integration.engine_cache import EngineCache
+    from adstore.integration.engine.storage import AdstoreEngineCache
+    from adstore.integration.engine.cache import EngineCache
     from adstore.store import Store
 
     model = build(args.hidden, 5)
@@ -109,8 +109,8 @@ def main() -> int:
 
     import torch
 
-    from adstore.integration.engine_backends import AdstoreEngineCache
-    from adstore.integration.engine_cache import EngineCache
+    from adstore.integration.engine.storage import AdstoreEngineCache
+    from adstore.integration.engine.cache import EngineCache
     from adstore.store import Store
 
     def model(seed: int) -> Any:

@@ -51,10 +51,10 @@ def main() -> int:
     ap.add_argument("--out", help="JSON file (default: bench_pipeline.json in the results directory)")
     args = ap.parse_args()
 
-    from adstore.integration.checkpoint import write_random_checkpoint
-    from adstore.integration.demo import run_ranks
-    from adstore.integration.models import ModelFactory
-    from adstore.integration.optimizer import default_transforms
+    from adstore.integration.reference.checkpoint import write_random_checkpoint
+    from adstore.integration.reference.demo import run_ranks
+    from adstore.integration.reference.models import ModelFactory
+    from adstore.integration.pipeline.optimizer import default_transforms
 
     model = {"arch": args.arch, "layers": args.layers, "hidden": args.hidden}
     factory = ModelFactory.from_config(model)

@@ -262,7 +262,7 @@ def test_demo_runs_through_the_cli(capsys, empty: Path) -> None:
 
 def test_demo_without_the_integration_fails_in_one_line(empty: Path) -> None:
     """Where the torch side cannot be imported, `adstore demo` is one line and exit 6."""
-    code = ("import sys; sys.modules['adstore.integration.demo'] = None; "
+    code = ("import sys; sys.modules['adstore.integration.reference.demo'] = None; "
             "from adstore.daemon.cli import main; "
             f"sys.exit(main(['demo', '--root', {str(empty)!r}]))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.engine_backends import AdstoreEngineCache
-from adstore.integration.engine_cache import EngineCache
-from adstore.integration.models import ModelFactory
-from adstore.integration.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
+from adstore.integration.engine.storage import AdstoreEngineCache
+from adstore.integration.engine.cache import EngineCache
+from adstore.integration.reference.models import ModelFactory
+from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
 from adstore.integration.snapshot import FORMAT, VERSION
 from adstore.store import Store
 from adstore.store.records import manifest_key

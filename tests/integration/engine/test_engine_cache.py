@@ -19,15 +19,15 @@ import textwrap
 import pytest
 import torch
 
-from adstore.integration import engine_backends
-from adstore.integration.engine_backends import (
+from adstore.integration.engine import storage as engine_backends
+from adstore.integration.engine.storage import (
     AdstoreEngineCache,
     BaseEngineCache,
     EngineRecord,
     InMemoryEngineCache,
 )
-from adstore.integration.engine_cache import EngineCache, compile
-from adstore.integration.engine_hash import get_hash, hash_components
+from adstore.integration.engine.cache import EngineCache, compile
+from adstore.integration.engine.hashing import get_hash, hash_components
 from adstore.integration.errors import ConfigError, CorruptEngine, EngineMismatch, TruncatedEngine
 from adstore.store import Store
 
@@ -552,7 +552,7 @@ def test_hash_is_stable_across_processes(env):
         import sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_engine_cache import MLPRenamed, X
-        from adstore.integration.engine_hash import get_hash
+        from adstore.integration.engine.hashing import get_hash
         print(get_hash(torch.export.export(MLPRenamed().eval(), (X,)), (X,)))
         """
     )
@@ -657,7 +657,7 @@ def test_transformers_encoder_hit_refits_other_checkpoint(tmp_path):
 
 
 def test_default_cache_comes_from_the_environment(env, store_root, monkeypatch):
-    from adstore.integration import engine_cache as ec
+    from adstore.integration.engine import cache as ec
 
     monkeypatch.setenv("ADSTORE_ENGINE_MAX_SIZE", "64M")
     ec.set_default_engine_cache(None)

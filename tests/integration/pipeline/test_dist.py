@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from adstore.integration import dist as agree
-from adstore.integration.demo import run_ranks
+from adstore.integration.pipeline import dist as agree
+from adstore.integration.reference.demo import run_ranks
 
 
 def _agreement_worker(rank, world_size, port, job, queue):

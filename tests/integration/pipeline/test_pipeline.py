@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.keys import diff_components
-from adstore.integration.models import ModelFactory
-from adstore.integration.optimizer import InferenceOptimizer, default_transforms
-from adstore.integration.transforms import (
+from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
+from adstore.integration.pipeline.keys import diff_components
+from adstore.integration.reference.models import ModelFactory
+from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.pipeline.transforms import (
     REGISTRY,
     Stage,
     Transform,
@@ -139,7 +139,7 @@ def test_prefix_model_checkpoint_and_topology_changes_miss(factory, checkpoint, 
 
 def _write_transform_module(path, modname, body):
     path.joinpath(f"{modname}.py").write_text(
-        "from adstore.integration.transforms import Stage, Transform, register\n\n"
+        "from adstore.integration.pipeline.transforms import Stage, Transform, register\n\n"
         "@register\n"
         "class Custom(Transform):\n"
         "    name = 'custom_step'\n"

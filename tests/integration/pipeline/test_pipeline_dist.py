@@ -14,10 +14,10 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.demo import run_ranks
-from adstore.integration.models import ModelFactory
-from adstore.integration.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
+from adstore.integration.reference.demo import run_ranks
+from adstore.integration.reference.models import ModelFactory
+from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
 from adstore.store import Store
 
 # hidden 128 -> 4 query heads, 2 KV heads: GQA, so sharding rewrites head counts.

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from adstore.integration.checkpoint import (
+from adstore.integration.reference.checkpoint import (
     INDEX_NAME,
     checkpoint_fingerprint,
     read_checkpoint,
     write_random_checkpoint,
 )
-from adstore.integration.models import ModelFactory
+from adstore.integration.reference.models import ModelFactory
 from adstore.store.errors import ConfigError
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adstore.integration.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.models import ARCHITECTURES, ModelFactory, tiny_config
-from adstore.integration.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
+from adstore.integration.reference.models import ARCHITECTURES, ModelFactory, tiny_config
+from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
 from adstore.store.errors import ConfigError
 
 FAST = ["llama", "mixtral"]

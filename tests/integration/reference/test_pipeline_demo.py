@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from adstore.integration.demo import format_demo, run_demo
+from adstore.integration.reference.demo import format_demo, run_demo
 from adstore.store import Store
 from adstore.store.errors import ConfigError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adstore.integration.errors import ConfigError, UnsupportedHook, UntrustedTarget
-from adstore.integration.hooks import (
+from adstore.integration.snapshot.hooks import (
     AliasHook,
     DedupHook,
     TPShardHook,

@@ -15,9 +15,9 @@ from adstore.integration.errors import (
     UnsupportedHook,
     UnsupportedModule,
 )
-from adstore.integration.hooks import TPShardHook
+from adstore.integration.snapshot.hooks import TPShardHook
 from adstore.integration.snapshot import dump_module, load_module, summarize
-from adstore.integration.snapshot_graph import STALE_SHAPE_KEY, is_shape_stale
+from adstore.integration.snapshot.graph import STALE_SHAPE_KEY, is_shape_stale
 
 from test_snapshot_support import real_state, roundtrip, to_meta
 
@@ -363,7 +363,7 @@ def test_custom_op_module_is_imported_by_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    import adstore.integration.ops  # noqa: F401  (registers torch.ops.adstore.*)
+    import adstore.integration.reference.ops  # noqa: F401  (registers torch.ops.adstore.*)
 
     class UsesOp(torch.nn.Module):
         def __init__(self):
@@ -382,13 +382,13 @@ def test_custom_op_module_is_imported_by_a_fresh_process(tmp_path):
     script = (
         "import pickle, sys, torch\n"
         "from adstore.integration.snapshot import load_module\n"
-        "assert 'adstore.integration.ops' not in sys.modules\n"
+        "assert 'adstore.integration.reference.ops' not in sys.modules\n"
         f"d = pickle.loads(open({str(path)!r}, 'rb').read())\n"
         "r = load_module(d['art'])\n"
         "assert r.code == d['code']\n"
         "r.load_state_dict({'w': torch.ones(8)}, assign=True)\n"
         "assert torch.equal(r(d['x']), d['ref'])\n"
-        "print('ok', 'adstore.integration.ops' in sys.modules)\n"
+        "print('ok', 'adstore.integration.reference.ops' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

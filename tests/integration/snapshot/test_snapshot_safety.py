@@ -20,7 +20,7 @@ import torch.fx
 
 from adstore.integration.errors import SnapshotError, UntrustedTarget
 from adstore.integration.snapshot import FORMAT, VERSION, dump_module, load_module, summarize
-from adstore.integration.targets import allow_prefix, resolve_target
+from adstore.integration.snapshot.targets import allow_prefix, resolve_target
 
 from test_snapshot_support import to_meta
 
@@ -189,7 +189,7 @@ def _poison(art, qualname, sentinel, wired):
 @pytest.mark.parametrize("wired", [False, True], ids=["unused", "in_output"])
 @pytest.mark.parametrize("qualname", sorted(_DANGEROUS))
 def test_torch_functions_that_run_code_are_not_allow_listed(sentinel, tmp_path, monkeypatch, qualname, wired):
-    from adstore.integration import targets
+    from adstore.integration.snapshot import targets
 
     class Plain(torch.nn.Module):
         def forward(self, x):
@@ -341,7 +341,7 @@ def test_unknown_hook_type_is_unsupported(fx_art):
 
 # ----------------------------------------------------------------------------- the allow-list itself
 def test_allow_prefix_registry_is_narrow(monkeypatch):
-    from adstore.integration import targets
+    from adstore.integration.snapshot import targets
 
     monkeypatch.setattr(targets, "_user_prefixes", [])  # keep the process-wide registry clean
     monkeypatch.setattr(targets, "_cache", {})
@@ -400,7 +400,7 @@ def test_plain_getattr_and_methods_still_restore():
 @pytest.mark.parametrize("qualname", ["torch", "torch.nn", "builtins.getattr", "builtins.hasattr",
                                       "operator.attrgetter", "operator.methodcaller", "operator.call"])
 def test_modules_and_attribute_getters_are_not_values(qualname):
-    from adstore.integration.snapshot_values import ValueDecoder
+    from adstore.integration.snapshot.values import ValueDecoder
 
     with pytest.raises(UntrustedTarget):
         ValueDecoder().decode(["fn", qualname])

@@ -11,8 +11,8 @@ import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adstore.integration.snapshot_values import LAYOUTS, MEMORY_FORMATS, ValueDecoder, ValueEncoder
-from adstore.integration.tensor_meta import DTYPES, SymbolTable, SymDecoder
+from adstore.integration.snapshot.values import LAYOUTS, MEMORY_FORMATS, ValueDecoder, ValueEncoder
+from adstore.integration.snapshot.tensor_meta import DTYPES, SymbolTable, SymDecoder
 
 _graph = torch.fx.Graph()
 NODES = [_graph.placeholder(f"x{i}") for i in range(4)]

@@ -1,0 +1,1 @@
+"""The engine cache: architecture hash, front end, storage back ends and the runtime refit."""
