@@ -13,12 +13,12 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, entry_dict, resolve_key
+from adstore.daemon.config import SETTINGS, DaemonConfig
 from adstore.daemon.enforce import execute_in_batches
 from adstore.daemon.errors import FeatureUnavailable
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
 
-__all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo",
-           "DAEMON_FLAGS"]
+__all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
 
 
 # ---------------------------------------------------------------- verify
@@ -71,18 +71,16 @@ def _plan_text(plan: Any, *, verb: str) -> list[str]:
 
 
 def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
     max_size, min_free, older_than = args.max_size, args.min_free, args.older_than
     if args.config:
-        from adstore.daemon.config import DaemonConfig
-
-        cfg = DaemonConfig.from_config(args.config)
+        cfg = ctx.use_config(args.config)
         max_size = max_size if max_size is not None else cfg.max_size
         if min_free is None and cfg.min_free_percent is not None:
             min_free = f"{cfg.min_free_percent:g}%"
         elif min_free is None:
             min_free = cfg.min_free_bytes
         older_than = older_than if older_than is not None else cfg.max_age
+    store = ctx.store()
     evict = None
     if max_size is not None or min_free is not None or older_than is not None:
         evict = store.plan_eviction(max_size=max_size, min_free=min_free, older_than=older_than)
@@ -156,17 +154,10 @@ def cmd_unpin(args: argparse.Namespace, ctx: Context) -> int:
 
 
 # ---------------------------------------------------------------- daemon / demo
-# Flags of `adstore daemon`, each overriding the same setting of the TOML file.
-DAEMON_FLAGS = ("max_size", "min_free", "high_watermark", "low_watermark", "grace_period", "max_age",
-                "batch_size", "debounce", "max_delay", "fallback_interval", "sweep_interval", "log_level",
-                "watch")
-
-
 def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:
-    from adstore.daemon.config import DaemonConfig
-    from adstore.daemon.daemon import Daemon
+    from adstore.daemon.daemon import Daemon  # lazy: watchdog is only needed here
 
-    overrides = {name: getattr(args, name) for name in DAEMON_FLAGS}
+    overrides = {row.name: getattr(args, row.name) for row in SETTINGS if row.name != "root"}
     overrides["root"] = str(ctx.root) if ctx.root is not None else None
     config = DaemonConfig.from_config(args.config, **overrides)
     return Daemon(config).run(once=args.once)
