@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,10 @@ def test_example_config_is_valid_and_documented() -> None:
     text = EXAMPLE.read_text()
     for key in DaemonConfig.KEYS:  # every setting appears in the example, at least commented
         assert key in text, key
+    # and the commented-out ones are valid too
+    commented = [line[2:] for line in text.splitlines()
+                 if line.startswith("# ") and line[2:].split(" = ")[0] in DaemonConfig.KEYS]
+    assert commented and DaemonConfig.parse_settings(tomllib.loads("\n".join(commented)))
 
 
 def test_flags_override_file_and_reload_keeps_them(tmp_path: Path) -> None:
