@@ -41,7 +41,7 @@ from watchdog.observers import Observer
 
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer, PassResult
-from adstore.daemon.lock import InstanceLock, process_start_time, write_status
+from adstore.daemon.lock import InstanceLock, write_status
 from adstore.daemon.notify import Notifier, watchdog_interval
 from adstore.store import Store
 from adstore.store.errors import AdstoreError, ConfigError
@@ -243,9 +243,6 @@ class Daemon:
             return
         self._status_written = time.monotonic()
         write_status(self._store.root, {
-            "pid": os.getpid(),
-            "pid_start": process_start_time(os.getpid()),
-            "host": socket.gethostname(),
             "started": self._started,
             "updated": time.time(),
             "passes": self._passes,

@@ -25,8 +25,9 @@ import psutil
 
 from adstore.daemon.errors import AlreadyRunning
 from adstore.store.fsutil import atomic_write
+from adstore.store.leases import hostname, process_start_time
 
-__all__ = ["InstanceLock", "LOCK_NAME", "STATUS_NAME", "write_status", "read_status", "process_start_time"]
+__all__ = ["InstanceLock", "LOCK_NAME", "STATUS_NAME", "write_status", "read_status"]
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,10 @@ LOCK_NAME = "daemon.lock"
 STATUS_NAME = "daemon.status.json"
 
 
-def process_start_time(pid: int) -> float | None:
+def _started(pid: int) -> float | None:
+    """When the running process ``pid`` started, or None if it is gone."""
     try:
-        return psutil.Process(pid).create_time()
+        return process_start_time(pid)
     except (psutil.Error, OSError):
         return None
 
@@ -104,7 +106,12 @@ class InstanceLock:
 
 
 def write_status(root: Path, status: dict[str, Any]) -> None:
-    """Publish the daemon's status atomically; failures are logged, never fatal."""
+    """Publish the daemon's status atomically; failures are logged, never fatal.
+
+    The writer's identity (pid, its start time, host) is added here, where
+    :func:`read_status` checks it.
+    """
+    status = {**status, "pid": os.getpid(), "pid_start": process_start_time(), "host": hostname()}
     try:
         atomic_write(Path(root) / STATUS_NAME, json.dumps(status, sort_keys=True, default=str).encode())
     except Exception as exc:  # advisory file: a full disk must not stop eviction
@@ -122,7 +129,7 @@ def read_status(root: Path) -> dict[str, Any] | None:
     pid, started = data.get("pid"), data.get("pid_start")
     if not isinstance(pid, int) or not isinstance(started, (int, float)):
         return None
-    alive = process_start_time(pid)
+    alive = _started(pid)
     # A one-shot pass (`adstore daemon --once`) leaves a status but no running daemon.
     data["running"] = (not data.get("once") and alive is not None and abs(alive - float(started)) < 1.0)
     return data
