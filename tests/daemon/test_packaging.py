@@ -45,3 +45,16 @@ def test_every_package_folder_is_listed() -> None:
             rel = init.parent.relative_to(REPO / folder)
             found.add(".".join([name, *rel.parts]))
     assert sorted(setuptools["packages"]) == sorted(found)
+
+
+def test_daemon_modules_are_small_documented_and_declare_their_api() -> None:
+    """Under 500 lines, an explicit ``__all__``, docstrings that point into the README only."""
+    for path in sorted((REPO / "daemon").glob("*.py")) + [REPO / "store" / "units.py"]:
+        text = path.read_text()
+        tree = ast.parse(text)
+        assert len(text.splitlines()) < 500, path
+        assert ast.get_docstring(tree), path
+        assert "DESIGN" not in text and "§" not in text, f"{path} refers to a document outside the repository"
+        if path.name != "__main__.py":
+            assert any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                       for node in tree.body), f"{path} has no __all__"
