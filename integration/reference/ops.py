@@ -19,6 +19,16 @@ from torch import Tensor
 __all__ = ["OPS", "all_gather", "all_reduce", "rms_norm", "silu_mul"]
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    if weight_offset != 0.0:
+        return (h * (weight.to(torch.float32) + weight_offset)).to(dtype).contiguous()
+    return (weight * h.to(dtype)).contiguous()
+
+
 @torch.library.custom_op("adstore::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
     """RMSNorm in float32, scaled by ``weight + weight_offset`` (Gemma uses offset 1).
@@ -27,39 +37,34 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Ten
     (variance of the float32 input, rsqrt, cast back, then scale) so that the
     rewritten graph stays within float rounding of the eager model.
     """
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    var = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(var + eps)
-    if weight_offset != 0.0:
-        return (h * (weight.to(torch.float32) + weight_offset)).to(dtype)
-    return weight * h.to(dtype)
+    return _rms_norm(x, weight, eps, weight_offset)
 
 
-@rms_norm.register_fake
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
-    if weight_offset != 0.0:
-        return torch.empty_like(x)
-    return torch.empty(
-        torch.broadcast_shapes(x.shape, weight.shape),
-        dtype=torch.promote_types(x.dtype, weight.dtype),
-        device=x.device,
-    )
+# The outputs are contiguous whatever the input layout: Inductor lays out an op's
+# inputs as it likes (a split of a fused projection, then transposed, need not
+# keep eager's strides) and then checks the strides the fake kernel promised, so
+# an output layout that followed the input's would not match.  Each fake kernel
+# runs the real arithmetic on fake tensors, so sizes, strides and dtype agree.
+rms_norm.register_fake(_rms_norm)
+
+
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return (torch.nn.functional.silu(gate) * up).contiguous()
 
 
 @torch.library.custom_op("adstore::silu_mul", mutates_args=())
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """SwiGLU activation: ``silu(gate) * up`` in one op."""
-    return torch.nn.functional.silu(gate) * up
+    return _silu_mul(gate, up)
 
 
-@silu_mul.register_fake
-def _silu_mul_fake(gate: Tensor, up: Tensor) -> Tensor:
-    return torch.empty(
-        torch.broadcast_shapes(gate.shape, up.shape),
-        dtype=torch.promote_types(gate.dtype, up.dtype),
-        device=gate.device,
-    )
+silu_mul.register_fake(_silu_mul)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).contiguous()
 
 
 @torch.library.custom_op("adstore::rope", mutates_args=())
@@ -69,15 +74,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     Same arithmetic, in the same order, as the transformers reference, so the
     rewrite is bit-identical to the graph it replaces.
     """
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return _rope(x, cos, sin)
 
 
-@rope.register_fake
-def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
-    return x.new_empty(shape, dtype=torch.promote_types(x.dtype, torch.promote_types(cos.dtype, sin.dtype)))
+rope.register_fake(_rope)
 
 
 def _group_size() -> int:
@@ -97,7 +97,7 @@ def all_reduce(x: Tensor) -> Tensor:
 
 @all_reduce.register_fake
 def _all_reduce_fake(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
+    return x.clone()
 
 
 @torch.library.custom_op("adstore::all_gather", mutates_args=())
@@ -108,8 +108,8 @@ def all_gather(x: Tensor, dim: int, world_size: int) -> Tensor:
     implementation needs it to give the gathered shape without a process group.
     """
     n = _group_size()
-    if n == 1:
-        return x.clone()
+    if n == 1:  # contiguous like the gathered result (and the fake kernel)
+        return x.clone(memory_format=torch.contiguous_format)
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
