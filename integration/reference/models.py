@@ -22,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "ARCHITECTURES",
+    "MODEL_TYPES",
     "ModelFactory",
     "meta_parameters",
     "tiny_config",
@@ -84,15 +85,54 @@ ARCHITECTURES: dict[str, Any] = {
     "glm4_moe": lambda n, h: _moe(
         "glm4_moe", n, h, first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1
     ),
+    # Gemma-4 text model: sliding-window and full-attention layers, with or without MoE blocks.
+    "gemma4": lambda n, h: _gemma4(n, h),
+    "gemma4_moe": lambda n, h: _gemma4(
+        n, h, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=h // 2
+    ),
+    # Multi-head latent attention (low-rank q/kv, interleaved RoPE) with routed + shared experts.
+    "glm4_moe_lite": lambda n, h: {
+        **_moe("glm4_moe_lite", n, h, n_group=1, topk_group=1, n_shared_experts=1,
+               mlp_layer_types=["dense"] + ["sparse"] * (n - 1)),
+        **_mla(h),
+    },
+    "deepseek_v3": lambda n, h: {
+        **_moe("deepseek_v3", n, h, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),
+        **_mla(h),
+    },
 }
+
+#: ``model_type`` spellings that name an architecture above.
+MODEL_TYPES: dict[str, str] = {
+    "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4",
+}
+
+
+def _gemma4(layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
+    """A small Gemma-4 text config: sliding-window layers, the last one full attention."""
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    return _llama_like("gemma4_text", layers, hidden, sliding_window=16, hidden_size_per_layer_input=0,
+                       layer_types=types, **extra)
+
+
+def _mla(hidden: int) -> dict[str, Any]:
+    """Low-rank attention sizes for a small DeepSeek-V3 / GLM-4.7-lite config."""
+    rope = hidden // 4
+    return {"kv_lora_rank": hidden // 2, "q_lora_rank": hidden * 3 // 4, "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": hidden // 2, "v_head_dim": hidden // 2, "head_dim": rope}
 
 
 def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64) -> dict[str, Any]:
     """A small config dict for ``arch`` (see :data:`ARCHITECTURES`)."""
     try:
-        builder = ARCHITECTURES[arch]
+        builder = ARCHITECTURES[MODEL_TYPES.get(arch, arch)]
     except KeyError:
-        raise ConfigError("arch", f"unknown architecture {arch!r}; choose from {sorted(ARCHITECTURES)}") from None
+        raise ConfigError(
+            "arch",
+            f"unknown architecture {arch!r}; the reference pipeline is tested on {sorted(ARCHITECTURES)}. "
+            "Another transformers causal LM may still run: build ModelFactory(config={'model_type': ..., ...}) "
+            "with its full config (untested: export, pattern rewrites and sharding may not apply)",
+        ) from None
     if layers < 1 or hidden < 32 or hidden % 32:
         raise ConfigError("hidden", f"need layers >= 1 and hidden a multiple of 32, got {layers=} {hidden=}")
     return builder(layers, hidden)
