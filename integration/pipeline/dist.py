@@ -4,6 +4,15 @@ Every helper is a collective: all ranks must call it in the same order, which
 is why the cache computes a local outcome first and only then agrees, even
 when its own step failed.  Without an initialised process group every helper
 is a local no-op, so the same code serves one process.
+
+The values agreed on are small CPU integers.  A default group whose backend
+takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``) carries them directly;
+under an NCCL-only default group, how inference runs on GPUs, CPU tensors
+would fail, so the first agreement creates a gloo group over the same ranks
+once (a collective call every rank makes at the same point) and every later
+agreement uses it (README, "Pipeline cache", rank agreement).  Moving the
+integers to the GPU instead would tie the cache to a device it has no other
+reason to touch.
 """
 
 from __future__ import annotations
@@ -14,7 +23,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "agree_int", "all_true", "barrier", "broadcast_int", "is_distributed", "topology"]
+__all__ = [
+    "Topology",
+    "agree_int",
+    "agreement_group",
+    "all_true",
+    "barrier",
+    "broadcast_int",
+    "is_distributed",
+    "topology",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +57,45 @@ def topology(rank: int | None = None, world_size: int | None = None) -> Topology
     return Topology(rank or 0, world_size or 1)
 
 
-def _reduce(value: int, op: dist.ReduceOp.RedOpType) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=op)
-    return int(t.item())
+#: The gloo side group made for an NCCL-only default group, by the default group it serves.
+_side_groups: dict[object, object] = {}
+
+
+def _cpu_capable(backend: str) -> bool:
+    """Whether a backend string (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``) takes CPU tensors."""
+    parts = [p.strip() for p in backend.lower().split(",")]
+    return any(p in ("gloo", "mpi", "ucc") or p.startswith("cpu:") for p in parts)
+
+
+def agreement_group() -> object | None:
+    """The process group agreement runs on: ``None`` (the default) or a gloo side group.
+
+    A collective on first use under an NCCL-only default group: every rank must
+    call it at the same point, which the agreement helpers guarantee.
+    """
+    default = dist.group.WORLD
+    if _cpu_capable(str(dist.get_backend(default))):
+        return None
+    group = _side_groups.get(default)
+    if group is None:
+        log.debug("default process group backend %s takes no CPU tensors: creating a gloo agreement group",
+                  dist.get_backend(default))
+        _side_groups.clear()  # a group of an earlier (destroyed) default group is dead
+        group = _side_groups[default] = dist.new_group(backend="gloo")
+    return group
+
+
+def _reduce(values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=agreement_group())
+    return [int(v) for v in t.tolist()]
 
 
 def all_true(flag: bool) -> bool:
     """True only if ``flag`` is true on every rank."""
     if not is_distributed():
         return bool(flag)
-    return _reduce(1 if flag else 0, dist.ReduceOp.MIN) == 1
+    return _reduce([1 if flag else 0], dist.ReduceOp.MIN)[0] == 1
 
 
 def agree_int(value: int | None) -> int | None:
@@ -57,9 +103,8 @@ def agree_int(value: int | None) -> int | None:
     if not is_distributed():
         return value
     v = -1 if value is None else int(value)
-    lo = _reduce(v, dist.ReduceOp.MIN)
-    hi = _reduce(v, dist.ReduceOp.MAX)
-    return value if lo == hi and v >= 0 else None
+    hi, neg_lo = _reduce([v, -v], dist.ReduceOp.MAX)  # max and min in one collective
+    return value if hi == -neg_lo and v >= 0 else None
 
 
 def broadcast_int(value: int, src: int = 0) -> int:
@@ -67,10 +112,10 @@ def broadcast_int(value: int, src: int = 0) -> int:
     if not is_distributed():
         return value
     t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.broadcast(t, src=src)
+    dist.broadcast(t, src=src, group=agreement_group())
     return int(t.item())
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=agreement_group())
