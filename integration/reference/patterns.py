@@ -231,8 +231,14 @@ class _Rewrite(Transform):
         total = sum(self.rewrite(gm) for _, gm in graph_modules(module))
         if total == 0 and self.config.require_match:  # type: ignore[attr-defined]
             raise IntegrationError(f"{self.name}: pattern not found")
-        ctx.info[self.name] = {"matches": total}
-        log.debug("%s: %d matches", self.name, total)
+        ctx.info[self.name] = {"matches": total, "applied": total > 0}
+        if total:
+            log.debug("%s: %d matches", self.name, total)
+        else:
+            # Said out loud: a user must not assume a rewrite applied that did not.
+            log.warning("%s matched nothing in %s: this architecture's variant is not one the rewrite "
+                        "reproduces bit for bit; the graph is left as exported",
+                        self.name, ctx.factory.config.get("model_type", "the model"))
         return module
 
 
