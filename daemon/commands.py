@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.errors import AmbiguousKey, UnknownKey
+from adstore.daemon.errors import UnknownKey
 from adstore.daemon.format import (
     Progress,
     human_age,
@@ -30,7 +30,7 @@ from adstore.daemon.format import (
 )
 from adstore.daemon.lock import read_status
 from adstore.store import Store
-from adstore.store.errors import AdstoreError, InvalidKey
+from adstore.store.errors import AdstoreError
 
 __all__ = [
     "Context",
@@ -102,22 +102,9 @@ def _json_default(obj: Any) -> Any:
 def resolve_key(store: Store, text: str) -> str:
     """The full key for an exact key or an unambiguous prefix (like git).
 
-    The store's own cursor lookup does the work; only when it refuses do we
-    scan, to say precisely whether nothing or several entries matched.
+    The store raises :class:`UnknownKey` or :class:`AmbiguousKey` (with the candidates).
     """
-    text = text.strip()
-    if not text:
-        raise UnknownKey(text)
-    try:
-        return store.resolve_key(text)
-    except InvalidKey:
-        pass
-    matches = sorted(e.key for e in _scan(store) if e.key.startswith(text))
-    if not matches:
-        raise UnknownKey(text)
-    if len(matches) > 1:
-        raise AmbiguousKey(text, matches)
-    return matches[0]
+    return store.resolve_key(text.strip())
 
 
 def _scan(store: Store, namespace: str | None = None, *, label: str = "scanning") -> Iterator[Any]:
@@ -180,11 +167,15 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     daemon = read_status(store.root)
     data["daemon"] = daemon
     budget = None
+    running = bool(daemon and daemon.get("running"))
     if cfg is not None:
         budget = _budget_dict(cfg)
-    elif daemon and daemon.get("running"):
+    elif st.budget is not None:  # the budget the daemon persisted in the index
+        budget = {**st.budget.to_dict(), "source": "index"}
+    elif running:
         budget = _budget_dict(DaemonConfig.from_mapping(
             {k: v for k, v in daemon.get("config", {}).items() if k in DaemonConfig.KEYS}))
+    if budget is not None and cfg is None and running:
         budget["current_limit"] = daemon.get("budget")
     data["budget"] = budget
     if ctx.json:

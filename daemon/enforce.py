@@ -4,9 +4,9 @@ This is the daemon's policy, kept free of threads, signals and sockets so
 that it can be tested and benchmarked on its own.  It decides *how much* to
 evict; the store decides *what* (LRU by entry, honouring leases, pins and the
 grace period) through its plans, and carries them out safely (rows deleted in
-one transaction, files unlinked after commit).  Each batch is one plan of at
-most ``batch_size`` entries, and ``should_stop`` is asked between batches, so
-SIGTERM finishes the current batch and nothing more.
+one transaction, files unlinked after commit).  The store's plan executes in
+batches of at most ``batch_size`` entries and asks ``should_stop`` between
+them, so SIGTERM finishes the current batch and nothing more.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import psutil
 
 from adstore.daemon.config import DaemonConfig
-from adstore.store import EvictionPlan, Store
+from adstore.store import EvictedBatch, Store
 
-__all__ = ["Budget", "PassResult", "Enforcer", "execute_in_batches"]
+__all__ = ["Budget", "PassResult", "Enforcer"]
 
 log = logging.getLogger(__name__)
 
@@ -104,21 +104,28 @@ class Enforcer:
         """
         evicted = 0
         target = plan_args.get("max_size")
+        stopped = False
+
+        def should_stop() -> bool:
+            nonlocal stopped
+            stopped = stopped or self.should_stop()
+            return stopped
+
         for _round in range(8):  # each round is a fresh plan; normally one suffices
             plan = self.store.plan_eviction(**plan_args)
             if not plan.victims:
                 break
 
-            def after_batch(entries: int, freed: int, reason: str = plan.reason) -> bool:
+            def on_batch(batch: EvictedBatch, why: str = plan.why) -> bool:
+                nonlocal evicted
+                evicted += len(batch.keys)
                 result.batches += 1
-                result.bytes_freed += freed
-                log.info("evicted %d entries (%d bytes): %s", entries, freed, reason)
+                result.bytes_freed += batch.bytes_freed
+                log.info("evicted %d entries (%d bytes): %s", len(batch.keys), batch.bytes_freed, why)
                 self.on_batch()
                 return target is not None and self.store.size() <= target
 
-            done, _freed, stopped = execute_in_batches(
-                plan, self.config.batch_size, should_stop=self.should_stop, after_batch=after_batch)
-            evicted += done
+            plan.execute(batch_size=self.config.batch_size, should_stop=should_stop, on_batch=on_batch)
             if stopped:
                 result.interrupted = True
                 return evicted
@@ -149,9 +156,9 @@ class Enforcer:
         if sweep and not result.interrupted:
             result.swept = True
             plan = self.store.plan_sweep()
-            items = _count_items(plan)
+            items = plan.items
             if items:
-                result.swept_bytes = int(plan.execute() or 0)
+                result.swept_bytes = plan.execute()
                 result.swept_items = items
                 log.info("swept %d orphaned items (%d bytes)", items, result.swept_bytes)
         result.after = self.measure()
@@ -162,41 +169,3 @@ class Enforcer:
         result.seconds = time.monotonic() - start
         result.finished = time.time()
         return result
-
-
-def execute_in_batches(
-    plan: EvictionPlan,
-    batch_size: int,
-    *,
-    should_stop: Callable[[], bool] = lambda: False,
-    after_batch: Callable[[int, int], bool] = lambda entries, freed: False,
-) -> tuple[int, int, bool]:
-    """Carry out ``plan`` ``batch_size`` victims per write transaction.
-
-    Executing slices of one plan is as safe as re-planning: the store
-    re-checks each victim in the executing transaction (still unleased,
-    unpinned, not used or recommitted since the plan) and skips any that no
-    longer qualify.  Slices are cut with ``dataclasses.replace`` so each is a
-    plan of the store's own type.  ``should_stop`` is asked before each batch
-    (SIGTERM finishes the current one); ``after_batch(entries, freed)``
-    returning True ends early (target reached).  Returns
-    ``(entries, bytes_freed, stopped)``.
-    """
-    entries = freed_total = 0
-    for start in range(0, len(plan.victims), batch_size):
-        if should_stop():
-            return entries, freed_total, True
-        chunk = plan.victims[start:start + batch_size]
-        part = dataclasses.replace(plan, victims=chunk, blobs=[], bytes_to_free=sum(e.bytes for e in chunk))
-        freed = int(part.execute() or 0)
-        entries += len(chunk)
-        freed_total += freed
-        if after_batch(len(chunk), freed):
-            break
-    return entries, freed_total, False
-
-
-def _count_items(plan: Any) -> int:
-    """Number of things a SweepPlan will remove (its ``to_dict`` counts, minus the byte total)."""
-    counts = plan.to_dict()
-    return sum(int(v) for k, v in counts.items() if k != "bytes_to_free" and isinstance(v, int))

@@ -14,9 +14,9 @@ from typing import Any
 
 from adstore.daemon.commands import Context, entry_dict, resolve_key
 from adstore.daemon.config import SETTINGS, DaemonConfig
-from adstore.daemon.enforce import execute_in_batches
 from adstore.daemon.errors import FeatureUnavailable
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
+from adstore.store import EvictionPlan
 
 __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
 
@@ -49,7 +49,7 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
 
 
 # ---------------------------------------------------------------- gc / rm
-def _plan_text(plan: Any, *, verb: str) -> list[str]:
+def _plan_text(plan: EvictionPlan, *, verb: str) -> list[str]:
     lines = []
     if plan.victims:
         rows = [(short_key(e.key), e.namespace, human_size(e.bytes), human_age(e.last_access))
@@ -57,14 +57,14 @@ def _plan_text(plan: Any, *, verb: str) -> list[str]:
         lines.append(table(rows, ("KEY", "NAMESPACE", "SIZE", "LAST USED"), align="llrl"))
         if len(plan.victims) > 50:
             lines.append(f"… {len(plan.victims) - 50} more entries")
-    skipped = [str(s) for s in (getattr(plan, "skipped", []) or [])]
+    skipped = plan.skipped
     if skipped:
         shown = ", ".join(short_key(s) for s in skipped[:10])
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
         lines.append(f"skipped {len(skipped)} entries (leased, pinned or younger than the grace "
                      f"period): {shown}{more}")
     lines.append(f"{verb}: {len(plan.victims)} entries, {len(plan.blobs)} blobs, "
-                 f"{human_size(plan.bytes_to_free)} to free ({plan.reason})")
+                 f"{human_size(plan.bytes_to_free)} to free ({plan.why})")
     if plan.victims and len(plan.blobs) == 0:
         lines.append("(their blobs are shared or younger than the grace period; the sweep frees them later)")
     return lines
@@ -107,9 +107,9 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
     else:
         freed = 0
         if evict is not None:  # bounded transactions, like the daemon: writers never wait long
-            freed += execute_in_batches(evict, args.batch_size)[1]
+            freed += evict.execute(batch_size=args.batch_size)
         if sweep is not None:
-            freed += int(sweep.execute() or 0)
+            freed += sweep.execute()
         data["bytes_freed"] = freed
         lines.append(f"freed {human_size(freed)}")
     ctx.emit(data, "\n".join(lines))
@@ -125,9 +125,10 @@ def cmd_rm(args: argparse.Namespace, ctx: Context) -> int:
     if args.dry_run:
         lines.append("dry run: nothing removed")
     else:
-        freed = int(plan.execute() or 0)
+        removed: list[str] = []
+        freed = plan.execute(on_batch=lambda batch: removed.extend(batch.keys))
         data["bytes_freed"] = freed
-        lines.append(f"removed {len(plan.victims)} entries, freed {human_size(freed)}")
+        lines.append(f"removed {len(removed)} entries, freed {human_size(freed)}")
     ctx.emit(data, "\n".join(lines))
     # Entries the store refused (leased by a live process) make the command fail.
     return 0 if len(plan.victims) == len(keys) or args.dry_run else 1

@@ -1,8 +1,8 @@
 """adstore.store: a content-addressed blob store indexed by LMDB (no torch).
 
 Blobs are deduplicated by SHA-256; cache keys map to per-rank manifests that
-reference blobs; entries are evicted least-recently-used as whole keys.  See
-DESIGN.md §2 for the layout and the invariants every operation keeps.
+reference blobs; entries are evicted least-recently-used as whole keys.  The README's
+"Using the store" lists the layout and the invariants every operation keeps.
 """
 
 from .errors import (
@@ -24,12 +24,14 @@ from .errors import (
     UnsupportedFilesystem,
 )
 from .fsutil import atomic_write
-from .gc import EvictionPlan, SweepPlan
-from .manifests import LookupResult
+from .budget import DEFAULT_GRACE_PERIOD, Budget
+from .eviction import EvictedBatch, EvictionPlan, PlanKind
+from .lookup import LookupResult
 from .reasons import Reason
 from .records import BlobRef, Entry, LeaseRecord, Manifest
 from .stats import StoreStats
-from .store import DEFAULT_GRACE_PERIOD, DEFAULT_INLINE_THRESHOLD, Store, default_root
+from .store import DEFAULT_INLINE_THRESHOLD, Store, default_root
+from .sweep import SweepPlan
 from .units import (
     MinFree,
     human_size,
@@ -39,7 +41,7 @@ from .units import (
     parse_percent,
     parse_size,
 )
-from .verify import VerifyReport
+from .verify import Finding, VerifyReport
 
 __all__ = [
     "Store",
@@ -52,9 +54,13 @@ __all__ = [
     "LeaseRecord",
     "LookupResult",
     "Reason",
+    "Budget",
+    "PlanKind",
     "EvictionPlan",
+    "EvictedBatch",
     "SweepPlan",
     "VerifyReport",
+    "Finding",
     "StoreStats",
     "atomic_write",
     "parse_size",

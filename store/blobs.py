@@ -17,91 +17,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-
-import lmdb
 
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
-from .index import Index
-from .records import FLAG_INLINE, FLAG_QUARANTINED, BlobRef, BlobRow, pack_inline, unpack_inline, validate_digest
-from .stats import BLOB_EPOCH, PHYSICAL, bump
+from .records import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline, validate_digest
+from .tables import Tables, Txn
 
-__all__ = ["Layout", "Blobs", "CHUNK_SIZE", "BLOB_MODE"]
+__all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE"]
 
 log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 4 << 20
 BLOB_MODE = 0o444
-_CACHEDIR_TAG = (
-    b"Signature: 8a477f597d28d172789f06886806bc55\n"
-    b"# This file is a cache directory tag created by adstore.\n"
-    b"# For information about cache directory tags see https://bford.info/cachedir/\n"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Paths of a store root (DESIGN.md §2)."""
-
-    root: Path
-
-    @property
-    def index(self) -> Path:
-        return self.root / "index"
-
-    @property
-    def blobs(self) -> Path:
-        return self.root / "blobs"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def quarantine(self) -> Path:
-        return self.root / "quarantine"
-
-    def blob_path(self, digest: str) -> Path:
-        validate_digest(digest)
-        return self.root / "blobs" / digest[:2] / digest
-
-    @property
-    def group_shared(self) -> bool:
-        """A setgid root is shared by its group (DESIGN.md §7, README)."""
-        try:
-            return bool(self.root.stat().st_mode & stat.S_ISGID)
-        except FileNotFoundError:
-            return False
-
-    def mkdir(self, path: Path) -> None:
-        """Create a directory of the store; group-writable in a group-shared store.
-
-        Explicit, so a member's restrictive umask cannot lock the group out.
-        """
-        try:
-            path.mkdir()
-        except FileExistsError:
-            return
-        if self.group_shared:
-            try:
-                os.chmod(path, 0o2775)
-            except PermissionError:
-                pass
-
-    def create(self) -> None:
-        """Create the layout (call after the root passed its permission checks)."""
-        for d in (self.index, self.blobs, self.tmp, self.quarantine):
-            self.mkdir(d)
-        tag = self.root / "CACHEDIR.TAG"
-        if not tag.exists():
-            atomic_write(tag, _CACHEDIR_TAG, tmp_dir=self.tmp, mode=0o444)
-
-
 def _digest_of(ref_or_digest: BlobRef | str) -> str:
     return ref_or_digest.digest if isinstance(ref_or_digest, BlobRef) else validate_digest(ref_or_digest)
 
@@ -120,17 +50,16 @@ class Blobs:
 
     def __init__(
         self,
-        index: Index,
-        layout: Layout,
+        tables: Tables,
         *,
         inline_threshold: int,
         grace_period: float,
         reserve: Callable[[int], None],
         on_dedup: Callable[[int], None],
     ) -> None:
-        self._index = index
-        self._layout = layout
-        self._blobs_dir = str(layout.blobs)
+        self._tables = tables
+        self._layout = tables.layout
+        self.file_ok = tables.layout.has_file
         self._inline_threshold = inline_threshold
         self._grace = grace_period
         self._reserve = reserve
@@ -213,35 +142,30 @@ class Blobs:
         publish; it is written only when older than a quarter of the grace
         period, so re-putting hot blobs costs no write transaction.
         """
-        key = bytes.fromhex(ref.digest)
-        with self._index.read() as txn:
-            raw = txn.get(key, db=self._index.db["blobs"])
-        if raw is None:
+        with self._tables.read() as t:
+            row = t.blob_row(ref.digest)
+        if row is None:
             return False
-        row = BlobRow.decode(raw, key)
         if row.quarantined or row.size != ref.size:
             return False
         if not row.inline and not self.file_ok(ref.digest, ref.size):
             return False
         if time.time() - row.touched > self._grace / 4:
-            if not self._touch(key, ref):
+            if not self._touch(ref):
                 return False
         self._on_dedup(ref.size)
         return True
 
-    def _touch(self, key: bytes, ref: BlobRef) -> bool:
-        def fn(txn: lmdb.Transaction) -> bool:
-            raw = txn.get(key, db=self._index.db["blobs"])
-            if raw is None:
-                return False
-            row = BlobRow.decode(raw, key)
-            if row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
+    def _touch(self, ref: BlobRef) -> bool:
+        def fn(t: Txn) -> bool:
+            row = t.blob_row(ref.digest)
+            if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
                 return False
             row.touched = time.time()
-            txn.put(key, row.encode(), db=self._index.db["blobs"])
+            t.touch_blob(ref.digest, row)
             return True
 
-        return self._index.write(fn)
+        return self._tables.write(fn)
 
     def _write_file(self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]]) -> None:
         self._reserve(ref.size)
@@ -276,51 +200,27 @@ class Blobs:
         self._register(ref, inline_data=None)
 
     def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
-        key = bytes.fromhex(ref.digest)
-        dbs = self._index.db
         value = pack_inline(inline_data) if inline_data is not None else None
 
-        def fn(txn: lmdb.Transaction) -> None:
+        def fn(t: Txn) -> None:
             if inline_data is None and not self.file_ok(ref.digest, ref.size):
                 raise _FileVanished
-            raw = txn.get(key, db=dbs["blobs"])
+            row = t.blob_row(ref.digest)
             now = time.time()
-            flags = FLAG_INLINE if inline_data is not None else 0
-            if raw is not None:
-                row = BlobRow.decode(raw, key)
-                intact = not row.quarantined and row.size == ref.size and (row.inline or self.file_ok(ref.digest, ref.size))
+            if row is not None:
+                intact = not row.quarantined and row.size == ref.size and (
+                    row.inline or self.file_ok(ref.digest, ref.size))
                 if intact:
                     row.touched = now
-                    txn.put(key, row.encode(), db=dbs["blobs"])
+                    t.touch_blob(ref.digest, row)
                     return
-                bump(txn, dbs["meta"], PHYSICAL, ref.size - row.size)
-                bump(txn, dbs["meta"], BLOB_EPOCH, 1)  # a repair: the old row's checks no longer hold
-                row = BlobRow(ref.size, row.refs, now, flags)
-            else:
-                bump(txn, dbs["meta"], PHYSICAL, ref.size)
-                row = BlobRow(ref.size, 0, now, flags)
-            if value is not None:
-                txn.put(key, value, db=dbs["blobdata"])
-            else:
-                txn.delete(key, db=dbs["blobdata"])
-            txn.put(key, row.encode(), db=dbs["blobs"])
-            bump(txn, dbs["stats"], "bytes_written", ref.size)
+            flags = FLAG_INLINE if inline_data is not None else 0
+            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags), inline=value)
+            t.count("bytes_written", ref.size)
 
-        self._index.write(fn)
+        self._tables.write(fn)
 
     # -- read ------------------------------------------------------------
-    def file_ok(self, digest: str, size: int) -> bool:
-        """Is the blob file of ``digest`` on disk with ``size`` bytes?
-
-        On the lookup path, so the path is joined without ``Layout.blob_path``'s
-        validation: callers pass a digest that is already validated (a
-        BlobRef, or a manifest row whose decoder checked every digest).
-        """
-        try:
-            return os.stat(f"{self._blobs_dir}/{digest[:2]}/{digest}").st_size == size
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-
     def _read_chunks(self, path: Path) -> Iterator[bytes]:
         # Sized reads: asking for a whole chunk of a smaller file allocates the
         # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
@@ -336,10 +236,8 @@ class Blobs:
                 yield chunk
 
     def row(self, digest: str) -> BlobRow | None:
-        key = bytes.fromhex(validate_digest(digest))
-        with self._index.read() as txn:
-            raw = txn.get(key, db=self._index.db["blobs"])
-        return None if raw is None else BlobRow.decode(raw, key)
+        with self._tables.read() as t:
+            return t.blob_row(validate_digest(digest))
 
     def has(self, ref_or_digest: BlobRef | str) -> bool:
         digest = _digest_of(ref_or_digest)
@@ -363,25 +261,19 @@ class Blobs:
         and carries its own checksum (:func:`records.pack_inline`).
         """
         digest = ref_or_digest.digest if type(ref_or_digest) is BlobRef else _digest_of(ref_or_digest)
-        key = bytes.fromhex(digest)
-        dbs = self._index.db
-        raw = None
-        txn = self._index.begin_read()
-        try:
-            value = txn.get(key, None, dbs["blobdata"])
+        row = None
+        with self._tables.read() as t:
+            value = t.inline_value(digest)
             if value is None:
-                raw = txn.get(key, None, dbs["blobs"])
-        finally:
-            self._index.end_read(txn)
+                row = t.blob_row(digest)
         if value is not None:
             data, intact = unpack_inline(value)
             if intact:
                 return data
             inline = True
         else:
-            if raw is None:
+            if row is None:
                 raise BlobMissing(digest, "not registered")
-            row = BlobRow.decode(raw, key)
             if row.quarantined:
                 raise BlobMissing(digest, "quarantined after failing verification")
             if row.inline:
@@ -433,7 +325,7 @@ class Blobs:
 
     def quarantine(self, digest: str, *, content: bytes | None = None) -> None:
         """Move a corrupt blob aside and flag its row; manifests then miss on it."""
-        key = bytes.fromhex(validate_digest(digest))
+        validate_digest(digest)
         qpath = self._layout.quarantine / f"{digest}.{time.time_ns()}"
         try:
             if content is not None:
@@ -447,16 +339,10 @@ class Blobs:
             log.warning("could not move corrupt blob %s to quarantine: %s", digest, exc)
         log.warning("quarantined corrupt blob %s", digest)
 
-        def fn(txn: lmdb.Transaction) -> None:
-            raw = txn.get(key, db=self._index.db["blobs"])
-            if raw is None:
-                return
-            row = BlobRow.decode(raw, key)
-            if not row.inline and self.file_ok(digest, row.size):
-                return  # a writer repaired it meanwhile
-            row.flags = (row.flags & ~FLAG_INLINE) | FLAG_QUARANTINED
-            txn.delete(key, db=self._index.db["blobdata"])
-            txn.put(key, row.encode(), db=self._index.db["blobs"])
-            bump(txn, self._index.db["meta"], BLOB_EPOCH, 1)
+        def fn(t: Txn) -> None:
+            row = t.blob_row(digest)
+            if row is None or (not row.inline and self.file_ok(digest, row.size)):
+                return  # gone, or a writer repaired it meanwhile
+            t.quarantine_blob(digest, row)
 
-        self._index.write(fn)
+        self._tables.write(fn)

@@ -38,8 +38,9 @@ from typing import TypeVar
 import lmdb
 
 from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
+from .tables import DATABASES
 
-__all__ = ["Index", "DATABASES", "SCHEMA_VERSION"]
+__all__ = ["Index", "SCHEMA_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ T = TypeVar("T")
 #: 2: inline blobs are stored with an xxh3-64 head (was a CRC-32 in the blob row).
 #: 3: an entry's last access and hits moved from its JSON row to ``access``.
 SCHEMA_VERSION = 3
-DATABASES = ("blobs", "blobdata", "entries", "access", "components", "manifests", "leases", "stats", "meta")
 _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
 _FORK_WAIT = 2.0

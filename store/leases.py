@@ -2,7 +2,8 @@
 
 A lease records pid *and* the process start time (psutil), so a pid reused
 by another process after the holder died does not keep the entry pinned.
-Leases from another host cannot be checked, so they count until they expire.
+Leases from another host cannot be checked, so they count until they expire
+(README, "Using the store").
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 import psutil
 
 from .records import LeaseRecord
+from .tables import Txn
 
-__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record"]
+__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record", "live_leases"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,3 +56,15 @@ def new_lease_record(key: str, ttl: float) -> LeaseRecord:
         created=now,
         expires=now + ttl,
     )
+
+
+def live_leases(t: Txn, now: float) -> tuple[set[str], list[bytes]]:
+    """(keys leased by a live process, ids of dead or undecodable leases)."""
+    live: set[str] = set()
+    dead: list[bytes] = []
+    for lease_id, lease in t.leases():
+        if lease is not None and lease_is_live(lease, now=now):
+            live.add(lease.key)
+        else:
+            dead.append(lease_id)
+    return live, dead

@@ -31,6 +31,8 @@ __all__ = [
     "manifest_key",
     "manifest_prefix",
     "split_manifest_key",
+    "manifest_refs",
+    "ManifestRefs",
     "BLOB_ROW",
     "pack_inline",
     "unpack_inline",
@@ -207,6 +209,29 @@ def split_manifest_key(raw: bytes) -> tuple[str, int, int]:
         raise CorruptRecord("manifests", raw, "malformed manifest key")
     rank, generation = MANIFEST_SUFFIX.unpack(tail)
     return head.decode(), rank, generation
+
+
+#: What :func:`manifest_refs` reads from a manifest row: digests, committed, created.
+ManifestRefs = tuple[frozenset[str], bool, float]
+
+
+def manifest_refs(raw: bytes) -> ManifestRefs:
+    """(digests referenced, committed, created) of a manifest row, decoding only that.
+
+    For scans over many manifests (eviction, removal).  A row that does not
+    decode references nothing that can be read back: it yields no digests
+    and counts as committed, and ``verify --fix`` recounts the references.
+    Only well-formed digests are returned (invariant 2).
+    """
+    try:
+        obj = json.loads(raw.decode())
+        found = frozenset(d for d, _ in obj["a"].values())
+        committed, created = bool(obj.get("c")), float(obj.get("t", 0.0))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
+        return frozenset(), True, 0.0
+    if all(isinstance(d, str) and _DIGEST_RE.match(d) for d in found):
+        return found, committed, created
+    return frozenset(d for d in found if isinstance(d, str) and _DIGEST_RE.match(d)), committed, created
 
 
 @dataclass(slots=True)

@@ -1,62 +1,25 @@
-"""Persistent counters and store-wide totals.
+"""What ``adstore stats`` shows, and the counter names a cache event increments.
 
-Counters live in the ``stats`` database as little-endian int64 values so a
-bump is a read-modify-write inside whichever write transaction is already
-open.  Totals that would otherwise need a full scan (physical and logical
-bytes) are kept the same way in ``meta`` and recounted by ``verify --fix``.
+Counters live in the ``stats`` table and totals in ``meta`` (``tables.Txn``);
+this module only names and presents them (README, "CLI").
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import lmdb
+from .budget import Budget
 
-__all__ = ["StoreStats", "bump", "read_int", "write_int", "read_counters", "event_counters", "PHYSICAL", "LOGICAL", "BLOB_EPOCH"]
+__all__ = ["StoreStats", "event_counters"]
 
-_I64 = struct.Struct("<q")
-
-PHYSICAL = b"physical_bytes"
-LOGICAL = b"logical_bytes"
-#: In ``meta``: bumped by every transaction that takes a blob row away from
-#: lookups (deletes it, quarantines it, changes its size), so that a lookup
-#: may trust blob rows it checked before while this value is unchanged
-#: (``manifests.LookupMemo``).
-BLOB_EPOCH = b"blob_epoch"
-
-
-def read_int(txn: lmdb.Transaction, db: object, name: bytes) -> int:
-    raw = txn.get(name, db=db)
-    if raw is None or len(raw) != 8:
-        return 0
-    return _I64.unpack(raw)[0]
-
-
-def write_int(txn: lmdb.Transaction, db: object, name: bytes, value: int) -> None:
-    txn.put(name, _I64.pack(value), db=db)
-
-
-def bump(txn: lmdb.Transaction, db: object, name: str | bytes, delta: int) -> None:
-    key = name.encode() if isinstance(name, str) else name
-    if delta:
-        txn.put(key, _I64.pack(read_int(txn, db, key) + delta), db=db)
-
-
-def read_counters(txn: lmdb.Transaction, db: object) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k, v in txn.cursor(db=db):
-        if len(v) == 8:
-            out[bytes(k).decode(errors="replace")] = _I64.unpack(v)[0]
-    return out
+_PLURAL = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
 
 
 def event_counters(event: str, reason: str | None, seconds_saved: float = 0.0) -> Iterable[tuple[str, int]]:
     """Counter names one cache event increments (``misses`` and ``misses.<reason>``)."""
-    plural = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
-    name = plural.get(event, event)
+    name = _PLURAL.get(event, event)
     yield name, 1
     if reason:
         yield f"{name}.{reason}", 1
@@ -66,7 +29,7 @@ def event_counters(event: str, reason: str | None, seconds_saved: float = 0.0) -
 
 @dataclass(slots=True)
 class StoreStats:
-    """What `adstore stats` shows: counters plus totals of the index."""
+    """Counters plus totals of the index, and the budget persisted in it (None: never set)."""
 
     counters: dict[str, int] = field(default_factory=dict)
     entries: int = 0
@@ -77,6 +40,7 @@ class StoreStats:
     pinned_bytes: int = 0
     leases: int = 0
     index_bytes: int = 0
+    budget: Budget | None = None
 
     @property
     def dedup_ratio(self) -> float:
@@ -85,5 +49,6 @@ class StoreStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["budget"] = self.budget.to_dict() if self.budget is not None else None
         d["dedup_ratio"] = self.dedup_ratio
         return d

@@ -1,10 +1,12 @@
 """Whole-store verification (and repair with ``fix=True``).
 
 Rehashes every blob, checks every manifest's references, every entry's ranks
-and every refcount against the invariants of DESIGN.md §2, and reports
-problems (invariant violations) separately from warnings (orphans and stale
-leftovers of killed writers, which gc sweeps and which are not errors).
-A scan tolerates undecodable rows: they become problems, not exceptions.
+and every refcount against the invariants (README, "Using the store"), and
+reports each finding with its kind, the key or digest it is about, and a
+sentence: problems (invariant violations) apart from warnings (orphans and
+stale leftovers of killed writers, which gc sweeps and which are not
+errors).  A scan tolerates undecodable rows: they become findings, not
+exceptions.
 """
 
 from __future__ import annotations
@@ -18,26 +20,40 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import lmdb
-
-from .blobs import CHUNK_SIZE, Layout
+from .blobs import CHUNK_SIZE
 from .errors import CorruptRecord
-from .index import Index
-from .manifests import drop_manifest_txn
+from .reasons import Reason
 from .records import BlobRow, Entry, Manifest, manifest_key, unpack_inline
-from .stats import BLOB_EPOCH, LOGICAL, PHYSICAL, bump, read_int, write_int
+from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
 
-__all__ = ["VerifyReport", "verify_store"]
+__all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
 
 log = logging.getLogger(__name__)
 
+#: ``progress(done, total)``, called while blobs are rehashed.
 Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing ``verify`` found: what kind, about which key or digest, and a sentence."""
+
+    kind: Reason
+    subject: str  # the cache key, the blob digest, or "" for the whole store
+    detail: str
+    problem: bool = True  # False: a warning (a leftover gc sweeps), not an invariant violation
+
+    def __str__(self) -> str:
+        return self.detail
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "subject": self.subject, "detail": self.detail,
+                "severity": "problem" if self.problem else "warning"}
 
 
 @dataclass
 class VerifyReport:
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
     blobs_checked: int = 0
     bytes_checked: int = 0
@@ -46,15 +62,27 @@ class VerifyReport:
     repaired: bool = False
 
     @property
+    def problems(self) -> list[str]:
+        return [f.detail for f in self.findings if f.problem]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f.detail for f in self.findings if not f.problem]
+
+    @property
     def ok(self) -> bool:
         """No invariant is violated (or every violation was repaired by ``fix``)."""
         return not self.problems or self.repaired
+
+    def add(self, kind: Reason, subject: str, detail: str, *, problem: bool = True) -> None:
+        self.findings.append(Finding(kind, subject, detail, problem))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "problems": self.problems,
             "warnings": self.warnings,
+            "findings": [f.to_dict() for f in self.findings],
             "fixed": self.fixed,
             "blobs_checked": self.blobs_checked,
             "bytes_checked": self.bytes_checked,
@@ -77,9 +105,56 @@ def _hash_file(path: os.PathLike[str]) -> tuple[str, int] | None:
     return h.hexdigest(), n
 
 
+@dataclass
+class _Scan:
+    """Every row of the index as read in one transaction, decodable or not."""
+
+    rows: dict[str, BlobRow] = field(default_factory=dict)
+    inline: dict[str, bytes] = field(default_factory=dict)
+    bad_rows: list[bytes] = field(default_factory=list)
+    manifests: list[Manifest] = field(default_factory=list)
+    bad_manifests: list[bytes] = field(default_factory=list)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    bad_entries: list[bytes] = field(default_factory=list)
+    stray_access: int = 0
+    totals: dict[bytes, int] = field(default_factory=dict)
+
+
+def _scan(t: Txn, rep: VerifyReport) -> _Scan:
+    s = _Scan()
+    for k, v in t.blob_rows():
+        if len(k) != 32:  # not a SHA-256: never turned into a path
+            rep.add(Reason.CORRUPT_INDEX, "", f"blob row with a malformed key {k!r}")
+            s.bad_rows.append(k)
+            continue
+        try:
+            row = s.rows[k.hex()] = BlobRow.decode(v, k)
+            if row.inline:
+                s.inline[k.hex()] = t.inline_value(k.hex()) or b""
+        except CorruptRecord as exc:
+            rep.add(Reason.CORRUPT_INDEX, k.hex(), str(exc))
+            s.bad_rows.append(k)
+    for mk, raw in t.manifest_rows():
+        try:
+            s.manifests.append(Manifest.decode(mk, raw))
+        except (CorruptRecord, UnicodeDecodeError) as exc:
+            rep.add(Reason.CORRUPT_INDEX, "", str(exc))
+            s.bad_manifests.append(mk)
+    for k, v in t.entry_rows():
+        try:
+            e = s.entries[k.decode()] = Entry.decode(k, v)
+        except (CorruptRecord, UnicodeDecodeError) as exc:
+            rep.add(Reason.CORRUPT_INDEX, "", str(exc))
+            s.bad_entries.append(k)
+            continue
+        del e
+    s.stray_access = len(t.stray_access_keys())
+    s.totals = {name: t.total(name) for name in (PHYSICAL, LOGICAL, PINNED)}
+    return s
+
+
 def verify_store(
-    index: Index,
-    layout: Layout,
+    tables: Tables,
     *,
     fix: bool,
     grace_period: float,
@@ -87,73 +162,37 @@ def verify_store(
     progress: Progress | None = None,
 ) -> VerifyReport:
     rep = VerifyReport()
-    dbs = index.db
-    rows: dict[str, BlobRow] = {}
-    inline: dict[str, bytes] = {}
-    bad_rows: list[bytes] = []
-    manifests: list[Manifest] = []
-    bad_manifests: list[bytes] = []
-    entries: dict[str, Entry] = {}
-    bad_entries: list[bytes] = []
-    with index.read() as txn:
-        for k, v in txn.cursor(db=dbs["blobs"]):
-            if len(k) != 32:  # not a SHA-256: never turned into a path
-                rep.problems.append(f"blob row with a malformed key {bytes(k)!r}")
-                bad_rows.append(bytes(k))
-                continue
-            try:
-                row = BlobRow.decode(bytes(v), bytes(k))
-                rows[bytes(k).hex()] = row
-                if row.inline:
-                    data = txn.get(bytes(k), db=dbs["blobdata"])
-                    inline[bytes(k).hex()] = b"" if data is None else bytes(data)
-            except CorruptRecord as exc:
-                rep.problems.append(str(exc))
-                bad_rows.append(bytes(k))
-        for k, v in txn.cursor(db=dbs["manifests"]):
-            try:
-                manifests.append(Manifest.decode(bytes(k), bytes(v)))
-            except (CorruptRecord, UnicodeDecodeError) as exc:
-                rep.problems.append(str(exc))
-                bad_manifests.append(bytes(k))
-        for k, v in txn.cursor(db=dbs["entries"]):
-            try:
-                e = Entry.decode(bytes(k), bytes(v))
-                entries[e.key] = e
-            except CorruptRecord as exc:
-                rep.problems.append(str(exc))
-                bad_entries.append(bytes(k))
-        stray_access = sum(1 for k in txn.cursor(db=dbs["access"]).iternext(values=False)
-                           if txn.get(bytes(k), db=dbs["entries"]) is None)
-        stored_physical = read_int(txn, dbs["meta"], PHYSICAL)
-        stored_logical = read_int(txn, dbs["meta"], LOGICAL)
+    layout = tables.layout
+    with tables.read() as t:
+        s = _scan(t, rep)
 
     # 1. blob content
     bad_blobs: set[str] = set()
-    total = len(rows)
-    for i, (digest, row) in enumerate(sorted(rows.items())):
+    total = len(s.rows)
+    for i, (digest, row) in enumerate(sorted(s.rows.items())):
         if progress is not None:
             progress(i, total)
         if row.quarantined:
-            rep.problems.append(f"blob {digest} is quarantined")
+            rep.add(Reason.QUARANTINED, digest, f"blob {digest} is quarantined")
             bad_blobs.add(digest)
             continue
         if row.inline:
-            data, intact = unpack_inline(inline[digest])
+            data, intact = unpack_inline(s.inline[digest])
             got, n = hashlib.sha256(data).hexdigest(), len(data)
             if not intact:
                 got = f"{got} (inline checksum mismatch)"
         else:
             res = _hash_file(layout.blob_path(digest))
             if res is None:
-                rep.problems.append(f"blob {digest}: file missing or unreadable")
+                rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: file missing or unreadable")
                 bad_blobs.add(digest)
                 continue
             got, n = res
         rep.blobs_checked += 1
         rep.bytes_checked += n
         if got != digest or n != row.size:
-            rep.problems.append(f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
+            rep.add(Reason.CHECKSUM, digest,
+                    f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
             bad_blobs.add(digest)
     if progress is not None:
         progress(total, total)
@@ -161,141 +200,133 @@ def verify_store(
     # 2. manifests, refcounts, entries
     refs: Counter[str] = Counter()
     doomed: list[Manifest] = []
-    for m in manifests:
+    for m in s.manifests:
         rep.manifests_checked += 1
-        for d in m.digests():
-            refs[d] += 1
-        missing = [d for d in m.digests() if d not in rows or d in bad_blobs]
+        refs.update(m.digests())
+        missing = [d for d in m.digests() if d not in s.rows or d in bad_blobs]
         if missing:
-            rep.problems.append(f"manifest {m.key} rank {m.rank}: references missing or corrupt blob(s) {missing[0]}")
+            rep.add(Reason.DANGLING_MANIFEST, m.key,
+                    f"manifest {m.key} rank {m.rank}: references missing or corrupt blob(s) {missing[0]}")
             doomed.append(m)
-        entry = entries.get(m.key)
-        current = entry is not None and entry.ranks.get(m.rank) == m.generation
-        if m.committed and not current:
-            rep.problems.append(f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current")
+        entry = s.entries.get(m.key)
+        if m.committed and not (entry is not None and entry.ranks.get(m.rank) == m.generation):
+            rep.add(Reason.NOT_CURRENT, m.key,
+                    f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current")
             doomed.append(m)
         if not m.committed and time.time() - m.created > grace_period:
-            rep.warnings.append(f"manifest {m.key} rank {m.rank}: uncommitted past the grace period (gc sweeps it)")
-    by_key = {(m.key, m.rank, m.generation): m for m in manifests}
-    for e in entries.values():
+            rep.add(Reason.STALE_MANIFEST, m.key, f"manifest {m.key} rank {m.rank}: uncommitted past the "
+                    "grace period (gc sweeps it)", problem=False)
+    by_key = {(m.key, m.rank, m.generation): m for m in s.manifests}
+    for e in s.entries.values():
         rep.entries_checked += 1
         for r, g in e.ranks.items():
             m = by_key.get((e.key, r, g))
             if m is None or not m.committed:
-                rep.problems.append(f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
-    for digest, row in rows.items():
+                rep.add(Reason.INCOMPLETE, e.key, f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
+    for digest, row in s.rows.items():
         if row.refs != refs.get(digest, 0):
-            rep.problems.append(f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
-    physical = sum(r.size for r in rows.values())
-    logical = sum(e.bytes for e in entries.values())
-    if physical != stored_physical or logical != stored_logical:
-        rep.warnings.append(
-            f"totals drifted: physical {stored_physical} (actual {physical}), logical {stored_logical} (actual {logical})"
-        )
-
-    if stray_access:
-        rep.warnings.append(f"{stray_access} access row(s) without an entry (verify --fix drops them)")
+            rep.add(Reason.REFCOUNT, digest,
+                    f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
+    actual = {PHYSICAL: sum(r.size for r in s.rows.values()),
+              LOGICAL: sum(e.bytes for e in s.entries.values()),
+              PINNED: sum(e.bytes for e in s.entries.values() if e.pinned)}
+    drift = actual != s.totals
+    if drift:
+        rep.add(Reason.TOTALS_DRIFT, "", "totals drifted: " + ", ".join(
+            f"{name.decode().replace('_bytes', '')} {s.totals[name]} (actual {actual[name]})" for name in actual),
+            problem=False)
+    if s.stray_access:
+        rep.add(Reason.STRAY_ACCESS, "", f"{s.stray_access} access row(s) without an entry "
+                "(verify --fix drops them)", problem=False)
 
     # 3. files without rows, leftovers
-    registered = {d for d, r in rows.items() if not r.inline}
+    registered = {d for d, r in s.rows.items() if not r.inline}
     if layout.blobs.exists():
-        orphans = [f for sub in layout.blobs.iterdir() if sub.is_dir() for f in sub.iterdir() if f.name not in registered]
+        orphans = [f for sub in layout.blobs.iterdir() if sub.is_dir() for f in sub.iterdir()
+                   if f.name not in registered]
         if orphans:
-            rep.warnings.append(f"{len(orphans)} blob file(s) without an index row (gc sweeps them)")
+            rep.add(Reason.ORPHAN_FILES, "", f"{len(orphans)} blob file(s) without an index row (gc sweeps them)",
+                    problem=False)
     temps = list(layout.tmp.iterdir()) if layout.tmp.exists() else []
     if temps:
-        rep.warnings.append(f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)")
+        rep.add(Reason.STALE_TEMPS, "", f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
+                problem=False)
 
-    if fix and (rep.problems or stray_access or physical != stored_physical or logical != stored_logical):
-        _repair(index, layout, rep, rows, bad_blobs, bad_rows, bad_manifests, bad_entries, doomed, quarantine)
+    if fix and (rep.problems or s.stray_access or drift):
+        _repair(tables, rep, s, bad_blobs, doomed, quarantine)
     return rep
 
 
-def _repair(
-    index: Index,
-    layout: Layout,
-    rep: VerifyReport,
-    rows: dict[str, BlobRow],
-    bad_blobs: set[str],
-    bad_rows: list[bytes],
-    bad_manifests: list[bytes],
-    bad_entries: list[bytes],
-    doomed: list[Manifest],
-    quarantine: Callable[[str], None],
-) -> None:
+def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], doomed: list[Manifest],
+            quarantine: Callable[[str], None]) -> None:
     for digest in sorted(bad_blobs):
-        if not rows[digest].quarantined:
+        if not s.rows[digest].quarantined:
             quarantine(digest)
             rep.fixed.append(f"quarantined blob {digest}")
-    dbs = index.db
 
-    def fn(txn: lmdb.Transaction) -> list[str]:
+    def fn(t: Txn) -> tuple[list[str], list[str]]:
         fixed: list[str] = []
-        bump(txn, dbs["meta"], BLOB_EPOCH, 1)  # rows may go: no lookup may trust its earlier checks
-        for k in bad_rows:
-            txn.delete(k, db=dbs["blobs"])
-            txn.delete(k, db=dbs["blobdata"])
+        dropped: list[str] = [k.hex() for k in s.bad_rows if len(k) == 32]
+        t.move_epoch()  # rows may go: no lookup may trust its earlier checks
+        for k in s.bad_rows:
+            t.drop_blob_key(k)
             fixed.append(f"dropped undecodable blob row {k.hex()}")
-        for k in bad_manifests:
-            txn.delete(k, db=dbs["manifests"])
+        for k in s.bad_manifests:
+            t.drop_manifest_row(k)
             fixed.append(f"dropped undecodable manifest {k!r}")
-        for k in bad_entries:
-            txn.delete(k, db=dbs["entries"])
-            txn.delete(k, db=dbs["access"])
-            txn.delete(k, db=dbs["components"])
+        for k in s.bad_entries:
+            t.drop_entry_key(k)
             fixed.append(f"dropped undecodable entry {k!r}")
         for m in {(m.key, m.rank, m.generation): m for m in doomed}.values():
-            if txn.get(manifest_key(m.key, m.rank, m.generation), db=dbs["manifests"]) is not None:
-                drop_manifest_txn(txn, dbs, m)
+            if t.manifest_row(manifest_key(m.key, m.rank, m.generation)) is not None:
+                t.drop_manifest(m)
                 fixed.append(f"dropped manifest {m.key} rank {m.rank} gen {m.generation}")
         # Recount everything from what is left.
-        manifests = []
-        for k, v in txn.cursor(db=dbs["manifests"]):
-            manifests.append(Manifest.decode(bytes(k), bytes(v)))
+        manifests = [Manifest.decode(mk, raw) for mk, raw in t.manifest_rows()]
         refs: Counter[str] = Counter(d for m in manifests for d in m.digests())
         current = {(m.key, m.rank): m for m in manifests if m.committed}
         all_keys = {m.key for m in manifests}
-        physical = 0
-        for k, v in list(txn.cursor(db=dbs["blobs"])):
+        physical = logical = pinned = 0
+        for k, v in list(t.blob_rows()):
             if len(k) != 32:
                 continue
             try:
-                row = BlobRow.decode(bytes(v), bytes(k))
+                row = BlobRow.decode(v, k)
             except CorruptRecord:
                 continue
-            digest = bytes(k).hex()
+            digest = k.hex()
             if digest in bad_blobs and refs.get(digest, 0) == 0:
-                txn.delete(bytes(k), db=dbs["blobs"])
-                txn.delete(bytes(k), db=dbs["blobdata"])
+                t.drop_blob_key(k)
+                dropped.append(digest)
                 continue
             if row.refs != refs.get(digest, 0):
                 row.refs = refs.get(digest, 0)
-                txn.put(bytes(k), row.encode(), db=dbs["blobs"])
+                t.touch_blob(digest, row)
                 fixed.append(f"recounted references of blob {digest}")
             physical += row.size
-        logical = 0
-        for k, v in list(txn.cursor(db=dbs["entries"])):
-            e = Entry.decode(bytes(k), bytes(v))
+        for k, v in list(t.entry_rows()):
+            e = Entry.decode(k, v)
             ranks = {r: g for r, g in e.ranks.items() if (e.key, r) in current and current[(e.key, r)].generation == g}
             new_bytes = sum(current[(e.key, r)].bytes for r in ranks)
             if not ranks and e.key not in all_keys:
-                txn.delete(bytes(k), db=dbs["entries"])
-                txn.delete(bytes(k), db=dbs["access"])
-                txn.delete(bytes(k), db=dbs["components"])
+                t.drop_entry(e.key, e)
                 fixed.append(f"dropped entry {e.key} (nothing restorable left)")
                 continue
             if ranks != e.ranks or new_bytes != e.bytes:
                 e.ranks, e.bytes = ranks, new_bytes
-                txn.put(bytes(k), e.encode(), db=dbs["entries"])
+                t.put_entry(e)
                 fixed.append(f"repaired entry {e.key}")
             logical += e.bytes
-        for k in list(txn.cursor(db=dbs["access"]).iternext(values=False)):
-            if txn.get(bytes(k), db=dbs["entries"]) is None:
-                txn.delete(bytes(k), db=dbs["access"])
-        write_int(txn, dbs["meta"], PHYSICAL, physical)
-        write_int(txn, dbs["meta"], LOGICAL, logical)
-        return fixed
+            pinned += e.bytes if e.pinned else 0
+        for k in t.stray_access_keys():
+            t.drop_access(k)
+        t.set_total(PHYSICAL, physical)
+        t.set_total(LOGICAL, logical)
+        t.set_total(PINNED, pinned)
+        return fixed, dropped
 
-    rep.fixed += index.write(fn)
+    fixed, dropped = tables.write(fn)
+    rep.fixed += fixed
+    tables.unlink_after_commit(dropped)  # files of dropped rows that are still in blobs/
     rep.repaired = True
     log.info("verify --fix: %d repair(s)", len(rep.fixed))

@@ -450,8 +450,6 @@ class AdstoreEngineCache(BaseEngineCache):
             self.enforce_budget()
 
     def load_record(self, hash: str) -> EngineRecord | None:
-        from adstore.store.fsutil import unique_temp
-
         store = self.store
         res = store.lookup(hash, record=False)
         if not res.hit:
@@ -473,7 +471,7 @@ class AdstoreEngineCache(BaseEngineCache):
             raise EngineUnavailable(hash, f"artifact missing: {exc}") from exc
         if pkg_ref.digest != meta["payload"]["sha256"] or pkg_ref.size != meta["payload"]["size"]:
             raise CorruptEngine("engine package blob does not match its metadata")
-        dest = unique_temp(Path(store.root) / "tmp", ".pt2")
+        dest = store.temp_path(".pt2")  # the store's tmp/: swept if this process dies
         try:
             store.copy_blob_to(pkg_ref, dest)  # streaming, verified against the digest
         except ChecksumMismatch as exc:
@@ -552,10 +550,9 @@ class AdstoreEngineCache(BaseEngineCache):
         plan = self.plan_eviction(max_size)
         if not plan.victims:
             return 0
-        freed = plan.execute()
-        logger.info(
-            "engine budget: evicted %d engine(s), %d bytes (%s)", len(plan.victims), freed, plan.reason
-        )
+        evicted: list[str] = []
+        freed = plan.execute(on_batch=lambda batch: evicted.extend(batch.keys))
+        logger.info("engine budget: evicted %d engine(s), %d bytes (%s)", len(evicted), freed, plan.why)
         return freed
 
     def keys(self) -> list[str]:

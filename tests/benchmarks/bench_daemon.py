@@ -46,7 +46,9 @@ from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer
 from adstore.daemon.lock import STATUS_NAME
 from adstore.store import Store
-from adstore.store.manifests import commit_txn, publish_txn
+from adstore.store.layout import Layout
+from adstore.store.manifests import commit, publish
+from adstore.store.tables import Tables
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -203,18 +205,17 @@ def populate_bulk(store: Store, n: int, size: int, unique: int) -> float:
     t0 = time.perf_counter()
     unique = max(1, min(unique, n))
     refs = [store.put_bytes(i.to_bytes(8, "little") + os.urandom(size - 8)) for i in range(unique)]
-    index = store.index
-    dbs = index.db
+    tables = Tables(store.index, Layout(store.root))
     for start in range(0, n, 1000):
-        def fn(txn: Any, start: int = start) -> None:
+        def fn(t: Any, start: int = start) -> None:
             for i in range(start, min(n, start + 1000)):
                 key = f"bulk{i:08d}"
                 gen = i + 1
-                publish_txn(txn, dbs, key=key, rank=0, world_size=1, generation=gen,
-                            artifacts={"module.pt": refs[i % unique]}, namespace="pipeline",
-                            components={"i": i}, meta={}, file_ok=lambda digest, size: True)
-                commit_txn(txn, dbs, key=key, rank=0, generation=gen)
-        index.write(fn)
+                publish(t, key=key, rank=0, world_size=1, generation=gen,
+                        artifacts={"module.pt": refs[i % unique]}, namespace="pipeline",
+                        components={"i": i}, meta={}, file_ok=lambda digest, size: True)
+                commit(t, key=key, rank=0, generation=gen)
+        tables.write(fn)
     return time.perf_counter() - t0
 
 

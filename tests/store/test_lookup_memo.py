@@ -13,7 +13,7 @@ from store_helpers import check_hit, damage_inline_and_read, save
 
 from adstore.store import Store
 from adstore.store.records import BLOB_ROW, FLAG_QUARANTINED
-from adstore.store.stats import BLOB_EPOCH
+from adstore.store.tables import BLOB_EPOCH
 
 
 def _epoch(store: Store) -> bytes | None:

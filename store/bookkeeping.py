@@ -1,0 +1,129 @@
+"""Lazy bookkeeping: hit times and counters kept in memory, written at most once per interval.
+
+A hit refreshes the entry's last access and bumps counters in memory; a
+background thread writes them at most once per ``flush_interval`` (and at
+``close``/exit).  A lookup therefore never waits for a disk write, and LRU
+order is exact to within that interval (README, "Using the store").
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import Counter
+
+from .tables import Tables, Txn
+
+__all__ = ["Bookkeeping"]
+
+log = logging.getLogger(__name__)
+
+_OPEN: weakref.WeakSet[Bookkeeping] = weakref.WeakSet()
+
+
+class Bookkeeping:
+    """Pending counters and access times of one store, and the thread that writes them."""
+
+    def __init__(self, tables: Tables, *, flush_interval: float) -> None:
+        self._tables = tables
+        self.flush_interval = flush_interval
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._access: dict[str, tuple[float, int]] = {}
+        self._started = False
+        self._closed = threading.Event()
+        _OPEN.add(self)
+
+    def hit(self, key: str, *, record: bool) -> None:
+        """A lookup hit ``key``: refresh its last access (and count the hit if ``record``)."""
+        with self._lock:
+            hits = self._access.get(key, (0.0, 0))[1]
+            self._access[key] = (time.time(), hits + 1)
+            if record:
+                self._counters["hits"] += 1
+        self._ensure_flusher()
+
+    def count(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            self._counters.update(counts)
+        self._ensure_flusher()
+
+    def _ensure_flusher(self) -> None:
+        """Make sure this process runs a flusher thread (started lazily, again after fork)."""
+        if self._started or self._closed.is_set():
+            return
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            ref = weakref.ref(self)
+            closed = self._closed
+            interval = self.flush_interval
+
+            def run() -> None:
+                while not closed.wait(interval):
+                    book = ref()
+                    if book is None:
+                        return
+                    book.flush()
+                    del book
+
+            threading.Thread(target=run, name="adstore-flush", daemon=True).start()
+
+    def flush(self) -> None:
+        """Write pending counters and access times; bookkeeping never fails a cache operation."""
+        with self._lock:
+            counters, self._counters = self._counters, Counter()
+            access, self._access = self._access, {}
+        if not counters and not access:
+            return
+
+        def fn(t: Txn) -> None:
+            for name, delta in counters.items():
+                t.count(name, delta)
+            for key, (when, hits) in access.items():
+                if t.entry_row(key.encode()) is None:
+                    continue  # evicted meanwhile
+                recorded = t.access(key.encode())
+                if recorded is not None:
+                    when, hits = max(recorded[0], when), recorded[1] + hits
+                t.put_access(key, when, hits)
+
+        try:
+            self._tables.write(fn)
+        except Exception as exc:
+            log.warning("could not flush store counters: %s", exc)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.flush()
+        _OPEN.discard(self)
+
+    def _forget(self) -> None:
+        # A forked child inherits the parent's unflushed counters; the parent
+        # flushes those itself, so the child must not count them again.
+        self._counters = Counter()
+        self._access = {}
+        self._lock = threading.Lock()
+        self._started = False  # threads do not survive fork
+
+
+def _flush_all() -> None:
+    for book in list(_OPEN):
+        try:
+            book.flush()
+        except Exception:  # exit path: never turn a clean exit into a traceback
+            log.debug("flush at exit failed", exc_info=True)
+
+
+def _forget_all() -> None:
+    for book in list(_OPEN):
+        book._forget()
+
+
+atexit.register(_flush_all)
+os.register_at_fork(after_in_child=_forget_all)
