@@ -32,17 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adstore.integration.pipeline import dist as agree
-from adstore.integration.reference import ops as _ops  # noqa: F401  (custom ops resolve before load)
-from adstore.integration.reference.checkpoint import checkpoint_fingerprint
 from adstore.integration.pipeline.events import CacheEvent
 from adstore.integration.pipeline.keys import CacheKey, build_key, env_component
-from adstore.integration.pipeline.transforms import (
-    PipelineContext,
-    Stage,
-    Transform,
-    TransformConfig,
-    register,
-)
+from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
+from adstore.integration.reference.checkpoint import checkpoint_fingerprint
 from adstore.store.errors import AdstoreError, ConfigError
 from torch import nn
 
@@ -88,9 +81,12 @@ def _reason(exc: BaseException) -> str:
     return "error"
 
 
-@register
 class PipelineCache(Transform):
-    """Snapshot the pre-weight-loading module on a miss; restore it on a hit."""
+    """Snapshot the pre-weight-loading module on a miss; restore it on a hit.
+
+    The optimizer drives it through the :class:`~adstore.integration.pipeline.transforms.CachePoint`
+    protocol: :meth:`bind`, :meth:`restore`, :meth:`save`.
+    """
 
     name = "pipeline_cache"
     stage = Stage.SHARDING
@@ -99,7 +95,6 @@ class PipelineCache(Transform):
     def __init__(self, config: TransformConfig) -> None:
         super().__init__(config)
         self.events: list[CacheEvent] = []
-        self.prefix_seconds = 0.0
         self._prefix: list[dict[str, Any]] = []
         self._prefix_classes: list[type] = []
         self._reaches_sharding = False
@@ -159,7 +154,7 @@ class PipelineCache(Transform):
         return ev
 
     # -------------------------------------------------------------- restore
-    def maybe_restore(self, ctx: PipelineContext) -> nn.Module | None:
+    def restore(self, ctx: PipelineContext) -> nn.Module | None:
         """The restored module on a hit on every rank, else None (full pipeline).
 
         The entry is leased from before the lookup until the blobs are read, so
@@ -222,7 +217,15 @@ class PipelineCache(Transform):
 
     # ----------------------------------------------------------------- save
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        """Save ``module`` at the cache point (on a miss); returns it unchanged."""
+        """Run as a plain transform: :meth:`save` without a prefix time."""
+        return self.save(module, ctx, prefix_seconds=0.0)  # type: ignore[arg-type]
+
+    def save(self, module: nn.Module, ctx: PipelineContext, *, prefix_seconds: float) -> nn.Module:
+        """Save ``module`` at the cache point (on a miss); returns it unchanged.
+
+        ``prefix_seconds`` (what the prefix took) is stored with the entry, so a
+        later hit can report the seconds it saved.
+        """
         if module is None:
             return module  # type: ignore[return-value]
         if not self.cfg.save:
@@ -252,7 +255,7 @@ class PipelineCache(Transform):
                     store.publish(
                         key.key, rank=ctx.rank, world_size=ctx.world_size, generation=gen,
                         artifacts=refs, namespace=self.cfg.namespace, components=key.components,
-                        meta={"prefix_seconds": self.prefix_seconds,
+                        meta={"prefix_seconds": prefix_seconds,
                               "transforms": [p["name"] for p in self._prefix],
                               "host": socket.gethostname(), "pid": os.getpid()},
                     )

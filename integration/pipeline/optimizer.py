@@ -1,4 +1,4 @@
-"""``InferenceOptimizer``: runs registered transforms by stage, restoring from the cache first.
+"""``InferenceOptimizer``: runs registered transforms by stage, restoring from the cache point first.
 
 Config shape::
 
@@ -9,11 +9,14 @@ Config shape::
                      "pipeline_cache": {"stage": "sharding"}, "load_weights": {}, ...},
     }
 
-Transforms run sorted by stage (stable within a stage); the cache point runs
-at the end of its stage.  Before anything runs the optimizer deep-copies the
-parsed configs: that copy, not the live configs a transform may mutate, is
-what the cache key hashes.  With a ``pipeline_cache`` transform the optimizer
-asks it to restore first and on a hit resumes at the transform right after it.
+Names are looked up in a :class:`TransformRegistry` (default: the reference
+pipeline's, :func:`default_registry`).  Transforms run sorted by stage (stable
+within a stage); a :class:`CachePoint` runs at the end of its stage.  Before
+anything runs the optimizer deep-copies the parsed configs: that copy, not the
+live configs a transform may mutate, is what the cache key hashes.  With a
+cache point the optimizer binds the prefix to it, asks it to restore first and
+on a hit resumes at the transform right after it; on a miss it calls its
+``save`` at the point (README, "The pipeline cache").
 """
 
 from __future__ import annotations
@@ -25,47 +28,39 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.reference import fusion as _f  # noqa: F401  (registers)
-from adstore.integration.reference import patterns as _p  # noqa: F401
-from adstore.integration.reference import sharding as _s  # noqa: F401
 from adstore.integration.pipeline.dist import topology
 from adstore.integration.pipeline.events import CacheEvent
 from adstore.integration.pipeline.keys import CacheKey
-from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.cache import PipelineCache
-from adstore.integration.pipeline.transforms import PipelineContext, Transform, transform_class
+from adstore.integration.pipeline.transforms import (
+    CachePoint,
+    ModelSource,
+    PipelineContext,
+    Transform,
+    TransformRegistry,
+)
 from adstore.store.errors import ConfigError
 from torch import nn
 
-__all__ = ["DEFAULT_TRANSFORMS", "InferenceOptimizer", "default_transforms"]
+__all__ = ["InferenceOptimizer", "default_registry", "register"]
 
 log = logging.getLogger(__name__)
 
-#: The reference pipeline, in stage order.
-DEFAULT_TRANSFORMS: dict[str, dict[str, Any]] = {
-    "build_model": {},
-    "export_to_gm": {},
-    "cleanup_export": {},
-    "match_rms_norm": {},
-    "match_swiglu": {},
-    "match_rope": {},
-    "tp_sharding": {},
-    "pipeline_cache": {},
-    "load_weights": {},
-    "fuse_linears": {},
-    "init_cache": {},
-    "compile": {},
-}
+_default_registry: TransformRegistry | None = None
 
 
-def default_transforms(**overrides: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The reference pipeline with per-transform option overrides."""
-    out = copy.deepcopy(DEFAULT_TRANSFORMS)
-    for name, opts in overrides.items():
-        if name not in out:
-            raise ConfigError(f"transforms.{name}", "not part of the reference pipeline")
-        out[name].update(opts)
-    return out
+def default_registry() -> TransformRegistry:
+    """The registry of optimizers given none: the reference transforms, plus what :func:`register` added."""
+    global _default_registry
+    if _default_registry is None:
+        from adstore.integration.reference.pipeline import reference_registry
+
+        _default_registry = reference_registry()
+    return _default_registry
+
+
+def register(cls: type[Transform]) -> type[Transform]:
+    """Add a transform class to :func:`default_registry` (same name: yours replaces it)."""
+    return default_registry().add(cls)
 
 
 class InferenceOptimizer:
@@ -73,10 +68,11 @@ class InferenceOptimizer:
 
     def __init__(
         self,
-        factory: ModelFactory,
+        factory: ModelSource,
         checkpoint: str | Path,
         transforms: Mapping[str, Mapping[str, Any] | None] | None = None,
         *,
+        registry: TransformRegistry | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -84,24 +80,29 @@ class InferenceOptimizer:
         self.factory = factory
         self.ctx = PipelineContext(factory=factory, checkpoint=Path(checkpoint), rank=topo.rank,
                                    world_size=topo.world_size)
-        specs = DEFAULT_TRANSFORMS if transforms is None else transforms
+        if transforms is None:
+            from adstore.integration.reference.pipeline import DEFAULT_TRANSFORMS
+
+            transforms = DEFAULT_TRANSFORMS
+        specs = transforms
+        registry = default_registry() if registry is None else registry
         if not isinstance(specs, Mapping):
             raise ConfigError("transforms", "expected a mapping of transform name -> options")
         built: list[tuple[int, int, int, Transform]] = []
         for index, (name, opts) in enumerate(specs.items()):
-            cls = transform_class(name)
+            cls = registry.get(name)
             config = cls.config_cls.from_dict(opts, owner=f"transforms.{name}")
             t = cls(config)
-            if isinstance(t, PipelineCache):
+            if isinstance(t, CachePoint):
                 built.append((int(t.cache_stage), 1, index, t))
             else:
                 built.append((int(cls.stage), 0, index, t))
         built.sort(key=lambda item: item[:3])
         self.transforms: list[Transform] = [t for *_, t in built]
-        caches = [t for t in self.transforms if isinstance(t, PipelineCache) and t.config.enabled]
+        caches = [t for t in self.transforms if isinstance(t, CachePoint) and t.config.enabled]
         if len(caches) > 1:
             raise ConfigError("transforms.pipeline_cache", "at most one cache point")
-        self.cache: PipelineCache | None = caches[0] if caches else None
+        self.cache: CachePoint | None = caches[0] if caches else None
         # The copy the cache key hashes: taken before any transform can mutate a config.
         self._cache_key_config = [(t.name, copy.deepcopy(t.config.to_dict())) for t in self.transforms]
         self.timings: dict[str, float] = {}
@@ -114,6 +115,8 @@ class InferenceOptimizer:
             raise ConfigError(min(unknown), "unknown top-level option; allowed: model, checkpoint, transforms")
         if "checkpoint" not in config:
             raise ConfigError("checkpoint", "required")
+        from adstore.integration.reference.models import ModelFactory
+
         return cls(ModelFactory.from_config(config.get("model", {})), config["checkpoint"],
                    config.get("transforms"), **kwargs)
 
@@ -153,7 +156,7 @@ class InferenceOptimizer:
         if idx is not None and self.cache is not None:
             self._bind_cache()
             t0 = time.perf_counter()
-            restored = self.cache.maybe_restore(self.ctx)
+            restored = self.cache.restore(self.ctx)
             self.timings["restore"] = time.perf_counter() - t0
             if restored is not None:
                 module, start = restored, idx + 1
@@ -163,10 +166,11 @@ class InferenceOptimizer:
             t = self.transforms[i]
             if not t.config.enabled:
                 continue
-            if t is self.cache:
-                self.cache.prefix_seconds = time.perf_counter() - prefix_t0
             t0 = time.perf_counter()
-            module = t.apply(module, self.ctx)
+            if t is self.cache:
+                module = self.cache.save(module, self.ctx, prefix_seconds=t0 - prefix_t0)  # type: ignore[arg-type]
+            else:
+                module = t.apply(module, self.ctx)
             self.timings[t.name] = time.perf_counter() - t0
         self.timings["total"] = time.perf_counter() - t_start
         if module is None:

@@ -1,55 +1,41 @@
-"""Transform framework and the stage-bound transforms of the reference pipeline.
+"""The transform framework: stages, typed configs, the context, the registry, the cache point.
 
 A transform is a class with a ``name``, a :class:`Stage`, and a typed config
-dataclass; :func:`register` puts it in the registry the optimizer reads.
-Configs are validated when parsed: an unknown option or a wrongly typed value
-is a :class:`ConfigError`, because a silently ignored option would also be
-silently missing from the cache key.
+dataclass.  Configs are validated when parsed: an unknown option or a wrongly
+typed value is a :class:`ConfigError`, because a silently ignored option would
+also be silently missing from the cache key (README, "The pipeline cache").
 
-The transforms here cover build, export, post-export cleanup, weight loading,
-cache init and compile; pattern rewrites, sharding and post-load fusion live in
-``reference.patterns``, ``reference.sharding`` and ``reference.fusion``.
+Transforms are registered explicitly: a :class:`TransformRegistry` is built
+from a list (the reference pipeline's list is
+``adstore.integration.reference.pipeline.REFERENCE_TRANSFORMS``), never by
+importing a module for its side effects.  The optimizer knows the cache
+transform only through the :class:`CachePoint` protocol.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from adstore.integration.reference import ops as _ops  # noqa: F401  (registers torch.ops.adstore.*)
-from adstore.integration.errors import IntegrationError
-from adstore.integration.reference.models import ModelFactory
 from adstore.store.errors import ConfigError
-from torch import fx, nn
+from torch import nn
 
 __all__ = [
-    "REGISTRY",
-    "BuildModel",
-    "CleanupExport",
-    "Compile",
-    "ExportToGraph",
-    "InitCache",
-    "LoadWeights",
+    "CachePoint",
+    "ModelSource",
     "PipelineContext",
     "Stage",
     "Transform",
     "TransformConfig",
-    "graph_modules",
-    "propagate_shapes",
-    "register",
-    "replace_devices",
-    "transform_class",
+    "TransformRegistry",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class Stage(enum.IntEnum):
@@ -143,6 +129,19 @@ class TransformConfig:
         return dataclasses.asdict(self)
 
 
+class ModelSource(Protocol):
+    """What the pipeline needs from a model factory (the reference one is ``ModelFactory``)."""
+
+    def identity(self) -> Mapping[str, Any]:
+        """The ``model`` component of the cache key."""
+
+    def build(self, *, device: str = ...) -> nn.Module:
+        """A fresh module (on the meta device for the pipeline)."""
+
+    def example_inputs(self, *, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
+        """Inputs to trace with."""
+
+
 @dataclass
 class PipelineContext:
     """What every transform may read: the factory, checkpoint and topology.
@@ -152,7 +151,7 @@ class PipelineContext:
     cache point read only the module and their own config.
     """
 
-    factory: ModelFactory
+    factory: ModelSource
     checkpoint: Path
     rank: int = 0
     world_size: int = 1
@@ -184,369 +183,72 @@ class Transform:
         return f"{type(self).__name__}({self.config})"
 
 
-REGISTRY: dict[str, type[Transform]] = {}
 
+class TransformRegistry:
+    """Transform classes by name, built from an explicit list (README, "The pipeline cache").
 
-def register(cls: type[Transform]) -> type[Transform]:
-    """Class decorator adding a transform to :data:`REGISTRY` (last one wins)."""
-    if not cls.name:
-        raise ConfigError("transform", f"{cls.__qualname__} has no name")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def transform_class(name: str) -> type[Transform]:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"transforms.{name}", f"unknown transform; registered: {sorted(REGISTRY)}") from None
-
-
-# ----------------------------------------------------------------- graph utils
-def graph_modules(module: nn.Module) -> list[tuple[str, fx.GraphModule]]:
-    """The module itself if it is a GraphModule, else its outermost GraphModule children."""
-    if isinstance(module, fx.GraphModule):
-        return [("", module)]
-    found: list[tuple[str, fx.GraphModule]] = []
-    for name, child in module.named_children():
-        found.extend((f"{name}.{sub}" if sub else name, gm) for sub, gm in graph_modules(child))
-    return found
-
-
-def _other_device(value: Any, device: torch.device) -> bool:
-    if isinstance(value, torch.device):
-        return value != device
-    if isinstance(value, (list, tuple)):
-        return any(_other_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return any(_other_device(v, device) for v in value.values())
-    return False
-
-
-def _swap_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.device):
-        return device
-    if isinstance(value, (list, tuple)):
-        return type(value)(_swap_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _swap_device(v, device) for k, v in value.items()}
-    return value
-
-
-def replace_devices(gm: fx.GraphModule, device: str | torch.device) -> int:
-    """Point every device argument baked into the graph at ``device``; returns nodes changed."""
-    dev = torch.device(device)
-    count = 0
-    for node in gm.graph.nodes:
-        if _other_device(node.args, dev) or _other_device(node.kwargs, dev):
-            node.args, node.kwargs = _swap_device(node.args, dev), _swap_device(node.kwargs, dev)
-            count += 1
-    return count
-
-
-def propagate_shapes(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: str = "cpu") -> None:
-    """Recompute every node's ``meta["val"]`` with fake tensors (no memory, no weights).
-
-    Parameters and buffers become fake tensors on ``device`` with their shapes,
-    so meta parameters and real buffers mix freely.  A shape error here means a
-    rewrite produced an inconsistent graph and surfaces before any weight loads.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        def fake(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
-
-        state = {n: fake(t) for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
-        args = iter(fake(t) for t in inputs)
-
-        class _Prop(fx.Interpreter):
-            def run_node(self, n: fx.Node) -> Any:
-                if n.op == "placeholder":
-                    out = next(args)
-                elif n.op == "get_attr":
-                    out = state.get(n.target)
-                    if out is None:
-                        out = super().run_node(n)
-                else:
-                    out = super().run_node(n)
-                if isinstance(out, torch.Tensor):
-                    n.meta["val"] = out
-                return out
-
-        _Prop(gm).run()
-
-
-# ------------------------------------------------------------------ transforms
-@register
-class BuildModel(Transform):
-    """Build the architecture on the meta device from the factory's config."""
-
-    name = "build_model"
-    stage = Stage.BUILD_MODEL
-
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        return ctx.factory.build(device="meta")
-
-
-@dataclass(kw_only=True)
-class ExportConfig(TransformConfig):
-    """Example shape of the trace; ``dynamic`` makes batch and sequence symbolic.
-
-    With ``dynamic`` the module runs at any batch up to ``max_batch`` and any
-    sequence length up to ``max_seq`` (slower to export); without it only at
-    ``batch`` x ``seq``.
+    Adding a class under a name already present replaces it (the last one wins),
+    so a caller can swap one step of a pipeline for their own.
     """
 
-    batch: int = 2
-    seq: int = 8
-    strict: bool = False
-    dynamic: bool = False
-    max_batch: int = 64
-    max_seq: int = 4096
+    def __init__(self, transforms: Iterable[type[Transform]] = ()) -> None:
+        self._classes: dict[str, type[Transform]] = {}
+        for cls in transforms:
+            self.add(cls)
 
-    def validate(self, owner: str) -> None:
-        if self.batch < 1 or self.seq < 1:
-            raise ConfigError(f"{owner}.seq", "batch and seq must be positive")
-        if self.dynamic and (self.batch < 2 or self.seq < 2):
-            raise ConfigError(f"{owner}.seq", "a dynamic export needs an example batch and seq >= 2 "
-                              "(export specialises sizes 0 and 1)")
-        if self.dynamic and (self.max_batch < self.batch or self.max_seq < self.seq):
-            raise ConfigError(f"{owner}.max_seq", "max_batch/max_seq must cover the example shape")
+    def add(self, cls: type[Transform]) -> type[Transform]:
+        """Register ``cls`` under its ``name``; returns it (usable as a class decorator)."""
+        if not cls.name:
+            raise ConfigError("transform", f"{cls.__qualname__} has no name")
+        self._classes[cls.name] = cls
+        return cls
+
+    def get(self, name: str) -> type[Transform]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise ConfigError(f"transforms.{name}", f"unknown transform; registered: {sorted(self._classes)}") from None
+
+    def copy(self) -> TransformRegistry:
+        return TransformRegistry(self._classes.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._classes)
+
+    def __len__(self) -> int:
+        return len(self._classes)
 
 
-@register
-class ExportToGraph(Transform):
-    """``torch.export`` the meta model into a GraphModule (static shapes).
+@runtime_checkable
+class CachePoint(Protocol):
+    """A transform the optimizer treats as the pipeline's cache point (README, "The pipeline cache").
 
-    Buffers go to the meta device for tracing (some architectures mix their
-    buffers with parameter outputs); afterwards non-persistent buffers
-    (rotary tables) get their real values back, persistent ones stay meta
-    until weight loading fills them from the checkpoint.
+    The optimizer finds it with ``isinstance(t, CachePoint)`` and, instead of
+    checking names, drives it through these members:
+
+    * :attr:`cache_stage`: the point runs at the end of this stage (it sorts
+      after every transform of the stage);
+    * :meth:`bind`: the prefix (transforms before the point, as names plus
+      config copies taken before any transform ran, and their classes);
+    * :meth:`restore`: before anything runs; a module means "resume after me";
+    * :meth:`save`: at the cache point on a miss, with the seconds the prefix
+      took; returns the module unchanged;
+    * :meth:`key` and :attr:`events`: this run's key and what the point did.
     """
 
-    name = "export_to_gm"
-    stage = Stage.EXPORT
-    config_cls = ExportConfig
+    config: TransformConfig
+    events: list[Any]
 
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        if module is None:
-            raise IntegrationError("export_to_gm needs a built model")
-        cfg: ExportConfig = self.config  # type: ignore[assignment]
-        real: dict[str, torch.Tensor] = {}
-        for mname, mod in module.named_modules():
-            for bname, buf in list(mod._buffers.items()):
-                if buf is None:
-                    continue
-                if bname in mod._non_persistent_buffers_set and buf.device.type != "meta":
-                    real[f"{mname}.{bname}" if mname else bname] = buf
-                mod._buffers[bname] = buf.to("meta")
-        inputs = ctx.example_inputs(cfg.batch, cfg.seq)
-        dynamic = None
-        if cfg.dynamic:
-            from torch.export import Dim
+    @property
+    def cache_stage(self) -> Stage: ...
 
-            dynamic = ({0: Dim("batch", min=1, max=cfg.max_batch), 1: Dim("seq", min=1, max=cfg.max_seq)},)
-        ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=cfg.strict)
-        gm = ep.module()
-        for qual, value in real.items():
-            owner, _, leaf = qual.rpartition(".")
-            try:
-                sub = gm.get_submodule(owner) if owner else gm
-            except AttributeError:
-                continue
-            if leaf in sub._buffers:
-                sub._buffers[leaf] = value
-        ctx.info["export"] = {"nodes": len(gm.graph.nodes), "batch": cfg.batch, "seq": cfg.seq}
-        return gm
+    def bind(self, prefix: Sequence[tuple[str, dict[str, Any]]], prefix_classes: Sequence[type]) -> None: ...
 
+    def key(self, ctx: PipelineContext) -> Any: ...
 
-@dataclass(kw_only=True)
-class CleanupConfig(TransformConfig):
-    device: str = "cpu"
-    logits_only: bool = True
+    def restore(self, ctx: PipelineContext) -> nn.Module | None: ...
 
-
-@register
-class CleanupExport(Transform):
-    """Make the exported graph a plain, portable GraphModule.
-
-    Removes export's runtime guards (forward pre-hooks, the ``_guards_fn``
-    call and tensor-metadata asserts, all of which pin the trace device),
-    points baked device arguments at the target device, returns the logits
-    tensor instead of the model-output dataclass, and drops dead code.
-    """
-
-    name = "cleanup_export"
-    stage = Stage.POST_EXPORT
-    config_cls = CleanupConfig
-
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        cfg: CleanupConfig = self.config  # type: ignore[assignment]
-        gms = graph_modules(module) if module is not None else []
-        if not gms:
-            raise IntegrationError("cleanup_export needs a GraphModule (or a wrapper holding one)")
-        removed = moved = 0
-        for _, gm in gms:
-            r, m = self._clean(gm, cfg)
-            removed, moved = removed + r, moved + m
-        ctx.info["cleanup_export"] = {"removed": removed, "device_args": moved}
-        return module  # type: ignore[return-value]
-
-    @staticmethod
-    def _clean(gm: fx.GraphModule, cfg: CleanupConfig) -> tuple[int, int]:
-        gm._forward_pre_hooks.clear()
-        gm._forward_hooks.clear()
-        gm._forward_hooks_with_kwargs.clear()
-        gm._forward_pre_hooks_with_kwargs.clear()
-        removed = 0
-        for node in list(gm.graph.nodes):
-            drop = (node.op == "call_module" and node.target == "_guards_fn") or (
-                node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
-            )
-            if drop and not node.users:
-                gm.graph.erase_node(node)
-                removed += 1
-        if hasattr(gm, "_guards_fn"):
-            delattr(gm, "_guards_fn")
-        moved = replace_devices(gm, cfg.device)
-        if cfg.logits_only:
-            _logits_only(gm)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-        return removed, moved
-
-
-def _logits_only(gm: fx.GraphModule) -> None:
-    """Return the first output leaf (the logits) as a bare tensor."""
-    import torch.utils._pytree as pytree
-
-    codegen = gm.graph._codegen
-    info = getattr(codegen, "pytree_info", None)
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves = out.args[0]
-    if not isinstance(leaves, (list, tuple)) or not leaves:
-        return
-    out.args = ((leaves[0],),)
-    if info is not None:
-        codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(torch.empty(0)))
-
-
-@dataclass(kw_only=True)
-class LoadWeightsConfig(TransformConfig):
-    device: str = "cpu"
-    strict: bool = True
-
-
-@register
-class LoadWeights(Transform):
-    """Load the checkpoint through the module's load-state-dict pre-hooks.
-
-    ``assign=True`` replaces the meta parameters; the tensor-parallel hooks
-    slice each full checkpoint tensor to this rank's shard on the way in.
-    """
-
-    name = "load_weights"
-    stage = Stage.WEIGHT_LOADING
-    config_cls = LoadWeightsConfig
-    code_modules = ("adstore.integration.reference.checkpoint",)
-
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        from adstore.integration.reference.checkpoint import read_checkpoint
-
-        cfg: LoadWeightsConfig = self.config  # type: ignore[assignment]
-        if module is None:
-            raise IntegrationError("load_weights needs a module")
-        state = read_checkpoint(ctx.checkpoint)
-        # Checkpoint names are relative to the exported graph: load each graph
-        # child (a wrapper's own prefix is not in the checkpoint).
-        targets = graph_modules(module) or [("", module)]
-        unexpected: set[str] = set(state)
-        for _, gm in targets:
-            strict = cfg.strict and len(targets) == 1
-            result = gm.load_state_dict(state, strict=strict, assign=True)
-            unexpected &= set(result.unexpected_keys)
-        still_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
-        still_meta += [n for n, b in module.named_buffers() if b.device.type == "meta"]
-        if still_meta:
-            raise IntegrationError(f"checkpoint left {len(still_meta)} tensors unloaded, e.g. {still_meta[:3]}")
-        module = module.to(cfg.device)
-        for _, gm in graph_modules(module):
-            if replace_devices(gm, cfg.device):
-                gm.recompile()
-        ctx.info["load_weights"] = {"tensors": len(state), "unexpected": sorted(unexpected)}
-        return module
-
-
-@dataclass(kw_only=True)
-class InitCacheConfig(TransformConfig):
-    max_batch_size: int = 8
-    max_seq_len: int = 256
-
-    def validate(self, owner: str) -> None:
-        if self.max_batch_size < 1 or self.max_seq_len < 1:
-            raise ConfigError(f"{owner}.max_batch_size", "sizes must be positive")
-
-
-@register
-class InitCache(Transform):
-    """Allocate per-attention-layer KV buffers sized by the runtime settings.
-
-    Uninitialised (``torch.empty``): a KV cache is written before it is read.
-
-    Runtime sizing happens after the cache point, so changing it reuses the
-    cached prefix.  The buffers are shaped from the attention nodes' metadata
-    when present (local heads and head dim after sharding).
-    """
-
-    name = "init_cache"
-    stage = Stage.CACHE_INIT
-    config_cls = InitCacheConfig
-
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        cfg: InitCacheConfig = self.config  # type: ignore[assignment]
-        if module is None:
-            raise IntegrationError("init_cache needs a module")
-        layers = 0
-        for _, gm in graph_modules(module):
-            for node in gm.graph.nodes:
-                if node.target is not torch.ops.aten.scaled_dot_product_attention.default:
-                    continue
-                key = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
-                shape = getattr(key, "shape", None)
-                if shape is None or len(shape) != 4:
-                    continue
-                heads, head_dim = int(shape[1]), int(shape[3])
-                buf = torch.empty(2, cfg.max_batch_size, heads, cfg.max_seq_len, head_dim, dtype=key.dtype)
-                gm.register_buffer(f"kv_cache_{layers}", buf, persistent=False)
-                layers += 1
-        ctx.info["init_cache"] = {"layers": layers}
-        return module
-
-
-@dataclass(kw_only=True)
-class CompileConfig(TransformConfig):
-    backend: str = "eager"
-
-    def validate(self, owner: str) -> None:
-        if self.backend not in ("eager", "torch_compile"):
-            raise ConfigError(f"{owner}.backend", f"unknown backend {self.backend!r} (eager, torch_compile)")
-
-
-@register
-class Compile(Transform):
-    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` wraps it."""
-
-    name = "compile"
-    stage = Stage.COMPILE
-    config_cls = CompileConfig
-
-    def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
-        cfg: CompileConfig = self.config  # type: ignore[assignment]
-        if module is None:
-            raise IntegrationError("compile needs a module")
-        if cfg.backend == "torch_compile":
-            return torch.compile(module, dynamic=False)  # type: ignore[return-value]
-        return module
+    def save(self, module: nn.Module, ctx: PipelineContext, *, prefix_seconds: float) -> nn.Module: ...

@@ -145,7 +145,8 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
     """Cold then warm run of the reference pipeline; a JSON-safe result dict."""
     from adstore.integration.reference.checkpoint import write_random_checkpoint
     from adstore.integration.reference.models import ModelFactory, tiny_config
-    from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
+    from adstore.integration.reference.pipeline import default_transforms
     from adstore.store import Store
 
     if world_size < 1 or world_size > 8:

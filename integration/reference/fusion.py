@@ -15,14 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from adstore.integration.errors import IntegrationError
-from adstore.integration.pipeline.transforms import (
-    PipelineContext,
-    Stage,
-    Transform,
-    TransformConfig,
-    graph_modules,
-    register,
-)
+from adstore.integration.pipeline.graphs import graph_modules
+from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from torch import fx, nn
 
 __all__ = ["FuseLinears", "fuse_parallel_linears"]
@@ -118,7 +112,6 @@ class FusionConfig(TransformConfig):
     min_group: int = 2
 
 
-@register
 class FuseLinears(Transform):
     name = "fuse_linears"
     stage = Stage.POST_LOAD_FUSION

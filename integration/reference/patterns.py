@@ -16,14 +16,8 @@ from typing import Any
 import torch
 from adstore.integration.reference import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
-from adstore.integration.pipeline.transforms import (
-    PipelineContext,
-    Stage,
-    Transform,
-    TransformConfig,
-    graph_modules,
-    register,
-)
+from adstore.integration.pipeline.graphs import graph_modules
+from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from torch import fx, nn
 
 __all__ = ["MatchRMSNorm", "MatchRoPE", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_rope", "rewrite_swiglu"]
@@ -242,7 +236,6 @@ class _Rewrite(Transform):
         return module
 
 
-@register
 class MatchRMSNorm(_Rewrite):
     name = "match_rms_norm"
     code_modules = ("adstore.integration.reference.ops",)
@@ -251,7 +244,6 @@ class MatchRMSNorm(_Rewrite):
         return rewrite_rms_norm(gm)
 
 
-@register
 class MatchSwiGLU(_Rewrite):
     name = "match_swiglu"
     code_modules = ("adstore.integration.reference.ops",)
@@ -260,7 +252,6 @@ class MatchSwiGLU(_Rewrite):
         return rewrite_swiglu(gm)
 
 
-@register
 class MatchRoPE(_Rewrite):
     name = "match_rope"
     code_modules = ("adstore.integration.reference.ops",)

@@ -30,15 +30,8 @@ import torch
 from adstore.integration.reference import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
 from adstore.integration.snapshot.hooks import TPShardHook
-from adstore.integration.pipeline.transforms import (
-    PipelineContext,
-    Stage,
-    Transform,
-    TransformConfig,
-    graph_modules,
-    propagate_shapes,
-    register,
-)
+from adstore.integration.pipeline.graphs import graph_modules, propagate_shapes
+from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from torch import fx, nn
 
 __all__ = ["ShardLinears", "ShardingError", "shard_graph"]
@@ -307,7 +300,6 @@ class ShardConfig(TransformConfig):
     shard_mlp: bool = True
 
 
-@register
 class ShardLinears(Transform):
     """Tensor-parallel sharding for ``world_size > 1`` (a no-op for one rank)."""
 

@@ -54,7 +54,7 @@ def main() -> int:
     from adstore.integration.reference.checkpoint import write_random_checkpoint
     from adstore.integration.reference.demo import run_ranks
     from adstore.integration.reference.models import ModelFactory
-    from adstore.integration.pipeline.optimizer import default_transforms
+    from adstore.integration.reference.pipeline import default_transforms
 
     model = {"arch": args.arch, "layers": args.layers, "hidden": args.hidden}
     factory = ModelFactory.from_config(model)

@@ -33,7 +33,8 @@ from adstore.integration.reference.checkpoint import read_checkpoint, write_rand
 from adstore.integration.engine.storage import AdstoreEngineCache
 from adstore.integration.engine.cache import EngineCache
 from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.snapshot import FORMAT, VERSION
 from adstore.store import Store
 from adstore.store.records import manifest_key

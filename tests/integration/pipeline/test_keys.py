@@ -77,13 +77,13 @@ def test_key_is_stable_and_components_name_the_difference():
 
 
 def test_env_component_has_versions_and_code():
-    from adstore.integration.pipeline.transforms import BuildModel, ExportToGraph
+    from adstore.integration.reference.stages import BuildModel, ExportToGraph
 
     env = env_component([BuildModel, ExportToGraph])
     assert env["adstore_format"] == FORMAT_VERSION
     assert env["torch"] == torch.__version__
-    assert set(env["code"]) == {"adstore.integration.pipeline.transforms.BuildModel",
-                                "adstore.integration.pipeline.transforms.ExportToGraph"}
+    assert set(env["code"]) == {"adstore.integration.reference.stages.BuildModel",
+                                "adstore.integration.reference.stages.ExportToGraph"}
 
 
 def test_code_fingerprint_follows_the_source(tmp_path, monkeypatch):

@@ -11,15 +11,13 @@ import torch
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.pipeline.keys import diff_components
 from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
-from adstore.integration.pipeline.transforms import (
-    REGISTRY,
-    Stage,
-    Transform,
-    TransformConfig,
-    graph_modules,
-    register,
-)
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference.pipeline import default_transforms
+from adstore.integration.pipeline import optimizer
+from adstore.integration.pipeline.graphs import graph_modules
+from adstore.integration.pipeline.optimizer import register
+from adstore.integration.pipeline.transforms import Stage, Transform, TransformConfig
+from adstore.integration.reference.pipeline import reference_registry
 from adstore.store import Store
 from adstore.store.errors import ConfigError
 from torch import fx, nn
@@ -43,11 +41,9 @@ def root(tmp_path):
 
 
 @pytest.fixture
-def registry_guard():
-    before = dict(REGISTRY)
-    yield
-    REGISTRY.clear()
-    REGISTRY.update(before)
+def registry_guard(monkeypatch):
+    """A fresh default registry for the test: what it registers is gone afterwards."""
+    monkeypatch.setattr(optimizer, "_default_registry", reference_registry())
 
 
 def run(factory, checkpoint, transforms, **kw):
@@ -139,7 +135,8 @@ def test_prefix_model_checkpoint_and_topology_changes_miss(factory, checkpoint, 
 
 def _write_transform_module(path, modname, body):
     path.joinpath(f"{modname}.py").write_text(
-        "from adstore.integration.pipeline.transforms import Stage, Transform, register\n\n"
+        "from adstore.integration.pipeline.optimizer import register\n"
+        "from adstore.integration.pipeline.transforms import Stage, Transform\n\n"
         "@register\n"
         "class Custom(Transform):\n"
         "    name = 'custom_step'\n"

@@ -17,7 +17,8 @@ import torch
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.demo import run_ranks
 from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference.pipeline import default_transforms
 from adstore.store import Store
 
 # hidden 128 -> 4 query heads, 2 KV heads: GQA, so sharding rewrites head counts.

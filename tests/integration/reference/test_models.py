@@ -6,7 +6,8 @@ import pytest
 import torch
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.models import ARCHITECTURES, ModelFactory, tiny_config
-from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference.pipeline import default_transforms
 from adstore.store.errors import ConfigError
 
 FAST = ["llama", "mixtral"]
