@@ -35,18 +35,25 @@ import torch
 
 from adstore.integration.errors import CorruptSnapshot, SnapshotError, UnsupportedModule, UntrustedTarget
 from adstore.integration.snapshot.hooks import clear_load_hooks, collect_hook_specs, reattach_hooks, restore_load_hooks
-from adstore.integration.snapshot.tree import TreeDecoder, TreeEncoder
 from adstore.integration.snapshot.targets import check_prefix
 from adstore.integration.snapshot.tensor_meta import SymDecoder
+from adstore.integration.snapshot.tree import TreeDecoder, TreeEncoder
+from adstore.integration.snapshot.wire import (
+    FORMAT,
+    HOOKS_ARTIFACT,
+    MODULE_ARTIFACT,
+    VERSION,
+    check_structure,
+    iter_modules,
+    new_structure,
+    param_of,
+    unpack_node,
+)
 
 __all__ = ["FORMAT", "VERSION", "MODULE_ARTIFACT", "HOOKS_ARTIFACT", "dump_module", "load_module", "summarize"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "adstore.snapshot"
-VERSION = 1
-MODULE_ARTIFACT = "module.pt"
-HOOKS_ARTIFACT = "hooks.json"
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -64,15 +71,8 @@ def dump_module(module: torch.nn.Module) -> dict[str, bytes]:
     try:
         enc = TreeEncoder()
         tree = enc.encode(module)
-        structure = {
-            "format": FORMAT,
-            "version": VERSION,
-            "torch": torch.__version__,
-            "graph_modules": enc.graph_count,
-            "symbols": enc.values.symbols.symbols,
-            "meta_table": enc.meta_table.values,
-            "tree": tree,
-        }
+        structure = new_structure(torch_version=torch.__version__, graph_modules=enc.graph_count,
+                                  symbols=enc.values.symbols.symbols, meta_table=enc.meta_table.values, tree=tree)
         text = json.dumps(structure, allow_nan=False, separators=(",", ":"))
         buf = io.BytesIO()
         torch.save({"format": FORMAT, "version": VERSION, "structure": text, "tensors": enc.values.tensors}, buf)
@@ -116,10 +116,7 @@ def _read_payload(artifacts: Mapping[str, bytes]) -> tuple[dict[str, Any], list[
         structure = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise CorruptSnapshot(f"snapshot structure is not JSON: {exc}") from None
-    if (not isinstance(structure, dict) or structure.get("format") != FORMAT
-            or structure.get("version") != VERSION or not isinstance(structure.get("tree"), dict)):
-        raise CorruptSnapshot("snapshot structure is malformed or of another version")
-    return structure, tensors
+    return check_structure(structure), tensors
 
 
 @contextlib.contextmanager
@@ -196,37 +193,32 @@ def summarize(artifacts: Mapping[str, bytes]) -> dict[str, Any]:
     by_op: Counter[str] = Counter()
     classes: Counter[str] = Counter()
     counts = {"modules": 0, "parameters": 0, "parameter_numel": 0, "buffers": 0}
-
-    def walk(node: Any, path: str) -> None:
-        if not isinstance(node, dict) or "alias" in node:
-            return
-        counts["modules"] += 1
-        classes[str(node.get("class"))] += 1
-        for _, spec in node.get("params", ()):
-            if isinstance(spec, list) and spec and spec[0] == "P":
+    try:
+        for path, node in iter_modules(structure["tree"]):
+            counts["modules"] += 1
+            classes[str(node.get("class"))] += 1
+            for _, spec in node.get("params", ()):
+                param = param_of(spec)
+                if param is None:  # absent, or an alias of a parameter counted already
+                    continue
                 counts["parameters"] += 1
                 n = 1
-                for s in spec[1]:
+                for s in param.shape:
                     n *= int(s)
                 counts["parameter_numel"] += n
-        counts["buffers"] += sum(1 for b in node.get("buffers", ()) if b[1] is not None)
-        g = node.get("graph")
-        if isinstance(g, dict):
-            targets = g.get("targets", [])
-            nodes = g.get("nodes", [])
-            for rec in nodes:
-                op, target = rec[1], rec[2]
-                by_op[str(op)] += 1
-                if op == "call_function" and isinstance(target, int) and 0 <= target < len(targets):
-                    ops[str(targets[target])] += 1
-                elif op == "call_method":
-                    ops[f"method:{target}"] += 1
-            graphs.append({"path": path, "class": g.get("gm_class"), "nodes": len(nodes)})
-        for name, child in node.get("children", ()):
-            walk(child, f"{path}.{name}" if path else str(name))
-
-    try:
-        walk(structure["tree"], "")
+            counts["buffers"] += sum(1 for b in node.get("buffers", ()) if b[1] is not None)
+            g = node.get("graph")
+            if isinstance(g, dict):
+                targets = g.get("targets", [])
+                nodes = g.get("nodes", [])
+                for rec in nodes:
+                    op, target = unpack_node(rec)[1:3]
+                    by_op[str(op)] += 1
+                    if op == "call_function" and isinstance(target, int) and 0 <= target < len(targets):
+                        ops[str(targets[target])] += 1
+                    elif op == "call_method":
+                        ops[f"method:{target}"] += 1
+                graphs.append({"path": path, "class": g.get("gm_class"), "nodes": len(nodes)})
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:
         raise CorruptSnapshot(f"snapshot structure is malformed: {exc}") from None
     hook_types = Counter(str(s.get("type")) if isinstance(s, dict) else "<invalid>" for s in specs)

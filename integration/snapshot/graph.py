@@ -39,8 +39,9 @@ from adstore.integration.snapshot.export import (
     _export_train,
     export_forward_hooks,
 )
-from adstore.integration.snapshot.values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
+from adstore.integration.snapshot.values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
+from adstore.integration.snapshot.wire import pack_node, unpack_node
 
 __all__ = [
     "GM_CLASSES",
@@ -283,7 +284,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
             raise UnsupportedModule(f"{path or '<root>'}: node {n.name!r}: {exc}") from exc
         if n.op == "get_attr" and n.target in params:
             stale.append(n.name)
-        nodes.append([n.name, n.op, target, args, kwargs, type_enc, meta])
+        nodes.append(pack_node(n.name, n.op, target, args, kwargs, type_enc, meta))
         node_index[n] = i
     enc.node_index = {}
     out: dict[str, Any] = {
@@ -447,10 +448,7 @@ class GraphDecoder:
         ntargets = len(targets)
         cache = self._meta_cache
         for rec in enc["nodes"]:
-            try:
-                name, op, target, a, k, ty, meta = rec
-            except (TypeError, ValueError):
-                raise CorruptSnapshot("bad node record") from None
+            name, op, target, a, k, ty, meta = unpack_node(rec)
             if op == "call_function":
                 if type(target) is not int or not 0 <= target < ntargets:
                     raise CorruptSnapshot(f"node {name!r}: bad target index")

@@ -43,9 +43,17 @@ from adstore.integration.snapshot.graph import (
     encode_graph_module,
     export_forward_hooks,
 )
-from adstore.integration.snapshot.values import Unencodable, ValueEncoder
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 from adstore.integration.snapshot.tensor_meta import DTYPES, dtype_name
+from adstore.integration.snapshot.values import Unencodable, ValueEncoder
+from adstore.integration.snapshot.wire import (
+    alias_of,
+    alias_ref,
+    module_alias,
+    module_alias_of,
+    pack_param,
+    unpack_param,
+)
 
 __all__ = ["TreeEncoder", "TreeDecoder", "MODULE_KEYS"]
 
@@ -96,7 +104,7 @@ class TreeEncoder:
     def module(self, m: torch.nn.Module, path: str) -> dict[str, Any]:
         seen = self._modules.get(id(m))
         if seen is not None:
-            return {"alias": seen}
+            return module_alias(seen)
         self._modules[id(m)] = path
         self._check_hooks(m, path)
         cls = _real_class(m)
@@ -117,21 +125,21 @@ class TreeEncoder:
                 params.append([name, None])
                 continue
             if id(p) in self._params:
-                params.append([name, ["alias", self._params[id(p)]]])
+                params.append([name, alias_ref(self._params[id(p)])])
                 continue
             if type(p) is not torch.nn.Parameter:
                 raise UnsupportedModule(f"{full}: parameter type {type(p).__qualname__} is not supported")
             self._params[id(p)] = full
             if p.device.type != "meta":
                 self.materialized.append(full)
-            params.append([name, ["P", list(p.shape), list(p.stride()), dtype_name(p.dtype), bool(p.requires_grad)]])
+            params.append([name, pack_param(list(p.shape), list(p.stride()), dtype_name(p.dtype), bool(p.requires_grad))])
         buffers = []
         for name, b in m._buffers.items():
             persistent = name not in m._non_persistent_buffers_set
             if b is None:
                 buffers.append([name, None, persistent])
             elif id(b) in self._buffers:
-                buffers.append([name, ["alias", self._buffers[id(b)]], persistent])
+                buffers.append([name, alias_ref(self._buffers[id(b)]), persistent])
             else:
                 self._buffers[id(b)] = _join(path, name)
                 buffers.append([name, self.values.tensor_ref(b.detach()), persistent])
@@ -181,19 +189,17 @@ class TreeDecoder:
         return self.tensors[ref[1]]
 
     def _alias(self, table: dict[str, Any], ref: Any) -> Any:
-        if isinstance(ref, list) and len(ref) == 2 and ref[0] == "alias" and ref[1] in table:
-            return table[ref[1]]
-        return None
+        path = alias_of(ref)
+        return None if path is None else table.get(path)
 
     def _param(self, spec: Any, full: str) -> torch.nn.Parameter:
         hit = self._alias(self._params, spec)
         if hit is not None:
             return hit
         try:
-            tag, shape, stride, dtype, grad = spec
-            assert tag == "P"
+            shape, stride, dtype, grad = unpack_param(spec)
             data = torch.empty_strided(shape, stride, dtype=DTYPES[dtype], device="meta")
-        except (AssertionError, KeyError, TypeError, ValueError, RuntimeError):
+        except (CorruptSnapshot, KeyError, TypeError, ValueError, RuntimeError):
             raise CorruptSnapshot(f"bad parameter spec for {full}") from None
         p = torch.nn.Parameter(data, requires_grad=bool(grad))
         self._params[full] = p
@@ -202,10 +208,11 @@ class TreeDecoder:
     def module(self, enc: Any, path: str) -> torch.nn.Module:
         if not isinstance(enc, dict):
             raise CorruptSnapshot(f"bad module record at {path or '<root>'}")
-        if "alias" in enc:
-            hit = self._modules.get(enc["alias"])
+        alias = module_alias_of(enc)
+        if alias is not None:
+            hit = self._modules.get(alias)
             if hit is None:
-                raise CorruptSnapshot(f"module alias {enc['alias']!r} names no earlier module")
+                raise CorruptSnapshot(f"module alias {alias!r} names no earlier module")
             return hit
         q = enc.get("class")
         if enc.get("kind") == "guards":
