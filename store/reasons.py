@@ -28,6 +28,7 @@ class Reason(enum.StrEnum):
 
     # -- store errors ------------------------------------------------------
     ERROR = "error"  # an adstore error without a more precise reason
+    IO_ERROR = "io_error"  # an OSError outside the store's own checks (a failed read or write)
     STORE_ERROR = "store_error"  # something about the store (layout, index, files) went wrong
     BAD_DIGEST = "bad_digest"  # a digest that is not 64 lowercase hex characters
     BAD_KEY = "bad_key"  # a key, namespace or artifact name the store will not index
