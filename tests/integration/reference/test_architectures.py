@@ -16,7 +16,8 @@ import logging
 import pytest
 import torch
 
-from adstore.integration.pipeline.optimizer import InferenceOptimizer, default_transforms
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.models import ARCHITECTURES, MODEL_TYPES, ModelFactory
 from adstore.store.errors import ConfigError
