@@ -166,17 +166,14 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     data["root"] = str(store.root)
     daemon = read_status(store.root)
     data["daemon"] = daemon
+    # A --config's budget, else the one the daemon persisted in the index (at start and on reload).
     budget = None
-    running = bool(daemon and daemon.get("running"))
     if cfg is not None:
-        budget = _budget_dict(cfg)
-    elif st.budget is not None:  # the budget the daemon persisted in the index
+        budget = {**cfg.store_budget().to_dict(), "source": str(cfg.source)}
+    elif st.budget is not None:
         budget = {**st.budget.to_dict(), "source": "index"}
-    elif running:
-        budget = _budget_dict(DaemonConfig.from_mapping(
-            {k: v for k, v in daemon.get("config", {}).items() if k in DaemonConfig.KEYS}))
-    if budget is not None and cfg is None and running:
-        budget["current_limit"] = daemon.get("budget")
+        if daemon and daemon.get("running"):
+            budget["current_limit"] = daemon.get("budget")
     data["budget"] = budget
     if ctx.json:
         ctx.emit(data, "")
@@ -218,15 +215,9 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
-def _budget_dict(cfg: DaemonConfig) -> dict[str, Any]:
-    return {"max_size": cfg.max_size, "min_free_bytes": cfg.min_free_bytes,
-            "min_free_percent": cfg.min_free_percent, "high_watermark": cfg.high_watermark,
-            "low_watermark": cfg.low_watermark, "source": None if cfg.source is None else str(cfg.source)}
-
-
 def _budget_text(budget: dict[str, Any] | None, size: int) -> str:
     if not budget:
-        return "unknown (no daemon running; pass --config to show a configured budget)"
+        return "none recorded (no daemon has run on this store; --config shows a configured one)"
     parts = []
     if budget.get("max_size"):
         pct = 100.0 * size / budget["max_size"]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from adstore.store import DEFAULT_GRACE_PERIOD
+from adstore.store import DEFAULT_GRACE_PERIOD, Budget
 from adstore.store.errors import ConfigError
 from adstore.store.units import (
     MinFree,
@@ -306,18 +306,14 @@ class DaemonConfig:
     def has_budget(self) -> bool:
         return self.max_size is not None or self.min_free is not None
 
-    def min_free_for(self, fs_total: int) -> int | None:
-        """The free-space floor in bytes for a filesystem of ``fs_total`` bytes."""
-        return None if self.min_free is None else self.min_free.of(fs_total)
+    def store_budget(self) -> Budget:
+        """This budget as the store persists it (``Store.set_budget``) for writers and ``adstore stats``."""
+        return Budget(max_size=self.max_size, min_free=self.min_free, high_watermark=self.high_watermark,
+                      low_watermark=self.low_watermark, grace_period=self.grace_period)
 
     def budget(self, *, size: int, fs_total: int, fs_free: int) -> int | None:
         """Bytes the store may use now: ``max_size`` capped so the filesystem keeps ``min_free``."""
-        limit = self.max_size
-        floor = self.min_free_for(fs_total)
-        if floor is not None:
-            by_free = max(0, size + fs_free - floor)
-            limit = by_free if limit is None else min(limit, by_free)
-        return limit
+        return self.store_budget().limit(size=size, fs_total=fs_total, fs_free=fs_free)
 
     def describe(self) -> dict[str, Any]:
         """JSON-safe view (for ``--json`` output and the daemon's status file)."""

@@ -154,6 +154,8 @@ class Daemon:
             self._store.close()
             self._store = None
             raise
+        # Writers' inline eviction and `adstore stats` read the budget from the index.
+        self._store.set_budget(self.config.store_budget())
 
     def _start_observer(self) -> None:
         assert self._store is not None
@@ -215,6 +217,8 @@ class Daemon:
             new = dataclasses.replace(new, root=self.config.root)
         configure_logging(new.log_level, self._env)
         self.config = new
+        assert self._store is not None
+        self._store.set_budget(new.store_budget())
         log.info("configuration reloaded from %s", new.source)
         self.notifier.ready(status="configuration reloaded")
         self.poke()  # re-check the budget under the new limits now

@@ -65,3 +65,22 @@ def test_an_invalid_config_is_a_usage_error(capsys, tmp_path: Path) -> None:
         assert main([command, "--config", str(bad), "--root", str(tmp_path / "s")]) == 2
         err = capsys.readouterr().err
         assert "'max_size'" in err and err.count("\n") == 1
+
+
+def test_the_daemon_persists_its_budget_and_stats_shows_it(capsys, tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    Store.open(root).close()
+    code, data = run_json(capsys, "stats", "--root", str(root))
+    assert data["budget"] is None
+    assert main(["stats", "--root", str(root)]) == 0
+    assert "none recorded" in capsys.readouterr().out
+    assert main(["daemon", "--root", str(root), "--once", "--max-size", "2G", "--min-free", "5%",
+                 "--grace-period", "90s"]) == 0
+    with Store.open(root) as store:  # a writer without a daemon enforces the same hard limit
+        budget = store.budget()
+    assert budget is not None and budget.max_size == 2 * 1024**3 and budget.min_free.percent == 5.0
+    assert budget.grace_period == 90.0
+    code, data = run_json(capsys, "stats", "--root", str(root))
+    assert data["budget"]["max_size"] == 2 * 1024**3 and data["budget"]["source"] == "index"
+    assert main(["stats", "--root", str(root)]) == 0
+    assert "max 2.0 GiB" in capsys.readouterr().out

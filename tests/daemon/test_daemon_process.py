@@ -20,7 +20,7 @@ from conftest import (
 )
 
 from adstore.daemon.cli import main as cli_main
-from adstore.store import Store
+from adstore.store import Budget, Store
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -82,6 +82,13 @@ def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
     assert "budget 2.0 MiB" in status["STATUS"]
 
 
+def persisted_budget(root: Path) -> Budget:
+    with Store.open(root) as store:
+        budget = store.budget()
+    assert budget is not None
+    return budget
+
+
 def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) -> None:
     root = tmp_path / "store"
     populate(root, count=10, size=100 * KIB, prefix="e")
@@ -91,6 +98,7 @@ def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) 
     time.sleep(0.3)
     size = store_size(root)
     assert size >= 10 * 100 * KIB  # nothing evicted under the 10 MiB budget
+    assert persisted_budget(root).max_size == 10 * 1024 * KIB  # writers and `stats` see it
     write_config(cfg, max_size="600K", high_watermark=0.9, low_watermark=0.5, grace_period="0s",
                  fallback_interval="1h")
     notify_socket.messages.clear()
@@ -98,6 +106,8 @@ def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) 
     notify_socket.wait_for(lambda m: m.get("RELOADING") == "1", proc=d.proc)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
     wait_until(lambda: store_size(root) <= 300 * KIB, timeout=30)
+    budget = persisted_budget(root)
+    assert (budget.max_size, budget.high_watermark, budget.low_watermark) == (600 * KIB, 0.9, 0.5)
     # An invalid edit is reported and the daemon keeps running on the last good config.
     cfg.write_text('max_size = "lots"\n')
     notify_socket.messages.clear()
@@ -105,6 +115,7 @@ def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) 
     msg = notify_socket.wait_for(lambda m: "reload failed" in m.get("STATUS", ""), proc=d.proc)
     assert "max_size" in msg["STATUS"]
     assert d.proc.poll() is None
+    assert persisted_budget(root).max_size == 600 * KIB  # the last good budget stays
     d.signal(signal.SIGTERM)
     assert d.wait() == 0
 
