@@ -7,6 +7,7 @@ cache reports when it catches the error (the cache fails open).
 from __future__ import annotations
 
 from adstore.store.errors import AdstoreError, ConfigError
+from adstore.store.reasons import Reason
 
 __all__ = [
     "IntegrationError",
@@ -30,13 +31,13 @@ __all__ = [
 
 
 class IntegrationError(AdstoreError):
-    reason = "integration_error"
+    reason = Reason.INTEGRATION_ERROR
 
 
 class SnapshotError(IntegrationError):
     """A module cannot be snapshotted or a snapshot cannot be restored."""
 
-    reason = "snapshot_error"
+    reason = Reason.SNAPSHOT_ERROR
 
     def __init__(self, message: str, *, detail: object = None) -> None:
         self.detail = detail
@@ -44,21 +45,21 @@ class SnapshotError(IntegrationError):
 
 
 class UnsupportedModule(SnapshotError):
-    reason = "unsupported_module"
+    reason = Reason.UNSUPPORTED_MODULE
 
 
 class UnsupportedHook(SnapshotError):
-    reason = "unsupported_hook"
+    reason = Reason.UNSUPPORTED_HOOK
 
 
 class ForwardHookPresent(SnapshotError):
-    reason = "forward_hook"
+    reason = Reason.FORWARD_HOOK
 
 
 class MaterializedParameters(SnapshotError):
     """Parameters hold real data: the module is past weight loading."""
 
-    reason = "materialized_parameters"
+    reason = Reason.MATERIALIZED_PARAMETERS
 
     def __init__(self, names: list[str]) -> None:
         self.names = list(names)
@@ -69,7 +70,7 @@ class MaterializedParameters(SnapshotError):
 class UntrustedTarget(SnapshotError):
     """A payload names a callable or class outside the allow-list; nothing was called."""
 
-    reason = "untrusted_target"
+    reason = Reason.UNTRUSTED_TARGET
 
     def __init__(self, qualname: str) -> None:
         self.qualname = qualname
@@ -77,35 +78,35 @@ class UntrustedTarget(SnapshotError):
 
 
 class CorruptSnapshot(SnapshotError):
-    reason = "corrupt_snapshot"
+    reason = Reason.CORRUPT_SNAPSHOT
 
 
 class CacheKeyError(IntegrationError):
-    reason = "key_error"
+    reason = Reason.KEY_ERROR
 
 
 class RankDisagreement(IntegrationError):
-    reason = "rank_disagreement"
+    reason = Reason.RANK_DISAGREEMENT
 
 
 class EngineCacheError(IntegrationError):
-    reason = "engine_error"
+    reason = Reason.ENGINE_ERROR
 
 
 class CorruptEngine(EngineCacheError):
-    reason = "corrupt_engine"
+    reason = Reason.CORRUPT_ENGINE
 
 
 class TruncatedEngine(CorruptEngine):
     """A stored engine record is shorter than its header says."""
 
-    reason = "truncated_engine"
+    reason = Reason.TRUNCATED_ENGINE
 
 
 class EngineMismatch(EngineCacheError):
     """A stored engine is intact but does not fit this request (hash, format, constants, spec)."""
 
-    reason = "engine_mismatch"
+    reason = Reason.ENGINE_MISMATCH
 
     def __init__(self, what: str, message: str) -> None:
         self.what = what
@@ -115,7 +116,7 @@ class EngineMismatch(EngineCacheError):
 class EngineUnavailable(EngineCacheError):
     """The backend has the engine's key but cannot serve it (e.g. the store said blob_missing)."""
 
-    reason = "engine_unavailable"
+    reason = Reason.ENGINE_UNAVAILABLE
 
     def __init__(self, key: str, store_reason: str | None) -> None:
         self.key = key
@@ -126,7 +127,7 @@ class EngineUnavailable(EngineCacheError):
 class UntrustedEngine(EngineCacheError):
     """A stored engine was written by a user this process does not trust; it is native code, so it is not loaded."""
 
-    reason = "untrusted_engine"
+    reason = Reason.UNTRUSTED_ENGINE
 
     def __init__(self, key: str, owner: int | None, detail: str) -> None:
         self.key = key

@@ -46,7 +46,6 @@ from adstore.integration.engine.hashing import (
 )
 from adstore.integration.engine.runtime import (
     CompiledEngine,
-    EngineEvent,
     build_meta,
     code_constant_names,
     constants_as_buffers,
@@ -58,12 +57,13 @@ from adstore.integration.engine.runtime import (
     weights_of,
 )
 from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
+from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.store.errors import AdstoreError
+from adstore.store.reasons import Reason
 
 __all__ = [
     "CompiledEngine",
     "EngineCache",
-    "EngineEvent",
     "compile",
     "default_engine_cache",
     "set_default_engine_cache",
@@ -236,9 +236,9 @@ class EngineCache:
         """See :func:`compile`."""
         req = self._prepare(model, example_inputs, dynamic_shapes, settings)
         if req.hash is None:
-            miss_reason, detail = "bypass", "unhashable graph"
+            miss_reason, detail = Reason.BYPASS, "unhashable graph"
         else:
-            miss_reason, detail = "ignored", "ignore_engine_cache=True"
+            miss_reason, detail = Reason.IGNORED, "ignore_engine_cache=True"
         if req.hash is not None and not ignore_engine_cache:
             engine, miss_reason, detail = self._try_hit(req)
             if engine is not None:
@@ -248,17 +248,17 @@ class EngineCache:
 
     def lookup(
         self, model: Any, example_inputs: Any, *, dynamic_shapes: Any = None, **settings: Any
-    ) -> tuple[CompiledEngine | None, EngineEvent]:
+    ) -> tuple[CompiledEngine | None, CacheEvent]:
         """A refit engine from the cache, or None and the miss event; never compiles."""
         req = self._prepare(model, example_inputs, dynamic_shapes, settings)
         if req.hash is None:
-            return None, EngineEvent("bypass", None, "none", reason="bypass", detail="unhashable graph")
+            return None, CacheEvent(EventKind.BYPASS, reason=Reason.BYPASS, detail="unhashable graph")
         engine, reason, detail = self._try_hit(req)
         if engine is not None:
             return engine, engine.event
         self._count(f"misses.{reason}")
-        self.backend.record_event("miss", reason)
-        return None, EngineEvent("miss", req.hash, "none", reason=reason, detail=detail)
+        self.backend.record_event(EventKind.MISS, reason)
+        return None, CacheEvent(EventKind.MISS, reason=reason, key=req.hash, detail=detail)
 
     def _prepare(self, model: Any, example_inputs: Any, dynamic_shapes: Any, settings: Mapping[str, Any]) -> _Request:
         start = time.perf_counter()
@@ -296,27 +296,27 @@ class EngineCache:
         )
 
     # -- hit ---------------------------------------------------------------
-    def _try_hit(self, req: _Request) -> tuple[CompiledEngine | None, str, str]:
+    def _try_hit(self, req: _Request) -> tuple[CompiledEngine | None, Reason | None, str]:
         h = req.hash
         assert h is not None
         ep, weights, spec, timings = req.ep, req.weights, req.spec, req.timings
         inductor_configs, code_consts = req.inductor_configs, req.code_consts
         t0 = time.perf_counter()
-        source = "memory"
+        source = Source.MEMORY
         cached = self._memory.get(h)
         record: EngineRecord | None = None
         backend = self.backend
         if cached is None:
-            source = "backend"
+            source = Source.BACKEND
             try:
                 record = backend.load_record(h)
             except (EngineCacheError, AdstoreError) as exc:
                 return self._miss(h, exc.reason, str(exc))
             except Exception as exc:  # noqa: BLE001 - a user backend's bug is a miss, not a crash
                 logger.exception("engine backend %r failed to load %s", backend, h)
-                return self._miss(h, "backend_error", f"{type(exc).__name__}: {exc}")
+                return self._miss(h, Reason.BACKEND_ERROR, f"{type(exc).__name__}: {exc}")
             if record is None:
-                return self._miss(h, "absent", "")
+                return self._miss(h, Reason.ABSENT, "")
             meta = record.meta
         else:
             meta = cached[0]
@@ -341,32 +341,32 @@ class EngineCache:
             timings["refit"] = refit(runner, weights, spec)
         except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
             self._memory.discard(h)
-            if source == "memory":
+            if source == Source.MEMORY:
                 # The private copy went bad (removed by a tmp cleaner, ...): ask the backend.
                 logger.warning("in-process engine copy of %s unusable (%s); reading the backend", h[:12], exc)
                 return self._try_hit(req)
             if isinstance(exc, EngineCacheError):
                 return self._miss(h, exc.reason, str(exc))
-            return self._miss(h, "load_failed", f"{type(exc).__name__}: {exc}")
+            return self._miss(h, Reason.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
             if record is not None:
                 record.release()
         elapsed = time.perf_counter() - t0
         saved = max(0.0, float(meta.get("compile_seconds") or 0.0) - elapsed)
         self._count(f"hits.{source}")
-        backend.record_event("hit", seconds_saved=saved)
-        event = EngineEvent("hit", h, source, seconds=elapsed)
+        backend.record_event(EventKind.HIT, seconds_saved=saved)
+        event = CacheEvent(EventKind.HIT, key=h, source=source, seconds=elapsed, seconds_saved=saved)
         logger.info("engine cache hit %s from %s (%.3fs, ~%.1fs saved)", h[:12], source, elapsed, saved)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
-        return engine, "", ""
+        return engine, None, ""
 
-    def _miss(self, h: str, reason: str, detail: str) -> tuple[None, str, str]:
-        if reason != "absent":
+    def _miss(self, h: str, reason: Reason, detail: str) -> tuple[None, Reason, str]:
+        if reason != Reason.ABSENT:
             logger.warning("engine cache miss for %s (%s): %s", h[:12], reason, detail)
         return None, reason, detail
 
     # -- miss --------------------------------------------------------------
-    def _compile_miss(self, req: _Request, reason: str, detail: str) -> CompiledEngine:
+    def _compile_miss(self, req: _Request, reason: Reason | None, detail: str) -> CompiledEngine:
         h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
         inductor_configs, code_consts, components = req.inductor_configs, req.code_consts, req.components
         backend = self.backend
@@ -402,18 +402,20 @@ class EngineCache:
                 self._count("saves")
             except Exception as exc:  # noqa: BLE001 - a failed save costs the next run a compile, nothing else
                 self._count("save_failures")
-                logger.warning("could not save engine %s (%s): %s", h[:12], getattr(exc, "reason", "error"), exc)
-                backend.record_event("bypass", getattr(exc, "reason", "save_failed"))
+                why = getattr(exc, "reason", None) or Reason.SAVE_FAILED
+                logger.warning("could not save engine %s (%s): %s", h[:12], why, exc)
+                backend.record_event(EventKind.BYPASS, why)
             timings["save"] = time.perf_counter() - t2
             self._memory.put(h, meta, path)
             self._count(f"misses.{reason}")
-            backend.record_event("miss", reason)
-            kind = "miss"
+            backend.record_event(EventKind.MISS, reason)
+            kind = EventKind.MISS
         else:
             path.unlink(missing_ok=True)  # the runner has extracted what it needs
             self._count(f"bypasses.{reason}")
-            kind = "bypass"
-        event = EngineEvent(kind, h, "compiled", reason=reason, detail=detail, seconds=compile_seconds, saved=saved)
+            kind = EventKind.BYPASS
+        event = CacheEvent(kind, reason=reason, key=h, source=Source.COMPILED, detail=detail, seconds=compile_seconds,
+                           saved=saved)
         logger.info("engine cache %s (%s): compiled %s in %.1fs", kind, reason, h and h[:12], compile_seconds)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         engine.timings["total"] = time.perf_counter() - req.start
@@ -434,8 +436,9 @@ class EngineCache:
             seconds = time.perf_counter() - t0
             runner = load_runner(pkg)
         self._count("bypasses.unrefittable")
-        self.backend.record_event("bypass", "unrefittable")
-        event = EngineEvent("bypass", req.hash, "compiled", reason="unrefittable", detail=str(why), seconds=seconds)
+        self.backend.record_event(EventKind.BYPASS, Reason.UNREFITTABLE)
+        event = CacheEvent(EventKind.BYPASS, reason=Reason.UNREFITTABLE, key=req.hash, source=Source.COMPILED,
+                           detail=str(why), seconds=seconds)
         meta = {"constants": req.spec, "payload": {"weights_included": True}}
         return CompiledEngine(runner, hash=None, meta=meta, event=event, code_constants=req.code_consts,
                               timings={**req.timings, "compile": seconds})

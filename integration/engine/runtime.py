@@ -9,7 +9,6 @@ runner) against a request before an engine is used.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -22,11 +21,11 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 
 from adstore.integration.engine.hashing import _call_spec, canonical_json, toolchain_identity
 from adstore.integration.errors import EngineMismatch
+from adstore.integration.pipeline.events import CacheEvent, Source
 
 __all__ = [
     "ENGINE_KIND",
     "CompiledEngine",
-    "EngineEvent",
     "build_meta",
     "code_constant_names",
     "constants_as_buffers",
@@ -39,19 +38,6 @@ __all__ = [
 ]
 
 ENGINE_KIND = "aoti_package"
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineEvent:
-    """What the cache did for one compile() call (also counted in the backend's stats)."""
-
-    kind: str  # "hit" | "miss" | "bypass"
-    hash: str | None
-    source: str  # "memory" | "backend" | "compiled"
-    reason: str | None = None
-    detail: str = ""
-    seconds: float = 0.0
-    saved: bool = False
 
 
 # --------------------------------------------------------------------------- weights
@@ -154,7 +140,7 @@ class CompiledEngine:
         *,
         hash: str | None,
         meta: Mapping[str, Any],
-        event: EngineEvent,
+        event: CacheEvent,
         code_constants: Mapping[str, torch.Tensor],
         timings: Mapping[str, float],
     ) -> None:
@@ -166,7 +152,7 @@ class CompiledEngine:
         self.timings = dict(timings)
 
     @property
-    def source(self) -> str:
+    def source(self) -> Source:
         return self.event.source
 
     @property

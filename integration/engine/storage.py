@@ -82,7 +82,9 @@ from adstore.integration.errors import (
     TruncatedEngine,
     UntrustedEngine,
 )
+from adstore.integration.pipeline.events import EventKind
 from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
+from adstore.store.reasons import Reason
 
 __all__ = [
     "ENGINE_FORMAT_VERSION",
@@ -260,7 +262,7 @@ class BaseEngineCache(abc.ABC):
     def touch(self, hash: str) -> None:
         """Mark ``hash`` as used (an in-process hit skipped ``load``); default: nothing."""
 
-    def record_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+    def record_event(self, event: EventKind, reason: Reason | None = None, *, seconds_saved: float = 0.0) -> None:
         """Count a hit/miss/bypass/save; default: nothing (the engine cache logs anyway)."""
 
     def __repr__(self) -> str:
@@ -445,7 +447,7 @@ class AdstoreEngineCache(BaseEngineCache):
         except BaseException:
             store.abort(record.hash, rank=0, generation=generation)
             raise
-        store.record("save")
+        store.record(EventKind.SAVE)
         if self.max_size is not None:
             self.enforce_budget()
 
@@ -453,7 +455,7 @@ class AdstoreEngineCache(BaseEngineCache):
         store = self.store
         res = store.lookup(hash, record=False)
         if not res.hit:
-            if res.reason == "absent":
+            if res.reason == Reason.ABSENT:
                 return None
             raise EngineUnavailable(hash, res.reason)
         manifest = res.manifest
@@ -531,7 +533,7 @@ class AdstoreEngineCache(BaseEngineCache):
         except AdstoreError as exc:
             logger.debug("touch %s: %s", hash, exc)
 
-    def record_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+    def record_event(self, event: EventKind, reason: Reason | None = None, *, seconds_saved: float = 0.0) -> None:
         try:
             self.store.record(event, reason, seconds_saved=seconds_saved)
         except AdstoreError as exc:

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adstore.integration.pipeline import dist as agree
-from adstore.integration.pipeline.events import CacheEvent
+from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey, build_key, env_component
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from adstore.integration.reference.checkpoint import checkpoint_fingerprint
 from adstore.store.errors import AdstoreError, ConfigError
+from adstore.store.reasons import Reason
 from torch import nn
 
 __all__ = ["NAMESPACE", "PipelineCache", "PipelineCacheConfig"]
@@ -72,13 +73,15 @@ class PipelineCacheConfig(TransformConfig):
             )
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> Reason:
+    """The reason an error becomes: its own ``reason`` if it names one, else by kind."""
     reason = getattr(exc, "reason", None)
-    if isinstance(reason, str) and reason:
-        return reason
+    if isinstance(reason, str):
+        with contextlib.suppress(ValueError):
+            return Reason(reason)
     if isinstance(exc, OSError):
-        return "io_error"
-    return "error"
+        return Reason.IO_ERROR
+    return Reason.ERROR
 
 
 class PipelineCache(Transform):
@@ -137,10 +140,11 @@ class PipelineCache(Transform):
             self._store = Store.open(self.cfg.root)
         return self._store
 
-    def _event(self, kind: str, ctx: PipelineContext, *, reason: str | None = None, seconds: float = 0.0,
-               seconds_saved: float = 0.0, nbytes: int = 0, detail: str = "") -> CacheEvent:
-        ev = CacheEvent(kind, reason=reason, key=self._key.key if self._key else None, rank=ctx.rank,
-                        world_size=ctx.world_size, seconds=seconds, seconds_saved=seconds_saved,
+    def _event(self, kind: EventKind, ctx: PipelineContext, *, reason: Reason | None = None,
+               source: Source = Source.NONE, seconds: float = 0.0, seconds_saved: float = 0.0, nbytes: int = 0,
+               detail: str = "") -> CacheEvent:
+        ev = CacheEvent(kind, reason=reason, key=self._key.key if self._key else None, source=source,
+                        rank=ctx.rank, world_size=ctx.world_size, seconds=seconds, seconds_saved=seconds_saved,
                         bytes=nbytes, detail=detail)
         self.events.append(ev)
         log.info("pipeline_cache %s%s (rank %d/%d, %.3fs)%s", kind, f" [{reason}]" if reason else "",
@@ -167,7 +171,7 @@ class PipelineCache(Transform):
     def _restore(self, ctx: PipelineContext, leases: contextlib.ExitStack) -> nn.Module | None:
         t0 = time.perf_counter()
         if not (self.cfg.enabled and self.cfg.restore):
-            self._event("bypass", ctx, reason="restore_disabled")
+            self._event(EventKind.BYPASS, ctx, reason=Reason.RESTORE_DISABLED)
             return None
         ok, reason, gen, manifest, detail = False, None, None, None, ""
         try:
@@ -180,10 +184,10 @@ class PipelineCache(Transform):
             if res.hit:
                 manifest = res.manifest if res.manifest is not None else res.manifests.get(ctx.rank)
                 ok = manifest is not None and manifest.world_size == ctx.world_size
-                reason = None if ok else "topology_mismatch"
+                reason = None if ok else Reason.TOPOLOGY_MISMATCH
                 gen = res.generation if ok else None
             else:
-                reason = res.reason or "absent"
+                reason = res.reason or Reason.ABSENT
         except Exception as exc:
             reason, detail = _reason(exc), str(exc)
         # agreement 1: every rank found its own committed manifest of one generation
@@ -191,8 +195,8 @@ class PipelineCache(Transform):
         common = agree.agree_int(gen if ok else None)
         if not all_ok or common is None:
             if ok:
-                reason = "peer_miss" if not all_ok else "generation_mismatch"
-            self._event("miss", ctx, reason=reason, seconds=time.perf_counter() - t0, detail=detail)
+                reason = Reason.PEER_MISS if not all_ok else Reason.GENERATION_MISMATCH
+            self._event(EventKind.MISS, ctx, reason=reason, seconds=time.perf_counter() - t0, detail=detail)
             return None
         module = None
         try:
@@ -206,12 +210,12 @@ class PipelineCache(Transform):
             module = None
         # agreement 2: every rank loaded and reattached its hooks
         if not agree.all_true(module is not None):
-            self._event("miss", ctx, reason=reason or "peer_restore_failed", seconds=time.perf_counter() - t0,
-                        detail=detail)
+            self._event(EventKind.MISS, ctx, reason=reason or Reason.PEER_RESTORE_FAILED,
+                        seconds=time.perf_counter() - t0, detail=detail)
             return None
         seconds = time.perf_counter() - t0
         saved = float(manifest.meta.get("prefix_seconds", 0.0)) - seconds
-        self._event("hit", ctx, seconds=seconds, seconds_saved=saved,
+        self._event(EventKind.HIT, ctx, source=Source.STORE, seconds=seconds, seconds_saved=saved,
                     nbytes=sum(ref.size for ref in manifest.artifacts.values()))
         return module
 
@@ -229,10 +233,10 @@ class PipelineCache(Transform):
         if module is None:
             return module  # type: ignore[return-value]
         if not self.cfg.save:
-            self._event("bypass", ctx, reason="save_disabled")
+            self._event(EventKind.BYPASS, ctx, reason=Reason.SAVE_DISABLED)
             return module
         t0 = time.perf_counter()
-        ok, reason, detail, kind = False, None, "", "bypass"
+        ok, reason, detail, kind = False, None, "", EventKind.BYPASS
         published, nbytes, gen, key = False, 0, 0, None
         try:
             key = self.key(ctx)
@@ -244,7 +248,7 @@ class PipelineCache(Transform):
         gen = agree.broadcast_int(local_gen)
         if key is not None and reason is None:
             if gen <= 0:
-                reason = "peer_save_failed"
+                reason = Reason.PEER_SAVE_FAILED
             else:
                 try:
                     from adstore.integration.snapshot import dump_module
@@ -266,7 +270,7 @@ class PipelineCache(Transform):
         if agree.all_true(ok):
             try:
                 store.commit(key.key, rank=ctx.rank, generation=gen)  # type: ignore[union-attr]
-                kind = "save"
+                kind = EventKind.SAVE
             except Exception as exc:
                 reason, detail = _reason(exc), str(exc)
                 try:  # leave nothing uncommitted behind (gc would sweep it only later)
@@ -274,15 +278,15 @@ class PipelineCache(Transform):
                 except Exception as abort_exc:
                     log.warning("abort of uncommitted manifest failed: %s", abort_exc)
         else:
-            reason = reason or "peer_save_failed"
+            reason = reason or Reason.PEER_SAVE_FAILED
             if published:
                 try:
                     store.abort(key.key, rank=ctx.rank, generation=gen)  # type: ignore[union-attr]
                 except Exception as exc:  # gc sweeps an uncommitted manifest later
                     log.warning("abort of uncommitted manifest failed: %s", exc)
         # agreement 2: every rank committed (a lone commit is never restorable anyway)
-        if not agree.all_true(kind == "save") and kind == "save":
-            kind, reason = "bypass", "peer_commit_failed"
-        self._event(kind, ctx, reason=reason if kind != "save" else None, seconds=time.perf_counter() - t0,
+        if not agree.all_true(kind == EventKind.SAVE) and kind == EventKind.SAVE:
+            kind, reason = EventKind.BYPASS, Reason.PEER_COMMIT_FAILED
+        self._event(kind, ctx, reason=reason if kind != EventKind.SAVE else None, seconds=time.perf_counter() - t0,
                     nbytes=nbytes, detail=detail)
         return module

@@ -1,39 +1,75 @@
-"""Structured cache events: what the pipeline cache did, and why.
+"""Structured cache events: what the pipeline cache or the engine cache did, and why.
 
-Each event is counted in the store (``store.record``) and kept on the
-optimizer (``optimizer.events``) so callers and tests read outcomes from data,
-not from log lines.
+One type for both caches (README, "The pipeline cache" and "Engine cache").
+Each event is counted in the store (``store.record``) and kept where the
+caller can read it (``optimizer.events``, ``engine.event``), so callers and
+tests read outcomes from data, not from log lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EVENT_KINDS", "CacheEvent"]
+from adstore.store.reasons import Reason
 
-#: hit: restored; miss: not restorable (reason); bypass: cache skipped on
-#: purpose or by failure (reason); save: an entry was committed.
-EVENT_KINDS = ("hit", "miss", "bypass", "save")
+__all__ = ["CacheEvent", "EventKind", "Source"]
 
 
-@dataclass
+class EventKind(enum.StrEnum):
+    """What happened: a restore/reuse, a miss (with a reason), a skip on purpose or by failure, a save."""
+
+    HIT = "hit"
+    MISS = "miss"
+    BYPASS = "bypass"
+    SAVE = "save"
+
+
+class Source(enum.StrEnum):
+    """Where the module or engine of an event came from."""
+
+    NONE = "none"  # nothing was produced (a lookup that missed)
+    STORE = "store"  # restored from the store
+    MEMORY = "memory"  # the engine cache's in-process layer
+    BACKEND = "backend"  # the engine storage back end
+    COMPILED = "compiled"  # compiled in this call
+
+
+@dataclass(frozen=True)
 class CacheEvent:
-    kind: str
-    reason: str | None = None
+    """One cache decision.
+
+    ``key`` is the pipeline cache key or the engine hash (None when it could
+    not be computed); ``saved`` says whether a freshly compiled engine was
+    written back; ``seconds_saved`` is the estimated time a hit saved.
+    """
+
+    kind: EventKind
+    reason: Reason | None = None
     key: str | None = None
+    source: Source = Source.NONE
     rank: int = 0
     world_size: int = 1
     seconds: float = 0.0
     seconds_saved: float = 0.0
     bytes: int = 0
+    saved: bool = False
     detail: str = ""
     at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        if self.kind not in EVENT_KINDS:
-            raise ValueError(f"unknown cache event kind {self.kind!r}")
+        object.__setattr__(self, "kind", EventKind(self.kind))
+        object.__setattr__(self, "source", Source(self.source))
+        if self.reason is not None:
+            object.__setattr__(self, "reason", Reason(self.reason))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-safe: kinds, sources and reasons as their words."""
+        out = dataclasses.asdict(self)
+        for name in ("kind", "source", "reason"):
+            if out[name] is not None:
+                out[name] = str(out[name])
+        return out

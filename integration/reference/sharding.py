@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from adstore.integration.reference import ops as _ops  # noqa: F401
 from adstore.integration.errors import IntegrationError
+from adstore.store.reasons import Reason
 from adstore.integration.snapshot.hooks import TPShardHook
 from adstore.integration.pipeline.graphs import graph_modules, propagate_shapes
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
@@ -43,7 +44,7 @@ aten = torch.ops.aten
 class ShardingError(IntegrationError):
     """The graph cannot be sharded as planned (unsupported op between linears)."""
 
-    reason = "sharding"
+    reason = Reason.SHARDING
 
 
 def _plan_regex(plan: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:

@@ -295,7 +295,7 @@ def engine_req(tmp_path_factory):
     model, x = Tiny(), torch.randn(2, 8)
     engine, event = cache.lookup(model, (x,))
     assert engine is None and event.reason == "absent"
-    yield {"store": store, "cache": cache, "model": model, "x": x, "hash": event.hash}
+    yield {"store": store, "cache": cache, "model": model, "x": x, "hash": event.key}
     cache.close()
     store.close()
 
