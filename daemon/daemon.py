@@ -216,8 +216,12 @@ class Daemon:
                         self.config.root, new.root)
             new = dataclasses.replace(new, root=self.config.root)
         configure_logging(new.log_level, self._env)
-        self.config = new
         assert self._store is not None
+        if new.grace_period != self._store.grace_period:  # the store's plans take it at open
+            root = self._store.root
+            self._store.close()
+            self._store = Store.open(root, grace_period=new.grace_period)
+        self.config = new
         self._store.set_budget(new.store_budget())
         log.info("configuration reloaded from %s", new.source)
         self.notifier.ready(status="configuration reloaded")

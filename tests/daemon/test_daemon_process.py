@@ -228,3 +228,27 @@ def test_readers_under_lease_never_lose_blobs_while_writers_and_daemon_race(
     with Store.open(root) as store:
         report = store.verify()
         assert report.ok, report.problems
+
+
+def test_reload_applies_a_new_grace_period_to_the_store_and_its_budget(tmp_path: Path) -> None:
+    """In-process: the store's plans and the persisted budget take the reloaded grace period."""
+    from adstore.daemon.config import DaemonConfig
+    from adstore.daemon.daemon import Daemon
+    from adstore.daemon.notify import Notifier
+
+    cfg = write_config(tmp_path / "adstore.toml", max_size="10M", grace_period="1h")
+    d = Daemon(DaemonConfig.from_config(cfg, root=str(tmp_path / "store")), notifier=Notifier(address=None),
+               environ={})
+    d._open()
+    try:
+        assert d._store.grace_period == 3600.0 and persisted_budget(tmp_path / "store").grace_period == 3600.0
+        write_config(cfg, max_size="20M", grace_period="5s")
+        d._apply_reload()
+        assert d.config.grace_period == 5.0 and d._store.grace_period == 5.0
+        budget = persisted_budget(tmp_path / "store")
+        assert (budget.max_size, budget.grace_period) == (20 * MIB, 5.0)
+    finally:
+        d._store.close()
+        d._lock.release()
+        d._rsock.close()
+        d._wsock.close()
