@@ -21,15 +21,16 @@ import psutil
 
 from adstore.daemon.config import DaemonConfig
 from adstore.store import EvictedBatch, Store
+from adstore.store.units import human_size
 
-__all__ = ["Budget", "PassResult", "Enforcer"]
+__all__ = ["Usage", "PassResult", "Enforcer"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class Budget:
-    """The store's size against its limits at one moment (bytes)."""
+class Usage:
+    """The store's size against the budget's limits at one moment (bytes)."""
 
     size: int
     limit: int | None
@@ -43,8 +44,6 @@ class Budget:
         return self.high is not None and self.size > self.high
 
     def describe(self) -> str:
-        from adstore.daemon.format import human_size
-
         if self.limit is None:
             return f"size {human_size(self.size)}, no size budget"
         pct = 100.0 * self.size / self.limit if self.limit else float("inf")
@@ -56,8 +55,8 @@ class Budget:
 class PassResult:
     """What one pass did; also the body of the daemon's STATUS and status file."""
 
-    before: Budget
-    after: Budget
+    before: Usage
+    after: Usage
     evicted_entries: int = 0
     aged_entries: int = 0
     bytes_freed: int = 0
@@ -86,14 +85,14 @@ class Enforcer:
         self.should_stop = should_stop
         self.on_batch = on_batch
 
-    def measure(self) -> Budget:
+    def measure(self) -> Usage:
         size = int(self.store.size())
-        usage = psutil.disk_usage(str(self.store.root))
-        limit = self.config.budget(size=size, fs_total=usage.total, fs_free=usage.free)
+        disk = psutil.disk_usage(str(self.store.root))
+        limit = self.config.budget(size=size, fs_total=disk.total, fs_free=disk.free)
         if limit is None:
-            return Budget(size, None, None, None, usage.total, usage.free)
-        return Budget(size, limit, int(limit * self.config.high_watermark),
-                      int(limit * self.config.low_watermark), usage.total, usage.free)
+            return Usage(size, None, None, None, disk.total, disk.free)
+        return Usage(size, limit, int(limit * self.config.high_watermark),
+                     int(limit * self.config.low_watermark), disk.total, disk.free)
 
     def _evict(self, result: PassResult, **plan_args: Any) -> int:
         """Plan once (one LRU scan), execute in batches of ``batch_size``; returns entries evicted.
