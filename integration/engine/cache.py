@@ -1,4 +1,4 @@
-"""Engine cache: compile once per architecture, refit the current weights on every hit.
+"""Engine cache (the front end): compile once per architecture, refit the current weights on every hit.
 
 ``compile(model, example_inputs)`` exports the model, hashes its architecture
 (:mod:`adstore.integration.engine.hashing`), and then
@@ -22,28 +22,21 @@ loaded runner: refitting one engine never changes another's weights.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import os
-import shutil
 import tempfile
 import threading
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from adstore.integration.engine.storage import AdstoreEngineCache, BaseEngineCache, EngineRecord
-from adstore.integration.engine.hashing import (
-    STORAGE_SETTINGS,
-    canonical_json,
-    effective_inductor_configs,
-    hash_components,
-)
+from adstore.integration.engine.hashing import as_tuple, hash_components
+from adstore.integration.engine.packages import PackageLRU
+from adstore.integration.engine.record import EngineRecord
 from adstore.integration.engine.runtime import (
     CompiledEngine,
     build_meta,
@@ -56,8 +49,11 @@ from adstore.integration.engine.runtime import (
     validate_runner,
     weights_of,
 )
+from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
+from adstore.integration.engine.toolchain import STORAGE_SETTINGS, effective_inductor_configs
 from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
+from adstore.integration.pipeline.keys import json_digest
 from adstore.store.errors import AdstoreError
 from adstore.store.reasons import Reason
 
@@ -70,88 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-def _as_tuple(x: Any) -> tuple[Any, ...]:
-    if isinstance(x, tuple):
-        return x
-    if isinstance(x, list):
-        return tuple(x)
-    return (x,)
-
-
-# --------------------------------------------------------------------------- in-process layer
-
-
-class _PackageLRU:
-    """Recently used packages (metadata + a private temp file), bounded by count and bytes.
-
-    The most recent package is always kept (so ``max_entries=0`` keeps one).
-    """
-
-    def __init__(self, *, max_entries: int, max_bytes: int, tmp_root: str | None = None) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.dir = Path(tempfile.mkdtemp(prefix="adstore-engines-", dir=tmp_root))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
-        self._items: OrderedDict[str, tuple[dict[str, Any], Path, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, h: str) -> tuple[dict[str, Any], Path] | None:
-        with self._lock:
-            item = self._items.get(h)
-            if item is None:
-                return None
-            if not item[1].exists():  # removed behind our back: forget it
-                del self._items[h]
-                return None
-            self._items.move_to_end(h)
-            return item[0], item[1]
-
-    def new_path(self, suffix: str = ".pt2") -> Path:
-        fd, name = tempfile.mkstemp(suffix=suffix, dir=self.dir)
-        os.close(fd)
-        return Path(name)
-
-    def put(self, h: str, meta: dict[str, Any], path: Path) -> Path:
-        """Adopt ``path`` (moved into the private directory) as the package of ``h``."""
-        if path.parent != self.dir:
-            dest = self.new_path()
-            shutil.move(str(path), dest)
-            path = dest
-        size = path.stat().st_size
-        with self._lock:
-            old = self._items.pop(h, None)
-            if old is not None and old[1] != path:
-                old[1].unlink(missing_ok=True)
-            self._items[h] = (meta, path, size)
-            self._evict_locked()
-        return path
-
-    def discard(self, h: str) -> None:
-        with self._lock:
-            item = self._items.pop(h, None)
-        if item is not None:
-            item[1].unlink(missing_ok=True)
-
-    def _evict_locked(self) -> None:
-        # The newest package always stays: its caller is about to load it.
-        while len(self._items) > 1 and (
-            len(self._items) > self.max_entries or sum(i[2] for i in self._items.values()) > self.max_bytes
-        ):
-            _h, (_m, path, _s) = self._items.popitem(last=False)
-            path.unlink(missing_ok=True)
-
-    def __contains__(self, h: object) -> bool:
-        return h in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def close(self) -> None:
-        with self._lock:
-            self._items.clear()
-        self._finalizer()
-
 
 # --------------------------------------------------------------------------- front
 
@@ -176,7 +90,7 @@ class EngineCache:
 
     def __init__(
         self,
-        backend: BaseEngineCache | None = None,
+        backend: EngineStorage | None = None,
         *,
         memory_entries: int = 8,
         memory_bytes: int = 1 << 30,
@@ -185,12 +99,12 @@ class EngineCache:
         if memory_entries < 0 or memory_bytes < 0:
             raise ConfigError("memory_entries", "in-process cache bounds must be >= 0")
         self._backend = backend
-        self._memory = _PackageLRU(max_entries=memory_entries, max_bytes=memory_bytes, tmp_root=tmp_dir)
+        self._memory = PackageLRU(max_entries=memory_entries, max_bytes=memory_bytes, tmp_root=tmp_dir)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], backend: BaseEngineCache | None = None) -> EngineCache:
+    def from_config(cls, config: Mapping[str, Any], backend: EngineStorage | None = None) -> EngineCache:
         known = {"memory_entries", "memory_bytes", "tmp_dir"}
         unknown = set(config) - known
         if unknown:
@@ -200,21 +114,20 @@ class EngineCache:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineCache:
         """Store backend from ``ADSTORE_ROOT``/``ADSTORE_ENGINE_MAX_SIZE``; read at call time."""
-        return cls(AdstoreEngineCache.from_env(environ))
+        return cls(StoreEngineStorage.from_env(environ))
 
     @property
-    def backend(self) -> BaseEngineCache:
+    def backend(self) -> EngineStorage:
         with self._lock:
             if self._backend is None:
-                self._backend = AdstoreEngineCache.from_env()
+                self._backend = StoreEngineStorage.from_env()
             return self._backend
 
     def memory_contains(self, h: str) -> bool:
         return h in self._memory
 
     def clear_memory(self) -> None:
-        for h in list(self._memory._items):
-            self._memory.discard(h)
+        self._memory.clear()
 
     def close(self) -> None:
         self._memory.close()
@@ -262,7 +175,7 @@ class EngineCache:
 
     def _prepare(self, model: Any, example_inputs: Any, dynamic_shapes: Any, settings: Mapping[str, Any]) -> _Request:
         start = time.perf_counter()
-        example_inputs = _as_tuple(example_inputs)
+        example_inputs = as_tuple(example_inputs)
         inductor_configs = effective_inductor_configs(settings)  # bad settings: a clear ConfigError
         if isinstance(model, torch.export.ExportedProgram):
             ep = model
@@ -275,7 +188,7 @@ class EngineCache:
         t_hash = time.perf_counter()
         try:
             components = hash_components(ep, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
-            h = hashlib.sha256(canonical_json(components).encode()).hexdigest()
+            h = json_digest(components)
         except CacheKeyError as exc:
             logger.warning("engine cache bypass (%s): %s", exc.reason, exc)
             h, components = None, {}
@@ -448,7 +361,7 @@ class EngineCache:
 
 _default_cache: EngineCache | None = None
 _default_lock = threading.Lock()
-_fronts: weakref.WeakKeyDictionary[BaseEngineCache, EngineCache] = weakref.WeakKeyDictionary()
+_fronts: weakref.WeakKeyDictionary[EngineStorage, EngineCache] = weakref.WeakKeyDictionary()
 
 
 def default_engine_cache() -> EngineCache:
@@ -460,20 +373,20 @@ def default_engine_cache() -> EngineCache:
         return _default_cache
 
 
-def set_default_engine_cache(cache: EngineCache | BaseEngineCache | None) -> None:
+def set_default_engine_cache(cache: EngineCache | EngineStorage | None) -> None:
     """Replace the process-wide cache (a backend is wrapped in a new EngineCache)."""
     global _default_cache
     with _default_lock:
         _default_cache = cache if cache is None or isinstance(cache, EngineCache) else EngineCache(cache)
 
 
-def _front_for(engine_cache: EngineCache | BaseEngineCache | None) -> EngineCache:
+def _front_for(engine_cache: EngineCache | EngineStorage | None) -> EngineCache:
     if engine_cache is None:
         return default_engine_cache()
     if isinstance(engine_cache, EngineCache):
         return engine_cache
-    if not isinstance(engine_cache, BaseEngineCache):
-        raise TypeError(f"engine_cache must be an EngineCache or BaseEngineCache, got {type(engine_cache).__name__}")
+    if not isinstance(engine_cache, EngineStorage):
+        raise TypeError(f"engine_cache must be an EngineCache or EngineStorage, got {type(engine_cache).__name__}")
     with _default_lock:
         front = _fronts.get(engine_cache)
         if front is None:
@@ -487,7 +400,7 @@ def compile(
     example_inputs: Any,
     *,
     ignore_engine_cache: bool = False,
-    engine_cache: EngineCache | BaseEngineCache | None = None,
+    engine_cache: EngineCache | EngineStorage | None = None,
     dynamic_shapes: Any = None,
     **settings: Any,
 ) -> CompiledEngine:

@@ -15,14 +15,11 @@ everything that changes the generated code and nothing that is a weight:
   ``forward``) are code, so their *content* is hashed;
 * the input specs: pytree structure, dtypes, shapes with symbolic dimensions
   renamed canonically, and the dynamic ranges of those symbols;
-* the settings that change code generation (the inductor options the caller
-  passes, the options the engine cache forces, and a digest of the rest of the
-  inductor configuration, so a global ``torch._inductor.config`` change is a
-  miss, not a stale hit);
-* the toolchain: torch version and commit, the C++ compiler and its version,
-  the CPU instruction set and CPU flags (AOTInductor compiles with
-  ``-march=native``: a package built on one CPU may crash with an illegal
-  instruction on another) and the GPU architecture when there is one.
+* the settings that change code generation and the toolchain
+  (:mod:`adstore.integration.engine.toolchain`).
+
+Components are hashed as the pipeline cache's keys are: SHA-256 over the one
+canonical JSON (:func:`adstore.integration.pipeline.keys.canonical_json`).
 
 Hashing reads metadata and never writes to the caller's parameters (unlike
 the "zero the weights, then hash the module" approach).
@@ -31,15 +28,8 @@ the "zero the weights, then hash the module" approach).
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
-import json
-import logging
-import os
-import platform
 import re
-import subprocess
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,68 +37,25 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from adstore.integration.engine.toolchain import codegen_settings, toolchain_identity
 from adstore.integration.errors import CacheKeyError, ConfigError
+from adstore.integration.pipeline.keys import json_digest
 
 __all__ = [
     "HASH_VERSION",
-    "REQUIRED_SETTINGS",
-    "STORAGE_SETTINGS",
-    "canonical_json",
-    "codegen_settings",
-    "effective_inductor_configs",
+    "as_tuple",
+    "call_spec",
     "get_hash",
     "graph_fingerprint",
     "hash_components",
     "input_specs",
     "tensor_digest",
-    "toolchain_identity",
 ]
 
-logger = logging.getLogger(__name__)
-
 #: Bumped whenever the canonical form below changes, so old engines become misses.
-HASH_VERSION = 1
-
-#: Options without which an engine cannot be refit: inductor would otherwise inline
-#: small weights into the kernels as literals (``always_keep_tensor_constants``) or
-#: fold weights into derived constants (``freezing``, runtime constant folding), and
-#: a refit would leave the old values in the code — a wrong answer, not a miss.
-REQUIRED_SETTINGS: dict[str, Any] = {
-    "always_keep_tensor_constants": True,
-    "freezing": False,
-    "aot_inductor.use_runtime_constant_folding": False,
-}
-
-#: Options that keep the weights out of the package (they are refit on load).
-STORAGE_SETTINGS: dict[str, Any] = {
-    "aot_inductor.package_constants_in_so": False,
-    "aot_inductor.package_constants_on_disk_format": None,
-}
-
-# Inductor options that are paths or packaging details, not code generation.
-# (``aot_inductor.metadata`` is also written back into the global config by every
-# AOTI compile in torch 2.13, so including it would make the first compile of a
-# process change every later hash.)
-_CONFIG_IGNORED = frozenset(
-    {
-        "aot_inductor.metadata",
-        "aot_inductor.output_path",
-        "aot_inductor.package",
-        "aot_inductor.package_constants_in_so",
-        "aot_inductor.package_constants_on_disk_format",
-    }
-)
+HASH_VERSION = 2
 
 _SYMBOL_RE = re.compile(r"\b[a-zA-Z]+\d+\b")
-
-
-def canonical_json(obj: Any) -> str:
-    """Deterministic JSON text (sorted keys, no spaces, no NaN) for hashing."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -275,7 +222,7 @@ def _graph_payload(gm: torch.fx.GraphModule, descriptors: Mapping[str, Any], can
                 sub = _Canon()
                 sub.symbols = canon.symbols
                 body = _graph_payload(attr, {}, sub)
-                nodes.append(["get_attr", "graph", _sha256(canonical_json(body))])
+                nodes.append(["get_attr", "graph", json_digest(body)])
             elif isinstance(attr, torch.Tensor):
                 # A weight of a plain GraphModule: by name and metadata, never by value.
                 nodes.append(["get_attr", str(node.target), canon.meta(attr)])
@@ -318,7 +265,7 @@ def graph_fingerprint(program: Any) -> dict[str, Any]:
         raise CacheKeyError(f"cannot fingerprint {type(program).__name__}: expected ExportedProgram or GraphModule")
     canon = _Canon()
     nodes = _graph_payload(gm, _input_descriptors(program), canon)
-    out: dict[str, Any] = {"nodes": _sha256(canonical_json(nodes)), "num_nodes": len(nodes)}
+    out: dict[str, Any] = {"nodes": json_digest(nodes), "num_nodes": len(nodes)}
     if isinstance(program, torch.export.ExportedProgram):
         out["outputs"] = [
             [s.kind.name, s.target if s.kind.name != "USER_OUTPUT" else None]
@@ -328,11 +275,11 @@ def graph_fingerprint(program: Any) -> dict[str, Any]:
         for sym, vr in program.range_constraints.items():
             ranges.append([canon.sym(str(sym)), str(vr.lower), str(vr.upper)])
         out["ranges"] = sorted(ranges)
-        out["call_spec"] = _call_spec(program)
+        out["call_spec"] = call_spec(program)
     return out
 
 
-def _call_spec(program: torch.export.ExportedProgram) -> list[str | None]:
+def call_spec(program: torch.export.ExportedProgram) -> list[str | None]:
     spec = program.call_spec
     return [
         pytree.treespec_dumps(spec.in_spec) if spec.in_spec is not None else None,
@@ -390,129 +337,6 @@ def input_specs(example_inputs: Any, dynamic_shapes: Any = None, *, shapes: bool
     return {"structure": str(spec), "leaves": rendered, "dynamic_shapes": dyn}
 
 
-# --------------------------------------------------------------------------- settings
-
-
-@functools.cache
-def _known_config_keys() -> frozenset[str]:
-    from torch._inductor import config
-
-    return frozenset(config.get_config_copy().keys())
-
-
-def effective_inductor_configs(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The inductor options an engine is compiled with: the caller's plus the forced ones.
-
-    Raises ConfigError for an unknown option, a value that is not JSON-safe, or an
-    option that would bake the weights into the code (the engine could not be refit).
-    """
-    user = dict(settings or {})
-    known = _known_config_keys()
-    for key, value in user.items():
-        if key not in known:
-            raise ConfigError(key, "unknown inductor option in engine settings")
-        try:
-            canonical_json(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(key, f"engine setting is not JSON-safe: {value!r}") from exc
-        forced = {**REQUIRED_SETTINGS, **STORAGE_SETTINGS}
-        if key in forced and value != forced[key]:
-            raise ConfigError(
-                key,
-                f"{value!r} is incompatible with the engine cache (needs {forced[key]!r}: "
-                "the weights must stay refittable and out of the package)",
-            )
-    return {**user, **REQUIRED_SETTINGS, **STORAGE_SETTINGS}
-
-
-def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Settings component of the hash: explicit options plus a digest of the global config."""
-    from torch._inductor import config
-
-    effective = effective_inductor_configs(settings)
-    with config.patch(effective):
-        portable = config.save_config_portable()
-    rest = {k: v for k, v in portable.items() if k not in _CONFIG_IGNORED}
-    try:
-        rest_text = canonical_json(rest)
-    except (TypeError, ValueError):
-        rest_text = json.dumps(rest, sort_keys=True, default=repr)
-    return {
-        "options": {k: effective[k] for k in sorted(effective)},
-        "inductor_config": _sha256(rest_text),
-        # Global torch switches that change the kernels inductor picks (TF32 on GPUs).
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-    }
-
-
-# --------------------------------------------------------------------------- toolchain
-
-
-@functools.cache
-def _compiler_identity() -> dict[str, str]:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        cxx = str(get_cpp_compiler())
-    except Exception as exc:  # noqa: BLE001 - identity is best effort, recorded as such
-        return {"cxx": "unknown", "version": f"error: {type(exc).__name__}"}
-    try:
-        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
-        version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""
-    except (OSError, subprocess.SubprocessError) as exc:
-        version = f"error: {type(exc).__name__}"
-    return {"cxx": os.path.basename(cxx), "version": version}
-
-
-@functools.cache
-def _cpu_identity() -> dict[str, str]:
-    model, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    # Inductor's own ISA pick (cpu_vec_isa.pick_vec_isa) is a function of the CPU
-    # flags, the compiler and ATEN_CPU_CAPABILITY, all recorded here; calling it
-    # would cost ~2 s per process (it compiles probe programs) on every hit.
-    return {
-        "machine": platform.machine(),
-        "model": model,
-        "flags": _sha256(flags)[:16] if flags else "",
-        "capability": str(torch.backends.cpu.get_cpu_capability()),
-        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-    }
-
-
-@functools.cache
-def toolchain_identity() -> dict[str, Any]:
-    """Everything outside the graph that decides whether a built engine runs here."""
-    gpus: list[Any] = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
-    return {
-        "torch": torch.__version__,
-        "torch_git": getattr(torch.version, "git_version", ""),
-        "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-        "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
-        "system": platform.system(),
-        "compiler": _compiler_identity(),
-        "cpu": _cpu_identity(),
-        "gpus": gpus,
-    }
-
-
 # --------------------------------------------------------------------------- hash
 
 
@@ -525,7 +349,7 @@ def hash_components(
 ) -> dict[str, Any]:
     """The named, JSON-safe components of an engine hash (stored for ``adstore explain``)."""
     if isinstance(program, torch.nn.Module) and not isinstance(program, torch.fx.GraphModule):
-        program = torch.export.export(program, _as_tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+        program = torch.export.export(program, as_tuple(example_inputs), dynamic_shapes=dynamic_shapes)
     is_ep = isinstance(program, torch.export.ExportedProgram)
     try:
         graph = graph_fingerprint(program)
@@ -543,7 +367,8 @@ def hash_components(
     }
 
 
-def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    """Example inputs as the tuple ``torch.export`` takes (a single input becomes a 1-tuple)."""
     if isinstance(example_inputs, tuple):
         return example_inputs
     if isinstance(example_inputs, list):
@@ -559,5 +384,4 @@ def get_hash(
     dynamic_shapes: Any = None,
 ) -> str:
     """SHA-256 hex of the engine's architecture (see module docstring); never mutates weights."""
-    components = hash_components(program, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
-    return _sha256(canonical_json(components))
+    return json_digest(hash_components(program, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes))

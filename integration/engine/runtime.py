@@ -9,7 +9,6 @@ runner) against a request before an engine is used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -19,9 +18,11 @@ from typing import Any
 import torch
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
-from adstore.integration.engine.hashing import _call_spec, canonical_json, toolchain_identity
+from adstore.integration.engine.hashing import call_spec
+from adstore.integration.engine.toolchain import toolchain_identity
 from adstore.integration.errors import EngineMismatch
 from adstore.integration.pipeline.events import CacheEvent, Source
+from adstore.integration.pipeline.keys import json_digest
 
 __all__ = [
     "ENGINE_KIND",
@@ -206,19 +207,15 @@ def build_meta(
         "compile_seconds": compile_seconds,
         "inputs": inputs,
         "outputs": outputs,
-        "call_spec": _call_spec(ep),
+        "call_spec": call_spec(ep),
         "runner_call_spec": list(runner.loader.get_call_spec()),
         "runner_metadata": dict(runner.get_metadata()),
         "settings": inductor_configs,
         "constants": spec,
         "toolchain": toolchain_identity(),
-        "components": {k: (v if k in ("version", "toolchain") else _digest(v)) for k, v in components.items()},
+        "components": {k: (v if k in ("version", "toolchain") else json_digest(v)) for k, v in components.items()},
         "payload": {"weights_included": False},
     }
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def _json_roundtrip(obj: Any) -> Any:
@@ -242,7 +239,7 @@ def validate_meta(
     checks = {
         "toolchain": toolchain_identity(),
         "constants": spec,
-        "call_spec": _call_spec(ep),
+        "call_spec": call_spec(ep),
         "settings": inductor_configs,
     }
     for what, want in checks.items():

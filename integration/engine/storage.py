@@ -1,23 +1,22 @@
-'''Where compiled engines live: the record format and the pluggable backends.
+'''Where compiled engines live: the pluggable storage back ends of the engine cache.
 
-A backend stores opaque blobs by engine hash, like Torch-TensorRT's
-``BaseEngineCache``: ``save(hash, blob)`` and ``load(hash) -> blob | None``.
-The blob is an :class:`EngineRecord`: a small header, JSON metadata (input and
-output specs, settings, format version, the constants the engine expects and
-the toolchain it was built with) and the AOTInductor package, with one SHA-256
-over metadata and package. A blob that is truncated, bit-flipped or written for
-another hash fails :meth:`EngineRecord.from_bytes` with a reasoned error; the
-engine cache turns that into a miss.
+A back end stores opaque blobs by engine hash, like Torch-TensorRT's
+``BaseEngineCache``: ``save(hash, blob)`` and ``load(hash) -> blob | None``
+(README, "Engine cache").  The engine cache (the front end,
+:class:`~adstore.integration.engine.cache.EngineCache`) owns the hit/miss/refit
+logic; a back end only keeps blobs.  A blob is an
+:class:`~adstore.integration.engine.record.EngineRecord`, verified by the
+front end whatever the back end returns.
 
-Three backends ship here:
+Three back ends ship here:
 
-* :class:`AdstoreEngineCache` (the default): the adstore store, namespace
+* :class:`StoreEngineStorage` (the default): the adstore store, namespace
   ``engine``, with the store's checksums, LRU, leases and budget. Metadata and
   package are two artifacts, so a hit copies the package straight from its
   verified blob to a temp file under the store's ``tmp/`` (the loader needs a
   path) without holding it in memory.
-* :class:`InMemoryEngineCache`: a bounded LRU dict, for tests and short jobs.
-* Your own: subclass :class:`BaseEngineCache` and implement ``save``/``load``.
+* :class:`MemoryEngineStorage`: a bounded LRU dict, for tests and short jobs.
+* Your own: subclass :class:`EngineStorage` and implement ``save``/``load``.
   Only whole, verified blobs need to round-trip; the record format and all the
   checks stay in adstore. For example, a directory per engine (a shared NFS
   export, a mounted bucket):
@@ -27,11 +26,11 @@ Three backends ship here:
     import os
     from pathlib import Path
 
-    from adstore.integration.engine.storage import BaseEngineCache
+    from adstore.integration.engine.storage import EngineStorage
     from adstore.store.fsutil import atomic_write
 
 
-    class DirectoryEngineCache(BaseEngineCache):
+    class DirectoryEngineStorage(EngineStorage):
         """One file per engine: <root>/<hash[:2]>/<hash>.engine."""
 
         name = "directory"
@@ -55,31 +54,27 @@ Three backends ship here:
             except FileNotFoundError:
                 return None                   # absent: a plain miss
 
-Pass it as ``compile(model, inputs, engine_cache=DirectoryEngineCache("/mnt/engines"))``.
+Pass it as ``compile(model, inputs, engine_cache=DirectoryEngineStorage("/mnt/engines"))``.
 '''
 
 from __future__ import annotations
 
 import abc
-import hashlib
 import json
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.engine.record import EngineRecord, check_meta
 from adstore.integration.errors import (
     ConfigError,
     CorruptEngine,
     EngineCacheError,
-    EngineMismatch,
     EngineUnavailable,
-    TruncatedEngine,
     UntrustedEngine,
 )
 from adstore.integration.pipeline.events import EventKind
@@ -87,143 +82,15 @@ from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
 from adstore.store.reasons import Reason
 
 __all__ = [
-    "ENGINE_FORMAT_VERSION",
-    "EngineRecord",
-    "BaseEngineCache",
-    "InMemoryEngineCache",
-    "AdstoreEngineCache",
+    "EngineStorage",
+    "MemoryEngineStorage",
+    "StoreEngineStorage",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Version of the record layout and of the metadata schema; another version is a miss.
-ENGINE_FORMAT_VERSION = 1
 
-_MAGIC = b"ADSENGv1"
-_HEADER = struct.Struct(">8sQQ32s")  # magic, meta length, payload length, sha256(meta + payload)
-_READ_CHUNK = 1 << 20
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_READ_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _check_meta(meta: Any, expected_hash: str) -> dict[str, Any]:
-    if not isinstance(meta, dict):
-        raise CorruptEngine("engine metadata is not a JSON object")
-    version = meta.get("format_version")
-    if version != ENGINE_FORMAT_VERSION:
-        raise EngineMismatch("format_version", f"record has {version!r}, this adstore reads {ENGINE_FORMAT_VERSION}")
-    if meta.get("hash") != expected_hash:
-        raise EngineMismatch("hash", f"record was written for {meta.get('hash')!r}, asked for {expected_hash!r}")
-    payload = meta.get("payload")
-    if not isinstance(payload, dict) or not isinstance(payload.get("sha256"), str) or not isinstance(
-        payload.get("size"), int
-    ):
-        raise CorruptEngine("engine metadata has no payload checksum")
-    return meta
-
-
-@dataclass
-class EngineRecord:
-    """One stored engine: metadata plus the package, as bytes or as a file.
-
-    ``payload_path`` with ``owns_path=True`` is a temp copy made for this read;
-    :meth:`release` deletes it (the engine cache calls it once the package is loaded
-    or copied into its in-process layer).
-    """
-
-    hash: str
-    meta: dict[str, Any]
-    payload: bytes | None = None
-    payload_path: Path | None = None
-    owns_path: bool = False
-    _released: bool = field(default=False, repr=False)
-
-    @property
-    def payload_size(self) -> int:
-        return int(self.meta["payload"]["size"])
-
-    @classmethod
-    def create(cls, hash: str, meta: Mapping[str, Any], payload: bytes) -> EngineRecord:
-        """A new record; fills in the format version, hash and payload checksum."""
-        full = dict(meta)
-        full["format_version"] = ENGINE_FORMAT_VERSION
-        full["hash"] = hash
-        full["payload"] = {
-            **dict(full.get("payload") or {}),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "size": len(payload),
-        }
-        return cls(hash=hash, meta=full, payload=bytes(payload))
-
-    def meta_bytes(self) -> bytes:
-        return json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-    def payload_bytes(self) -> bytes:
-        if self.payload is not None:
-            return self.payload
-        if self.payload_path is None:
-            raise EngineCacheError(f"engine record {self.hash} has no payload")
-        return self.payload_path.read_bytes()
-
-    def to_bytes(self) -> bytes:
-        """The backend blob: header, metadata JSON, package."""
-        meta = self.meta_bytes()
-        payload = self.payload_bytes()
-        digest = hashlib.sha256(meta + payload).digest()
-        return _HEADER.pack(_MAGIC, len(meta), len(payload), digest) + meta + payload
-
-    @classmethod
-    def from_bytes(cls, blob: bytes, *, expected_hash: str) -> EngineRecord:
-        """Parse and verify a backend blob; CorruptEngine / TruncatedEngine / EngineMismatch on trouble."""
-        view = memoryview(blob)
-        if len(view) < _HEADER.size:
-            raise TruncatedEngine(f"engine blob of {len(view)} bytes is shorter than its header")
-        magic, meta_len, payload_len, digest = _HEADER.unpack_from(view)
-        if magic != _MAGIC:
-            raise CorruptEngine(f"engine blob has magic {bytes(magic)!r}, expected {_MAGIC!r}")
-        want = _HEADER.size + meta_len + payload_len
-        if len(view) < want:
-            raise TruncatedEngine(f"engine blob has {len(view)} bytes, header says {want}")
-        if len(view) > want:
-            raise CorruptEngine(f"engine blob has {len(view) - want} trailing bytes")
-        body = view[_HEADER.size :]
-        if hashlib.sha256(body).digest() != digest:
-            raise CorruptEngine("engine blob checksum mismatch")
-        try:
-            meta = json.loads(bytes(body[:meta_len]).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptEngine(f"engine metadata is not JSON: {exc}") from exc
-        meta = _check_meta(meta, expected_hash)
-        payload = bytes(body[meta_len:])
-        if meta["payload"]["size"] != len(payload) or meta["payload"]["sha256"] != hashlib.sha256(payload).hexdigest():
-            raise CorruptEngine("engine payload does not match its metadata")
-        return cls(hash=expected_hash, meta=meta, payload=payload)
-
-    def __enter__(self) -> EngineRecord:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Delete the temp copy this record owns (idempotent)."""
-        if self.owns_path and self.payload_path is not None and not self._released:
-            self._released = True
-            try:
-                self.payload_path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("could not remove temp engine copy %s: %s", self.payload_path, exc)
-
-
-class BaseEngineCache(abc.ABC):
+class EngineStorage(abc.ABC):
     """A place to keep engine blobs by hash. Implement ``save`` and ``load``.
 
     ``load`` returns ``None`` when the hash is absent. Anything a backend raises
@@ -269,7 +136,7 @@ class BaseEngineCache(abc.ABC):
         return f"{type(self).__name__}()"
 
 
-class InMemoryEngineCache(BaseEngineCache):
+class MemoryEngineStorage(EngineStorage):
     """Engines in a dict of this process, least recently used dropped first."""
 
     name = "memory"
@@ -286,7 +153,7 @@ class InMemoryEngineCache(BaseEngineCache):
         self.evictions = 0
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> InMemoryEngineCache:
+    def from_config(cls, config: Mapping[str, Any]) -> MemoryEngineStorage:
         return cls(max_bytes=config.get("max_bytes"), max_entries=config.get("max_entries"))
 
     def save(self, hash: str, blob: bytes) -> None:
@@ -333,10 +200,10 @@ class InMemoryEngineCache(BaseEngineCache):
         return hash in self._blobs
 
     def __repr__(self) -> str:
-        return f"InMemoryEngineCache(entries={len(self._blobs)}, max_bytes={self.max_bytes})"
+        return f"MemoryEngineStorage(entries={len(self._blobs)}, max_bytes={self.max_bytes})"
 
 
-class AdstoreEngineCache(BaseEngineCache):
+class StoreEngineStorage(EngineStorage):
     """Engines in the adstore store (namespace ``engine``): checksums, LRU, budget.
 
     ``max_size`` (bytes or a size string like ``"2G"``) is a budget for the whole
@@ -377,7 +244,7 @@ class AdstoreEngineCache(BaseEngineCache):
         self.trusted_uids = frozenset({os.geteuid(), 0} | extra)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AdstoreEngineCache:
+    def from_config(cls, config: Mapping[str, Any]) -> StoreEngineStorage:
         unknown = set(config) - {"root", "max_size", "trusted_uids"}
         if unknown:
             raise ConfigError(",".join(sorted(unknown)), "unknown engine cache option")
@@ -385,7 +252,7 @@ class AdstoreEngineCache(BaseEngineCache):
                    trusted_uids=config.get("trusted_uids") or ())
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AdstoreEngineCache:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreEngineStorage:
         """The store from ``ADSTORE_ROOT`` (and friends).
 
         ``ADSTORE_ENGINE_MAX_SIZE`` sets the budget; ``ADSTORE_TRUSTED_UIDS``
@@ -463,7 +330,7 @@ class AdstoreEngineCache(BaseEngineCache):
             raise EngineUnavailable(hash, "not an engine entry")
         try:
             meta_raw = store.read_artifact(manifest, self.META_ARTIFACT)
-            meta = _check_meta(json.loads(meta_raw.decode("utf-8")), hash)
+            meta = check_meta(json.loads(meta_raw.decode("utf-8")), hash)
             pkg_ref = manifest.artifacts[self.PACKAGE_ARTIFACT]
         except ChecksumMismatch as exc:
             raise CorruptEngine(f"engine metadata blob is corrupt: {exc}") from exc
@@ -511,7 +378,7 @@ class AdstoreEngineCache(BaseEngineCache):
                 hash, owner, f"package blob is owned by uid {owner}, not a trusted user (ADSTORE_TRUSTED_UIDS)"
             )
 
-    # -- BaseEngineCache -----------------------------------------------------
+    # -- EngineStorage -----------------------------------------------------
     def save(self, hash: str, blob: bytes) -> None:
         self.save_record(EngineRecord.from_bytes(blob, expected_hash=hash))
 
@@ -561,4 +428,4 @@ class AdstoreEngineCache(BaseEngineCache):
         return [e.key for e in self.store.entries(namespace=self.NAMESPACE)]
 
     def __repr__(self) -> str:
-        return f"AdstoreEngineCache({str(self.store.root)!r}, max_size={self.max_size})"
+        return f"StoreEngineStorage({str(self.store.root)!r}, max_size={self.max_size})"

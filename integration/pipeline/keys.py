@@ -1,4 +1,4 @@
-"""Cache keys: SHA-256 over canonical JSON of named components (DESIGN §3).
+"""Cache keys: SHA-256 over canonical JSON of named components (README, "The pipeline cache").
 
 Components: ``model`` (factory identity), ``checkpoint`` (cheap fingerprint),
 ``prefix`` (every transform before the cache point: name + config, from the
@@ -43,6 +43,7 @@ __all__ = [
     "code_fingerprint",
     "diff_components",
     "env_component",
+    "json_digest",
 ]
 
 #: Bump when the snapshot layout or the key recipe changes: old entries then miss.
@@ -86,7 +87,13 @@ def canonical(obj: Any, where: str = "key") -> Any:
 
 
 def canonical_json(obj: Any) -> str:
+    """The one canonical JSON text of ``obj`` that keys and engine hashes are taken over."""
     return json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def json_digest(obj: Any) -> str:
+    """SHA-256 hex of :func:`canonical_json` of ``obj``."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def _module_source(modname: str) -> bytes:
@@ -162,8 +169,7 @@ def build_key(
         "env": env,
         "extra": extra or {},
     })
-    digest = hashlib.sha256(canonical_json(components).encode()).hexdigest()
-    return CacheKey(key=digest, components=components)
+    return CacheKey(key=json_digest(components), components=components)
 
 
 def diff_components(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:

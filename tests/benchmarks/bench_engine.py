@@ -60,7 +60,7 @@ def child(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     import torch
 
-    from adstore.integration.engine.storage import AdstoreEngineCache
+    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.integration.engine.cache import EngineCache
     from adstore.store import Store
 
@@ -70,7 +70,7 @@ def child(args: argparse.Namespace) -> int:
     if not args.child_baseline:
         with Store.open(args.child) as store:
             t = time.perf_counter()
-            engine = EngineCache(AdstoreEngineCache(store)).compile(
+            engine = EngineCache(StoreEngineStorage(store)).compile(
                 model, (x,), ignore_engine_cache=args.child_recompile
             )
             out["compile_call"] = time.perf_counter() - t
@@ -109,7 +109,7 @@ def main() -> int:
 
     import torch
 
-    from adstore.integration.engine.storage import AdstoreEngineCache
+    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.integration.engine.cache import EngineCache
     from adstore.store import Store
 
@@ -120,7 +120,7 @@ def main() -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in model(0).state_dict().values())
 
     store = Store.open(work / "store", grace_period=0.0)
-    backend = AdstoreEngineCache(store)
+    backend = StoreEngineStorage(store)
 
     t = time.perf_counter()
     cold = EngineCache(backend).compile(model(1), (x,))

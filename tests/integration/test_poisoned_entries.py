@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.engine.storage import AdstoreEngineCache
+from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache
 from adstore.integration.reference.models import ModelFactory
 from adstore.integration.pipeline.optimizer import InferenceOptimizer
@@ -281,7 +281,7 @@ class Tiny(torch.nn.Module):
 def _trusting_lookup(root: str) -> str:
     """A victim that trusts uid 65534 looks the engine up (run in a spawned process)."""
     with Store.open(root) as store:
-        trusting = EngineCache(AdstoreEngineCache(store, trusted_uids=[65534]))
+        trusting = EngineCache(StoreEngineStorage(store, trusted_uids=[65534]))
         _engine, event = trusting.lookup(Tiny(), (torch.randn(2, 8),))
         trusting.close()
     return f"{event.kind} {event.reason or ''}: {event.detail or ''}"
@@ -291,7 +291,7 @@ def _trusting_lookup(root: str) -> str:
 def engine_req(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine") / "store"
     store = Store.open(root)
-    cache = EngineCache(AdstoreEngineCache(store))
+    cache = EngineCache(StoreEngineStorage(store))
     model, x = Tiny(), torch.randn(2, 8)
     engine, event = cache.lookup(model, (x,))
     assert engine is None and event.reason == "absent"
@@ -449,7 +449,7 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
     os.chmod(root, 0o2775)
     model, x = Tiny(), torch.randn(2, 8)
     with Store.open(root) as store:
-        cache = EngineCache(AdstoreEngineCache(store))
+        cache = EngineCache(StoreEngineStorage(store))
         honest = cache.compile(model, (x,))  # the victim's own engine, compiled once
         h = honest.hash
         res = store.lookup(h, record=False)
@@ -478,7 +478,7 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
         os.chmod(path, os.stat(path).st_mode | 0o060)
     _as_nobody(attack)
     with Store.open(root) as store:
-        victim = EngineCache(AdstoreEngineCache(store))
+        victim = EngineCache(StoreEngineStorage(store))
         engine, event = victim.lookup(model, (x,))
         victim.close()
     assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"

@@ -19,13 +19,9 @@ import textwrap
 import pytest
 import torch
 
-from adstore.integration.engine import storage as engine_backends
-from adstore.integration.engine.storage import (
-    AdstoreEngineCache,
-    BaseEngineCache,
-    EngineRecord,
-    InMemoryEngineCache,
-)
+from adstore.integration.engine import storage
+from adstore.integration.engine.record import EngineRecord
+from adstore.integration.engine.storage import EngineStorage, MemoryEngineStorage, StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache, compile
 from adstore.integration.engine.hashing import get_hash, hash_components
 from adstore.integration.errors import ConfigError, CorruptEngine, EngineMismatch, TruncatedEngine
@@ -73,7 +69,7 @@ def env(tmp_path_factory):
     """One store, one backend, and the one shared first compile (a miss)."""
     root = tmp_path_factory.mktemp("engine-store")
     store = Store.open(root, grace_period=0.0)
-    backend = AdstoreEngineCache(store)
+    backend = StoreEngineStorage(store)
     model = make_model(1)
     before = digests(model)
     front = EngineCache(backend)
@@ -92,7 +88,7 @@ def env(tmp_path_factory):
     store.close()
 
 
-def lookup_in(backend: BaseEngineCache, model: torch.nn.Module):
+def lookup_in(backend: EngineStorage, model: torch.nn.Module):
     front = EngineCache(backend)
     try:
         return front.lookup(model, (X,))
@@ -262,11 +258,11 @@ def test_hashing_and_compiling_never_touch_parameters(env):
 
 def test_bad_settings_are_clear_errors_before_any_compile(env):
     with pytest.raises(ConfigError):
-        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), freezing=True)
+        compile(env["model"], (X,), engine_cache=MemoryEngineStorage(), freezing=True)
     with pytest.raises(ConfigError):
-        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), **{"not.an_option": 1})
+        compile(env["model"], (X,), engine_cache=MemoryEngineStorage(), **{"not.an_option": 1})
     with pytest.raises(ConfigError):
-        compile(env["model"], (X,), engine_cache=InMemoryEngineCache(), always_keep_tensor_constants=False)
+        compile(env["model"], (X,), engine_cache=MemoryEngineStorage(), always_keep_tensor_constants=False)
 
 
 # --------------------------------------------------------------------------- eviction
@@ -280,14 +276,14 @@ def fake_record(meta: dict, nbytes: int, tag: int) -> EngineRecord:
 def test_store_budget_evicts_least_recently_used_engines(env, tmp_path):
     meta = EngineRecord.from_bytes(env["blob"], expected_hash=env["hash"]).meta
     with Store.open(tmp_path / "s", grace_period=0.0) as store:
-        cache = AdstoreEngineCache(store)
+        cache = StoreEngineStorage(store)
         a, b, c = (fake_record(meta, 300_000, i) for i in range(3))
         cache.save_record(a)
         cache.save_record(b)
         with cache.load_record(a.hash) as read:  # a is now more recent than b
             assert read.payload_path is not None and read.payload_path.exists()
         assert not read.payload_path.exists(), "the temp copy outlived the read"
-        limited = AdstoreEngineCache(store, max_size=store.size() + 150_000)
+        limited = StoreEngineStorage(store, max_size=store.size() + 150_000)
         limited.save_record(c)  # c's 300 KB put the store ~150 KB over budget: the LRU engine (b) goes
         assert sorted(cache.keys()) == sorted([a.hash, c.hash])
         assert cache.load_record(b.hash) is None
@@ -297,13 +293,13 @@ def test_store_budget_evicts_least_recently_used_engines(env, tmp_path):
 
 
 def test_in_memory_backend_is_a_bounded_lru():
-    cache = InMemoryEngineCache(max_entries=2)
+    cache = MemoryEngineStorage(max_entries=2)
     cache.save("a" * 64, b"1")
     cache.save("b" * 64, b"2")
     assert cache.load("a" * 64) == b"1"
     cache.save("c" * 64, b"3")
     assert cache.keys() == ["a" * 64, "c" * 64] and cache.evictions == 1
-    by_bytes = InMemoryEngineCache(max_bytes=5)
+    by_bytes = MemoryEngineStorage(max_bytes=5)
     by_bytes.save("a" * 64, b"123")
     by_bytes.save("b" * 64, b"456")
     assert "a" * 64 not in by_bytes and by_bytes.load("b" * 64) == b"456"
@@ -323,11 +319,11 @@ def test_truncated_and_bitflipped_records_are_misses(env):
         "corrupt_engine ": blob[:-3] + bytes([blob[-3] ^ 0x80]) + blob[-2:],
     }
     for reason, bad in cases.items():
-        mem = InMemoryEngineCache()
+        mem = MemoryEngineStorage()
         mem.save(h, bad)
         engine, event = lookup_in(mem, make_model(2))
         assert engine is None and event.kind == "miss" and event.reason == reason.strip(), (reason, event)
-    mem = InMemoryEngineCache()
+    mem = MemoryEngineStorage()
     mem.save(h, blob)
     engine, event = lookup_in(mem, make_model(2))  # the intact copy is a hit
     assert engine is not None and event.source == "backend"
@@ -338,9 +334,9 @@ def test_corrupt_or_truncated_store_blobs_are_misses(env, tmp_path):
     h = env["hash"]
     for damage in ("flip", "truncate"):
         with Store.open(tmp_path / damage, grace_period=0.0) as store:
-            cache = AdstoreEngineCache(store)
+            cache = StoreEngineStorage(store)
             cache.save(h, env["blob"])
-            pkg = store.manifests(h)[0].artifacts[AdstoreEngineCache.PACKAGE_ARTIFACT]
+            pkg = store.manifests(h)[0].artifacts[StoreEngineStorage.PACKAGE_ARTIFACT]
             path = store.blob_path(pkg.digest)
             os.chmod(path, 0o600)
             data = bytearray(path.read_bytes())
@@ -403,7 +399,7 @@ def test_mismatched_metadata_is_a_miss(env):
         garbage_package: "load_failed",
     }
     for edit, reason in cases.items():
-        mem = InMemoryEngineCache()
+        mem = MemoryEngineStorage()
         mem.save(h, rewrite(blob, h, edit))
         engine, event = lookup_in(mem, make_model(2))
         assert engine is None and event.reason == reason, (edit.__name__, event)
@@ -413,7 +409,7 @@ def test_mismatched_metadata_is_a_miss(env):
         EngineRecord.from_bytes(b"NOTANENG" + blob[8:], expected_hash=h)
 
 
-class ExplodingBackend(BaseEngineCache):
+class ExplodingBackend(EngineStorage):
     def save(self, hash, blob):
         raise OSError("disk on fire")
 
@@ -440,7 +436,7 @@ def test_documented_directory_backend_round_trips(env, tmp_path):
 def compile_source(code: str):
     import builtins
 
-    return builtins.compile(code, "<engine_backends docstring>", "exec")
+    return builtins.compile(code, "<engine storage docstring>", "exec")
 
 
 # --------------------------------------------------------------------------- slow
@@ -450,7 +446,7 @@ def compile_source(code: str):
 def test_corrupt_stored_engine_is_recompiled_and_overwritten(env, tmp_path):
     h = env["hash"]
     with Store.open(tmp_path / "s", grace_period=0.0) as store:
-        cache = AdstoreEngineCache(store)
+        cache = StoreEngineStorage(store)
         cache.save(h, rewrite(env["blob"], h, lambda m, p: (m, os.urandom(len(p)))))
         front = EngineCache(cache)
         model = make_model(12)
@@ -465,7 +461,7 @@ def test_corrupt_stored_engine_is_recompiled_and_overwritten(env, tmp_path):
 @pytest.mark.slow
 def test_dynamic_batch_engine_serves_every_batch_in_range(tmp_path):
     batch = torch.export.Dim("batch", min=2, max=64)
-    mem = InMemoryEngineCache()
+    mem = MemoryEngineStorage()
     engine = compile(make_model(1), (X,), engine_cache=mem, dynamic_shapes=({0: batch},))
     other = make_model(2)
     hit = compile(other, (torch.randn(9, 16),), engine_cache=mem, dynamic_shapes=({0: batch},))
@@ -479,20 +475,20 @@ def test_dynamic_batch_engine_serves_every_batch_in_range(tmp_path):
 
 
 def directory_backend(tmp_path):
-    doc = engine_backends.__doc__
+    doc = storage.__doc__
     code = textwrap.dedent(re.search(r"\.\. code-block:: python\n(.*?)\nPass it", doc, re.S).group(1))
     namespace: dict = {}
     exec(compile_source(code), namespace)  # noqa: S102 - our own docstring
-    return namespace["DirectoryEngineCache"](tmp_path / "engines")
+    return namespace["DirectoryEngineStorage"](tmp_path / "engines")
 
 
 @pytest.fixture(params=["memory", "adstore", "directory"])
 def any_backend(request, tmp_path):
     if request.param == "memory":
-        yield InMemoryEngineCache()
+        yield MemoryEngineStorage()
     elif request.param == "adstore":
         with Store.open(tmp_path / "store", grace_period=0.0) as store:
-            yield AdstoreEngineCache(store)
+            yield StoreEngineStorage(store)
     else:
         yield directory_backend(tmp_path)
 
@@ -515,7 +511,7 @@ def test_backend_contract(any_backend, env):
 
 
 def test_in_process_layer_does_not_reread_the_backend(env):
-    class CountingBackend(InMemoryEngineCache):
+    class CountingBackend(MemoryEngineStorage):
         loads = 0
         touches = 0
 
@@ -589,7 +585,7 @@ def test_record_round_trip_property():
 def _compile_in_child(root: str, seed: int) -> tuple[str, str, float]:
     """Spawned worker: compile through a store another process is writing too."""
     with Store.open(root, grace_period=0.0) as store:
-        front = EngineCache(AdstoreEngineCache(store))
+        front = EngineCache(StoreEngineStorage(store))
         model = make_model(seed)
         engine = front.compile(model, (X,))
         err = (engine(X) - model(X)).abs().max().item()
@@ -610,12 +606,12 @@ def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
     with Store.open(root, grace_period=0.0) as store:
         assert store.verify().ok
         assert [e.key for e in store.entries(namespace="engine")] == [env["hash"]]
-        engine, event = lookup_in(AdstoreEngineCache(store), make_model(23))
+        engine, event = lookup_in(StoreEngineStorage(store), make_model(23))
         assert engine is not None and event.kind == "hit"
 
 
 def test_damaged_in_process_copy_falls_back_to_the_backend(env):
-    backend = InMemoryEngineCache()
+    backend = MemoryEngineStorage()
     backend.save(env["hash"], env["blob"])
     front = EngineCache(backend)
     try:
@@ -642,7 +638,7 @@ def test_transformers_encoder_hit_refits_other_checkpoint(tmp_path):
 
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     with Store.open(tmp_path / "s", grace_period=0.0) as store:
-        front = EngineCache(AdstoreEngineCache(store))
+        front = EngineCache(StoreEngineStorage(store))
         first = front.compile(bert(1), (ids,))
         front.clear_memory()
         second_model = bert(2)
@@ -664,7 +660,7 @@ def test_default_cache_comes_from_the_environment(env, store_root, monkeypatch):
     try:
         front = ec.default_engine_cache()
         backend = front.backend
-        assert isinstance(backend, AdstoreEngineCache) and backend.max_size == 64 << 20
+        assert isinstance(backend, StoreEngineStorage) and backend.max_size == 64 << 20
         assert backend.store.root == store_root.absolute()
         backend.save(env["hash"], env["blob"])
         engine, event = front.lookup(make_model(2), (X,))
@@ -701,25 +697,25 @@ def test_engines_written_by_untrusted_users_are_not_loaded(env, tmp_path, monkey
     """An engine is native code: only packages owned by this user, root or a trusted uid load."""
     h, stranger = env["hash"], 54321
     with Store.open(tmp_path / "shared", grace_period=0.0) as store:
-        AdstoreEngineCache(store).save(h, env["blob"])
-        digest = store.manifests(h)[0].artifacts[AdstoreEngineCache.PACKAGE_ARTIFACT].digest
-        assert lookup_in(AdstoreEngineCache(store), make_model(2))[0] is not None  # own engine: loads
+        StoreEngineStorage(store).save(h, env["blob"])
+        digest = store.manifests(h)[0].artifacts[StoreEngineStorage.PACKAGE_ARTIFACT].digest
+        assert lookup_in(StoreEngineStorage(store), make_model(2))[0] is not None  # own engine: loads
         if os.geteuid() != 0:
             pytest.xfail("needs root to create a blob owned by another uid")  # CI runs as root
         os.chown(store.blob_path(digest), stranger, -1)  # as if another group member had written it
-        engine, event = lookup_in(AdstoreEngineCache(store), make_model(2))
+        engine, event = lookup_in(StoreEngineStorage(store), make_model(2))
         assert engine is None and event.reason == "untrusted_engine", event
         monkeypatch.setenv("ADSTORE_ROOT", str(tmp_path / "shared"))
         monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", f"777, {stranger}")
-        trusting = AdstoreEngineCache.from_env()
+        trusting = StoreEngineStorage.from_env()
         assert stranger in trusting.trusted_uids
         engine, event = lookup_in(trusting, make_model(2))
         assert engine is not None and event.source == "backend"
         trusting.close()
     with Store.open(tmp_path / "inline", grace_period=0.0, inline_threshold=1 << 24) as store:
-        AdstoreEngineCache(store).save(h, env["blob"])  # package inside the shared index: writer unknown
-        engine, event = lookup_in(AdstoreEngineCache(store), make_model(2))
+        StoreEngineStorage(store).save(h, env["blob"])  # package inside the shared index: writer unknown
+        engine, event = lookup_in(StoreEngineStorage(store), make_model(2))
         assert engine is None and event.reason == "untrusted_engine", event
     monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "alice")
     with pytest.raises(ConfigError):
-        AdstoreEngineCache.from_env()
+        StoreEngineStorage.from_env()

@@ -1,0 +1,189 @@
+"""What outside the graph decides an engine's code: inductor settings and the toolchain.
+
+Both are components of the engine hash (README, "Engine cache"):
+
+* the settings that change code generation: the inductor options the caller
+  passes, the options the engine cache forces (so the weights stay out of the
+  package and refittable), and a digest of the rest of the inductor
+  configuration, so a global ``torch._inductor.config`` change is a miss, not
+  a stale hit;
+* the toolchain: torch version and commit, the C++ compiler and its version,
+  the CPU instruction set and CPU flags (AOTInductor compiles with
+  ``-march=native``: a package built on one CPU may crash with an illegal
+  instruction on another) and the GPU architecture when there is one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from adstore.integration.errors import CacheKeyError, ConfigError
+from adstore.integration.pipeline.keys import canonical_json, json_digest
+
+__all__ = [
+    "REQUIRED_SETTINGS",
+    "STORAGE_SETTINGS",
+    "codegen_settings",
+    "effective_inductor_configs",
+    "toolchain_identity",
+]
+
+#: Options without which an engine cannot be refit: inductor would otherwise inline
+#: small weights into the kernels as literals (``always_keep_tensor_constants``) or
+#: fold weights into derived constants (``freezing``, runtime constant folding), and
+#: a refit would leave the old values in the code — a wrong answer, not a miss.
+REQUIRED_SETTINGS: dict[str, Any] = {
+    "always_keep_tensor_constants": True,
+    "freezing": False,
+    "aot_inductor.use_runtime_constant_folding": False,
+}
+
+#: Options that keep the weights out of the package (they are refit on load).
+STORAGE_SETTINGS: dict[str, Any] = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": None,
+}
+
+# Inductor options that are paths or packaging details, not code generation.
+# (``aot_inductor.metadata`` is also written back into the global config by every
+# AOTI compile in torch 2.13, so including it would make the first compile of a
+# process change every later hash.)
+_CONFIG_IGNORED = frozenset(
+    {
+        "aot_inductor.metadata",
+        "aot_inductor.output_path",
+        "aot_inductor.package",
+        "aot_inductor.package_constants_in_so",
+        "aot_inductor.package_constants_on_disk_format",
+    }
+)
+
+
+@functools.cache
+def _known_config_keys() -> frozenset[str]:
+    from torch._inductor import config
+
+    return frozenset(config.get_config_copy().keys())
+
+
+def effective_inductor_configs(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The inductor options an engine is compiled with: the caller's plus the forced ones.
+
+    Raises ConfigError for an unknown option, a value that is not JSON-safe, or an
+    option that would bake the weights into the code (the engine could not be refit).
+    """
+    user = dict(settings or {})
+    known = _known_config_keys()
+    for key, value in user.items():
+        if key not in known:
+            raise ConfigError(key, "unknown inductor option in engine settings")
+        try:
+            canonical_json(value)
+        except (TypeError, ValueError, CacheKeyError) as exc:
+            raise ConfigError(key, f"engine setting is not JSON-safe: {value!r}") from exc
+        forced = {**REQUIRED_SETTINGS, **STORAGE_SETTINGS}
+        if key in forced and value != forced[key]:
+            raise ConfigError(
+                key,
+                f"{value!r} is incompatible with the engine cache (needs {forced[key]!r}: "
+                "the weights must stay refittable and out of the package)",
+            )
+    return {**user, **REQUIRED_SETTINGS, **STORAGE_SETTINGS}
+
+
+def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Settings component of the hash: explicit options plus a digest of the global config."""
+    from torch._inductor import config
+
+    effective = effective_inductor_configs(settings)
+    with config.patch(effective):
+        portable = config.save_config_portable()
+    rest = {k: v for k, v in portable.items() if k not in _CONFIG_IGNORED}
+    try:
+        digest = json_digest(rest)
+    except (TypeError, ValueError, CacheKeyError):  # an option holding an object: its repr stands in
+        digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=repr).encode()).hexdigest()
+    return {
+        "options": {k: effective[k] for k in sorted(effective)},
+        "inductor_config": digest,
+        # Global torch switches that change the kernels inductor picks (TF32 on GPUs).
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+# --------------------------------------------------------------------------- toolchain
+
+
+@functools.cache
+def _compiler_identity() -> dict[str, str]:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = str(get_cpp_compiler())
+    except Exception as exc:  # noqa: BLE001 - identity is best effort, recorded as such
+        return {"cxx": "unknown", "version": f"error: {type(exc).__name__}"}
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"error: {type(exc).__name__}"
+    return {"cxx": os.path.basename(cxx), "version": version}
+
+
+@functools.cache
+def _cpu_identity() -> dict[str, str]:
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    # Inductor's own ISA pick (cpu_vec_isa.pick_vec_isa) is a function of the CPU
+    # flags, the compiler and ATEN_CPU_CAPABILITY, all recorded here; calling it
+    # would cost ~2 s per process (it compiles probe programs) on every hit.
+    return {
+        "machine": platform.machine(),
+        "model": model,
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16] if flags else "",
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+    }
+
+
+@functools.cache
+def toolchain_identity() -> dict[str, Any]:
+    """Everything outside the graph that decides whether a built engine runs here."""
+    gpus: list[Any] = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
+    return {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", ""),
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
+        "system": platform.system(),
+        "compiler": _compiler_identity(),
+        "cpu": _cpu_identity(),
+        "gpus": gpus,
+    }
