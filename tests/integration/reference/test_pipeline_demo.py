@@ -21,10 +21,15 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
     assert result["cold_s"] > 0 and result["warm_s"] > 0 and result["speedup"] == pytest.approx(
         result["cold_s"] / result["warm_s"], rel=0.01)
     assert result["replaced_previous_entry"] is False
+    # The restart: fresh processes from start to first output, above the bare-torch floor.
+    floor = result["restart_floor_s"]
+    assert 0 < floor < result["restart_warm_s"] and floor < result["restart_cold_s"]
+    assert result["restart_speedup"] == pytest.approx(result["restart_cold_s"] / result["restart_warm_s"], rel=0.01)
     store = Store.open(root)
     assert store.lookup(result["key"], record=False).hit
     table = format_demo(result)
-    for label in ("cold run", "warm run", "speedup", "bytes stored", "dedup", "outputs match"):
+    for label in ("restart, cold", "restart, warm", "restart floor", "in-process call", "bytes stored",
+                  "dedup", "outputs match"):
         assert label in table
 
 
