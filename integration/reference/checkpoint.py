@@ -159,10 +159,8 @@ def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> dict[str, Any]:
         })
     index = Path(directory) / INDEX_NAME
     if Path(directory).is_dir() and index.is_file():
-        entries.append({
-            "name": INDEX_NAME,
-            "size": index.stat().st_size,
-            "sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
-        })
+        with open(index, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        entries.append({"name": INDEX_NAME, "size": index.stat().st_size, "sha256": digest})
     return {"format": "safetensors", "files": entries}
 
