@@ -1,0 +1,98 @@
+"""adstore.store.remote: the remote tier (a second tier behind the local store).
+
+A remote is named by a URL: ``s3://BUCKET/PREFIX`` (boto3) or
+``http(s)://HOST:PORT/PREFIX`` (the Bazel remote-cache HTTP protocol), in
+mode ``read`` or ``read-write``.  :class:`Remote` is the one public door: it
+enforces the mode, bounds every call by a timeout and a circuit breaker,
+verifies blobs by SHA-256 and records by Ed25519 signature, and returns
+outcomes with reasons instead of raising.  :class:`SingleFlight` lets one
+host build a cold key while the others wait; :class:`BackgroundUploader`
+pushes behind the pipeline.  ``boto3`` and ``cryptography`` are imported
+only when an S3 remote is opened or a key is used (extra ``remote``).  The
+README's "Remote tier" describes the protocol, the trust model and the
+defaults.
+"""
+
+from .addresses import Kind, check_digest, lease_address, object_name, record_address
+from .backend import ConditionalWrites, RemoteBackend
+from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
+from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_RECORD_BYTES, Remote
+from .config import RemoteConfig, open_remote, parse_mode, register_scheme
+from .errors import (
+    NotSupported,
+    ReadOnlyRemote,
+    RemoteBlobMissing,
+    RemoteChecksumMismatch,
+    RemoteError,
+    RemoteRejected,
+    RemoteTimeout,
+    RemoteUnavailable,
+    UntrustedRecord,
+)
+from .httpcache import HttpBackend
+from .memory import MemoryBackend
+from .outcomes import Mode, Outcome
+from .reasons import RemoteReason
+from .s3 import S3Backend
+from .signing import ENVELOPE_VERSION, KeyPair, Signer, TrustedKeys, Verified, generate_keypair, write_keypair
+from .singleflight import DEFAULT_TTL, Flight, Lease, Role, SingleFlight, WaitResult
+from .transfer import BlobSink, BlobSource
+from .uploader import BackgroundUploader
+
+__all__ = [
+    # opening
+    "open_remote",
+    "RemoteConfig",
+    "register_scheme",
+    "parse_mode",
+    "Mode",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_READ_TIMEOUT",
+    "DEFAULT_COOLDOWN",
+    "MAX_RECORD_BYTES",
+    # the public layer
+    "Remote",
+    "Outcome",
+    "BlobSink",
+    "BlobSource",
+    "CircuitBreaker",
+    "BreakerState",
+    "BackgroundUploader",
+    "SingleFlight",
+    "Flight",
+    "Role",
+    "Lease",
+    "WaitResult",
+    "DEFAULT_TTL",
+    # signatures
+    "Signer",
+    "TrustedKeys",
+    "Verified",
+    "KeyPair",
+    "generate_keypair",
+    "write_keypair",
+    "ENVELOPE_VERSION",
+    # backends
+    "RemoteBackend",
+    "ConditionalWrites",
+    "S3Backend",
+    "HttpBackend",
+    "MemoryBackend",
+    # addresses
+    "Kind",
+    "check_digest",
+    "object_name",
+    "record_address",
+    "lease_address",
+    # reasons and errors
+    "RemoteReason",
+    "RemoteError",
+    "RemoteUnavailable",
+    "RemoteTimeout",
+    "RemoteRejected",
+    "ReadOnlyRemote",
+    "NotSupported",
+    "RemoteBlobMissing",
+    "RemoteChecksumMismatch",
+    "UntrustedRecord",
+]

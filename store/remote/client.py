@@ -1,0 +1,290 @@
+"""The public layer of the remote tier: one guarded door to a backend.
+
+Every call to the server passes through :meth:`Remote._call`, the one place
+that validates the digest, refuses writes in read mode (so a read-only
+client never writes, whatever layer asks), consults the circuit breaker and
+counts.  Every public method returns an :class:`Outcome` and never raises,
+so a remote that is down, slow, lying or misconfigured becomes a miss with a
+reason, never a failed pipeline (README, "Remote tier").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import AdstoreError, ConfigError
+from ..reasons import Reason
+from .addresses import Kind, object_name, record_address
+from .backend import RemoteBackend
+from .breaker import CircuitBreaker
+from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
+from .outcomes import Mode, Outcome
+from .reasons import RemoteReason
+from .signing import Signer, TrustedKeys, Verified
+from . import transfer
+
+__all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_RECORD_BYTES"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds to open a connection: a reachable server on a LAN or in-region answers in milliseconds.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+#: Seconds a read (or write) may stall: bounds a stopped or hung server, not a slow large download.
+DEFAULT_READ_TIMEOUT = 10.0
+#: Largest record (ac object) a reader accepts: records list digests, not content.
+MAX_RECORD_BYTES = 16 << 20
+
+
+class Remote:
+    """A remote behind a mode, a circuit breaker, counters, signatures and verification."""
+
+    def __init__(
+        self,
+        backend: RemoteBackend,
+        *,
+        mode: Mode | str = Mode.READ,
+        signer: Signer | None = None,
+        trusted: TrustedKeys | None = None,
+        breaker: CircuitBreaker | None = None,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ) -> None:
+        self.backend = backend
+        self.mode = Mode(mode)
+        self.signer = signer
+        self.trusted = trusted
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.max_record_bytes = max_record_bytes
+        self._counters: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    @property
+    def writable(self) -> bool:
+        return self.mode is Mode.READ_WRITE
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r}, mode={self.mode.value!r})"
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # -- counters --------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] = self._counters.get(name, 0) + n
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of every counter (calls, errors by reason, bytes, blobs, records, uploads, leases)."""
+        with self._lock:
+            return dict(self._counters)
+
+    # -- the one door ----------------------------------------------------
+    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False) -> T:
+        """Run one backend call: validate, enforce the mode, ask the breaker, count."""
+        target = object_name(kind, digest)
+        if write and self.mode is not Mode.READ_WRITE:
+            raise ReadOnlyRemote(op, target)
+        try:
+            self.breaker.before(op, target)
+        except RemoteUnavailable:
+            self.count("fast_fails")
+            raise
+        self.count(f"calls.{op}")
+        try:
+            result = fn()
+        except RemoteUnavailable as exc:
+            if self.breaker.failure(exc):
+                self.count("breaker_opened")
+                log.warning("remote %s unavailable (%s); not asking it again for %.0fs",
+                            self.url, exc, self.breaker.snapshot()["retry_after"])
+            raise
+        except BaseException:
+            self.breaker.success()  # the server answered (or the failure was ours)
+            raise
+        self.breaker.success()
+        return result
+
+    def _guard(self, op: str, fn: Callable[[], Outcome[T]]) -> Outcome[T]:
+        """Turn every failure of ``fn`` into an outcome with a reason; time it."""
+        start = time.perf_counter()
+        try:
+            out = fn()
+        except AdstoreError as exc:
+            reason = str(exc.reason)
+            self.count(f"errors.{reason}")
+            level = logging.DEBUG if getattr(exc, "retry_after", None) is not None else logging.INFO
+            log.log(level, "remote %s %s: %s", self.url, op, exc)
+            return Outcome(reason=reason, error=exc, seconds=time.perf_counter() - start)
+        except Exception as exc:  # a bug must not fail a pipeline either
+            self.count(f"errors.{RemoteReason.REMOTE_ERROR}")
+            log.exception("remote %s %s failed unexpectedly", self.url, op)
+            error = RemoteError(f"{type(exc).__name__}: {exc}", op=op)
+            return Outcome(reason=str(RemoteReason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
+        return dataclasses.replace(out, seconds=time.perf_counter() - start)
+
+    # -- objects ---------------------------------------------------------
+    def get(self, kind: Kind | str, digest: str) -> Outcome[bytes]:
+        """The object (None if absent).  A ``cas`` object is returned only if it hashes to ``digest``."""
+        k = Kind(kind)
+
+        def run() -> Outcome[bytes]:
+            limit = self.max_record_bytes if k is Kind.AC else 1 << 62
+            buf = io.BytesIO()
+            n = self._call("get", k, digest, lambda: self.backend.get_to(k, digest, buf, limit))
+            if n is None:
+                return Outcome(value=None)
+            self.count("bytes_down", n)
+            data = buf.getvalue()
+            if k is Kind.CAS:
+                got = hashlib.sha256(data).hexdigest()
+                if got != digest:
+                    self.count("checksum_rejected")
+                    raise RemoteChecksumMismatch(digest, expected_size=None, got_size=n, got_digest=got)
+            return Outcome(value=data, nbytes=n)
+
+        return self._guard("get", run)
+
+    def head(self, kind: Kind | str, digest: str) -> Outcome[int]:
+        """The object's size (None if absent)."""
+        k = Kind(kind)
+        return self._guard("head", lambda: Outcome(value=self._call("head", k, digest,
+                                                                   lambda: self.backend.head(k, digest))))
+
+    def put(self, kind: Kind | str, digest: str, data: bytes) -> Outcome[int]:
+        """Store (or replace) an object; the bytes sent."""
+        k = Kind(kind)
+
+        def run() -> Outcome[int]:
+            n = self._call("put", k, digest, lambda: self.backend.put(k, digest, data), write=True)
+            self.count("bytes_up", n)
+            return Outcome(value=n, nbytes=n)
+
+        return self._guard("put", run)
+
+    def put_if_absent(self, kind: Kind | str, digest: str, data: bytes) -> Outcome[bool]:
+        """Create an object only if absent: True if this call created it (reason
+        ``remote_unsupported`` on a backend without conditional writes)."""
+        k = Kind(kind)
+
+        def run() -> Outcome[bool]:
+            created = self._call("put_if_absent", k, digest, lambda: self.backend.put_if_absent(k, digest, data),
+                                 write=True)
+            return Outcome(value=created, nbytes=len(data) if created else 0)
+
+        return self._guard("put_if_absent", run)
+
+    def delete(self, kind: Kind | str, digest: str) -> Outcome[None]:
+        k = Kind(kind)
+
+        def run() -> Outcome[None]:
+            self._call("delete", k, digest, lambda: self.backend.delete(k, digest), write=True)
+            return Outcome()
+
+        return self._guard("delete", run)
+
+    # -- blobs (transfer.py) ---------------------------------------------
+    def fetch_blob(self, digest: str, size: int, *, dest: str | Path, fsync: bool = False) -> Outcome[Path]:
+        """Download a blob into the new file ``dest``, verified (see :func:`transfer.fetch_blob`)."""
+        return self._guard("fetch_blob", lambda: transfer.fetch_blob(self, digest, size, dest=Path(dest), fsync=fsync))
+
+    def push_blob(self, digest: str, size: int, source: str | Path | bytes) -> Outcome[int]:
+        """Upload a blob unless the remote has it (HEAD first); the bytes sent (0 if it had it)."""
+        return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source))
+
+    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink) -> Outcome[int]:
+        """Fetch every blob ``sink`` lacks into it (a Store); all or a failed outcome."""
+        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink))
+
+    # -- records ---------------------------------------------------------
+    def fetch_record(self, key: str, rank: int = 0) -> Outcome[Verified]:
+        """This rank's record, if signed by a trusted key and really about ``key`` and ``rank``.
+
+        Reasons: ``absent`` (no record), ``untrusted_remote`` (see
+        :meth:`TrustedKeys.open`, or a signed record copied to another key's
+        address), and the transport reasons.
+        """
+        def run() -> Outcome[Verified]:
+            got = self.get(Kind.AC, record_address(key, rank))
+            if not got.ok:
+                return got  # type: ignore[return-value]
+            if got.value is None:
+                self.count("records_absent")
+                return Outcome(reason=str(Reason.ABSENT), nbytes=got.nbytes)
+            verified = self._verify(got.value, key, rank)
+            self.count("records_down")
+            return Outcome(value=verified, nbytes=got.nbytes)
+
+        return self._guard("fetch_record", run)
+
+    def _verify(self, raw: bytes, key: str, rank: int) -> Verified:
+        target = f"ac/{record_address(key, rank)}"
+        try:
+            if self.trusted is None or not len(self.trusted):
+                raise UntrustedRecord("no trusted keys are configured (ADSTORE_TRUSTED_KEYS)", target=target)
+            verified = self.trusted.open(raw, target=target)
+            if verified.payload.get("key") != key or verified.payload.get("rank") != rank:
+                raise UntrustedRecord(f"signed for key {verified.payload.get('key')!r} rank "
+                                      f"{verified.payload.get('rank')!r}, found at the address of "
+                                      f"{key!r} rank {rank}", key_id=verified.key_id, target=target)
+        except UntrustedRecord as exc:
+            self.count("untrusted")
+            log.warning("remote %s: %s", self.url, exc)
+            raise
+        return verified
+
+    def push_record(self, key: str, rank: int, payload: Mapping[str, Any]) -> Outcome[int]:
+        """Sign and upload this rank's record (``key`` and ``rank`` are added to the payload)."""
+        def run() -> Outcome[int]:
+            if self.signer is None:
+                raise ConfigError("ADSTORE_SIGNING_KEY", "a writer needs a signing key to publish records")
+            for field, want in (("key", key), ("rank", rank)):
+                if field in payload and payload[field] != want:
+                    raise ConfigError("payload", f"{field} {payload[field]!r} differs from {want!r}")
+            envelope = self.signer.seal({**payload, "key": key, "rank": rank})
+            sent = self.put(Kind.AC, record_address(key, rank), envelope)
+            if sent.ok:
+                self.count("records_up")
+            return sent
+
+        return self._guard("push_record", run)
+
+    def publish(self, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
+                *, source: transfer.BlobSource) -> Outcome[int]:
+        """Upload the blobs the remote lacks, then the record last; the bytes sent.
+
+        The record goes up only after every blob did, so a reader never sees
+        a record whose blobs are missing (unless the server evicts them later).
+        """
+        return self._guard("publish", lambda: transfer.publish(self, key, rank, payload, refs, source=source))
+
+    # -- operations ------------------------------------------------------
+    def probe(self) -> Outcome[float]:
+        """Is the remote reachable? A HEAD of a fixed name; the value is the round trip in seconds."""
+        out = self.head(Kind.AC, hashlib.sha256(b"adstore:probe").hexdigest())
+        return dataclasses.replace(out, value=out.seconds if out.ok else None)  # type: ignore[arg-type]
+
+    def status(self) -> dict[str, Any]:
+        """URL, mode, conditional writes, breaker, keys and counters (for ``adstore remote``)."""
+        return {
+            "url": self.url,
+            "mode": self.mode.value,
+            "conditional_writes": self.backend.conditional_writes.value,
+            "breaker": self.breaker.snapshot(),
+            "signing_key": self.signer.key_id if self.signer else None,
+            "trusted_keys": self.trusted.key_ids if self.trusted else [],
+            "counters": self.counters,
+        }

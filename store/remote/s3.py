@@ -1,0 +1,198 @@
+"""The S3 backend: ``s3://BUCKET/PREFIX`` through boto3 (imported when first opened).
+
+Endpoint, credentials and region come from boto3's own environment and
+config files (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), so AWS S3, MinIO,
+Ceph RGW and other S3-compatible servers work unchanged (README, "Remote
+tier").  Every request has botocore's connect and read timeouts and, by
+default, no retry: the circuit breaker above is the retry policy, and a
+retry would multiply the time a dead server costs.  Blobs are sent with
+their SHA-256 as ``ChecksumSHA256``, so a server that checks it refuses a
+body damaged in transit.  ``put_if_absent`` is S3's conditional write
+(``If-None-Match: *``), atomic on AWS S3 and MinIO; emulators such as moto
+check and write in two steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from ..errors import ConfigError
+from .addresses import Kind, object_name
+from .backend import CHUNK, Body, ConditionalWrites, RemoteBackend, body_size, copy_limited, status_error, transport_error
+from .errors import NotSupported, RemoteChecksumMismatch, RemoteRejected, RemoteTimeout
+
+__all__ = ["S3Backend", "parse_s3_url"]
+
+log = logging.getLogger(__name__)
+
+#: Above this a file body goes up as a multipart upload (one PUT takes at most 5 GiB).
+DEFAULT_MULTIPART_THRESHOLD = 4 << 30
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` → ``("bucket", "some/prefix")``."""
+    if not url.startswith("s3://"):
+        raise ConfigError("ADSTORE_REMOTE", f"{url!r} is not an s3:// URL")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise ConfigError("ADSTORE_REMOTE", f"{url!r} names no bucket (s3://BUCKET/PREFIX)")
+    return bucket, prefix.strip("/")
+
+
+def _import_boto3() -> tuple[Any, Any]:
+    try:
+        import boto3
+        import botocore.config
+    except ImportError as exc:
+        raise ConfigError("ADSTORE_REMOTE", "an s3:// remote needs boto3: pip install 'adstore[remote]'") from exc
+    return boto3, botocore.config
+
+
+def _missing(exc: Any) -> bool:
+    """A ClientError that says the object does not exist."""
+    err = exc.response.get("Error", {})
+    return err.get("Code") in ("404", "NoSuchKey", "NotFound") or _status(exc) == 404
+
+
+def _status(exc: Any) -> int | None:
+    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+class S3Backend(RemoteBackend):
+    """Objects ``PREFIX/cas/<sha256>`` and ``PREFIX/ac/<sha256>`` in one bucket."""
+
+    conditional_writes = ConditionalWrites.ATOMIC
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 10.0,
+        retries: int = 0,
+        endpoint_url: str | None = None,
+        max_connections: int = 16,
+        send_checksums: bool = True,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        client: Any = None,
+    ) -> None:
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.send_checksums = send_checksums
+        self.multipart_threshold = multipart_threshold
+        boto3, config = _import_boto3()
+        import botocore.exceptions
+
+        self._exc = botocore.exceptions
+        if client is None:
+            cfg = config.Config(
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                retries={"total_max_attempts": retries + 1, "mode": "standard"},
+                max_pool_connections=max_connections,
+            )
+            # A session per backend: boto3's default session is not thread-safe to create clients from.
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
+        self._client = client
+
+    # -- helpers ---------------------------------------------------------
+    def _key(self, kind: Kind, digest: str) -> str:
+        name = object_name(kind, digest)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    @contextlib.contextmanager
+    def _translated(self, op: str, key: str) -> Iterator[None]:
+        """botocore's exceptions → the remote tier's errors."""
+        exc_mod = self._exc
+        try:
+            yield
+        except exc_mod.ClientError as exc:
+            err = exc.response.get("Error", {})
+            raise status_error(_status(exc) or 0, f"{err.get('Code', '')} {err.get('Message', '')}".strip(),
+                               op=op, target=key) from exc
+        except (exc_mod.ConnectTimeoutError, exc_mod.ReadTimeoutError) as exc:
+            raise RemoteTimeout(str(exc), op=op, target=key) from exc
+        except (exc_mod.ConnectionError, exc_mod.HTTPClientError, exc_mod.IncompleteReadError) as exc:
+            raise transport_error(exc, op=op, target=key) from exc
+        except exc_mod.BotoCoreError as exc:  # no credentials, bad parameters: the request cannot be made
+            raise RemoteRejected(str(exc), op=op, target=key) from exc
+        except OSError as exc:  # a socket error that escaped botocore's wrapping while streaming
+            raise transport_error(exc, op=op, target=key) from exc
+
+    def _checksum(self, kind: Kind, digest: str) -> dict[str, str]:
+        if kind is Kind.CAS and self.send_checksums:
+            return {"ChecksumSHA256": base64.b64encode(bytes.fromhex(digest)).decode()}
+        return {}
+
+    # -- the interface ---------------------------------------------------
+    def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
+        key = self._key(kind, digest)
+        with self._translated("get", key):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            except self._exc.ClientError as exc:
+                if _missing(exc):
+                    return None
+                raise
+            body = resp["Body"]
+            try:
+                length = resp.get("ContentLength")
+                if length is not None and length > max_bytes:
+                    raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=length, got_digest=None)
+                return copy_limited(body.iter_chunks(CHUNK), fileobj, max_bytes=max_bytes, digest=digest)
+            finally:
+                body.close()
+
+    def put(self, kind: Kind, digest: str, data: Body) -> int:
+        key = self._key(kind, digest)
+        size = body_size(data)
+        with self._translated("put", key):
+            if size > self.multipart_threshold and not isinstance(data, (bytes, bytearray, memoryview)):
+                from boto3.s3.transfer import TransferConfig
+
+                self._client.upload_fileobj(data, self.bucket, key,
+                                            Config=TransferConfig(multipart_threshold=self.multipart_threshold))
+            else:
+                body = bytes(data) if isinstance(data, (bytearray, memoryview)) else data
+                self._client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentLength=size,
+                                        **self._checksum(kind, digest))
+        return size
+
+    def head(self, kind: Kind, digest: str) -> int | None:
+        key = self._key(kind, digest)
+        with self._translated("head", key):
+            try:
+                return int(self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+            except self._exc.ClientError as exc:
+                if _missing(exc):
+                    return None
+                raise
+
+    def put_if_absent(self, kind: Kind, digest: str, data: Body) -> bool:
+        key = self._key(kind, digest)
+        size = body_size(data)
+        with self._translated("put_if_absent", key):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentLength=size,
+                                        IfNoneMatch="*", **self._checksum(kind, digest))
+            except self._exc.ClientError as exc:
+                status = _status(exc)
+                if status in (409, 412):  # exists, or a concurrent conditional write won
+                    return False
+                if status == 501:
+                    raise NotSupported(self.url, "put_if_absent (If-None-Match)") from exc
+                raise
+        return True
+
+    def delete(self, kind: Kind, digest: str) -> None:
+        key = self._key(kind, digest)
+        with self._translated("delete", key):
+            self._client.delete_object(Bucket=self.bucket, Key=key)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()

@@ -1,0 +1,292 @@
+"""Single-flight builds: when many hosts start the same cold key, one builds.
+
+The leader holds a build lease, an object at ``ac/<sha256("lease:"+key)>``
+holding who builds (host, pid, process start time, a random nonce) and until
+when; it is created with the remote's put-if-absent (S3 ``If-None-Match:
+*``).  Followers poll, with backoff and a bounded wait, for the leader's
+record; when the lease expires, its holder's process is gone (checked on the
+holder's own host), it is released without a record, or the wait times out,
+they build themselves: the lease saves work, it is never needed for a
+correct result (README, "Remote tier").
+
+Servers whose conditional write checks and writes in two steps (wsgidav,
+moto) can let two racers both "create" the lease, so a winner reads the
+lease back after a short settle time and leads only if it still holds its
+own nonce.  On a backend without put-if-absent the lease is written with a
+plain PUT after looking for a live one, then confirmed the same way: a
+best-effort lease, and in the worst case two hosts build the same key.
+Leases are not signed: a hostile writer can make followers wait, never for
+longer than their wait, and never make them restore anything unsigned.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import psutil
+
+from .addresses import Kind, lease_address
+from .client import Remote
+from .outcomes import Outcome
+from .reasons import RemoteReason
+from .signing import canonical_json
+
+__all__ = ["Role", "Holder", "Lease", "Flight", "WaitResult", "SingleFlight", "DEFAULT_TTL"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a lease lasts unless renewed: longer than a cold build, short enough that a dead builder is noticed.
+DEFAULT_TTL = 600.0
+
+
+class Role(enum.StrEnum):
+    LEADER = "leader"  # build, publish, then release the lease
+    FOLLOWER = "follower"  # wait() for the leader's record
+    SOLO = "solo"  # build without a lease; the flight's reason says why
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a lease: a process on a host, and a nonce unique to this acquisition."""
+
+    host: str
+    pid: int
+    start_time: float
+    nonce: str
+
+    @classmethod
+    def me(cls) -> Holder:
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, psutil.Process(pid).create_time(), uuid.uuid4().hex)
+
+    def alive(self) -> bool:
+        """False only when provably dead: on this host, the pid is gone or is another process."""
+        if self.host != socket.gethostname():
+            return True
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - self.start_time) < 1e-3
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+        except psutil.AccessDenied:
+            return True
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    key: str
+    holder: Holder
+    created: float
+    expires: float
+
+    def encode(self) -> bytes:
+        h = self.holder
+        return canonical_json({"v": 1, "key": self.key, "host": h.host, "pid": h.pid, "start_time": h.start_time,
+                               "nonce": h.nonce, "created": self.created, "expires": self.expires})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Lease | None:
+        """The lease, or None for bytes that are not one (treated as a dead lease)."""
+        try:
+            obj = json.loads(raw)
+            holder = Holder(str(obj["host"]), int(obj["pid"]), float(obj["start_time"]), str(obj["nonce"]))
+            return cls(str(obj["key"]), holder, float(obj["created"]), float(obj["expires"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            return None
+
+
+@dataclass(slots=True)
+class Flight:
+    """The result of :meth:`SingleFlight.acquire`: this process's role for ``key``."""
+
+    key: str
+    role: Role
+    reason: str | None = None  # why SOLO (or how a follower got its role)
+    lease: Lease | None = None  # ours when leading, the leader's when following
+    _stop: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def leader(self) -> bool:
+        return self.role is Role.LEADER
+
+
+@dataclass(frozen=True, slots=True)
+class WaitResult:
+    """A follower's wait: ``ready`` (restore from the remote) or a reason to build itself."""
+
+    ready: bool
+    reason: str | None
+    seconds: float
+
+
+class SingleFlight:
+    """Build leases on a :class:`Remote` (which enforces read-only mode and the breaker)."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        *,
+        settle: float = 0.1,
+        poll_min: float = 0.05,
+        poll_max: float = 1.0,
+        clock_skew: float = 5.0,
+        attempts: int = 3,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.remote = remote
+        self.settle = settle
+        self.poll_min = poll_min
+        self.poll_max = poll_max
+        self.clock_skew = clock_skew
+        self.attempts = attempts
+        self._clock = clock
+        self._sleep = sleep
+
+    # -- leases on the remote ---------------------------------------------
+    def _read(self, key: str) -> tuple[Outcome[bytes], Lease | None]:
+        got = self.remote.get(Kind.AC, lease_address(key))
+        return got, Lease.decode(got.value) if got.ok and got.value is not None else None
+
+    def _live(self, lease: Lease | None) -> bool:
+        return lease is not None and self._clock() <= lease.expires + self.clock_skew and lease.holder.alive()
+
+    def _new_lease(self, key: str, ttl: float) -> Lease:
+        now = self._clock()
+        return Lease(key, Holder.me(), now, now + ttl)
+
+    def _flight(self, key: str, role: Role, reason: str | None = None, lease: Lease | None = None) -> Flight:
+        self.remote.count(f"flight.{role.value}")
+        return Flight(key, role, reason, lease)
+
+    def _confirm(self, mine: Lease) -> Flight:
+        """After writing our lease: still ours once racing writes have landed?"""
+        if self.settle > 0:
+            self._sleep(self.settle)
+        got, current = self._read(mine.key)
+        if got.ok and current is not None and current.holder.nonce != mine.holder.nonce:
+            return self._flight(mine.key, Role.FOLLOWER, "lost_race", current)
+        return self._flight(mine.key, Role.LEADER, lease=mine)  # ours, or unreadable: lead (fail open)
+
+    # -- the protocol ------------------------------------------------------
+    def acquire(self, key: str, *, ttl: float = DEFAULT_TTL, heartbeat: float | None = None) -> Flight:
+        """Lead, follow or go solo for ``key``; never raises.
+
+        A read-only client never writes a lease: it follows a live one or
+        goes solo.  ``heartbeat`` (seconds) renews a leader's lease from a
+        thread until :meth:`release`, so ``ttl`` can stay short while a
+        build runs long.
+        """
+        if not self.remote.writable:
+            got, current = self._read(key)
+            if got.ok and self._live(current):
+                return self._flight(key, Role.FOLLOWER, lease=current)
+            return self._flight(key, Role.SOLO, got.reason or str(RemoteReason.REMOTE_READ_ONLY))
+        for _ in range(self.attempts):
+            mine = self._new_lease(key, ttl)
+            put = self.remote.put_if_absent(Kind.AC, lease_address(key), mine.encode())
+            if put.reason == RemoteReason.REMOTE_UNSUPPORTED:
+                return self._start(self._best_effort(mine), heartbeat)
+            if not put.ok:
+                return self._flight(key, Role.SOLO, put.reason)
+            if put.value:
+                return self._start(self._confirm(mine), heartbeat)
+            got, current = self._read(key)
+            if not got.ok:
+                return self._flight(key, Role.SOLO, got.reason)
+            if got.value is None:
+                continue  # released between our write and our read: try again
+            if self._live(current):
+                return self._flight(key, Role.FOLLOWER, lease=current)
+            log.info("remote build lease of %s is stale (%s); taking it over", key,
+                     "undecodable" if current is None else f"held by {current.holder.host}:{current.holder.pid}")
+            self.remote.count("flight.takeovers")
+            self.remote.delete(Kind.AC, lease_address(key))
+        return self._flight(key, Role.SOLO, str(RemoteReason.BUILDER_GONE))
+
+    def _best_effort(self, mine: Lease) -> Flight:
+        """No put-if-absent: look for a live lease, else write ours and read it back."""
+        got, current = self._read(mine.key)
+        if not got.ok:
+            return self._flight(mine.key, Role.SOLO, got.reason)
+        if self._live(current):
+            return self._flight(mine.key, Role.FOLLOWER, lease=current)
+        put = self.remote.put(Kind.AC, lease_address(mine.key), mine.encode())
+        if not put.ok:
+            return self._flight(mine.key, Role.SOLO, put.reason)
+        return self._confirm(mine)
+
+    def _start(self, flight: Flight, heartbeat: float | None) -> Flight:
+        if flight.leader and heartbeat:
+            flight._stop = threading.Event()
+            threading.Thread(target=self._beat, args=(flight, heartbeat), daemon=True,
+                             name=f"adstore-lease-{flight.key[:12]}").start()
+        return flight
+
+    def _beat(self, flight: Flight, interval: float) -> None:
+        assert flight._stop is not None and flight.lease is not None
+        ttl = flight.lease.expires - flight.lease.created
+        while not flight._stop.wait(interval):
+            self.renew(flight, ttl=ttl)
+
+    def renew(self, flight: Flight, *, ttl: float = DEFAULT_TTL) -> bool:
+        """Push a leader's expiry to now + ``ttl`` (a build that runs long)."""
+        if not flight.leader or flight.lease is None:
+            return False
+        now = self._clock()
+        renewed = replace(flight.lease, expires=now + ttl)
+        ok = self.remote.put(Kind.AC, lease_address(flight.key), renewed.encode()).ok
+        if ok:
+            flight.lease = renewed
+        return ok
+
+    def release(self, flight: Flight) -> bool:
+        """Drop a leader's lease (after publishing, or after failing: followers then build)."""
+        if flight._stop is not None:
+            flight._stop.set()
+        if not flight.leader or flight.lease is None:
+            return False
+        got, current = self._read(flight.key)
+        if got.ok and current is not None and current.holder.nonce != flight.lease.holder.nonce:
+            return False  # taken over after it expired: not ours to delete
+        return self.remote.delete(Kind.AC, lease_address(flight.key)).ok
+
+    def wait(self, flight: Flight, *, ready: Callable[[], bool], timeout: float) -> WaitResult:
+        """Follow: poll ``ready()`` (the leader's record is on the remote) for at most ``timeout`` s."""
+        start = self._clock()
+        deadline, delay = start + timeout, self.poll_min
+
+        def done(ok: bool, reason: str | None) -> WaitResult:
+            self.remote.count("flight.ready" if ok else f"flight.{reason}")
+            return WaitResult(ok, reason, self._clock() - start)
+
+        while True:
+            if _safely(ready):
+                return done(True, None)
+            now = self._clock()
+            if now >= deadline:
+                return done(False, str(RemoteReason.SINGLE_FLIGHT_TIMEOUT))
+            got, current = self._read(flight.key)
+            if not got.ok:
+                return done(False, got.reason)
+            if not self._live(current):  # released, expired or dead: one last look for its record
+                return done(True, None) if _safely(ready) else done(False, str(RemoteReason.BUILDER_GONE))
+            self._sleep(max(0.0, min(delay, deadline - now)))
+            delay = min(delay * 2, self.poll_max)
+
+
+def _safely(ready: Callable[[], bool]) -> bool:
+    try:
+        return bool(ready())
+    except Exception:  # a failing check is "not yet", never an error for the pipeline
+        log.debug("single-flight readiness check failed", exc_info=True)
+        return False
