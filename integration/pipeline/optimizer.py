@@ -41,7 +41,7 @@ from adstore.integration.pipeline.transforms import (
 from adstore.store.errors import ConfigError
 from torch import nn
 
-__all__ = ["InferenceOptimizer", "default_registry", "register"]
+__all__ = ["InferenceOptimizer", "default_registry", "register_transform"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _default_registry: TransformRegistry | None = None
 
 
 def default_registry() -> TransformRegistry:
-    """The registry of optimizers given none: the reference transforms, plus what :func:`register` added."""
+    """The registry of optimizers given none: the reference transforms plus what :func:`register_transform` added."""
     global _default_registry
     if _default_registry is None:
         from adstore.integration.reference.pipeline import reference_registry
@@ -58,7 +58,7 @@ def default_registry() -> TransformRegistry:
     return _default_registry
 
 
-def register(cls: type[Transform]) -> type[Transform]:
+def register_transform(cls: type[Transform]) -> type[Transform]:
     """Add a transform class to :func:`default_registry` (same name: yours replaces it)."""
     return default_registry().add(cls)
 

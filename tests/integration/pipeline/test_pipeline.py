@@ -15,7 +15,7 @@ from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.pipeline import optimizer
 from adstore.integration.pipeline.graphs import graph_modules
-from adstore.integration.pipeline.optimizer import register
+from adstore.integration.pipeline.optimizer import register_transform
 from adstore.integration.pipeline.transforms import Stage, Transform, TransformConfig
 from adstore.integration.reference.pipeline import reference_registry
 from adstore.store import Store
@@ -135,9 +135,9 @@ def test_prefix_model_checkpoint_and_topology_changes_miss(factory, checkpoint, 
 
 def _write_transform_module(path, modname, body):
     path.joinpath(f"{modname}.py").write_text(
-        "from adstore.integration.pipeline.optimizer import register\n"
+        "from adstore.integration.pipeline.optimizer import register_transform\n"
         "from adstore.integration.pipeline.transforms import Stage, Transform\n\n"
-        "@register\n"
+        "@register_transform\n"
         "class Custom(Transform):\n"
         "    name = 'custom_step'\n"
         "    stage = Stage.PATTERN_MATCHING\n\n"
@@ -186,7 +186,7 @@ class _MutatesConfig(Transform):
 
 
 def test_config_mutated_by_a_prefix_transform_still_hits(factory, checkpoint, root, registry_guard):
-    register(_MutatesConfig)
+    register_transform(_MutatesConfig)
     tr = {"mutating_step": {}, **default_transforms(pipeline_cache={"root": str(root)})}
     first = InferenceOptimizer(factory, checkpoint, tr)
     key_before = first.cache_key().key
@@ -227,7 +227,7 @@ class _Materializes(Transform):
 @pytest.mark.parametrize("cls,reason", [(_AddsForwardHook, "forward_hook"),
                                         (_Materializes, "materialized_parameters")])
 def test_unsupported_modules_bypass_and_leave_no_entry(factory, checkpoint, root, registry_guard, cls, reason):
-    register(cls)
+    register_transform(cls)
     tr = {cls.name: {}, **default_transforms(pipeline_cache={"root": str(root)})}
     opt, _, out = run(factory, checkpoint, tr)
     assert kinds(opt) == [("miss", "absent"), ("bypass", reason)]
@@ -303,7 +303,7 @@ class _Wrap(Transform):
 
 
 def test_wrapper_with_graph_children_restores_with_types(factory, checkpoint, root, registry_guard):
-    register(_Wrap)
+    register_transform(_Wrap)
     tr = {"wrap_graph": {}, **default_transforms(
         pipeline_cache={"root": str(root), "allowed_prefixes": [Wrapper.__module__ + "."]})}
     cold, m1, out1 = run(factory, checkpoint, tr)
