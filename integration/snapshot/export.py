@@ -1,4 +1,4 @@
-"""What ``torch.export(...).module()`` adds to a GraphModule, recognised and recreated.
+"""What ``torch.export(...).module()`` adds to a GraphModule, and bound methods, recognised and recreated.
 
 An exported module carries pieces that are not plain structure: forward
 pre/post hooks that are lambdas, ``train``/``eval`` bound to local functions, and
@@ -9,16 +9,21 @@ serialised safely, and all of them are standard, so the snapshot records only
 
 from __future__ import annotations
 
+import types
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["RestoredGuards", "export_forward_hooks"]
+from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
+from adstore.integration.snapshot.names import identifier
+from adstore.integration.snapshot.targets import qualname_of, resolve_target
 
-_STATEFUL = "torch.export._unlift._StatefulGraphModule"
+__all__ = ["STATEFUL_GM", "RestoredGuards", "bind_method", "encode_bound_method", "export_forward_hooks"]
+
+STATEFUL_GM = "torch.export._unlift._StatefulGraphModule"
 
 
 def _is_stateful(module: torch.nn.Module) -> bool:
@@ -96,3 +101,33 @@ def export_forward_hooks(module: torch.nn.Module) -> bool | None:
         if h is not _check_input_constraints_pre_hook and not _is_export_hook_lambda(h):
             return False
     return all(_is_export_hook_lambda(h) for h in post)
+
+
+def encode_bound_method(gm: torch.nn.Module, name: str, value: types.MethodType, path: str) -> list[str]:
+    """Spec of an instance-bound method: ``[name, kind, qualname]``."""
+    if value.__self__ is not gm:
+        raise UnsupportedModule(f"{path or '<root>'}: attribute {name!r} is a method bound to another object")
+    func = value.__func__
+    kind = _EXPORT_METHODS.get(getattr(func, "__qualname__", ""))
+    if kind and getattr(func, "__module__", "") in ("torch.export.exported_program", _export_train.__module__):
+        return [name, kind, ""]
+    q = qualname_of(func)
+    if q is None:
+        raise UnsupportedModule(f"{path or '<root>'}: bound method {name!r} ({func!r}) is not importable")
+    return [name, "func", q]
+
+
+def bind_method(gm: torch.nn.Module, name: Any, kind: Any, q: Any, extra: Sequence[str]) -> None:
+    """Re-bind one method from its :func:`encode_bound_method` spec (a function under the allow-list)."""
+    identifier(name, "method name")
+    if kind == "export_train":
+        fn: Any = _export_train
+    elif kind == "export_eval":
+        fn = _export_eval
+    elif kind == "func":
+        fn = resolve_target(q, extra)
+        if not isinstance(fn, types.FunctionType):
+            raise UntrustedTarget(q)
+    else:
+        raise CorruptSnapshot(f"unknown bound-method kind {kind!r}")
+    setattr(gm, name, types.MethodType(fn, gm))

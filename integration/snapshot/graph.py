@@ -19,7 +19,6 @@ decoded JSON values.
 from __future__ import annotations
 
 import json
-import keyword
 import logging
 import types
 from typing import Any, Sequence
@@ -31,13 +30,13 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.snapshot.export import (
-    _EXPORT_METHODS,
-    _STATEFUL,
-    RestoredGuards,
-    _export_eval,
-    _export_train,
-    export_forward_hooks,
+from adstore.integration.snapshot.export import STATEFUL_GM, RestoredGuards, bind_method, export_forward_hooks
+from adstore.integration.snapshot.names import (
+    attr_path,
+    check_attribute_access,
+    check_pytree_types,
+    identifier,
+    placeholder_target,
 )
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 from adstore.integration.snapshot.values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
@@ -45,13 +44,13 @@ from adstore.integration.snapshot.wire import pack_node, unpack_node
 
 __all__ = [
     "GM_CLASSES",
+    "GM_KEYS",
     "STALE_SHAPE_KEY",
     "GraphDecoder",
     "MetaTable",
-    "RestoredGuards",
     "encode_graph_module",
-    "encode_bound_method",
     "is_shape_stale",
+    "real_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,17 +65,14 @@ _SPEC_META = frozenset({"val"})
 _MISSING = object()
 _DROPPED = object()
 #: GraphModule classes a snapshot may name, and therefore rebuild.
-GM_CLASSES = ("torch.fx.graph_module.GraphModule", _STATEFUL)
+GM_CLASSES = ("torch.fx.graph_module.GraphModule", STATEFUL_GM)
 #: GraphModule instance attributes handled here (everything else goes to generic attrs).
 GM_KEYS = frozenset({
     "_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras", "meta",
     "_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks", "_in_spec", "_out_spec",
     "shape_env", "range_constraints", "validate_inputs",
 })
-_PYTREE_BUILTIN_TYPES = frozenset({
-    None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
-    "collections.defaultdict", "collections.deque", "torch.Size",
-})
+
 
 
 def is_shape_stale(node: torch.fx.Node) -> bool:
@@ -84,65 +80,7 @@ def is_shape_stale(node: torch.fx.Node) -> bool:
     return bool(node.meta.get(STALE_SHAPE_KEY, False))
 
 
-def _ident(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-        raise CorruptSnapshot(f"{what} {name!r} is not a valid identifier")
-    return name
-
-
-def _member(name: Any, what: str) -> str:
-    """A submodule/parameter/buffer name: an identifier or a digit string (``layers.0``), no dunders."""
-    if not isinstance(name, str) or not (name.isidentifier() or name.isdigit()):
-        raise CorruptSnapshot(f"{what} {name!r} is not a valid member name")
-    if name.startswith("__") and name.endswith("__"):
-        raise UntrustedTarget(name)
-    return name
-
-
-def _has_dunder_string(value: Any) -> bool:
-    if type(value) is str:
-        return value.startswith("__") and value.endswith("__") and len(value) > 4
-    if type(value) in (tuple, list):
-        return any(_has_dunder_string(v) for v in value)
-    if type(value) is dict:
-        return any(_has_dunder_string(k) or _has_dunder_string(v) for k, v in value.items())
-    return False
-
-
-def _check_attribute_access(name: str, target: object, args: tuple, kwargs: dict) -> None:
-    """Keep a restored graph from reaching objects it does not name.
-
-    Targets resolve only under the allow-list, but attribute access at run time
-    could walk from a tensor to ``__class__.__init__.__globals__`` and from there
-    to anything.  So ``getattr``/``hasattr`` take a literal, non-dunder name, and
-    no argument of a call is a dunder string.
-    """
-    if target is getattr or target is hasattr:
-        attr = args[1] if len(args) > 1 else kwargs.get("name")
-        if type(attr) is not str or attr.startswith("__"):
-            raise UntrustedTarget(f"{getattr(target, '__name__', target)}(…, {attr!r}) in node {name!r}")
-    if _has_dunder_string(args) or _has_dunder_string(kwargs):
-        raise UntrustedTarget(f"a dunder attribute name in the arguments of node {name!r}")
-
-
-def _attr_path(path: Any, what: str) -> str:
-    if not isinstance(path, str) or not path:
-        raise CorruptSnapshot(f"{what} {path!r} is not an attribute path")
-    for part in path.split("."):
-        if not (part.isidentifier() or part.isdigit()) or (part.startswith("__") and part.endswith("__")):
-            raise UntrustedTarget(path) if "__" in part else CorruptSnapshot(f"bad {what} {path!r}")
-    return path
-
-
-def _placeholder_target(t: Any) -> str:
-    if isinstance(t, str):
-        bare = t[2:] if t.startswith("**") else t[1:] if t.startswith("*") else t
-        _ident(bare, "placeholder")
-        return t
-    raise CorruptSnapshot(f"placeholder target {t!r} is not a string")
-
-
-def _real_class(module: torch.nn.Module) -> type:
+def real_class(module: torch.nn.Module) -> type:
     cls = type(module)
     if isinstance(module, torch.fx.GraphModule):
         for c in cls.__mro__:
@@ -152,7 +90,7 @@ def _real_class(module: torch.nn.Module) -> type:
 
 
 def _real_class_name(module: torch.nn.Module) -> str | None:
-    return qualname_of(_real_class(module))
+    return qualname_of(real_class(module))
 
 
 # ----------------------------------------------------------------------------- encode
@@ -325,43 +263,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
     return out
 
 
-def encode_bound_method(gm: torch.nn.Module, name: str, value: types.MethodType, path: str) -> list[str]:
-    """Spec of an instance-bound method: ``[name, kind, qualname]``."""
-    if value.__self__ is not gm:
-        raise UnsupportedModule(f"{path or '<root>'}: attribute {name!r} is a method bound to another object")
-    func = value.__func__
-    kind = _EXPORT_METHODS.get(getattr(func, "__qualname__", ""))
-    if kind and getattr(func, "__module__", "") in ("torch.export.exported_program", _export_train.__module__):
-        return [name, kind, ""]
-    q = qualname_of(func)
-    if q is None:
-        raise UnsupportedModule(f"{path or '<root>'}: bound method {name!r} ({func!r}) is not importable")
-    return [name, "func", q]
-
-
 # ----------------------------------------------------------------------------- decode
-def _check_pytree_types(spec_json: str, extra: Sequence[str]) -> None:
-    def walk(node: Any) -> None:
-        if not isinstance(node, dict):
-            raise CorruptSnapshot("bad pytree spec")
-        t = node.get("type")
-        if t not in _PYTREE_BUILTIN_TYPES:
-            # Resolving imports the (allow-listed) module, which registers its pytree nodes.
-            resolve_target(t, extra) if isinstance(t, str) else None
-            if not isinstance(t, str):
-                raise CorruptSnapshot(f"bad pytree type {t!r}")
-        for child in node.get("children_spec", []):
-            walk(child)
-
-    try:
-        data = json.loads(spec_json)
-    except (TypeError, ValueError) as exc:
-        raise CorruptSnapshot(f"bad pytree spec: {exc}") from exc
-    if not isinstance(data, list) or len(data) != 2:
-        raise CorruptSnapshot("bad pytree spec")
-    walk(data[1])
-
-
 class GraphDecoder:
     """Rebuilds graphs of one snapshot; shares the symbol/fake-tensor context between graphs."""
 
@@ -417,13 +319,13 @@ class GraphDecoder:
             return CodeGen()
         if kind != "pytree":
             raise CorruptSnapshot(f"unknown codegen kind {kind!r}")
-        args = [_ident(a, "argument name") for a in enc["orig_args"]]
+        args = [identifier(a, "argument name") for a in enc["orig_args"]]
         specs = []
         for s in (enc.get("in_spec"), enc.get("out_spec")):
             if s is None:
                 specs.append(None)
                 continue
-            _check_pytree_types(s, self.extra)
+            check_pytree_types(s, self.extra)
             try:
                 specs.append(pytree.treespec_loads(s))
             except Exception as exc:  # unknown type names etc.
@@ -454,21 +356,21 @@ class GraphDecoder:
                     raise CorruptSnapshot(f"node {name!r}: bad target index")
                 target = targets[target]
             elif op == "placeholder":
-                target = _placeholder_target(target)
+                target = placeholder_target(target)
             elif op == "output":
                 if target != "output":
                     raise CorruptSnapshot("output node target must be 'output'")
             elif op in ("get_attr", "call_module", "call_method"):
-                target = _attr_path(target, op)
+                target = attr_path(target, op)
             else:
                 raise CorruptSnapshot(f"unknown node op {op!r}")
-            _ident(name, "node name")
+            identifier(name, "node name")
             args = decode(a)
             kwargs = decode(k)
             if type(args) is not tuple or type(kwargs) is not dict:
                 raise CorruptSnapshot(f"node {name!r}: args/kwargs have the wrong type")
             if op in ("call_function", "call_method"):
-                _check_attribute_access(name, target, args, kwargs)
+                check_attribute_access(name, target, args, kwargs)
             type_expr = resolve_target(ty, self.extra) if ty is not None else None
             node = create(op, target, args, kwargs, name=name, type_expr=type_expr)
             if node.name != name:
@@ -531,10 +433,10 @@ class GraphDecoder:
     def make_module(self, enc: dict[str, Any]) -> torch.fx.GraphModule:
         """An empty GraphModule of the recorded class; the caller fills it and sets ``.graph``."""
         cls_name = enc.get("gm_class")
-        class_name = _ident(enc.get("class_name", "GraphModule"), "class name")
+        class_name = identifier(enc.get("class_name", "GraphModule"), "class name")
         if cls_name == GM_CLASSES[0]:
             gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
-        elif cls_name == _STATEFUL:
+        elif cls_name == STATEFUL_GM:
             from torch.export._unlift import _StatefulGraphModule
 
             rc = self.syms.range_constraints(enc.get("range_constraints") or [])
@@ -568,15 +470,4 @@ class GraphDecoder:
         if isinstance(guards, RestoredGuards):
             guards.bind(gm)
         for name, kind, q in methods:
-            _ident(name, "method name")
-            if kind == "export_train":
-                fn: Any = _export_train
-            elif kind == "export_eval":
-                fn = _export_eval
-            elif kind == "func":
-                fn = resolve_target(q, self.extra)
-                if not isinstance(fn, types.FunctionType):
-                    raise UntrustedTarget(q)
-            else:
-                raise CorruptSnapshot(f"unknown bound-method kind {kind!r}")
-            setattr(gm, name, types.MethodType(fn, gm))
+            bind_method(gm, name, kind, q, self.extra)

@@ -31,18 +31,9 @@ from adstore.integration.errors import (
     UnsupportedModule,
     UntrustedTarget,
 )
-from adstore.integration.snapshot.graph import (
-    GM_KEYS,
-    GraphDecoder,
-    MetaTable,
-    RestoredGuards,
-    _ident,
-    _member,
-    _real_class,
-    encode_bound_method,
-    encode_graph_module,
-    export_forward_hooks,
-)
+from adstore.integration.snapshot.export import RestoredGuards, encode_bound_method, export_forward_hooks
+from adstore.integration.snapshot.graph import GM_KEYS, GraphDecoder, MetaTable, encode_graph_module, real_class
+from adstore.integration.snapshot.names import identifier, member_name
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 from adstore.integration.snapshot.tensor_meta import DTYPES, dtype_name
 from adstore.integration.snapshot.values import Unencodable, ValueEncoder
@@ -107,7 +98,7 @@ class TreeEncoder:
             return module_alias(seen)
         self._modules[id(m)] = path
         self._check_hooks(m, path)
-        cls = _real_class(m)
+        cls = real_class(m)
         q = qualname_of(cls)
         where = path or "<root>"
         if q is None:
@@ -234,10 +225,10 @@ class TreeDecoder:
         self._modules[path] = target
         target.training = bool(enc.get("training", True))
         for name, spec in enc.get("params", ()):
-            _member(name, "parameter name")
+            member_name(name, "parameter name")
             target._parameters[name] = None if spec is None else self._param(spec, _join(path, name))
         for name, ref, persistent in enc.get("buffers", ()):
-            _member(name, "buffer name")
+            member_name(name, "buffer name")
             if ref is None:
                 buf = None
             else:
@@ -249,10 +240,10 @@ class TreeDecoder:
             if not persistent:
                 target._non_persistent_buffers_set.add(name)
         for name, child in enc.get("children", ()):
-            _member(name, "submodule name")
+            member_name(name, "submodule name")
             target._modules[name] = None if child is None else self.module(child, _join(path, name))
         for k, v in enc.get("attrs", {}).items():
-            _ident(k, "attribute name")
+            identifier(k, "attribute name")
             if k in MODULE_KEYS or (is_gm and k in GM_KEYS) or (k.startswith("__") and k.endswith("__")):
                 raise CorruptSnapshot(f"attribute {k!r} may not be set from a snapshot")
             target.__dict__[k] = self.graphs.plain(v)

@@ -398,7 +398,7 @@ def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
 # A compiled engine is a shared object: loading it runs its code.  Another member of the store's
 # group publishes, under the victim's engine hash, a package whose .so has a constructor and whose
 # metadata is the victim's own (every field is derivable from what the group can read).  The
-# engine cache must refuse a package file it did not write (bugs-found.md §12).
+# engine cache must refuse a package file it did not write (README, "Engine cache").
 
 _EVIL_C = r"""
 #include <stdio.h>
