@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.metadata
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,14 @@ ARCHITECTURES: dict[str, Any] = {
 MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4",
 }
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version from its metadata (the package is not imported)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _gemma4(layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
@@ -216,22 +225,19 @@ class ModelFactory:
         return dtype
 
     def identity(self) -> dict[str, Any]:
-        """The ``model`` key component: architecture, full config dict, kwargs."""
-        hf = self.hf_config()
-        full = hf.to_dict()
-        for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
-            full.pop(volatile, None)
-        from transformers.models.auto.modeling_auto import (
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        )
+        """The ``model`` key component: model type, the config mapping, kwargs, transformers version.
 
-        # The class name without importing the modeling module (identity stays cheap on a hit).
-        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.model_type, type(hf).__name__)
+        Computed from the mapping alone, without importing transformers (about
+        a second on a restart that restores and never builds).  The version
+        stands in for the defaults transformers fills in, so an upgrade that
+        changes them is a miss; a config that spells out a default is a
+        different key from one that leaves it out (a miss, never a wrong hit).
+        """
         return {
-            "architecture": arch,
             "model_type": self.config["model_type"],
-            "config": full,
+            "config": dict(self.config),
             "model_kwargs": dict(sorted(self.model_kwargs.items())),
+            "transformers": _version("transformers"),
         }
 
     def tp_plan(self) -> dict[str, str]:
@@ -287,5 +293,5 @@ class ModelFactory:
     def example_inputs(self, *, batch: int = 2, seq: int = 8, seed: int = 0) -> tuple[torch.Tensor]:
         """Token ids of the export / comparison shape (deterministic)."""
         gen = torch.Generator().manual_seed(seed)
-        vocab = int(self.hf_config().vocab_size)
+        vocab = int(self.config.get("vocab_size") or self.hf_config().vocab_size)
         return (torch.randint(0, vocab, (batch, seq), generator=gen),)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import sympy
+import functools
+from typing import TYPE_CHECKING
+
 import torch
-import torch.utils._sympy.functions as symfn
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._sympy.numbers import IntInfinity, NegativeIntInfinity, int_oo
-from torch.utils._sympy.value_ranges import ValueRanges
+
+if TYPE_CHECKING:
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule
 
@@ -31,29 +33,35 @@ __all__ = ["SymbolTable", "SymDecoder", "encode_expr", "DTYPES", "dtype_name"]
 
 logger = logging.getLogger(__name__)
 
-# The only expression heads a payload may name.
-_FUNCS: dict[str, Any] = {
-    "Add": sympy.Add,
-    "Mul": sympy.Mul,
-    "Pow": sympy.Pow,
-    "Max": symfn.Max,
-    "Min": symfn.Min,
-    "Eq": sympy.Eq,
-    "Ne": sympy.Ne,
-    "Lt": sympy.Lt,
-    "Le": sympy.Le,
-    "Gt": sympy.Gt,
-    "Ge": sympy.Ge,
-    "And": sympy.And,
-    "Or": sympy.Or,
-    "Not": sympy.Not,
-}
-for _name in ("FloorDiv", "CleanDiv", "CeilDiv", "ModularIndexing", "Mod", "PythonMod", "IntTrueDiv",
-              "FloatTrueDiv", "TruncToInt", "CeilToInt", "FloorToInt", "PowByNatural", "FloatPow",
-              "ToFloat", "Where", "Identity", "LShift", "RShift", "RoundToInt", "TruncToFloat"):
-    if hasattr(symfn, _name):
-        _FUNCS[_name] = getattr(symfn, _name)
-_FUNC_NAMES = {v: k for k, v in _FUNCS.items()}
+# sympy and torch's symbolic-shape machinery are imported on first use: a static
+# snapshot never needs them, and importing them (and building a ShapeEnv, which
+# pulls in dynamo) costs most of a second on a restart.
+
+
+@functools.cache
+def _funcs() -> dict[str, Any]:
+    """The only expression heads a payload may name."""
+    import sympy
+    import torch.utils._sympy.functions as symfn
+
+    funcs: dict[str, Any] = {
+        "Add": sympy.Add, "Mul": sympy.Mul, "Pow": sympy.Pow, "Max": symfn.Max, "Min": symfn.Min,
+        "Eq": sympy.Eq, "Ne": sympy.Ne, "Lt": sympy.Lt, "Le": sympy.Le, "Gt": sympy.Gt, "Ge": sympy.Ge,
+        "And": sympy.And, "Or": sympy.Or, "Not": sympy.Not,
+    }
+    for name in ("FloorDiv", "CleanDiv", "CeilDiv", "ModularIndexing", "Mod", "PythonMod", "IntTrueDiv",
+                 "FloatTrueDiv", "TruncToInt", "CeilToInt", "FloorToInt", "PowByNatural", "FloatPow",
+                 "ToFloat", "Where", "Identity", "LShift", "RShift", "RoundToInt", "TruncToFloat"):
+        if hasattr(symfn, name):
+            funcs[name] = getattr(symfn, name)
+    return funcs
+
+
+@functools.cache
+def _func_names() -> dict[Any, str]:
+    return {v: k for k, v in _funcs().items()}
+
+
 _ASSUMPTIONS = ("integer", "positive", "nonnegative", "real", "finite")
 
 #: dtype name -> dtype, for every dtype torch knows (no getattr on payload strings).
@@ -67,6 +75,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _bound(value: Any) -> Any:
+    import sympy
+    from torch.utils._sympy.numbers import IntInfinity, NegativeIntInfinity
+
     if isinstance(value, (IntInfinity,)) or value == sympy.oo:
         return "oo"
     if isinstance(value, NegativeIntInfinity) or value == -sympy.oo:
@@ -81,6 +92,9 @@ def _bound(value: Any) -> Any:
 
 
 def _unbound(value: Any) -> Any:
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
     if value == "oo":
         return int_oo
     if value == "-oo":
@@ -119,6 +133,8 @@ class SymbolTable:
 
     def add_ranges(self, range_constraints: dict) -> list[list[Any]]:
         """Encode a ``range_constraints`` mapping (symbol -> ValueRanges)."""
+        import sympy
+
         out = []
         for sym, vr in range_constraints.items():
             if not isinstance(sym, sympy.Symbol):
@@ -140,6 +156,9 @@ class SymbolTable:
 
 def encode_expr(expr: Any, table: SymbolTable, shape_env: ShapeEnv | None) -> Any:
     """Encode a sympy expression as nested lists over a fixed set of heads."""
+    import sympy
+    from torch.utils._sympy.numbers import IntInfinity, NegativeIntInfinity
+
     if isinstance(expr, sympy.Symbol):
         table.add(expr, shape_env)
         return ["s", expr.name]
@@ -153,30 +172,71 @@ def encode_expr(expr: Any, table: SymbolTable, shape_env: ShapeEnv | None) -> An
         return ["r", float(expr)]
     if isinstance(expr, (IntInfinity, NegativeIntInfinity)):
         return ["oo", 1 if isinstance(expr, IntInfinity) else -1]
-    head = _FUNC_NAMES.get(type(expr)) or _FUNC_NAMES.get(expr.func)
+    names = _func_names()
+    head = names.get(type(expr)) or names.get(expr.func)
     if head is None:
         raise UnsupportedModule(f"symbolic expression {expr} uses {type(expr).__name__}, which snapshots do not encode")
     return ["f", head, [encode_expr(a, table, shape_env) for a in expr.args]]
 
 
 class SymDecoder:
-    """Load side: one ShapeEnv + FakeTensorMode shared by every graph of a snapshot."""
+    """Load side: one ShapeEnv + FakeTensorMode shared by every graph of a snapshot.
+
+    Both are made on first use, and a snapshot without symbols gets a
+    FakeTensorMode without a ShapeEnv: a static graph's restore then never
+    imports sympy or dynamo.
+    """
 
     def __init__(self, symbols: dict[str, dict[str, Any]], ranges: dict[str, list[Any]] | None = None) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        self.shape_env = ShapeEnv()
-        self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
-        self.symbols: dict[str, sympy.Symbol] = {}
+        if not isinstance(symbols, dict):
+            raise CorruptSnapshot("bad symbol table")
         for name, info in symbols.items():
             if not isinstance(name, str) or not name.isidentifier() or not isinstance(info, dict):
                 raise CorruptSnapshot(f"bad symbol entry {name!r}")
+        self._encoded = symbols
+        self._shape_env: ShapeEnv | None = None
+        self._symbols: dict[str, sympy.Symbol] | None = None
+        self._fake_mode: Any = None
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def fake_mode(self) -> Any:
+        if self._fake_mode is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            env = self.shape_env if self._encoded else None
+            self._fake_mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        return self._fake_mode
+
+    @property
+    def shape_env(self) -> ShapeEnv:
+        if self._shape_env is None:
+            self._build()
+        assert self._shape_env is not None
+        return self._shape_env
+
+    @property
+    def symbols(self) -> dict[str, sympy.Symbol]:
+        if self._symbols is None:
+            self._build()
+        assert self._symbols is not None
+        return self._symbols
+
+    def _build(self) -> None:
+        import sympy
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        from torch.utils._sympy.numbers import int_oo
+        from torch.utils._sympy.value_ranges import ValueRanges
+
+        shape_env = ShapeEnv()
+        symbols: dict[str, sympy.Symbol] = {}
+        for name, info in self._encoded.items():
             assumptions = {k: bool(v) for k, v in info.get("assumptions", {}).items() if k in _ASSUMPTIONS}
             sym = sympy.Symbol(name, **assumptions)
-            self.symbols[name] = sym
+            symbols[name] = sym
             hint = info.get("hint")
             if isinstance(hint, (int, float)) and not isinstance(hint, bool):
-                self.shape_env.add_backed_var_to_val(sym, hint)
+                shape_env.add_backed_var_to_val(sym, hint)
             rng = info.get("range")
             if rng is not None:
                 vr = ValueRanges(_unbound(rng[0]), _unbound(rng[1]))
@@ -184,10 +244,14 @@ class SymDecoder:
                 vr = ValueRanges(2, int_oo)  # ShapeEnv's default for a backed size
             else:
                 vr = ValueRanges(-int_oo, int_oo)
-            self.shape_env._update_var_to_range(sym, vr)
-        self._cache: dict[str, Any] = {}
+            shape_env._update_var_to_range(sym, vr)
+        self._shape_env, self._symbols = shape_env, symbols
 
     def range_constraints(self, encoded: list[list[Any]]) -> dict:
+        if not encoded:
+            return {}
+        from torch.utils._sympy.value_ranges import ValueRanges
+
         out = {}
         for name, lo, hi in encoded:
             if name not in self.symbols:
@@ -196,6 +260,9 @@ class SymDecoder:
         return out
 
     def expr(self, enc: Any) -> Any:
+        import sympy
+        from torch.utils._sympy.numbers import int_oo
+
         if isinstance(enc, bool):
             return sympy.true if enc else sympy.false
         if isinstance(enc, int):
@@ -215,7 +282,7 @@ class SymDecoder:
         if tag == "oo":
             return int_oo if enc[1] > 0 else -int_oo
         if tag == "f":
-            fn = _FUNCS.get(enc[1])
+            fn = _funcs().get(enc[1])
             if fn is None:
                 raise CorruptSnapshot(f"expression names unknown function {enc[1]!r}")
             return fn(*[self.expr(a) for a in enc[2]])

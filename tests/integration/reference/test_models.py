@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
@@ -45,13 +48,22 @@ def test_pipeline_output_equals_eager_more_architectures(arch, tmp_path):
 
 def test_identity_covers_config_and_kwargs():
     a = ModelFactory.from_config({"arch": "llama"})
-    same = ModelFactory(config={**tiny_config("llama"), "rms_norm_eps": a.hf_config().rms_norm_eps})
-    assert a.identity() == same.identity()  # explicit default == implicit default
-    assert a.identity()["architecture"] == "LlamaForCausalLM"
+    assert a.identity() == ModelFactory(config=tiny_config("llama")).identity()
+    # Computed from the mapping: spelling out a default is another key (a miss, never a wrong hit).
+    spelled = ModelFactory(config={**tiny_config("llama"), "rms_norm_eps": a.hf_config().rms_norm_eps})
+    assert a.identity() != spelled.identity()
+    assert a.identity()["model_type"] == "llama" and a.identity()["transformers"]
     assert a.identity() != ModelFactory.from_config({"arch": "llama", "layers": 3}).identity()
     eager = ModelFactory.from_config({"arch": "llama", "model_kwargs": {"attn_implementation": "eager"}})
     assert a.identity()["config"] == eager.identity()["config"]
     assert a.identity() != eager.identity()
+
+
+def test_identity_and_example_inputs_do_not_import_transformers():
+    code = ("import sys; from adstore.integration.reference.models import ModelFactory; "
+            "f = ModelFactory.from_config({'arch': 'llama'}); f.identity(); f.example_inputs(); "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 def test_factory_rejects_bad_input():
