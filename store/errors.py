@@ -25,6 +25,7 @@ __all__ = [
     "CorruptRecord",
     "UnsupportedFilesystem",
     "UnsafeRoot",
+    "NoStore",
     "IncompatibleStore",
     "OverBudget",
     "StoreFull",
@@ -156,6 +157,17 @@ class UnsafeRoot(StoreError):
         self.root = root
         self.why = why
         super().__init__(f"refusing store root {root}: {why}")
+
+
+class NoStore(StoreError):
+    """``Store.open(..., create=False)`` found no store at ``root`` (and created nothing)."""
+
+    reason: Reason = Reason.NO_STORE
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        super().__init__(f"no adstore store at {root} (set --root or ADSTORE_ROOT; a store is created by "
+                         "its first writer)")
 
 
 class IncompatibleStore(StoreError):

@@ -71,6 +71,10 @@ class Layout:
         except FileNotFoundError:
             return 0
 
+    def exists(self) -> bool:
+        """Is there a store here (its ``CACHEDIR.TAG`` or its LMDB file)?  Creates nothing."""
+        return (self.root / "CACHEDIR.TAG").is_file() or (self.index / "data.mdb").is_file()
+
     @property
     def group_shared(self) -> bool:
         """A setgid root is shared by its group (README, "A store shared by several users")."""

@@ -33,9 +33,10 @@ class Reason(enum.StrEnum):
     BAD_DIGEST = "bad_digest"  # a digest that is not 64 lowercase hex characters
     BAD_KEY = "bad_key"  # a key, namespace or artifact name the store will not index
     NETWORK_FS = "network_fs"  # the root is on a network filesystem (LMDB locking is unsafe)
-    UNSAFE_ROOT = "unsafe_root"  # the root is world-writable
+    UNSAFE_ROOT = "unsafe_root"  # the root is world-writable, or a file the store or daemon writes is a symlink
+    NO_STORE = "no_store"  # a read-only command found no store at the root (and created none)
     INCOMPATIBLE_STORE = "incompatible_store"  # the index has another schema version
-    OVER_BUDGET = "over_budget"  # a write would exceed the hard limit and inline eviction cannot help
+    OVER_BUDGET = "over_budget"  # a write would pass the hard limit and inline eviction cannot help; gc cannot get under it
     DISK_FULL = "disk_full"  # the filesystem under the store is full (ENOSPC, EDQUOT)
     PERMISSION_DENIED = "permission_denied"  # this user may not open or write the store
     CONFIG = "config"  # an invalid setting
@@ -82,6 +83,7 @@ class Reason(enum.StrEnum):
     DAEMON_ERROR = "daemon_error"  # the daemon or the CLI refused or failed
     ALREADY_RUNNING = "already_running"  # another daemon holds the store's lock
     UNAVAILABLE = "unavailable"  # an optional part (demo, snapshot summary) cannot be imported
+    USAGE = "usage"  # the command line itself is wrong (unknown flag, missing argument)
 
     # -- verify findings ---------------------------------------------------
     QUARANTINED = "quarantined"  # a blob failed verification earlier and sits in quarantine/

@@ -22,7 +22,7 @@ from typing import Any
 from .blobs import Blobs
 from .bookkeeping import Bookkeeping
 from .budget import DEFAULT_GRACE_PERIOD, Budget
-from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, OverBudget, StoreError
+from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, OverBudget, StoreError
 from .eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index import Index
@@ -77,9 +77,12 @@ class Store:
         map_size: int = DEFAULT_MAP_SIZE,
         flush_interval: float = 1.0,
         check_permissions: bool = True,
+        create: bool = True,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
+        if not create and not layout.exists():  # read-only callers must not leave an empty store
+            raise NoStore(str(self.root))
         self.root.mkdir(parents=True, exist_ok=True)
         check_local_filesystem(self.root)
         if check_permissions:  # before anything is created inside the root
@@ -115,7 +118,11 @@ class Store:
     # -- construction ----------------------------------------------------
     @classmethod
     def open(cls, root: str | os.PathLike[str] | None = None, **settings: Any) -> Store:
-        """Open (creating if needed) the store at ``root`` or the default root."""
+        """Open the store at ``root`` or the default root, creating it unless ``create=False``.
+
+        With ``create=False`` (the CLI's read-only commands) a root without a
+        store raises :class:`NoStore` and nothing is created.
+        """
         return cls(default_root() if root is None else root, **settings)
 
     @classmethod
