@@ -28,6 +28,8 @@ __all__ = [
     "validate_key",
     "validate_namespace",
     "validate_artifact_name",
+    "validate_json",
+    "MAX_JSON_DEPTH",
     "manifest_key",
     "manifest_prefix",
     "split_manifest_key",
@@ -82,6 +84,38 @@ def validate_artifact_name(name: object) -> str:
     if not isinstance(name, str) or not _ARTIFACT_RE.match(name):
         raise InvalidKey(name, "an artifact name is 1-128 characters from [A-Za-z0-9._+-]")
     return name
+
+
+#: How deep key components and manifest metadata may nest: far beyond any real
+#: configuration, far below the interpreter's recursion limit (encoders, ``adstore inspect``).
+MAX_JSON_DEPTH = 64
+_JSON_ATOMS = (str, int, float, bool, type(None))
+
+
+def validate_json(value: object, what: str) -> object:
+    """Return ``value`` if it is JSON data (dicts, lists, atoms) at most :data:`MAX_JSON_DEPTH` deep.
+
+    Checked without recursion before anything is encoded, so a nesting bomb
+    or a non-JSON value is an :class:`InvalidKey` naming the field instead of
+    a ``RecursionError`` or ``TypeError`` from the encoder, and whatever is
+    stored can be decoded and shown again.
+    """
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, _JSON_ATOMS):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise InvalidKey(what, f"nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(item, dict):
+            if not all(isinstance(k, _JSON_ATOMS) for k in item):
+                raise InvalidKey(what, "a mapping key is not a string or number")
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            raise InvalidKey(what, f"holds a {type(item).__name__}, which is not JSON data")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

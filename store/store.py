@@ -37,6 +37,7 @@ from .records import (
     LeaseRecord,
     Manifest,
     validate_artifact_name,
+    validate_json,
     validate_key,
     validate_namespace,
 )
@@ -257,6 +258,8 @@ class Store:
             raise InvalidKey(rank, f"rank must be within 0..{world_size - 1}")
         if not isinstance(generation, int) or not 0 < generation < 1 << 63:
             raise InvalidKey(generation, "generation must be a positive 63-bit integer")
+        validate_json(components or {}, "components")
+        validate_json(meta or {}, "meta")
         for name, ref in artifacts.items():
             validate_artifact_name(name)
             if not isinstance(ref, BlobRef):
@@ -269,6 +272,7 @@ class Store:
                components: Mapping[str, Any] | None = None) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
         validate_key(key)
+        validate_json(components or {}, "components")
         manifest, _zero = self._tables.write(
             lambda t: commit(t, key=key, rank=rank, generation=generation, components=components))
         return manifest
@@ -322,9 +326,12 @@ class Store:
         :class:`KeyNotFound` when none matches, :class:`AmbiguousKey` (with
         every candidate) when several do.
         """
-        if not prefix:
-            raise KeyNotFound(prefix)
-        start = prefix.encode()
+        if not isinstance(prefix, str) or not prefix:
+            raise KeyNotFound(str(prefix))
+        try:
+            start = prefix.encode()
+        except UnicodeEncodeError:  # undecodable bytes from a command line: no key has them
+            raise InvalidKey(prefix, "not valid UTF-8 text; keys are ASCII") from None
         with self._tables.read() as t:
             if t.entry_row(start) is not None:
                 return prefix
