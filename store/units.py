@@ -55,6 +55,7 @@ _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_MAX_DIGITS = 64
 
 
 def _number(value: object, *, field: str, what: str, example: str) -> float | None:
@@ -78,6 +79,8 @@ def parse_size(value: object, *, field: str = "size") -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse size {value!r} (examples: 1048576, 512M, 10GiB, 5GB)")
+    if len(m.group(1)) > _MAX_DIGITS:  # int() refuses thousands of digits (ValueError), and no disk is that big
+        raise ConfigError(field, f"size {str(value)[:24]}… has more than {_MAX_DIGITS} digits")
     # Fraction: exact, so "72057594037929KB" is not off by float rounding.
     count, letter, binary, byte = Fraction(m.group(1)), m.group(2), m.group(3), m.group(4)
     if letter is None:
@@ -144,7 +147,10 @@ def parse_duration(value: object, *, field: str = "duration") -> float:
     m = _DURATION_RE.match(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
-    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    if not math.isfinite(seconds):  # "9999…9w" overflows to inf
+        raise ConfigError(field, f"duration {str(value)[:24]}… is too long to be a duration")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:
