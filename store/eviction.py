@@ -230,7 +230,9 @@ class Evictor:
                                        known=plan._manifests))
                 done.append(entry.key)
             t.count("evictions", len(done))
-            return done, drop_unreferenced(t, t.release(refs), now, self.grace)
+            dropped = drop_unreferenced(t, t.release(refs), now, self.grace)
+            t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
+            return done, dropped
 
         done, dropped = self._tables.write(fn)
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
