@@ -112,7 +112,7 @@ class Enforcer:
 
         for _round in range(8):  # each round is a fresh plan; normally one suffices
             plan = self.store.plan_eviction(**plan_args)
-            if not plan.victims:
+            if not plan.count:
                 break
 
             def on_batch(batch: EvictedBatch, why: str = plan.why) -> bool:

@@ -16,15 +16,16 @@ import enum
 import logging
 import shutil
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from .errors import CorruptRecord, KeyNotFound
 from .leases import live_leases
 from .manifests import drop_entry
-from .records import BlobRef, BlobRow, Entry, ManifestRefs, manifest_refs, validate_key
+from .records import BLOB_ROW, BlobRef, BlobRow, Entry, validate_key
+from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
 from .tables import PHYSICAL, Tables, Txn
 from .units import MinFree, parse_min_free
 
@@ -49,25 +50,45 @@ class EvictedBatch:
     remaining: int  # victims of the plan not yet attempted
 
 
+#: A victim as planned (a plain tuple: a plan may hold 100k): last access, key, row key,
+#: entry row, shadow row, shadow head (None: no shadow of this row), decoded entry (only
+#: without a shadow), hits; then, once simulated, its manifest keys and their references
+#: when its shadow describes every manifest it has (else None).
+_Victim = tuple[float, str, bytes, bytes, "bytes | None", "Head | None", "Entry | None", int,
+                "list[bytes] | None", "list[bytes] | None"]
+_LAST, _KEY, _RAW_KEY, _ROW, _SHADOW, _HEAD, _ENTRY, _HITS, _MKS, _REFS = range(10)
+
+
 @dataclass(frozen=True)
 class EvictionPlan:
     """Entries to evict or remove and the physical bytes doing so frees now.
 
-    ``victims`` are in eviction order; lists are shared with the plan, treat
-    them as read-only.
+    ``victims`` (in eviction order) are built on first use: the daemon's
+    passes never need them as objects.
     """
 
     kind: PlanKind
-    victims: list[Entry]
     blobs: list[BlobRef]
     bytes_to_free: int
     why: str
     skipped: list[str] = field(default_factory=list)
+    _victims: Sequence[_Victim] = field(default=(), repr=False, compare=False)
     _evictor: Evictor | None = field(default=None, repr=False, compare=False)
-    #: Each victim's entry row as planned: an unchanged row needs no second decode.
-    _rows: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    #: Each victim's manifest rows as planned, with what they reference.
-    _manifests: Mapping[bytes, tuple[bytes, ManifestRefs]] = field(default_factory=dict, repr=False, compare=False)
+    #: The id of the snapshot the plan was made from (LMDB transaction ids count commits).
+    _snapshot: int = field(default=-1, repr=False, compare=False)
+    _entries: list[Entry] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def count(self) -> int:
+        """How many victims the plan has."""
+        return len(self._victims)
+
+    @property
+    def victims(self) -> list[Entry]:
+        """The victims' entries (with last access and hits as planned); treat as read-only."""
+        if self._entries is None:
+            object.__setattr__(self, "_entries", [_entry_of(v) for v in self._victims])
+        return self._entries  # type: ignore[return-value]
 
     def execute(
         self,
@@ -82,31 +103,43 @@ class EvictionPlan:
         current one); ``on_batch(batch)`` returning True ends early (a
         target reached).  Without ``batch_size`` the plan is one batch.
         """
-        if self._evictor is None or not self.victims:
+        if self._evictor is None or not self._victims:
             return 0
-        size = batch_size or len(self.victims)
+        total = len(self._victims)
+        size = batch_size or total
         freed = evicted = 0
-        for start in range(0, len(self.victims), size):
+        unchanged_at = self._snapshot + 1  # the id of the next write if nobody else commits
+        for start in range(0, total, size):
             if should_stop is not None and should_stop():
                 break
-            chunk = self.victims[start:start + size]
-            batch = self._evictor.execute(self, chunk, remaining=len(self.victims) - start - len(chunk))
+            chunk = self._victims[start:start + size]
+            batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
+                                                  remaining=total - start - len(chunk))
+            unchanged_at = txn_id + 1
             freed += batch.bytes_freed
             evicted += len(batch.keys)
             if on_batch is not None and on_batch(batch):
                 break
-        log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, len(self.victims), freed)
+        log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
         return freed
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": str(self.kind),
             "reason": self.why,
-            "victims": [e.key for e in self.victims],
+            "victims": [v[_KEY] for v in self._victims],
             "blobs": len(self.blobs),
             "bytes_to_free": self.bytes_to_free,
             "skipped": list(self.skipped),
         }
+
+
+def _entry_of(v: _Victim) -> Entry:
+    head, shadow = v[_HEAD], v[_SHADOW]
+    entry = v[_ENTRY] if head is None else to_entry(v[_KEY], shadow, head)  # type: ignore[arg-type]
+    assert entry is not None
+    entry.last_access, entry.hits = v[_LAST], v[_HITS]
+    return entry
 
 
 def drop_unreferenced(t: Txn, digests: Iterable[str], now: float, grace: float) -> list[tuple[str, BlobRow]]:
@@ -165,112 +198,201 @@ class Evictor:
                 why.append(f"unused for more than {older_than:g}s")
             cutoff = now - older_than if older_than is not None else None
             if need <= 0 and cutoff is None:
-                return EvictionPlan(PlanKind.EVICT, [], [], 0, "within budget", _evictor=self)
+                return EvictionPlan(PlanKind.EVICT, [], 0, "within budget", _evictor=self)
+            snapshot = t.raw.id()
             leased, _ = live_leases(t, now)
-            candidates: list[tuple[Entry, bytes]] = []
-            skipped: list[str] = []
-            for e, raw in t.entries():
-                if namespace is not None and e.namespace != namespace:
-                    continue
-                if e.pinned or e.key in leased or now - e.created < self.grace:
-                    skipped.append(e.key)
-                    continue
-                candidates.append((t.with_access(e), raw))
-            candidates.sort(key=lambda c: c[0].last_access)
+            candidates, skipped = self._candidates(t, leased, namespace, now)
             sim = _Simulation(t, now, self.grace)
-            victims: list[Entry] = []
-            for e, _raw in candidates:
+            victims: list[_Victim] = []
+            for v in candidates:
                 if max_entries is not None and len(victims) >= max_entries:
                     break
-                if sim.freed >= need and not (cutoff is not None and e.last_access < cutoff):
+                if sim.freed >= need and not (cutoff is not None and v[_LAST] < cutoff):
                     break
-                victims.append(e)
-                sim.drop(e.key)
-            rows = {e.key: raw for e, raw in candidates[:len(victims)]}
-        return EvictionPlan(PlanKind.EVICT, victims, sim.blobs, sim.freed, "; ".join(why), skipped,
-                            _evictor=self, _rows=rows, _manifests=sim.manifests)
+                victims.append(sim.drop(v))
+        return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, snapshot)
+
+    def _candidates(self, t: Txn, leased: set[str], namespace: str | None,
+                    now: float) -> tuple[list[_Victim], list[str]]:
+        """Every entry eviction may take, least recently used first; and the keys it must skip.
+
+        From the shadows where they hold (no JSON, no objects per entry).
+        """
+        candidates: list[_Victim] = []
+        skipped: list[str] = []
+        ns = namespace.encode() if namespace is not None else None
+        for k, raw in t.entry_rows():
+            shadow = t.shadow(k)
+            head = head_of(raw, shadow)
+            entry = None
+            try:
+                key = k.decode()
+                if head is not None:
+                    pinned, created = head[3] & PINNED, head[1]
+                    if ns is not None and shadow[HEAD.size:HEAD.size + head[5]] != ns:  # type: ignore[index]
+                        continue
+                else:
+                    entry = Entry.decode(k, raw)
+                    pinned, created = entry.pinned, entry.created
+                    if namespace is not None and entry.namespace != namespace:
+                        continue
+            except (CorruptRecord, UnicodeDecodeError) as exc:
+                log.warning("entry %r: %s", k, exc)
+                continue
+            if pinned or key in leased or now - created < self.grace:
+                skipped.append(key)
+                continue
+            access = t.access(k)
+            last, hits = access if access is not None else (created, 0)
+            candidates.append((last, key, k, raw, shadow, head, entry, hits, None, None))
+        candidates.sort(key=itemgetter(_LAST))
+        return candidates, skipped
 
     def plan_remove(self, keys: Iterable[str], *, now: float | None = None) -> EvictionPlan:
         """Entries asked for by name; a key without an entry is :class:`KeyNotFound`."""
         now = time.time() if now is None else now
-        victims: list[Entry] = []
+        victims: list[_Victim] = []
         skipped: list[str] = []
         with self._tables.read() as t:
+            snapshot = t.raw.id()
             leased, _ = live_leases(t, now)
             sim = _Simulation(t, now, self.grace)
             for key in keys:
-                entry = t.entry(validate_key(key))
-                if entry is None:
+                k = validate_key(key).encode()
+                raw = t.entry_row(k)
+                if raw is None:
                     raise KeyNotFound(key)
                 if key in leased:
                     skipped.append(key)
                     continue
-                victims.append(entry)
-                sim.drop(key)
-        return EvictionPlan(PlanKind.REMOVE, victims, sim.blobs, sim.freed, "removal requested", skipped,
-                            _evictor=self, _manifests=sim.manifests)
+                shadow = t.shadow(k)
+                head = head_of(raw, shadow)
+                entry = Entry.decode(k, raw) if head is None else None
+                access = t.access(k)
+                created = head[1] if head is not None else entry.created  # type: ignore[union-attr]
+                last, hits = access if access is not None else (created, 0)
+                victims.append(sim.drop((last, key, k, raw, shadow, head, entry, hits, None, None)))
+        return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self,
+                            snapshot)
 
     # -- execution --------------------------------------------------------------
-    def execute(self, plan: EvictionPlan, victims: list[Entry], *, remaining: int) -> EvictedBatch:
-        """One batch: re-check and drop ``victims`` in one write transaction, then unlink."""
+    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int,
+                remaining: int) -> tuple[EvictedBatch, int]:
+        """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
+
+        Returns the batch and the id of its transaction.  When that id is
+        ``unchanged_at``, no one committed since the plan's snapshot (or since
+        this plan's previous batch, which only dropped its own victims), so
+        every victim's rows are as planned and are dropped without being
+        read again (LMDB transactions see committed snapshots; each commit
+        takes the next id).
+        """
         now = time.time()
-        evict = plan.kind is PlanKind.EVICT
+        evict = kind is PlanKind.EVICT
 
-        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]]]:
-            leased, _ = live_leases(t, now)
-            refs: Counter[str] = Counter()
+        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int]:
+            unchanged = t.raw.id() == unchanged_at
+            leased = set() if unchanged else live_leases(t, now)[0]
+            counts: dict[bytes, int] = {}
             done: list[str] = []
-            for victim in victims:
-                entry, used = _current(t, victim, plan._rows.get(victim.key))
-                if entry is None or entry.key in leased:
-                    continue
-                if evict and (entry.pinned or entry.ranks != victim.ranks or used):
-                    continue  # used, pinned or recommitted since the plan: no longer a victim
-                refs.update(drop_entry(t, entry.key, entry, keep_pending_since=now - self.grace,
-                                       known=plan._manifests))
-                done.append(entry.key)
+            for v in victims:
+                refs = _drop_as_planned(t, v) if unchanged else None
+                if refs is None:
+                    refs = self._drop_rechecked(t, v, evict, leased, now)
+                    if refs is None:
+                        continue
+                for ref in refs:
+                    counts[ref] = counts.get(ref, 0) + 1
+                done.append(v[_KEY])
             t.count("evictions", len(done))
-            dropped = drop_unreferenced(t, t.release(refs), now, self.grace)
+            dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
-            return done, dropped
+            return done, dropped, t.raw.id()
 
-        done, dropped = self._tables.write(fn)
+        done, dropped, txn_id = self._tables.write(fn)
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped), remaining)
+        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped), remaining), txn_id
+
+    def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str], now: float) -> list[bytes] | None:
+        """Drop a victim after checking it still qualifies; None if it does not (or is gone)."""
+        key, k = v[_KEY], v[_RAW_KEY]
+        raw = t.entry_row(k)
+        if raw is None or key in leased:
+            return None
+        entry, shadow = v[_ENTRY], (v[_SHADOW], v[_HEAD]) if v[_HEAD] is not None else None
+        if raw != v[_ROW]:  # changed since the plan: as it is now
+            current = t.shadow(k)
+            head = head_of(raw, current)
+            shadow = (current, head) if head is not None else None  # type: ignore[assignment]
+            try:
+                entry = to_entry(key, current, head) if head is not None else Entry.decode(k, raw)  # type: ignore[arg-type]
+            except CorruptRecord:
+                entry = _entry_of(v)
+            if evict and (entry.pinned or entry.ranks != _ranks(v)):
+                return None  # pinned or recommitted since the plan: no longer a victim
+        if evict:
+            access = t.access(k)
+            if access is not None and access[0] > v[_LAST]:
+                return None  # used since the plan
+        return drop_entry(t, key, entry, keep_pending_since=now - self.grace, shadow=shadow)
+
+
+def _drop_as_planned(t: Txn, v: _Victim) -> list[bytes] | None:
+    """Drop a victim whose rows are known unchanged, from what the plan read; None if it read too little."""
+    mks, refs, head = v[_MKS], v[_REFS], v[_HEAD]
+    if mks is None or refs is None or head is None:
+        return None
+    for mk in mks:
+        t.drop_manifest_row(mk)
+    t.forget_entry(v[_RAW_KEY], head[2], bool(head[3] & PINNED))
+    return refs
+
+
+def _ranks(v: _Victim) -> dict[int, int]:
+    head, entry = v[_HEAD], v[_ENTRY]
+    return dict(ranks_of(v[_SHADOW], head)) if head is not None else entry.ranks  # type: ignore[arg-type, union-attr]
 
 
 class _Simulation:
-    """Which blobs dropping entries would free, without changing anything (for a plan).
-
-    Remembers every manifest row it read, with its references, so that the
-    plan's execution does not decode an unchanged row again.
-    """
+    """Which blobs dropping entries would free, without changing anything (for a plan)."""
 
     def __init__(self, t: Txn, now: float, grace: float) -> None:
         self._t = t
         self._now = now
         self._grace = grace
-        self._refs_left: dict[str, int] = {}
-        self._rows: dict[str, BlobRow | None] = {}
+        self._left: dict[bytes, int] = {}  # references left per blob (row key)
+        self._rows: dict[bytes, tuple[int, int, float, int] | None] = {}
         self.blobs: list[BlobRef] = []
         self.freed = 0
-        self.manifests: dict[bytes, tuple[bytes, ManifestRefs]] = {}
 
-    def drop(self, key: str) -> None:
-        for mk, raw in self._t.manifest_rows(key):
-            refs = manifest_refs(raw)
-            self.manifests[mk] = (raw, refs)
-            for digest in refs[0]:
-                if digest not in self._rows:
-                    self._rows[digest] = self._t.blob_row(digest)
-                row = self._rows[digest]
-                if row is None:
-                    continue
-                left = self._refs_left.get(digest, row.refs) - 1
-                self._refs_left[digest] = left
-                if left == 0 and self._now - row.touched >= self._grace:
-                    self.freed += row.size
-                    self.blobs.append(BlobRef(digest, row.size))
+    def drop(self, v: _Victim) -> _Victim:
+        """Drop a victim's manifests; returns the victim with them (see ``_Victim``).
+
+        References come from its shadow when its manifests are exactly the
+        rows shadowed, else every manifest (pending ones too) is decoded.
+        """
+        t, head, key = self._t, v[_HEAD], v[_KEY]
+        refs = None
+        if head is not None:
+            rows = t.manifests_listed(key)
+            refs = refs_of(v[_SHADOW], head, [raw for _, raw in rows])  # type: ignore[arg-type]
+            if refs is not None:
+                v = v[:_MKS] + ([mk for mk, _ in rows], refs)
+        if refs is None:
+            refs = [bytes.fromhex(d) for digests in t.refs_of(key) for d in digests]
+        rows_seen, left = self._rows, self._left
+        for k in refs:
+            if k not in rows_seen:
+                raw = t.blob_row_raw(k)
+                rows_seen[k] = BLOB_ROW.unpack(raw) if raw is not None and len(raw) == BLOB_ROW.size else None
+            row = rows_seen[k]
+            if row is None:
+                continue
+            n = left[k] = left.get(k, row[1]) - 1
+            if n == 0 and self._now - row[2] >= self._grace:
+                self.freed += row[0]
+                self.blobs.append(BlobRef(k.hex(), row[0]))
+        return v
 
 
 def _unreferenced_bytes(t: Txn) -> int:
@@ -285,24 +407,3 @@ def _unreferenced_bytes(t: Txn) -> int:
         if row.refs == 0:
             total += row.size
     return total
-
-
-def _current(t: Txn, victim: Entry, planned: bytes | None) -> tuple[Entry | None, bool]:
-    """A victim's entry as it is now (None: gone), and whether it was used since the plan.
-
-    A row byte-identical to the planned one is the planned entry (same
-    ranks, same pin), so it is not decoded again.
-    """
-    key = victim.key.encode()
-    raw = t.entry_row(key)
-    if raw is None:
-        return None, False
-    if raw == planned:
-        entry = victim
-    else:
-        try:
-            entry = Entry.decode(key, raw)
-        except CorruptRecord:
-            entry = victim
-    access = t.access(key)
-    return entry, access is not None and access[0] > victim.last_access

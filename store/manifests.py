@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import BlobMissing, CorruptRecord, StoreError
 from .leases import hostname
-from .records import BlobRef, Entry, Manifest, ManifestRefs, manifest_key
+from .records import BlobRef, Entry, Manifest, manifest_key
+from .shadows import PINNED, Head, to_entry
 from .tables import Txn
 
 __all__ = ["FileCheck", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
@@ -148,25 +148,26 @@ def drop_entry(
     entry: Entry | None = None,
     *,
     keep_pending_since: float | None = None,
-    known: Mapping[bytes, tuple[bytes, ManifestRefs]] | None = None,
-) -> Counter[str]:
+    shadow: tuple[bytes, Head] | None = None,
+) -> list[bytes]:
     """Delete an entry with all its manifests (every rank, every generation).
 
-    Returns the blob references the manifests held, for the caller to
-    release (a batch releases them once).  ``entry`` is the decoded row when
-    the caller has it.  With ``keep_pending_since``, uncommitted manifests
-    created since then (a save in flight) are kept with an empty entry, so
-    eviction does not make that save's commit fail.  ``known``: see
-    :meth:`Txn.take_manifests_of`.
+    Returns the blob references the manifests held (32-byte digests, one
+    per manifest and digest), for the caller to release (a batch releases
+    them once).
+    ``entry`` is the decoded row when the caller has it, ``shadow`` its
+    shadow and head (see :meth:`Txn.take_manifests_of`).  With
+    ``keep_pending_since``, uncommitted manifests created since then (a save
+    in flight) are kept with an empty entry, so eviction does not make that
+    save's commit fail.
     """
-    keep = None
-    if keep_pending_since is not None:
-        since = keep_pending_since
-
-        def keep(committed: bool, created: float) -> bool:
-            return not committed and created >= since
-
-    refs, kept = t.take_manifests_of(key, keep=keep, known=known)
+    taken, kept = t.take_manifests_of(key, keep_pending_since=keep_pending_since, shadow=shadow)
+    if entry is None and shadow is not None:
+        if not kept:  # the usual case: no objects needed
+            head = shadow[1]
+            t.forget_entry(key.encode(), head[2], bool(head[3] & PINNED))
+            return taken
+        entry = to_entry(key, *shadow)
     if entry is None:
         try:
             entry = t.entry(key)
@@ -176,4 +177,4 @@ def drop_entry(
         t.put_entry(dataclasses.replace(entry, ranks={}, bytes=0))
     else:
         t.drop_entry(key, entry)
-    return refs
+    return taken

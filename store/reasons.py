@@ -92,6 +92,6 @@ class Reason(enum.StrEnum):
     REFCOUNT = "refcount"  # a blob's refcount differs from the manifests referencing it
     STALE_MANIFEST = "stale_manifest"  # an uncommitted manifest older than the grace period
     TOTALS_DRIFT = "totals_drift"  # the stored physical/logical totals differ from a recount
-    STRAY_ACCESS = "stray_access"  # access rows without an entry
+    STRAY_ROWS = "stray_rows"  # access or shadow rows whose entry or manifest is gone
     ORPHAN_FILES = "orphan_files"  # blob files without an index row
     STALE_TEMPS = "stale_temps"  # temp files left by killed writers

@@ -220,8 +220,8 @@ class Store:
         sweeper = self._sweeper if grace == self.grace_period else Sweeper(self._tables, grace_period=grace)
         if limit - nbytes >= 0:
             plan = evictor.plan(max_size=limit - nbytes, max_entries=_INLINE_EVICTION_BATCH)
-            if plan.victims:
-                log.info("over the hard limit: evicting up to %d entr(ies) inline", len(plan.victims))
+            if plan.count:
+                log.info("over the hard limit: evicting up to %d entr(ies) inline", plan.count)
                 plan.execute()
         if self.size() + nbytes > limit:
             sweep = sweeper.plan()  # unreferenced blobs past the grace period

@@ -15,18 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from .errors import BlobMissing, CorruptRecord
+from .blobrows import PHYSICAL, BlobRows
+from .errors import CorruptRecord
 from .records import (
     ACCESS_ROW,
-    FLAG_INLINE,
-    FLAG_QUARANTINED,
-    BlobRow,
     Entry,
     LeaseRecord,
     Manifest,
@@ -34,9 +31,9 @@ from .records import (
     encode_json,
     manifest_key,
     manifest_prefix,
-    ManifestRefs,
     manifest_refs,
 )
+from .shadows import Head, entry_shadow, head_of, refs_of, to_entry
 
 if TYPE_CHECKING:
     from .index import Index
@@ -48,11 +45,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The named databases of the index.
-DATABASES = ("blobs", "blobdata", "entries", "access", "components", "manifests", "leases", "stats", "meta")
+#: The named databases of the index (``entry_shadow``: see ``shadows``).
+DATABASES = ("blobs", "blobdata", "entries", "entry_shadow", "access", "components", "manifests", "leases",
+             "stats", "meta")
 
-#: Totals in ``meta`` that would otherwise need a full scan; ``verify --fix`` recounts them.
-PHYSICAL = b"physical_bytes"
+#: Totals in ``meta`` that would otherwise need a full scan (and ``blobrows.PHYSICAL``);
+#: ``verify --fix`` recounts them.
 LOGICAL = b"logical_bytes"
 PINNED = b"pinned_bytes"
 #: In ``meta``: moved by every transaction that takes a blob row away from
@@ -70,7 +68,7 @@ def _int(raw: bytes | None) -> int:
     return _I64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
 
-class Txn:
+class Txn(BlobRows):
     """One LMDB transaction, typed by table.
 
     In a write transaction the changes to totals and counters are summed in
@@ -78,39 +76,33 @@ class Txn:
     of thousands of rows costs one read-modify-write per total.
     """
 
-    __slots__ = ("raw", "_db", "_totals", "_counts", "_epoch_moved")
+    __slots__ = ("raw", "_db", "_totals", "_counts", "_epoch_moved", "_cursor")
 
     def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any]) -> None:
         self.raw = raw
         self._db = db
-        self._totals: Counter[bytes] = Counter()
-        self._counts: Counter[bytes] = Counter()
+        self._totals: dict[bytes, int] = {}
+        self._counts: dict[bytes, int] = {}
         self._epoch_moved = False
+        self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
 
     def finish(self) -> None:
         """Write the summed totals, counters and the epoch (write transactions only)."""
         meta, stats = self._db["meta"], self._db["stats"]
-        for name, delta in self._totals.items():
-            if delta:
-                self.raw.put(name, _I64.pack(_int(self.raw.get(name, None, meta)) + delta), db=meta)
-        for name, delta in self._counts.items():
-            if delta:
-                self.raw.put(name, _I64.pack(_int(self.raw.get(name, None, stats)) + delta), db=stats)
+        for db, deltas in ((meta, self._totals), (stats, self._counts)):
+            for name, delta in deltas.items():
+                if delta:
+                    self.raw.put(name, _I64.pack(_int(self.raw.get(name, None, db)) + delta), db=db)
         if self._epoch_moved:
             self.raw.put(BLOB_EPOCH, _I64.pack(_int(self.raw.get(BLOB_EPOCH, None, meta)) + 1), db=meta)
-        self._totals.clear()
-        self._counts.clear()
-        self._epoch_moved = False
+        self._totals, self._counts, self._epoch_moved = {}, {}, False
 
     # -- totals, counters, meta ---------------------------------------------
     def total(self, name: bytes) -> int:
-        return _int(self.raw.get(name, None, self._db["meta"])) + self._totals[name]
-
-    def add_total(self, name: bytes, delta: int) -> None:
-        self._totals[name] += delta
+        return _int(self.raw.get(name, None, self._db["meta"])) + self._totals.get(name, 0)
 
     def set_total(self, name: bytes, value: int) -> None:
-        self._totals[name] = 0
+        self._totals.pop(name, None)
         self.raw.put(name, _I64.pack(value), db=self._db["meta"])
 
     def has_total(self, name: bytes) -> bool:
@@ -125,7 +117,8 @@ class Txn:
 
     def count(self, name: str, delta: int = 1) -> None:
         """Add ``delta`` to the persistent counter ``name`` (``misses.absent``, ``evictions``)."""
-        self._counts[name.encode()] += delta
+        key = name.encode()
+        self._counts[key] = self._counts.get(key, 0) + delta
 
     def counters(self) -> dict[str, int]:
         return {bytes(k).decode(errors="replace"): _I64.unpack(v)[0]
@@ -149,7 +142,27 @@ class Txn:
         """The entry of ``key`` with its last access and hits, or None."""
         raw_key = key.encode()
         raw = self.raw.get(raw_key, None, self._db["entries"])
-        return None if raw is None else self.with_access(Entry.decode(raw_key, raw))
+        return None if raw is None else self.with_access(self.entry_of(raw_key, raw))
+
+    def entry_of(self, raw_key: bytes, raw: bytes) -> Entry:
+        """The entry row ``raw`` decoded, from its shadow when that was made from this row (no JSON)."""
+        shadow = self.shadow(raw_key)
+        head = head_of(raw, shadow)
+        if head is None:
+            return Entry.decode(raw_key, raw)
+        try:
+            return to_entry(raw_key.decode(), shadow, head)  # type: ignore[arg-type]
+        except UnicodeDecodeError:
+            return Entry.decode(raw_key, raw)  # raises CorruptRecord
+
+    def shadow(self, raw_key: bytes) -> bytes | None:
+        """An entry's shadow row as stored (``shadows.head_of`` says whether it is the row's)."""
+        return self.raw.get(raw_key, None, self._db["entry_shadow"])
+
+    def current_manifests(self, key: str, ranks: Iterable[tuple[int, int]]) -> list[bytes | None]:
+        """The rows of the manifests (rank, generation) of ``key``, None where one is missing."""
+        get, manifests = self.raw.get, self._db["manifests"]
+        return [get(manifest_key(key, r, g), None, manifests) for r, g in ranks]
 
     def entry_rows(self, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """(key, row) of every entry, in key order from ``start``."""
@@ -157,55 +170,61 @@ class Txn:
         if start and not cur.set_range(start):
             return
         for k, v in cur:  # from the current position (the first row if none)
-            yield bytes(k), bytes(v)
+            yield k, v
 
     def entries(self) -> Iterator[tuple[Entry, bytes]]:
         """Every decodable entry (with its row); undecodable rows are logged and skipped."""
         for k, v in self.entry_rows():
             try:
-                yield Entry.decode(k, v), v
+                yield self.entry_of(k, v), v
             except CorruptRecord as exc:
                 log.warning("%s", exc)
 
     def put_entry(self, entry: Entry) -> None:
-        """Write an entry row; the logical and pinned totals follow the row it replaces."""
+        """Write an entry row and its shadow; the logical and pinned totals follow the row it replaces."""
         raw_key = entry.key.encode()
-        old = self._decoded_or_none(raw_key, self.raw.get(raw_key, None, self._db["entries"]))
-        self._entry_totals(old, -1)
+        self._entry_totals(self._entry_or_none(raw_key), -1)
         self._entry_totals(entry, +1)
-        self.raw.put(raw_key, entry.encode(), db=self._db["entries"])
+        raw = entry.encode()
+        rows = self.current_manifests(entry.key, sorted(entry.ranks.items()))
+        current = None if None in rows else rows
+        refs = [bytes.fromhex(d) for row in current or () for d in manifest_refs(row)[0]]  # type: ignore[arg-type]
+        self.raw.put(raw_key, raw, db=self._db["entries"])
+        self.raw.put(raw_key, entry_shadow(raw, entry, current, refs), db=self._db["entry_shadow"])  # type: ignore[arg-type]
 
     def drop_entry(self, key: str, entry: Entry | None = None) -> None:
-        """Delete an entry's rows (entry, access, components) and its share of the totals.
+        """Delete an entry's rows (entry, shadow, access, components) and its share of the totals.
 
         ``entry`` is the decoded row when the caller has it; else it is read.
         """
         raw_key = key.encode()
-        db = self._db
-        if entry is None:
-            entry = self._decoded_or_none(raw_key, self.raw.get(raw_key, None, db["entries"]))
-        self._entry_totals(entry, -1)
-        self.raw.delete(raw_key, db=db["entries"])
-        self.raw.delete(raw_key, db=db["access"])
-        self.raw.delete(raw_key, db=db["components"])
+        entry = entry if entry is not None else self._entry_or_none(raw_key)
+        self.forget_entry(raw_key, entry.bytes if entry is not None else 0, entry is not None and entry.pinned)
+
+    def forget_entry(self, raw_key: bytes, nbytes: int, pinned: bool) -> None:
+        """:meth:`drop_entry` for a caller that knows the entry's bytes and pin (from its shadow)."""
+        self._add(LOGICAL, -nbytes)
+        if pinned:
+            self._add(PINNED, -nbytes)
+        self.drop_entry_key(raw_key)
 
     def drop_entry_key(self, raw_key: bytes) -> None:
-        """Delete an undecodable entry's rows (``verify --fix``); totals are recounted there."""
-        for table in ("entries", "access", "components"):
+        """Delete the rows of an entry key without touching the totals (``verify --fix`` recounts)."""
+        for table in ("entries", "entry_shadow", "access", "components"):
             self.raw.delete(raw_key, db=self._db[table])
 
     def _entry_totals(self, entry: Entry | None, sign: int) -> None:
         if entry is not None:
-            self._totals[LOGICAL] += sign * entry.bytes
+            self._add(LOGICAL, sign * entry.bytes)
             if entry.pinned:
-                self._totals[PINNED] += sign * entry.bytes
+                self._add(PINNED, sign * entry.bytes)
 
-    @staticmethod
-    def _decoded_or_none(raw_key: bytes, raw: bytes | None) -> Entry | None:
+    def _entry_or_none(self, raw_key: bytes) -> Entry | None:
+        raw = self.raw.get(raw_key, None, self._db["entries"])
         if raw is None:
             return None
         try:
-            return Entry.decode(raw_key, raw)
+            return self.entry_of(raw_key, raw)
         except CorruptRecord:
             return None
 
@@ -224,14 +243,16 @@ class Txn:
     def put_access(self, key: str, when: float, hits: int) -> None:
         self.raw.put(key.encode(), ACCESS_ROW.pack(when, hits), db=self._db["access"])
 
-    def stray_access_keys(self) -> list[bytes]:
-        """Keys of access rows whose entry is gone."""
-        entries = self._db["entries"]
-        return [bytes(k) for k in self.raw.cursor(db=self._db["access"]).iternext(values=False)
-                if self.raw.get(bytes(k), None, entries) is None]
+    def strays(self) -> dict[str, list[bytes]]:
+        """Keys of rows whose entry is gone (access rows, shadows), by table."""
+        owners = {"access": "entries", "entry_shadow": "entries"}
+        return {table: [k for k in self.raw.cursor(db=self._db[table]).iternext(values=False)
+                        if self.raw.get(k, None, self._db[owner]) is None]
+                for table, owner in owners.items()}
 
-    def drop_access(self, raw_key: bytes) -> None:
-        self.raw.delete(raw_key, db=self._db["access"])
+    def drop_row(self, table: str, key: bytes) -> None:
+        """Delete one row of ``table`` (for ``verify --fix``: strays)."""
+        self.raw.delete(key, db=self._db[table])
 
     def components(self, key: str) -> dict[str, Any]:
         raw = self.raw.get(key.encode(), None, self._db["components"])
@@ -254,8 +275,7 @@ class Txn:
         """(manifest key, row) of every manifest of ``key`` (every rank and generation), or of all."""
         cur = self.raw.cursor(db=self._db["manifests"])
         if key is None:
-            for k, v in cur:
-                yield bytes(k), bytes(v)
+            yield from cur
             return
         prefix = manifest_prefix(key)
         if not cur.set_range(prefix):
@@ -263,11 +283,15 @@ class Txn:
         for k, v in cur:
             if not k.startswith(prefix):
                 break
-            yield bytes(k), bytes(v)
+            yield k, v
 
     def manifests_of(self, key: str) -> Iterator[Manifest]:
         for mk, raw in self.manifest_rows(key):
             yield Manifest.decode(mk, raw)
+
+    def refs_of(self, key: str) -> list[tuple[str, ...]]:
+        """The digests each manifest of ``key`` references (every rank and generation), decoded."""
+        return [manifest_refs(raw)[0] for _, raw in self.manifest_rows(key)]
 
     def put_manifest(self, manifest: Manifest) -> None:
         mk = manifest_key(manifest.key, manifest.rank, manifest.generation)
@@ -275,130 +299,58 @@ class Txn:
 
     def drop_manifest(self, manifest: Manifest) -> list[str]:
         """Delete one manifest row and release its blob references; returns digests now unreferenced."""
-        self.raw.delete(manifest_key(manifest.key, manifest.rank, manifest.generation), db=self._db["manifests"])
+        self.drop_manifest_row(manifest_key(manifest.key, manifest.rank, manifest.generation))
         return self.release(manifest.digests())
 
     def drop_manifest_row(self, mk: bytes) -> None:
-        """Delete a manifest row whose references cannot be read back (``verify --fix`` recounts)."""
+        """Delete a manifest row without releasing references (``verify --fix`` recounts)."""
         self.raw.delete(mk, db=self._db["manifests"])
 
     def take_manifests_of(
-        self,
-        key: str,
-        *,
-        keep: Callable[[bool, float], bool] | None = None,
-        known: Mapping[bytes, tuple[bytes, ManifestRefs]] | None = None,
-    ) -> tuple[Counter[str], bool]:
+        self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None,
+    ) -> tuple[list[bytes], bool]:
         """Delete every manifest row of ``key``; returns the references they held and whether one was kept.
 
-        The references are *not* released here: a batch sums them and calls
-        :meth:`release` once.  ``keep(committed, created)`` spares a row (a
-        save in flight).  ``known`` maps a manifest key to (row, its
-        :func:`~adstore.store.records.manifest_refs`) as read earlier: a
-        byte-identical row is not decoded again.
+        References are 32-byte digests, one per manifest and digest; they
+        are *not* released here (a batch counts them and calls
+        :meth:`release_counts` once).  With ``keep_pending_since``,
+        uncommitted rows created since then (a save in flight) are kept.
+        When the rows are exactly the ones the entry's ``shadow`` (and its
+        head) was made from, their references come from it; otherwise each
+        row is decoded.
         """
-        refs: Counter[str] = Counter()
+        rows = self.manifests_listed(key)
+        delete, manifests = self.raw.delete, self._db["manifests"]
+        shadowed = refs_of(shadow[0], shadow[1], [raw for _, raw in rows]) if shadow is not None else None
+        if shadowed is not None:
+            for mk, _ in rows:
+                delete(mk, db=manifests)
+            return shadowed, False
+        taken: list[bytes] = []
         kept = False
-        prefix = manifest_prefix(key)
-        cur = self.raw.cursor(db=self._db["manifests"])
-        found = cur.set_range(prefix)
-        while found and cur.key().startswith(prefix):
-            raw = cur.value()
-            seen = known.get(cur.key()) if known is not None else None
-            digests, committed, created = seen[1] if seen is not None and seen[0] == raw else manifest_refs(raw)
-            if keep is not None and keep(committed, created):
+        for mk, raw in rows:
+            digests, committed, created = manifest_refs(raw)
+            if keep_pending_since is not None and not committed and created >= keep_pending_since:
                 kept = True
-                found = cur.next()
                 continue
-            refs.update(digests)
-            found = cur.delete()  # moves to the next row
-        return refs, kept
+            taken += [bytes.fromhex(d) for d in digests]
+            delete(mk, db=manifests)
+        return taken, kept
 
-    # -- blobs ----------------------------------------------------------------
-    def blob_row(self, digest: str) -> BlobRow | None:
-        k = bytes.fromhex(digest)
-        raw = self.raw.get(k, None, self._db["blobs"])
-        return None if raw is None else BlobRow.decode(raw, k)
-
-    def blob_row_raw(self, row_key: bytes) -> bytes | None:
-        """A blob row's bytes by its 32-byte key (the lookup's hot path unpacks them itself)."""
-        return self.raw.get(row_key, None, self._db["blobs"])
-
-    def blob_rows(self) -> Iterator[tuple[bytes, bytes]]:
-        """(row key, row) of every blob row, malformed ones included."""
-        for k, v in self.raw.cursor(db=self._db["blobs"]):
-            yield bytes(k), bytes(v)
-
-    def inline_value(self, digest: str) -> bytes | None:
-        """An inline blob's ``blobdata`` value (checksum head + bytes)."""
-        return self.raw.get(bytes.fromhex(digest), None, self._db["blobdata"])
-
-    def touch_blob(self, digest: str, row: BlobRow) -> None:
-        """Rewrite a blob row that keeps its size and content (refs, last put)."""
-        self.raw.put(bytes.fromhex(digest), row.encode(), db=self._db["blobs"])
-
-    def put_blob(self, digest: str, row: BlobRow, *, inline: bytes | None) -> None:
-        """Register a blob (new, or replacing a damaged row); ``inline`` is its ``blobdata`` value."""
-        k = bytes.fromhex(digest)
-        db = self._db
-        old = self.raw.get(k, None, db["blobs"])
-        if old is not None:
-            self._totals[PHYSICAL] -= BlobRow.decode(old, k).size
-            self._epoch_moved = True  # a repair: checks against the old row no longer hold
-        self._totals[PHYSICAL] += row.size
-        if inline is not None:
-            self.raw.put(k, inline, db=db["blobdata"])
-        else:
-            self.raw.delete(k, db=db["blobdata"])
-        self.raw.put(k, row.encode(), db=db["blobs"])
-
-    def drop_blob(self, digest: str, row: BlobRow) -> None:
-        """Delete a blob's rows (``row`` as read in this transaction); its file goes after the commit."""
-        k = bytes.fromhex(digest)
-        self.raw.delete(k, db=self._db["blobs"])
-        self.raw.delete(k, db=self._db["blobdata"])
-        self._totals[PHYSICAL] -= row.size
-        self._epoch_moved = True
-
-    def drop_blob_key(self, row_key: bytes) -> None:
-        """Delete an undecodable blob row (``verify --fix``); totals are recounted there."""
-        self.raw.delete(row_key, db=self._db["blobs"])
-        self.raw.delete(row_key, db=self._db["blobdata"])
-        self._epoch_moved = True
-
-    def quarantine_blob(self, digest: str, row: BlobRow) -> None:
-        """Flag a blob as failed: lookups miss on it from now on; its inline bytes go."""
-        row.flags = (row.flags & ~FLAG_INLINE) | FLAG_QUARANTINED
-        k = bytes.fromhex(digest)
-        self.raw.delete(k, db=self._db["blobdata"])
-        self.raw.put(k, row.encode(), db=self._db["blobs"])
-        self._epoch_moved = True
-
-    def hold(self, digests: Iterable[str]) -> None:
-        """Take one reference on each blob; a blob without a row is :class:`BlobMissing`."""
-        for digest in digests:
-            row = self.blob_row(digest)
-            if row is None:
-                raise BlobMissing(digest, "not registered")
-            row.refs += 1
-            self.touch_blob(digest, row)
-
-    def release(self, refs: Iterable[str] | Mapping[str, int]) -> list[str]:
-        """Drop references (one per digest, or ``n`` per digest of a mapping); returns digests now at zero."""
-        counts = refs if isinstance(refs, Mapping) else Counter(refs)
-        zero: list[str] = []
-        blobs = self._db["blobs"]
-        for digest, n in counts.items():
-            k = bytes.fromhex(digest)
-            raw = self.raw.get(k, None, blobs)
-            if raw is None:
-                continue
-            row = BlobRow.decode(raw, k)
-            row.refs = max(0, row.refs - n)
-            self.raw.put(k, row.encode(), db=blobs)
-            if row.refs == 0:
-                zero.append(digest)
-        return zero
+    def manifests_listed(self, key: str) -> list[tuple[bytes, bytes]]:
+        """(manifest key, row) of every manifest of ``key``, as a list (one cursor reused per transaction)."""
+        if self._cursor is None:
+            self._cursor = self.raw.cursor(db=self._db["manifests"])
+        cur, prefix = self._cursor, manifest_prefix(key)
+        rows: list[tuple[bytes, bytes]] = []
+        found = cur.set_range(prefix)
+        while found:
+            mk = cur.key()
+            if not mk.startswith(prefix):
+                break
+            rows.append((mk, cur.value()))
+            found = cur.next()
+        return rows
 
     # -- leases ---------------------------------------------------------------
     def put_lease(self, lease_id: bytes, record: LeaseRecord) -> None:

@@ -116,7 +116,7 @@ class _Scan:
     bad_manifests: list[bytes] = field(default_factory=list)
     entries: dict[str, Entry] = field(default_factory=dict)
     bad_entries: list[bytes] = field(default_factory=list)
-    stray_access: int = 0
+    strays: dict[str, list[bytes]] = field(default_factory=dict)
     totals: dict[bytes, int] = field(default_factory=dict)
 
 
@@ -148,7 +148,7 @@ def _scan(t: Txn, rep: VerifyReport) -> _Scan:
             s.bad_entries.append(k)
             continue
         del e
-    s.stray_access = len(t.stray_access_keys())
+    s.strays = t.strays()
     s.totals = {name: t.total(name) for name in (PHYSICAL, LOGICAL, PINNED)}
     return s
 
@@ -235,8 +235,11 @@ def verify_store(
         rep.add(Reason.TOTALS_DRIFT, "", "totals drifted: " + ", ".join(
             f"{name.decode().replace('_bytes', '')} {s.totals[name]} (actual {actual[name]})" for name in actual),
             problem=False)
-    if s.stray_access:
-        rep.add(Reason.STRAY_ACCESS, "", f"{s.stray_access} access row(s) without an entry "
+    if s.strays["access"]:
+        rep.add(Reason.STRAY_ROWS, "", f"{len(s.strays['access'])} access row(s) without an entry "
+                "(verify --fix drops them)", problem=False)
+    if s.strays["entry_shadow"]:
+        rep.add(Reason.STRAY_ROWS, "", f"{len(s.strays['entry_shadow'])} shadow row(s) without an entry "
                 "(verify --fix drops them)", problem=False)
 
     # 3. files without rows, leftovers
@@ -252,7 +255,7 @@ def verify_store(
         rep.add(Reason.STALE_TEMPS, "", f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
                 problem=False)
 
-    if fix and (rep.problems or s.stray_access or drift):
+    if fix and (rep.problems or any(s.strays.values()) or drift):
         _repair(tables, rep, s, bad_blobs, doomed, quarantine)
     return rep
 
@@ -318,8 +321,9 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
                 fixed.append(f"repaired entry {e.key}")
             logical += e.bytes
             pinned += e.bytes if e.pinned else 0
-        for k in t.stray_access_keys():
-            t.drop_access(k)
+        for table, keys in t.strays().items():
+            for k in keys:
+                t.drop_row(table, k)
         t.set_total(PHYSICAL, physical)
         t.set_total(LOGICAL, logical)
         t.set_total(PINNED, pinned)

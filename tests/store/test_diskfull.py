@@ -142,7 +142,7 @@ def test_disk_filled_by_someone_else_between_put_and_commit(small_fs):
         arts = [{"a0": store.put_bytes(payload("k", gen, r, "a0", 100)),
                  "a1": store.put_bytes(payload("k", gen, r, "a1", 200_000))} for r in range(2)]
         filler = small_fs / "filler"
-        with open(filler, "wb") as f:
+        with open(filler, "wb", buffering=0) as f:  # unbuffered: no short write left for close()
             try:
                 while True:
                     f.write(b"\0" * 65536)

@@ -1,0 +1,128 @@
+"""The blob tables (``blobs``, ``blobdata``) of the typed transaction layer.
+
+A part of :class:`~adstore.store.tables.Txn`, kept apart to keep modules
+small: registering, touching, referencing, quarantining and dropping blob
+rows, with the physical-bytes total and the blob epoch following every change
+that can take a blob away from a hit (README, "Using the store").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import lmdb
+
+from .errors import BlobMissing, CorruptRecord
+from .records import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
+
+__all__ = ["BlobRows", "PHYSICAL"]
+
+#: In ``meta``: physical bytes of every registered blob (files and inline).
+PHYSICAL = b"physical_bytes"
+
+
+class BlobRows:
+    """Blob-row methods of :class:`~adstore.store.tables.Txn` (a mixin: no state of its own)."""
+
+    __slots__ = ()
+    raw: lmdb.Transaction
+    _db: Mapping[str, Any]
+    _totals: dict[bytes, int]
+    _epoch_moved: bool
+
+    def _add(self, name: bytes, delta: int) -> None:
+        self._totals[name] = self._totals.get(name, 0) + delta
+
+    def blob_row(self, digest: str) -> BlobRow | None:
+        k = bytes.fromhex(digest)
+        raw = self.raw.get(k, None, self._db["blobs"])
+        return None if raw is None else BlobRow.decode(raw, k)
+
+    def blob_row_raw(self, row_key: bytes) -> bytes | None:
+        """A blob row's bytes by its 32-byte key (the lookup's hot path unpacks them itself)."""
+        return self.raw.get(row_key, None, self._db["blobs"])
+
+    def blob_rows(self) -> Iterator[tuple[bytes, bytes]]:
+        """(row key, row) of every blob row, malformed ones included."""
+        for k, v in self.raw.cursor(db=self._db["blobs"]):
+            yield bytes(k), bytes(v)
+
+    def inline_value(self, digest: str) -> bytes | None:
+        """An inline blob's ``blobdata`` value (checksum head + bytes)."""
+        return self.raw.get(bytes.fromhex(digest), None, self._db["blobdata"])
+
+    def touch_blob(self, digest: str, row: BlobRow) -> None:
+        """Rewrite a blob row that keeps its size and content (refs, last put)."""
+        self.raw.put(bytes.fromhex(digest), row.encode(), db=self._db["blobs"])
+
+    def put_blob(self, digest: str, row: BlobRow, *, inline: bytes | None) -> None:
+        """Register a blob (new, or replacing a damaged row); ``inline`` is its ``blobdata`` value."""
+        k = bytes.fromhex(digest)
+        db = self._db
+        old = self.raw.get(k, None, db["blobs"])
+        if old is not None:
+            self._add(PHYSICAL, -BlobRow.decode(old, k).size)
+            self._epoch_moved = True  # a repair: checks against the old row no longer hold
+        self._add(PHYSICAL, row.size)
+        if inline is not None:
+            self.raw.put(k, inline, db=db["blobdata"])
+        else:
+            self.raw.delete(k, db=db["blobdata"])
+        self.raw.put(k, row.encode(), db=db["blobs"])
+
+    def drop_blob(self, digest: str, row: BlobRow) -> None:
+        """Delete a blob's rows (``row`` as read in this transaction); its file goes after the commit."""
+        k = bytes.fromhex(digest)
+        self.raw.delete(k, db=self._db["blobs"])
+        self.raw.delete(k, db=self._db["blobdata"])
+        self._add(PHYSICAL, -row.size)
+        self._epoch_moved = True
+
+    def drop_blob_key(self, row_key: bytes) -> None:
+        """Delete an undecodable blob row (``verify --fix``); totals are recounted there."""
+        self.raw.delete(row_key, db=self._db["blobs"])
+        self.raw.delete(row_key, db=self._db["blobdata"])
+        self._epoch_moved = True
+
+    def quarantine_blob(self, digest: str, row: BlobRow) -> None:
+        """Flag a blob as failed: lookups miss on it from now on; its inline bytes go."""
+        row.flags = (row.flags & ~FLAG_INLINE) | FLAG_QUARANTINED
+        k = bytes.fromhex(digest)
+        self.raw.delete(k, db=self._db["blobdata"])
+        self.raw.put(k, row.encode(), db=self._db["blobs"])
+        self._epoch_moved = True
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Take one reference on each blob; a blob without a row is :class:`BlobMissing`."""
+        for digest in digests:
+            row = self.blob_row(digest)
+            if row is None:
+                raise BlobMissing(digest, "not registered")
+            row.refs += 1
+            self.touch_blob(digest, row)
+
+    def release(self, digests: Iterable[str]) -> list[str]:
+        """Drop one reference per digest (hex); returns the digests now unreferenced."""
+        return self.release_counts(Counter(bytes.fromhex(d) for d in digests))
+
+    def release_counts(self, counts: Mapping[bytes, int]) -> list[str]:
+        """Drop ``n`` references per blob (by 32-byte row key); returns the digests (hex) now unreferenced.
+
+        Unpacks rows in place: an eviction batch releases thousands.
+        """
+        zero: list[str] = []
+        get, put, blobs = self.raw.get, self.raw.put, self._db["blobs"]
+        for k, n in counts.items():
+            raw = get(k, None, blobs)
+            if raw is None:
+                continue
+            if len(raw) != BLOB_ROW.size:
+                raise CorruptRecord("blobs", k.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+            size, held, touched, flags = BLOB_ROW.unpack(raw)
+            held = max(0, held - n)
+            put(k, BLOB_ROW.pack(size, held, touched, flags), db=blobs)
+            if held == 0:
+                zero.append(k.hex())
+        return zero
