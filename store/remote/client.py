@@ -109,7 +109,7 @@ class Remote:
         except RemoteUnavailable as exc:
             if self.breaker.failure(exc):
                 self.count("breaker_opened")
-                log.warning("remote %s unavailable (%s); not asking it again for %.0fs",
+                log.warning("remote %s unavailable (%s); not asking it again for %.1fs",
                             self.url, exc, self.breaker.snapshot()["retry_after"])
             raise
         except BaseException:
@@ -219,6 +219,10 @@ class Remote:
         """
         def run() -> Outcome[Verified]:
             got = self.get(Kind.AC, record_address(key, rank))
+            if got.reason == RemoteReason.REMOTE_CHECKSUM:  # past max_record_bytes: not a record we wrote
+                self.count("untrusted")
+                raise UntrustedRecord(f"larger than {self.max_record_bytes} bytes",
+                                      target=f"ac/{record_address(key, rank)}")
             if not got.ok:
                 return got  # type: ignore[return-value]
             if got.value is None:

@@ -175,22 +175,31 @@ class HttpBackend(RemoteBackend):
 
     # -- WebDAV collections ------------------------------------------------
     def _mkcols(self, kind: Kind) -> None:
-        """Create ``{prefix}`` and ``{prefix}/{kind}`` collections, once per backend."""
+        """Create ``{prefix}`` and ``{prefix}/{kind}`` collections, once per backend.
+
+        A MKCOL that fails is not an error in itself: another host creating
+        the same collection at the same moment can make a server answer 500
+        (wsgidav does); the PUT retried after it is the judge.
+        """
         parts = [p for p in f"{self._prefix}/{kind.value}".split("/") if p]
         for i in range(1, len(parts) + 1):
             path = "/" + "/".join(parts[:i])
             if path in self._collections:
                 continue
             status = self._call("MKCOL", path)
-            if status not in (200, 201, 204, 405):  # 405: it exists
-                raise self._fail(status, "MKCOL", path)
-            self._collections.add(path)
+            if status in (200, 201, 204, 405):  # 405: it exists
+                self._collections.add(path)
+            else:
+                log.debug("remote MKCOL %s: HTTP %d (a concurrent creator?); retrying the PUT anyway", path, status)
 
     def _put(self, kind: Kind, digest: str, data: Body, headers: dict[str, str] | None = None) -> int:
         path = self._path(kind, digest)
+        start = None if isinstance(data, (bytes, bytearray, memoryview)) else data.tell()
         status = self._call("PUT", path, body=data, headers=headers)
         if status == 409 and self._create_collections:
             self._mkcols(kind)
+            if start is not None:
+                data.seek(start)  # type: ignore[union-attr]
             status = self._call("PUT", path, body=data, headers=headers)
         return status
 

@@ -97,6 +97,11 @@ class S3Backend(RemoteBackend):
             )
             # A session per backend: boto3's default session is not thread-safe to create clients from.
             client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
+            # botocore sends file bodies with "Expect: 100-continue" and waits up to one second for
+            # the "100 Continue": a hung server would cost that second on top of the read timeout.
+            import botocore.handlers
+
+            client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
         self._client = client
 
     # -- helpers ---------------------------------------------------------

@@ -154,8 +154,21 @@ class SingleFlight:
 
     # -- leases on the remote ---------------------------------------------
     def _read(self, key: str) -> tuple[Outcome[bytes], Lease | None]:
-        got = self.remote.get(Kind.AC, lease_address(key))
-        return got, Lease.decode(got.value) if got.ok and got.value is not None else None
+        """The lease object and its decoding (None if absent or undecodable).
+
+        A lease that does not decode is read once more after the settle time:
+        a server that writes in place (WebDAV) can serve a lease half-written
+        by a racing acquirer.  Undecodable twice, it counts as dead.
+        """
+        for attempt in (0, 1):
+            got = self.remote.get(Kind.AC, lease_address(key))
+            if not got.ok or got.value is None:
+                return got, None
+            lease = Lease.decode(got.value)
+            if lease is not None or attempt:
+                return got, lease
+            self._sleep(max(self.settle, self.poll_min))
+        raise AssertionError("unreachable")
 
     def _live(self, lease: Lease | None) -> bool:
         return lease is not None and self._clock() <= lease.expires + self.clock_skew and lease.holder.alive()
