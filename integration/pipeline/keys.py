@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
 import math
@@ -135,9 +136,10 @@ def env_component(prefix_classes: Iterable[type]) -> dict[str, Any]:
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "code": code_fingerprint(prefix_classes),
     }
-    tf = sys.modules.get("transformers")
-    if tf is not None:
-        env["transformers"] = getattr(tf, "__version__", "unknown")
+    try:  # from the package metadata: whether this process imported transformers must not change the key
+        env["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return env
 
 
