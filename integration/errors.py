@@ -19,7 +19,6 @@ __all__ = [
     "UntrustedTarget",
     "CorruptSnapshot",
     "CacheKeyError",
-    "RankDisagreement",
     "EngineCacheError",
     "CorruptEngine",
     "TruncatedEngine",
@@ -83,10 +82,6 @@ class CorruptSnapshot(SnapshotError):
 
 class CacheKeyError(IntegrationError):
     reason = Reason.KEY_ERROR
-
-
-class RankDisagreement(IntegrationError):
-    reason = Reason.RANK_DISAGREEMENT
 
 
 class EngineCacheError(IntegrationError):

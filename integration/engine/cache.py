@@ -123,9 +123,6 @@ class EngineCache:
                 self._backend = StoreEngineStorage.from_env()
             return self._backend
 
-    def memory_contains(self, h: str) -> bool:
-        return h in self._memory
-
     def clear_memory(self) -> None:
         self._memory.clear()
 

@@ -156,10 +156,6 @@ class CompiledEngine:
     def source(self) -> Source:
         return self.event.source
 
-    @property
-    def constant_names(self) -> list[str]:
-        return sorted(self._runner.get_constant_fqns())
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._runner(*args, **kwargs)
 

@@ -59,7 +59,6 @@ logger = logging.getLogger(__name__)
 #: their shape metadata predates weight loading/sharding and must not be trusted.
 STALE_SHAPE_KEY = "adstore_stale_shape"
 
-_OPS = frozenset({"placeholder", "get_attr", "call_function", "call_module", "call_method", "output"})
 _SKIP_META = frozenset({"from_node", "unbacked_bindings", "tensor_meta", "example_value", STALE_SHAPE_KEY})
 _SPEC_META = frozenset({"val"})
 _MISSING = object()

@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: Instance attributes every ``nn.Module`` has; handled structurally, never as plain attrs.
 MODULE_KEYS = frozenset(torch.nn.Module().__dict__) | {"_compiled_call_impl"}
-_FORWARD_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 _OTHER_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks")
 _GUARDS_CLASS = "torch.export._unlift.GuardsFn"
 
