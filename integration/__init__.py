@@ -8,22 +8,17 @@ use, so ``import adstore.integration`` does not import torch.
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "InferenceOptimizer": "adstore.integration.pipeline.optimizer",
-    "register_transform": "adstore.integration.pipeline.optimizer",
-    "CacheEvent": "adstore.integration.pipeline.events",
-    "ModelFactory": "adstore.integration.reference.models",
-    "write_random_checkpoint": "adstore.integration.reference.checkpoint",
-    "default_transforms": "adstore.integration.reference.pipeline",
-    "dump_module": "adstore.integration.snapshot.codec",
-    "load_module": "adstore.integration.snapshot.codec",
-    "allow_prefix": "adstore.integration.snapshot.targets",
-    "register_hook_type": "adstore.integration.snapshot.hooks",
-    "EngineCache": "adstore.integration.engine.cache",
-    "compile": "adstore.integration.engine.cache",
-    "EngineStorage": "adstore.integration.engine.storage",
-    "MemoryEngineStorage": "adstore.integration.engine.storage",
-    "StoreEngineStorage": "adstore.integration.engine.storage",
+    "pipeline.optimizer": ("InferenceOptimizer", "register_transform"),
+    "pipeline.events": ("CacheEvent",),
+    "reference.models": ("ModelFactory",),
+    "reference.checkpoint": ("write_random_checkpoint",),
+    "reference.pipeline": ("default_transforms",),
+    "snapshot.codec": ("dump_module", "load_module"),
+    "snapshot.targets": ("allow_prefix",),
+    "snapshot.hooks": ("register_hook_type",),
+    "engine.cache": ("EngineCache", "compile"),
+    "engine.storage": ("EngineStorage", "MemoryEngineStorage", "StoreEngineStorage"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

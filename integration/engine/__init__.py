@@ -9,17 +9,11 @@ in-process layer.
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "CompiledEngine": "adstore.integration.engine.cache",
-    "EngineCache": "adstore.integration.engine.cache",
-    "compile": "adstore.integration.engine.cache",
-    "default_engine_cache": "adstore.integration.engine.cache",
-    "set_default_engine_cache": "adstore.integration.engine.cache",
-    "EngineStorage": "adstore.integration.engine.storage",
-    "MemoryEngineStorage": "adstore.integration.engine.storage",
-    "StoreEngineStorage": "adstore.integration.engine.storage",
-    "EngineRecord": "adstore.integration.engine.record",
-    "get_hash": "adstore.integration.engine.hashing",
+    "engine.cache": ("CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"),
+    "engine.storage": ("EngineStorage", "MemoryEngineStorage", "StoreEngineStorage"),
+    "engine.record": ("EngineRecord",),
+    "engine.hashing": ("get_hash",),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

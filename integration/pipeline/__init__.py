@@ -9,24 +9,14 @@ agreement and ``events`` what a cache reports.
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "InferenceOptimizer": "adstore.integration.pipeline.optimizer",
-    "default_registry": "adstore.integration.pipeline.optimizer",
-    "register_transform": "adstore.integration.pipeline.optimizer",
-    "CachePoint": "adstore.integration.pipeline.transforms",
-    "PipelineContext": "adstore.integration.pipeline.transforms",
-    "Stage": "adstore.integration.pipeline.transforms",
-    "Transform": "adstore.integration.pipeline.transforms",
-    "TransformConfig": "adstore.integration.pipeline.transforms",
-    "TransformRegistry": "adstore.integration.pipeline.transforms",
-    "PipelineCache": "adstore.integration.pipeline.cache",
-    "PipelineCacheConfig": "adstore.integration.pipeline.cache",
-    "CacheEvent": "adstore.integration.pipeline.events",
-    "EventKind": "adstore.integration.pipeline.events",
-    "Source": "adstore.integration.pipeline.events",
-    "CacheKey": "adstore.integration.pipeline.keys",
-    "build_key": "adstore.integration.pipeline.keys",
-    "diff_components": "adstore.integration.pipeline.keys",
+    "pipeline.optimizer": ("InferenceOptimizer", "default_registry", "register_transform"),
+    "pipeline.transforms": (
+        "CachePoint", "PipelineContext", "Stage", "Transform", "TransformConfig", "TransformRegistry",
+    ),
+    "pipeline.cache": ("PipelineCache", "PipelineCacheConfig"),
+    "pipeline.events": ("CacheEvent", "EventKind", "Source"),
+    "pipeline.keys": ("CacheKey", "build_key", "diff_components"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,17 +8,11 @@ nothing with the optimizer.
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "ModelFactory": "adstore.integration.reference.models",
-    "checkpoint_fingerprint": "adstore.integration.reference.checkpoint",
-    "read_checkpoint": "adstore.integration.reference.checkpoint",
-    "write_random_checkpoint": "adstore.integration.reference.checkpoint",
-    "DEFAULT_TRANSFORMS": "adstore.integration.reference.pipeline",
-    "REFERENCE_TRANSFORMS": "adstore.integration.reference.pipeline",
-    "default_transforms": "adstore.integration.reference.pipeline",
-    "reference_registry": "adstore.integration.reference.pipeline",
-    "format_demo": "adstore.integration.reference.demo",
-    "run_demo": "adstore.integration.reference.demo",
+    "reference.models": ("ModelFactory",),
+    "reference.checkpoint": ("checkpoint_fingerprint", "read_checkpoint", "write_random_checkpoint"),
+    "reference.pipeline": ("DEFAULT_TRANSFORMS", "REFERENCE_TRANSFORMS", "default_transforms", "reference_registry"),
+    "reference.demo": ("format_demo", "run_demo"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -9,20 +9,13 @@ encode and decode; ``targets`` is the allow-list; ``hooks`` and
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "FORMAT": "adstore.integration.snapshot.codec",
-    "HOOKS_ARTIFACT": "adstore.integration.snapshot.codec",
-    "MODULE_ARTIFACT": "adstore.integration.snapshot.codec",
-    "VERSION": "adstore.integration.snapshot.codec",
-    "dump_module": "adstore.integration.snapshot.codec",
-    "load_module": "adstore.integration.snapshot.codec",
-    "summarize": "adstore.integration.snapshot.codec",
-    "allow_prefix": "adstore.integration.snapshot.targets",
-    "snapshot_safe": "adstore.integration.snapshot.targets",
-    "TPShardHook": "adstore.integration.snapshot.hooks",
-    "register_hook_type": "adstore.integration.snapshot.hooks",
-    "STALE_SHAPE_KEY": "adstore.integration.snapshot.graph",
-    "is_shape_stale": "adstore.integration.snapshot.graph",
+    "snapshot.codec": (
+        "FORMAT", "HOOKS_ARTIFACT", "MODULE_ARTIFACT", "VERSION", "dump_module", "load_module", "summarize",
+    ),
+    "snapshot.targets": ("allow_prefix", "snapshot_safe"),
+    "snapshot.hooks": ("TPShardHook", "register_hook_type"),
+    "snapshot.graph": ("STALE_SHAPE_KEY", "is_shape_stale"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

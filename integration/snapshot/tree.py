@@ -122,7 +122,8 @@ class TreeEncoder:
             self._params[id(p)] = full
             if p.device.type != "meta":
                 self.materialized.append(full)
-            params.append([name, pack_param(list(p.shape), list(p.stride()), dtype_name(p.dtype), bool(p.requires_grad))])
+            spec = pack_param(list(p.shape), list(p.stride()), dtype_name(p.dtype), bool(p.requires_grad))
+            params.append([name, spec])
         buffers = []
         for name, b in m._buffers.items():
             persistent = name not in m._non_persistent_buffers_set
