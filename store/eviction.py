@@ -47,7 +47,6 @@ class EvictedBatch:
 
     keys: tuple[str, ...]  # the entries evicted (victims that no longer qualified are not here)
     bytes_freed: int  # physical bytes whose rows were deleted
-    remaining: int  # victims of the plan not yet attempted
 
 
 #: A victim as planned (a plain tuple: a plan may hold 100k): last access, key, row key,
@@ -113,8 +112,7 @@ class EvictionPlan:
             if should_stop is not None and should_stop():
                 break
             chunk = self._victims[start:start + size]
-            batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
-                                                  remaining=total - start - len(chunk))
+            batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at)
             unchanged_at = txn_id + 1
             freed += batch.bytes_freed
             evicted += len(batch.keys)
@@ -276,8 +274,7 @@ class Evictor:
                             snapshot)
 
     # -- execution --------------------------------------------------------------
-    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int,
-                remaining: int) -> tuple[EvictedBatch, int]:
+    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int) -> tuple[EvictedBatch, int]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
         Returns the batch and the id of its transaction.  When that id is
@@ -311,7 +308,7 @@ class Evictor:
 
         done, dropped, txn_id = self._tables.write(fn)
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped), remaining), txn_id
+        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
 
     def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str], now: float) -> list[bytes] | None:
         """Drop a victim after checking it still qualifies; None if it does not (or is gone)."""

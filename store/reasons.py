@@ -4,7 +4,7 @@ A :class:`Reason` is a ``StrEnum``: it compares equal to its word
 (``Reason.ABSENT == "absent"``), so JSON output, counter names
 (``misses.absent``) and the CLI keep the words listed here.  The store, the
 pipeline cache, the engine cache, the daemon and ``verify`` all take their
-reasons from this one list (README, "Misses and bypasses").
+reasons from this one list (README, "Using the store" and "The pipeline cache").
 """
 
 from __future__ import annotations

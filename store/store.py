@@ -200,10 +200,12 @@ class Store:
         self._book.count({"bytes_deduplicated": size})
 
     def _reserve(self, nbytes: int) -> None:
-        """Keep a store without a daemon bounded: inline eviction at the hard limit.
+        """Keep a store bounded without a daemon: inline eviction at the hard limit.
 
         The limit is this writer's ``max_size``, else the budget the daemon
         persisted (with its grace period), so both agree on what is too much.
+        Only a writer's own limit refuses a write (:class:`OverBudget`); the
+        daemon's budget is one it enforces itself, so a writer only helps.
         """
         limit, grace = self.max_size, self.grace_period
         if limit is None:
@@ -228,7 +230,7 @@ class Store:
             if not sweep.empty:
                 sweep.execute()
         size = self.size()
-        if size + nbytes > limit:
+        if size + nbytes > limit and self.max_size is not None:
             raise OverBudget(nbytes, limit, size)
 
     # -- manifests -------------------------------------------------------
