@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.metadata
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -107,14 +106,6 @@ ARCHITECTURES: dict[str, Any] = {
 MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4",
 }
-
-
-def _version(package: str) -> str | None:
-    """An installed package's version from its metadata (the package is not imported)."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _gemma4(layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
@@ -225,19 +216,19 @@ class ModelFactory:
         return dtype
 
     def identity(self) -> dict[str, Any]:
-        """The ``model`` key component: model type, the config mapping, kwargs, transformers version.
+        """The ``model`` key component: model type, the config mapping and the kwargs.
 
         Computed from the mapping alone, without importing transformers (about
-        a second on a restart that restores and never builds).  The version
-        stands in for the defaults transformers fills in, so an upgrade that
-        changes them is a miss; a config that spells out a default is a
-        different key from one that leaves it out (a miss, never a wrong hit).
+        a second on a restart that restores and never builds).  The defaults
+        transformers fills in are covered by its version in the ``env``
+        component, so an upgrade that could change them is a miss; a config that
+        spells out a default is another key than one that leaves it out (a
+        miss, never a wrong hit).
         """
         return {
             "model_type": self.config["model_type"],
             "config": dict(self.config),
             "model_kwargs": dict(sorted(self.model_kwargs.items())),
-            "transformers": _version("transformers"),
         }
 
     def tp_plan(self) -> dict[str, str]:
