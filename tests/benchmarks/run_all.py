@@ -48,6 +48,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_snapshot": ["--layers", "8", "--repeat", "3"],
     "bench_engine": ["--hidden", "256"],
     "bench_pipeline": ["--layers", "8"],
+    "bench_restart": ["--quick"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -57,6 +58,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_engine": ["engine.json"],
     "bench_snapshot": ["bench_snapshot.json", "snapshot.json"],
     "bench_pipeline": ["bench_pipeline.json", "pipeline.json"],
+    "bench_restart": ["restart.json"],
 }
 
 Row = dict[str, Any]
@@ -322,6 +324,33 @@ def rows_pipeline(d: dict) -> list[Row]:
     ]
 
 
+def _imports(info: dict | None) -> str:
+    if not info:
+        return ""
+    return ("warm process imports " + ", ".join(f"{k}: {'yes' if info.get(k) else 'no'}"
+                                                for k in ("transformers", "dynamo")))
+
+
+def rows_restart(d: dict) -> list[Row]:
+    floor = d["floor_s"]
+    out = [row("restart", "floor: fresh process, `import torch`", _s(floor), "", None)]
+    for name, m in d.get("models", {}).items():
+        above, cold_above = m["warm_s"] - floor, m["cold_s"] - floor
+        ratio = m.get("above_floor_ratio")
+        out.append(row("restart", f"pipeline warm restart ({name}), start to first output",
+                       f"{_s(m['warm_s'])} (floor + {_s(above)})", f"cold restart {_s(m['cold_s'])}",
+                       m.get("speedup"), "≤ floor + 0.5 s", above <= 0.5, _imports(m.get("warm_imports"))))
+        out.append(row("restart", f"pipeline time above the floor ({name})", _s(above),
+                       f"cold {_s(cold_above)}", ratio, "≥ 4× less", ratio is not None and ratio >= 4,
+                       "ratio = cold time above floor / warm time above floor"))
+    if "engine" in d:
+        e = d["engine"]
+        out.append(row("restart", "engine cache warm restart (MLP), start to first output",
+                       f"{_s(e['warm_s'])} (floor + {_s(e['warm_above_floor_s'])})",
+                       f"cold restart (compile) {_s(e['cold_s'])}", e.get("speedup")))
+    return out
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -352,6 +381,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_snapshot": rows_snapshot,
     "bench_engine": rows_engine,
     "bench_pipeline": rows_pipeline,
+    "bench_restart": rows_restart,
 }
 
 

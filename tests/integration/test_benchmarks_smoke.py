@@ -26,6 +26,7 @@ SMALL = {
     "bench_snapshot": (["--layers", "2", "--repeat", "1"], "bench_snapshot.json"),
     "bench_pipeline": (["--layers", "2", "--hidden", "64"], "bench_pipeline.json"),
     "bench_engine": (["--hidden", "64", "--batch", "4"], "engine.json"),
+    "bench_restart": (["--quick", "--repeat", "1"], "restart.json"),
 }
 
 
