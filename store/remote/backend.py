@@ -35,7 +35,14 @@ __all__ = [
     "transport_error",
     "status_error",
     "CHUNK",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_READ_TIMEOUT",
 ]
+
+#: Seconds to open a connection: a reachable server on a LAN or in-region answers in milliseconds.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+#: Seconds a read (or write) may stall: bounds a stopped or hung server, not a slow large download.
+DEFAULT_READ_TIMEOUT = 10.0
 
 #: Bytes or a readable binary file positioned at the start of the body.
 Body = bytes | bytearray | memoryview | BinaryIO

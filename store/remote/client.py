@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from ..errors import AdstoreError, ConfigError
 from ..reasons import Reason
 from .addresses import Kind, object_name, record_address
-from .backend import RemoteBackend
+from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend
 from .breaker import CircuitBreaker
 from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
 from .outcomes import Mode, Outcome
@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds to open a connection: a reachable server on a LAN or in-region answers in milliseconds.
-DEFAULT_CONNECT_TIMEOUT = 2.0
-#: Seconds a read (or write) may stall: bounds a stopped or hung server, not a slow large download.
-DEFAULT_READ_TIMEOUT = 10.0
 #: Largest record (ac object) a reader accepts: records list digests, not content.
 MAX_RECORD_BYTES = 16 << 20
 

@@ -30,7 +30,18 @@ from typing import Any, BinaryIO
 
 from ..errors import ConfigError
 from .addresses import Kind, object_name
-from .backend import CHUNK, Body, ConditionalWrites, RemoteBackend, body_size, copy_limited, status_error, transport_error
+from .backend import (
+    CHUNK,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    Body,
+    ConditionalWrites,
+    RemoteBackend,
+    body_size,
+    copy_limited,
+    status_error,
+    transport_error,
+)
 from .errors import RemoteChecksumMismatch, RemoteError
 
 __all__ = ["HttpBackend"]
@@ -69,8 +80,8 @@ class HttpBackend(RemoteBackend):
         self,
         url: str,
         *,
-        connect_timeout: float = 2.0,
-        read_timeout: float = 10.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
         headers: dict[str, str] | None = None,
         ssl_context: Any = None,
         create_collections: bool = True,
@@ -220,7 +231,10 @@ class HttpBackend(RemoteBackend):
                 raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=int(length), got_digest=None)
             read: Callable[[], bytes] = lambda: resp.read(CHUNK)  # noqa: E731
             try:
-                return copy_limited(iter(read, b""), fileobj, max_bytes=max_bytes, digest=digest)
+                n = copy_limited(iter(read, b""), fileobj, max_bytes=max_bytes, digest=digest)
+                if length is not None and length.isdigit() and n != int(length):  # read(amt) does not say
+                    raise http.client.IncompleteRead(b"", int(length) - n)
+                return n
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
                 raise transport_error(exc, op="GET", target=path) from exc

@@ -22,7 +22,18 @@ from typing import Any, BinaryIO
 
 from ..errors import ConfigError
 from .addresses import Kind, object_name
-from .backend import CHUNK, Body, ConditionalWrites, RemoteBackend, body_size, copy_limited, status_error, transport_error
+from .backend import (
+    CHUNK,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    Body,
+    ConditionalWrites,
+    RemoteBackend,
+    body_size,
+    copy_limited,
+    status_error,
+    transport_error,
+)
 from .errors import NotSupported, RemoteChecksumMismatch, RemoteRejected, RemoteTimeout
 
 __all__ = ["S3Backend", "parse_s3_url"]
@@ -71,8 +82,8 @@ class S3Backend(RemoteBackend):
         self,
         url: str,
         *,
-        connect_timeout: float = 2.0,
-        read_timeout: float = 10.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
         retries: int = 0,
         endpoint_url: str | None = None,
         max_connections: int = 16,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,7 +33,7 @@ from .outcomes import Outcome
 if TYPE_CHECKING:
     from .client import Remote
 
-__all__ = ["BlobSink", "BlobSource", "HashingWriter", "fetch_blob", "push_blob", "pull_blobs", "publish"]
+__all__ = ["BlobSink", "BlobSource", "HashingWriter", "BACKGROUND_HASH_BYTES", "fetch_blob", "push_blob", "pull_blobs", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +57,67 @@ class BlobSource(Protocol):
 
 
 class HashingWriter:
-    """A write-only file that hashes (SHA-256) and counts what passes through it."""
+    """A write-only file that hashes (SHA-256) and counts what passes through it.
 
-    def __init__(self, fd: int, name: str) -> None:
+    With ``background=True`` the hashing and writing run in a helper thread
+    fed through a small bounded queue, so they overlap with the network read
+    (both release the GIL): a large download then runs at the speed of the
+    slower of network and SHA-256, not of their sum.  :meth:`finish` must
+    be called; it returns the helper's error, if any.
+    """
+
+    def __init__(self, fd: int, name: str, *, background: bool = False) -> None:
         self._fd = fd
         self.name = name
         self._sha = hashlib.sha256()
         self.size = 0
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[bytes | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=4)
+            self._thread = threading.Thread(target=self._drain, name="adstore-remote-hash", daemon=True)
+            self._thread.start()
 
-    def write(self, data: bytes) -> int:
+    def _consume(self, data: bytes) -> None:
         self._sha.update(data)
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view):]
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._consume(item)
+                except BaseException as exc:  # reported by write() or finish()
+                    self._error = exc
+
+    def write(self, data: bytes) -> int:
+        if self._error is not None:
+            raise self._error
+        if self._queue is None:
+            self._consume(data)
+        else:
+            self._queue.put(data)
         self.size += len(data)
         return len(data)
 
+    def finish(self) -> BaseException | None:
+        """Wait for the helper thread (if any); the error it failed with, if any."""
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+        return self._error
+
     def hexdigest(self) -> str:
         return self._sha.hexdigest()
+
+
+#: Downloads at least this large hash and write in a helper thread (below it a thread costs more than it saves).
+BACKGROUND_HASH_BYTES = 8 << 20
 
 
 def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False) -> Outcome[Path]:
@@ -86,13 +131,18 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise local_write_error(exc, dest) from exc
-    writer = HashingWriter(fd, str(dest))
+    writer = HashingWriter(fd, str(dest), background=size >= BACKGROUND_HASH_BYTES)
     try:
         try:
             n = remote._call("get", Kind.CAS, digest,
                              lambda: remote.backend.get_to(Kind.CAS, digest, writer, size))  # type: ignore[arg-type]
         finally:
             remote.count("bytes_down", writer.size)
+            failed = writer.finish()  # raised below only if the download itself succeeded
+        if isinstance(failed, OSError):
+            raise local_write_error(failed, dest) from failed
+        if failed is not None:
+            raise failed
         if n is None:
             raise RemoteBlobMissing(digest)
         got = writer.hexdigest()

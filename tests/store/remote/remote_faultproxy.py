@@ -6,7 +6,8 @@ the connections already open, so clients reconnect into the new mode):
 * ``pass``  — forward both ways, recording what the client sent;
 * ``reset`` — read the request, then close with RST (ECONNRESET);
 * ``stall`` — accept and read, never answer (a hung server: read timeouts);
-* ``503``   — answer every request ``503 Service Unavailable``.
+* ``503``   — answer every request ``503 Service Unavailable``;
+* ``cut``   — forward, but drop the connection after 64 KiB of answer (a body cut short).
 
 Threads are daemons and every socket has a timeout, so a test cannot hang on it.
 """
@@ -74,9 +75,10 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket, mode: str) -> None:
         try:
-            if mode == "pass":
+            if mode in ("pass", "cut"):
                 upstream = self._track(socket.create_connection(self.upstream, timeout=30))
-                threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+                limit = 64 << 10 if mode == "cut" else None
+                threading.Thread(target=self._pump, args=(upstream, client, False, limit), daemon=True).start()
                 self._pump(client, upstream, True)
             elif mode == "reset":
                 client.recv(65536)
@@ -100,12 +102,17 @@ class FaultProxy:
         except OSError:
             pass
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool, limit: int | None = None) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if limit is not None:
+                    data = data[:limit]
+                    limit -= len(data)
+                    if not data:
+                        break
                 if record:
                     with self._lock:
                         self.sent += data

@@ -270,3 +270,35 @@ def test_importing_the_tier_imports_neither_boto3_nor_cryptography():
             "print(sorted(m for m in ('boto3', 'botocore', 'cryptography') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_large_downloads_hash_in_a_helper_thread(memory, tmp_path):
+    from adstore.store.remote.transfer import BACKGROUND_HASH_BYTES
+
+    r = Remote(memory)
+    data = os.urandom(BACKGROUND_HASH_BYTES + 12345)
+    d = digest_of(data)
+    memory.put(Kind.CAS, d, data)
+    out = r.fetch_blob(d, len(data), dest=tmp_path / "big")
+    assert out.ok and out.value.read_bytes() == data
+    memory.put(Kind.CAS, d, data[:-1] + b"!")
+    assert r.fetch_blob(d, len(data), dest=tmp_path / "bad").reason == "remote_checksum"
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_full_local_disk_is_a_store_error_not_a_remote_failure(memory, tmp_path, monkeypatch):
+    import errno
+
+    from adstore.store.remote.transfer import BACKGROUND_HASH_BYTES, HashingWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(HashingWriter, "_consume", full)
+    r = Remote(memory)
+    for size in (1000, BACKGROUND_HASH_BYTES):  # written inline, and from the helper thread
+        data = os.urandom(size)
+        memory.put(Kind.CAS, digest_of(data), data)
+        out = r.fetch_blob(digest_of(data), size, dest=tmp_path / f"b{size}")
+        assert out.reason == "disk_full" and not (tmp_path / f"b{size}").exists()
+    assert r.breaker.state is BreakerState.CLOSED

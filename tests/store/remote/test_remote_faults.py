@@ -39,6 +39,13 @@ def server_of(kind: str, request):
     return request.getfixturevalue("s3_env" if kind == "s3" else "dav_server")
 
 
+@pytest.fixture(params=BACKENDS)
+def hosts(request, signer, trusted):
+    """(kind, writer, reader): two hosts sharing a fresh prefix on a real server."""
+    url = request.getfixturevalue(f"{request.param}_url")
+    return request.param, open_remote(url, mode="read-write", signer=signer), open_remote(url, trusted=trusted)
+
+
 def fast_fail_times(remote: Remote, n: int = 50) -> list[float]:
     d = digest_of(b"anything")
     out = []
@@ -114,10 +121,24 @@ def test_5xx_resets_and_hangs_through_a_proxy(kind, mode, request):
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
-def test_an_overwritten_remote_blob_is_rejected(kind, request, tmp_path, signer, trusted):
-    r = request.getfixturevalue(f"{kind}_url")
-    writer = open_remote(r, mode="read-write", signer=signer)
-    reader = open_remote(r, trusted=trusted)
+def test_a_download_cut_short_is_unavailable_not_a_blob(kind, request, tmp_path):
+    server = server_of(kind, request)
+    prefix = f"cut-{uuid.uuid4().hex[:8]}"
+    data = os.urandom(1 << 20)
+    d = digest_of(data)
+    assert open_at(kind, server.endpoint, prefix, mode="read-write").put(Kind.CAS, d, data).ok
+    proxy = FaultProxy(server.port, mode="cut")
+    try:
+        r = open_at(kind, proxy.endpoint, prefix, timeout=2, connect_timeout=1)
+        out = r.fetch_blob(d, len(data), dest=tmp_path / "blob")
+        assert out.reason == "remote_unavailable", out
+        assert not (tmp_path / "blob").exists()
+    finally:
+        proxy.close()
+
+
+def test_an_overwritten_remote_blob_is_rejected(hosts, tmp_path):
+    kind, writer, reader = hosts
     data = os.urandom(200_000)
     d = digest_of(data)
     assert writer.push_blob(d, len(data), data).ok
@@ -132,11 +153,8 @@ def test_an_overwritten_remote_blob_is_rejected(kind, request, tmp_path, signer,
         assert not store.has_blob(d)
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_a_record_whose_blob_was_evicted_is_a_miss(kind, request, tmp_path, signer, trusted):
-    url = request.getfixturevalue(f"{kind}_url")
-    writer = open_remote(url, mode="read-write", signer=signer)
-    reader = open_remote(url, trusted=trusted)
+def test_a_record_whose_blob_was_evicted_is_a_miss(hosts, tmp_path):
+    _, writer, reader = hosts
     with Store.open(tmp_path / "a", grace_period=0.0) as a:
         refs = [a.put_bytes(os.urandom(n)) for n in (100_000, 150_000)]
         pairs = [(ref.digest, ref.size) for ref in refs]
@@ -150,13 +168,10 @@ def test_a_record_whose_blob_was_evicted_is_a_miss(kind, request, tmp_path, sign
         assert not b.has_blob(pairs[1][0])
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_poisoned_records_on_a_real_server_are_untrusted(kind, request, signer, trusted):
+def test_poisoned_records_on_a_real_server_are_untrusted(hosts):
     from adstore.store.remote import Signer, generate_keypair
 
-    url = request.getfixturevalue(f"{kind}_url")
-    writer = open_remote(url, mode="read-write", signer=signer)
-    reader = open_remote(url, trusted=trusted)
+    _, writer, reader = hosts
     payload = {"blobs": [["ab" * 32, 1]]}
     assert writer.push_record("key", 0, payload).ok and reader.fetch_record("key", 0).ok
     mallory = Signer.from_pem(generate_keypair().private_pem)
