@@ -1,0 +1,214 @@
+"""Remote-tier benchmark: adstore's remote against plain clients of the same server, in one run.
+
+    python tests/benchmarks/bench_remote.py [--quick] [--mib 64] [--repeat 3] [--timeout 1.0]
+
+Starts moto's S3 server and a WebDAV server on 127.0.0.1 (the test suite's
+fixtures, from the ``test`` extra), prints a table and writes
+bench-results/remote.json.  Every figure has a baseline measured in the same
+run against the same server:
+
+* blob download: ``Remote.fetch_blob`` (streamed to a file, SHA-256
+  verified) vs ``boto3`` ``get_object(...)["Body"].read()`` of the same
+  bytes (target ≥ 0.8×); the same against WebDAV vs a plain ``http.client``
+  GET;
+* blob upload: ``Remote.push_blob`` of a new blob (HEAD, then PUT from the
+  file) vs ``put_object`` of the same bytes (target ≥ 0.8×); WebDAV vs a
+  plain PUT;
+* re-pushing an entry the remote holds: blob bytes sent (target 0);
+* added latency when the remote is down: a stopped server (SIGSTOP) and a
+  refused port; the first call within the timeout, later calls under 1 ms
+  (circuit open).
+
+The pipeline-level rows (a remote hit into an empty store vs the cold
+pipeline, 8 simultaneous cold starts) need the store's wiring and are added
+with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_results import results_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store" / "remote"))
+from remote_servers import BUCKET, S3_ENV, free_port, start_moto, start_webdav  # noqa: E402
+
+from adstore.store.remote import Kind, open_remote  # noqa: E402
+
+
+def mib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / (1 << 20)
+
+
+def throughput(remote, work: Path, data: bytes, repeat: int, *, plain_put, plain_get, baseline: str) -> dict:
+    """Best of ``repeat``: push_blob of a new blob vs ``plain_put``, fetch_blob vs ``plain_get``."""
+    size, digest = len(data), hashlib.sha256(data).hexdigest()
+    src = work / f"src-{digest[:8]}"
+    src.write_bytes(data)
+    up_a, up_b, down_a, down_b = [], [], [], []
+    for i in range(repeat):
+        assert remote.delete(Kind.CAS, digest).ok  # a new blob for push_blob (it skips one the remote has)
+        up_a.append(timed(lambda: _ok(remote.push_blob(digest, size, src), size)))
+        up_b.append(timed(lambda: plain_put(digest, data)))
+        dest = work / f"down-{i}"
+        down_a.append(timed(lambda: _ok(remote.fetch_blob(digest, size, dest=dest), size)))
+        dest.unlink()
+        down_b.append(timed(lambda: _check_len(plain_get(digest), size)))
+    rates = {}
+    for way, ours, base in (("download", down_a, down_b), ("upload", up_a, up_b)):
+        d = {"adstore_mib_s": mib_s(size, min(ours)), "baseline_mib_s": mib_s(size, min(base))}
+        d["ratio_vs_baseline"] = d["adstore_mib_s"] / d["baseline_mib_s"]
+        d["meets_0_8x"] = d["ratio_vs_baseline"] >= 0.8
+        rates[way] = d
+    return {"size_mib": size / (1 << 20), "baseline": baseline, **rates}
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _ok(out, size: int) -> None:
+    assert out.ok and out.nbytes == size, out
+
+
+def _check_len(body: bytes, size: int) -> None:
+    assert len(body) == size
+
+
+def s3_throughput(endpoint: str, work: Path, size: int, repeat: int) -> dict:
+    import boto3
+
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint)
+    remote = open_remote(f"s3://{BUCKET}/bench", endpoint_url=endpoint, mode="read-write", timeout=60)
+    return throughput(
+        remote, work, os.urandom(size), repeat, baseline="boto3",
+        plain_put=lambda d, data: client.put_object(Bucket=BUCKET, Key=f"bench/cas/{d}", Body=data),
+        plain_get=lambda d: client.get_object(Bucket=BUCKET, Key=f"bench/cas/{d}")["Body"].read())
+
+
+def http_throughput(port: int, work: Path, size: int, repeat: int) -> dict:
+    remote = open_remote(f"http://127.0.0.1:{port}/bench", mode="read-write", timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, blocksize=1 << 20)
+
+    def plain(method: str, digest: str, body: bytes | None = None) -> bytes:
+        conn.request(method, f"/bench/cas/{digest}", body=body)
+        return conn.getresponse().read()
+
+    return throughput(remote, work, os.urandom(size), repeat, baseline="http.client",
+                      plain_put=lambda d, data: plain("PUT", d, data), plain_get=lambda d: plain("GET", d))
+
+
+def repush(endpoint: str, work: Path) -> dict:
+    """Publish an entry (blobs + record), then publish it again: the second sends no blob bytes."""
+    from adstore.store import Store
+    from adstore.store.remote import Signer, generate_keypair
+
+    signer = Signer.from_pem(generate_keypair().private_pem)
+    remote = open_remote(f"s3://{BUCKET}/repush-{os.getpid()}", endpoint_url=endpoint, mode="read-write",
+                         timeout=60, signer=signer)
+    with Store.open(work / "store", grace_period=0.0) as store:
+        refs = [store.put_bytes(os.urandom(n)) for n in (1 << 20, 4 << 20, 300, 70_000)]
+        pairs = [(r.digest, r.size) for r in refs]
+        t = time.perf_counter()
+        first = remote.publish("k", 0, {"blobs": pairs}, pairs, source=store)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        second = remote.publish("k", 0, {"blobs": pairs}, pairs, source=store)
+        t2 = time.perf_counter() - t
+    assert first.ok and second.ok
+    return {"first_push_blob_bytes": first.value, "repush_blob_bytes": second.value, "first_push_s": t1,
+            "repush_s": t2, "meets_zero_bytes": second.value == 0}
+
+
+def down_latency(kind: str, endpoint: str, timeout: float, calls: int) -> dict:
+    """First call and later calls against a remote that does not answer."""
+    if kind == "s3":
+        remote = open_remote(f"s3://{BUCKET}/down", endpoint_url=endpoint, timeout=timeout, connect_timeout=timeout)
+    else:
+        remote = open_remote(f"{endpoint}/down", timeout=timeout, connect_timeout=timeout)
+    digest = hashlib.sha256(b"down").hexdigest()
+    t = time.perf_counter()
+    first = remote.fetch_record("k", 0)
+    first_s = time.perf_counter() - t
+    later = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        out = remote.head(Kind.CAS, digest)
+        later.append(time.perf_counter() - t)
+        assert not out.ok
+    p50 = statistics.median(later)
+    return {"timeout_s": timeout, "reason": first.reason, "first_call_s": first_s, "later_p50_us": p50 * 1e6,
+            "later_max_us": max(later) * 1e6, "meets_first_within_timeout": first_s <= timeout + 0.2,
+            "meets_later_under_1ms": p50 < 1e-3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="16 MiB blob, 2 repeats")
+    ap.add_argument("--mib", type=int, default=64, help="blob size for the throughput rows")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=1.0, help="read/connect timeout of the down-remote rows")
+    args = ap.parse_args(argv)
+    size = (16 if args.quick else args.mib) << 20
+    repeat = 2 if args.quick else args.repeat
+    os.environ.update(S3_ENV)
+    res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                 "settings": {"blob_mib": size >> 20, "repeat": repeat, "timeout_s": args.timeout}}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ADSTORE_BENCH_DIR")) as tmp:
+        work = Path(tmp)
+        moto = start_moto(work)
+        dav = start_webdav(work)
+        try:
+            import boto3
+
+            boto3.session.Session().client("s3", endpoint_url=moto.endpoint).create_bucket(Bucket=BUCKET)
+            res["s3"] = s3_throughput(moto.endpoint, work, size, repeat)
+            res["http"] = http_throughput(dav.port, work, size, repeat)
+            res["repush"] = repush(moto.endpoint, work)
+            res["down"] = {"refused": down_latency("http", f"http://127.0.0.1:{free_port()}", args.timeout, 1000)}
+            for name, server in (("s3", moto), ("http", dav)):
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                try:
+                    res["down"][f"stopped_{name}"] = down_latency(name, server.endpoint, args.timeout, 1000)
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+        finally:
+            moto.stop()
+            dav.stop()
+    rows = []
+    for name in ("s3", "http"):
+        t = res[name]
+        for way in ("download", "upload"):
+            d = t[way]
+            rows.append((f"{name} {way} {t['size_mib']:.0f} MiB", f"{d['adstore_mib_s']:.0f} MiB/s",
+                         f"{d['baseline_mib_s']:.0f} MiB/s ({t['baseline']})",
+                         f"{d['ratio_vs_baseline']:.2f}x (target ≥ 0.8x)"))
+    r = res["repush"]
+    rows.append(("re-push an entry (blob bytes)", str(r["repush_blob_bytes"]),
+                 f"{r['first_push_blob_bytes']} (first push)", "target 0"))
+    for name, d in res["down"].items():
+        rows.append((f"remote down ({name}): first call", f"{d['first_call_s'] * 1e3:.0f} ms ({d['reason']})",
+                     f"timeout {d['timeout_s'] * 1e3:.0f} ms", "target ≤ timeout"))
+        rows.append((f"remote down ({name}): later calls", f"p50 {d['later_p50_us']:.1f} µs",
+                     f"max {d['later_max_us']:.1f} µs", "target < 1 ms"))
+    print(f"{'benchmark':40} {'adstore':24} {'baseline':30} ratio")
+    for row in rows:
+        print(f"{row[0]:40} {row[1]:24} {row[2]:30} {row[3]}")
+    (results_dir() / "remote.json").write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
