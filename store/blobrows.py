@@ -49,6 +49,16 @@ class BlobRows:
         for k, v in self.raw.cursor(db=self._db["blobs"]):
             yield bytes(k), bytes(v)
 
+    def decoded_blob_rows(self) -> Iterator[tuple[str, BlobRow]]:
+        """(digest, row) of every blob row that decodes; malformed ones are ``verify``'s to report."""
+        for k, v in self.raw.cursor(db=self._db["blobs"]):
+            if len(k) != 32:
+                continue
+            try:
+                yield k.hex(), BlobRow.decode(v, k)
+            except CorruptRecord:
+                continue
+
     def inline_value(self, digest: str) -> bytes | None:
         """An inline blob's ``blobdata`` value (checksum head + bytes)."""
         return self.raw.get(bytes.fromhex(digest), None, self._db["blobdata"])

@@ -393,14 +393,4 @@ class _Simulation:
 
 
 def _unreferenced_bytes(t: Txn) -> int:
-    total = 0
-    for k, v in t.blob_rows():
-        if len(k) != 32:
-            continue
-        try:
-            row = BlobRow.decode(v, k)
-        except CorruptRecord:
-            continue
-        if row.refs == 0:
-            total += row.size
-    return total
+    return sum(row.size for _, row in t.decoded_blob_rows() if row.refs == 0)

@@ -79,6 +79,7 @@ class Store:
         flush_interval: float = 1.0,
         check_permissions: bool = True,
         create: bool = True,
+        memoize_lookups: bool = True,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
@@ -98,7 +99,8 @@ class Store:
         self._tables = Tables(self._index, layout)
         self._init_totals()
         self._book = Bookkeeping(self._tables, flush_interval=flush_interval)
-        self._memo: LookupMemo | None = LookupMemo()
+        # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
+        self._memo: LookupMemo | None = LookupMemo() if memoize_lookups else None
         self._blobs = Blobs(self._tables, inline_threshold=self.inline_threshold, grace_period=self.grace_period,
                             reserve=self._reserve, on_dedup=self._count_dedup)
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)

@@ -83,14 +83,7 @@ class Sweeper:
         stale: list[Manifest] = []
         nbytes = 0
         with self._tables.read() as t:
-            for k, v in t.blob_rows():
-                if len(k) != 32:
-                    continue  # malformed row: verify reports it, --fix drops it
-                try:
-                    row = BlobRow.decode(v, k)
-                except CorruptRecord:
-                    continue
-                digest = k.hex()
+            for digest, row in t.decoded_blob_rows():
                 if not row.inline and not row.quarantined:
                     registered.add(digest)
                 if row.refs == 0 and row.touched <= old:

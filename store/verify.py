@@ -290,16 +290,9 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
         current = {(m.key, m.rank): m for m in manifests if m.committed}
         all_keys = {m.key for m in manifests}
         physical = logical = pinned = 0
-        for k, v in list(t.blob_rows()):
-            if len(k) != 32:
-                continue
-            try:
-                row = BlobRow.decode(v, k)
-            except CorruptRecord:
-                continue
-            digest = k.hex()
+        for digest, row in list(t.decoded_blob_rows()):
             if digest in bad_blobs and refs.get(digest, 0) == 0:
-                t.drop_blob_key(k)
+                t.drop_blob_key(bytes.fromhex(digest))
                 dropped.append(digest)
                 continue
             if row.refs != refs.get(digest, 0):
