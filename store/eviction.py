@@ -255,7 +255,7 @@ class Evictor:
             snapshot = t.raw.id()
             leased, _ = live_leases(t, now)
             sim = _Simulation(t, now, self.grace)
-            for key in keys:
+            for key in dict.fromkeys(keys):  # each once
                 k = validate_key(key).encode()
                 raw = t.entry_row(k)
                 if raw is None:

@@ -46,6 +46,10 @@ def test_plans_are_frozen_and_say_what_they_do(store):
     assert evict.count == len(evict.victims) == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         evict.bytes_to_free = 0  # type: ignore[misc]
+    twice = store.plan_remove(["a", "a"])
+    assert twice.count == 1
+    twice.execute()
+    assert store.verify().ok and not store.verify().warnings  # totals counted once
 
 
 def test_execute_in_batches_reports_evicted_entries_and_physical_bytes(store):
