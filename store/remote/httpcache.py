@@ -25,6 +25,7 @@ import http.client
 import logging
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -107,7 +108,8 @@ class HttpBackend(RemoteBackend):
         self._create_collections = create_collections
         self._collections: set[str] = set()
         self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
+        # Weak: a thread's connection goes (and its socket closes) with the thread.
+        self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     # -- connections -----------------------------------------------------
@@ -122,7 +124,7 @@ class HttpBackend(RemoteBackend):
             conn.read_timeout = self._read_timeout  # type: ignore[attr-defined]
             self._local.conn = conn
             with self._lock:
-                self._all.append(conn)
+                self._all.add(conn)
         return conn
 
     def _drop(self) -> None:
@@ -281,6 +283,7 @@ class HttpBackend(RemoteBackend):
 
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
+            conns = list(self._all)
+            self._all.clear()
         for conn in conns:
             conn.close()

@@ -12,7 +12,9 @@ correct result (README, "Remote tier").
 Servers whose conditional write checks and writes in two steps (wsgidav,
 moto) can let two racers both "create" the lease, so a winner reads the
 lease back after a short settle time and leads only if it still holds its
-own nonce.  On a backend without put-if-absent the lease is written with a
+own nonce; where the server may ignore ``If-None-Match`` altogether (an
+HTTP cache such as bazel-remote), an acquirer also looks for a live lease
+before writing.  On a backend without put-if-absent the lease is written with a
 plain PUT after looking for a live one, then confirmed the same way: a
 best-effort lease, and in the worst case two hosts build the same key.
 Leases are not signed: a hostile writer can make followers wait, never for
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from .addresses import Kind, lease_address
+from .backend import ConditionalWrites
 from .client import Remote
 from .outcomes import Outcome
 from .reasons import RemoteReason
@@ -135,10 +138,11 @@ class SingleFlight:
         self,
         remote: Remote,
         *,
-        settle: float = 0.1,
+        settle: float = 0.25,
         poll_min: float = 0.05,
         poll_max: float = 1.0,
         clock_skew: float = 5.0,
+        garbage_grace: float = 2.0,
         attempts: int = 3,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
@@ -148,6 +152,7 @@ class SingleFlight:
         self.poll_min = poll_min
         self.poll_max = poll_max
         self.clock_skew = clock_skew
+        self.garbage_grace = garbage_grace
         self.attempts = attempts
         self._clock = clock
         self._sleep = sleep
@@ -156,19 +161,22 @@ class SingleFlight:
     def _read(self, key: str) -> tuple[Outcome[bytes], Lease | None]:
         """The lease object and its decoding (None if absent or undecodable).
 
-        A lease that does not decode is read once more after the settle time:
-        a server that writes in place (WebDAV) can serve a lease half-written
-        by a racing acquirer.  Undecodable twice, it counts as dead.
+        A lease that does not decode is read again, with backoff, for up to
+        ``garbage_grace`` seconds: a server that writes in place (WebDAV) can
+        serve a lease a racing acquirer has truncated but not yet written,
+        for as long as a loaded host keeps that writer descheduled.  Still
+        undecodable after that, it counts as dead.
         """
-        for attempt in (0, 1):
+        deadline, delay = self._clock() + self.garbage_grace, self.poll_min
+        while True:
             got = self.remote.get(Kind.AC, lease_address(key))
             if not got.ok or got.value is None:
                 return got, None
             lease = Lease.decode(got.value)
-            if lease is not None or attempt:
+            if lease is not None or self._clock() >= deadline:
                 return got, lease
-            self._sleep(max(self.settle, self.poll_min))
-        raise AssertionError("unreachable")
+            self._sleep(delay)
+            delay = min(delay * 2, self.poll_max)
 
     def _live(self, lease: Lease | None) -> bool:
         return lease is not None and self._clock() <= lease.expires + self.clock_skew and lease.holder.alive()
@@ -200,15 +208,22 @@ class SingleFlight:
         build runs long.
         """
         if not self.remote.writable:
-            got, current = self._read(key)
-            if got.ok and self._live(current):
-                return self._flight(key, Role.FOLLOWER, lease=current)
-            return self._flight(key, Role.SOLO, got.reason or str(RemoteReason.REMOTE_READ_ONLY))
+            return self._look(key) or self._flight(key, Role.SOLO, str(RemoteReason.REMOTE_READ_ONLY))
+        # A server that may ignore If-None-Match (bazel-remote) would let every acquirer overwrite
+        # a live lease: look first there.  Racing writers are then settled by _confirm.
+        careful = self.remote.backend.conditional_writes is not ConditionalWrites.ATOMIC
         for _ in range(self.attempts):
+            if careful and (seen := self._look(key)) is not None:
+                return seen
             mine = self._new_lease(key, ttl)
             put = self.remote.put_if_absent(Kind.AC, lease_address(key), mine.encode())
-            if put.reason == RemoteReason.REMOTE_UNSUPPORTED:
-                return self._start(self._best_effort(mine), heartbeat)
+            if put.reason == RemoteReason.REMOTE_UNSUPPORTED:  # best effort: a plain PUT, confirmed
+                if not careful and (seen := self._look(key)) is not None:
+                    return seen
+                written = self.remote.put(Kind.AC, lease_address(key), mine.encode())
+                if not written.ok:
+                    return self._flight(key, Role.SOLO, written.reason)
+                return self._start(self._confirm(mine), heartbeat)
             if not put.ok:
                 return self._flight(key, Role.SOLO, put.reason)
             if put.value:
@@ -226,17 +241,14 @@ class SingleFlight:
             self.remote.delete(Kind.AC, lease_address(key))
         return self._flight(key, Role.SOLO, str(RemoteReason.BUILDER_GONE))
 
-    def _best_effort(self, mine: Lease) -> Flight:
-        """No put-if-absent: look for a live lease, else write ours and read it back."""
-        got, current = self._read(mine.key)
+    def _look(self, key: str) -> Flight | None:
+        """Follow a live lease (or go solo on a failing remote); None when there is no live lease."""
+        got, current = self._read(key)
         if not got.ok:
-            return self._flight(mine.key, Role.SOLO, got.reason)
+            return self._flight(key, Role.SOLO, got.reason)
         if self._live(current):
-            return self._flight(mine.key, Role.FOLLOWER, lease=current)
-        put = self.remote.put(Kind.AC, lease_address(mine.key), mine.encode())
-        if not put.ok:
-            return self._flight(mine.key, Role.SOLO, put.reason)
-        return self._confirm(mine)
+            return self._flight(key, Role.FOLLOWER, lease=current)
+        return None
 
     def _start(self, flight: Flight, heartbeat: float | None) -> Flight:
         if flight.leader and heartbeat:
@@ -277,6 +289,8 @@ class SingleFlight:
         """Follow: poll ``ready()`` (the leader's record is on the remote) for at most ``timeout`` s."""
         start = self._clock()
         deadline, delay = start + timeout, self.poll_min
+        if flight.role is not Role.FOLLOWER:  # a leader builds, a solo flight builds: nothing to wait for
+            return WaitResult(False, flight.reason, 0.0)
 
         def done(ok: bool, reason: str | None) -> WaitResult:
             self.remote.count("flight.ready" if ok else f"flight.{reason}")

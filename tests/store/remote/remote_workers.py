@@ -14,7 +14,7 @@ def race(url: str, key: str, barrier, out, build_seconds: float, private_pem: by
     """One host starting the cold ``key``: lead (build, publish, release) or follow (wait, restore)."""
     r = open_remote(url, mode="read-write", timeout=5, signer=Signer.from_pem(private_pem),
                     trusted=TrustedKeys.from_pem(public_pem))
-    flight_ctl = SingleFlight(r, settle=0.2, poll_min=0.05, poll_max=0.2)
+    flight_ctl = SingleFlight(r, settle=0.5, poll_min=0.05, poll_max=0.2)  # settle: the test servers check-then-write
     barrier.wait(60)
     flight = flight_ctl.acquire(key, ttl=30)
     if flight.leader:

@@ -173,3 +173,21 @@ def test_heartbeat_renews_a_long_build(memory):
 def test_eight_processes_racing_for_one_cold_key_build_once(kind, request, keypair):
     results = run_race(request.getfixturevalue(f"{kind}_url"), keypair.private_pem, keypair.public_pem, n=8)
     check_one_build(results)
+
+
+def test_a_server_that_ignores_if_none_match_still_gets_one_leader(ft):
+    """bazel-remote answers 200 to every PUT: acquirers look for a live lease first."""
+    from adstore.store.remote import ConditionalWrites
+
+    class Ignores(MemoryBackend):
+        conditional_writes = ConditionalWrites.SERVER_DEPENDENT
+
+        def put_if_absent(self, kind, digest, data):
+            self.put(kind, digest, data)
+            return True
+
+    backend = Ignores()
+    a, b = flights(backend, ft), flights(backend, ft)
+    lead = a.acquire("k")
+    assert lead.role == "leader" and b.acquire("k").role == "follower"
+    assert backend.get(Kind.AC, lease_address("k")) == lead.lease.encode()
