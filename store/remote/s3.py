@@ -139,6 +139,15 @@ class S3Backend(RemoteBackend):
         except OSError as exc:  # a socket error that escaped botocore's wrapping while streaming
             raise transport_error(exc, op=op, target=key) from exc
 
+    def _unless_missing(self, call: Any, key: str) -> Any:
+        """``call(Bucket=, Key=)``'s answer, or None when S3 says the object does not exist."""
+        try:
+            return call(Bucket=self.bucket, Key=key)
+        except self._exc.ClientError as exc:
+            if _missing(exc):
+                return None
+            raise
+
     def _checksum(self, kind: Kind, digest: str) -> dict[str, str]:
         if kind is Kind.CAS and self.send_checksums:
             return {"ChecksumSHA256": base64.b64encode(bytes.fromhex(digest)).decode()}
@@ -148,12 +157,9 @@ class S3Backend(RemoteBackend):
     def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
         key = self._key(kind, digest)
         with self._translated("get", key):
-            try:
-                resp = self._client.get_object(Bucket=self.bucket, Key=key)
-            except self._exc.ClientError as exc:
-                if _missing(exc):
-                    return None
-                raise
+            resp = self._unless_missing(self._client.get_object, key)
+            if resp is None:
+                return None
             body = resp["Body"]
             try:
                 length = resp.get("ContentLength")
@@ -181,12 +187,8 @@ class S3Backend(RemoteBackend):
     def head(self, kind: Kind, digest: str) -> int | None:
         key = self._key(kind, digest)
         with self._translated("head", key):
-            try:
-                return int(self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
-            except self._exc.ClientError as exc:
-                if _missing(exc):
-                    return None
-                raise
+            resp = self._unless_missing(self._client.head_object, key)
+            return None if resp is None else int(resp["ContentLength"])
 
     def put_if_absent(self, kind: Kind, digest: str, data: Body) -> bool:
         key = self._key(kind, digest)
