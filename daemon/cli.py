@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import logging
 import os
 import sys
@@ -20,7 +21,14 @@ from typing import Any
 
 from adstore.daemon.config import SETTINGS
 from adstore.daemon.commands import SORT_CHOICES, Context, cmd_explain, cmd_inspect, cmd_ls, cmd_stats
-from adstore.daemon.errors import AlreadyRunning, AmbiguousKey, FeatureUnavailable, UnknownKey
+from adstore.daemon.errors import (
+    AlreadyRunning,
+    AmbiguousKey,
+    FeatureUnavailable,
+    StillOverBudget,
+    UnknownKey,
+    UsageError,
+)
 from adstore.daemon.maintenance import (
     cmd_daemon,
     cmd_demo,
@@ -38,36 +46,44 @@ from adstore.store.errors import (
     ConfigError,
     CorruptRecord,
     IncompatibleStore,
+    InvalidKey,
+    NoStore,
     OverBudget,
     StoreError,
     StoreFull,
     UnsafeRoot,
     UnsupportedFilesystem,
 )
+from adstore.store.fsutil import is_disk_full
+from adstore.store.reasons import Reason
 from adstore.store.units import DURATION_HELP, SIZE_HELP, parse_duration, parse_min_free, parse_size
 
-__all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for"]
+__all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for", "report_error"]
 
 log = logging.getLogger(__name__)
 
 # The one table: error class -> exit code (first match wins; order matters).
 # 0 success, 1 a check failed (verify found problems, rm refused an entry),
-# 2 usage (argparse uses 2 as well).
+# 2 usage (argparse uses 2 as well).  No input reaches 70: that is a bug.
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UsageError, 2),
     (ConfigError, 2),
     (UnknownKey, 3),
     (AmbiguousKey, 4),
+    (InvalidKey, 3),  # text that cannot be a key (not UTF-8): no entry has it
     (AlreadyRunning, 5),
     (FeatureUnavailable, 6),
     (UnsupportedFilesystem, 7),
     (UnsafeRoot, 7),
     (IncompatibleStore, 7),
     (OverBudget, 8),
+    (StillOverBudget, 8),
     (StoreFull, 8),
     (ChecksumMismatch, 9),
     (BlobMissing, 9),
     (CorruptRecord, 9),
     (AccessDenied, 11),
+    (NoStore, 13),
     (StoreError, 10),
     (AdstoreError, 10),
     (PermissionError, 11),
@@ -84,15 +100,54 @@ def exit_code_for(exc: BaseException) -> int:
     return 70
 
 
+_MAX_MESSAGE = 400  # a 10k-character key must not become a 10k-character error line
+
+
 def _message(exc: BaseException) -> str:
+    """One line for ``exc``: the error's own text, an OS error's reason and file, or "internal error"."""
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    if isinstance(exc, AdstoreError):
-        return str(exc)
-    if isinstance(exc, OSError):
+        text = "interrupted"
+    elif isinstance(exc, AdstoreError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
         where = f" {exc.filename}" if exc.filename else ""
-        return f"{exc.strerror or exc}{':' if where else ''}{where}"
-    return f"internal error: {type(exc).__name__}: {exc} (run with -v for details)"
+        text = f"{exc.strerror or exc}{':' if where else ''}{where}"
+    else:
+        text = f"internal error: {type(exc).__name__}: {exc} (run with -v for details)"
+    text = " ".join(text.split())
+    if len(text) > _MAX_MESSAGE:
+        text = f"{text[:_MAX_MESSAGE // 2]} … {text[-_MAX_MESSAGE // 4:]}"
+    return text
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, AdstoreError):
+        return str(exc.reason)
+    if isinstance(exc, PermissionError):
+        return str(Reason.PERMISSION_DENIED)
+    if isinstance(exc, OSError):
+        return str(Reason.DISK_FULL if is_disk_full(exc) else Reason.IO_ERROR)
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else str(Reason.ERROR)
+
+
+def report_error(exc: BaseException, *, where: str, json_out: bool) -> int:
+    """The one place an error becomes output and an exit code, for every command.
+
+    One line on stderr; with ``--json`` also one object on stdout,
+    ``{"error": {"reason", "message", "exit_code"}}`` plus the error's
+    ``details`` when it carries them (README, "CLI").
+    """
+    code = exit_code_for(exc)
+    message = _message(exc)
+    sys.stderr.write(f"{where}: error: {message}\n")
+    if json_out:
+        body: dict[str, Any] = {"reason": _reason(exc), "message": message, "exit_code": code}
+        details = getattr(exc, "details", None)
+        if isinstance(details, dict):
+            body["details"] = details
+        sys.stdout.write(json.dumps({"error": body}, sort_keys=True, default=str) + "\n")
+        sys.stdout.flush()
+    return code
 
 
 def _argtype(parse: Callable[..., Any]) -> Callable[[str], Any]:
@@ -147,7 +202,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one line (and exit 2) like every other error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        raise UsageError(f"{message} (see `{self.prog} --help`)", prog=self.prog)
 
 
 def _version() -> str:
@@ -186,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("stats", cmd_stats, "summary of the store, like `ccache -s`")
     p.add_argument("--config", type=Path, metavar="FILE",
                    help="daemon config: its root (unless --root) and its budget")
+    p.add_argument("--prometheus", action="store_true",
+                   help="print Prometheus metrics (the daemon's metrics_path file) instead")
 
     p = add("ls", cmd_ls, "list entries")
     p.add_argument("--sort", choices=SORT_CHOICES, default="last_access",
@@ -252,13 +309,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """``--json`` among the options (before a ``--``), even when the rest does not parse."""
+    options = argv[: list(argv).index("--")] if "--" in argv else argv
+    return "--json" in options
+
+
+def _tolerant_output() -> None:
+    """Print undecodable names (non-UTF-8 paths or keys from argv) instead of failing on them."""
+    for stream, errors in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
+        try:
+            stream.reconfigure(errors=errors)  # type: ignore[union-attr]
+        except (AttributeError, ValueError):  # not a text wrapper (tests, pipes already wrapped)
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``adstore`` console script; returns the exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    _tolerant_output()
     parser = build_parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as exc:  # --help, or a usage error already printed
-        return int(exc.code) if isinstance(exc.code, int) else 2
+        args = parser.parse_args(arguments)
+    except SystemExit as exc:  # --help or --version
+        return int(exc.code) if isinstance(exc.code, int) else 0
+    except UsageError as exc:
+        return report_error(exc, where=exc.prog, json_out=_wants_json(arguments))
     verbose = getattr(args, "verbose", False)
     if args.command != "daemon":  # the daemon configures its own logging
         # The store reports what it tolerated (skipped records, quarantines) as warnings.
@@ -279,8 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, SystemExit):
             raise
         log.debug("command %s failed", args.command, exc_info=True)
-        sys.stderr.write(f"adstore {args.command}: error: {_message(exc)}\n")
-        return exit_code_for(exc)
+        return report_error(exc, where=f"adstore {args.command}", json_out=ctx.json)
     finally:
         try:
             ctx.close()

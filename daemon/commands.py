@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.errors import UnknownKey
+from adstore.daemon.errors import UnknownKey, UsageError
 from adstore.daemon.format import (
     Progress,
     human_age,
@@ -29,6 +29,7 @@ from adstore.daemon.format import (
     table,
 )
 from adstore.daemon.lock import read_status
+from adstore.daemon.metrics import store_metrics
 from adstore.store import Store
 from adstore.store.errors import AdstoreError
 
@@ -68,9 +69,10 @@ class Context:
         self.grace_period = self.grace_period if self.grace_period is not None else cfg.grace_period
         return cfg
 
-    def store(self) -> Store:
+    def store(self, *, create: bool = True) -> Store:
+        """The store at ``root``; read-only commands pass ``create=False`` (no store: ``NoStore``)."""
         if self._store is None:
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, Any] = {"create": create}
             if self.grace_period is not None:
                 kwargs["grace_period"] = self.grace_period
             self._store = Store.open(self.root, **kwargs)
@@ -117,7 +119,8 @@ def _scan(store: Store, namespace: str | None = None, *, label: str = "scanning"
 
 
 def entry_dict(entry: Any) -> dict[str, Any]:
-    d = dataclasses.asdict(entry)
+    """An entry as JSON data; shallow (``asdict`` would recurse through deeply nested components)."""
+    d = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
     d["ranks"] = {str(r): g for r, g in entry.ranks.items()}
     return d
 
@@ -160,7 +163,13 @@ def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int, list[tup
 
 def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     cfg = ctx.use_config(args.config) if args.config else None
-    store = ctx.store()
+    store = ctx.store(create=False)
+    if args.prometheus:
+        if ctx.json:
+            raise UsageError("--prometheus and --json are two formats: pick one", prog="adstore stats")
+        # The daemon's metrics file, from the same numbers: the --config's budget, else the persisted one.
+        ctx.out.write(store_metrics(store, cfg.store_budget() if cfg is not None else store.budget()))
+        return 0
     st = store.stats()
     data = st.to_dict()
     data["root"] = str(store.root)
@@ -246,7 +255,7 @@ SORT_CHOICES = tuple(_SORTS)
 
 
 def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
+    store = ctx.store(create=False)
     now = time.time()
     selected = []
     for e in _scan(store, args.namespace, label="listing"):
@@ -338,7 +347,7 @@ def _render_summary(summary: dict[str, Any], indent: int = 4) -> list[str]:
 
 
 def cmd_inspect(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
+    store = ctx.store(create=False)
     key = resolve_key(store, args.key)
     entry = store.entry(key)
     manifests = sorted(store.manifests(key), key=lambda m: (m.rank, m.generation))
@@ -392,17 +401,19 @@ def cmd_inspect(args: argparse.Namespace, ctx: Context) -> int:
 
 # ---------------------------------------------------------------- explain
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k in sorted(value, key=str):
-            out.update(_flatten(value[k], f"{prefix}.{k}" if prefix else str(k)))
-        return out or {prefix: {}}
-    if isinstance(value, list):
-        out = {}
-        for i, item in enumerate(value):
-            out.update(_flatten(item, f"{prefix}[{i}]"))
-        return out or {prefix: []}
-    return {prefix: value}
+    """Leaf paths (``a.b[2].c``) to values, in key order; iterative, so any nesting depth is shown."""
+    out: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [(prefix, value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict) and item:
+            stack.extend((f"{path}.{k}" if path else str(k), item[k])
+                         for k in sorted(item, key=str, reverse=True))
+        elif isinstance(item, list) and item:
+            stack.extend((f"{path}[{i}]", item[i]) for i in reversed(range(len(item))))
+        else:
+            out[path] = item
+    return out
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -428,7 +439,7 @@ _MISSING = object()
 
 
 def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
+    store = ctx.store(create=False)
     keys = [resolve_key(store, k) for k in args.keys]
     entries = []
     for key in keys:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -76,10 +77,13 @@ def _none_or(kind: Kind, *, zero_is_none: bool) -> Kind:
                 lambda v: None if v is None else kind.dump(v))
 
 
-def _parse_path(value: object, field: str) -> Path:
-    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise ConfigError(field, f"expected a directory path, got {value!r}")
-    return Path(os.path.expanduser(str(value)))
+def _path_parser(what: str) -> Callable[[object, str], Path]:
+    def parse(value: object, field: str) -> Path:
+        if not isinstance(value, (str, os.PathLike)) or not str(value).strip() or "\0" in str(value):
+            raise ConfigError(field, f"expected {what}, got {value!r}")
+        return Path(os.path.expanduser(str(value)))
+
+    return parse
 
 
 def _parse_count(value: object, field: str) -> int:
@@ -106,7 +110,8 @@ def _show_min_free(v: MinFree) -> str:
     return f'"{v.percent:g}%"' if v.percent is not None else str(v.bytes)
 
 
-PATH = Kind("DIR", _parse_path, lambda v: f'"{v}"', str)
+PATH = Kind("DIR", _path_parser("a directory path"), lambda v: f'"{v}"', str)
+FILE = _none_or(Kind("FILE", _path_parser("a file path"), lambda v: f'"{v}"', str), zero_is_none=False)
 SIZE = _none_or(Kind("SIZE", lambda v, f: parse_size(v, field=f)), zero_is_none=True)
 MIN_FREE = _none_or(Kind("SIZE|PCT", lambda v, f: parse_min_free(v, field=f), _show_min_free,
                          lambda v: f"{v.percent:g}%" if v.percent is not None else v.bytes),
@@ -211,6 +216,9 @@ class DaemonConfig:
         LEVEL, "info", "one of " + ", ".join(LOG_LEVELS),
         check=lambda v: None if v in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}")
     watch: bool = setting(BOOL, True, "false: no inotify, the fallback timer only")
+    metrics_path: Path | None = setting(
+        FILE, None, "write Prometheus metrics here after every pass (node-exporter textfile format, e.g. "
+        "/var/lib/prometheus/node-exporter/adstore.prom); relative to the configuration file")
     # Where the settings came from (not settings): reload() reads them again.
     source: Path | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
@@ -233,7 +241,7 @@ class DaemonConfig:
     def parse_settings(cls, data: Mapping[str, Any], *, source: Path | None = None) -> dict[str, Any]:
         """Typed values of one source's raw settings (None values are left out).
 
-        A relative ``root`` from a file (``source``) is relative to that file.
+        A relative ``root`` or ``metrics_path`` from a file (``source``) is relative to that file.
         """
         rows = {row.name: row for row in SETTINGS}
         parsed: dict[str, Any] = {}
@@ -243,9 +251,10 @@ class DaemonConfig:
             if value is None:
                 continue
             parsed[name] = rows[name].parse(value)
-        root = parsed.get("root")
-        if root is not None and not root.is_absolute() and source is not None:
-            parsed["root"] = source.parent / root
+        for name in ("root", "metrics_path"):
+            path = parsed.get(name)
+            if path is not None and not path.is_absolute() and source is not None:
+                parsed[name] = source.parent / path
         return parsed
 
     @classmethod
@@ -268,11 +277,13 @@ class DaemonConfig:
             return cls.from_mapping({}, overrides=overrides)
         source = Path(path).absolute()
         try:
+            if not stat.S_ISREG(source.stat().st_mode):  # a FIFO would block the read forever
+                raise ConfigError("config", f"configuration file {source} is not a regular file")
             with open(source, "rb") as fh:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError("config", f"configuration file {source} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ConfigError("config", f"{source} is not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError("config", f"cannot read {source}: {exc.strerror or exc}") from None

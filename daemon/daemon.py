@@ -42,6 +42,7 @@ from watchdog.observers import Observer
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer, PassResult
 from adstore.daemon.lock import InstanceLock, write_status
+from adstore.daemon.metrics import store_metrics, write_metrics
 from adstore.daemon.notify import Notifier, watchdog_interval
 from adstore.store import Store
 from adstore.store.errors import AdstoreError, ConfigError
@@ -108,6 +109,7 @@ class Daemon:
         self._last: PassResult | None = None
         self._last_eviction: PassResult | None = None
         self._status_written = -float("inf")
+        self._budget_pending = False
         self._passes = 0
         self._started = time.time()
 
@@ -154,8 +156,33 @@ class Daemon:
             self._store.close()
             self._store = None
             raise
-        # Writers' inline eviction and `adstore stats` read the budget from the index.
-        self._store.set_budget(self.config.store_budget())
+        self._persist_budget()
+
+    def _persist_budget(self) -> None:
+        """Writers' inline eviction and `adstore stats` read the budget from the index.
+
+        On a full disk the write may fail: the daemon starts (and evicts) all
+        the same and tries again after its next pass.
+        """
+        assert self._store is not None
+        try:
+            self._store.set_budget(self.config.store_budget())
+        except AdstoreError as exc:
+            log.warning("cannot record the budget in the index yet (%s); retrying after the next pass", exc)
+            self._budget_pending = True
+        else:
+            self._budget_pending = False
+
+    def _publish_metrics(self) -> None:
+        """Write the metrics file, if one is configured (never fatal: see :func:`write_metrics`)."""
+        if self.config.metrics_path is None or self._store is None:
+            return
+        try:
+            text = store_metrics(self._store, self.config.store_budget())
+        except Exception as exc:  # a damaged index must not stop enforcement
+            log.warning("cannot collect metrics: %s", exc)
+            return
+        write_metrics(self.config.metrics_path, text)
 
     def _start_observer(self) -> None:
         assert self._store is not None
@@ -222,7 +249,7 @@ class Daemon:
             self._store.close()
             self._store = Store.open(root, grace_period=new.grace_period)
         self.config = new
-        self._store.set_budget(new.store_budget())
+        self._persist_budget()
         log.info("configuration reloaded from %s", new.source)
         self.notifier.ready(status="configuration reloaded")
         self.poke()  # re-check the budget under the new limits now
@@ -247,6 +274,9 @@ class Daemon:
         if result.evicted_entries or result.aged_entries:
             self._last_eviction = result
         self.notifier.status(self._status_text(result))
+        if self._budget_pending:
+            self._persist_budget()
+        self._publish_metrics()
         if not (acted or once or time.monotonic() - self._status_written >= 30.0):
             return
         self._status_written = time.monotonic()

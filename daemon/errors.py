@@ -8,6 +8,8 @@ table in :mod:`adstore.daemon.cli`.  ``UnknownKey`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 from adstore.store.errors import AdstoreError, AmbiguousKey, ConfigError
 from adstore.store.errors import KeyNotFound as UnknownKey  # the CLI's name; raised by the store
 from adstore.store.reasons import Reason
@@ -18,6 +20,8 @@ __all__ = [
     "UnknownKey",
     "AmbiguousKey",
     "FeatureUnavailable",
+    "UsageError",
+    "StillOverBudget",
     "ConfigError",
 ]
 
@@ -52,3 +56,51 @@ class FeatureUnavailable(DaemonError):
         self.feature = feature
         self.detail = detail
         super().__init__(f"{feature} is unavailable: {detail}")
+
+
+class UsageError(DaemonError):
+    """The command line is wrong (unknown flag, missing or malformed argument); exit 2 like argparse."""
+
+    reason = Reason.USAGE
+
+    def __init__(self, message: str, *, prog: str = "adstore") -> None:
+        self.message = message
+        self.prog = prog  # the (sub)command whose arguments were wrong
+        super().__init__(message)
+
+
+class StillOverBudget(DaemonError):
+    """``gc`` freed what it could, but the store still misses its limit.
+
+    ``over`` is the bytes still above ``limit``; ``blocked`` maps what kept
+    entries (``pinned``, ``leased``, ``grace_period``) to their keys.  With no
+    such entry, what is left is unreferenced blobs inside the grace period
+    (a later sweep frees them), or, when the whole store (``store_bytes``) is
+    less than ``over``, other files filling the filesystem.  ``details`` is
+    all of it (for ``--json``).
+    """
+
+    reason = Reason.OVER_BUDGET
+    _LABELS = {"pinned": "pinned", "leased": "leased", "grace_period": "inside the grace period"}
+
+    def __init__(self, *, over: int, limit: str, blocked: dict[str, list[str]], store_bytes: int,
+                 details: dict[str, Any] | None = None) -> None:
+        from adstore.store.units import human_size
+
+        self.over = over
+        self.limit = limit
+        self.blocked = blocked
+        self.store_bytes = store_bytes
+        self.details = {"over_bytes": over, "limit": limit, "blocked": blocked, "store_bytes": store_bytes,
+                        **(details or {})}
+        parts = [f"{len(keys)} {'entry' if len(keys) == 1 else 'entries'} {self._LABELS.get(what, what)}"
+                 f" ({', '.join(k[:12] for k in keys[:3])}{', …' if len(keys) > 3 else ''})"
+                 for what, keys in blocked.items() if keys]
+        reasons = []
+        if over > store_bytes:
+            reasons.append(f"the whole store is {human_size(store_bytes)}, other files fill the filesystem")
+        if parts:
+            reasons.append("kept by " + ", ".join(parts))
+        why = "; ".join(reasons) or "kept by unreferenced blobs inside the grace period (a later sweep frees them)"
+        amount = human_size(over) + (f" ({over} bytes)" if over >= 1024 else "")
+        super().__init__(f"still {amount} over {limit}: {why}")

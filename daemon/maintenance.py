@@ -12,18 +12,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import psutil
+
 from adstore.daemon.commands import Context, entry_dict, resolve_key
 from adstore.daemon.config import SETTINGS, DaemonConfig
-from adstore.daemon.errors import FeatureUnavailable
+from adstore.daemon.errors import FeatureUnavailable, StillOverBudget
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
-from adstore.store import EvictionPlan
+from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free
 
 __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
 
 
 # ---------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
+    store = ctx.store(create=args.fix)  # only a repair may create what is missing
     with Progress("verifying blobs", stream=ctx.err, delay=0.3) as progress:
         report = store.verify(fix=args.fix, progress=progress)
     data = report.to_dict()
@@ -112,12 +114,66 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
             freed += sweep.execute()
         data["bytes_freed"] = freed
         lines.append(f"freed {human_size(freed)}")
+    if evict is not None:
+        _check_budget(store, evict, max_size=max_size, min_free=min_free,
+                      pending=data["bytes_to_free"] if args.dry_run else 0, data=data, ctx=ctx, lines=lines)
     ctx.emit(data, "\n".join(lines))
     return 0
 
 
+def _over(store: Store, *, max_size: int | None, min_free: str | int | None) -> tuple[int, str]:
+    """Bytes by which the store misses its tightest limit now (0: within), and that limit as text."""
+    over, limit = 0, ""
+    if max_size is not None:
+        size = store.size()
+        over, limit = size - max_size, f"max_size {human_size(max_size)}"
+    if min_free is not None:
+        disk = psutil.disk_usage(str(store.root))
+        want = parse_min_free(min_free, field="min_free").of(disk.total)
+        if want - disk.free > over:
+            over, limit = want - disk.free, f"min_free {human_size(want)}"
+    return max(0, over), limit
+
+
+def _blockers(store: Store, skipped: list[str]) -> dict[str, list[str]]:
+    """Why the plan skipped each entry: pinned, leased by a live process, else inside the grace period.
+
+    A removal plan skips exactly the leased entries, so it tells them apart.
+    """
+    pinned: dict[str, bool] = {e.key: e.pinned for e in store.entries()}
+    keys = [k for k in skipped if k in pinned]  # evicted or removed since the plan: gone
+    free = [k for k in keys if not pinned[k]]
+    try:
+        leased = set(store.plan_remove(free).skipped) if free else set()
+    except KeyNotFound:  # removed in between: count nothing as leased rather than fail
+        leased = set()
+    blocked = {"pinned": [k for k in keys if pinned[k]], "leased": [k for k in free if k in leased],
+               "grace_period": [k for k in free if k not in leased]}
+    return {why: ks for why, ks in blocked.items() if ks}
+
+
+def _check_budget(store: Store, plan: EvictionPlan, *, max_size: int | None, min_free: str | int | None,
+                  pending: int, data: dict[str, Any], ctx: Context, lines: list[str]) -> None:
+    """Raise :class:`StillOverBudget` (exit 8) when gc did not (or, dry, would not) meet its limit.
+
+    ``pending`` is what a dry run would have freed.  The human output is
+    printed first; with ``--json`` the plan goes into the error's details.
+    """
+    over, limit = _over(store, max_size=max_size, min_free=min_free)
+    over -= pending
+    if over <= 0:
+        return
+    # Eviction stopped for a reason the plan names: the entries it had to skip.
+    skipped = plan.skipped if pending else store.plan_eviction(max_size=max_size, min_free=min_free).skipped
+    exc = StillOverBudget(over=over, limit=limit, blocked=_blockers(store, skipped), store_bytes=store.size(),
+                          details=data)
+    if not ctx.json:
+        ctx.emit(data, "\n".join(lines))
+    raise exc
+
+
 def cmd_rm(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store()
+    store = ctx.store(create=False)
     keys = list(dict.fromkeys(resolve_key(store, k) for k in args.keys))
     plan = store.plan_remove(keys)
     data: dict[str, Any] = {"dry_run": args.dry_run, "plan": plan.to_dict(), "bytes_freed": 0}
@@ -135,7 +191,7 @@ def cmd_rm(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _set_pin(args: argparse.Namespace, ctx: Context, pinned: bool) -> int:
-    store = ctx.store()
+    store = ctx.store(create=False)
     keys = list(dict.fromkeys(resolve_key(store, k) for k in args.keys))
     for key in keys:
         (store.pin if pinned else store.unpin)(key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -216,3 +217,33 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float 
             return time.monotonic() - start
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MiB tmpfs (root only; skipped with the reason otherwise): the kernel says ENOSPC."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs ({res.stderr.strip() or res.returncode}); run as root")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill_to_the_last_byte(path: Path) -> Path:
+    """Take every free byte of ``path``'s filesystem with one file (unbuffered: no short write left over)."""
+    filler = path / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+    assert shutil.disk_usage(path).free == 0
+    return filler

@@ -192,7 +192,11 @@ def test_pin_unpin_rm_and_gc_on_a_populated_store(capsys, populated) -> None:
 
     before = snapshot(root)
     code, data = run_json(capsys, "gc", "--root", r, "--dry-run", "--max-size", "1", "--grace-period", "0")
-    assert code == 0 and data["dry_run"] and data["bytes_freed"] == 0
+    # The pinned entry keeps the store over 1 byte: the over-budget code, naming it; the plan in the details.
+    assert code == 8 and data["error"]["reason"] == "over_budget"
+    assert data["error"]["details"]["blocked"] == {"pinned": [keys[0]]}
+    data = data["error"]["details"]
+    assert data["dry_run"] and data["bytes_freed"] == 0
     assert len(data["eviction"]["victims"]) == 5 and keys[0] not in data["eviction"]["victims"]
     assert data["eviction"]["bytes_to_free"] > 0
     assert snapshot(root) == before, "gc --dry-run changed the store"
@@ -208,14 +212,15 @@ def test_pin_unpin_rm_and_gc_on_a_populated_store(capsys, populated) -> None:
         assert store.entry(keys[1]) is None and store.entry(keys[2]) is None
 
     code, data = run_json(capsys, "gc", "--root", r, "--max-size", "1", "--grace-period", "0")
-    assert code == 0 and data["bytes_freed"] > 0
+    assert code == 8 and data["error"]["details"]["bytes_freed"] > 0
+    assert data["error"]["details"]["over_bytes"] == 70 * KIB - 1  # the pinned entry, over a 1-byte limit
     with Store.open(root) as store:
         assert [e.key for e in store.entries()] == [keys[0]]  # only the pinned entry is left
         assert store.verify().ok
     code, out, _ = run(capsys, "unpin", keys[0], "--root", r)
     assert code == 0 and "unpinned" in out
     code, out, _ = run(capsys, "gc", "--root", r, "--max-size", "1", "--grace-period", "0")
-    assert "freed 70.0 KiB" in out
+    assert code == 0 and "freed 70.0 KiB" in out
 
 
 def test_rm_refuses_a_leased_entry(capsys, populated) -> None:
@@ -304,7 +309,7 @@ def test_every_command_on_a_corrupted_store(capsys, corrupted) -> None:
     code, out, _ = run(capsys, "pin", keys[2], "--root", r)
     assert code == 0
     code, data = run_json(capsys, "gc", "--root", r, "--max-size", "1", "--grace-period", "0")
-    assert code == 0
+    assert code == 8 and data["error"]["details"]["blocked"] == {"pinned": [keys[2]]}
     code, data = run_json(capsys, "rm", keys[2], "--root", r)
     assert code == 0
     code, data = run_json(capsys, "verify", "--root", r)
@@ -343,6 +348,8 @@ def test_unwritable_root_is_one_line(capsys, tmp_path: Path) -> None:
     target = tmp_path / "file"
     target.write_text("not a directory")
     code, out, err = run(capsys, "stats", "--root", str(target / "store"))
+    assert code == 13 and err.count("\n") == 1  # read-only: no store there, and none is created
+    code, out, err = run(capsys, "gc", "--root", str(target / "store"))
     assert code in (11, 12) and err.count("\n") == 1
 
 

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from adstore.daemon.lock import InstanceLock
 from adstore.store import Store, UnsafeRoot
 from adstore.store.fsutil import check_root_permissions
 
@@ -180,6 +181,25 @@ def _open_only(root: str) -> dict:
     return {}
 
 
+def _take_daemon_lock(root: str) -> dict:
+    """What ``adstore daemon`` does first: take ``daemon.lock`` and record its pid."""
+    with InstanceLock.acquire(Path(root)) as lock:
+        st = os.stat(lock.path, follow_symlinks=False)
+        return {"mode": stat.S_IMODE(st.st_mode), "pid": lock.path.read_text().strip()}
+
+
+def _plant_symlink(link: str, target: str) -> dict:
+    os.symlink(target, link)
+    return {}
+
+
+def _private_file(path: str, text: str) -> dict:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, text.encode())
+    os.close(fd)
+    return {}
+
+
 # -- tests --------------------------------------------------------------------------------------
 
 def _shared_root(users: Users, base: Path) -> Path:
@@ -267,8 +287,9 @@ def test_world_writable_root_is_refused_for_every_user(users, shared_dir):
         assert not res["ok"] and res["error"] == "UnsafeRoot" and res["reason"] == "unsafe_root", res
     # Nothing was created inside the refused root.
     assert not any(root.iterdir()), list(root.iterdir())
-    # The CLI maps it to its exit code (7: root refused) with a one-line message.
-    out = subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), "stats"],
+    # The CLI maps it to its exit code (7: root refused) with a one-line message
+    # (gc would create a store; a read-only command just finds none: 13).
+    out = subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), "gc"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 7, (out.returncode, out.stderr)
     assert "world-writable" in out.stderr and "Traceback" not in out.stderr
@@ -313,3 +334,26 @@ def test_a_member_with_umask_022_does_not_lock_the_group_out(users, shared_dir):
     for i in range(2, 12):
         res = as_user(users, "alice", _read, str(root), f"k{i}", umask=0o022)
         assert res["ok"] and res["value"]["hit"], res
+
+
+def test_daemon_lock_of_a_member_with_umask_077_locks_no_one_out(users, shared_dir):
+    """The first daemon's lock file gets the group-shared mode whatever its umask; the next member's
+    daemon (after the first stopped) takes it and records its own pid."""
+    root = _shared_root(users, shared_dir)
+    a = as_user(users, "alice", _take_daemon_lock, str(root), umask=0o077)
+    assert a["ok"] and a["value"]["mode"] == 0o664, a
+    b = as_user(users, "bob", _take_daemon_lock, str(root), umask=0o077)
+    assert b["ok"] and b["value"]["mode"] == 0o664 and b["value"]["pid"].isdigit(), b
+    assert a["value"]["pid"] != b["value"]["pid"]
+
+
+def test_a_members_symlinked_lock_never_touches_another_users_file(users, shared_dir):
+    """bob points daemon.lock at alice's private file; alice's daemon refuses (unsafe_root), the file is intact."""
+    root = _shared_root(users, shared_dir)
+    private = shared_dir / "alice-private"
+    os.chmod(shared_dir, 0o777)  # alice may create her file beside the store
+    assert as_user(users, "alice", _private_file, str(private), "alice's secret")["ok"]
+    assert as_user(users, "bob", _plant_symlink, str(root / "daemon.lock"), str(private))["ok"]
+    res = as_user(users, "alice", _take_daemon_lock, str(root))
+    assert not res["ok"] and res["reason"] == "unsafe_root" and "symbolic link" in res["message"], res
+    assert private.read_text() == "alice's secret"

@@ -1,0 +1,98 @@
+"""The daemon on a real filesystem with 0 bytes free (an 8 MiB tmpfs filled to the last byte).
+
+Holding ``daemon.lock`` needs no space, so the daemon must start whether the
+lock file is left from an earlier run or has to be created, skip recording
+its pid when that does not fit, and evict the store back under its
+``min_free`` floor.  ``adstore gc`` at 0 bytes free needs an LMDB commit
+that the store cannot make yet (its ballast is the store's part of issue 12):
+that test is a strict xfail, so it reports when the store is fixed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import fill_to_the_last_byte, wait_until, write_config
+
+from adstore.store import Store, StoreError
+
+MIB = 1 << 20
+
+
+def _fill_store(root: Path) -> list[str]:
+    """Save 300 KB entries until the disk refuses one; returns the keys saved."""
+    keys: list[str] = []
+    with Store.open(root, grace_period=0.0) as store:
+        for i in range(100):
+            try:
+                ref = store.put_bytes(os.urandom(300_000))
+                gen = store.new_generation()
+                store.publish(f"k{i}", generation=gen, artifacts={"m": ref})
+                store.commit(f"k{i}", generation=gen)
+            except StoreError:
+                return keys
+            keys.append(f"k{i}")
+    raise AssertionError("the 8 MiB tmpfs never filled")
+
+
+def _adstore(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("lock", ["left by an earlier run", "absent"])
+def test_daemon_starts_and_evicts_at_0_bytes_free(small_tmpfs, tmp_path, start_daemon, notify_socket, lock):
+    root = small_tmpfs / "store"
+    if lock == "absent":
+        Store.open(root).close()
+    else:  # an earlier daemon ran (and stopped) while there was space
+        assert _adstore("daemon", "--once", "--root", str(root), "--max-size", "1G").returncode == 0
+        assert (root / "daemon.lock").is_file()
+    keys = _fill_store(root)
+    fill_to_the_last_byte(small_tmpfs)
+    config = write_config(tmp_path / "adstore.toml", min_free="2M", grace_period="0s", debounce="50ms",
+                          max_delay="200ms", fallback_interval="1s", sweep_interval="1s")
+    daemon = start_daemon(config, root, notify=notify_socket)
+    notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=daemon.proc)
+    wait_until(lambda: shutil.disk_usage(small_tmpfs).free >= 2 * MIB * 0.85, timeout=20)
+    assert daemon.proc.poll() is None, daemon.log()
+    if lock == "left by an earlier run":
+        assert "cannot record the daemon's pid" not in daemon.log()  # the old pid's block is reused
+    daemon.stop()
+    assert daemon.proc.returncode == 0, daemon.log()
+    with Store.open(root, grace_period=0.0) as store:
+        left = [e.key for e in store.entries()]
+        assert left and len(left) < len(keys)
+        for key in left:
+            res = store.lookup(key, record=False)
+            assert res.hit and len(store.read_artifact(res.manifest, "m")) == 300_000
+        assert store.verify().ok
+
+
+def test_a_second_daemon_at_0_bytes_free_names_the_first(small_tmpfs, start_daemon, notify_socket, tmp_path):
+    root = small_tmpfs / "store"
+    Store.open(root).close()
+    config = write_config(tmp_path / "adstore.toml", max_size="1G")
+    first = start_daemon(config, root, notify=notify_socket)
+    notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=first.proc)
+    fill_to_the_last_byte(small_tmpfs)
+    second = _adstore("daemon", "--root", str(root), "--max-size", "1G")
+    assert second.returncode == 5 and f"pid {first.pid}" in second.stderr, second.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="store: an LMDB commit at 0 bytes free fails with ENOSPC until the "
+                                      "store keeps a ballast for it (issue 12, 'A full disk must not lock the "
+                                      "store', the store's part)")
+def test_gc_at_0_bytes_free_frees_space(small_tmpfs):
+    root = small_tmpfs / "store"
+    keys = _fill_store(root)
+    fill_to_the_last_byte(small_tmpfs)
+    out = _adstore("gc", "--root", str(root), "--max-size", "1M", "--grace-period", "0")
+    assert "Traceback" not in out.stderr and out.returncode != 70
+    assert out.returncode == 0, out.stderr
+    assert shutil.disk_usage(small_tmpfs).free > 5 * MIB and keys
