@@ -247,3 +247,9 @@ def fill_to_the_last_byte(path: Path) -> Path:
                 pass
     assert shutil.disk_usage(path).free == 0
     return filler
+
+
+def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m adstore.daemon ARGV`` in a child process (the installed CLI, whatever PATH says)."""
+    return subprocess.run([sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True,
+                          timeout=timeout)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import fill_to_the_last_byte, wait_until, write_config
+from conftest import fill_to_the_last_byte, run_cli, wait_until, write_config
 
 from adstore.store import Store, StoreError
 
@@ -40,18 +38,13 @@ def _fill_store(root: Path) -> list[str]:
     raise AssertionError("the 8 MiB tmpfs never filled")
 
 
-def _adstore(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True,
-                          timeout=60)
-
-
 @pytest.mark.parametrize("lock", ["left by an earlier run", "absent"])
 def test_daemon_starts_and_evicts_at_0_bytes_free(small_tmpfs, tmp_path, start_daemon, notify_socket, lock):
     root = small_tmpfs / "store"
     if lock == "absent":
         Store.open(root).close()
     else:  # an earlier daemon ran (and stopped) while there was space
-        assert _adstore("daemon", "--once", "--root", str(root), "--max-size", "1G").returncode == 0
+        assert run_cli("daemon", "--once", "--root", str(root), "--max-size", "1G").returncode == 0
         assert (root / "daemon.lock").is_file()
     keys = _fill_store(root)
     fill_to_the_last_byte(small_tmpfs)
@@ -81,7 +74,7 @@ def test_a_second_daemon_at_0_bytes_free_names_the_first(small_tmpfs, start_daem
     first = start_daemon(config, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=first.proc)
     fill_to_the_last_byte(small_tmpfs)
-    second = _adstore("daemon", "--root", str(root), "--max-size", "1G")
+    second = run_cli("daemon", "--root", str(root), "--max-size", "1G")
     assert second.returncode == 5 and f"pid {first.pid}" in second.stderr, second.stderr
 
 
@@ -92,7 +85,7 @@ def test_gc_at_0_bytes_free_frees_space(small_tmpfs):
     root = small_tmpfs / "store"
     keys = _fill_store(root)
     fill_to_the_last_byte(small_tmpfs)
-    out = _adstore("gc", "--root", str(root), "--max-size", "1M", "--grace-period", "0")
+    out = run_cli("gc", "--root", str(root), "--max-size", "1M", "--grace-period", "0")
     assert "Traceback" not in out.stderr and out.returncode != 70
     assert out.returncode == 0, out.stderr
     assert shutil.disk_usage(small_tmpfs).free > 5 * MIB and keys

@@ -14,21 +14,15 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from adstore.daemon.lock import LOCK_NAME, STATUS_NAME, InstanceLock, read_status
 from adstore.store import Store, UnsafeRoot
 
 SECRET = "another user's private file\n"
-
-
-def _adstore(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture
@@ -61,7 +55,7 @@ def _plant(kind: str, path: Path, victim: Path) -> None:
 @pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "hard link", "fifo", "directory"])
 def test_a_planted_lock_file_is_refused_and_nothing_is_written(root, victim, kind):
     _plant(kind, root / LOCK_NAME, victim)
-    out = _adstore("--json", "daemon", "--once", "--root", str(root), "--max-size", "1G")
+    out = run_cli("--json", "daemon", "--once", "--root", str(root), "--max-size", "1G")
     assert out.returncode == 7, out.stderr
     error = json.loads(out.stdout)["error"]
     assert error["reason"] == "unsafe_root" and error["exit_code"] == 7 and "daemon.lock" in error["message"]
@@ -100,7 +94,7 @@ def test_status_and_metrics_are_replaced_never_written_through_a_symlink(root, v
     metrics.parent.mkdir()
     (root / STATUS_NAME).symlink_to(victim)
     metrics.symlink_to(victim)
-    out = _adstore("daemon", "--once", "--root", str(root), "--max-size", "1G", "--metrics-path", str(metrics))
+    out = run_cli("daemon", "--once", "--root", str(root), "--max-size", "1G", "--metrics-path", str(metrics))
     assert out.returncode == 0, out.stderr
     assert victim.read_text() == SECRET
     for path in (root / STATUS_NAME, metrics):
@@ -112,7 +106,7 @@ def test_status_and_metrics_are_replaced_never_written_through_a_symlink(root, v
 def test_a_fifo_or_symlink_as_status_file_does_not_hang_or_leak_into_stats(root, victim):
     os.mkfifo(root / STATUS_NAME)
     assert read_status(root) is None
-    out = _adstore("--json", "stats", "--root", str(root), timeout=20)
+    out = run_cli("--json", "stats", "--root", str(root), timeout=20)
     assert out.returncode == 0 and json.loads(out.stdout)["daemon"] is None
     (root / STATUS_NAME).unlink()
     victim.write_text(json.dumps({"pid": os.getpid(), "pid_start": 0, "secret": SECRET}))

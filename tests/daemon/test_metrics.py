@@ -9,12 +9,10 @@ store's own counters and totals, and both outputs are the same text.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import populate, write_config
+from conftest import populate, run_cli, write_config
 
 from adstore.daemon.cli import main
 from adstore.daemon.metrics import collect, render
@@ -91,8 +89,7 @@ def test_daemon_writes_the_same_text_at_metrics_path(capsys, root, tmp_path):
     metrics = tmp_path / "textfile" / "adstore.prom"
     metrics.parent.mkdir()
     config = write_config(tmp_path / "a.toml", max_size="1G", root=str(root), metrics_path="textfile/adstore.prom")
-    out = subprocess.run([sys.executable, "-m", "adstore.daemon", "daemon", "--once", "--config", str(config)],
-                         capture_output=True, text=True, timeout=60)
+    out = run_cli("daemon", "--once", "--config", str(config))
     assert out.returncode == 0, out.stderr
     written = metrics.read_text()
     assert not [p for p in metrics.parent.iterdir() if p.name != "adstore.prom"]  # no temp left behind
