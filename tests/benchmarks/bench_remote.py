@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     size = (16 if args.quick else args.mib) << 20
     repeat = 2 if args.quick else args.repeat
     os.environ.update(S3_ENV)
-    res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    # The servers run on this machine: a busy machine moves the throughput ratios, so the load is kept.
+    res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                             "loadavg_before": os.getloadavg()[0]},
                  "settings": {"blob_mib": size >> 20, "repeat": repeat, "timeout_s": args.timeout}}
     with tempfile.TemporaryDirectory(dir=os.environ.get("ADSTORE_BENCH_DIR")) as tmp:
         work = Path(tmp)
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             moto.stop()
             dav.stop()
+    res["machine"]["loadavg_after"] = os.getloadavg()[0]
     rows = []
     for name in ("s3", "http"):
         t = res[name]
