@@ -49,12 +49,13 @@ class EvictedBatch:
     bytes_freed: int  # physical bytes whose rows were deleted
 
 
-#: A victim as planned (a plain tuple: a plan may hold 100k): last access, key, row key,
+#: A victim as planned (a tuple of atoms, which the garbage collector stops tracking: a plan
+#: may hold 100k): last access, key, row key,
 #: entry row, shadow row, shadow head (None: no shadow of this row), decoded entry (only
 #: without a shadow), hits; then, once simulated, its manifest keys and their references
 #: when its shadow describes every manifest it has (else None).
 _Victim = tuple[float, str, bytes, bytes, "bytes | None", "Head | None", "Entry | None", int,
-                "list[bytes] | None", "list[bytes] | None"]
+                "tuple[bytes, ...] | None", "tuple[bytes, ...] | None"]
 _LAST, _KEY, _RAW_KEY, _ROW, _SHADOW, _HEAD, _ENTRY, _HITS, _MKS, _REFS = range(10)
 
 
@@ -310,7 +311,8 @@ class Evictor:
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
 
-    def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str], now: float) -> list[bytes] | None:
+    def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str],
+                        now: float) -> Sequence[bytes] | None:
         """Drop a victim after checking it still qualifies; None if it does not (or is gone)."""
         key, k = v[_KEY], v[_RAW_KEY]
         raw = t.entry_row(k)
@@ -334,7 +336,7 @@ class Evictor:
         return drop_entry(t, key, entry, keep_pending_since=now - self.grace, shadow=shadow)
 
 
-def _drop_as_planned(t: Txn, v: _Victim) -> list[bytes] | None:
+def _drop_as_planned(t: Txn, v: _Victim) -> tuple[bytes, ...] | None:
     """Drop a victim whose rows are known unchanged, from what the plan read; None if it read too little."""
     mks, refs, head = v[_MKS], v[_REFS], v[_HEAD]
     if mks is None or refs is None or head is None:
@@ -371,13 +373,13 @@ class _Simulation:
         t, head, key = self._t, v[_HEAD], v[_KEY]
         refs = None
         if head is not None:
-            rows = t.manifests_listed(key)
-            refs = refs_of(v[_SHADOW], head, [raw for _, raw in rows])  # type: ignore[arg-type]
+            keys, rows = t.manifests_listed(key)
+            refs = refs_of(v[_SHADOW], head, rows)  # type: ignore[arg-type]
             if refs is not None:
-                v = v[:_MKS] + ([mk for mk, _ in rows], refs)
+                v = v[:_MKS] + (keys, refs)
         if refs is None:
             refs = [bytes.fromhex(d) for digests in t.refs_of(key) for d in digests]
-        rows_seen, left = self._rows, self._left
+        rows_seen, left, now, grace = self._rows, self._left, self._now, self._grace
         for k in refs:
             if k not in rows_seen:
                 raw = t.blob_row_raw(k)
@@ -386,7 +388,7 @@ class _Simulation:
             if row is None:
                 continue
             n = left[k] = left.get(k, row[1]) - 1
-            if n == 0 and self._now - row[2] >= self._grace:
+            if n == 0 and now - row[2] >= grace:
                 self.freed += row[0]
                 self.blobs.append(BlobRef(k.hex(), row[0]))
         return v

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import BlobMissing, CorruptRecord, StoreError
@@ -149,7 +149,7 @@ def drop_entry(
     *,
     keep_pending_since: float | None = None,
     shadow: tuple[bytes, Head] | None = None,
-) -> list[bytes]:
+) -> Sequence[bytes]:
     """Delete an entry with all its manifests (every rank, every generation).
 
     Returns the blob references the manifests held (32-byte digests, one

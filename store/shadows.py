@@ -35,8 +35,10 @@ PINNED, _REFS = 1, 2  # flags: pinned; the references describe the current manif
 Head = tuple[int, float, int, int, int, int, int, int, int]
 
 
-def rows_check(rows: Iterable[bytes]) -> int:
+def rows_check(rows: Sequence[bytes]) -> int:
     """The checksum of manifest rows, in key order (each length-prefixed, so no two lists collide)."""
+    if len(rows) == 1:  # the usual entry: one rank
+        return xxh3_64_intdigest(len(rows[0]).to_bytes(4, "little") + rows[0])
     return xxh3_64_intdigest(b"".join(len(r).to_bytes(4, "little") + r for r in rows))
 
 
@@ -71,12 +73,14 @@ def ranks_of(shadow: bytes, head: Head) -> list[tuple[int, int]]:
     return list(_RANK.iter_unpack(shadow[at:at + head[6] * _RANK.size]))
 
 
-def refs_of(shadow: bytes, head: Head, manifests: Sequence[bytes | None]) -> list[bytes] | None:
+def refs_of(shadow: bytes, head: Head, manifests: Sequence[bytes | None]) -> tuple[bytes, ...] | None:
     """The references (32-byte digests) of the current manifests, if ``manifests`` are the rows shadowed."""
     if not head[3] & _REFS or None in manifests or rows_check(manifests) != head[7]:  # type: ignore[arg-type]
         return None
     at = HEAD.size + head[5] + head[6] * _RANK.size
-    return [shadow[i:i + 32] for i in range(at, len(shadow), 32)]
+    if head[8] == 1:  # the usual manifest of one blob
+        return (shadow[at:],)
+    return tuple([shadow[i:i + 32] for i in range(at, len(shadow), 32)])  # a tuple: not tracked by the GC
 
 
 def to_entry(key: str, shadow: bytes, head: Head) -> Entry:

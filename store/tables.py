@@ -308,7 +308,7 @@ class Txn(BlobRows):
 
     def take_manifests_of(
         self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None,
-    ) -> tuple[list[bytes], bool]:
+    ) -> tuple[Sequence[bytes], bool]:
         """Delete every manifest row of ``key``; returns the references they held and whether one was kept.
 
         References are 32-byte digests, one per manifest and digest; they
@@ -319,16 +319,16 @@ class Txn(BlobRows):
         head) was made from, their references come from it; otherwise each
         row is decoded.
         """
-        rows = self.manifests_listed(key)
+        keys, rows = self.manifests_listed(key)
         delete, manifests = self.raw.delete, self._db["manifests"]
-        shadowed = refs_of(shadow[0], shadow[1], [raw for _, raw in rows]) if shadow is not None else None
+        shadowed = refs_of(shadow[0], shadow[1], rows) if shadow is not None else None
         if shadowed is not None:
-            for mk, _ in rows:
+            for mk in keys:
                 delete(mk, db=manifests)
             return shadowed, False
         taken: list[bytes] = []
         kept = False
-        for mk, raw in rows:
+        for mk, raw in zip(keys, rows):
             digests, committed, created = manifest_refs(raw)
             if keep_pending_since is not None and not committed and created >= keep_pending_since:
                 kept = True
@@ -337,20 +337,22 @@ class Txn(BlobRows):
             delete(mk, db=manifests)
         return taken, kept
 
-    def manifests_listed(self, key: str) -> list[tuple[bytes, bytes]]:
-        """(manifest key, row) of every manifest of ``key``, as a list (one cursor reused per transaction)."""
+    def manifests_listed(self, key: str) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """The keys and the rows of every manifest of ``key`` (one cursor reused per transaction)."""
         if self._cursor is None:
             self._cursor = self.raw.cursor(db=self._db["manifests"])
         cur, prefix = self._cursor, manifest_prefix(key)
-        rows: list[tuple[bytes, bytes]] = []
+        keys: list[bytes] = []
+        rows: list[bytes] = []
         found = cur.set_range(prefix)
         while found:
             mk = cur.key()
             if not mk.startswith(prefix):
                 break
-            rows.append((mk, cur.value()))
+            keys.append(mk)
+            rows.append(cur.value())
             found = cur.next()
-        return rows
+        return tuple(keys), tuple(rows)
 
     # -- leases ---------------------------------------------------------------
     def put_lease(self, lease_id: bytes, record: LeaseRecord) -> None:
