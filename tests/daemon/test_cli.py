@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import populate, write_config
+from daemon_support import populate, write_config
 
 from adstore.daemon.cli import EXIT_CODES, exit_code_for, main
 from adstore.daemon.errors import AlreadyRunning, AmbiguousKey, FeatureUnavailable, UnknownKey

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import populate, write_config
+from daemon_support import populate, write_config
 
 from adstore.daemon.cli import main
 from adstore.store import Store

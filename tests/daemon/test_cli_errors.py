@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import populate, write_config
+from daemon_support import populate, write_config
 
 from adstore.daemon.cli import main
 from adstore.daemon.commands import _flatten, entry_dict

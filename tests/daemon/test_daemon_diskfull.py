@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import fill_to_the_last_byte, run_cli, wait_until, write_config
+from daemon_support import fill_to_the_last_byte, run_cli, wait_until, write_config
 
 from adstore.store import Store, StoreError
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import (
+from daemon_support import (
     PROCS,
     key_for,
     populate,

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import PROCS, populate
+from daemon_support import PROCS, populate
 
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer

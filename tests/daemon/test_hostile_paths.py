@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from daemon_support import run_cli
 
 from adstore.daemon.lock import LOCK_NAME, STATUS_NAME, InstanceLock, read_status
 from adstore.store import Store, UnsafeRoot

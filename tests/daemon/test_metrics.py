@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import populate, run_cli, write_config
+from daemon_support import populate, run_cli, write_config
 
 from adstore.daemon.cli import main
 from adstore.daemon.metrics import collect, render

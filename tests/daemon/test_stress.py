@@ -37,7 +37,7 @@ import pytest
 from adstore.store import BlobMissing, ChecksumMismatch, OverBudget, Store, StoreError
 from adstore.store.records import ACCESS_ROW
 from adstore.store.fsutil import atomic_write
-from conftest import wait_until, write_config
+from daemon_support import wait_until, write_config
 
 CTX = mp.get_context("spawn")
 KIB = 1024
