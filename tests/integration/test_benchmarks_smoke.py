@@ -27,6 +27,7 @@ SMALL = {
     "bench_pipeline": (["--layers", "2", "--hidden", "64"], "bench_pipeline.json"),
     "bench_engine": (["--hidden", "64", "--batch", "4"], "engine.json"),
     "bench_restart": (["--quick", "--repeat", "1"], "restart.json"),
+    "bench_remote": (["--quick"], "remote.json"),
 }
 
 
