@@ -120,19 +120,20 @@ class BlobRows:
     def release_counts(self, counts: Mapping[bytes, int]) -> list[str]:
         """Drop ``n`` references per blob (by 32-byte row key); returns the digests (hex) now unreferenced.
 
-        Unpacks rows in place: an eviction batch releases thousands.
+        Rows are unpacked in place and visited in key order through one
+        cursor: an eviction batch releases thousands.
         """
         zero: list[str] = []
-        get, put, blobs = self.raw.get, self.raw.put, self._db["blobs"]
-        for k, n in counts.items():
-            raw = get(k, None, blobs)
-            if raw is None:
+        cur = self.raw.cursor(db=self._db["blobs"])
+        for k in sorted(counts):
+            if not cur.set_key(k):
                 continue
+            raw = cur.value()
             if len(raw) != BLOB_ROW.size:
                 raise CorruptRecord("blobs", k.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
             size, held, touched, flags = BLOB_ROW.unpack(raw)
-            held = max(0, held - n)
-            put(k, BLOB_ROW.pack(size, held, touched, flags), db=blobs)
+            held = max(0, held - counts[k])
+            cur.put(k, BLOB_ROW.pack(size, held, touched, flags))
             if held == 0:
                 zero.append(k.hex())
         return zero

@@ -16,15 +16,17 @@ import enum
 import logging
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
 from .errors import CorruptRecord, KeyNotFound
 from .leases import live_leases
 from .manifests import drop_entry
-from .records import BLOB_ROW, BlobRef, BlobRow, Entry, validate_key
+from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs, validate_key
 from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
 from .tables import PHYSICAL, Tables, Txn
 from .units import MinFree, parse_min_free
@@ -50,12 +52,12 @@ class EvictedBatch:
 
 
 #: A victim as planned (a tuple of atoms, which the garbage collector stops tracking: a plan
-#: may hold 100k): last access, key, row key,
-#: entry row, shadow row, shadow head (None: no shadow of this row), decoded entry (only
-#: without a shadow), hits; then, once simulated, its manifest keys and their references
-#: when its shadow describes every manifest it has (else None).
+#: may hold 100k): last access, key, row key, entry row, shadow row, shadow head (None: no
+#: shadow of this row), decoded entry (only without a shadow), hits, its manifests' keys
+#: when its shadow describes every manifest it has (else None: execution reads them again),
+#: and the blob references of all its manifests (32-byte digests, one per manifest and digest).
 _Victim = tuple[float, str, bytes, bytes, "bytes | None", "Head | None", "Entry | None", int,
-                "tuple[bytes, ...] | None", "tuple[bytes, ...] | None"]
+                "tuple[bytes, ...] | None", "tuple[bytes, ...]"]
 _LAST, _KEY, _RAW_KEY, _ROW, _SHADOW, _HEAD, _ENTRY, _HITS, _MKS, _REFS = range(10)
 
 
@@ -201,27 +203,28 @@ class Evictor:
             snapshot = t.raw.id()
             leased, _ = live_leases(t, now)
             candidates, skipped = self._candidates(t, leased, namespace, now)
-            sim = _Simulation(t, now, self.grace)
+            sim = _Simulation(now, self.grace, t)
             victims: list[_Victim] = []
             for v in candidates:
                 if max_entries is not None and len(victims) >= max_entries:
                     break
                 if sim.freed >= need and not (cutoff is not None and v[_LAST] < cutoff):
                     break
-                victims.append(sim.drop(v))
+                victims.append(v)
+                sim.drop(v)
         return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, snapshot)
 
     def _candidates(self, t: Txn, leased: set[str], namespace: str | None,
                     now: float) -> tuple[list[_Victim], list[str]]:
         """Every entry eviction may take, least recently used first; and the keys it must skip.
 
-        From the shadows where they hold (no JSON, no objects per entry).
+        One pass over the tables (``Txn.entry_scan``), from the shadows where
+        they hold: no JSON and no objects per entry.
         """
         candidates: list[_Victim] = []
         skipped: list[str] = []
         ns = namespace.encode() if namespace is not None else None
-        for k, raw in t.entry_rows():
-            shadow = t.shadow(k)
+        for k, raw, shadow, access, mks, rows in t.entry_scan():
             head = head_of(raw, shadow)
             entry = None
             try:
@@ -241,9 +244,9 @@ class Evictor:
             if pinned or key in leased or now - created < self.grace:
                 skipped.append(key)
                 continue
-            access = t.access(k)
-            last, hits = access if access is not None else (created, 0)
-            candidates.append((last, key, k, raw, shadow, head, entry, hits, None, None))
+            last, hits = ACCESS_ROW.unpack(access) if access is not None and len(access) == ACCESS_ROW.size \
+                else (created, 0)
+            candidates.append(_victim(last, key, k, raw, shadow, head, entry, hits, mks, rows))
         candidates.sort(key=itemgetter(_LAST))
         return candidates, skipped
 
@@ -255,7 +258,7 @@ class Evictor:
         with self._tables.read() as t:
             snapshot = t.raw.id()
             leased, _ = live_leases(t, now)
-            sim = _Simulation(t, now, self.grace)
+            sim = _Simulation(now, self.grace, t)
             for key in dict.fromkeys(keys):  # each once
                 k = validate_key(key).encode()
                 raw = t.entry_row(k)
@@ -270,7 +273,9 @@ class Evictor:
                 access = t.access(k)
                 created = head[1] if head is not None else entry.created  # type: ignore[union-attr]
                 last, hits = access if access is not None else (created, 0)
-                victims.append(sim.drop((last, key, k, raw, shadow, head, entry, hits, None, None)))
+                v = _victim(last, key, k, raw, shadow, head, entry, hits, *t.manifests_listed(key))
+                victims.append(v)
+                sim.drop(v)
         return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self,
                             snapshot)
 
@@ -291,18 +296,23 @@ class Evictor:
         def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int]:
             unchanged = t.raw.id() == unchanged_at
             leased = set() if unchanged else live_leases(t, now)[0]
-            counts: dict[bytes, int] = {}
+            taken: list[Sequence[bytes]] = []
             done: list[str] = []
+            as_planned = []
             for v in victims:
-                refs = _drop_as_planned(t, v) if unchanged else None
-                if refs is None:
+                head = v[_HEAD]
+                if unchanged and v[_MKS] is not None and head is not None:  # rows exactly as the plan read them
+                    as_planned.append((v[_RAW_KEY], head[2], bool(head[3] & PINNED), v[_MKS]))
+                    refs: Sequence[bytes] | None = v[_REFS]
+                else:
                     refs = self._drop_rechecked(t, v, evict, leased, now)
                     if refs is None:
                         continue
-                for ref in refs:
-                    counts[ref] = counts.get(ref, 0) + 1
+                taken.append(refs)  # type: ignore[arg-type]
                 done.append(v[_KEY])
+            t.forget_entries(as_planned)
             t.count("evictions", len(done))
+            counts = Counter(chain.from_iterable(taken))
             dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
             return done, dropped, t.raw.id()
@@ -336,53 +346,39 @@ class Evictor:
         return drop_entry(t, key, entry, keep_pending_since=now - self.grace, shadow=shadow)
 
 
-def _drop_as_planned(t: Txn, v: _Victim) -> tuple[bytes, ...] | None:
-    """Drop a victim whose rows are known unchanged, from what the plan read; None if it read too little."""
-    mks, refs, head = v[_MKS], v[_REFS], v[_HEAD]
-    if mks is None or refs is None or head is None:
-        return None
-    for mk in mks:
-        t.drop_manifest_row(mk)
-    t.forget_entry(v[_RAW_KEY], head[2], bool(head[3] & PINNED))
-    return refs
-
-
 def _ranks(v: _Victim) -> dict[int, int]:
     head, entry = v[_HEAD], v[_ENTRY]
     return dict(ranks_of(v[_SHADOW], head)) if head is not None else entry.ranks  # type: ignore[arg-type, union-attr]
 
 
-class _Simulation:
-    """Which blobs dropping entries would free, without changing anything (for a plan)."""
+def _victim(last: float, key: str, k: bytes, raw: bytes, shadow: bytes | None, head: Head | None,
+            entry: Entry | None, hits: int, mks: tuple[bytes, ...], rows: tuple[bytes, ...]) -> _Victim:
+    """A planned victim with its manifests (keys ``mks``, ``rows``) read: references from the shadow
+    when it describes exactly these rows, else decoded (every manifest, pending ones too)."""
+    refs = refs_of(shadow, head, rows) if head is not None else None  # type: ignore[arg-type]
+    if refs is not None:
+        return last, key, k, raw, shadow, head, entry, hits, mks, refs
+    decoded = tuple(bytes.fromhex(d) for row in rows for d in manifest_refs(row)[0])
+    return last, key, k, raw, shadow, head, entry, hits, None, decoded
 
-    def __init__(self, t: Txn, now: float, grace: float) -> None:
-        self._t = t
+
+class _Simulation:
+    """Which blobs dropping victims would free, without changing anything (for a plan)."""
+
+    def __init__(self, now: float, grace: float, t: Txn) -> None:
         self._now = now
         self._grace = grace
+        self._t = t
         self._left: dict[bytes, int] = {}  # references left per blob (row key)
         self._rows: dict[bytes, tuple[int, int, float, int] | None] = {}
         self.blobs: list[BlobRef] = []
         self.freed = 0
 
-    def drop(self, v: _Victim) -> _Victim:
-        """Drop a victim's manifests; returns the victim with them (see ``_Victim``).
-
-        References come from its shadow when its manifests are exactly the
-        rows shadowed, else every manifest (pending ones too) is decoded.
-        """
-        t, head, key = self._t, v[_HEAD], v[_KEY]
-        refs = None
-        if head is not None:
-            keys, rows = t.manifests_listed(key)
-            refs = refs_of(v[_SHADOW], head, rows)  # type: ignore[arg-type]
-            if refs is not None:
-                v = v[:_MKS] + (keys, refs)
-        if refs is None:
-            refs = [bytes.fromhex(d) for digests in t.refs_of(key) for d in digests]
+    def drop(self, v: _Victim) -> None:
         rows_seen, left, now, grace = self._rows, self._left, self._now, self._grace
-        for k in refs:
+        for k in v[_REFS]:
             if k not in rows_seen:
-                raw = t.blob_row_raw(k)
+                raw = self._t.blob_row_raw(k)
                 rows_seen[k] = BLOB_ROW.unpack(raw) if raw is not None and len(raw) == BLOB_ROW.size else None
             row = rows_seen[k]
             if row is None:
@@ -391,7 +387,6 @@ class _Simulation:
             if n == 0 and now - row[2] >= grace:
                 self.freed += row[0]
                 self.blobs.append(BlobRef(k.hex(), row[0]))
-        return v
 
 
 def _unreferenced_bytes(t: Txn) -> int:

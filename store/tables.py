@@ -172,6 +172,37 @@ class Txn(BlobRows):
         for k, v in cur:  # from the current position (the first row if none)
             yield k, v
 
+    def entry_scan(self) -> Iterator[tuple[bytes, bytes, bytes | None, bytes | None, tuple[bytes, ...],
+                                           tuple[bytes, ...]]]:
+        """Every entry: (key, row, shadow, access row, its manifests' keys, their rows), in key order.
+
+        One forward pass of four cursors instead of lookups per entry (half
+        the time; reading the tables into dicts is slower still): the tables
+        share the entries' key order (a manifest key is the entry key, a NUL,
+        rank and generation).  How eviction planning reads 100k entries.
+        """
+        db = self._db
+        shadows, accesses, manifests = (self.raw.cursor(db=db[n]) for n in ("entry_shadow", "access", "manifests"))
+        s_key = shadows.key() if shadows.first() else None
+        a_key = accesses.key() if accesses.first() else None
+        m_key = manifests.key() if manifests.first() else None
+        for k, raw in self.raw.cursor(db=db["entries"]):
+            while s_key is not None and s_key < k:
+                s_key = shadows.key() if shadows.next() else None
+            while a_key is not None and a_key < k:
+                a_key = accesses.key() if accesses.next() else None
+            prefix = k + b"\x00"
+            while m_key is not None and m_key < prefix:
+                m_key = manifests.key() if manifests.next() else None
+            keys: list[bytes] = []
+            rows: list[bytes] = []
+            while m_key is not None and m_key.startswith(prefix):
+                keys.append(m_key)
+                rows.append(manifests.value())
+                m_key = manifests.key() if manifests.next() else None
+            yield (k, raw, shadows.value() if s_key == k else None, accesses.value() if a_key == k else None,
+                   tuple(keys), tuple(rows))
+
     def entries(self) -> Iterator[tuple[Entry, bytes]]:
         """Every decodable entry (with its row); undecodable rows are logged and skipped."""
         for k, v in self.entry_rows():
@@ -207,6 +238,26 @@ class Txn(BlobRows):
         if pinned:
             self._add(PINNED, -nbytes)
         self.drop_entry_key(raw_key)
+
+    def forget_entries(self, entries: Sequence[tuple[bytes, int, bool, Sequence[bytes]]]) -> None:
+        """:meth:`forget_entry` for many (row key, bytes, pinned, manifest keys) at once, manifests too.
+
+        Each table's rows go in key order through one cursor, which LMDB
+        positions from where it is rather than from the root.
+        """
+        nbytes = pinned = 0
+        for _, n, pin, _ in entries:
+            nbytes += n
+            pinned += n if pin else 0
+        self._add(LOGICAL, -nbytes)
+        self._add(PINNED, -pinned)
+        keys = sorted(k for k, _, _, _ in entries)
+        for table, rows in (("entries", keys), ("entry_shadow", keys), ("access", keys), ("components", keys),
+                            ("manifests", sorted(mk for *_, mks in entries for mk in mks))):
+            cur = self.raw.cursor(db=self._db[table])
+            for k in rows:
+                if cur.set_key(k):
+                    cur.delete()
 
     def drop_entry_key(self, raw_key: bytes) -> None:
         """Delete the rows of an entry key without touching the totals (``verify --fix`` recounts)."""
@@ -288,10 +339,6 @@ class Txn(BlobRows):
     def manifests_of(self, key: str) -> Iterator[Manifest]:
         for mk, raw in self.manifest_rows(key):
             yield Manifest.decode(mk, raw)
-
-    def refs_of(self, key: str) -> list[tuple[str, ...]]:
-        """The digests each manifest of ``key`` references (every rank and generation), decoded."""
-        return [manifest_refs(raw)[0] for _, raw in self.manifest_rows(key)]
 
     def put_manifest(self, manifest: Manifest) -> None:
         mk = manifest_key(manifest.key, manifest.rank, manifest.generation)
@@ -387,6 +434,10 @@ class _Reading:
     def __exit__(self, *exc: object) -> None:
         if self._txn is not None:
             self._tables.index.end_read(self._txn)
+        if isinstance(exc[1], lmdb.Error):  # a damaged page: the store's own error (``index.index_error``)
+            from .index import index_error  # noqa: PLC0415  (index imports this module)
+
+            raise index_error(exc[1], self._tables.index.path) from exc[1]
 
 
 class Tables:
