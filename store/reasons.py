@@ -3,7 +3,7 @@
 A :class:`Reason` is a ``StrEnum``: it compares equal to its word
 (``Reason.ABSENT == "absent"``), so JSON output, counter names
 (``misses.absent``) and the CLI keep the words listed here.  The store, the
-pipeline cache, the engine cache, the daemon and ``verify`` all take their
+remote tier, the pipeline cache, the engine cache, the daemon and ``verify`` all take their
 reasons from this one list (README, "Using the store" and "The pipeline cache").
 """
 
@@ -42,6 +42,18 @@ class Reason(enum.StrEnum):
     CONFIG = "config"  # an invalid setting
     UNKNOWN_KEY = "unknown_key"  # no entry's key equals or starts with the given text
     AMBIGUOUS_KEY = "ambiguous_key"  # a key prefix matches more than one entry
+
+    # -- remote tier (README, "Remote tier") -------------------------------
+    REMOTE_UNAVAILABLE = "remote_unavailable"  # refused, reset, DNS, 5xx, or the circuit is open after one
+    REMOTE_TIMEOUT = "remote_timeout"  # a connect or read timed out (or the circuit is open after one)
+    REMOTE_ERROR = "remote_error"  # the server refused the request (4xx other than 404/412): credentials, protocol
+    REMOTE_READ_ONLY = "remote_read_only"  # a write asked of a client in read mode (never sent)
+    REMOTE_UNSUPPORTED = "remote_unsupported"  # the backend lacks the operation (put-if-absent)
+    REMOTE_BLOB_MISSING = "remote_blob_missing"  # a record references a blob the remote no longer has
+    REMOTE_CHECKSUM = "remote_checksum"  # a remote blob does not hash to its digest or has another size
+    UNTRUSTED_REMOTE = "untrusted_remote"  # a record unsigned, forged, tampered, by an unknown key, or misplaced
+    SINGLE_FLIGHT_TIMEOUT = "single_flight_timeout"  # the builder did not publish within the wait
+    BUILDER_GONE = "builder_gone"  # the builder's lease expired, its process died, or it released without a record
 
     # -- pipeline cache (bypasses and misses) ------------------------------
     RESTORE_DISABLED = "restore_disabled"  # restore switched off by configuration

@@ -10,7 +10,7 @@ operation, the object address, the HTTP status, the digests involved.
 from __future__ import annotations
 
 from ..errors import StoreError
-from .reasons import RemoteReason
+from ..reasons import Reason
 
 __all__ = [
     "RemoteError",
@@ -28,7 +28,7 @@ __all__ = [
 class RemoteError(StoreError):
     """Something about the remote went wrong; ``reason`` names it."""
 
-    reason = RemoteReason.REMOTE_ERROR  # type: ignore[assignment]  # a word the store's Reason list will adopt
+    reason: Reason = Reason.REMOTE_ERROR
 
     def __init__(self, detail: str, *, op: str = "", target: str = "", status: int | None = None) -> None:
         self.detail = detail
@@ -46,7 +46,7 @@ class RemoteUnavailable(RemoteError):
     until the breaker lets a probe through.
     """
 
-    reason = RemoteReason.REMOTE_UNAVAILABLE  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_UNAVAILABLE
 
     def __init__(self, detail: str, *, op: str = "", target: str = "", status: int | None = None,
                  retry_after: float | None = None) -> None:
@@ -57,19 +57,19 @@ class RemoteUnavailable(RemoteError):
 class RemoteTimeout(RemoteUnavailable):
     """A connect or read took longer than the configured timeout."""
 
-    reason = RemoteReason.REMOTE_TIMEOUT  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_TIMEOUT
 
 
 class RemoteRejected(RemoteError):
     """The server answered with a 4xx other than 404/412 (credentials, permissions, protocol)."""
 
-    reason = RemoteReason.REMOTE_ERROR  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_ERROR
 
 
 class ReadOnlyRemote(RemoteError):
     """A write was asked of a client in read mode; nothing was sent."""
 
-    reason = RemoteReason.REMOTE_READ_ONLY  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_READ_ONLY
 
     def __init__(self, op: str, target: str = "") -> None:
         super().__init__("the remote is read-only (set ADSTORE_REMOTE_MODE=read-write to write)",
@@ -79,7 +79,7 @@ class ReadOnlyRemote(RemoteError):
 class NotSupported(RemoteError):
     """The backend cannot do this operation (put-if-absent on a server without conditional writes)."""
 
-    reason = RemoteReason.REMOTE_UNSUPPORTED  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_UNSUPPORTED
 
     def __init__(self, backend: str, op: str) -> None:
         self.backend = backend
@@ -89,7 +89,7 @@ class NotSupported(RemoteError):
 class RemoteBlobMissing(RemoteError):
     """A blob a record references is not on the remote (evicted by the server)."""
 
-    reason = RemoteReason.REMOTE_BLOB_MISSING  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_BLOB_MISSING
 
     def __init__(self, digest: str) -> None:
         self.digest = digest
@@ -103,7 +103,7 @@ class RemoteChecksumMismatch(RemoteError):
     past ``expected_size`` (a bounded download never reads more).
     """
 
-    reason = RemoteReason.REMOTE_CHECKSUM  # type: ignore[assignment]
+    reason: Reason = Reason.REMOTE_CHECKSUM
 
     def __init__(self, digest: str, *, expected_size: int | None, got_size: int,
                  got_digest: str | None) -> None:
@@ -123,7 +123,7 @@ class RemoteChecksumMismatch(RemoteError):
 class UntrustedRecord(RemoteError):
     """A record that is unsigned, forged, tampered, signed by an unknown key, or of another version."""
 
-    reason = RemoteReason.UNTRUSTED_REMOTE  # type: ignore[assignment]
+    reason: Reason = Reason.UNTRUSTED_REMOTE
 
     def __init__(self, why: str, *, key_id: str | None = None, target: str = "") -> None:
         self.why = why

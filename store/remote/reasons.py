@@ -1,9 +1,10 @@
-"""Reasons of the remote tier, as words the store's ``Reason`` list will adopt.
+"""Reasons of the remote tier, the same words as the store's ``Reason`` list.
 
 A :class:`RemoteReason` is a ``StrEnum`` like :class:`adstore.store.Reason`,
 so ``RemoteReason.REMOTE_TIMEOUT == "remote_timeout"`` and counter names,
-JSON and events read the same words whichever enum produced them.  They live
-here until the store's list takes them over (README, "Remote tier").
+JSON and events read the same words whichever enum produced them.  The
+store's list holds them too (errors carry those); this enum stays as the
+remote package's own vocabulary (README, "Remote tier").
 """
 
 from __future__ import annotations
