@@ -391,6 +391,10 @@ class Store:
         """Count a cache event (``hit``, ``miss``, ``bypass``, ``save``, ``eviction``)."""
         self._book.count(dict(event_counters(event, reason, seconds_saved)))
 
+    def count(self, counts: Mapping[str, int]) -> None:
+        """Add to named counters (``remote.bytes_down``...): persisted like ``record``'s, shown by ``stats``."""
+        self._book.count({str(k): int(v) for k, v in counts.items() if v})
+
     def flush(self) -> None:
         """Write pending counters and access times (lazy by design, see ``bookkeeping``)."""
         self._book.flush()
