@@ -1,0 +1,194 @@
+"""The two tiers together: restore a local miss from the remote, push a local save to it.
+
+The local store stays tier one and the only thing a pipeline reads; the
+remote (:mod:`adstore.store.remote`) is tier two.  A restore fetches this
+rank's signed record, pulls the blobs the local store lacks (each verified
+by SHA-256 before the store sees it), then publishes and commits a local
+manifest under the record's generation, so the next ``Store.lookup`` is an
+ordinary local hit.  Anything short of that is a miss with a reason and
+leaves nothing committed: pulled blobs that no manifest references are the
+store's gc's to sweep.  A save uploads the blobs the remote lacks (HEAD
+first), then the record last, inline or through a
+:class:`~adstore.store.remote.BackgroundUploader`; a failure is counted,
+never raised.  The remote's counters are persisted as ``remote.*`` in the
+store's counters, where ``adstore stats`` and the daemon's metrics read
+them (README, "Remote tier").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from .errors import AdstoreError, KeyNotFound
+from .reasons import Reason
+from .records import BlobRef, Manifest
+from .remote import BackgroundUploader, Outcome, Remote
+from .store import Store
+
+__all__ = [
+    "RECORD_FORMAT",
+    "record_payload",
+    "record_refs",
+    "remote_restore",
+    "remote_save",
+    "persist_counters",
+]
+
+log = logging.getLogger(__name__)
+
+#: Version of the record payload (what travels); a reader refuses a newer one as ``remote_unsupported``.
+RECORD_FORMAT = 1
+
+
+def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
+    """The record of ``key``'s committed ``rank``: what a remote restore needs to commit it elsewhere.
+
+    Raises :class:`KeyNotFound` when this store has no committed manifest
+    of that rank whose blobs are all present.
+    """
+    found = store.lookup(key, rank=rank, record=False)
+    if not found.hit or found.manifest is None:
+        raise KeyNotFound(key)
+    m = found.manifest
+    entry = store.entry(key)
+    return {
+        "format": RECORD_FORMAT,
+        "key": key,
+        "rank": rank,
+        "namespace": m.namespace,
+        "world_size": m.world_size,
+        "generation": m.generation,
+        "components": dict(entry.components) if entry is not None else {},
+        "artifacts": {name: ref.to_json() for name, ref in sorted(m.artifacts.items())},
+        "meta": dict(m.meta),
+    }
+
+
+def record_refs(payload: dict[str, Any]) -> dict[str, BlobRef]:
+    """The artifacts of a record payload as validated :class:`BlobRef` (digests checked before any path join)."""
+    artifacts = payload.get("artifacts")
+    if not isinstance(artifacts, dict):
+        raise AdstoreError("record has no artifact table")
+    return {str(name): BlobRef(str(ref[0]), int(ref[1])) for name, ref in artifacts.items()}
+
+
+def _unique(refs: dict[str, BlobRef]) -> list[tuple[str, int]]:
+    return sorted({(r.digest, r.size) for r in refs.values()})
+
+
+# -- counters ------------------------------------------------------------------
+_persisted: weakref.WeakKeyDictionary[Remote, dict[str, dict[str, int]]] = weakref.WeakKeyDictionary()
+_persist_lock = threading.Lock()
+
+
+def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
+    """Add what ``remote`` counted since the last call for this store to the store's ``remote.*`` counters."""
+    with _persist_lock:
+        now = remote.counters
+        seen = _persisted.setdefault(remote, {}).setdefault(str(store.root), {})
+        delta = {f"remote.{k}": v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+        seen.clear()
+        seen.update(now)
+    if delta:
+        store.count(delta)
+    return delta
+
+
+def _miss(store: Store, reason: str, start: float, *, nbytes: int = 0,
+          error: AdstoreError | None = None) -> Outcome[Manifest]:
+    store.count({"remote.misses": 1, f"remote.misses.{reason}": 1})
+    return Outcome(reason=reason, error=error, nbytes=nbytes, seconds=time.perf_counter() - start)
+
+
+# -- restore -------------------------------------------------------------------
+def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0, world_size: int = 1) -> Outcome[Manifest]:
+    """On a local miss: fetch, verify, pull and commit ``key``'s ``rank`` locally; the committed manifest.
+
+    Never raises.  Reasons: ``absent`` (no record), ``untrusted_remote``,
+    ``remote_blob_missing``, ``remote_checksum``, ``topology_mismatch`` (a
+    record of another world size), ``remote_unsupported`` (a newer record
+    format), the transport reasons, and the store's own (``disk_full``...).
+    ``nbytes`` counts every byte downloaded, record included.
+    """
+    start = time.perf_counter()
+    try:
+        return _restore(store, remote, key, rank, world_size, start)
+    except AdstoreError as exc:
+        return _miss(store, str(exc.reason), start, error=exc)
+    except Exception as exc:  # a bug must not fail a pipeline
+        log.exception("remote restore of %s rank %d failed unexpectedly", key, rank)
+        return _miss(store, str(Reason.REMOTE_ERROR), start, error=AdstoreError(f"{type(exc).__name__}: {exc}"))
+    finally:
+        persist_counters(store, remote)
+
+
+def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int, start: float) -> Outcome[Manifest]:
+    fetched = remote.fetch_record(key, rank)
+    if not fetched.ok or fetched.value is None:
+        return _miss(store, fetched.reason or str(Reason.ABSENT), start, nbytes=fetched.nbytes, error=fetched.error)
+    nbytes = fetched.nbytes
+    payload = fetched.value.payload
+    if not isinstance(payload.get("format"), int) or payload["format"] > RECORD_FORMAT:
+        return _miss(store, str(Reason.REMOTE_UNSUPPORTED), start, nbytes=nbytes)
+    if payload.get("world_size") != world_size:
+        return _miss(store, str(Reason.TOPOLOGY_MISMATCH), start, nbytes=nbytes)
+    refs = record_refs(payload)
+    pulled = remote.pull_blobs(_unique(refs), sink=store)
+    nbytes += pulled.nbytes
+    if not pulled.ok:
+        return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)
+    generation = int(payload["generation"])
+    components = payload.get("components") or {}
+    store.publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=refs,
+                  namespace=str(payload.get("namespace", "default")), components=components,
+                  meta={**(payload.get("meta") or {}), "remote": remote.url, "signer": fetched.value.key_id})
+    try:
+        store.commit(key, rank=rank, generation=generation, components=components)
+    except BaseException:
+        store.abort(key, rank=rank, generation=generation)
+        raise
+    check = store.lookup(key, rank=rank, record=False)
+    if not check.hit or check.manifest is None:
+        return _miss(store, str(check.reason), start, nbytes=nbytes)
+    store.count({"remote.hits": 1})
+    return Outcome(value=check.manifest, nbytes=nbytes, seconds=time.perf_counter() - start)
+
+
+# -- save ----------------------------------------------------------------------
+def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, rank: int = 0) -> Outcome[int]:
+    """After the local commit: push ``key``'s ``rank`` (missing blobs HEAD-first, the record last).
+
+    With a :class:`BackgroundUploader` the push is queued and the outcome's
+    value is None (a full queue is ``remote_unavailable``); otherwise it runs
+    now and the value is the bytes sent.  Never raises; a read-only remote
+    sends nothing (``remote_read_only``).
+    """
+    remote = target.remote if isinstance(target, BackgroundUploader) else target
+    start = time.perf_counter()
+    if not remote.writable:
+        return Outcome(reason=str(Reason.REMOTE_READ_ONLY))
+    try:
+        payload = record_payload(store, key, rank)
+        refs = _unique(record_refs(payload))
+    except AdstoreError as exc:
+        store.count({f"remote.errors.{exc.reason}": 1})
+        return Outcome(reason=str(exc.reason), error=exc, seconds=time.perf_counter() - start)
+
+    def push() -> Outcome[int]:
+        try:
+            return remote.publish(key, rank, payload, refs, source=store)
+        finally:
+            persist_counters(store, remote)
+
+    if isinstance(target, BackgroundUploader):
+        if target.submit(push, label=f"{key} rank {rank}"):
+            return Outcome(seconds=time.perf_counter() - start)
+        persist_counters(store, remote)
+        return Outcome(reason=str(Reason.REMOTE_UNAVAILABLE), seconds=time.perf_counter() - start)
+    out = push()
+    return Outcome(value=out.value, reason=out.reason, error=out.error, nbytes=out.nbytes,
+                   seconds=time.perf_counter() - start)
