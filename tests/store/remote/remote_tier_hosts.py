@@ -1,0 +1,67 @@
+"""Simulated hosts of the two-tier tests: each runs in its own spawned process with its own store root.
+
+Test modules import from here (never from ``conftest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+from typing import Any
+
+__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests"]
+
+#: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
+ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
+
+
+def digests(blobs: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+
+
+def save_and_push(root: str, url: str, private_pem: bytes, key: str, seed: int) -> dict[str, Any]:
+    """Host A: commit ``key`` locally, then push it (inline); what it saved and what the push sent."""
+    import random
+
+    from adstore.store import Store
+    from adstore.store.remote import Signer, open_remote
+    from adstore.store.tiered import remote_save
+
+    rnd = random.Random(seed)
+    blobs = {name: rnd.randbytes(size) for name, size in ARTIFACTS.items()}
+    with Store.open(root) as store:
+        refs = {name: store.put_bytes(data) for name, data in blobs.items()}
+        gen = store.new_generation()
+        store.publish(key, generation=gen, artifacts=refs, components={"seed": seed})
+        store.commit(key, generation=gen, components={"seed": seed})
+        remote = open_remote(url, mode="read-write", signer=Signer.from_pem(private_pem))
+        out = remote_save(store, remote, key)
+        again = remote_save(store, remote, key)
+        return {"reason": out.reason, "sent": out.value, "again_sent": again.value, "generation": gen,
+                "digests": digests(blobs), "counters": store.stats().counters}
+
+
+def restore(root: str, url: str, public_pem: bytes, key: str) -> dict[str, Any]:
+    """Host B: local miss, remote restore, then a local lookup; what it read back."""
+    from adstore.store import Store
+    from adstore.store.remote import TrustedKeys, open_remote
+    from adstore.store.tiered import remote_restore
+
+    with Store.open(root) as store:
+        before = store.lookup(key)
+        remote = open_remote(url, trusted=TrustedKeys.from_pem(public_pem))
+        out = remote_restore(store, remote, key, 0, 1)
+        after = store.lookup(key)
+        read = {n: store.read_artifact(after.manifest, n) for n in after.manifest.artifacts} if after.hit else {}
+        return {"before": str(before.reason), "reason": out.reason, "nbytes": out.nbytes, "hit": after.hit,
+                "generation": after.generation, "digests": digests(read), "counters": store.stats().counters,
+                "components": store.entry(key).components if after.hit else None}
+
+
+def on_host(fn, *args: Any) -> Any:
+    """Run ``fn(*args)`` in a fresh spawned process (another "host"), inheriting the environment."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+

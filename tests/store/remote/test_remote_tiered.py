@@ -1,0 +1,191 @@
+"""The two tiers end to end (``adstore.store.tiered``) against real servers.
+
+Host A (its own root and process) saves and pushes; host B (another empty
+root, another process) restores bit-identical bytes and then hits locally.
+Untrusted records, overwritten or missing remote blobs are misses that
+commit nothing; read-only clients never write; a down remote costs the
+timeout once, then almost nothing (README, "Remote tier").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+import uuid
+
+import pytest
+from remote_faultproxy import FaultProxy
+from remote_servers import BUCKET
+from remote_tier_hosts import ARTIFACTS, on_host, restore, save_and_push
+
+from adstore.store import Store
+from adstore.store.remote import (
+    BackgroundUploader,
+    Kind,
+    Signer,
+    TrustedKeys,
+    generate_keypair,
+    open_remote,
+    record_address,
+)
+from adstore.store.tiered import RECORD_FORMAT, record_payload, remote_restore, remote_save
+
+BACKENDS = ["s3", "http"]
+
+
+@pytest.fixture(params=BACKENDS)
+def url(request):
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+def commit_entry(store: Store, key: str, data: dict[str, bytes]) -> int:
+    refs = {name: store.put_bytes(b) for name, b in data.items()}
+    gen = store.new_generation()
+    store.publish(key, generation=gen, artifacts=refs, components={"k": key})
+    store.commit(key, generation=gen, components={"k": key})
+    return gen
+
+
+def sample() -> dict[str, bytes]:
+    return {"big.bin": os.urandom(200_000), "small.txt": b"hello"}
+
+
+def nothing_committed(store: Store, key: str) -> None:
+    assert store.entry(key) is None
+    assert store.lookup(key, record=False).reason == "absent"
+
+
+def test_host_b_restores_host_a_bit_identical(url, keypair, tmp_path):
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    a = on_host(save_and_push, str(tmp_path / "a"), url, keypair.private_pem, key, 7)
+    assert a["reason"] is None and a["sent"] >= sum(ARTIFACTS.values())
+    assert a["again_sent"] == 0  # re-push: 0 blob bytes
+    assert a["counters"]["remote.records_up"] == 2 and a["counters"]["remote.bytes_up"] > 3 << 20
+    b = on_host(restore, str(tmp_path / "b"), url, keypair.public_pem, key)
+    assert b["before"] == "absent"
+    assert b["reason"] is None and b["hit"], b
+    assert b["digests"] == a["digests"] and b["generation"] == a["generation"]
+    assert b["components"] == {"seed": 7}
+    assert b["nbytes"] >= sum(ARTIFACTS.values())
+    c = b["counters"]
+    assert c["remote.hits"] == 1 and c["remote.records_down"] == 1 and c["remote.blobs_down"] == 2
+    assert c["remote.bytes_down"] == b["nbytes"]
+    assert c["hits"] == 1 and c["misses.absent"] == 1  # after the restore, an ordinary local hit
+
+
+def test_record_payload_is_versioned_and_complete(tmp_path):
+    store = Store.open(tmp_path / "s")
+    data = sample()
+    gen = commit_entry(store, "key1", data)
+    p = record_payload(store, "key1", 0)
+    assert p["format"] == RECORD_FORMAT and p["generation"] == gen and p["world_size"] == 1
+    assert p["components"] == {"k": "key1"} and p["namespace"] == "default"
+    assert p["artifacts"] == {n: [hashlib.sha256(b).hexdigest(), len(b)] for n, b in sorted(data.items())}
+    json.dumps(p)
+
+
+def test_background_save_then_restore(url, signer, trusted, tmp_path):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    data = sample()
+    commit_entry(a, "bg", data)
+    up = BackgroundUploader(open_remote(url, mode="read-write", signer=signer), exit_flush=None)
+    assert remote_save(a, up, "bg").ok
+    assert up.flush(30)
+    assert a.stats().counters["remote.records_up"] == 1
+    out = remote_restore(b, open_remote(url, trusted=trusted), "bg")
+    assert out.ok, out
+    hit = b.lookup("bg")
+    assert hit.hit and {n: b.read_artifact(hit.manifest, n) for n in data} == data
+
+
+def test_untrusted_and_unsigned_records_are_misses_that_commit_nothing(url, trusted, tmp_path):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    commit_entry(a, "evil", sample())
+    stranger = Signer.from_pem(generate_keypair().private_pem)
+    assert remote_save(a, open_remote(url, mode="read-write", signer=stranger), "evil").ok
+    reader = open_remote(url, trusted=trusted)
+    out = remote_restore(b, reader, "evil")
+    assert out.reason == "untrusted_remote"
+    nothing_committed(b, "evil")
+    # an unsigned record (plain JSON of the right shape) at the right address
+    writer = open_remote(url, mode="read-write")
+    payload = json.dumps(record_payload(a, "evil", 0)).encode()
+    assert writer.put(Kind.AC, record_address("evil", 0), payload).ok
+    assert remote_restore(b, reader, "evil").reason == "untrusted_remote"
+    nothing_committed(b, "evil")
+    assert b.stats().counters["remote.misses.untrusted_remote"] == 2
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "missing"])
+def test_a_damaged_remote_blob_is_a_miss_that_commits_nothing(url, signer, trusted, tmp_path, damage):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    data = sample()
+    commit_entry(a, "dmg", data)
+    writer = open_remote(url, mode="read-write", signer=signer)
+    assert remote_save(a, writer, "dmg").ok
+    digest = hashlib.sha256(data["big.bin"]).hexdigest()
+    if damage == "overwritten":
+        assert writer.put(Kind.CAS, digest, os.urandom(len(data["big.bin"]))).ok
+    else:
+        assert writer.delete(Kind.CAS, digest).ok
+    out = remote_restore(b, open_remote(url, trusted=trusted), "dmg")
+    assert out.reason == ("remote_checksum" if damage == "overwritten" else "remote_blob_missing"), out
+    nothing_committed(b, "dmg")
+    assert not b.has_blob(digest)
+
+
+def test_a_record_of_another_world_size_is_a_miss(url, signer, trusted, tmp_path):
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    commit_entry(a, "ws", sample())
+    assert remote_save(a, open_remote(url, mode="read-write", signer=signer), "ws").ok
+    assert remote_restore(b, open_remote(url, trusted=trusted), "ws", 0, 2).reason == "topology_mismatch"
+    nothing_committed(b, "ws")
+
+
+def test_read_only_clients_never_write(signer, trusted, tmp_path, dav_server):
+    a = Store.open(tmp_path / "a")
+    commit_entry(a, "ro", sample())
+    proxy = FaultProxy(dav_server.port)
+    try:
+        reader = open_remote(f"{proxy.endpoint}/ro-{uuid.uuid4().hex[:8]}", signer=signer, trusted=trusted)
+        assert remote_save(a, reader, "ro").reason == "remote_read_only"
+        up = BackgroundUploader(reader, exit_flush=None)
+        assert remote_save(a, up, "ro").reason == "remote_read_only"
+        assert remote_restore(a, reader, "nothing-here").reason == "absent"
+        for verb in (b"PUT ", b"DELETE ", b"MKCOL ", b"POST "):
+            assert not proxy.saw(verb), verb
+        assert "calls.put" not in reader.counters
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_down_remote_costs_the_timeout_once_then_under_a_millisecond(kind, request, trusted, tmp_path):
+    server = request.getfixturevalue("s3_env" if kind == "s3" else "dav_server")
+    proxy = FaultProxy(server.port, mode="stall")
+    store = Store.open(tmp_path / "s")
+    try:
+        prefix = f"down-{uuid.uuid4().hex[:8]}"
+        opts = dict(timeout=0.5, connect_timeout=0.5, cooldown=30, trusted=trusted)
+        if kind == "s3":
+            r = open_remote(f"s3://{BUCKET}/{prefix}", endpoint_url=proxy.endpoint, **opts)
+        else:
+            r = open_remote(f"{proxy.endpoint}/{prefix}", **opts)
+        t = time.perf_counter()
+        first = remote_restore(store, r, "cold")
+        took = time.perf_counter() - t
+        assert first.reason == "remote_timeout" and took < 0.5 + 1.0, (first, took)
+        later = []
+        for _ in range(50):
+            t = time.perf_counter()
+            out = remote_restore(store, r, "cold")
+            later.append(time.perf_counter() - t)
+            assert out.reason in ("remote_timeout", "remote_unavailable")
+        assert statistics.median(later) < 1e-3, later
+        nothing_committed(store, "cold")
+        assert store.stats().counters["remote.misses"] == 51
+    finally:
+        proxy.close()
