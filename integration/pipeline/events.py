@@ -32,7 +32,9 @@ class Source(enum.StrEnum):
     """Where the module or engine of an event came from."""
 
     NONE = "none"  # nothing was produced (a lookup that missed)
-    STORE = "store"  # restored from the store
+    LOCAL = "local"  # restored from the local store
+    STORE = "local"  # the same (an alias kept for callers that name it so)
+    REMOTE = "remote"  # restored from the remote tier into the local store, then from there
     MEMORY = "memory"  # the engine cache's in-process layer
     BACKEND = "backend"  # the engine storage back end
     COMPILED = "compiled"  # compiled in this call
@@ -44,7 +46,8 @@ class CacheEvent:
 
     ``key`` is the pipeline cache key or the engine hash (None when it could
     not be computed); ``saved`` says whether a freshly compiled engine was
-    written back; ``seconds_saved`` is the estimated time a hit saved.
+    written back; ``seconds_saved`` is the estimated time a hit saved;
+    ``transferred`` is what a ``remote`` hit downloaded (README, "Remote tier").
     """
 
     kind: EventKind
@@ -57,6 +60,7 @@ class CacheEvent:
     seconds_saved: float = 0.0
     bytes: int = 0
     saved: bool = False
+    transferred: int = 0
     detail: str = ""
     at: float = field(default_factory=time.time)
 
