@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adstore.integration.pipeline import dist as agree
+from adstore.integration.pipeline import remote as remote_tier
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey, build_key, env_component
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
@@ -63,6 +64,7 @@ class PipelineCacheConfig(TransformConfig):
     allowed_prefixes: list[str] = field(default_factory=list)
     restore: bool = True
     save: bool = True
+    remote: str | None = None  # the remote tier's URL; None: $ADSTORE_REMOTE when the pipeline runs
 
     def validate(self, owner: str) -> None:
         stage = Stage.parse(self.stage)
@@ -165,8 +167,9 @@ class PipelineCache(Transform):
         an eviction in between (the daemon, `adstore gc`) skips it instead of
         turning the hit into a ``blob_missing`` miss.
         """
+        fetched = remote_tier.prefetch(self, ctx)  # a local miss restored from the remote tier
         with contextlib.ExitStack() as leases:
-            return self._restore(ctx, leases)
+            return remote_tier.mark(self, fetched, self._restore(ctx, leases))
 
     def _restore(self, ctx: PipelineContext, leases: contextlib.ExitStack) -> nn.Module | None:
         t0 = time.perf_counter()
@@ -289,4 +292,5 @@ class PipelineCache(Transform):
             kind, reason = EventKind.BYPASS, Reason.PEER_COMMIT_FAILED
         self._event(kind, ctx, reason=reason if kind != EventKind.SAVE else None, seconds=time.perf_counter() - t0,
                     nbytes=nbytes, detail=detail)
+        remote_tier.push(self, ctx)
         return module
