@@ -95,6 +95,7 @@ def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
         seen.update(now)
     if delta:
         store.count(delta)
+        store.flush()  # a remote call costs far more than this write; stats in other processes see it now
     return delta
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 from typing import Any
 
-__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests"]
+__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host"]
 
 #: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
 ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
@@ -65,3 +66,28 @@ def on_host(fn, *args: Any) -> Any:
         return pool.apply(fn, args)
 
 
+
+
+def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, Any]) -> dict[str, Any]:
+    """One host running the reference pipeline with a remote tier; its events and a digest of its outputs."""
+    os.environ.update(env)
+    import torch
+
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
+    from adstore.integration.reference.models import ModelFactory
+    from adstore.integration.reference.pipeline import default_transforms
+    from adstore.store import Store
+
+    factory = ModelFactory.from_config(model)
+    opt = InferenceOptimizer(factory, ckpt, default_transforms(pipeline_cache={"root": root}))
+    module = opt()
+    with torch.no_grad():
+        out = module(*factory.example_inputs())
+    tensor = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if tensor is None:
+        tensor = out[0]
+    with Store.open(root) as store:
+        counters = {k: v for k, v in store.stats().counters.items() if k.startswith("remote.")}
+    return {"events": [e.to_dict() for e in opt.events],
+            "output": hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest(),
+            "counters": counters}
