@@ -25,6 +25,7 @@ from adstore.daemon.errors import (
     AlreadyRunning,
     AmbiguousKey,
     FeatureUnavailable,
+    RemoteFailed,
     StillOverBudget,
     UnknownKey,
     UsageError,
@@ -38,6 +39,7 @@ from adstore.daemon.maintenance import (
     cmd_unpin,
     cmd_verify,
 )
+from adstore.daemon.remote_cmds import add_remote_arguments, cmd_pull, cmd_push, cmd_remote
 from adstore.store.errors import (
     AccessDenied,
     AdstoreError,
@@ -73,6 +75,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidKey, 3),  # text that cannot be a key (not UTF-8): no entry has it
     (AlreadyRunning, 5),
     (FeatureUnavailable, 6),
+    (RemoteFailed, 14),  # push/pull could not transfer some keys (README, "Remote tier")
     (UnsupportedFilesystem, 7),
     (UnsafeRoot, 7),
     (IncompatibleStore, 7),
@@ -299,6 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
         # Strings, parsed and checked by DaemonConfig: flags and the file give the same errors.
         p.add_argument(row.flag, dest=row.name, metavar=row.kind.metavar,
                        help=f"{row.help} (default: {row.default_text()})".replace("%", "%%"))
+
+    p = add("push", cmd_push, "upload committed entries to the remote tier (blobs it lacks, then signed records)")
+    p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
+    add_remote_arguments(p)
+
+    p = add("pull", cmd_pull, "prefetch entries from the remote tier into the local store")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="full cache key (the local store may not have it)")
+    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
+                   help="the entry's world size; every rank is pulled unless --rank (default: 1)")
+    p.add_argument("--rank", type=int, metavar="N", help="pull only this rank")
+    add_remote_arguments(p)
+
+    p = add("remote", cmd_remote, "show the remote tier: URL, mode, reachability, keys, counters")
+    p.add_argument("--no-probe", action="store_true", help="do not contact the server")
+    add_remote_arguments(p)
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
     p.add_argument("--arch", default="llama", help="model architecture (default: llama)")

@@ -209,6 +209,10 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     lines = [kv_block(rows), ""]
     counter_rows: list[tuple[str, Any]] = []
     ms_saved = counters.pop("ms_saved", 0)
+    from adstore.daemon.remote_cmds import remote_stats_rows  # the remote tier's rows (README, "Remote tier")
+
+    remote_rows = remote_stats_rows(counters)
+    counters = {k: v for k, v in counters.items() if not k.startswith("remote.")}
     for name, total, subs in _grouped_counters(counters):
         if name.startswith("bytes_"):
             counter_rows.append((name.replace("_", " ").capitalize(), human_size(total)))
@@ -219,6 +223,7 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     if hits + misses:
         counter_rows.insert(0, ("Hit rate", f"{100.0 * hits / (hits + misses):.1f}%"))
     counter_rows.append(("Time saved", human_duration(ms_saved / 1000.0)))
+    counter_rows += remote_rows
     lines.append(kv_block(counter_rows))
     ctx.emit(data, "\n".join(lines))
     return 0

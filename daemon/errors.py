@@ -23,6 +23,7 @@ __all__ = [
     "UsageError",
     "StillOverBudget",
     "ConfigError",
+    "RemoteFailed",
 ]
 
 
@@ -104,3 +105,25 @@ class StillOverBudget(DaemonError):
         why = "; ".join(reasons) or "kept by unreferenced blobs inside the grace period (a later sweep frees them)"
         amount = human_size(over) + (f" ({over} bytes)" if over >= 1024 else "")
         super().__init__(f"still {amount} over {limit}: {why}")
+
+
+class RemoteFailed(DaemonError):
+    """``push`` or ``pull`` could not transfer some keys; ``failures`` lists them with their reasons.
+
+    The reason is the first failure's (``remote_unavailable``,
+    ``untrusted_remote``, ``absent``...); ``details`` is every result (for
+    ``--json``).  Every key was tried before this is raised.
+    """
+
+    reason = Reason.REMOTE_ERROR
+
+    def __init__(self, verb: str, failures: list[dict[str, Any]], *, details: dict[str, Any] | None = None) -> None:
+        self.failures = failures
+        self.details = details or {"results": failures}
+        first = failures[0]
+        try:
+            self.reason = Reason(first["reason"])
+        except ValueError:
+            pass
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        super().__init__(f"{verb} failed for {first['key'][:16]} rank {first['rank']}: {first['reason']}{more}")

@@ -1,0 +1,157 @@
+"""``adstore push``, ``adstore pull`` and ``adstore remote``: the remote tier from the command line.
+
+``push`` uploads committed entries (blobs the remote lacks, HEAD first, then
+each rank's signed record); ``pull`` prefetches entries into the local store
+(e.g. while a node boots) so the first pipeline run is a local hit;
+``remote`` shows the configuration, whether the server answers, the keys and
+the counters.  The remote comes from ``--remote``/``--mode`` or the
+``ADSTORE_REMOTE*`` variables (README, "Remote tier").  A transfer that fails
+for any key is :class:`RemoteFailed` (exit 14) after every key was tried;
+errors go through the CLI's one table (``cli.report_error``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from adstore.daemon.commands import Context
+from adstore.daemon.errors import RemoteFailed
+from adstore.daemon.format import human_size, kv_block, table
+from adstore.store.errors import ConfigError
+from adstore.store.remote import Remote, RemoteConfig
+from adstore.store.tiered import remote_restore, remote_save
+
+__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments", "remote_counters", "remote_stats_rows"]
+
+
+def add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every remote command takes."""
+    p.add_argument("--remote", metavar="URL",
+                   help="s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX (default: $ADSTORE_REMOTE)")
+    p.add_argument("--mode", choices=["read", "read-write"],
+                   help="read or read-write (default: $ADSTORE_REMOTE_MODE, else read)")
+
+
+def _config(args: argparse.Namespace) -> RemoteConfig:
+    overrides: dict[str, Any] = {}
+    if getattr(args, "remote", None):
+        overrides["url"] = args.remote
+    if getattr(args, "mode", None):
+        overrides["mode"] = args.mode
+    return RemoteConfig.from_env(**overrides)
+
+
+def _open(args: argparse.Namespace) -> tuple[RemoteConfig, Remote]:
+    cfg = _config(args)
+    remote = cfg.open()
+    if remote is None:
+        raise ConfigError("ADSTORE_REMOTE", "no remote configured (set ADSTORE_REMOTE or pass --remote URL)")
+    return cfg, remote
+
+
+def _finish(ctx: Context, rows: list[dict[str, Any]], remote: Remote, verb: str) -> int:
+    data = {"remote": remote.url, "results": rows, "counters": remote.counters}
+    failed = [r for r in rows if r["reason"] is not None]
+    text = table(([r["key"][:16], r["rank"], human_size(r["bytes"]), r["reason"] or "ok"] for r in rows),
+                 ["KEY", "RANK", verb.upper(), "RESULT"])
+    if failed:
+        raise RemoteFailed(verb, failed, details=data)
+    ctx.emit(data, text)
+    return 0
+
+
+def cmd_push(args: argparse.Namespace, ctx: Context) -> int:
+    """Upload every committed rank of each KEY (read-write remotes only)."""
+    _cfg, remote = _open(args)
+    if not remote.writable:
+        raise ConfigError("ADSTORE_REMOTE_MODE", "push writes the remote: use --mode read-write")
+    store = ctx.store(create=False)
+    rows: list[dict[str, Any]] = []
+    try:
+        for text in args.keys:
+            key = store.resolve_key(text)
+            entry = store.entry(key)
+            ranks = sorted(entry.ranks) if entry is not None else [0]
+            for rank in ranks:
+                out = remote_save(store, remote, key, rank)
+                rows.append({"key": key, "rank": rank, "bytes": out.nbytes, "reason": out.reason})
+    finally:
+        remote.close()
+    return _finish(ctx, rows, remote, "sent")
+
+
+def cmd_pull(args: argparse.Namespace, ctx: Context) -> int:
+    """Restore each KEY's ranks from the remote into the local store (full keys: the store may not have them)."""
+    _cfg, remote = _open(args)
+    store = ctx.store()
+    ranks = [args.rank] if args.rank is not None else list(range(args.world_size))
+    rows: list[dict[str, Any]] = []
+    try:
+        for key in args.keys:
+            for rank in ranks:
+                if store.lookup(key, rank=rank, record=False).hit:
+                    rows.append({"key": key, "rank": rank, "bytes": 0, "reason": None, "source": "local"})
+                    continue
+                out = remote_restore(store, remote, key, rank, args.world_size)
+                rows.append({"key": key, "rank": rank, "bytes": out.nbytes, "reason": out.reason, "source": "remote"})
+    finally:
+        remote.close()
+    return _finish(ctx, rows, remote, "received")
+
+
+def remote_counters(counters: dict[str, int]) -> dict[str, int]:
+    """The ``remote.*`` counters of a store, without their prefix."""
+    return {k[len("remote."):]: v for k, v in counters.items() if k.startswith("remote.")}
+
+
+def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
+    """Rows for ``adstore stats``: remote hits, misses by reason, bytes down and up (empty without any)."""
+    c = remote_counters(counters)
+    if not c:
+        return []
+    rows: list[tuple[str, Any]] = [("Remote hits", c.get("hits", 0)), ("Remote misses", c.get("misses", 0))]
+    misses = sorted(((k[len("misses."):], v) for k, v in c.items() if k.startswith("misses.")), key=lambda kv: -kv[1])
+    rows += [(f"  {reason}", n) for reason, n in misses]
+    rows += [("Remote downloaded", human_size(c.get("bytes_down", 0))),
+             ("Remote uploaded", human_size(c.get("bytes_up", 0)))]
+    errors = sum(v for k, v in c.items() if k.startswith("errors."))
+    if errors:
+        rows.append(("Remote errors", errors))
+    return rows
+
+
+def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
+    """Show the remote's URL, mode, reachability, keys, breaker and counters."""
+    cfg = _config(args)
+    data: dict[str, Any] = {"config": cfg.describe(), "reachable": None}
+    try:
+        stored = remote_counters(ctx.store(create=False).stats().counters)
+    except Exception:  # no local store yet: nothing counted
+        stored = {}
+    data["store_counters"] = stored
+    if not cfg.enabled:
+        ctx.emit(data, "Remote: none configured (ADSTORE_REMOTE)")
+        return 0
+    remote = cfg.open()
+    assert remote is not None
+    try:
+        if not args.no_probe:
+            probe = remote.probe()
+            data["reachable"] = probe.ok
+            data["round_trip_seconds"] = probe.value
+            data["probe_reason"] = probe.reason
+        data["status"] = remote.status()
+    finally:
+        remote.close()
+    status = data["status"]
+    reach = ("not probed" if data["reachable"] is None else
+             f"yes ({1000 * data['round_trip_seconds']:.1f} ms)" if data["reachable"] else f"no ({data['probe_reason']})")
+    rows = [("Remote", status["url"]), ("Mode", status["mode"]), ("Reachable", reach),
+            ("Conditional writes", status["conditional_writes"]),
+            ("Signing key", status["signing_key"] or "none"),
+            ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
+            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s")]
+    rows += remote_stats_rows({f"remote.{k}": v for k, v in stored.items()})
+    ctx.emit(data, kv_block(rows))
+    return 1 if data["reachable"] is False else 0  # like verify: a check that failed, not an error
