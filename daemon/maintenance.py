@@ -25,9 +25,13 @@ __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon
 
 # ---------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
+    # A repair first replaces an index that cannot even be opened (README, "Damage and repair").
+    rebuilt = Store.repair_index(ctx.root) if args.fix else None
     store = ctx.store(create=args.fix)  # only a repair may create what is missing
     with Progress("verifying blobs", stream=ctx.err, delay=0.3) as progress:
         report = store.verify(fix=args.fix, progress=progress)
+    if rebuilt is not None:
+        report.add_rebuild(*rebuilt)
     data = report.to_dict()
     lines = [kv_block([
         ("Blobs checked", f"{report.blobs_checked} ({human_size(getattr(report, 'bytes_checked', 0))})"),

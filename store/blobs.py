@@ -112,7 +112,7 @@ class Blobs:
                 yield chunk
 
         with discarding_on_error(tmp):
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._layout.open_temp(tmp)
             try:
                 size = write_chunks(fd, hashed())
                 os.fsync(fd)
@@ -174,7 +174,7 @@ class Blobs:
             try:
                 with discarding_on_error(tmp):
                     h = hashlib.sha256()
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    fd = self._layout.open_temp(tmp)
                     try:
                         for chunk in chunks():
                             h.update(chunk)
@@ -221,10 +221,11 @@ class Blobs:
         self._tables.write(fn)
 
     # -- read ------------------------------------------------------------
-    def _read_chunks(self, path: Path) -> Iterator[bytes]:
+    def _read_chunks(self, path: Path, *, blob: str | None = None) -> Iterator[bytes]:
+        """Chunks of ``path``, or of the blob file of ``blob`` (opened without following a symlink)."""
         # Sized reads: asking for a whole chunk of a smaller file allocates the
         # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
-        with open(path, "rb", buffering=0) as f:
+        with (open(path, "rb", buffering=0) if blob is None else self._layout.open_blob(blob)) as f:
             left = os.fstat(f.fileno()).st_size
             while left > 0:
                 chunk = f.read(min(CHUNK_SIZE, left))
@@ -280,7 +281,7 @@ class Blobs:
                 self.quarantine(digest)  # flag the row: lookups miss on it from now on
                 raise BlobMissing(digest, "inline data missing")
             try:
-                with open(self._layout.blob_path(digest), "rb", buffering=0) as f:
+                with self._layout.open_blob(digest) as f:
                     data = f.read()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
@@ -311,12 +312,15 @@ class Blobs:
             h = hashlib.sha256()
             n = 0
             try:
-                for chunk in self._read_chunks(src):
+                for chunk in self._read_chunks(src, blob=digest):
                     h.update(chunk)
                     n += len(chunk)
                     yield chunk
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except OSError as exc:  # a symlink (ELOOP) or a directory where the blob should be
+                self.quarantine(digest)
+                raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
             if h.hexdigest() != digest or n != row.size:
                 self.quarantine(digest)
                 raise ChecksumMismatch(digest, h.hexdigest(), n)

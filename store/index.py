@@ -37,10 +37,12 @@ from typing import TypeVar
 
 import lmdb
 
+from .ballast import Ballast, may_spend
 from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
+from .indexfile import check_data_file
 from .tables import DATABASES
 
-__all__ = ["Index", "SCHEMA_VERSION"]
+__all__ = ["Index", "SCHEMA_VERSION", "index_error"]
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +160,24 @@ def _is_disk_full(exc: lmdb.Error, path: Path) -> bool:
     return False
 
 
-def _open_error(exc: lmdb.Error, path: Path) -> StoreError:
-    """The adstore error for an index that would not open."""
+def index_error(exc: lmdb.Error, path: Path, what: str = "cannot use the LMDB index") -> StoreError:
+    """The adstore error for any LMDB error (README, "Damage and repair").
+
+    A full disk is :class:`StoreFull`, a refused open :class:`AccessDenied`;
+    everything else LMDB raises (``CorruptedError``, ``PageNotFoundError``,
+    ``BadValsizeError``, ``BadTxnError``, ``InvalidError``...) means the index
+    is damaged: :class:`CorruptRecord`, reason ``corrupt_index``.  No raw
+    ``lmdb`` exception leaves the store.
+    """
     if _is_disk_full(exc, path):
         return StoreFull(str(path), str(exc))
     if "Permission denied" in str(exc) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
-        return AccessDenied(str(path), "cannot open the LMDB index")
-    return CorruptRecord("index", str(path), f"cannot open the LMDB index: {exc}")
+        return AccessDenied(str(path), what)
+    return CorruptRecord("index", str(path), f"{what}: {exc}")
+
+
+def _open_error(exc: lmdb.Error, path: Path) -> StoreError:
+    return index_error(exc, path, "cannot open the LMDB index")
 
 
 class _Read:
@@ -183,6 +196,8 @@ class _Read:
     def __exit__(self, *exc: object) -> None:
         if self._txn is not None:
             self._index.end_read(self._txn)
+        if isinstance(exc[1], lmdb.Error):
+            raise index_error(exc[1], self._index.path) from exc[1]
 
 
 class Index:
@@ -200,6 +215,8 @@ class Index:
         self.db: dict[str, object] = {}
         self._last_reader_check = 0.0
         self._unusable = ""
+        #: The store's disk reserve, released by eviction's commits at 0 bytes free (set by the store).
+        self.ballast: Ballast | None = None
         self._open()
 
     # -- lifecycle -------------------------------------------------------
@@ -213,6 +230,13 @@ class Index:
                 slot = _SHARED[key] = [cls(path, map_size=map_size, group_shared=group_shared), 0]
             slot[1] += 1
             return slot[0]
+
+    @staticmethod
+    def users(path: Path) -> int:
+        """How many stores of this process hold the index at ``path`` open."""
+        with _SHARED_LOCK:
+            slot = _SHARED.get((os.getpid(), os.path.realpath(path)))
+            return slot[1] if slot is not None and slot[0]._env is not None else 0
 
     def release(self) -> None:
         """Drop one user; the environment closes with its last user."""
@@ -229,6 +253,7 @@ class Index:
 
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+        check_data_file(self.path)  # a short file would SIGBUS at the first read
         try:
             env = lmdb.open(
                 str(self.path),
@@ -316,9 +341,17 @@ class Index:
         self._env = None
 
     def reader_check(self) -> int:
-        """Free reader slots of dead processes; returns how many were stale."""
+        """Free reader slots of dead processes; returns how many were stale.
+
+        Also re-checks the file against its meta page (a truncation while
+        this process has the index open would SIGBUS a later read).
+        """
         self._last_reader_check = time.monotonic()
-        stale = self.env.reader_check() if self._env is not None else 0
+        check_data_file(self.path)
+        try:
+            stale = self.env.reader_check() if self._env is not None else 0
+        except lmdb.Error as exc:
+            raise index_error(exc, self.path) from exc
         if stale:
             log.info("cleared %d stale LMDB reader slot(s) in %s", stale, self.path)
         return stale
@@ -345,6 +378,9 @@ class Index:
             except lmdb.MapResizedError:
                 _GATE.exit()
                 self.resize_map(0)  # another process grew the map: adopt its size
+            except lmdb.Error as exc:
+                _GATE.exit()
+                raise index_error(exc, self.path) from exc
             except BaseException:
                 _GATE.exit()
                 raise
@@ -362,7 +398,8 @@ class Index:
 
         ``fn`` may run more than once (after the map grew), so it must only
         touch the transaction; any file work belongs before or after (or must
-        be idempotent, like unlinking).
+        be idempotent, like unlinking).  A commit that fails for lack of space
+        inside ``ballast.spending_allowed`` releases the ballast and runs again.
         """
         env = self.env
         for _ in range(_MAX_RETRIES):
@@ -373,6 +410,8 @@ class Index:
                     txn = env.begin(write=True)
                 except lmdb.MapResizedError:
                     resize = 0
+                except lmdb.Error as exc:
+                    raise index_error(exc, self.path) from exc
                 else:
                     try:
                         result = fn(txn)
@@ -386,16 +425,21 @@ class Index:
                         resize = 0
                     except lmdb.Error as exc:
                         txn.abort()
-                        if _is_disk_full(exc, self.path):
-                            raise StoreFull(str(self.path), str(exc)) from exc
-                        raise StoreError(f"index write failed in {self.path}: {exc}") from exc
+                        error = index_error(exc, self.path, "index write failed")
+                        if not (isinstance(error, StoreFull) and self._spend_ballast()):
+                            raise error from exc
                     except BaseException:
                         txn.abort()
                         raise
             finally:
                 _GATE.exit()
-            self.resize_map(resize)
+            if resize is not None:
+                self.resize_map(resize)
         raise StoreError(f"index {self.path}: could not complete a write after growing the map")
+
+    def _spend_ballast(self) -> bool:
+        """A commit failed for lack of space: release the ballast if this write may (``ballast``)."""
+        return may_spend() and self.ballast is not None and self.ballast.release()
 
     def resize_map(self, size: int) -> None:
         """Grow the map to ``size`` bytes, or adopt another process's size with 0."""
@@ -406,9 +450,10 @@ class Index:
             with _GATE.exclusive():
                 env.set_mapsize(size)
         except lmdb.Error as exc:
-            if _is_disk_full(exc, self.path):
-                raise StoreFull(str(self.path), str(exc)) from exc
-            raise StoreError(f"cannot resize the LMDB map of {self.path}: {exc}") from exc
+            raise index_error(exc, self.path, "cannot resize the LMDB map") from exc
 
     def map_size(self) -> int:
-        return int(self.env.info()["map_size"])
+        try:
+            return int(self.env.info()["map_size"])
+        except lmdb.Error as exc:
+            raise index_error(exc, self.path) from exc

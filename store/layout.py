@@ -13,7 +13,9 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from .errors import UnsafeRoot
 from .fsutil import atomic_write
 from .records import validate_digest
 
@@ -59,10 +61,29 @@ class Layout:
         validation: callers pass a digest that is already validated (a
         BlobRef, or a manifest row whose decoder checked every digest).
         """
-        try:
-            return os.stat(f"{self.root}/blobs/{digest[:2]}/{digest}").st_size == size
+        try:  # lstat: a symlink is never a blob (invariant 10)
+            st = os.lstat(f"{self.root}/blobs/{digest[:2]}/{digest}")
         except (FileNotFoundError, NotADirectoryError):
             return False
+        return st.st_size == size and stat.S_ISREG(st.st_mode)
+
+    def open_blob(self, digest: str) -> BinaryIO:
+        """The blob file of ``digest`` opened for reading without following a symlink.
+
+        A symlink raises ``OSError`` (ELOOP): its target, wherever it is and
+        whatever it holds, is never served (invariant 10).
+        """
+        fd = os.open(self.blob_path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.fdopen(fd, "rb", buffering=0)
+
+    def open_temp(self, tmp: Path) -> int:
+        """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            self.mkdir(tmp.parent)
+            return os.open(tmp, flags, 0o600)
 
     def file_size(self, path: Path) -> int:
         """Size of ``path``, 0 if it is gone."""
@@ -92,11 +113,28 @@ class Layout:
             path.mkdir()
         except FileExistsError:
             return
+        except FileNotFoundError:  # its parent was removed under a running store: recreate it
+            if path.parent == self.root or self.root not in path.parents:
+                raise
+            self.mkdir(path.parent)
+            self.mkdir(path)
+            return
         if self.group_shared:
             try:
                 os.chmod(path, 0o2775)
             except PermissionError:
                 pass
+
+    def check_no_symlinks(self) -> None:
+        """Refuse a root whose ``index/``, ``blobs/``, ``tmp/`` or ``quarantine/`` is a symlink (invariant 10).
+
+        Wherever it points, blobs, LMDB files or quarantined files would be
+        written through it: :class:`UnsafeRoot` (reason ``unsafe_root``).
+        """
+        for d in (self.index, self.blobs, self.tmp, self.quarantine):
+            if d.is_symlink():
+                raise UnsafeRoot(str(self.root), f"{d.name}/ is a symlink (to {os.readlink(d)!r}); "
+                                 "a store's directories must be real directories inside its root")
 
     def create(self) -> None:
         """Create the layout (call after the root passed its permission checks)."""

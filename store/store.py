@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .ballast import Ballast
 from .blobs import Blobs
 from .bookkeeping import Bookkeeping
 from .budget import DEFAULT_GRACE_PERIOD, Budget
@@ -26,11 +27,13 @@ from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStor
 from .eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index import Index
+from .indexfile import probe_index
 from .layout import Layout
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish
 from .reasons import Reason
+from .rebuild import RebuildReport, plan_rebuild
 from .records import (
     BlobRef,
     Entry,
@@ -90,22 +93,33 @@ class Store:
         if check_permissions:  # before anything is created inside the root
             for warning in check_root_permissions(self.root):
                 log.warning("%s", warning)
+        layout.check_no_symlinks()  # invariant 10: nothing of the store may lead outside it
         layout.create()
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
         #: The hard limit of this writer (else the persisted budget's; see ``_reserve``).
         self.max_size = max_size
-        self._index = Index.acquire(layout.index, map_size=map_size, group_shared=layout.group_shared)
+        self._map_size = map_size
+        self._memoize = memoize_lookups
+        self._flush_interval = flush_interval
+        self._attach(layout)
+        self._open = True
+
+    def _attach(self, layout: Layout) -> None:
+        """Open the index and wire every part of the store to it (again after a rebuild)."""
+        self._index = Index.acquire(layout.index, map_size=self._map_size, group_shared=layout.group_shared)
+        if self._index.ballast is None:
+            self._index.ballast = Ballast(layout.root)
+            self._index.ballast.ensure()
         self._tables = Tables(self._index, layout)
         self._init_totals()
-        self._book = Bookkeeping(self._tables, flush_interval=flush_interval)
+        self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
-        self._memo: LookupMemo | None = LookupMemo() if memoize_lookups else None
+        self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
         self._blobs = Blobs(self._tables, inline_threshold=self.inline_threshold, grace_period=self.grace_period,
                             reserve=self._reserve, on_dedup=self._count_dedup)
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
-        self._open = True
 
     def _init_totals(self) -> None:
         """Count the pinned bytes once in an index written before they were kept as a total."""
@@ -289,12 +303,13 @@ class Store:
     def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold; else a miss with a named reason."""
         validate_key(key)
-        with self._tables.read() as t:
-            try:
+        try:
+            with self._tables.read() as t:
                 result = lookup(t, key, rank, self._blobs.file_ok, self._memo)
-            except CorruptRecord as exc:
-                log.warning("lookup of %s: %s", key, exc)
-                result = LookupResult(False, Reason.CORRUPT_INDEX)
+        except CorruptRecord as exc:  # a bad row, or a damaged index (README, "Damage and repair")
+            log.warning("lookup of %s: %s", key, exc)
+            self._forget_checks()
+            result = LookupResult(False, Reason.CORRUPT_INDEX)
         if result.hit:
             self._book.hit(key, record=record)
         elif record:
@@ -469,10 +484,45 @@ class Store:
         return self._sweeper.plan()
 
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Rehash every blob and check every invariant; ``fix`` repairs what it can."""
+        """Rehash every blob and check every invariant; ``fix`` repairs what it can.
+
+        The index is first read in full by a child process (``indexfile.probe_index``):
+        damaged pages are reported, never a dead process.  With ``fix`` a damaged
+        index is moved to ``quarantine/`` and rebuilt from the blob files (``rebuild``).
+        """
         self.flush()
-        return verify_store(self._tables, fix=fix, grace_period=self.grace_period,
-                            quarantine=self._blobs.quarantine, progress=progress)
+        probe = probe_index(self.root)
+        rebuilt: RebuildReport | None = None
+        if not probe.ok:
+            if not fix:
+                return VerifyReport.damaged_index(probe.detail)
+            self._book.close()
+            self._index.release()
+            try:
+                rebuilt = plan_rebuild(self._tables.layout, probe.detail).execute()
+            finally:
+                self._attach(self._tables.layout)
+        report = verify_store(self._tables, fix=fix, grace_period=self.grace_period,
+                              quarantine=self._blobs.quarantine, progress=progress)
+        if rebuilt is not None:
+            report.add_rebuild(probe.detail, rebuilt)
+        return report
+
+    @classmethod
+    def repair_index(cls, root: str | os.PathLike[str] | None = None) -> tuple[str, RebuildReport] | None:
+        """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages).
+
+        For ``verify --fix`` before it opens the store; None when the index is
+        sound (or there is no store).  Returns why it was rebuilt and the report.
+        """
+        layout = Layout(Path(default_root() if root is None else root).expanduser().absolute())
+        if not layout.exists():
+            return None
+        layout.check_no_symlinks()
+        probe = probe_index(layout.root)
+        if probe.ok:
+            return None
+        return probe.detail, plan_rebuild(layout, probe.detail).execute()
 
     def reader_check(self) -> int:
         """Free LMDB reader slots left by killed processes."""

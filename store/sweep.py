@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .ballast import spending_allowed
 from .errors import CorruptRecord
 from .eviction import drop_unreferenced
 from .leases import live_leases
@@ -121,7 +122,8 @@ class Sweeper:
                 t.drop_lease(lease_id)
             return drop_unreferenced(t, zero, now, self.grace)
 
-        dropped = self._tables.write(fn)
+        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
+            dropped = self._tables.write(fn)
         freed = sum(row.size for _, row in dropped if row.inline)
         cutoff = now - self.grace
         files = [d for d, row in dropped if not row.inline]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +21,9 @@ from typing import Any
 
 from .blobs import CHUNK_SIZE
 from .errors import CorruptRecord
+from .layout import Layout
 from .reasons import Reason
+from .rebuild import RebuildReport
 from .records import BlobRow, Entry, Manifest, manifest_key, unpack_inline
 from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
 
@@ -77,6 +78,23 @@ class VerifyReport:
     def add(self, kind: Reason, subject: str, detail: str, *, problem: bool = True) -> None:
         self.findings.append(Finding(kind, subject, detail, problem))
 
+    @classmethod
+    def damaged_index(cls, why: str) -> VerifyReport:
+        """The report for an index that cannot be scanned safely (README, "Damage and repair")."""
+        rep = cls()
+        rep.add(Reason.CORRUPT_INDEX, "", f"the index is damaged ({why}); `adstore verify --fix` moves it to "
+                "quarantine/ and rebuilds it from the blob files")
+        return rep
+
+    def add_rebuild(self, why: str, rebuilt: RebuildReport) -> None:
+        """Record a rebuild of a damaged index (``rebuild``): the damage, what came back, what is lost."""
+        self.findings.insert(0, Finding(Reason.CORRUPT_INDEX, "", f"the index was damaged ({why})"))
+        self.fixed.insert(0, f"moved the damaged index to {rebuilt.damaged_index} and created a fresh one; "
+                          f"re-registered {rebuilt.registered} intact blob file(s) ({rebuilt.registered_bytes} bytes)")
+        self.fixed[1:1] = [f"quarantined blob file {p} (not intact or not a regular file)" for p in rebuilt.quarantined]
+        self.findings.append(Finding(Reason.CORRUPT_INDEX, "", rebuilt.lost, problem=False))
+        self.repaired = True
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
@@ -92,15 +110,16 @@ class VerifyReport:
         }
 
 
-def _hash_file(path: os.PathLike[str]) -> tuple[str, int] | None:
+def _hash_file(layout: Layout, digest: str) -> tuple[str, int] | None:
+    """(SHA-256, size) of a blob file, opened without following a symlink (invariant 10)."""
     h = hashlib.sha256()
     n = 0
     try:
-        with open(path, "rb", buffering=0) as f:
+        with layout.open_blob(digest) as f:
             while chunk := f.read(CHUNK_SIZE):
                 h.update(chunk)
                 n += len(chunk)
-    except OSError:  # missing, a directory, unreadable: the blob is not there
+    except OSError:  # missing, a symlink, a directory, unreadable: the blob is not there
         return None
     return h.hexdigest(), n
 
@@ -182,9 +201,11 @@ def verify_store(
             if not intact:
                 got = f"{got} (inline checksum mismatch)"
         else:
-            res = _hash_file(layout.blob_path(digest))
+            res = _hash_file(layout, digest)
             if res is None:
-                rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: file missing or unreadable")
+                what = "is a symlink (never followed)" if layout.blob_path(digest).is_symlink() else \
+                    "missing or unreadable"
+                rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: file {what}")
                 bad_blobs.add(digest)
                 continue
             got, n = res

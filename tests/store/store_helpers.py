@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import time
+from pathlib import Path
 
 from adstore.store import Store
+from adstore.store.fsutil import atomic_write
+
+
+def report_figures(name: str, data: dict, file: str = "faults.json") -> None:
+    """Keep a suite's figures for the README notes (``bench-results/``, gitignored; or ``$ADSTORE_BENCH_RESULTS``)."""
+    out = Path(os.environ.get("ADSTORE_BENCH_RESULTS") or Path(__file__).resolve().parents[2] / "bench-results")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / file
+    try:
+        all_ = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        all_ = {}
+    all_[name] = data
+    atomic_write(path, json.dumps(all_, indent=2, default=str).encode())
 
 
 def payload(key: str, generation: int, rank: int, name: str, size: int) -> bytes:

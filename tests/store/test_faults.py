@@ -35,9 +35,8 @@ from pathlib import Path
 import lmdb
 import pytest
 from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
-from adstore.store.fsutil import atomic_write
 from adstore.store.records import manifest_key
-from store_helpers import check_hit, parse_payload, payload, save
+from store_helpers import check_hit, parse_payload, payload, report_figures, save
 
 CTX = mp.get_context("spawn")
 
@@ -302,16 +301,7 @@ def _run_driver(root: Path, stride: int, seed: int) -> dict:
 
 
 def _report(name: str, data: dict) -> None:
-    """Keep the figures for the README notes (bench-results/ is gitignored)."""
-    out = Path(__file__).resolve().parents[2] / "bench-results"
-    out.mkdir(exist_ok=True)
-    path = out / "faults.json"
-    try:
-        all_ = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        all_ = {}
-    all_[name] = data
-    atomic_write(path, json.dumps(all_, indent=2, default=str).encode())
+    report_figures(name, data)
 
 
 def test_sigkill_at_sampled_io_steps_of_save_publish_commit_remove_sweep(tmp_path):

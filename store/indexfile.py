@@ -1,0 +1,184 @@
+"""Damage checks of the LMDB file itself, made with plain file reads (README, "Damage and repair").
+
+LMDB maps ``data.mdb`` into memory and trusts it: a file shorter than the
+last page its meta page names makes the first read of a missing page a
+SIGBUS, which kills the process (no exception can be raised).  So before
+LMDB reads anything, :func:`check_data_file` reads both meta pages with
+``pread`` and compares the newest one's last used page with the file size;
+a short file, or one without a valid meta page, is a damaged index
+(:class:`CorruptRecord`, reason ``corrupt_index``), never a dead process.
+
+Damage *inside* pages (random bytes over a B-tree page) can still fault
+LMDB's own C code on some reads.  :func:`probe_index` therefore reads every
+row of every table in a child process first (``python -c`` with
+lmdb only): ``verify`` runs it before it scans the
+index in-process, so a damaged index is reported (and ``--fix`` rebuilds
+it) instead of killing ``verify``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CorruptRecord
+
+__all__ = ["MetaPage", "read_meta", "check_data_file", "probe_index", "ProbeResult"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = 0xBEEFC0DE
+_PAGE_HEADER = 16  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upper (64-bit LMDB)
+# MDB_meta after the page header: magic u32, version u32, address ptr, mapsize size_t,
+# two MDB_db (48 bytes each; the first one's md_pad holds the page size), last_pg, txnid.
+_META = struct.Struct("<IIQQ")
+_PSIZE_OFFSET = _PAGE_HEADER + _META.size  # md_pad of the free-page DB
+_LAST_PG = struct.Struct("<QQ")
+_LAST_PG_OFFSET = _PAGE_HEADER + _META.size + 2 * 48
+_META_BYTES = _LAST_PG_OFFSET + _LAST_PG.size
+_PROBE_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetaPage:
+    """What one valid LMDB meta page says."""
+
+    page_size: int
+    last_page: int
+    txnid: int
+
+    @property
+    def min_file_size(self) -> int:
+        """Bytes the file must hold: every page up to and including the last used one."""
+        return (self.last_page + 1) * self.page_size
+
+
+def _parse(raw: bytes, page_size: int | None) -> MetaPage | None:
+    if len(raw) < _META_BYTES:
+        return None
+    magic, _version, _addr, _mapsize = _META.unpack_from(raw, _PAGE_HEADER)
+    if magic != _MAGIC:
+        return None
+    psize = struct.unpack_from("<I", raw, _PSIZE_OFFSET)[0] if page_size is None else page_size
+    if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+        return None
+    last_pg, txnid = _LAST_PG.unpack_from(raw, _LAST_PG_OFFSET)
+    return MetaPage(psize, last_pg, txnid)
+
+
+def read_meta(data_file: Path) -> MetaPage | None:
+    """The meta page LMDB will use (the newest valid one), None for an empty file.
+
+    Raises :class:`CorruptRecord` when the file has content but no valid meta page.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(data_file, flags)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None  # LMDB initialises an empty file: a fresh index
+        first = _parse(os.pread(fd, _META_BYTES, 0), None)
+        metas = [first] if first is not None else []
+        if first is not None:
+            second = _parse(os.pread(fd, _META_BYTES, first.page_size), first.page_size)
+            if second is not None:
+                metas.append(second)
+    finally:
+        os.close(fd)
+    if not metas:
+        raise CorruptRecord("index", str(data_file), "not an LMDB file (no valid meta page)")
+    return max(metas, key=lambda m: m.txnid)
+
+
+def check_data_file(index_dir: Path) -> MetaPage | None:
+    """Refuse a ``data.mdb`` that LMDB could not read without faulting.
+
+    A missing or empty file is fine (LMDB creates a fresh index).  A file
+    shorter than two pages or than its newest meta page's last page is
+    :class:`CorruptRecord`.
+    """
+    data_file = index_dir / "data.mdb"
+    try:
+        meta = read_meta(data_file)
+        size = data_file.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CorruptRecord("index", str(data_file), f"cannot read the LMDB meta pages: {exc.strerror}") from None
+    if meta is None:
+        return None
+    need = max(meta.min_file_size, 2 * meta.page_size)
+    if size < need:
+        raise CorruptRecord("index", str(data_file),
+                            f"truncated: {size} bytes, the index needs {need} (last page {meta.last_page})")
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """How a child process fared reading every row of the index."""
+
+    ok: bool
+    detail: str
+
+
+# The child imports nothing of adstore (importing the package costs ~0.1 s): only lmdb.
+_PROBE = """
+import sys, lmdb
+path, names = sys.argv[1], sys.argv[2:]
+try:
+    env = lmdb.open(path, readonly=True, lock=True, max_dbs=len(names) + 4, subdir=True, readahead=False)
+    with env.begin() as txn:
+        for name in names:
+            try:
+                db = env.open_db(name.encode(), txn=txn, create=False)
+            except lmdb.NotFoundError:
+                continue
+            for _ in txn.cursor(db=db):
+                pass
+except lmdb.Error as exc:
+    if "Permission denied" in str(exc) or "Read-only" in str(exc):
+        sys.exit(3)  # cannot probe (no write access to lock.mdb): inconclusive, not damage
+    sys.exit(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def probe_index(root: Path) -> ProbeResult:
+    """Read every row of every table of ``root``'s index in a child process.
+
+    A signal death of the child (LMDB faulting on a damaged page) or any
+    error is a damaged index; this process never touches the bad page.
+    A file that fails :func:`check_data_file` is damaged without a child.
+    A user who may not write ``lock.mdb`` or run the interpreter cannot
+    probe: that counts as sound (``verify`` then scans in-process as before).
+    """
+    from .tables import DATABASES  # noqa: PLC0415  (tables imports lmdb; this module stays light)
+
+    try:
+        check_data_file(root / "index")
+    except CorruptRecord as exc:
+        return ProbeResult(False, exc.detail)
+    try:
+        res = subprocess.run([sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES],
+                             capture_output=True, text=True, timeout=_PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return ProbeResult(False, f"reading the index took more than {_PROBE_TIMEOUT:g}s")
+    except OSError as exc:  # this user may not run the interpreter (another user's venv): cannot probe
+        log.warning("cannot probe the index of %s in a child process: %s", root, exc)
+        return ProbeResult(True, "")
+    if res.returncode in (0, 3):
+        return ProbeResult(True, "")
+    if res.returncode < 0:
+        try:
+            name = signal.Signals(-res.returncode).name
+        except ValueError:
+            name = f"signal {-res.returncode}"
+        return ProbeResult(False, f"reading the index faults ({name}): damaged pages")
+    lines = res.stderr.strip().splitlines()
+    return ProbeResult(False, lines[-1] if lines else f"reading the index failed (exit {res.returncode})")

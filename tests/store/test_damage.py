@@ -1,0 +1,253 @@
+"""The damage suite: a damaged index or hostile paths never kill, never crash, never lie.
+
+Each case copies one small store, damages it, and runs ``damage_child.py``
+in a child process (so a SIGBUS/SIGSEGV is observed, not suffered): lookups
+and reads like a pipeline, then ``adstore stats``, ``verify``, ``verify
+--fix`` and lookups again.  Every case must show no signal death, no exit 70
+(internal error), no raw ``lmdb`` exception, no wrong bytes; ``verify --fix``
+must repair (exit 0), and afterwards the store opens and every lookup is a
+clean miss or a hit with the saved bytes.  Damage: ``data.mdb`` truncated at
+page boundaries and odd sizes, random bytes over index pages (many seeds),
+whole pages overwritten, a file that is not LMDB, symlinked directories and
+blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
+``damage_slow``) for the README's reliability table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from adstore.store import Store
+from store_helpers import report_figures, save
+
+CHILD = Path(__file__).with_name("damage_child.py")
+PAGE = 4096
+KEYS = 12
+
+Damage = Callable[[Path], None]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, dict[str, dict[str, str]]]:
+    """A store of 12 entries (an inline and a file blob each) and the digests each key must serve."""
+    root = tmp_path_factory.mktemp("damage") / "base"
+    expected: dict[str, dict[str, str]] = {}
+    with Store.open(root, grace_period=0.0) as store:
+        for i in range(KEYS):
+            save(store, f"key{i}", sizes=(100, 70_000))
+        for i in range(KEYS):
+            res = store.lookup(f"key{i}", record=False)
+            expected[f"key{i}"] = {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
+                                   for n in res.manifest.artifacts}
+    return root, expected
+
+
+def _data(root: Path) -> Path:
+    return root / "index" / "data.mdb"
+
+
+def truncate(size: int) -> Damage:
+    def damage(root: Path) -> None:
+        os.truncate(_data(root), size)
+    return damage
+
+
+def scribble(seed: int, *, whole_page: bool = False) -> Damage:
+    """Random bytes at random places of pages 2.. (the B-tree; 1 in 8 also hits a meta page)."""
+    def damage(root: Path) -> None:
+        rng = random.Random(seed)
+        with open(_data(root), "r+b") as f:
+            pages = f.seek(0, 2) // PAGE
+            for _ in range(rng.randint(1, 4)):
+                page = rng.randrange(0, 2) if rng.random() < 0.125 else rng.randrange(2, pages)
+                if whole_page:
+                    f.seek(page * PAGE)
+                    f.write(rng.randbytes(PAGE))
+                else:
+                    f.seek(page * PAGE + rng.randrange(0, PAGE - 64))
+                    f.write(rng.randbytes(rng.randint(1, 64)))
+    return damage
+
+
+def replace_data(content: bytes) -> Damage:
+    def damage(root: Path) -> None:
+        _data(root).unlink()
+        _data(root).write_bytes(content)
+    return damage
+
+
+def run_case(base: tuple[Path, dict], work: Path, name: str, damage: Damage) -> dict:
+    """Copy the base store, damage it, run the child; returns its steps and how it ended."""
+    src, expected = base
+    root = work / name
+    shutil.copytree(src, root, symlinks=True)
+    damage(root)
+    try:
+        proc = subprocess.run([sys.executable, str(CHILD), str(root), json.dumps(expected)],
+                              capture_output=True, text=True, timeout=300)
+        code, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        code, out = "timeout", (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    steps = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    done = {s["step"]: s for s in steps if s["phase"] == "done"}
+    started = [s["step"] for s in steps if s["phase"] == "start"]
+    shutil.rmtree(root, ignore_errors=True)
+    return {"name": name, "code": code, "done": done, "died_in": started[-1] if code != 0 and started else None}
+
+
+def _raw_lmdb(case: dict) -> int:
+    text = json.dumps(case["done"])
+    return text.count("raw_lmdb:")
+
+
+def _exit70(case: dict) -> int:
+    return sum(1 for s in case["done"].values() if s.get("exit") == 70 or "internal:" in json.dumps(s))
+
+
+def check_repaired(case: dict) -> list[str]:
+    """What is wrong with one index-damage case (empty: it passed)."""
+    name, done = case["name"], case["done"]
+    if case["code"] != 0:
+        return [f"{name}: child ended with {case['code']} in step {case['died_in']}"]
+    bad = []
+    for step in ("read", "after"):
+        s = done.get(step, {})
+        if s.get("lookup_raised") or s.get("wrong_bytes") or "escaped" in s:
+            bad.append(f"{name} {step}: {s}")
+    if done["after"].get("open_error") or done["after"].get("read_errors"):
+        bad.append(f"{name}: after verify --fix: {done['after']}")
+    if done["fix"]["exit"] != 0 or done["verify_after"]["exit"] != 0:
+        bad.append(f"{name}: verify --fix {done['fix']} then verify {done['verify_after']}")
+    if _raw_lmdb(case) or _exit70(case):
+        bad.append(f"{name}: raw lmdb or internal error: {done}")
+    return bad
+
+
+def run_suite(base, work: Path, cases: dict[str, Damage], check: Callable[[dict], list[str]]) -> tuple[list, list]:
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        results = list(pool.map(lambda item: run_case(base, work, *item), cases.items()))
+    failures = [f for case in results for f in check(case)]
+    return results, failures
+
+
+def tally(results: list[dict]) -> dict:
+    exits: Counter[str] = Counter()
+    for case in results:
+        for step in ("stats", "verify", "fix"):
+            if step in case["done"]:
+                exits[f"{step}:{case['done'][step]['exit']}"] += 1
+    return {
+        "cases": len(results),
+        "signal_deaths": sum(1 for c in results if isinstance(c["code"], int) and c["code"] < 0),
+        "exit_70": sum(_exit70(c) for c in results),
+        "raw_lmdb_errors": sum(_raw_lmdb(c) for c in results),
+        "wrong_bytes": sum(s.get("wrong_bytes", 0) for c in results for s in c["done"].values()),
+        "hits_after_fix": sum(c["done"].get("after", {}).get("hits", 0) for c in results),
+        "exit_codes": dict(sorted(exits.items())),
+    }
+
+
+def index_cases(base_root: Path, *, slow: bool) -> dict[str, Damage]:
+    size = _data(base_root).stat().st_size
+    pages = size // PAGE
+    if slow:
+        sizes = [k * PAGE for k in range(1, pages)] + [k * PAGE + off for k in range(0, pages, 3)
+                                                     for off in (1, 2049)]
+        seeds = range(100, 260)
+        pages_seeds = range(100, 120)
+        junk = [os.urandom(n) for n in (1, 64, 4095, 4096, 12_288, 65_537)] + [b"\0" * 65_536, b"LMDB" * 2048]
+    else:
+        sizes = [1, 100, PAGE, PAGE + 1, 2 * PAGE, (pages // 2) * PAGE, size - PAGE, size - 1]
+        seeds = range(24)
+        pages_seeds = range(3)
+        junk = [os.urandom(5000), b"not an index\n" * 400, b"\0" * 8192, random.Random(0).randbytes(PAGE)]
+    cases: dict[str, Damage] = {f"truncate-{n}": truncate(n) for n in sizes}
+    cases |= {f"scribble-{s}": scribble(s) for s in seeds}
+    cases |= {f"page-{s}": scribble(s, whole_page=True) for s in pages_seeds}
+    cases |= {f"not-lmdb-{i}-{len(b)}": replace_data(b) for i, b in enumerate(junk)}
+    return cases
+
+
+def _symlinked(sub: str) -> Damage:
+    def damage(root: Path) -> None:
+        outside = root.parent / f"{root.name}-outside-{sub}"
+        shutil.move(root / sub, outside)
+        os.symlink(outside, root / sub)
+    return damage
+
+
+def _symlinked_blob(root: Path) -> None:
+    """A file blob replaced by a symlink to an outside file holding the right bytes."""
+    blob = next(p for p in sorted((root / "blobs").glob("*/*")))
+    outside = root.parent / f"{root.name}-outside-blob"
+    shutil.copyfile(blob, outside)
+    blob.unlink()
+    os.symlink(outside, blob)
+
+
+def check_unsafe(case: dict) -> list[str]:
+    name, done = case["name"], case["done"]
+    if case["code"] != 0:
+        return [f"{name}: child ended with {case['code']} in step {case['died_in']}"]
+    bad = []
+    if done["read"].get("open_error") != "store:unsafe_root":
+        bad.append(f"{name}: open gave {done['read']}")
+    for step in ("stats", "verify", "fix"):
+        if done[step]["exit"] != 7 or "is a symlink" not in done[step]["stderr"]:
+            bad.append(f"{name}: {step} {done[step]}")
+    return bad
+
+
+def check_blob_symlink(case: dict) -> list[str]:
+    bad = check_repaired(case)
+    read = case["done"].get("read", {})
+    if read.get("hits", 0) >= KEYS:
+        bad.append(f"{case['name']}: the symlinked blob was served: {read}")
+    if case["done"].get("verify", {}).get("exit") != 1:
+        bad.append(f"{case['name']}: verify did not report the symlinked blob: {case['done'].get('verify')}")
+    return bad
+
+
+def _record(name: str, results: list[dict], failures: list[str]) -> dict:
+    figures = tally(results)
+    figures["failures"] = len(failures)
+    figures["command"] = "python -m pytest tests/store/test_damage.py" + (" -m slow" if name.endswith("slow") else "")
+    report_figures(name, figures)
+    print(f"\n{name}: {json.dumps(figures)}")
+    return figures
+
+
+def _suite(base, work: Path, *, slow: bool) -> tuple[list, list]:
+    results, failures = run_suite(base, work, index_cases(base[0], slow=slow), check_repaired)
+    hostile = {f"symlinked-{d}": _symlinked(d) for d in ("blobs", "index", "tmp", "quarantine")}
+    more, more_failures = run_suite(base, work, hostile, check_unsafe)
+    blob, blob_failures = run_suite(base, work, {"symlinked-blob-file": _symlinked_blob}, check_blob_symlink)
+    return results + more + blob, failures + more_failures + blob_failures
+
+
+def _run_and_check(base, work: Path, *, slow: bool, min_cases: int) -> None:
+    results, failures = _suite(base, work, slow=slow)
+    figures = _record("damage_slow" if slow else "damage", results, failures)
+    assert not failures, "\n".join(failures[:20])
+    assert figures["signal_deaths"] == figures["exit_70"] == figures["raw_lmdb_errors"] == 0
+    assert figures["cases"] >= min_cases
+
+
+def test_damage_suite(base, tmp_path):
+    _run_and_check(base, tmp_path, slow=False, min_cases=30)
+
+
+@pytest.mark.slow
+def test_damage_suite_slow(base, tmp_path):
+    _run_and_check(base, tmp_path, slow=True, min_cases=200)

@@ -1,0 +1,109 @@
+"""Hostile paths and damage, store side, in-process (README, "Damage and repair").
+
+Symlinked store directories are refused, a symlinked blob file is never
+served or followed, removed directories are recreated by the next writer,
+the ballast is never written through a symlink, and LMDB errors leave the
+store only as its own errors.  The child-process cases live in ``test_damage.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import lmdb
+import pytest
+from adstore.store import CorruptRecord, Store, UnsafeRoot
+from adstore.store.ballast import Ballast
+from adstore.store.indexfile import check_data_file, read_meta
+from adstore.store.reasons import Reason
+from store_helpers import save
+
+
+@pytest.mark.parametrize("sub", ["blobs", "index", "tmp", "quarantine"])
+def test_a_symlinked_directory_refuses_the_root(tmp_path, sub):
+    root = tmp_path / "store"
+    Store.open(root).close()
+    outside = tmp_path / "outside"
+    shutil.move(root / sub, outside)
+    os.symlink(outside, root / sub)
+    with pytest.raises(UnsafeRoot) as info:
+        Store.open(root)
+    assert info.value.reason == Reason.UNSAFE_ROOT and f"{sub}/ is a symlink" in str(info.value)
+    with pytest.raises(UnsafeRoot):
+        Store.repair_index(root)
+
+
+def test_a_symlinked_blob_file_is_never_served_and_fix_quarantines_the_link(tmp_path):
+    root = tmp_path / "store"
+    with Store.open(root, grace_period=0.0) as store:
+        save(store, "k", sizes=(70_000,))
+        blob = next((root / "blobs").glob("*/*"))
+        outside = tmp_path / "outside-blob"
+        shutil.copyfile(blob, outside)
+        blob.unlink()
+        os.symlink(outside, blob)
+        res = store.lookup("k", record=False)
+        assert not res.hit and res.reason == Reason.BLOB_MISSING
+        report = store.verify()
+        assert any("is a symlink" in p for p in report.problems)
+        assert store.verify(fix=True).ok and store.verify().ok
+        assert not os.path.lexists(blob) and outside.read_bytes()  # the link moved, its target untouched
+        assert any(p.is_symlink() for p in (root / "quarantine").iterdir())
+
+
+def test_removed_directories_are_recreated_by_the_next_put(tmp_path):
+    root = tmp_path / "store"
+    with Store.open(root, grace_period=0.0) as store:
+        save(store, "before", sizes=(70_000,))
+        shutil.rmtree(root / "tmp")
+        shutil.rmtree(root / "blobs")
+        ref = store.put_bytes(os.urandom(100_000))
+        assert store.get_bytes(ref) and (root / "tmp").is_dir()
+        shutil.rmtree(root / "tmp")
+        assert store.put_stream([os.urandom(80_000)]).size == 80_000
+        assert not store.lookup("before", record=False).hit  # its blob went with blobs/: a miss, no error
+
+
+def test_the_ballast_is_created_with_the_store_and_never_through_a_symlink(tmp_path):
+    root = tmp_path / "store"
+    Store.open(root).close()
+    ballast = Ballast(root)
+    assert ballast.present() and (root / "ballast").stat().st_size == ballast.size
+    assert (root / "ballast").stat().st_blocks * 512 >= ballast.size  # real blocks, not a sparse file
+    assert ballast.release() and not ballast.present()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    os.symlink(victim, root / "ballast")
+    assert not ballast.ensure() and victim.read_bytes() == b"keep"
+    assert not ballast.release() and (root / "ballast").is_symlink()
+
+
+def test_meta_pages_name_the_file_size_lmdb_needs(tmp_path):
+    root = tmp_path / "store"
+    with Store.open(root) as store:
+        save(store, "k")
+    data = root / "index" / "data.mdb"
+    meta = read_meta(data)
+    assert meta is not None and meta.min_file_size == data.stat().st_size
+    os.truncate(data, meta.min_file_size - meta.page_size)
+    with pytest.raises(CorruptRecord) as info:
+        check_data_file(root / "index")
+    assert info.value.reason == Reason.CORRUPT_INDEX and "truncated" in str(info.value)
+
+
+def test_lmdb_errors_in_reads_become_the_stores_own(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    with Store.open(root) as store:
+        save(store, "k")
+        from adstore.store import tables
+
+        def broken(self, *args, **kwargs):
+            raise lmdb.CorruptedError("mdb_get: MDB_CORRUPTED: Located page was wrong type")
+
+        monkeypatch.setattr(tables.Txn, "entry_row", broken)
+        res = store.lookup("k", record=False)
+        assert not res.hit and res.reason == Reason.CORRUPT_INDEX
+        with pytest.raises(CorruptRecord) as info:
+            store.resolve_key("k")
+        assert not isinstance(info.value, lmdb.Error) and info.value.reason == Reason.CORRUPT_INDEX
