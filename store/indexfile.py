@@ -158,14 +158,14 @@ def probe_index(root: Path) -> ProbeResult:
     A user who may not write ``lock.mdb`` or run the interpreter cannot
     probe: that counts as sound (``verify`` then scans in-process as before).
     """
-    from .tables import DATABASES  # noqa: PLC0415  (tables imports lmdb; this module stays light)
+    from .tables import DATABASES  # (tables imports lmdb; this module stays light)
 
     try:
         check_data_file(root / "index")
     except CorruptRecord as exc:
         return ProbeResult(False, exc.detail)
     try:
-        res = subprocess.run([sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES],
+        res = subprocess.run([sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES], check=False,
                              capture_output=True, text=True, timeout=_PROBE_TIMEOUT)
     except subprocess.TimeoutExpired:
         return ProbeResult(False, f"reading the index took more than {_PROBE_TIMEOUT:g}s")

@@ -31,7 +31,6 @@ def _emit(**fields: object) -> None:
 
 def _classify(exc: BaseException) -> str:
     import lmdb
-
     from adstore.store import AdstoreError
 
     if isinstance(exc, lmdb.Error):

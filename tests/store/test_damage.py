@@ -95,7 +95,7 @@ def run_case(base: tuple[Path, dict], work: Path, name: str, damage: Damage) -> 
     damage(root)
     try:
         proc = subprocess.run([sys.executable, str(CHILD), str(root), json.dumps(expected)],
-                              capture_output=True, text=True, timeout=300)
+                              check=False, capture_output=True, text=True, timeout=300)
         code, out = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:
         code, out = "timeout", (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
