@@ -276,6 +276,33 @@ class EngineCache:
         return None, reason, detail
 
     # -- miss --------------------------------------------------------------
+    def _compile_and_load(self, ep: Any, path: Path, inductor_configs: dict[str, Any],
+                          timings: dict[str, float]) -> Any:
+        """AOTInductor-compile ``ep`` into ``path`` and load it, compiling once more if it is unreadable.
+
+        Processes compiling the same graph share Inductor's on-disk cache, and
+        not every file there is written atomically: a package packed while
+        another process rewrote one of them does not load.  The race is
+        transient, so a second compile is the remedy; a second failure raises.
+        """
+        for attempt in (1, 2):
+            t0 = time.perf_counter()
+            # A copy: the compiler writes into the dict it is given.
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(inductor_configs))
+            timings["compile"] = time.perf_counter() - t0
+            self._count("compiles")
+            t1 = time.perf_counter()
+            try:
+                runner = load_runner(path)
+            except RuntimeError as exc:
+                if attempt == 2:
+                    raise
+                logger.warning("compiled engine package did not load (%s); compiling again", exc)
+                continue
+            timings["load"] = time.perf_counter() - t1
+            return runner
+        raise AssertionError("unreachable")
+
     def _compile_miss(self, req: _Request, reason: Reason | None, detail: str) -> CompiledEngine:
         h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
         inductor_configs, code_consts, components = req.inductor_configs, req.code_consts, req.components
@@ -283,16 +310,8 @@ class EngineCache:
         path = self._memory.new_path()
         t0 = time.perf_counter()
         try:
-            # A copy: the compiler writes into the dict it is given.
-            torch._inductor.aoti_compile_and_package(
-                ep, package_path=str(path), inductor_configs=dict(inductor_configs)
-            )
-            compile_seconds = time.perf_counter() - t0
-            timings["compile"] = compile_seconds
-            self._count("compiles")
-            t1 = time.perf_counter()
-            runner = load_runner(path)
-            timings["load"] = time.perf_counter() - t1
+            runner = self._compile_and_load(ep, path, inductor_configs, timings)
+            compile_seconds = timings["compile"]
             timings["refit"] = refit(runner, weights, spec)
         except EngineMismatch as exc:
             path.unlink(missing_ok=True)

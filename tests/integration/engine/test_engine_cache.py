@@ -719,3 +719,28 @@ def test_engines_written_by_untrusted_users_are_not_loaded(env, tmp_path, monkey
     monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "alice")
     with pytest.raises(ConfigError):
         StoreEngineStorage.from_env()
+
+
+@pytest.mark.slow
+def test_a_package_that_does_not_load_is_compiled_once_more(tmp_path, monkeypatch):
+    """Processes compiling one graph share Inductor's disk cache, whose files are not all written
+    atomically: a package packed mid-rewrite does not load. The first load fails here as it did
+    in that race; the engine cache compiles once more and serves a working engine."""
+    from adstore.integration.engine import cache as cache_mod
+
+    real, calls = cache_mod.load_runner, []
+
+    def flaky(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise RuntimeError("[json.exception.parse_error.101] attempting to parse an empty input")
+        return real(path)
+
+    monkeypatch.setattr(cache_mod, "load_runner", flaky)
+    with Store.open(tmp_path / "store", grace_period=0.0) as store:
+        front = EngineCache(StoreEngineStorage(store))
+        model = make_model(31)
+        engine = front.compile(model, (X,))
+        assert len(calls) == 2 and engine.event.kind == "miss"
+        torch.testing.assert_close(engine(X), model(X))
+        front.close()
