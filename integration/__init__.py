@@ -1,15 +1,22 @@
 """The torch side of adstore: the pipeline cache, snapshots and the engine cache.
 
-This is the public API the README uses (README, "The pipeline cache",
-"Snapshots and their safety", "Engine cache").  Names are imported on first
+This is the public API the README uses (README, "Public API", "The pipeline
+cache", "Snapshots and their safety", "Engine cache"): ``cached_prefix`` and the
+fingerprint helpers cache any pipeline; ``PipelineCache`` is the cache point
+any optimizer drives through the ``CachePoint`` protocol.  Names are imported on first
 use, so ``import adstore.integration`` does not import torch.
 """
 
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
+    "pipeline.prefix": ("CachedPrefix", "cached_prefix"),
+    "pipeline.fingerprints": ("checkpoint_fingerprint",),
+    "pipeline.keys": ("environment_fingerprint",),
+    "pipeline.transforms": ("CachePoint", "PipelineContext"),
+    "pipeline.cache": ("PipelineCache",),
     "pipeline.optimizer": ("InferenceOptimizer", "register_transform"),
-    "pipeline.events": ("CacheEvent",),
+    "pipeline.events": ("CacheEvent", "EventKind"),
     "reference.models": ("ModelFactory",),
     "reference.checkpoint": ("write_random_checkpoint",),
     "reference.pipeline": ("default_transforms",),

@@ -2,8 +2,10 @@
 
 ``transforms`` is the framework (stages, typed configs, registry, the
 ``CachePoint`` protocol), ``optimizer`` runs it, ``cache`` is the
-``pipeline_cache`` transform, ``keys`` its cache keys, ``dist`` the rank
-agreement and ``events`` what a cache reports.
+``pipeline_cache`` transform, ``prefix`` the framework-agnostic
+``cached_prefix``, ``protocol`` the save/restore protocol both share, ``keys``
+and ``fingerprints`` the cache keys, ``dist`` the rank agreement and
+``events`` what a cache reports.
 """
 
 from adstore.integration._lazy import lazy_exports
@@ -14,8 +16,11 @@ _EXPORTS = {
         "CachePoint", "PipelineContext", "Stage", "Transform", "TransformConfig", "TransformRegistry",
     ),
     "pipeline.cache": ("PipelineCache", "PipelineCacheConfig"),
+    "pipeline.prefix": ("CachedPrefix", "cached_prefix"),
+    "pipeline.protocol": ("SnapshotCache",),
+    "pipeline.fingerprints": ("checkpoint_fingerprint",),
     "pipeline.events": ("CacheEvent", "EventKind", "Source"),
-    "pipeline.keys": ("CacheKey", "build_key", "diff_components"),
+    "pipeline.keys": ("CacheKey", "build_key", "diff_components", "environment_fingerprint"),
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -26,7 +26,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
@@ -44,6 +44,7 @@ __all__ = [
     "code_fingerprint",
     "diff_components",
     "env_component",
+    "environment_fingerprint",
     "json_digest",
 ]
 
@@ -110,8 +111,8 @@ def _module_source(modname: str) -> bytes:
         return f"<no source for {modname}>".encode()
 
 
-def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
-    """SHA-256 of the source of each class's module and its ``code_modules``.
+def code_fingerprint(classes: Iterable[type | Callable[..., Any]]) -> dict[str, str]:
+    """SHA-256 of the source of each class's (or function's) module and its ``code_modules``.
 
     The whole defining module is hashed, not only the class body, because a
     transform's behaviour lives in the helpers beside it (and reading a file is
@@ -128,19 +129,30 @@ def code_fingerprint(classes: Iterable[type]) -> dict[str, str]:
     return out
 
 
-def env_component(prefix_classes: Iterable[type]) -> dict[str, Any]:
-    """Format version, library versions and the prefix code fingerprint."""
+def environment_fingerprint(code: Iterable[type | Callable[..., Any]] = ()) -> dict[str, Any]:
+    """The ``env`` key component: format version, library versions and a code fingerprint.
+
+    ``code`` holds the classes or functions whose defining modules' source is
+    hashed (the prefix transforms, a user's own passes), so an upgrade of
+    torch, transformers or adstore, or an edit of that code, is a miss rather
+    than a stale hit.  Volatile facts (host, pid, paths, time) never enter it.
+    Public as ``adstore.integration.environment_fingerprint`` (README, "Public API").
+    """
     env: dict[str, Any] = {
         "adstore_format": FORMAT_VERSION,
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "code": code_fingerprint(prefix_classes),
+        "code": code_fingerprint(code),  # type: ignore[arg-type]
     }
     try:  # from the package metadata: whether this process imported transformers must not change the key
         env["transformers"] = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         pass
     return env
+
+
+#: The name the pipeline cache's key recipe has used since the start.
+env_component = environment_fingerprint
 
 
 @dataclass(frozen=True)
@@ -175,5 +187,10 @@ def build_key(
 
 
 def diff_components(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """Names of the components that differ between two keys' components."""
-    return [c for c in COMPONENTS if canonical_json(a.get(c)) != canonical_json(b.get(c))]
+    """Names of the components that differ between two keys' components.
+
+    The pipeline's own components come first in :data:`COMPONENTS` order, then
+    any other names (a :func:`~adstore.integration.cached_prefix` key's) sorted.
+    """
+    others = sorted((set(a) | set(b)) - set(COMPONENTS))
+    return [c for c in (*COMPONENTS, *others) if canonical_json(a.get(c)) != canonical_json(b.get(c))]

@@ -6,9 +6,8 @@ typed value is a :class:`ConfigError`, because a silently ignored option would
 also be silently missing from the cache key (README, "The pipeline cache").
 
 Transforms are registered explicitly: a :class:`TransformRegistry` is built
-from a list (the reference pipeline's list is
-``adstore.integration.reference.pipeline.REFERENCE_TRANSFORMS``), never by
-importing a module for its side effects.  The optimizer knows the cache
+from a list (the reference pipeline has one), never by importing a module for
+its side effects.  The optimizer knows the cache
 transform only through the :class:`CachePoint` protocol.
 """
 
@@ -224,19 +223,44 @@ class TransformRegistry:
 
 @runtime_checkable
 class CachePoint(Protocol):
-    """A transform the optimizer treats as the pipeline's cache point (README, "The pipeline cache").
+    """A transform an optimizer treats as the pipeline's cache point (README, "Public API").
 
-    The optimizer finds it with ``isinstance(t, CachePoint)`` and, instead of
-    checking names, drives it through these members:
+    This is the whole contract between an optimizer and the cache; the
+    reference :class:`~adstore.integration.pipeline.optimizer.InferenceOptimizer`
+    finds it with ``isinstance(t, CachePoint)`` and uses nothing else, and a third-party optimizer drives
+    :class:`~adstore.integration.pipeline.cache.PipelineCache` the same way::
+
+        cache = PipelineCache(PipelineCache.config_cls.from_dict({"root": root}))
+        ctx = PipelineContext(factory=source, checkpoint=ckpt_dir, rank=r, world_size=n)
+        # 1. bind the prefix: (name, config copy) pairs taken before anything ran
+        cache.bind([(t.name, copy.deepcopy(t.config.to_dict())) for t in prefix], [type(t) for t in prefix])
+        # 2. ask to restore before running anything
+        module = cache.restore(ctx)
+        if module is None:
+            t0 = time.perf_counter()
+            module = run(prefix)                                    # your transforms
+            # 3. save at the cache point (returns the module unchanged)
+            module = cache.save(module, ctx, prefix_seconds=time.perf_counter() - t0)
+        module = run(suffix, module)                                # weights, fusion, compile
+        cache.events                                                # what happened, as CacheEvents
+
+    ``ctx.factory`` is any :class:`ModelSource` (only ``identity()`` is read
+    for the key) and ``ctx.checkpoint`` a safetensors file or directory.
+    Members:
 
     * :attr:`cache_stage`: the point runs at the end of this stage (it sorts
-      after every transform of the stage);
+      after every transform of the stage; at most ``Stage.SHARDING``);
     * :meth:`bind`: the prefix (transforms before the point, as names plus
-      config copies taken before any transform ran, and their classes);
-    * :meth:`restore`: before anything runs; a module means "resume after me";
+      config copies taken before any transform ran, and their classes, whose
+      source is fingerprinted into the key);
+    * :meth:`restore`: before anything runs; a module means "resume after me",
+      None means "run the prefix"; every rank gets the same answer;
     * :meth:`save`: at the cache point on a miss, with the seconds the prefix
-      took; returns the module unchanged;
+      took; returns the module unchanged; never raises for a cache problem;
     * :meth:`key` and :attr:`events`: this run's key and what the point did.
+
+    ``restore`` and ``save`` are collectives under an initialised process
+    group: every rank calls them at the same point.
     """
 
     config: TransformConfig

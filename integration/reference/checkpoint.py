@@ -1,25 +1,21 @@
-"""Local safetensors checkpoints: write random weights, read them, fingerprint them.
+"""Local safetensors checkpoints of the reference pipeline: write random weights, read them.
 
-The fingerprint is the ``checkpoint`` component of the cache key.  It must be
-cheap on checkpoints of many gigabytes, so it reads only file names, sizes and
-the safetensors headers (tensor names, dtypes, shapes and byte offsets), never
-the tensor data.  A changed tensor shape, a renamed tensor or a different file
-set changes it; rewriting the same layout with different values does not (the
-snapshot holds no weights, so it is still valid for those weights).
+The fingerprint (the ``checkpoint`` key component) lives in
+``adstore.integration.pipeline.fingerprints`` and is re-exported here, so the
+pipeline cache needs nothing from the reference pipeline.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import struct
 import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+from adstore.integration.pipeline.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint
 from adstore.store.errors import ConfigError
 from adstore.store.fsutil import atomic_write
 from torch import nn
@@ -34,9 +30,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-INDEX_NAME = "model.safetensors.index.json"
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 def random_state_dict(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -104,19 +97,6 @@ def write_random_checkpoint(
     return directory
 
 
-def checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of a checkpoint directory (or a single file), sorted."""
-    path = Path(directory)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise ConfigError("checkpoint", f"{path} does not exist")
-    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    if not files:
-        raise ConfigError("checkpoint", f"no *.safetensors files in {path}")
-    return files
-
-
 def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint (every shard), on CPU."""
     from safetensors.torch import load_file
@@ -129,38 +109,3 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor
             raise ConfigError("checkpoint", f"tensor(s) {sorted(dup)[:3]} appear in more than one shard")
         out.update(part)
     return out
-
-
-def _header(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ConfigError("checkpoint", f"{path} is too short to be safetensors")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ConfigError("checkpoint", f"{path} declares a {n}-byte header")
-        header = fh.read(n)
-    try:
-        json.loads(header)
-    except ValueError as exc:
-        raise ConfigError("checkpoint", f"{path} has an unreadable safetensors header: {exc}") from exc
-    return header
-
-
-def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Cheap identity of a checkpoint: per file name, size and header hash."""
-    files = checkpoint_files(directory)
-    entries: list[dict[str, Any]] = []
-    for f in files:
-        entries.append({
-            "name": f.name,
-            "size": f.stat().st_size,
-            "header_sha256": hashlib.sha256(_header(f)).hexdigest(),
-        })
-    index = Path(directory) / INDEX_NAME
-    if Path(directory).is_dir() and index.is_file():
-        with open(index, "rb") as fh:
-            digest = hashlib.file_digest(fh, "sha256").hexdigest()
-        entries.append({"name": INDEX_NAME, "size": index.stat().st_size, "sha256": digest})
-    return {"format": "safetensors", "files": entries}
-
