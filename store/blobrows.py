@@ -29,11 +29,14 @@ class BlobRows:
     __slots__ = ()
     raw: lmdb.Transaction
     _db: Mapping[str, Any]
-    _totals: dict[bytes, int]
     _epoch_moved: bool
 
+    def _add_to(self, table: str, name: bytes, delta: int) -> None:  # pragma: no cover - Txn's
+        raise NotImplementedError
+
     def _add(self, name: bytes, delta: int) -> None:
-        self._totals[name] = self._totals.get(name, 0) + delta
+        """Add ``delta`` to the total ``name`` in ``meta`` (written once, before the commit)."""
+        self._add_to("meta", name, delta)
 
     def blob_row(self, digest: str) -> BlobRow | None:
         k = bytes.fromhex(digest)

@@ -76,33 +76,38 @@ class Txn(BlobRows):
     of thousands of rows costs one read-modify-write per total.
     """
 
-    __slots__ = ("raw", "_db", "_totals", "_counts", "_epoch_moved", "_cursor")
+    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor")
 
     def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any]) -> None:
         self.raw = raw
         self._db = db
-        self._totals: dict[bytes, int] = {}
-        self._counts: dict[bytes, int] = {}
+        self._deltas: dict[tuple[str, bytes], int] | None = None  # (table, name) -> delta; made when needed
         self._epoch_moved = False
         self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
 
     def finish(self) -> None:
         """Write the summed totals, counters and the epoch (write transactions only)."""
-        meta, stats = self._db["meta"], self._db["stats"]
-        for db, deltas in ((meta, self._totals), (stats, self._counts)):
-            for name, delta in deltas.items():
-                if delta:
-                    self.raw.put(name, _I64.pack(_int(self.raw.get(name, None, db)) + delta), db=db)
+        meta = self._db["meta"]
+        for (table, name), delta in (self._deltas or {}).items():
+            if delta:
+                db = self._db[table]
+                self.raw.put(name, _I64.pack(_int(self.raw.get(name, None, db)) + delta), db=db)
         if self._epoch_moved:
             self.raw.put(BLOB_EPOCH, _I64.pack(_int(self.raw.get(BLOB_EPOCH, None, meta)) + 1), db=meta)
-        self._totals, self._counts, self._epoch_moved = {}, {}, False
+        self._deltas, self._epoch_moved = None, False
+
+    def _add_to(self, table: str, name: bytes, delta: int) -> None:
+        if self._deltas is None:
+            self._deltas = {}
+        self._deltas[(table, name)] = self._deltas.get((table, name), 0) + delta
 
     # -- totals, counters, meta ---------------------------------------------
     def total(self, name: bytes) -> int:
-        return _int(self.raw.get(name, None, self._db["meta"])) + self._totals.get(name, 0)
+        return _int(self.raw.get(name, None, self._db["meta"])) + (self._deltas or {}).get(("meta", name), 0)
 
     def set_total(self, name: bytes, value: int) -> None:
-        self._totals.pop(name, None)
+        if self._deltas is not None:
+            self._deltas.pop(("meta", name), None)
         self.raw.put(name, _I64.pack(value), db=self._db["meta"])
 
     def has_total(self, name: bytes) -> bool:
@@ -117,8 +122,7 @@ class Txn(BlobRows):
 
     def count(self, name: str, delta: int = 1) -> None:
         """Add ``delta`` to the persistent counter ``name`` (``misses.absent``, ``evictions``)."""
-        key = name.encode()
-        self._counts[key] = self._counts.get(key, 0) + delta
+        self._add_to("stats", name.encode(), delta)
 
     def counters(self) -> dict[str, int]:
         return {bytes(k).decode(errors="replace"): _I64.unpack(v)[0]
