@@ -10,7 +10,7 @@ import multiprocessing
 import os
 from typing import Any
 
-__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host"]
+__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host"]
 
 #: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
 ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
@@ -91,3 +91,24 @@ def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, An
     return {"events": [e.to_dict() for e in opt.events],
             "output": hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest(),
             "counters": counters}
+
+
+def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
+    """One rank of a gloo group, on its own "host": its own store root, the job's environment."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(job["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        result = pipeline_host(job["roots"][rank], job["checkpoint"], {}, job["model"])
+        queue.put({"rank": rank, **result})
+    except BaseException:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

@@ -9,7 +9,7 @@ bit-identical to A's; a third host that trusts no key misses
 from __future__ import annotations
 
 import pytest
-from remote_tier_hosts import on_host, pipeline_host
+from remote_tier_hosts import dist_rank_host, on_host, pipeline_host
 
 from adstore.store.remote import write_keypair
 
@@ -53,3 +53,30 @@ def test_host_b_hits_from_the_remote_with_bit_identical_outputs(backend, request
     ec = cache_events(c)
     assert [e["kind"] for e in ec] == ["miss", "save"], ec
     assert c["output"] == a["output"] and c["counters"]["remote.misses.untrusted_remote"] == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_over_gloo_restore_their_own_records(http_url, checkpoint, tmp_path):
+    """World size 2: each rank of host A pushes its record; each rank of host B restores its own, then they agree."""
+    from adstore.integration.reference.demo import run_ranks
+
+    private, public = write_keypair(tmp_path / "keys")
+    model = MODEL
+
+    def job(host: str, env: dict[str, str]) -> dict:
+        return {"env": {"ADSTORE_REMOTE": http_url, **env}, "checkpoint": checkpoint, "model": model,
+                "roots": [str(tmp_path / f"{host}{r}") for r in range(2)]}
+
+    a = sorted(run_ranks(job("a", {"ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)}), 2,
+                         target=dist_rank_host, timeout=600), key=lambda r: r["rank"])
+    assert all("error" not in r for r in a), a
+    for r in a:
+        assert [e["kind"] for e in cache_events(r)] == ["miss", "save"], r["events"]
+        assert r["counters"]["remote.records_up"] == 1
+    b = sorted(run_ranks(job("b", {"ADSTORE_TRUSTED_KEYS": str(public)}), 2, target=dist_rank_host, timeout=600),
+               key=lambda r: r["rank"])
+    assert all("error" not in r for r in b), b
+    for ra, rb in zip(a, b):
+        eb = cache_events(rb)
+        assert [(e["kind"], e["source"]) for e in eb] == [("hit", "remote")], eb
+        assert rb["output"] == ra["output"]
