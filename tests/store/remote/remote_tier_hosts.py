@@ -10,7 +10,7 @@ import multiprocessing
 import os
 from typing import Any
 
-__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host"]
+__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host", "cold_start_race"]
 
 #: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
 ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
@@ -112,3 +112,32 @@ def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], q
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, str], model: dict[str, Any]) -> None:
+    import traceback
+
+    try:
+        os.environ.update(env)
+        from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
+
+        barrier.wait(120)
+        out.put(pipeline_host(root, ckpt, {}, model))
+    except BaseException:
+        out.put({"error": traceback.format_exc()})
+
+
+def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dict[str, Any]) -> list[dict[str, Any]]:
+    """``len(roots)`` spawned hosts start the same cold pipeline at once; each one's :func:`pipeline_host` result."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(len(roots)), ctx.Queue()
+    procs = [ctx.Process(target=_flight_host, args=(barrier, out, root, ckpt, env, model)) for root in roots]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=600) for _ in roots]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()

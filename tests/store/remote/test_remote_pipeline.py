@@ -9,7 +9,7 @@ bit-identical to A's; a third host that trusts no key misses
 from __future__ import annotations
 
 import pytest
-from remote_tier_hosts import dist_rank_host, on_host, pipeline_host
+from remote_tier_hosts import cold_start_race, dist_rank_host, on_host, pipeline_host
 
 from adstore.store.remote import write_keypair
 
@@ -80,3 +80,20 @@ def test_two_ranks_over_gloo_restore_their_own_records(http_url, checkpoint, tmp
         eb = cache_events(rb)
         assert [(e["kind"], e["source"]) for e in eb] == [("hit", "remote")], eb
         assert rb["output"] == ra["output"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["s3", "http"])
+def test_eight_cold_starts_of_one_key_build_once(backend, request, checkpoint, tmp_path):
+    """Single-flight: 8 hosts (own roots, read-write) start one cold key at once: 1 build, 7 remote hits."""
+    url = request.getfixturevalue(f"{backend}_url")
+    private, public = write_keypair(tmp_path / "keys")
+    env = {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private),
+           "ADSTORE_TRUSTED_KEYS": str(public), "ADSTORE_REMOTE_WAIT": "120s"}
+    results = cold_start_race([str(tmp_path / f"h{i}") for i in range(8)], checkpoint, env, MODEL)
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    kinds = sorted(tuple(e["kind"] for e in cache_events(r)) for r in results)
+    assert kinds.count(("miss", "save")) == 1 and kinds.count(("hit",)) == 7, kinds
+    hits = [e for r in results for e in cache_events(r) if e["kind"] == "hit"]
+    assert all(e["source"] == "remote" for e in hits)
+    assert len({r["output"] for r in results}) == 1
