@@ -295,31 +295,28 @@ class Evictor:
         evict = kind is PlanKind.EVICT
 
         def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int]:
-            unchanged = t.raw.id() == unchanged_at
-            leased = set() if unchanged else live_leases(t, now)[0]
-            taken: list[Sequence[bytes]] = []
-            done: list[str] = []
-            as_planned = []
-            for v in victims:
-                head = v[_HEAD]
-                if unchanged and v[_MKS] is not None and head is not None:  # rows exactly as the plan read them
-                    as_planned.append((v[_RAW_KEY], head[2], bool(head[3] & PINNED), v[_MKS]))
-                    refs: Sequence[bytes] | None = v[_REFS]
-                else:
-                    refs = self._drop_rechecked(t, v, evict, leased, now)
-                    if refs is None:
-                        continue
-                taken.append(refs)  # type: ignore[arg-type]
-                done.append(v[_KEY])
-            t.forget_entries(as_planned)
+            if t.raw.id() == unchanged_at:  # every row exactly as the plan read it
+                planned = [v for v in victims if v[_MKS] is not None and v[_HEAD] is not None]
+                rest = [v for v in victims if v[_MKS] is None or v[_HEAD] is None] if len(planned) < len(victims) else []
+                leased: set[str] = set()
+            else:
+                planned, rest, leased = [], list(victims), live_leases(t, now)[0]
+            t.forget_entries([(v[_RAW_KEY], v[_HEAD][2], v[_HEAD][3] & PINNED, v[_MKS])  # type: ignore[index]
+                              for v in planned])
+            taken = [v[_REFS] for v in planned]
+            done = [v[_KEY] for v in planned]
+            for v in rest:
+                refs = self._drop_rechecked(t, v, evict, leased, now)
+                if refs is not None:
+                    taken.append(refs)  # type: ignore[arg-type]
+                    done.append(v[_KEY])
             t.count("evictions", len(done))
             counts = Counter(chain.from_iterable(taken))
             dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
             return done, dropped, t.raw.id()
 
-        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
-            done, dropped, txn_id = self._tables.write(fn)
+        done, dropped, txn_id = self._tables.write(fn)
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
 

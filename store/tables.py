@@ -243,21 +243,18 @@ class Txn(BlobRows):
             self._add(PINNED, -nbytes)
         self.drop_entry_key(raw_key)
 
-    def forget_entries(self, entries: Sequence[tuple[bytes, int, bool, Sequence[bytes]]]) -> None:
+    def forget_entries(self, entries: Sequence[tuple[bytes, int, int, Sequence[bytes]]]) -> None:
         """:meth:`forget_entry` for many (row key, bytes, pinned, manifest keys) at once, manifests too.
 
         Each table's rows go in key order through one cursor, which LMDB
         positions from where it is rather than from the root.
         """
-        nbytes = pinned = 0
-        for _, n, pin, _ in entries:
-            nbytes += n
-            pinned += n if pin else 0
-        self._add(LOGICAL, -nbytes)
-        self._add(PINNED, -pinned)
-        keys = sorted(k for k, _, _, _ in entries)
+        self._add(LOGICAL, -sum(e[1] for e in entries))
+        self._add(PINNED, -sum(e[1] for e in entries if e[2]))
+        keys = sorted([e[0] for e in entries])
+        manifests = sorted([mk for e in entries for mk in e[3]])
         for table, rows in (("entries", keys), ("entry_shadow", keys), ("access", keys), ("components", keys),
-                            ("manifests", sorted(mk for *_, mks in entries for mk in mks))):
+                            ("manifests", manifests)):
             cur = self.raw.cursor(db=self._db[table])
             for k in rows:
                 if cur.set_key(k):
