@@ -39,7 +39,7 @@ import lmdb
 
 from .ballast import Ballast, may_spend
 from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
-from .indexfile import check_data_file
+from .indexfile import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .tables import DATABASES
 
 __all__ = ["Index", "SCHEMA_VERSION", "index_error"]
@@ -254,6 +254,8 @@ class Index:
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         check_data_file(self.path)  # a short file would SIGBUS at the first read
+        if needs_creating(self.path) and shutil.disk_usage(self.path).free < FRESH_INDEX_BYTES:
+            raise StoreFull(str(self.path), "no room to create the LMDB index")  # lmdb.open would SIGBUS
         try:
             env = lmdb.open(
                 str(self.path),

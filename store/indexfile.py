@@ -29,7 +29,8 @@ from pathlib import Path
 
 from .errors import CorruptRecord
 
-__all__ = ["MetaPage", "read_meta", "check_data_file", "probe_index", "ProbeResult"]
+__all__ = ["MetaPage", "read_meta", "check_data_file", "probe_index", "ProbeResult", "FRESH_INDEX_BYTES",
+           "needs_creating"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,21 @@ _LAST_PG = struct.Struct("<QQ")
 _LAST_PG_OFFSET = _PAGE_HEADER + _META.size + 2 * 48
 _META_BYTES = _LAST_PG_OFFSET + _LAST_PG.size
 _PROBE_TIMEOUT = 300.0
+
+
+#: Free bytes LMDB needs to create an environment.  It maps ``lock.mdb`` and
+#: ``data.mdb`` and writes through the map: on a full filesystem (tmpfs) that
+#: write is a SIGBUS inside ``lmdb.open``, so the store refuses with
+#: ``StoreFull`` first (and a rebuild releases the ballast to make room).
+FRESH_INDEX_BYTES = 1 << 20
+
+
+def needs_creating(index_dir: Path) -> bool:
+    """Will opening ``index_dir`` create LMDB's files (none there yet, or an empty ``data.mdb``)?"""
+    try:
+        return (index_dir / "data.mdb").stat().st_size == 0 or not (index_dir / "lock.mdb").exists()
+    except FileNotFoundError:
+        return True
 
 
 @dataclass(frozen=True, slots=True)

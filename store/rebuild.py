@@ -21,14 +21,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .ballast import Ballast
 from .errors import StoreError
 from .fsutil import fsync_dir
 from .index import Index
+from .indexfile import FRESH_INDEX_BYTES
 from .layout import Layout
 from .records import BlobRow
 from .tables import Tables, Txn
@@ -82,6 +85,8 @@ class RebuildPlan:
             fsync_dir(layout.root)
         log.warning("moved the damaged index of %s to %s (%s)", layout.root, dest, self.why)
         layout.mkdir(layout.index)
+        if shutil.disk_usage(layout.index).free < FRESH_INDEX_BYTES:
+            Ballast(layout.root).release()  # what the ballast is for: room for the fresh index
         good: list[tuple[str, int]] = []
         bad: list[str] = []
         for path in self.blob_files:

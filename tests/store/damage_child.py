@@ -9,7 +9,7 @@ parent that sees this process die by a signal knows which step it was:
 2. the CLI's ``stats``, ``verify`` and ``verify --fix`` (in this process,
    through ``adstore.daemon.cli.main``; their exit codes);
 3. ``after``: the store must open, and every lookup is a clean miss or a hit
-   whose bytes hash to what was saved.
+   whose bytes hash to what was saved; then ``verify`` and ``gc --max-size 1M``.
 
 A raw ``lmdb`` exception anywhere is reported as such, never swallowed.
 """
@@ -98,6 +98,7 @@ def main(root: str, expected_json: str) -> int:
         ("fix", lambda: _cli("verify", "--fix", "--root", root)),
         ("after", lambda: _read(root, expected)),
         ("verify_after", lambda: _cli("verify", "--root", root)),
+        ("gc", lambda: _cli("gc", "--root", root, "--max-size", "1M", "--grace-period", "0")),
     )
     for name, step in steps:
         _emit(step=name, phase="start")

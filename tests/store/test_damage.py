@@ -15,6 +15,7 @@ blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 from adstore.store import Store
 from store_helpers import report_figures, save
+from test_diskfull import small_fs  # noqa: F401  (the 8 MiB tmpfs fixture; root only)
 
 CHILD = Path(__file__).with_name("damage_child.py")
 PAGE = 4096
@@ -87,11 +89,12 @@ def replace_data(content: bytes) -> Damage:
     return damage
 
 
-def run_case(base: tuple[Path, dict], work: Path, name: str, damage: Damage) -> dict:
+def run_case(base: tuple[Path, dict], work: Path, name: str, damage: Damage, *, copy: bool = True) -> dict:
     """Copy the base store, damage it, run the child; returns its steps and how it ended."""
     src, expected = base
     root = work / name
-    shutil.copytree(src, root, symlinks=True)
+    if copy:
+        shutil.copytree(src, root, symlinks=True)
     damage(root)
     try:
         proc = subprocess.run([sys.executable, str(CHILD), str(root), json.dumps(expected)],
@@ -242,6 +245,51 @@ def _run_and_check(base, work: Path, *, slow: bool, min_cases: int) -> None:
     assert not failures, "\n".join(failures[:20])
     assert figures["signal_deaths"] == figures["exit_70"] == figures["raw_lmdb_errors"] == 0
     assert figures["cases"] >= min_cases
+
+
+def _fill_to_zero(mnt: Path) -> None:
+    """Take every free byte of the tmpfs (unbuffered, down to single bytes)."""
+    with open(mnt / "filler", "wb", buffering=0) as f:
+        for chunk in (bytes(1 << 16), b"\0"):
+            with contextlib.suppress(OSError):
+                while f.write(chunk):
+                    pass
+    assert shutil.disk_usage(mnt).free == 0
+
+
+@pytest.mark.parametrize("how", ["ballast kept", "ballast already spent", "index truncated too",
+                                 "index truncated, ballast kept"])
+def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
+    """Reads, verify, verify --fix and gc on a full tmpfs: no death, no exit 70; gc frees space with a ballast."""
+    src = small_fs / "src"
+    expected: dict[str, dict[str, str]] = {}
+    with Store.open(src, grace_period=0.0) as store:
+        for i in range(KEYS):
+            save(store, f"key{i}", sizes=(100, 200_000))
+            res = store.lookup(f"key{i}", record=False)
+            expected[f"key{i}"] = {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
+                                   for n in res.manifest.artifacts}
+
+    def damage(root: Path) -> None:
+        if "ballast kept" not in how:
+            (root / "ballast").unlink()
+        if how.startswith("index truncated"):
+            os.truncate(_data(root), 2 * PAGE)
+        _fill_to_zero(small_fs)
+
+    case = run_case((src, expected), small_fs, "src", damage, copy=False)
+    results = [case]
+    figures = _record("damage_full_disk_" + "_".join(how.replace(",", "").split()), results, [])
+    assert case["code"] == 0 and figures["exit_70"] == figures["raw_lmdb_errors"] == figures["wrong_bytes"] == 0, case
+    done = case["done"]
+    if how == "ballast kept":
+        assert done["read"]["hits"] == KEYS and done["verify"]["exit"] == 0, done
+        assert done["gc"]["exit"] == 0, done["gc"]
+        assert shutil.disk_usage(small_fs).free > 1 << 20
+    elif how == "index truncated, ballast kept":  # the rebuild spends the ballast on the fresh index
+        assert done["fix"]["exit"] == 0 and not done["after"].get("open_error"), done
+    else:
+        assert done["gc"]["exit"] in (0, 8, 9), done["gc"]  # a named error at worst, never stuck in a crash
 
 
 def test_damage_suite(base, tmp_path):
