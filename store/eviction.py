@@ -316,7 +316,8 @@ class Evictor:
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
             return done, dropped, t.raw.id()
 
-        done, dropped, txn_id = self._tables.write(fn)
+        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
+            done, dropped, txn_id = self._tables.write(fn)
         self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
 
