@@ -8,14 +8,23 @@ same hard limit with the same grace period (inline eviction, README
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptRecord
 from .records import decode_json, encode_json
 from .units import MinFree
 
-__all__ = ["Budget", "DEFAULT_GRACE_PERIOD"]
+if TYPE_CHECKING:
+    from .tables import Txn
+
+__all__ = ["Budget", "DEFAULT_GRACE_PERIOD", "BUDGET", "read_budget"]
+
+log = logging.getLogger(__name__)
+
+#: The budget's key in ``meta``.
+BUDGET = b"budget"
 
 #: Entries and unreferenced blobs younger than this are never evicted or swept.
 DEFAULT_GRACE_PERIOD = 600.0
@@ -72,3 +81,15 @@ class Budget:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord("meta", b"budget", f"bad budget fields ({exc})") from None
+
+
+def read_budget(t: Txn) -> Budget | None:
+    """The budget persisted in ``meta``; None if none was set (or it does not decode: logged)."""
+    raw = t.meta(BUDGET)
+    if raw is None:
+        return None
+    try:
+        return Budget.decode(raw)
+    except CorruptRecord as exc:
+        log.warning("%s", exc)
+        return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -22,8 +21,8 @@ from typing import Any
 from .ballast import Ballast
 from .blobs import Blobs
 from .bookkeeping import Bookkeeping
-from .budget import DEFAULT_GRACE_PERIOD, Budget
-from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, OverBudget, StoreError
+from .budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
+from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
 from .eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index import Index
@@ -46,7 +45,8 @@ from .records import (
 )
 from .stats import StoreStats, event_counters
 from .sweep import Sweeper, SweepPlan
-from .tables import BUDGET, PHYSICAL, LOGICAL, PINNED, Tables, Txn
+from .inline import InlineEviction
+from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
 from .units import MinFree, parse_duration, parse_size
 from .verify import Progress, VerifyReport, verify_store
 
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 64 << 10
 DEFAULT_MAP_SIZE = 1 << 30
-_INLINE_EVICTION_BATCH = 64
 
 
 def default_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -97,7 +96,7 @@ class Store:
         layout.create()
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
-        #: The hard limit of this writer (else the persisted budget's; see ``_reserve``).
+        #: The hard limit of this writer (else the persisted budget's; see ``inline``).
         self.max_size = max_size
         self._map_size = map_size
         self._memoize = memoize_lookups
@@ -116,8 +115,9 @@ class Store:
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
+        self._inline = InlineEviction(self._tables, max_size=self.max_size, grace_period=self.grace_period)
         self._blobs = Blobs(self._tables, inline_threshold=self.inline_threshold, grace_period=self.grace_period,
-                            reserve=self._reserve, on_dedup=self._count_dedup)
+                            reserve=self._inline.reserve, on_dedup=self._count_dedup)
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
 
@@ -214,40 +214,6 @@ class Store:
 
     def _count_dedup(self, size: int) -> None:
         self._book.count({"bytes_deduplicated": size})
-
-    def _reserve(self, nbytes: int) -> None:
-        """Keep a store bounded without a daemon: inline eviction at the hard limit.
-
-        The limit is this writer's ``max_size``, else the budget the daemon
-        persisted (with its grace period), so both agree on what is too much.
-        Only a writer's own limit refuses a write (:class:`OverBudget`); the
-        daemon's budget is one it enforces itself, so a writer only helps.
-        """
-        limit, grace = self.max_size, self.grace_period
-        if limit is None:
-            budget = self.budget()
-            if budget is None:
-                return
-            du = shutil.disk_usage(self.root)
-            limit, grace = budget.limit(size=self.size(), fs_total=du.total, fs_free=du.free), budget.grace_period
-            if limit is None:
-                return
-        if self.size() + nbytes <= limit:
-            return
-        evictor = self._evictor if grace == self.grace_period else Evictor(self._tables, grace_period=grace)
-        sweeper = self._sweeper if grace == self.grace_period else Sweeper(self._tables, grace_period=grace)
-        if limit - nbytes >= 0:
-            plan = evictor.plan(max_size=limit - nbytes, max_entries=_INLINE_EVICTION_BATCH)
-            if plan.count:
-                log.info("over the hard limit: evicting up to %d entr(ies) inline", plan.count)
-                plan.execute()
-        if self.size() + nbytes > limit:
-            sweep = sweeper.plan()  # unreferenced blobs past the grace period
-            if not sweep.empty:
-                sweep.execute()
-        size = self.size()
-        if size + nbytes > limit and self.max_size is not None:
-            raise OverBudget(nbytes, limit, size)
 
     # -- manifests -------------------------------------------------------
     @staticmethod
@@ -431,7 +397,7 @@ class Store:
                 physical_bytes=t.total(PHYSICAL),
                 logical_bytes=t.total(LOGICAL),
                 pinned_bytes=t.total(PINNED),
-                budget=self._read_budget(t),
+                budget=read_budget(t),
             )
         st.index_bytes = sum(f.stat().st_size for f in self._tables.layout.index.iterdir() if f.is_file())
         return st
@@ -443,18 +409,7 @@ class Store:
     def budget(self) -> Budget | None:
         """The persisted budget, or None if no daemon ever set one."""
         with self._tables.read() as t:
-            return self._read_budget(t)
-
-    @staticmethod
-    def _read_budget(t: Txn) -> Budget | None:
-        raw = t.meta(BUDGET)
-        if raw is None:
-            return None
-        try:
-            return Budget.decode(raw)
-        except CorruptRecord as exc:
-            log.warning("%s", exc)
-            return None
+            return read_budget(t)
 
     # -- gc and verify ---------------------------------------------------
     def plan_eviction(

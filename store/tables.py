@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .index import Index
     from .layout import Layout
 
-__all__ = ["DATABASES", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH", "BUDGET"]
+__all__ = ["DATABASES", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ PINNED = b"pinned_bytes"
 #: lookups (drops it, quarantines it, replaces it), so that a lookup may trust
 #: blob rows it checked before while this value is unchanged (``lookup.LookupMemo``).
 BLOB_EPOCH = b"blob_epoch"
-#: In ``meta``: the budget the daemon enforces (``budget.Budget``, JSON).
-BUDGET = b"budget"
 
 _I64 = struct.Struct("<q")
 _UNLINK_BATCH = 1000
