@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 import uuid
 
@@ -163,7 +162,7 @@ def test_read_only_clients_never_write(signer, trusted, tmp_path, dav_server):
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
-def test_a_down_remote_costs_the_timeout_once_then_under_a_millisecond(kind, request, trusted, tmp_path):
+def test_a_down_remote_costs_the_timeout_once_then_the_circuit_answers(kind, request, trusted, tmp_path):
     server = request.getfixturevalue("s3_env" if kind == "s3" else "dav_server")
     proxy = FaultProxy(server.port, mode="stall")
     store = Store.open(tmp_path / "s")
@@ -178,13 +177,13 @@ def test_a_down_remote_costs_the_timeout_once_then_under_a_millisecond(kind, req
         first = remote_restore(store, r, "cold")
         took = time.perf_counter() - t
         assert first.reason == "remote_timeout" and took < 0.5 + 1.0, (first, took)
-        later = []
+        # The open circuit answers without asking the server (the latency itself is
+        # measured in bench_remote.py, not asserted by a clock here).
+        before = r.counters.get("fast_fails", 0)
         for _ in range(50):
-            t = time.perf_counter()
             out = remote_restore(store, r, "cold")
-            later.append(time.perf_counter() - t)
             assert out.reason in ("remote_timeout", "remote_unavailable")
-        assert statistics.median(later) < 1e-3, later
+        assert r.counters.get("fast_fails", 0) - before >= 50, r.counters
         nothing_committed(store, "cold")
         assert store.stats().counters["remote.misses"] == 51
     finally:
