@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 
 import pytest
 
@@ -96,18 +95,19 @@ def test_breaker_opens_fails_fast_half_opens_and_closes(memory):
     assert r.counters["fast_fails"] == 2
 
 
-def test_open_breaker_answers_in_well_under_a_millisecond(memory):
+def test_open_breaker_answers_without_calling_the_backend(memory):
     r = Remote(memory, breaker=CircuitBreaker(cooldown=60))
     memory.fail = RemoteUnavailable("connection refused")
     d = digest_of(b"x")
     r.head(Kind.CAS, d)
-    times = []
+    calls = memory.calls if hasattr(memory, "calls") else None
     for _ in range(200):
-        t = time.perf_counter()
         out = r.fetch_record("k", 0)
-        times.append(time.perf_counter() - t)
         assert out.reason == "remote_unavailable"
-    assert sorted(times)[100] < 1e-3
+    # The open breaker answers without calling the backend (its latency is a bench_remote row).
+    assert r.counters["fast_fails"] >= 200
+    if calls is not None:
+        assert memory.calls == calls
 
 
 def test_answers_that_are_errors_do_not_open_the_breaker(memory):
