@@ -1,12 +1,16 @@
 """Damage checks of the LMDB file itself, made with plain file reads (README, "Damage and repair").
 
-LMDB maps ``data.mdb`` into memory and trusts it: a file shorter than the
-last page its meta page names makes the first read of a missing page a
-SIGBUS, which kills the process (no exception can be raised).  So before
-LMDB reads anything, :func:`check_data_file` reads both meta pages with
-``pread`` and compares the newest one's last used page with the file size;
-a short file, or one without a valid meta page, is a damaged index
-(:class:`CorruptRecord`, reason ``corrupt_index``), never a dead process.
+LMDB maps ``data.mdb`` into memory and trusts it: a read of a page past the
+end of the file is a SIGBUS, which kills the process (no exception can be
+raised).  So before LMDB reads anything, :func:`check_data_file` reads both
+meta pages with ``pread`` and compares the newest one's last used page with
+the file size.  A file may legitimately end before that page: LMDB never
+writes a page that a transaction allocated and freed again (a "loose" page),
+yet counts it in the last page number.  So a short file is walked, with
+``pread``, from the roots of every B-tree the meta page names; it is damaged
+only when a page LMDB can reach lies past its end.  A damaged file, or one
+without a valid meta page, is :class:`CorruptRecord` (reason
+``corrupt_index``), never a dead process.
 
 Damage *inside* pages (random bytes over a B-tree page) can still fault
 LMDB's own C code on some reads.  :func:`probe_index` therefore reads every
@@ -43,6 +47,14 @@ _PSIZE_OFFSET = _PAGE_HEADER + _META.size  # md_pad of the free-page DB
 _LAST_PG = struct.Struct("<QQ")
 _LAST_PG_OFFSET = _PAGE_HEADER + _META.size + 2 * 48
 _META_BYTES = _LAST_PG_OFFSET + _LAST_PG.size
+_DB_ROOT = 40  # md_root inside an MDB_db (after md_pad, md_flags, md_depth and four size_t counters)
+_META_ROOTS = (_PSIZE_OFFSET + _DB_ROOT, _PSIZE_OFFSET + 48 + _DB_ROOT)
+_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree
+# Page header flags and node flags (lmdb's mdb.c)
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_NODE = struct.Struct("<HHHH")  # mn_lo, mn_hi, mn_flags, mn_ksize
+_RETRIES = 3  # a writer may recycle pages during a walk: re-read the meta page and walk again
 _PROBE_TIMEOUT = 300.0
 
 
@@ -68,6 +80,7 @@ class MetaPage:
     page_size: int
     last_page: int
     txnid: int
+    roots: tuple[int, int] = (_NO_PAGE, _NO_PAGE)  # the free-page and main B-trees' root pages
 
     @property
     def min_file_size(self) -> int:
@@ -85,7 +98,8 @@ def _parse(raw: bytes, page_size: int | None) -> MetaPage | None:
     if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
         return None
     last_pg, txnid = _LAST_PG.unpack_from(raw, _LAST_PG_OFFSET)
-    return MetaPage(psize, last_pg, txnid)
+    roots = (struct.unpack_from("<Q", raw, _META_ROOTS[0])[0], struct.unpack_from("<Q", raw, _META_ROOTS[1])[0])
+    return MetaPage(psize, last_pg, txnid, roots)
 
 
 def read_meta(data_file: Path) -> MetaPage | None:
@@ -129,11 +143,79 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
         raise CorruptRecord("index", str(data_file), f"cannot read the LMDB meta pages: {exc.strerror}") from None
     if meta is None:
         return None
-    need = max(meta.min_file_size, 2 * meta.page_size)
-    if size < need:
-        raise CorruptRecord("index", str(data_file),
-                            f"truncated: {size} bytes, the index needs {need} (last page {meta.last_page})")
-    return meta
+    if size < 2 * meta.page_size:
+        raise CorruptRecord("index", str(data_file), f"truncated: {size} bytes, shorter than its two meta pages")
+    for _ in range(_RETRIES):
+        if size >= meta.min_file_size:
+            return meta
+        try:
+            missing = _reachable_page_past_end(data_file, meta, size // meta.page_size)
+            now = read_meta(data_file)
+            size = data_file.stat().st_size
+        except OSError as exc:
+            raise CorruptRecord("index", str(data_file), f"cannot read the LMDB pages: {exc.strerror}") from None
+        if missing is None:
+            return meta  # only never-written free pages lie past the end: sound
+        if now is None or now.txnid == meta.txnid:
+            raise CorruptRecord("index", str(data_file),
+                                f"truncated: {size} bytes, but the index reaches page {missing} "
+                                f"(needs {(missing + 1) * meta.page_size} bytes)")
+        meta = now  # a writer committed during the walk: walk the new tree
+    raise CorruptRecord("index", str(data_file), "truncated, and the index kept changing while it was checked")
+
+
+def _reachable_page_past_end(data_file: Path, meta: MetaPage, file_pages: int) -> int | None:
+    """The first page reachable from ``meta``'s B-trees that lies at or past ``file_pages``, else None.
+
+    Reads pages with ``pread`` only (never through a map).  A page that does
+    not parse is left alone: bad bytes inside the file are the probe's
+    business (:func:`probe_index`), only a missing page can fault a map read.
+    """
+    psize = meta.page_size
+    fd = os.open(data_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        todo = [root for root in meta.roots if root != _NO_PAGE]
+        seen: set[int] = set()
+        while todo:
+            pgno = todo.pop()
+            if pgno >= file_pages:
+                return pgno
+            if pgno in seen or pgno < 2 or len(seen) > meta.last_page:
+                continue  # a cycle, a meta page or more pages than exist: damage, not truncation
+            seen.add(pgno)
+            page = os.pread(fd, psize, pgno * psize)
+            todo.extend(_children(page, pgno, psize, file_pages))
+    finally:
+        os.close(fd)
+    return None
+
+
+def _children(page: bytes, pgno: int, psize: int, file_pages: int) -> list[int]:
+    """Page numbers a branch or leaf page refers to (child pages, overflow runs, sub-database roots)."""
+    if len(page) < psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
+        return []
+    flags, lower = struct.unpack_from("<HH", page, 10)
+    if flags & _P_OVERFLOW:
+        pages = struct.unpack_from("<I", page, 12)[0]
+        return [pgno + pages - 1] if pages > 1 and pgno + pages > file_pages else []
+    if not flags & (_P_BRANCH | _P_LEAF) or lower < _PAGE_HEADER or lower > psize:
+        return []
+    out: list[int] = []
+    for i in range((lower - _PAGE_HEADER) // 2):
+        off = struct.unpack_from("<H", page, _PAGE_HEADER + 2 * i)[0]
+        if off + _NODE.size > psize:
+            continue
+        lo, hi, nflags, ksize = _NODE.unpack_from(page, off)
+        data = off + _NODE.size + ksize
+        if flags & _P_BRANCH:
+            out.append(lo | hi << 16 | nflags << 32)
+        elif nflags & _F_BIGDATA and data + 8 <= psize:
+            out.append(struct.unpack_from("<Q", page, data)[0])
+        elif nflags & _F_SUBDATA and data + 48 <= psize:
+            root = struct.unpack_from("<Q", page, data + _DB_ROOT)[0]
+            if root != _NO_PAGE:
+                out.append(root)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

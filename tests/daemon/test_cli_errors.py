@@ -205,7 +205,11 @@ def test_hostile_arguments_never_exit_70_or_die_of_a_signal(populated, tmp_path,
            if p.returncode < 0 or p.returncode == 70 or b"Traceback" in p.stderr]
     assert not bad, bad
     codes = {p.returncode for _, p in results}
-    assert codes <= {0, 1, 2, 3, 7, 8, 11, 12, 13}, codes
+    assert codes <= {0, 1, 2, 3, 5, 7, 8, 11, 12, 13}, codes
+    # 5 (a daemon already runs) is the right answer only to a daemon started while another runs:
+    # the cases run concurrently, so two ``daemon --once`` on the same root may meet.
+    assert all("daemon" in argv and b"already" in p.stderr for argv, p in results if p.returncode == 5), \
+        [(argv, p.stderr[-200:]) for argv, p in results if p.returncode == 5]
     with Store.open(root) as store:  # nothing hostile touched the store
         assert len(list(store.entries())) == 3 and store.verify().ok
 
