@@ -82,6 +82,7 @@ class Store:
         check_permissions: bool = True,
         create: bool = True,
         memoize_lookups: bool = True,
+        remote: Any = None,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
@@ -101,6 +102,9 @@ class Store:
         self._map_size = map_size
         self._memoize = memoize_lookups
         self._flush_interval = flush_interval
+        from .tiered import open_tier  # imports this module
+
+        self.tier = open_tier(remote)  # the second tier, see ``open``; a bad one raises before the index opens
         self._attach(layout)
         self._open = True
 
@@ -138,15 +142,20 @@ class Store:
         """Open the store at ``root`` or the default root, creating it unless ``create=False``.
 
         With ``create=False`` (the CLI's read-only commands) a root without a
-        store raises :class:`NoStore` and nothing is created.
+        store raises :class:`NoStore` and nothing is created.  ``remote=`` (URL, ``RemoteConfig``,
+        ``Remote``): a lookup that finds nothing restores from it, a commit is pushed (``tiered.Tier``).
         """
         return cls(default_root() if root is None else root, **settings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Store:
-        """Open the store named by ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``."""
+        """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_REMOTE*`` name."""
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
+        if env.get("ADSTORE_REMOTE", "").strip():
+            from .remote import RemoteConfig
+
+            settings["remote"] = RemoteConfig.from_env(env)
         if env.get("ADSTORE_MAX_SIZE"):
             settings["max_size"] = parse_size(env["ADSTORE_MAX_SIZE"], field="ADSTORE_MAX_SIZE")
         if env.get("ADSTORE_GRACE_PERIOD"):
@@ -158,6 +167,8 @@ class Store:
         if not self._open:
             return
         self._open = False
+        if self.tier is not None:
+            self.tier.close()
         self._book.close()
         self._index.release()
 
@@ -259,6 +270,8 @@ class Store:
         validate_json(components or {}, "components")
         manifest, _zero = self._tables.write(
             lambda t: commit(t, key=key, rank=rank, generation=generation, components=components))
+        if self.tier is not None:
+            self.tier.pushed(self, key, rank)
         return manifest
 
     def abort(self, key: str, *, rank: int = 0, generation: int) -> bool:
@@ -276,6 +289,8 @@ class Store:
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
+        if self.tier is not None and result.reason == Reason.ABSENT:
+            result = self.tier.fallback(self, key, rank, result)
         if result.hit:
             self._book.hit(key, record=record)
         elif record:

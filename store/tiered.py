@@ -13,6 +13,11 @@ first), then the record last, inline or through a
 never raised.  The remote's counters are persisted as ``remote.*`` in the
 store's counters, where ``adstore stats`` and the daemon's metrics read
 them (README, "Remote tier").
+
+:class:`Tier` is what ``Store.open(root, remote=...)`` attaches: a store
+whose lookups that find nothing fall back to :func:`remote_restore` and whose
+commits are pushed with :func:`remote_save`, so a caller of the plain store
+API (the engine cache among them) gets both tiers without calling either.
 """
 
 from __future__ import annotations
@@ -21,13 +26,18 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
 from .reasons import Reason
 from .records import BlobRef, Manifest
-from .remote import BackgroundUploader, Outcome, Remote
-from .store import Store
+from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
+
+if TYPE_CHECKING:
+    from .lookup import LookupResult
+    from .store import Store
 
 __all__ = [
     "RECORD_FORMAT",
@@ -36,6 +46,8 @@ __all__ = [
     "remote_restore",
     "remote_save",
     "persist_counters",
+    "Tier",
+    "open_tier",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,10 +118,13 @@ def _miss(store: Store, reason: str, start: float, *, nbytes: int = 0,
 
 
 # -- restore -------------------------------------------------------------------
-def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0, world_size: int = 1) -> Outcome[Manifest]:
+def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0,
+                   world_size: int | None = 1) -> Outcome[Manifest]:
     """On a local miss: fetch, verify, pull and commit ``key``'s ``rank`` locally; the committed manifest.
 
-    Never raises.  Reasons: ``absent`` (no record), ``untrusted_remote``,
+    ``world_size=None`` takes the record's (a store lookup does not know
+    it); the pipeline passes its own, so a record of another topology is a
+    miss there.  Never raises.  Reasons: ``absent`` (no record), ``untrusted_remote``,
     ``remote_blob_missing``, ``remote_checksum``, ``topology_mismatch`` (a
     record of another world size), ``remote_unsupported`` (a newer record
     format), the transport reasons, and the store's own (``disk_full``...).
@@ -127,7 +142,8 @@ def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0, world_
         persist_counters(store, remote)
 
 
-def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int, start: float) -> Outcome[Manifest]:
+def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int | None,
+             start: float) -> Outcome[Manifest]:
     fetched = remote.fetch_record(key, rank)
     if not fetched.ok or fetched.value is None:
         return _miss(store, fetched.reason or str(Reason.ABSENT), start, nbytes=fetched.nbytes, error=fetched.error)
@@ -135,6 +151,10 @@ def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int,
     payload = fetched.value.payload
     if not isinstance(payload.get("format"), int) or payload["format"] > RECORD_FORMAT:
         return _miss(store, str(Reason.REMOTE_UNSUPPORTED), start, nbytes=nbytes)
+    if world_size is None:
+        world_size = payload.get("world_size")
+        if not isinstance(world_size, int) or isinstance(world_size, bool):
+            return _miss(store, str(Reason.REMOTE_UNSUPPORTED), start, nbytes=nbytes)
     if payload.get("world_size") != world_size:
         return _miss(store, str(Reason.TOPOLOGY_MISMATCH), start, nbytes=nbytes)
     refs = record_refs(payload)
@@ -193,3 +213,92 @@ def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, ran
     out = push()
     return Outcome(value=out.value, reason=out.reason, error=out.error, nbytes=out.nbytes,
                    seconds=time.perf_counter() - start)
+
+
+# -- the tier a store is opened with ---------------------------------------------
+RemoteSpec = str | RemoteConfig | Remote
+
+
+def open_tier(spec: RemoteSpec | None) -> Tier | None:
+    """The :class:`Tier` for ``Store.open(remote=...)``: a URL, a :class:`RemoteConfig` or a :class:`Remote`.
+
+    A URL takes the rest of its configuration (mode, keys, timeouts) from
+    ``ADSTORE_REMOTE_MODE`` and friends, the URL itself wins over
+    ``ADSTORE_REMOTE``.  A configuration that cannot be opened raises
+    :class:`ConfigError` here, once, not as misses later.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, Remote):
+        return Tier(spec, owned=False)
+    cfg = spec if isinstance(spec, RemoteConfig) else RemoteConfig.from_env(url=str(spec))
+    remote = cfg.open()
+    return None if remote is None else Tier(remote, owned=True)
+
+
+class Tier:
+    """A store's second tier: a lookup that finds nothing restores from ``remote``; a commit pushes to it.
+
+    Both directions go through :func:`remote_restore` and :func:`remote_save`
+    (the pipeline cache and the CLI call the same two), so trust, verification
+    and fail-open behaviour are the same everywhere.  While a restore or push
+    of this thread runs, the store's own lookups and commits stay local
+    (the restore commits, the push looks its entry up), and a restore never
+    pushes back what it just fetched.
+    """
+
+    def __init__(self, remote: Remote, *, owned: bool = True) -> None:
+        self.remote = remote
+        self._owned = owned
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"Tier({self.remote!r})"
+
+    @property
+    def busy(self) -> bool:
+        return bool(getattr(self._local, "busy", False))
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._local.busy = True
+        try:
+            yield
+        finally:
+            self._local.busy = False
+
+    def fallback(self, store: Store, key: str, rank: int | None, missed: LookupResult) -> LookupResult:
+        """After a local ``absent``: restore ``key`` (``rank``, or every rank of the record) and look again.
+
+        A miss keeps the remote's reason (``untrusted_remote``, ``remote_timeout``,
+        ...) unless the remote simply has no record, which stays ``absent``.
+        """
+        if self.busy:
+            return missed
+        with self._busy():
+            first = remote_restore(store, self.remote, key, 0 if rank is None else rank, None)
+            if first.ok and first.value is not None and rank is None:
+                for other in range(1, first.value.world_size):
+                    out = remote_restore(store, self.remote, key, other, first.value.world_size)
+                    if not out.ok:
+                        first = out
+                        break
+            if not first.ok:
+                if first.reason in (None, Reason.ABSENT):
+                    return missed
+                return type(missed)(False, Reason(first.reason))
+            return store.lookup(key, rank=rank, record=False)
+
+    def pushed(self, store: Store, key: str, rank: int) -> Outcome[int] | None:
+        """After a local commit: push it (read-write remotes; a failure is counted and logged, never raised)."""
+        if self.busy or not self.remote.writable:
+            return None
+        with self._busy():
+            out = remote_save(store, self.remote, key, rank)
+        if not out.ok:
+            log.warning("remote push of %s rank %d: %s", key, rank, out.reason)
+        return out
+
+    def close(self) -> None:
+        if self._owned:
+            self.remote.close()
