@@ -25,6 +25,7 @@ class Reason(enum.StrEnum):
     BLOB_MISSING = "blob_missing"  # a referenced blob has no row, no file, the wrong size, or is quarantined
     CHECKSUM = "checksum"  # blob content does not hash to its digest (quarantined)
     CORRUPT_INDEX = "corrupt_index"  # an index row or the index itself does not decode
+    INCOMPATIBLE_ENV = "incompatible_env"  # an entry for this request was built in another environment (torch, ABI, CPU, GPU)
 
     # -- store errors ------------------------------------------------------
     ERROR = "error"  # an adstore error without a more precise reason
