@@ -106,6 +106,21 @@ def _parse_bool(value: object, field: str) -> bool:
     raise ConfigError(field, f"expected true or false, got {value!r}")
 
 
+def _parse_url(value: object, field: str) -> str:
+    text = str(value).strip() if isinstance(value, str) else ""
+    scheme, sep, rest = text.partition("://")
+    if not (sep and scheme.isascii() and scheme[:1].isalpha() and scheme.isalnum() and rest) or any(c.isspace() or c == "\0" for c in text):
+        raise ConfigError(field, f"expected a URL such as s3://BUCKET/PREFIX or http://HOST:PORT/PREFIX, got {value!r}")
+    return text
+
+
+def _parse_remote_mode(value: object, field: str) -> str:
+    text = str(value).strip().lower().replace("_", "-")
+    if text not in ("read", "read-write"):
+        raise ConfigError(field, f"expected \"read\" or \"read-write\", got {value!r}")
+    return text
+
+
 def _show_min_free(v: MinFree) -> str:
     return f'"{v.percent:g}%"' if v.percent is not None else str(v.bytes)
 
@@ -122,6 +137,8 @@ AGE = _none_or(DURATION, zero_is_none=True)
 COUNT = Kind("N", _parse_count)
 LEVEL = Kind("LEVEL", lambda v, f: str(v).strip().lower(), lambda v: f'"{v}"')
 BOOL = Kind("BOOL", _parse_bool, lambda v: "true" if v else "false")
+URL = _none_or(Kind("URL", _parse_url, lambda v: f'"{v}"'), zero_is_none=False)
+REMOTE_MODE = Kind("MODE", _parse_remote_mode, lambda v: f'"{v}"')
 
 
 # ---------------------------------------------------------------- the table
@@ -219,6 +236,13 @@ class DaemonConfig:
     metrics_path: Path | None = setting(
         FILE, None, "write Prometheus metrics here after every pass (node-exporter textfile format, e.g. "
         "/var/lib/prometheus/node-exporter/adstore.prom); relative to the configuration file")
+    remote: str | None = setting(
+        URL, None, "the remote tier for `adstore push`, `pull` and `remote` with this file (`--config`, "
+        "`$ADSTORE_CONFIG`): s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX; `$ADSTORE_REMOTE` and "
+        "`--remote` win", shown_default="none (`$ADSTORE_REMOTE`)")
+    remote_mode: str = setting(
+        REMOTE_MODE, "read", "\"read\" or \"read-write\" (builders) for that remote; `$ADSTORE_REMOTE_MODE` "
+        "and `--mode` win")
     # Where the settings came from (not settings): reload() reads them again.
     source: Path | None = None
     overrides: tuple[tuple[str, Any], ...] = ()

@@ -4,8 +4,9 @@
 each rank's signed record); ``pull`` prefetches entries into the local store
 (e.g. while a node boots) so the first pipeline run is a local hit;
 ``remote`` shows the configuration, whether the server answers, the keys and
-the counters.  The remote comes from ``--remote``/``--mode`` or the
-``ADSTORE_REMOTE*`` variables (README, "Remote tier").  A transfer that fails
+the counters.  The remote comes from ``--remote``/``--mode``, else the
+``ADSTORE_REMOTE*`` variables, else the ``remote``/``remote_mode`` keys of the
+TOML file (``--config``, else ``$ADSTORE_CONFIG``) (README, "Remote tier").  A transfer that fails
 for any key is :class:`RemoteFailed` (exit 14) after every key was tried;
 errors go through the CLI's one table (``cli.report_error``).
 """
@@ -13,9 +14,12 @@ errors go through the CLI's one table (``cli.report_error``).
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 from adstore.daemon.commands import Context
+from adstore.daemon.config import DaemonConfig
 from adstore.daemon.errors import RemoteFailed
 from adstore.daemon.format import human_size, kv_block, table
 from adstore.store.errors import ConfigError
@@ -30,11 +34,22 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote", metavar="URL",
                    help="s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX (default: $ADSTORE_REMOTE)")
     p.add_argument("--mode", choices=["read", "read-write"],
-                   help="read or read-write (default: $ADSTORE_REMOTE_MODE, else read)")
+                   help="read or read-write (default: $ADSTORE_REMOTE_MODE, else the config's remote_mode, else read)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="TOML configuration whose remote and remote_mode apply when neither the flags nor "
+                        "$ADSTORE_REMOTE* give them (default: $ADSTORE_CONFIG)")
 
 
 def _config(args: argparse.Namespace) -> RemoteConfig:
+    """Flags win, then ``ADSTORE_REMOTE``/``ADSTORE_REMOTE_MODE``, then the TOML file's keys."""
     overrides: dict[str, Any] = {}
+    path = getattr(args, "config", None) or os.environ.get("ADSTORE_CONFIG") or None
+    if path is not None:
+        file = DaemonConfig.from_config(path)
+        if file.remote and not os.environ.get("ADSTORE_REMOTE", "").strip():
+            overrides["url"] = file.remote
+        if not os.environ.get("ADSTORE_REMOTE_MODE", "").strip():
+            overrides["mode"] = file.remote_mode
     if getattr(args, "remote", None):
         overrides["url"] = args.remote
     if getattr(args, "mode", None):

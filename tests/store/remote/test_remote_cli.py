@@ -71,3 +71,22 @@ def test_an_unreachable_remote_is_a_failed_check(setup, capsys):
     a, _b = setup
     code, data, _ = run(capsys, "--root", str(a), "remote", "--remote", "http://127.0.0.1:9/x", "--json")
     assert code == 1 and data["reachable"] is False and data["probe_reason"] == "remote_unavailable"
+
+
+def test_the_config_file_names_the_remote_unless_the_environment_or_a_flag_does(setup, capsys, tmp_path,
+                                                                                 monkeypatch, http_url):
+    a, b = setup
+    toml = tmp_path / "adstore.toml"
+    toml.write_text(f'remote = "{http_url}"\nremote_mode = "read-write"\n')
+    monkeypatch.delenv("ADSTORE_REMOTE")
+    code, data, err = run(capsys, "--root", str(a), "push", "cli-key", "--config", str(toml), "--json")
+    assert code == 0 and data["results"][0]["reason"] is None, err
+    monkeypatch.setenv("ADSTORE_CONFIG", str(toml))
+    code, data, _ = run(capsys, "--root", str(b), "remote", "--json", "--no-probe")
+    assert data["config"]["url"] == http_url and data["config"]["mode"] == "read-write"
+    monkeypatch.setenv("ADSTORE_REMOTE", "memory://from-env")
+    monkeypatch.setenv("ADSTORE_REMOTE_MODE", "read")
+    code, data, _ = run(capsys, "--root", str(b), "remote", "--json", "--no-probe")
+    assert data["config"]["url"] == "memory://from-env" and data["config"]["mode"] == "read"
+    code, data, _ = run(capsys, "--root", str(b), "remote", "--json", "--no-probe", "--remote", http_url)
+    assert data["config"]["url"] == http_url
