@@ -25,6 +25,7 @@ __all__ = [
     "EngineMismatch",
     "EngineUnavailable",
     "UntrustedEngine",
+    "RemoteEngineMiss",
     "ConfigError",
 ]
 
@@ -128,3 +129,16 @@ class UntrustedEngine(EngineCacheError):
         self.key = key
         self.owner = owner
         super().__init__(f"engine {key} not loaded: {detail}")
+
+
+class RemoteEngineMiss(EngineCacheError):
+    """Not in the local store, and the remote tier did not supply it; ``reason`` is the remote's.
+
+    ``untrusted_remote`` among them: an engine is native code, so one from an
+    unsigned or untrusted record is never even committed locally, let alone loaded.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = Reason(reason)
+        super().__init__(f"engine {key} not restored from the remote tier: {reason}")

@@ -75,6 +75,7 @@ from adstore.integration.errors import (
     CorruptEngine,
     EngineCacheError,
     EngineUnavailable,
+    RemoteEngineMiss,
     UntrustedEngine,
 )
 from adstore.integration.pipeline.events import EventKind
@@ -88,6 +89,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Misses only the remote tier gives (a store lookup that asked it); reported with their own reason.
+_REMOTE_REASONS = frozenset(r for r in Reason if r.startswith("remote_")) | {Reason.UNTRUSTED_REMOTE}
 
 
 class EngineStorage(abc.ABC):
@@ -214,6 +218,13 @@ class StoreEngineStorage(EngineStorage):
     An engine is native code, so a package is loaded only from a blob file owned by
     this user, root, or one of ``trusted_uids`` (``ADSTORE_TRUSTED_UIDS``); in a
     group-shared store another member's engine is a miss (``untrusted_engine``).
+
+    With a remote tier (``remote=`` a URL, ``RemoteConfig`` or ``Remote``; a store
+    opened with one; or ``ADSTORE_REMOTE`` through :meth:`from_env`) a local miss
+    restores the engine's record and blobs from the remote and a save pushes them
+    (``Store.open(remote=...)``).  Only records signed by a trusted key are
+    restored; anything else is a miss with the remote's reason
+    (``untrusted_remote``) and a compile, never a load.
     """
 
     name = "adstore"
@@ -228,13 +239,14 @@ class StoreEngineStorage(EngineStorage):
         root: str | Path | None = None,
         max_size: int | str | None = None,
         trusted_uids: Iterable[int] = (),
+        remote: Any = None,
     ) -> None:
         from adstore.store import Store, parse_size
 
-        if store is not None and root is not None:
-            raise ConfigError("store", "give either store= or root=, not both")
+        if store is not None and (root is not None or remote is not None):
+            raise ConfigError("store", "give either store= or root=/remote=, not both")
         self._owns_store = store is None
-        self.store = store if store is not None else Store.open(root)
+        self.store = store if store is not None else Store.open(root, remote=remote)
         self.max_size = None if max_size is None else parse_size(max_size, field="max_size")
         try:
             extra = {int(u) for u in trusted_uids}
@@ -245,15 +257,15 @@ class StoreEngineStorage(EngineStorage):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> StoreEngineStorage:
-        unknown = set(config) - {"root", "max_size", "trusted_uids"}
+        unknown = set(config) - {"root", "max_size", "trusted_uids", "remote"}
         if unknown:
             raise ConfigError(",".join(sorted(unknown)), "unknown engine cache option")
         return cls(root=config.get("root"), max_size=config.get("max_size"),
-                   trusted_uids=config.get("trusted_uids") or ())
+                   trusted_uids=config.get("trusted_uids") or (), remote=config.get("remote"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreEngineStorage:
-        """The store from ``ADSTORE_ROOT`` (and friends).
+        """The store from ``ADSTORE_ROOT`` (and friends, ``ADSTORE_REMOTE*`` among them).
 
         ``ADSTORE_ENGINE_MAX_SIZE`` sets the budget; ``ADSTORE_TRUSTED_UIDS``
         (comma-separated) adds users whose engines may be loaded.
@@ -320,10 +332,12 @@ class StoreEngineStorage(EngineStorage):
 
     def load_record(self, hash: str) -> EngineRecord | None:
         store = self.store
-        res = store.lookup(hash, record=False)
+        res = store.lookup(hash, record=False)  # with a remote tier, a local absence asks the remote
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
+            if store.tier is not None and res.reason in _REMOTE_REASONS:
+                raise RemoteEngineMiss(hash, res.reason)
             raise EngineUnavailable(hash, res.reason)
         manifest = res.manifest
         if manifest is None or manifest.namespace != self.NAMESPACE:
