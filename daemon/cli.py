@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from adstore.daemon.config import SETTINGS
-from adstore.daemon.commands import SORT_CHOICES, Context, cmd_explain, cmd_inspect, cmd_ls, cmd_stats
+from adstore.daemon.commands import SORT_CHOICES, Context, cmd_inspect, cmd_ls, cmd_stats
+from adstore.daemon.explain import cmd_explain
 from adstore.daemon.errors import (
     AlreadyRunning,
     AmbiguousKey,

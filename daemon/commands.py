@@ -1,4 +1,4 @@
-"""Read-only CLI commands: ``stats``, ``ls``, ``inspect``, ``explain``.
+"""Read-only CLI commands: ``stats``, ``ls``, ``inspect`` (``explain`` is :mod:`adstore.daemon.explain`).
 
 Each command takes the parsed arguments and a :class:`Context` and returns an
 exit code; it prints either a human view or, with ``--json``, the raw data
@@ -41,7 +41,6 @@ __all__ = [
     "cmd_stats",
     "cmd_ls",
     "cmd_inspect",
-    "cmd_explain",
     "SNAPSHOT_ARTIFACTS",
 ]
 
@@ -404,7 +403,7 @@ def cmd_inspect(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- explain
+# ---------------------------------------------------------------- component views (explain)
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """Leaf paths (``a.b[2].c``) to values, in key order; iterative, so any nesting depth is shown."""
     out: dict[str, Any] = {}
@@ -424,67 +423,3 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def _short(value: Any, width: int = 60) -> str:
     text = json.dumps(value, default=str, sort_keys=True)
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def compare_components(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Per top-level component: same or not, and the differing leaf paths."""
-    result: dict[str, Any] = {}
-    for name in sorted(set(a) | set(b), key=str):
-        if name not in a or name not in b:
-            result[name] = {"same": False, "only_in": "a" if name in a else "b", "differences": []}
-            continue
-        fa, fb = _flatten(a[name]), _flatten(b[name])
-        diffs = [{"path": f"{name}.{p}" if p else name, "a": fa.get(p, "<absent>"), "b": fb.get(p, "<absent>")}
-                 for p in sorted(set(fa) | set(fb)) if fa.get(p, _MISSING) != fb.get(p, _MISSING)]
-        result[name] = {"same": not diffs, "differences": diffs}
-    return result
-
-
-_MISSING = object()
-
-
-def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
-    store = ctx.store(create=False)
-    keys = [resolve_key(store, k) for k in args.keys]
-    entries = []
-    for key in keys:
-        entry = store.entry(key)
-        if entry is None:
-            raise UnknownKey(key)
-        entries.append(entry)
-    if len(entries) == 1:
-        comps = entries[0].components
-        data = {"key": keys[0], "components": comps}
-        lines = [f"key {keys[0]}"]
-        if not comps:
-            lines.append("  (no key components were stored with this entry)")
-        for name in sorted(comps, key=str):
-            lines.append(f"  {name}:")
-            for path, value in _flatten(comps[name]).items():
-                lines.append(f"    {path or name} = {_short(value, 100)}")
-        ctx.emit(data, "\n".join(lines))
-        return 0
-    a, b = entries
-    cmp = compare_components(a.components, b.components)
-    differing = [name for name, c in cmp.items() if not c["same"]]
-    data = {"a": a.key, "b": b.key, "components": cmp, "differing": differing,
-            "identical": a.key == b.key}
-    lines = [f"A {a.key}", f"B {b.key}", ""]
-    rows = []
-    for name, c in cmp.items():
-        state = "same" if c["same"] else (f"only in {c['only_in'].upper()}" if "only_in" in c else "DIFFERS")
-        rows.append((name, state))
-    lines.append(table(rows, ("COMPONENT", "A vs B")))
-    for name in differing:
-        for d in cmp[name]["differences"][:20]:
-            lines.append(f"  {d['path']}: A={_short(d['a'])}  B={_short(d['b'])}")
-        extra = len(cmp[name]["differences"]) - 20
-        if extra > 0:
-            lines.append(f"  … {extra} more differences in {name}")
-    if not differing:
-        lines.append("\nall stored components are equal" + (
-            "" if a.key == b.key else " (the keys differ by something not stored as a component)"))
-    else:
-        lines.append(f"\ndiffering: {', '.join(differing)}")
-    ctx.emit(data, "\n".join(lines))
-    return 0

@@ -19,6 +19,7 @@ __all__ = [
     "UntrustedTarget",
     "CorruptSnapshot",
     "CacheKeyError",
+    "IncompatibleEnv",
     "EngineCacheError",
     "CorruptEngine",
     "TruncatedEngine",
@@ -83,6 +84,20 @@ class CorruptSnapshot(SnapshotError):
 
 class CacheKeyError(IntegrationError):
     reason = Reason.KEY_ERROR
+
+
+class IncompatibleEnv(IntegrationError):
+    """An entry for this request exists but was built in another environment; it is not loaded.
+
+    ``fields`` are the dotted names of the environment fields that differ
+    (``env.torch``, ``toolchain.cpu.capability``), so the miss says what to fix.
+    """
+
+    reason = Reason.INCOMPATIBLE_ENV
+
+    def __init__(self, fields: list[str], message: str) -> None:
+        self.fields = list(fields)
+        super().__init__(message)
 
 
 class EngineCacheError(IntegrationError):

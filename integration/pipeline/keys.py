@@ -4,9 +4,10 @@ Components: ``model`` (factory identity), ``checkpoint`` (cheap fingerprint),
 ``prefix`` (every transform before the cache point: name + config, from the
 copy taken before any transform ran), ``dist`` (topology without the rank,
 only when the prefix reaches sharding), ``env`` (adstore format version,
-torch/transformers versions and a fingerprint of the prefix transforms' source
-code) and ``extra`` (caller's own).  The components are stored with the entry
-so ``adstore explain`` can say which one made two keys differ.
+torch version and build, Python version and ABI, transformers version and a
+fingerprint of the prefix transforms' source code) and ``extra`` (caller's
+own).  The components are stored with the entry so ``adstore explain`` can
+say which one made two keys differ.
 
 Canonical JSON: sorted keys, no whitespace, floats by their shortest exact
 repr (non-finite floats spelled out), paths as POSIX strings, enums by value,
@@ -20,6 +21,7 @@ import dataclasses
 import enum
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.metadata
 import inspect
 import json
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 from adstore.integration.errors import CacheKeyError
+from adstore.integration.pipeline.envcheck import apply_overrides
 
 __all__ = [
     "COMPONENTS",
@@ -130,25 +133,34 @@ def code_fingerprint(classes: Iterable[type | Callable[..., Any]]) -> dict[str, 
 
 
 def environment_fingerprint(code: Iterable[type | Callable[..., Any]] = ()) -> dict[str, Any]:
-    """The ``env`` key component: format version, library versions and a code fingerprint.
+    """The ``env`` key component: the environment a snapshot is built in, and the code that built it.
 
-    ``code`` holds the classes or functions whose defining modules' source is
-    hashed (the prefix transforms, a user's own passes), so an upgrade of
-    torch, transformers or adstore, or an edit of that code, is a miss rather
-    than a stale hit.  Volatile facts (host, pid, paths, time) never enter it.
-    Public as ``adstore.integration.environment_fingerprint`` (README, "Public API").
+    The adstore format, torch's version and build (its git commit), the Python
+    version and extension ABI, transformers' version, and the source
+    fingerprint of ``code`` (the prefix transforms, a user's own passes): an
+    upgrade or a rebuild of any of them, or an edit of that code, is a miss
+    rather than a stale hit, and a miss that finds the same request built
+    under other values is ``incompatible_env`` naming the field
+    (:mod:`~adstore.integration.pipeline.envcheck`).  Volatile facts (host,
+    pid, paths, time) never enter it.  ``ADSTORE_ENV_OVERRIDES`` can simulate
+    other values (tests).  Public as ``adstore.integration.environment_fingerprint``
+    (README, "Public API").
     """
     env: dict[str, Any] = {
         "adstore_format": FORMAT_VERSION,
         "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", "") or "",
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        # The suffix of compiled extensions (``.cpython-311-x86_64-linux-gnu.so``): implementation,
+        # version, ABI flags (free-threaded, debug) and platform, without importing sysconfig.
+        "python_abi": importlib.machinery.EXTENSION_SUFFIXES[0] if importlib.machinery.EXTENSION_SUFFIXES else "",
         "code": code_fingerprint(code),  # type: ignore[arg-type]
     }
     try:  # from the package metadata: whether this process imported transformers must not change the key
         env["transformers"] = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         pass
-    return env
+    return apply_overrides(env, "env")
 
 
 #: The name the pipeline cache's key recipe has used since the start.

@@ -13,6 +13,10 @@ anywhere on any rank makes every rank run the full pipeline, and nothing
 partial is ever restorable: the store only serves an entry whose ranks all
 committed the same generation.
 
+A lookup that finds no entry but an entry for the same request saved in
+another environment (torch, Python ABI, ...) is the miss ``incompatible_env``
+naming the differing fields (:mod:`~adstore.integration.pipeline.envcheck`).
+
 Everything fails open: key computation, opening the root, IO, corrupt or
 untrusted payloads, unsupported modules and hooks each become a ``miss`` or a
 ``bypass`` event with a reason, counted in the store.
@@ -30,6 +34,7 @@ from typing import Any
 
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
+from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
 from adstore.store.errors import AdstoreError
@@ -122,7 +127,8 @@ class SnapshotCache:
         t0 = time.perf_counter()
         ok, reason, gen, manifest, detail = False, None, None, None, ""
         try:
-            text = self._compute_key(key).key
+            ck = self._compute_key(key)
+            text = ck.key
             try:
                 leases.enter_context(self.store().lease(text))
             except AdstoreError as exc:  # no lease (e.g. a full disk): restore unprotected
@@ -135,6 +141,8 @@ class SnapshotCache:
                 gen = res.generation if ok else None
             else:
                 reason = res.reason or Reason.ABSENT
+                if reason == Reason.ABSENT:
+                    reason, detail = self._why_absent(ck)
         except Exception as exc:
             reason, detail = failure_reason(exc), str(exc)
         # agreement 1: every rank found its own committed manifest of one generation
@@ -165,6 +173,21 @@ class SnapshotCache:
         self._event(EventKind.HIT, topo, source=Source.STORE, seconds=seconds, seconds_saved=saved,
                     nbytes=sum(ref.size for ref in manifest.artifacts.values()))
         return module
+
+    def _why_absent(self, ck: CacheKey) -> tuple[Reason, str]:
+        """``incompatible_env`` naming the fields when this request was saved in another environment.
+
+        Only names the reason: the entry found has another key and is never loaded.
+        """
+        try:
+            found = find_mismatch(store_candidates(self.store(), self.namespace, exclude=ck.key), ck.components,
+                                  env=("env",), request=("env.code",))  # edited prefix code: another request
+        except Exception as exc:  # the diagnosis must never fail the lookup
+            log.debug("no environment diagnosis for %s: %s", ck.key, exc)
+            return Reason.ABSENT, ""
+        if found is None:
+            return Reason.ABSENT, ""
+        return Reason.INCOMPATIBLE_ENV, found.message()
 
     # ----------------------------------------------------------------- save
     def save(self, module: nn.Module, key: Callable[[], CacheKey], topo: Topology, *, prefix_seconds: float,

@@ -1,0 +1,101 @@
+"""``adstore explain KEY [KEY]``: an entry's key components, or how two entries' differ (README, "CLI").
+
+Two entries that differ only in their environment (torch, Python ABI, CPU,
+GPU: the ``env`` component of pipeline entries, ``toolchain`` of engines)
+are the same request built in two environments, the case a lookup reports
+as ``incompatible_env``; the environment difference is therefore shown on
+its own line (and as ``environment`` in ``--json``), field by field.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from adstore.daemon.commands import Context, _flatten, _short, resolve_key
+from adstore.daemon.errors import UnknownKey
+from adstore.daemon.format import table
+
+__all__ = ["ENV_COMPONENTS", "cmd_explain", "compare_components", "environment_differences"]
+
+#: Components that record the environment an entry was built in (the names
+#: ``adstore.integration.pipeline.envcheck`` uses; the daemon does not import torch).
+ENV_COMPONENTS = ("env", "toolchain")
+
+_MISSING = object()
+
+
+def compare_components(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per top-level component: same or not, and the differing leaf paths."""
+    result: dict[str, Any] = {}
+    for name in sorted(set(a) | set(b), key=str):
+        if name not in a or name not in b:
+            result[name] = {"same": False, "only_in": "a" if name in a else "b", "differences": []}
+            continue
+        fa, fb = _flatten(a[name]), _flatten(b[name])
+        diffs = [{"path": f"{name}.{p}" if p else name, "a": fa.get(p, "<absent>"), "b": fb.get(p, "<absent>")}
+                 for p in sorted(set(fa) | set(fb)) if fa.get(p, _MISSING) != fb.get(p, _MISSING)]
+        result[name] = {"same": not diffs, "differences": diffs}
+    return result
+
+
+def environment_differences(a: dict[str, Any], b: dict[str, Any], cmp: dict[str, Any]) -> dict[str, Any]:
+    """The environment part of :func:`compare_components`: recorded or not, same or not, the fields."""
+    names = [n for n in ENV_COMPONENTS if n in cmp]
+    diffs: list[dict[str, Any]] = []
+    for name in names:
+        if "only_in" in cmp[name]:  # one entry recorded no environment under this name
+            diffs.append({"path": name, "a": a.get(name, "<absent>"), "b": b.get(name, "<absent>")})
+        diffs.extend(cmp[name]["differences"])
+    return {"recorded": bool(names), "same": not diffs, "differences": diffs}
+
+
+def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
+    store = ctx.store(create=False)
+    keys = [resolve_key(store, k) for k in args.keys]
+    entries = []
+    for key in keys:
+        entry = store.entry(key)
+        if entry is None:
+            raise UnknownKey(key)
+        entries.append(entry)
+    if len(entries) == 1:
+        comps = entries[0].components
+        data = {"key": keys[0], "components": comps}
+        lines = [f"key {keys[0]}"]
+        if not comps:
+            lines.append("  (no key components were stored with this entry)")
+        for name in sorted(comps, key=str):
+            lines.append(f"  {name}:")
+            for path, value in _flatten(comps[name]).items():
+                lines.append(f"    {path or name} = {_short(value, 100)}")
+        ctx.emit(data, "\n".join(lines))
+        return 0
+    a, b = entries
+    cmp = compare_components(a.components, b.components)
+    differing = [name for name, c in cmp.items() if not c["same"]]
+    env = environment_differences(a.components, b.components, cmp)
+    data = {"a": a.key, "b": b.key, "components": cmp, "differing": differing,
+            "identical": a.key == b.key, "environment": env}
+    lines = [f"A {a.key}", f"B {b.key}", ""]
+    rows = []
+    for name, c in cmp.items():
+        state = "same" if c["same"] else (f"only in {c['only_in'].upper()}" if "only_in" in c else "DIFFERS")
+        rows.append((name, state))
+    lines.append(table(rows, ("COMPONENT", "A vs B")))
+    for name in differing:
+        for d in cmp[name]["differences"][:20]:
+            lines.append(f"  {d['path']}: A={_short(d['a'])}  B={_short(d['b'])}")
+        extra = len(cmp[name]["differences"]) - 20
+        if extra > 0:
+            lines.append(f"  … {extra} more differences in {name}")
+    if env["recorded"]:
+        lines.append("\nenvironment: " + ("same" if env["same"] else "built in different environments: "
+                                          + ", ".join(d["path"] for d in env["differences"])))
+    if not differing:
+        lines.append("\nall stored components are equal" + (
+            "" if a.key == b.key else " (the keys differ by something not stored as a component)"))
+    else:
+        lines.append(f"\ndiffering: {', '.join(differing)}")
+    ctx.emit(data, "\n".join(lines))
+    return 0
