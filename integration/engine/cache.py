@@ -15,7 +15,8 @@ miss with a named reason and a recompile, never an exception or a wrong answer.
 
 An in-process layer keeps the packages of recently used engines (bounded LRU,
 in a private temp directory deleted with the cache), so repeated compiles in
-one process do not go back to the backend. Every returned engine gets its own
+one process do not go back to the backend; a copy is re-checked against its
+record's checksum before each load, and a changed one is refused. Every returned engine gets its own
 loaded runner: refitting one engine never changes another's weights.
 """
 
@@ -36,7 +37,7 @@ import torch
 
 from adstore.integration.engine.hashing import as_tuple, hash_components
 from adstore.integration.engine.packages import PackageLRU
-from adstore.integration.engine.record import EngineRecord
+from adstore.integration.engine.record import EngineRecord, check_package_file
 from adstore.integration.engine.runtime import (
     CompiledEngine,
     build_meta,
@@ -44,6 +45,7 @@ from adstore.integration.engine.runtime import (
     constants_as_buffers,
     constants_spec,
     load_runner,
+    record_components,
     refit,
     validate_meta,
     validate_runner,
@@ -51,7 +53,8 @@ from adstore.integration.engine.runtime import (
 )
 from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
 from adstore.integration.engine.toolchain import STORAGE_SETTINGS, effective_inductor_configs
-from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
+from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch, IncompatibleEnv
+from adstore.integration.pipeline.envcheck import find_mismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import json_digest
 from adstore.store.errors import AdstoreError
@@ -226,14 +229,14 @@ class EngineCache:
                 logger.exception("engine backend %r failed to load %s", backend, h)
                 return self._miss(h, Reason.BACKEND_ERROR, f"{type(exc).__name__}: {exc}")
             if record is None:
-                return self._miss(h, Reason.ABSENT, "")
+                return self._miss(h, *self._why_absent(req))
             meta = record.meta
         else:
             meta = cached[0]
             backend.touch(h)
         timings["fetch"] = time.perf_counter() - t0
         try:
-            validate_meta(meta, h, ep, spec, inductor_configs)
+            validate_meta(meta, h, ep, spec, inductor_configs, req.components)
             if record is not None:
                 backend.check_loadable(record)  # native code: only from trusted writers
                 path = record.payload_path if record.payload_path is not None else None
@@ -244,6 +247,7 @@ class EngineCache:
                 path = self._memory.put(h, meta, path)
             else:
                 path = cached[1]  # type: ignore[index]
+                check_package_file(path, meta)  # native code: re-checked before every load of the copy
             t1 = time.perf_counter()
             runner = load_runner(path)
             timings["load"] = time.perf_counter() - t1
@@ -251,12 +255,17 @@ class EngineCache:
             timings["refit"] = refit(runner, weights, spec)
         except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
             self._memory.discard(h)
+            why = exc.reason if isinstance(exc, (EngineCacheError, IncompatibleEnv)) else Reason.LOAD_FAILED
             if source == Source.MEMORY:
-                # The private copy went bad (removed by a tmp cleaner, ...): ask the backend.
-                logger.warning("in-process engine copy of %s unusable (%s); reading the backend", h[:12], exc)
-                return self._try_hit(req)
-            if isinstance(exc, EngineCacheError):
-                return self._miss(h, exc.reason, str(exc))
+                # The private copy went bad (changed, removed by a tmp cleaner, ...): refused, ask the backend.
+                logger.warning("in-process engine copy of %s refused (%s: %s); reading the backend", h[:12], why, exc)
+                self._count(f"memory_refused.{why}")
+                engine, reason, detail = self._try_hit(req)
+                if engine is None and reason == Reason.ABSENT:  # the backend no longer has it: say why
+                    return self._miss(h, why, f"in-process copy refused: {exc}")
+                return engine, reason, detail
+            if isinstance(exc, (EngineCacheError, IncompatibleEnv)):
+                return self._miss(h, why, str(exc))
             return self._miss(h, Reason.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
             if record is not None:
@@ -269,6 +278,20 @@ class EngineCache:
         logger.info("engine cache hit %s from %s (%.3fs, ~%.1fs saved)", h[:12], source, elapsed, saved)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         return engine, None, ""
+
+    def _why_absent(self, req: _Request) -> tuple[Reason, str]:
+        """``incompatible_env`` naming the fields when the back end holds this request built elsewhere.
+
+        The engine found has another hash and is never loaded; the diagnosis only
+        names the reason (README, "Environment checks").
+        """
+        try:
+            found = find_mismatch(self.backend.stored_components(exclude=req.hash), record_components(req.components),
+                                  env=("toolchain",), derived=("settings.inductor_config",))
+        except Exception as exc:  # noqa: BLE001 - a diagnosis never fails the lookup
+            logger.debug("no environment diagnosis for %s: %s", req.hash, exc)
+            return Reason.ABSENT, ""
+        return (Reason.ABSENT, "") if found is None else (Reason.INCOMPATIBLE_ENV, found.message())
 
     def _miss(self, h: str, reason: Reason, detail: str) -> tuple[None, Reason, str]:
         if reason != Reason.ABSENT:

@@ -20,7 +20,7 @@ from typing import Any
 
 from adstore.integration.errors import CorruptEngine, EngineCacheError, EngineMismatch, TruncatedEngine
 
-__all__ = ["ENGINE_FORMAT_VERSION", "EngineRecord", "check_meta"]
+__all__ = ["ENGINE_FORMAT_VERSION", "EngineRecord", "check_meta", "check_package_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,25 @@ def check_meta(meta: Any, expected_hash: str) -> dict[str, Any]:
     ):
         raise CorruptEngine("engine metadata has no payload checksum")
     return meta
+
+
+def check_package_file(path: Path, meta: Mapping[str, Any]) -> None:
+    """Raise CorruptEngine unless the package file at ``path`` is the one ``meta`` checksums.
+
+    The engine cache calls it before loading a package from its in-process copy:
+    the copy sits in a temp directory for the life of the process, and a package
+    is native code, so bytes changed behind the cache's back must never be loaded.
+    """
+    payload = meta.get("payload") or {}
+    try:
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        size = path.stat().st_size
+    except OSError as exc:
+        raise CorruptEngine(f"engine package copy {path.name} cannot be read: {exc}") from exc
+    if size != payload.get("size") or digest != payload.get("sha256"):
+        raise CorruptEngine(f"engine package copy {path.name} changed: sha256 {digest[:16]} ({size} bytes), "
+                            f"the record says {str(payload.get('sha256'))[:16]} ({payload.get('size')} bytes)")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from adstore.integration.engine.hashing import call_spec
 from adstore.integration.engine.toolchain import toolchain_identity
 from adstore.integration.errors import EngineMismatch
+from adstore.integration.pipeline.envcheck import EnvMismatch, env_differences
 from adstore.integration.pipeline.events import CacheEvent, Source
 from adstore.integration.pipeline.keys import json_digest
 
@@ -32,6 +33,7 @@ __all__ = [
     "constants_as_buffers",
     "constants_spec",
     "load_runner",
+    "record_components",
     "refit",
     "validate_meta",
     "validate_runner",
@@ -209,9 +211,22 @@ def build_meta(
         "settings": inductor_configs,
         "constants": spec,
         "toolchain": toolchain_identity(),
-        "components": {k: (v if k in ("version", "toolchain") else json_digest(v)) for k, v in components.items()},
+        "components": record_components(components),
         "payload": {"weights_included": False},
     }
+
+
+#: Hash components stored as they are (small; ``adstore explain`` shows their fields); the rest as digests.
+_STORED_AS_IS = ("version", "toolchain", "settings")
+
+
+def record_components(components: Mapping[str, Any]) -> dict[str, Any]:
+    """The form of the hash components stored in a record and as the store entry's components.
+
+    The graph and the input specs are stored as their SHA-256 digests (the
+    graph digest is what a record relabelled under another hash betrays).
+    """
+    return {k: (_json_roundtrip(v) if k in _STORED_AS_IS else json_digest(v)) for k, v in components.items()}
 
 
 def _json_roundtrip(obj: Any) -> Any:
@@ -224,16 +239,32 @@ def validate_meta(
     ep: torch.export.ExportedProgram,
     spec: list[dict[str, Any]],
     inductor_configs: dict[str, Any],
+    components: Mapping[str, Any],
 ) -> None:
-    """A stored engine must be exactly what this request would compile; else EngineMismatch."""
+    """A stored engine must be exactly what this request would compile, here.
+
+    IncompatibleEnv (naming the fields) when it was built in another
+    environment; EngineMismatch when anything else differs, including the
+    stored graph digest: a record relabelled under another hash is a miss.
+    """
     if meta.get("kind") != ENGINE_KIND:
         raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
     if meta.get("hash") != h:
         raise EngineMismatch("hash", f"record says {meta.get('hash')!r}")
     if meta.get("payload", {}).get("weights_included"):
         raise EngineMismatch("payload", "record carries weights; this cache stores architecture only")
+    here = {"toolchain": toolchain_identity()}
+    diffs = env_differences({"toolchain": meta.get("toolchain")}, here, env=("toolchain",))
+    if diffs:
+        raise EnvMismatch(h, tuple(diffs)).error()
+    stored, wanted = meta.get("components"), record_components(components)
+    if not isinstance(stored, Mapping):
+        raise EngineMismatch("components", "record stores no hash components")
+    for name in sorted(set(stored) | set(wanted)):
+        if _json_roundtrip(stored.get(name)) != wanted.get(name):
+            raise EngineMismatch(name, f"record was built for another {name} "
+                                       f"({str(stored.get(name))[:16]}, asked for {str(wanted.get(name))[:16]})")
     checks = {
-        "toolchain": toolchain_identity(),
         "constants": spec,
         "call_spec": call_spec(ep),
         "settings": inductor_configs,

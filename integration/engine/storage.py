@@ -78,6 +78,7 @@ from adstore.integration.errors import (
     RemoteEngineMiss,
     UntrustedEngine,
 )
+from adstore.integration.pipeline.envcheck import store_candidates
 from adstore.integration.pipeline.events import EventKind
 from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
 from adstore.store.reasons import Reason
@@ -132,6 +133,14 @@ class EngineStorage(abc.ABC):
 
     def touch(self, hash: str) -> None:
         """Mark ``hash`` as used (an in-process hit skipped ``load``); default: nothing."""
+
+    def stored_components(self, *, exclude: str | None = None) -> Iterable[tuple[str, Mapping[str, Any]]]:
+        """``(hash, record components)`` of engines held here, most recently used first; default: none.
+
+        Read only on a miss, to name an engine built for the same request in
+        another environment (``incompatible_env``); nothing listed is ever loaded.
+        """
+        return ()
 
     def record_event(self, event: EventKind, reason: Reason | None = None, *, seconds_saved: float = 0.0) -> None:
         """Count a hit/miss/bypass/save; default: nothing (the engine cache logs anyway)."""
@@ -407,6 +416,9 @@ class StoreEngineStorage(EngineStorage):
             return record.to_bytes()
         finally:
             record.release()
+
+    def stored_components(self, *, exclude: str | None = None) -> Iterable[tuple[str, Mapping[str, Any]]]:
+        return store_candidates(self.store, self.NAMESPACE, exclude=exclude)
 
     def touch(self, hash: str) -> None:
         try:

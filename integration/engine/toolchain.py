@@ -7,16 +7,21 @@ Both are components of the engine hash (README, "Engine cache"):
   package and refittable), and a digest of the rest of the inductor
   configuration, so a global ``torch._inductor.config`` change is a miss, not
   a stale hit;
-* the toolchain: torch version and commit, the C++ compiler and its version,
-  the CPU instruction set and CPU flags (AOTInductor compiles with
-  ``-march=native``: a package built on one CPU may crash with an illegal
-  instruction on another) and the GPU architecture when there is one.
+* the toolchain: torch version, commit and C++ ABI, the Python ABI, the C++
+  compiler and its version, the CPU instruction set and CPU flags
+  (AOTInductor compiles with ``-march=native``: a package built on one CPU
+  may crash with an illegal instruction on another) and, with a GPU, the GPU
+  names and compute capabilities, the CUDA driver and the Triton version.
+  Stored with each engine, so a miss in another environment is
+  ``incompatible_env`` naming the field.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.metadata
 import json
 import os
 import platform
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 from adstore.integration.errors import CacheKeyError, ConfigError
+from adstore.integration.pipeline.envcheck import apply_overrides
 from adstore.integration.pipeline.keys import canonical_json, json_digest
 
 __all__ = [
@@ -169,21 +175,64 @@ def _cpu_identity() -> dict[str, str]:
     }
 
 
+def _cuda_driver() -> str:
+    """The CUDA driver version (an engine's kernels need a driver at least as new as the build's)."""
+    getter = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if getter is not None:
+        try:
+            return str(getter())
+        except Exception as exc:  # noqa: BLE001 - identity is best effort, recorded as such
+            return f"error: {type(exc).__name__}"
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _triton_version() -> str | None:
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
+        try:
+            return f"{dist}-{importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 @functools.cache
-def toolchain_identity() -> dict[str, Any]:
-    """Everything outside the graph that decides whether a built engine runs here."""
+def _observed_toolchain() -> dict[str, Any]:
     gpus: list[Any] = []
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if gpu:
         for i in range(torch.cuda.device_count()):
             gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
     return {
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", ""),
+        "torch_cxx11_abi": bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)),
+        "torch_debug": bool(getattr(torch.version, "debug", False)),
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
         "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
+        "python_abi": importlib.machinery.EXTENSION_SUFFIXES[0] if importlib.machinery.EXTENSION_SUFFIXES else "",
         "system": platform.system(),
         "compiler": _compiler_identity(),
         "cpu": _cpu_identity(),
         "gpus": gpus,
+        # GPU kernels only: Triton writes them, the driver runs them (None on a CPU-only host).
+        "cuda_driver": _cuda_driver() if gpu and torch.version.cuda else None,
+        "triton": _triton_version() if gpu else None,
     }
+
+
+def toolchain_identity() -> dict[str, Any]:
+    """Everything outside the graph that decides whether a built engine runs here.
+
+    Observed once per process; ``ADSTORE_ENV_OVERRIDES`` may simulate fields
+    (``toolchain.cpu.capability``, ``toolchain.gpus``) for tests, marked as
+    such (:mod:`adstore.integration.pipeline.envcheck`).
+    """
+    return apply_overrides(_observed_toolchain(), "toolchain")

@@ -392,7 +392,7 @@ def test_mismatched_metadata_is_a_miss(env):
     cases = {
         constants_shape: "engine_mismatch",
         constants_missing: "engine_mismatch",
-        toolchain: "engine_mismatch",
+        toolchain: "incompatible_env",
         settings: "engine_mismatch",
         version: "engine_mismatch",
         other_hash: "engine_mismatch",
@@ -743,4 +743,130 @@ def test_a_package_that_does_not_load_is_compiled_once_more(tmp_path, monkeypatc
         engine = front.compile(model, (X,))
         assert len(calls) == 2 and engine.event.kind == "miss"
         torch.testing.assert_close(engine(X), model(X))
+        front.close()
+
+
+# --------------------------------------------------------------------------- environment (README, "Environment checks")
+
+
+class MLPLeaky(MLP):
+    """Same weights, same call spec, another graph: leaky_relu where MLP has relu."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = torch.tensor([0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 0.25, -0.25])
+        return self.fc2(torch.nn.functional.leaky_relu(self.fc1(x), 0.1)) * self.scale + offset
+
+
+def test_a_record_relabelled_under_another_hash_is_a_miss(env):
+    """Everything a hit checks besides the graph matches; the stored graph digest betrays the relabel."""
+    leaky = MLPLeaky().eval()
+    leaky.load_state_dict(make_model(2).state_dict())
+    other = get_hash(torch.export.export(leaky, (X,)), (X,))
+    assert other != env["hash"]
+
+    def relabel(meta, payload):
+        meta["hash"] = other
+
+    mem = MemoryEngineStorage()
+    mem.save(other, rewrite(env["blob"], env["hash"], relabel))  # a record that claims the other hash
+    engine, event = lookup_in(mem, leaky)
+    assert engine is None and event.reason == "engine_mismatch" and "graph" in event.detail, event
+
+
+def _lookup_in_child(root: str, *, env: dict[str, str] | None = None, cwd: str | None = None,
+                     prefix: tuple[str, ...] = ()) -> dict:
+    """A fresh interpreter looks the fixture's MLP up in ``root``; its event as a dict."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(
+        f"""
+        import json, os, socket, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_engine_cache import X, make_model
+        from adstore.integration.engine.cache import EngineCache
+        from adstore.integration.engine.storage import StoreEngineStorage
+        from adstore.store import Store
+        with Store.open({root!r}) as store:
+            front = EngineCache(StoreEngineStorage(store))
+            engine, event = front.lookup(make_model(7), (X,))
+            ok = engine is not None and bool((engine(X) - make_model(7)(X)).abs().max() < 1e-5)
+            front.close()
+        print(json.dumps({{**event.to_dict(), "ok": ok, "host": socket.gethostname(), "cwd": os.getcwd()}}))
+        """
+    )
+    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         check=False, env={**os.environ, **(env or {})}, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_another_cpu_capability_is_an_incompatible_env_miss(env):
+    """A real environment difference, no simulation: ATEN_CPU_CAPABILITY=default makes torch
+    dispatch (and AOTInductor compile) for the baseline ISA. The next process's lookup misses
+    with the field named; the engine stored for the other ISA is not loaded."""
+    if str(torch.backends.cpu.get_cpu_capability()) == "DEFAULT":
+        pytest.skip("this CPU has no vector ISA beyond the default")
+    event = _lookup_in_child(str(env["store"].root), env={"ATEN_CPU_CAPABILITY": "default"})
+    assert event["kind"] == "miss" and event["reason"] == "incompatible_env", event
+    assert "toolchain.cpu.capability" in event["detail"] and env["hash"][:16] in event["detail"], event
+    assert not event["ok"]
+
+
+def test_simulated_gpu_fields_are_an_incompatible_env_miss(env):
+    """No GPU here: ADSTORE_ENV_OVERRIDES simulates a GPU host (names, compute capability), the
+    path a CUDA host takes; the miss names the field. The real GPU probe is not exercised."""
+    event = _lookup_in_child(str(env["store"].root), env={
+        "ADSTORE_ENV_OVERRIDES": json.dumps({"toolchain.gpus": [["NVIDIA H100 80GB HBM3", [9, 0]]]})})
+    assert event["reason"] == "incompatible_env" and "toolchain.gpus" in event["detail"], event
+
+
+def test_volatile_facts_do_not_change_the_engine_hash(env, tmp_path):
+    """Another pid, working directory and (when user namespaces allow it) host name: a hit."""
+    import shutil
+    import subprocess
+
+    prefix: tuple[str, ...] = ()
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "--uts", "--map-root-user", "hostname", "other-host"],
+                                  capture_output=True, check=False).returncode == 0:
+        prefix = (unshare, "--uts", "--map-root-user", "sh", "-c", 'hostname other-host && exec "$0" "$@"')
+    event = _lookup_in_child(str(env["store"].root), cwd=str(tmp_path), prefix=prefix)
+    assert event["kind"] == "hit" and event["ok"] and event["cwd"] == str(tmp_path), event
+    if prefix:
+        assert event["host"] == "other-host"
+
+
+def test_a_changed_in_process_copy_is_refused_before_loading(env):
+    """The in-process package copy is re-checked against the record's checksum on every load."""
+
+    class Forgetful(MemoryEngineStorage):
+        gone = False
+
+        def load(self, hash):
+            return None if self.gone else super().load(hash)
+
+    backend = Forgetful()
+    backend.save(env["hash"], env["blob"])
+    front = EngineCache(backend)
+    try:
+        assert front.lookup(make_model(2), (X,))[1].source == "backend"
+
+        def tamper():
+            _meta, path = front._memory.get(env["hash"])
+            data = bytearray(path.read_bytes())
+            data[len(data) // 3] ^= 0x01  # one bit: the zip may well still open
+            path.write_bytes(bytes(data))
+
+        tamper()
+        engine, event = front.lookup(make_model(3), (X,))  # refused, then read again from the backend
+        assert engine is not None and event.source == "backend"
+        assert front.counters["memory_refused.corrupt_engine"] == 1
+        torch.testing.assert_close(engine(X), make_model(3)(X), rtol=1e-6, atol=1e-6)
+        tamper()
+        backend.gone = True  # nothing to fall back on: a miss with the copy's reason (compile() rebuilds)
+        engine, event = front.lookup(make_model(4), (X,))
+        assert engine is None and event.reason == "corrupt_engine" and "in-process copy" in event.detail, event
+        assert front.counters["memory_refused.corrupt_engine"] == 2 and env["hash"] not in front._memory
+    finally:
         front.close()
