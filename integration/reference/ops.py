@@ -8,6 +8,13 @@ still export, shape-propagate and run on the meta device before weights exist.
 
 The collective ops wrap ``torch.distributed`` and degrade to a copy when no
 process group is initialised, so a sharded graph also runs in one process.
+
+They are defined with ``torch.library.Library`` (a schema, one
+CompositeExplicitAutograd kernel, a fake kernel), not ``torch.library.custom_op``:
+a ``custom_op`` kernel is wrapped to keep dynamo out, and that wrapper imports
+``torch._dynamo`` on its first call, about 0.8 s of a restart whose first
+forward needs nothing of dynamo.  The ops are for inference: they have no
+autograd formula (a backward through them raises, as it did before).
 """
 
 from __future__ import annotations
@@ -16,7 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["OPS", "all_gather", "all_reduce", "rms_norm", "silu_mul"]
+__all__ = ["OPS", "all_gather", "all_reduce", "rms_norm", "rope", "silu_mul"]
+
+_LIB = torch.library.Library("adstore", "DEF")  # noqa: TOR901 - the ops' home; kept alive by this module
+
+
+def _define(schema: str, kernel, fake) -> torch._ops.OpOverload:
+    """Define ``adstore::<schema>`` with one kernel for every backend and ``fake`` for fake/meta tensors."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"adstore::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.adstore, name).default
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
@@ -29,36 +47,25 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Te
     return (weight * h.to(dtype)).contiguous()
 
 
-@torch.library.custom_op("adstore::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Tensor:
-    """RMSNorm in float32, scaled by ``weight + weight_offset`` (Gemma uses offset 1).
-
-    The arithmetic follows the order of the transformers reference modules
-    (variance of the float32 input, rsqrt, cast back, then scale) so that the
-    rewritten graph stays within float rounding of the eager model.
-    """
-    return _rms_norm(x, weight, eps, weight_offset)
-
-
 # The outputs are contiguous whatever the input layout: Inductor lays out an op's
 # inputs as it likes (a split of a fused projection, then transposed, need not
 # keep eager's strides) and then checks the strides the fake kernel promised, so
 # an output layout that followed the input's would not match.  Each fake kernel
 # runs the real arithmetic on fake tensors, so sizes, strides and dtype agree.
-rms_norm.register_fake(_rms_norm)
+
+#: RMSNorm in float32, scaled by ``weight + weight_offset`` (Gemma uses offset 1).  The arithmetic
+#: follows the order of the transformers reference modules (variance of the float32 input, rsqrt,
+#: cast back, then scale) so that the rewritten graph stays within float rounding of the eager model.
+rms_norm = _define("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor",
+                   _rms_norm, _rms_norm)
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return (torch.nn.functional.silu(gate) * up).contiguous()
 
 
-@torch.library.custom_op("adstore::silu_mul", mutates_args=())
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """SwiGLU activation: ``silu(gate) * up`` in one op."""
-    return _silu_mul(gate, up)
-
-
-silu_mul.register_fake(_silu_mul)
+#: SwiGLU activation: ``silu(gate) * up`` in one op.
+silu_mul = _define("silu_mul(Tensor gate, Tensor up) -> Tensor", _silu_mul, _silu_mul)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -67,17 +74,9 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).contiguous()
 
 
-@torch.library.custom_op("adstore::rope", mutates_args=())
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding ``x * cos + rotate_half(x) * sin`` (half-split rotation, last dim).
-
-    Same arithmetic, in the same order, as the transformers reference, so the
-    rewrite is bit-identical to the graph it replaces.
-    """
-    return _rope(x, cos, sin)
-
-
-rope.register_fake(_rope)
+#: Rotary embedding ``x * cos + rotate_half(x) * sin`` (half-split rotation, last dim).  Same
+#: arithmetic, in the same order, as the transformers reference, so the rewrite is bit-identical.
+rope = _define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope, _rope)
 
 
 def _group_size() -> int:
@@ -86,8 +85,7 @@ def _group_size() -> int:
     return 1
 
 
-@torch.library.custom_op("adstore::all_reduce", mutates_args=())
-def all_reduce(x: Tensor) -> Tensor:
+def _all_reduce(x: Tensor) -> Tensor:
     """Sum over ranks (row-parallel linear outputs); a copy without a process group."""
     out = x.clone()
     if _group_size() > 1:
@@ -95,13 +93,14 @@ def all_reduce(x: Tensor) -> Tensor:
     return out
 
 
-@all_reduce.register_fake
 def _all_reduce_fake(x: Tensor) -> Tensor:
     return x.clone()
 
 
-@torch.library.custom_op("adstore::all_gather", mutates_args=())
-def all_gather(x: Tensor, dim: int, world_size: int) -> Tensor:
+all_reduce = _define("all_reduce(Tensor x) -> Tensor", _all_reduce, _all_reduce_fake)
+
+
+def _all_gather(x: Tensor, dim: int, world_size: int) -> Tensor:
     """Concatenate every rank's shard along ``dim`` (column-parallel outputs).
 
     ``world_size`` is the topology the graph was sharded for; the fake
@@ -115,18 +114,13 @@ def all_gather(x: Tensor, dim: int, world_size: int) -> Tensor:
     return torch.cat(parts, dim=dim)
 
 
-@all_gather.register_fake
 def _all_gather_fake(x: Tensor, dim: int, world_size: int) -> Tensor:
     shape = list(x.shape)
     shape[dim] = shape[dim] * world_size
     return x.new_empty(shape)
 
 
+all_gather = _define("all_gather(Tensor x, int dim, int world_size) -> Tensor", _all_gather, _all_gather_fake)
+
 #: The op overloads this module registers, for code that needs to recognise them.
-OPS = {
-    "rms_norm": torch.ops.adstore.rms_norm.default,
-    "silu_mul": torch.ops.adstore.silu_mul.default,
-    "rope": torch.ops.adstore.rope.default,
-    "all_reduce": torch.ops.adstore.all_reduce.default,
-    "all_gather": torch.ops.adstore.all_gather.default,
-}
+OPS = {"rms_norm": rms_norm, "silu_mul": silu_mul, "rope": rope, "all_reduce": all_reduce, "all_gather": all_gather}

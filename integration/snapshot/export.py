@@ -9,6 +9,7 @@ serialised safely, and all of them are standard, so the snapshot records only
 
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from typing import Any, Sequence
@@ -21,15 +22,60 @@ from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, Untru
 from adstore.integration.snapshot.names import identifier
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 
-__all__ = ["STATEFUL_GM", "RestoredGuards", "bind_method", "encode_bound_method", "export_forward_hooks"]
+__all__ = ["STATEFUL_GM", "RestoredExportModule", "RestoredGuards", "bind_method", "check_export_inputs",
+           "encode_bound_method", "export_forward_hooks"]
 
 STATEFUL_GM = "torch.export._unlift._StatefulGraphModule"
 
 
-def _is_stateful(module: torch.nn.Module) -> bool:
-    from torch.export._unlift import _StatefulGraphModule
+class RestoredExportModule(torch.fx.GraphModule):
+    """Stands in for export's ``_StatefulGraphModule`` after a restore.
 
-    return isinstance(module, _StatefulGraphModule)
+    Importing ``torch.export._unlift`` (where that class lives) imports
+    ``torch._dynamo``, about 0.8 s of a restart that only runs the model.
+    This class carries the same state (``range_constraints``,
+    ``validate_inputs``) and gets the same input check
+    (:func:`check_export_inputs`); a snapshot of it records export's class
+    name again, so both restore the same way.  Nothing in torch tests for
+    ``_StatefulGraphModule`` outside the module that defines it.
+    """
+
+    def __init__(self, root: torch.nn.Module, graph: torch.fx.Graph, range_constraints: Any = None) -> None:
+        super().__init__(root, graph)
+        self.range_constraints = range_constraints or []
+        self.validate_inputs = True
+
+
+def check_export_inputs(self: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Export's forward pre-hook (``_check_input_constraints_pre_hook``), without importing dynamo.
+
+    The inputs must flatten to the exported input spec; without a
+    ``_guards_fn`` in the graph, the placeholders' sizes and symbol ranges are
+    checked too, by torch's own function.  A spec that differs by ``==`` is
+    handed to export's own matcher (it normalises a few container types and
+    raises export's error), so the verdict is always export's.
+    """
+    if not self.validate_inputs:
+        return
+    from torch._export.utils import _check_input_constraints_for_graph
+    from torch.export._tree_utils import reorder_kwargs
+
+    in_spec = self._in_spec
+    flat, received = pytree.tree_flatten_with_path((args, reorder_kwargs(kwargs, in_spec)))
+    if received != in_spec:
+        from torch.export._unlift import _check_inputs_match
+
+        flat = _check_inputs_match(args, kwargs, in_spec)
+    if hasattr(self, "_guards_fn") or torch.compiler.is_dynamo_compiling():
+        return  # the graph calls its guards itself; under compilation export skips the check as well
+    _check_input_constraints_for_graph(self.graph.find_nodes(op="placeholder"), flat, self.range_constraints)
+
+
+def _is_stateful(module: torch.nn.Module) -> bool:
+    if isinstance(module, RestoredExportModule):
+        return True
+    unlift = sys.modules.get("torch.export._unlift")  # nothing can be one if export never ran here
+    return unlift is not None and isinstance(module, unlift._StatefulGraphModule)
 
 
 def _export_train(self: torch.nn.Module, mode: bool = True) -> Any:
@@ -95,10 +141,10 @@ def export_forward_hooks(module: torch.nn.Module) -> bool | None:
         return None
     if not isinstance(module, torch.fx.GraphModule) or not _is_stateful(module):
         return False
-    from torch.export._unlift import _check_input_constraints_pre_hook
-
+    unlift = sys.modules.get("torch.export._unlift")
+    checks = {check_export_inputs} | ({unlift._check_input_constraints_pre_hook} if unlift is not None else set())
     for h in pre:
-        if h is not _check_input_constraints_pre_hook and not _is_export_hook_lambda(h):
+        if h not in checks and not _is_export_hook_lambda(h):
             return False
     return all(_is_export_hook_lambda(h) for h in post)
 

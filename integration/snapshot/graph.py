@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import types
 from typing import Any, Sequence
 
@@ -30,7 +32,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.snapshot.export import STATEFUL_GM, RestoredGuards, bind_method, export_forward_hooks
+from adstore.integration.snapshot.export import (STATEFUL_GM, RestoredExportModule, RestoredGuards, bind_method,
+                                                 check_export_inputs, export_forward_hooks)
 from adstore.integration.snapshot.names import (
     attr_path,
     check_attribute_access,
@@ -89,7 +92,8 @@ def real_class(module: torch.nn.Module) -> type:
 
 
 def _real_class_name(module: torch.nn.Module) -> str | None:
-    return qualname_of(real_class(module))
+    cls = real_class(module)
+    return STATEFUL_GM if issubclass(cls, RestoredExportModule) else qualname_of(cls)
 
 
 # ----------------------------------------------------------------------------- encode
@@ -161,22 +165,45 @@ _BUILTIN_OP_NAMESPACES = frozenset({"aten", "prims", "prim", "higher_order", "_c
 
 
 def _op_modules(graph: torch.fx.Graph) -> list[str]:
-    """Python modules that define the graph's custom ops (``torch.library.custom_op``).
+    """Python modules that define the graph's custom ops.
 
     A fresh process only knows ``torch.ops.<ns>.<op>`` once that module has been
     imported, so restore imports these first (each still under the allow-list).
+    An op made with ``torch.library.custom_op`` names its function; one defined
+    through ``torch.library.Library`` is known by the module of its fake kernel.
     """
     from torch._library.custom_ops import OPDEFS
+    from torch._library.simple_registry import singleton
 
     mods: list[str] = []
+    seen: set[str] = set()
     for n in graph.nodes:
         t = n.target
         if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace not in _BUILTIN_OP_NAMESPACES:
-            opdef = OPDEFS.get(f"{t.namespace}::{t._opname}")
+            qualname = f"{t.namespace}::{t._opname}"
+            if qualname in seen:
+                continue
+            seen.add(qualname)
+            opdef = OPDEFS.get(qualname)
             mod = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+            if mod is None:
+                fake = singleton.find(qualname).fake_impl.kernel
+                mod = _module_of_source(getattr(fake, "source", None))
             if isinstance(mod, str) and mod not in mods and mod != "__main__":
                 mods.append(mod)
     return mods
+
+
+def _module_of_source(source: object) -> str | None:
+    """The imported module whose file is ``source`` (torch's ``"<file>:<line>"`` of a registration)."""
+    if not isinstance(source, str) or ":" not in source:
+        return None
+    path = os.path.realpath(source.rsplit(":", 1)[0])
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.realpath(file) == path:
+            return name
+    return None
 
 
 def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
@@ -436,10 +463,8 @@ class GraphDecoder:
         if cls_name == GM_CLASSES[0]:
             gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
         elif cls_name == STATEFUL_GM:
-            from torch.export._unlift import _StatefulGraphModule
-
             rc = self.syms.range_constraints(enc.get("range_constraints") or [])
-            gm = _StatefulGraphModule._create(torch.nn.Module(), torch.fx.Graph(), range_constraints=rc)
+            gm = RestoredExportModule(torch.nn.Module(), torch.fx.Graph(), range_constraints=rc)
             type(gm).__name__ = class_name
             if "validate_inputs" in enc:
                 gm.validate_inputs = bool(enc["validate_inputs"])
@@ -462,9 +487,7 @@ class GraphDecoder:
         if enc.get("tracer_extras") is not None:
             gm._tracer_extras = self.plain(enc["tracer_extras"])
         if enc.get("export_hooks"):
-            from torch.export._unlift import _check_input_constraints_pre_hook
-
-            gm.register_forward_pre_hook(_check_input_constraints_pre_hook, with_kwargs=True)
+            gm.register_forward_pre_hook(check_export_inputs, with_kwargs=True)
         guards = gm._modules.get("_guards_fn")
         if isinstance(guards, RestoredGuards):
             guards.bind(gm)

@@ -183,8 +183,9 @@ class SymDecoder:
     """Load side: one ShapeEnv + FakeTensorMode shared by every graph of a snapshot.
 
     Both are made on first use, and a snapshot without symbols gets a
-    FakeTensorMode without a ShapeEnv: a static graph's restore then never
-    imports sympy or dynamo.
+    FakeTensorMode without a ShapeEnv whose own initialisation waits for its
+    first use (:mod:`~adstore.integration.snapshot.fakemode`): a static graph's
+    restore then imports neither sympy nor dynamo.
     """
 
     def __init__(self, symbols: dict[str, dict[str, Any]], ranges: dict[str, list[Any]] | None = None) -> None:
@@ -202,10 +203,14 @@ class SymDecoder:
     @property
     def fake_mode(self) -> Any:
         if self._fake_mode is None:
-            from torch._subclasses.fake_tensor import FakeTensorMode
+            if self._encoded:
+                from torch._subclasses.fake_tensor import FakeTensorMode
 
-            env = self.shape_env if self._encoded else None
-            self._fake_mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+                self._fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+            else:  # a static graph: built on first use, so a restart that only runs the model skips dynamo
+                from adstore.integration.snapshot.fakemode import DeferredFakeTensorMode
+
+                self._fake_mode = DeferredFakeTensorMode(allow_non_fake_inputs=True)
         return self._fake_mode
 
     @property

@@ -109,8 +109,21 @@ def test_export_module_roundtrip_and_synthesized_methods():
     gm = torch.export.export(Net().eval(), (x,)).module()
     restored, ref, _ = _meta_roundtrip(gm, x)
     assert restored.code == gm.code
-    assert type(restored).__mro__[1] is type(gm).__mro__[1]  # _StatefulGraphModule
+    # export's _StatefulGraphModule comes back as a stand-in with the same state (no dynamo import)
+    from adstore.integration.snapshot.export import RestoredExportModule
+
+    assert type(gm).__mro__[1].__name__ == "_StatefulGraphModule" and isinstance(restored, RestoredExportModule)
+    assert (restored.validate_inputs, restored.range_constraints) == (gm.validate_inputs, gm.range_constraints)
     assert torch.equal(restored(x), ref)
+    # and the same input checks: a wrong shape or a wrong input structure fails as export's module fails
+    # (a wrong size: export's exec'd guards raise AssertionError, the restored guards torch's RuntimeError)
+    for bad in ((torch.randn(3, 9),), (x, x), ({"x": x},)):
+        with pytest.raises(Exception) as orig:
+            gm(*bad)
+        with pytest.raises(Exception) as got:
+            restored(*bad)
+        if len(bad) > 1 or isinstance(bad[0], dict):
+            assert type(got.value) is type(orig.value) and str(got.value) == str(orig.value)
     # ExportedProgram.module() binds train()/eval() that refuse; the restore keeps that behaviour.
     for name in ("train", "eval"):
         with pytest.raises(NotImplementedError) as orig:
