@@ -7,13 +7,21 @@ the pipeline runs).  A prefetch that restores commits this rank's record in
 the local store, so the cache's ordinary restore (lookup, rank agreement,
 load) then finds it: ranks still agree through the collectives and each
 rank restores only its own record.  :func:`mark` relabels that hit's event
-``source="remote"`` with the bytes transferred.  A read-write process that
-finds no record takes a single-flight build lease (one process, world size
-1): the leader builds and pushes, then releases; followers wait a bounded
-time (``ADSTORE_REMOTE_WAIT``, default 300 s) for its record and restore
-it, or build themselves when the wait ends or the builder is gone.  Everything fails open:
-the remote can turn a miss into a hit, never a hit into a failure (README,
-"Remote tier").
+``source="remote"`` with the bytes transferred.
+
+When a rank finds no record and every rank's remote is read-write, the host
+takes a single-flight build lease: rank 0 acquires it and broadcasts its role
+through the agreement group (:mod:`~adstore.integration.pipeline.dist`), so
+all ranks of one host build together or wait together.  A leading host builds
+and pushes every rank's record, meets at a barrier, then rank 0 releases; on a
+following host rank 0 waits a bounded time (``ADSTORE_REMOTE_WAIT``, default
+300 s) for every rank's record, broadcasts whether they came, and each rank
+restores its own, or they all build when the wait ends or the builder is gone.
+At world size 1 the collectives are no-ops.  The collectives run only when a
+remote is named (``remote`` or ``ADSTORE_REMOTE``, the same on every rank),
+whether or not it opened on this rank, so no rank skips one its peers make.
+Everything fails open: the remote can turn a miss into a hit, never a hit
+into a failure (README, "Remote tier").
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import threading
 import weakref
 from typing import Any
 
+from adstore.integration.pipeline.dist import all_true, barrier, broadcast_int
 from adstore.integration.pipeline.events import EventKind, Source
 from adstore.store.reasons import Reason
 from adstore.store.remote import (
@@ -34,6 +43,7 @@ from adstore.store.remote import (
     Outcome,
     Remote,
     RemoteConfig,
+    Role,
     SingleFlight,
     record_address,
 )
@@ -47,7 +57,10 @@ log = logging.getLogger(__name__)
 #: Seconds a follower waits for a single-flight leader's record before building itself.
 DEFAULT_FLIGHT_WAIT = 300.0
 
-_FLIGHTS: weakref.WeakKeyDictionary[Any, tuple[SingleFlight, Flight]] = weakref.WeakKeyDictionary()
+#: Caches whose host leads a build: the lease (rank 0) or None (the other ranks, which only meet at the barrier).
+_FLIGHTS: weakref.WeakKeyDictionary[Any, tuple[SingleFlight, Flight | None]] = weakref.WeakKeyDictionary()
+#: A role travels between ranks as its index here.
+_ROLES = (Role.LEADER, Role.FOLLOWER, Role.SOLO)
 _OPEN: dict[str, tuple[Remote, BackgroundUploader | None]] = {}
 _OPEN_LOCK = threading.Lock()
 
@@ -79,13 +92,29 @@ def prefetch(cache: Any, ctx: Any) -> Outcome[Any] | None:
     """Before the cache restores: on a local miss of this rank, restore it from the remote.
 
     ``cache`` is the ``PipelineCache`` (its ``cfg``, ``key`` and ``store``);
-    returns the remote outcome, or None when the remote was not asked.
+    returns the remote outcome, or None when the remote was not asked.  A
+    collective at world size > 1 whenever a remote is named (module docstring).
     """
     cfg = cache.cfg
     if not (cfg.enabled and cfg.restore):
         return None
-    opened = remote_for(getattr(cfg, "remote", None))
-    if opened is None:
+    url = getattr(cfg, "remote", None)
+    if not (url or os.environ.get("ADSTORE_REMOTE", "").strip()):
+        return None
+    opened = remote_for(url)
+    remote = opened[0] if opened is not None else None
+    out = _restore_own(cache, ctx, remote)
+    absent = out is not None and out.reason == Reason.ABSENT
+    # Every rank reaches these collectives, whatever happened to it above.
+    if all_true(not absent) or not all_true(remote is not None and remote.writable):
+        return out
+    assert remote is not None
+    return _single_flight(cache, ctx, remote, out)
+
+
+def _restore_own(cache: Any, ctx: Any, remote: Remote | None) -> Outcome[Any] | None:
+    """This rank's local miss restored from the remote; None when it hit locally or the remote was not asked."""
+    if remote is None:
         return None
     try:
         key = cache.key(ctx).key
@@ -95,34 +124,46 @@ def prefetch(cache: Any, ctx: Any) -> Outcome[Any] | None:
     except Exception as exc:  # the cache's own restore reports this failure
         log.debug("remote prefetch skipped: %s", exc)
         return None
-    remote = opened[0]
-    out = remote_restore(store, remote, key, ctx.rank, ctx.world_size)
-    if out.reason != Reason.ABSENT or not remote.writable or ctx.world_size != 1:
-        return out
-    return _single_flight(cache, store, remote, key, out)
+    return remote_restore(store, remote, key, ctx.rank, ctx.world_size)
 
 
-def _single_flight(cache: Any, store: Any, remote: Remote, key: str, missed: Outcome[Any]) -> Outcome[Any]:
-    """No record anywhere: lead the build (remembered for :func:`push`) or wait for the leader's record."""
+def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | None) -> Outcome[Any] | None:
+    """Some rank has no record anywhere: rank 0 leads or follows for the host, every rank acts on its word."""
     flights = SingleFlight(remote)
-    flight = flights.acquire(key)
-    if flight.leader:
-        _FLIGHTS[cache] = (flights, flight)
+    flight: Flight | None = None
+    role = Role.SOLO
+    if ctx.rank == 0:
+        try:
+            flight = flights.acquire(cache.key(ctx).key)
+            role = flight.role
+        except Exception:  # acquire never raises; a key that cannot be computed here: build
+            log.exception("single-flight lease not taken")
+    role = _ROLES[broadcast_int(_ROLES.index(role))]
+    if role is Role.LEADER:
+        _FLIGHTS[cache] = (flights, flight)  # released by push() once every rank's record is up
         return missed
-    if flight.role != "follower":
+    if role is not Role.FOLLOWER:
         return missed
+    ready = False
+    if flight is not None:
+        key, ranks = flight.key, range(ctx.world_size)
+        waited = flights.wait(flight, timeout=_wait_seconds(), ready=lambda: all(
+            remote.head("ac", record_address(key, r)).value is not None for r in ranks))
+        ready = waited.ready
+        if not ready:
+            log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
+    if not broadcast_int(1 if ready else 0) or missed is None:
+        return missed  # everyone builds; or this rank already had its entry locally
+    return remote_restore(cache.store(), remote, cache.key(ctx).key, ctx.rank, ctx.world_size)
+
+
+def _wait_seconds() -> float:
     raw = os.environ.get("ADSTORE_REMOTE_WAIT", "").strip()
     try:
-        wait = parse_duration(raw, field="ADSTORE_REMOTE_WAIT") if raw else DEFAULT_FLIGHT_WAIT
+        return parse_duration(raw, field="ADSTORE_REMOTE_WAIT") if raw else DEFAULT_FLIGHT_WAIT
     except Exception as exc:
         log.warning("%s; waiting %.0fs", exc, DEFAULT_FLIGHT_WAIT)
-        wait = DEFAULT_FLIGHT_WAIT
-    address = record_address(key, 0)
-    waited = flights.wait(flight, ready=lambda: remote.head("ac", address).value is not None, timeout=wait)
-    if not waited.ready:
-        log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
-        return missed
-    return remote_restore(store, remote, key, 0, 1)
+        return DEFAULT_FLIGHT_WAIT
 
 
 def mark(cache: Any, fetched: Outcome[Any] | None, module: Any) -> Any:
@@ -142,19 +183,26 @@ def push(cache: Any, ctx: Any) -> Outcome[int] | None:
     try:
         if not (events and events[-1].kind == EventKind.SAVE):
             return None
-        return _push(cache, ctx, cfg, events)
+        return _push(cache, ctx, cfg, events, leading=lead is not None)
     finally:
-        if lead is not None:  # after the record went up (or the build failed): followers restore or build
-            lead[0].release(lead[1])
+        if lead is not None:  # every rank's record went up (or the build failed): followers restore or build
+            try:
+                barrier()  # every rank of a leading host calls push() after its save
+            except Exception:
+                log.exception("single-flight barrier failed; releasing the lease anyway")
+            if lead[1] is not None:
+                lead[0].release(lead[1])
 
 
-def _push(cache: Any, ctx: Any, cfg: Any, events: Any) -> Outcome[int] | None:
+def _push(cache: Any, ctx: Any, cfg: Any, events: Any, *, leading: bool = False) -> Outcome[int] | None:
     opened = remote_for(getattr(cfg, "remote", None), background=bool(getattr(cfg, "remote_background", False)))
     if opened is None or not opened[0].writable:
         return None
     remote, uploader = opened
     try:
         out = remote_save(cache.store(), uploader or remote, cache.key(ctx).key, ctx.rank)
+        if leading and uploader is not None:  # followers wait for the record: send it before the release
+            uploader.flush(_wait_seconds())
     except Exception:  # remote_save never raises; a bug must not fail the pipeline either
         log.exception("remote push failed")
         return Outcome(reason="remote_error")

@@ -10,7 +10,8 @@ import multiprocessing
 import os
 from typing import Any
 
-__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host", "cold_start_race"]
+__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host",
+           "cold_start_race", "dist_hosts_race"]
 
 #: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
 ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
@@ -141,3 +142,40 @@ def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dic
             p.join(60)
             if p.is_alive():
                 p.kill()
+
+
+def _dist_flight_rank(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
+    """:func:`dist_rank_host`, started at the same moment as every rank of the other hosts (``job["start"]``)."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(job["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+        job["start"].wait(300)
+        result = pipeline_host(job["roots"][rank], job["checkpoint"], {}, job["model"])
+        queue.put({"rank": rank, **result})
+    except BaseException:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def dist_hosts_race(jobs: list[dict[str, Any]], world_size: int, timeout: float = 900) -> list[list[dict[str, Any]]]:
+    """Each job is one host of ``world_size`` gloo ranks; all hosts start the pipeline at once; results per host."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adstore.integration.reference.demo import run_ranks
+
+    start = multiprocessing.get_context("spawn").Barrier(len(jobs) * world_size)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_ranks, {**job, "start": start}, world_size, target=_dist_flight_rank,
+                               timeout=timeout) for job in jobs]
+        return [sorted(f.result(), key=lambda r: r["rank"]) for f in futures]

@@ -9,7 +9,7 @@ bit-identical to A's; a third host that trusts no key misses
 from __future__ import annotations
 
 import pytest
-from remote_tier_hosts import cold_start_race, dist_rank_host, on_host, pipeline_host
+from remote_tier_hosts import cold_start_race, dist_hosts_race, dist_rank_host, on_host, pipeline_host
 
 from adstore.store.remote import write_keypair
 
@@ -97,3 +97,28 @@ def test_eight_cold_starts_of_one_key_build_once(backend, request, checkpoint, t
     hits = [e for r in results for e in cache_events(r) if e["kind"] == "hit"]
     assert all(e["source"] == "remote" for e in hits)
     assert len({r["output"] for r in results}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["s3", "http"])
+def test_two_hosts_of_two_gloo_ranks_race_on_one_key_one_builds(backend, request, checkpoint, tmp_path):
+    """Single-flight at world size 2: rank 0 of each host leads or follows for its host (broadcast over gloo);
+    one host builds on both ranks, the other waits and restores both ranks from the remote."""
+    url = request.getfixturevalue(f"{backend}_url")
+    private, public = write_keypair(tmp_path / "keys")
+    env = {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private),
+           "ADSTORE_TRUSTED_KEYS": str(public), "ADSTORE_REMOTE_WAIT": "300s"}
+    jobs = [{"env": env, "checkpoint": checkpoint, "model": MODEL, "roots": [str(tmp_path / f"{h}{r}") for r in range(2)]}
+            for h in ("x", "y")]
+    hosts = dist_hosts_race(jobs, 2)
+    assert all("error" not in r for host in hosts for r in host), [r.get("error") for host in hosts for r in host]
+    kinds = [[tuple(e["kind"] for e in cache_events(r)) for r in host] for host in hosts]
+    builders = [h for h, k in enumerate(kinds) if k == [("miss", "save"), ("miss", "save")]]
+    restorers = [h for h, k in enumerate(kinds) if k == [("hit",), ("hit",)]]
+    assert len(builders) == 1 and len(restorers) == 1, kinds
+    built, restored = hosts[builders[0]], hosts[restorers[0]]
+    assert all(e["source"] == "remote" for r in restored for e in cache_events(r))
+    assert [r["output"] for r in restored] == [r["output"] for r in built]
+    assert built[0]["counters"].get("remote.flight.leader") == 1, built[0]["counters"]
+    assert restored[0]["counters"].get("remote.flight.follower") == 1, restored[0]["counters"]
+    assert "remote.flight.leader" not in built[1]["counters"]  # only rank 0 takes the lease
