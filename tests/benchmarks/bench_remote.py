@@ -1,6 +1,7 @@
 """Remote-tier benchmark: adstore's remote against plain clients of the same server, in one run.
 
     python tests/benchmarks/bench_remote.py [--quick] [--mib 64] [--repeat 3] [--timeout 1.0]
+                                            [--layers 24] [--hidden 128] [--hosts 8] [--skip pipeline,race]
 
 Starts moto's S3 server and a WebDAV server on 127.0.0.1 (the test suite's
 fixtures, from the ``test`` extra), prints a table and writes
@@ -19,9 +20,18 @@ run against the same server:
   refused port; the first call within the timeout, later calls under 1 ms
   (circuit open).
 
-The pipeline-level rows (a remote hit into an empty store vs the cold
-pipeline, 8 simultaneous cold starts) need the store's wiring and are added
-with it.
+* a remote hit into an empty local store vs the cold pipeline it replaces
+  (the reference Llama, 24 layers, hidden 128; target ≥ 10×), each run a
+  whole fresh process timed from its start to its first output, as
+  ``bench_restart.py`` times restarts (its ``--child pipeline`` is what
+  runs); also the cold run that pushes, the local warm hit that follows, and
+  ``python -c 'import torch'`` as the floor no restart can beat;
+* ``--hosts`` (8) fresh processes, each with its own empty root, starting the
+  same cold key against one remote at once: builds and remote hits
+  (target 1 build, 7 remote hits), and the wall time until the last output.
+
+``--quick`` keeps every row but shrinks it (16 MiB blobs, a 2-layer model,
+4 hosts, one repeat): minutes, indicative figures only.
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench_restart import timed as timed_process
 from bench_results import results_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store" / "remote"))
@@ -154,20 +166,116 @@ def down_latency(kind: str, endpoint: str, timeout: float, calls: int) -> dict:
             "meets_later_under_1ms": p50 < 1e-3}
 
 
+RESTART = Path(__file__).resolve().parent / "bench_restart.py"
+
+
+def _store_counters(root: Path) -> dict:
+    from adstore.store import Store
+
+    with Store.open(root, create=False) as store:
+        return {k: v for k, v in store.stats().counters.items() if k.startswith("remote.") or k.startswith("hit")}
+
+
+def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: int) -> dict:
+    """Fresh processes on the reference pipeline: cold (no remote), cold + push, remote hit into an empty root."""
+    from adstore.integration.reference.checkpoint import write_random_checkpoint
+    from adstore.integration.reference.models import ModelFactory
+    from adstore.store.remote import write_keypair
+
+    factory = ModelFactory.from_config({"arch": "llama", "layers": layers, "hidden": hidden})
+    ckpt = write_random_checkpoint(factory.build(), work / "ckpt", seed=0)
+    private, public = write_keypair(work / "keys")
+    url = f"s3://{BUCKET}/pipeline-{os.getpid()}"
+    child = [sys.executable, str(RESTART), "--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers),
+             "--hidden", str(hidden)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ADSTORE_")}
+    writer = {**clean, "AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write",
+              "ADSTORE_SIGNING_KEY": str(private)}
+    reader = {**clean, "AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)}
+
+    def run(env: dict, root: Path) -> tuple[float, dict]:
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            return timed_process([*child, "--root", str(root)])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    floor = statistics.median(timed_process([sys.executable, "-c", "import torch; print('FIRST {}', flush=True)"])[0]
+                              for _ in range(repeat))
+    colds = [run(clean, work / f"cold-{i}") for i in range(repeat)]
+    push_s, pushed = run(writer, work / "writer")
+    hits, sums = [], {c["sum"] for _, c in colds} | {pushed["sum"]}
+    for i in range(repeat):
+        root = work / f"reader-{i}"
+        s, first = run(reader, root)
+        counters = _store_counters(root)
+        assert first["event"] == "hit" and counters.get("remote.hits") == 1, (first, counters)
+        hits.append(s)
+        sums.add(first["sum"])
+    warm_s, warm = run(reader, work / "reader-0")  # the same root again: an ordinary local hit
+    sums.add(warm["sum"])
+    cold, hit = statistics.median(s for s, _ in colds), statistics.median(hits)
+    return {"layers": layers, "hidden": hidden, "floor_s": floor, "cold_s": cold, "cold_runs": [s for s, _ in colds],
+            "cold_push_s": push_s, "push_overhead_s": push_s - cold, "remote_hit_s": hit, "remote_hit_runs": hits,
+            "local_hit_s": warm_s, "events": [pushed["event"], warm["event"]], "outputs_equal": len(sums) == 1,
+            "speedup": cold / hit, "above_floor_ratio": (cold - floor) / (hit - floor) if hit > floor else None,
+            "meets_10x": cold / hit >= 10}
+
+
+def race_rows(endpoint: str, work: Path, hosts: int, layers: int, hidden: int) -> dict:
+    """``hosts`` fresh processes start one cold key against one remote at once: builds and remote hits."""
+    from remote_tier_hosts import cold_start_race
+
+    from adstore.integration.reference.checkpoint import write_random_checkpoint
+    from adstore.integration.reference.models import ModelFactory
+    from adstore.store.remote import write_keypair
+
+    model = {"arch": "llama", "layers": layers, "hidden": hidden}
+    ckpt = write_random_checkpoint(ModelFactory.from_config(model).build(), work / "race-ckpt", seed=1)
+    private, public = write_keypair(work / "race-keys")
+    env = {"AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": f"s3://{BUCKET}/race-{os.getpid()}",
+           "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private),
+           "ADSTORE_TRUSTED_KEYS": str(public), "ADSTORE_REMOTE_WAIT": "600s"}
+    t = time.perf_counter()
+    results = cold_start_race([str(work / f"race-{i}") for i in range(hosts)], str(ckpt), env, model)
+    wall = time.perf_counter() - t
+    errors = [r["error"][-500:] for r in results if "error" in r]
+    kinds = [tuple(e["kind"] for e in r.get("events", []) if e["kind"] in ("hit", "miss", "save", "bypass"))
+             for r in results]
+    builds = sum(1 for k in kinds if k == ("miss", "save"))
+    remote_hits = sum(1 for r in results for e in r.get("events", []) if e["kind"] == "hit"
+                      and e.get("source") == "remote")
+    return {"hosts": hosts, "layers": layers, "hidden": hidden, "wall_s": wall, "builds": builds,
+            "remote_hits": remote_hits, "other": [list(k) for k in kinds if k not in (("miss", "save"), ("hit",))],
+            "errors": errors, "outputs_equal": len({r.get("output") for r in results}) == 1,
+            "meets_one_build": builds == 1 and remote_hits == hosts - 1}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 MiB blob, 2 repeats")
     ap.add_argument("--mib", type=int, default=64, help="blob size for the throughput rows")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1.0, help="read/connect timeout of the down-remote rows")
+    ap.add_argument("--layers", type=int, default=24, help="layers of the pipeline rows' model")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size of the pipeline rows' model")
+    ap.add_argument("--hosts", type=int, default=8, help="simultaneous cold starts of the race row")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out: throughput, pipeline, race")
     args = ap.parse_args(argv)
     size = (16 if args.quick else args.mib) << 20
     repeat = 2 if args.quick else args.repeat
+    layers, hidden = (2, 64) if args.quick else (args.layers, args.hidden)
+    hosts = min(args.hosts, 4) if args.quick else args.hosts
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     os.environ.update(S3_ENV)
     # The servers run on this machine: a busy machine moves the throughput ratios, so the load is kept.
     res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                              "loadavg_before": os.getloadavg()[0]},
-                 "settings": {"blob_mib": size >> 20, "repeat": repeat, "timeout_s": args.timeout}}
+                 "settings": {"blob_mib": size >> 20, "repeat": repeat, "timeout_s": args.timeout,
+                              "layers": layers, "hidden": hidden, "hosts": hosts, "quick": args.quick}}
     with tempfile.TemporaryDirectory(dir=os.environ.get("ADSTORE_BENCH_DIR")) as tmp:
         work = Path(tmp)
         moto = start_moto(work)
@@ -176,9 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             import boto3
 
             boto3.session.Session().client("s3", endpoint_url=moto.endpoint).create_bucket(Bucket=BUCKET)
-            res["s3"] = s3_throughput(moto.endpoint, work, size, repeat)
-            res["http"] = http_throughput(dav.port, work, size, repeat)
+            if "throughput" not in skip:
+                res["s3"] = s3_throughput(moto.endpoint, work, size, repeat)
+                res["http"] = http_throughput(dav.port, work, size, repeat)
             res["repush"] = repush(moto.endpoint, work)
+            if "pipeline" not in skip:
+                res["pipeline"] = pipeline_rows(moto.endpoint, work, layers, hidden, 1 if args.quick else repeat)
+            if "race" not in skip:
+                res["race"] = race_rows(moto.endpoint, work, hosts, layers, hidden)
             res["down"] = {"refused": down_latency("http", f"http://127.0.0.1:{free_port()}", args.timeout, 1000)}
             for name, server in (("s3", moto), ("http", dav)):
                 os.kill(server.proc.pid, signal.SIGSTOP)
@@ -191,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             dav.stop()
     res["machine"]["loadavg_after"] = os.getloadavg()[0]
     rows = []
-    for name in ("s3", "http"):
+    for name in ("s3", "http") if "s3" in res else ():
         t = res[name]
         for way in ("download", "upload"):
             d = t[way]
@@ -206,6 +319,18 @@ def main(argv: list[str] | None = None) -> int:
                      f"timeout {d['timeout_s'] * 1e3:.0f} ms", "target ≤ timeout"))
         rows.append((f"remote down ({name}): later calls", f"p50 {d['later_p50_us']:.1f} µs",
                      f"max {d['later_max_us']:.1f} µs", "target < 1 ms"))
+    if "pipeline" in res:
+        p = res["pipeline"]
+        rows.append((f"remote hit, empty store ({p['layers']}x{p['hidden']})", f"{p['remote_hit_s']:.2f} s",
+                     f"cold pipeline {p['cold_s']:.2f} s", f"{p['speedup']:.1f}x (target ≥ 10x)"))
+        rows.append(("  cold run that pushes", f"{p['cold_push_s']:.2f} s", f"cold {p['cold_s']:.2f} s",
+                     f"+{p['push_overhead_s']:.2f} s"))
+        rows.append(("  local hit afterwards", f"{p['local_hit_s']:.2f} s", f"floor {p['floor_s']:.2f} s",
+                     f"outputs equal: {p['outputs_equal']}"))
+    if "race" in res:
+        r = res["race"]
+        rows.append((f"{r['hosts']} cold starts of one key", f"{r['builds']} build(s), {r['remote_hits']} remote hits",
+                     f"wall {r['wall_s']:.1f} s", f"target 1 build, {r['hosts'] - 1} remote hits"))
     print(f"{'benchmark':40} {'adstore':24} {'baseline':30} ratio")
     for row in rows:
         print(f"{row[0]:40} {row[1]:24} {row[2]:30} {row[3]}")

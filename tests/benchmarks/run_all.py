@@ -59,6 +59,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_snapshot": ["bench_snapshot.json", "snapshot.json"],
     "bench_pipeline": ["bench_pipeline.json", "pipeline.json"],
     "bench_restart": ["restart.json"],
+    "bench_remote": ["remote.json"],
 }
 
 Row = dict[str, Any]
@@ -351,6 +352,45 @@ def rows_restart(d: dict) -> list[Row]:
     return out
 
 
+def rows_remote(d: dict) -> list[Row]:
+    out = []
+    for name in ("s3", "http"):
+        if name not in d:
+            continue
+        t = d[name]
+        for way in ("download", "upload"):
+            x = t[way]
+            out.append(row("remote", f"{name} blob {way} {t['size_mib']:.0f} MiB", f"{x['adstore_mib_s']:.0f} MiB/s",
+                           f"{t['baseline']} {x['baseline_mib_s']:.0f} MiB/s", x["ratio_vs_baseline"], "≥ 0.8×",
+                           x["meets_0_8x"], "ratio = adstore throughput / baseline throughput"))
+    if "repush" in d:
+        r = d["repush"]
+        out.append(row("remote", "re-push an entry the remote has: blob bytes sent", str(r["repush_blob_bytes"]),
+                       f"first push {r['first_push_blob_bytes']:,} B", None, "0 bytes", r["meets_zero_bytes"]))
+    for name, x in d.get("down", {}).items():
+        out.append(row("remote", f"remote down ({name}): first lookup", _s(x["first_call_s"]),
+                       f"timeout {_s(x['timeout_s'])}", None, "≤ the timeout", x["meets_first_within_timeout"]))
+        out.append(row("remote", f"remote down ({name}): later lookups, p50", _us(x["later_p50_us"]),
+                       f"max {_us(x['later_max_us'])}", None, "< 1 ms (circuit open)", x["meets_later_under_1ms"]))
+    if "pipeline" in d:
+        p = d["pipeline"]
+        label = f"llama, {p['layers']} layers, hidden {p['hidden']}"
+        out.append(row("remote", f"remote hit into an empty store vs the cold pipeline ({label}), whole processes",
+                       _s(p["remote_hit_s"]), f"cold pipeline {_s(p['cold_s'])}", p["speedup"], "≥ 10× faster",
+                       p["meets_10x"], f"floor (import torch) {_s(p['floor_s'])}"))
+        out.append(row("remote", "cold run that also pushes", _s(p["cold_push_s"]), f"cold {_s(p['cold_s'])}",
+                       None, "", None, f"push adds {_s(max(p['push_overhead_s'], 0.0))}"))
+        out.append(row("remote", "local hit after the remote hit", _s(p["local_hit_s"]),
+                       f"remote hit {_s(p['remote_hit_s'])}", p["remote_hit_s"] / p["local_hit_s"], "outputs equal",
+                       p["outputs_equal"]))
+    if "race" in d:
+        r = d["race"]
+        out.append(row("remote", f"{r['hosts']} simultaneous cold starts of one key",
+                       f"{r['builds']} build, {r['remote_hits']} remote hits", f"wall {_s(r['wall_s'])}", None,
+                       f"1 build, {r['hosts'] - 1} remote hits", r["meets_one_build"]))
+    return out
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -382,6 +422,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_engine": rows_engine,
     "bench_pipeline": rows_pipeline,
     "bench_restart": rows_restart,
+    "bench_remote": rows_remote,
 }
 
 
