@@ -108,3 +108,7 @@ class Reason(enum.StrEnum):
     STRAY_ROWS = "stray_rows"  # access or shadow rows whose entry or manifest is gone
     ORPHAN_FILES = "orphan_files"  # blob files without an index row
     STALE_TEMPS = "stale_temps"  # temp files left by killed writers
+    CORRUPT_RECORD = "corrupt_record"  # an on-disk record does not decode, fails its checksum or names what it may not
+    NEWER_RECORD = "newer_record"  # an on-disk record of a newer format than this adstore reads
+    MISSING_RECORD = "missing_record"  # a committed manifest has no on-disk record (a rebuild would lose it)
+    ORPHAN_RECORDS = "orphan_records"  # on-disk records whose manifest the index no longer has (gc sweeps them)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
 from .reasons import Reason
+from .recordfmt import RECORD_FORMAT, payload_of, record_refs
 from .records import BlobRef, Manifest
 from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
 
@@ -52,40 +53,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Version of the record payload (what travels); a reader refuses a newer one as ``remote_unsupported``.
-RECORD_FORMAT = 1
-
 
 def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
     """The record of ``key``'s committed ``rank``: what a remote restore needs to commit it elsewhere.
 
     Raises :class:`KeyNotFound` when this store has no committed manifest
-    of that rank whose blobs are all present.
+    of that rank whose blobs are all present.  The payload is the one record
+    format (``recordfmt``, also the store's own on-disk records), without the
+    local-only fields (inline bytes, producer).
     """
     found = store.lookup(key, rank=rank, record=False)
     if not found.hit or found.manifest is None:
         raise KeyNotFound(key)
-    m = found.manifest
     entry = store.entry(key)
-    return {
-        "format": RECORD_FORMAT,
-        "key": key,
-        "rank": rank,
-        "namespace": m.namespace,
-        "world_size": m.world_size,
-        "generation": m.generation,
-        "components": dict(entry.components) if entry is not None else {},
-        "artifacts": {name: ref.to_json() for name, ref in sorted(m.artifacts.items())},
-        "meta": dict(m.meta),
-    }
-
-
-def record_refs(payload: dict[str, Any]) -> dict[str, BlobRef]:
-    """The artifacts of a record payload as validated :class:`BlobRef` (digests checked before any path join)."""
-    artifacts = payload.get("artifacts")
-    if not isinstance(artifacts, dict):
-        raise AdstoreError("record has no artifact table")
-    return {str(name): BlobRef(str(ref[0]), int(ref[1])) for name, ref in artifacts.items()}
+    return payload_of(found.manifest, entry.components if entry is not None else {})
 
 
 def _unique(refs: dict[str, BlobRef]) -> list[tuple[str, int]]:

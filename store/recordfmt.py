@@ -1,0 +1,221 @@
+"""The one versioned record format: a committed manifest and what its entry needs to be restored.
+
+A record is what invariant 9 keeps beside the index and what the remote
+tier ships between hosts (README, "Damage and repair" and "Remote tier"):
+one rank of one generation of a cache key, as a JSON payload::
+
+    {"format": 1, "key": ..., "rank": 0, "world_size": 1, "generation": ...,
+     "namespace": "default", "components": {...}, "meta": {...},
+     "artifacts": {"name": ["<sha256>", size], ...}, "created": 1.7e9,
+     "producer": {...}, "inline": {"<sha256>": "<base64>", ...}}
+
+``producer`` and ``inline`` are optional and only written into the store's
+own record files: small blobs live in the index's ``blobdata`` table, which a damaged
+index takes with it, so the local record carries their bytes (see
+:mod:`.recordfiles` for why).  The remote tier leaves it out (its records
+list digests; blobs travel through its CAS).  Readers ignore fields they do
+not know, and refuse a ``format`` newer than :data:`RECORD_FORMAT`.
+
+On disk a payload is wrapped with a checksum (:func:`encode_record`): the
+SHA-256 of the payload's canonical JSON.  :func:`decode_record` never trusts
+a file: every key, name, digest, size and nesting depth is validated before
+anything is joined into a path or written into the index, and every failure
+is a :class:`BadRecord` with a :class:`~.reasons.Reason` and a sentence,
+never an exception from the decoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import AdstoreError, CorruptRecord, InvalidKey
+from .reasons import Reason
+from .records import (
+    BlobRef,
+    Manifest,
+    encode_json,
+    validate_artifact_name,
+    validate_json,
+    validate_key,
+    validate_namespace,
+)
+
+__all__ = [
+    "RECORD_FORMAT",
+    "MAX_RECORD_BYTES",
+    "BadRecord",
+    "Record",
+    "payload_of",
+    "record_refs",
+    "encode_record",
+    "decode_record",
+    "parse_payload",
+]
+
+#: Version of the record payload; a reader refuses a newer one (``newer_record``, ``remote_unsupported``).
+RECORD_FORMAT = 1
+
+#: Largest record file a reader accepts: artifacts and the inline blobs (each below the inline
+#: threshold) of one rank; anything larger is not a record this store wrote.
+MAX_RECORD_BYTES = 64 << 20
+
+
+class BadRecord(CorruptRecord):
+    """A record that is not restored: why (``reason``) and what was wrong (``detail``)."""
+
+    def __init__(self, where: str, detail: str, reason: Reason = Reason.CORRUPT_RECORD) -> None:
+        super().__init__("records", where, detail)
+        self.reason = reason  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A validated record: one committed rank of one generation of a key."""
+
+    key: str
+    rank: int
+    world_size: int
+    generation: int
+    namespace: str
+    components: dict[str, Any]
+    artifacts: dict[str, BlobRef]
+    meta: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    producer: dict[str, Any] = field(default_factory=dict)
+    inline: dict[str, bytes] = field(default_factory=dict)  # digest -> bytes, each hashed already
+
+    def manifest(self) -> Manifest:
+        """The committed manifest this record restores."""
+        return Manifest(key=self.key, rank=self.rank, world_size=self.world_size, generation=self.generation,
+                        artifacts=dict(self.artifacts), committed=True, namespace=self.namespace,
+                        producer=dict(self.producer), created=self.created, meta=dict(self.meta))
+
+
+def payload_of(manifest: Manifest, components: Mapping[str, Any], *, local: bool = False,
+               inline: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+    """The record payload of ``manifest`` (with its entry's ``components``).
+
+    ``local``: a record file of this store, which also keeps the producer
+    (host, pid, uid) and ``inline`` blobs' bytes by digest; the remote tier
+    ships neither.
+    """
+    payload: dict[str, Any] = {
+        "format": RECORD_FORMAT,
+        "key": manifest.key,
+        "rank": manifest.rank,
+        "namespace": manifest.namespace,
+        "world_size": manifest.world_size,
+        "generation": manifest.generation,
+        "components": dict(components),
+        "artifacts": {name: ref.to_json() for name, ref in sorted(manifest.artifacts.items())},
+        "meta": dict(manifest.meta),
+        "created": manifest.created,
+    }
+    if local:
+        payload["producer"] = dict(manifest.producer)
+    if local and inline:
+        payload["inline"] = {d: base64.b64encode(data).decode("ascii") for d, data in sorted(inline.items())}
+    return payload
+
+
+def record_refs(payload: Mapping[str, Any]) -> dict[str, BlobRef]:
+    """The artifacts of a payload as validated :class:`BlobRef` (digests checked before any path join)."""
+    artifacts = payload.get("artifacts")
+    if not isinstance(artifacts, dict):
+        raise AdstoreError("record has no artifact table")
+    return {str(name): BlobRef(str(ref[0]), int(ref[1])) for name, ref in artifacts.items()}
+
+
+def encode_record(payload: Mapping[str, Any]) -> bytes:
+    """The bytes of a record file: the payload and the SHA-256 of its canonical JSON."""
+    body = encode_json(dict(payload))
+    return encode_json({"sha256": hashlib.sha256(body).hexdigest(), "record": json.loads(body)}) + b"\n"
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value < high:
+        raise ValueError(f"{what} {value!r} is not an integer in [{low}, {high})")
+    return value
+
+
+def decode_record(raw: bytes, where: str) -> Record:
+    """The validated record in a record file's bytes; :class:`BadRecord` for anything else."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise BadRecord(where, f"{len(raw)} bytes, more than any record ({MAX_RECORD_BYTES})")
+    try:
+        outer = json.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise BadRecord(where, f"not a record file ({type(exc).__name__})") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("record"), dict) \
+            or not isinstance(outer.get("sha256"), str):
+        raise BadRecord(where, "not a record file (no record and checksum)")
+    payload = outer["record"]
+    try:
+        body = encode_json(payload)
+    except (ValueError, TypeError, RecursionError):
+        raise BadRecord(where, "the record does not encode again") from None
+    if hashlib.sha256(body).hexdigest() != outer["sha256"]:
+        raise BadRecord(where, "checksum mismatch (the record was changed or damaged)")
+    return parse_payload(payload, where)
+
+
+def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
+    """Validate a payload's fields (format, key, names, digests, sizes, nesting, inline bytes)."""
+    fmt = payload.get("format")
+    if type(fmt) is not int or fmt < 1:
+        raise BadRecord(where, f"no record format version ({fmt!r})")
+    if fmt > RECORD_FORMAT:
+        raise BadRecord(where, f"record format {fmt} is newer than this adstore reads ({RECORD_FORMAT})",
+                        Reason.NEWER_RECORD)
+    try:
+        key = validate_key(payload.get("key"))
+        namespace = validate_namespace(payload.get("namespace"))
+        world_size = _int(payload.get("world_size"), "world size", 1, 1 << 31)
+        rank = _int(payload.get("rank"), "rank", 0, world_size)
+        generation = _int(payload.get("generation"), "generation", 1, 1 << 63)
+        components, meta, producer = (payload.get(f, {}) for f in ("components", "meta", "producer"))
+        for name, value in (("components", components), ("meta", meta), ("producer", producer)):
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} is not a mapping")
+            validate_json(value, name)
+        created = payload.get("created", 0.0)
+        if type(created) not in (int, float) or not 0 <= created < 1e11:
+            raise ValueError(f"created {created!r} is not a time")
+        artifacts_raw = payload.get("artifacts")
+        if not isinstance(artifacts_raw, dict) or not artifacts_raw:
+            raise ValueError("no artifacts")
+        artifacts: dict[str, BlobRef] = {}
+        for name, ref in artifacts_raw.items():
+            if not isinstance(ref, list) or len(ref) != 2:
+                raise ValueError(f"artifact {name!r} is not [digest, size]")
+            artifacts[validate_artifact_name(name)] = BlobRef(ref[0], _int(ref[1], "size", 0, 1 << 62))
+        inline = _inline(payload.get("inline", {}), {r.digest: r.size for r in artifacts.values()})
+    except (AdstoreError, ValueError, TypeError) as exc:
+        detail = exc.why if isinstance(exc, InvalidKey) else str(exc)
+        raise BadRecord(where, f"invalid field: {detail[:200]}") from None
+    return Record(key, rank, world_size, generation, namespace, components, artifacts, meta, float(created),
+                  producer, inline)
+
+
+def _inline(raw: object, sizes: Mapping[str, int]) -> dict[str, bytes]:
+    """The inline blobs of a payload, each one an artifact's and hashing to its digest."""
+    if not isinstance(raw, dict):
+        raise ValueError("inline is not a mapping")
+    out: dict[str, bytes] = {}
+    for digest, text in raw.items():
+        if digest not in sizes or not isinstance(text, str):
+            raise ValueError(f"inline blob {str(digest)[:80]!r} is no artifact of the record")
+        try:
+            data = base64.b64decode(text.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError):
+            raise ValueError(f"inline blob {digest} is not base64") from None
+        if len(data) != sizes[digest] or hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"inline blob {digest} does not hash to its digest")
+        out[digest] = data
+    return out
