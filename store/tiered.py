@@ -228,10 +228,15 @@ class Tier:
     pushes back what it just fetched.
     """
 
+    #: How many restored keys :meth:`take_restored` remembers (a caller that never asks must not grow it).
+    RESTORED_MAX = 256
+
     def __init__(self, remote: Remote, *, owned: bool = True) -> None:
         self.remote = remote
         self._owned = owned
         self._local = threading.local()
+        self._restored: dict[str, int] = {}
+        self._restored_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Tier({self.remote!r})"
@@ -268,7 +273,16 @@ class Tier:
                 if first.reason in (None, Reason.ABSENT):
                     return missed
                 return type(missed)(False, Reason(first.reason))
+            with self._restored_lock:
+                self._restored[key] = self._restored.pop(key, 0) + first.nbytes
+                while len(self._restored) > self.RESTORED_MAX:
+                    del self._restored[next(iter(self._restored))]
             return store.lookup(key, rank=rank, record=False)
+
+    def take_restored(self, key: str) -> int | None:
+        """Bytes downloaded when a lookup restored ``key`` (once; None if it did not): a hit's ``source=remote``."""
+        with self._restored_lock:
+            return self._restored.pop(key, None)
 
     def pushed(self, store: Store, key: str, rank: int) -> Outcome[int] | None:
         """After a local commit: push it (read-write remotes; a failure is counted and logged, never raised)."""

@@ -230,6 +230,8 @@ class EngineCache:
                 return self._miss(h, Reason.BACKEND_ERROR, f"{type(exc).__name__}: {exc}")
             if record is None:
                 return self._miss(h, *self._why_absent(req))
+            if record.transferred is not None:  # the backend's store restored it from the remote tier just now
+                source = Source.REMOTE
             meta = record.meta
         else:
             meta = cached[0]
@@ -274,7 +276,8 @@ class EngineCache:
         saved = max(0.0, float(meta.get("compile_seconds") or 0.0) - elapsed)
         self._count(f"hits.{source}")
         backend.record_event(EventKind.HIT, seconds_saved=saved)
-        event = CacheEvent(EventKind.HIT, key=h, source=source, seconds=elapsed, seconds_saved=saved)
+        event = CacheEvent(EventKind.HIT, key=h, source=source, seconds=elapsed, seconds_saved=saved,
+                           transferred=(record.transferred or 0) if record is not None else 0)
         logger.info("engine cache hit %s from %s (%.3fs, ~%.1fs saved)", h[:12], source, elapsed, saved)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         return engine, None, ""

@@ -80,6 +80,8 @@ class EngineRecord:
     payload: bytes | None = None
     payload_path: Path | None = None
     owns_path: bool = False
+    #: Bytes the remote tier downloaded for this read (None: it came from the local store).
+    transferred: int | None = None
     _released: bool = field(default=False, repr=False)
 
     @property

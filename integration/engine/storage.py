@@ -375,7 +375,8 @@ class StoreEngineStorage(EngineStorage):
         except BaseException:
             dest.unlink(missing_ok=True)
             raise
-        return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True)
+        transferred = store.tier.take_restored(hash) if store.tier is not None else None
+        return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True, transferred=transferred)
 
     def check_loadable(self, record: EngineRecord) -> None:
         self._check_writer(record.hash, record.meta["payload"]["sha256"])

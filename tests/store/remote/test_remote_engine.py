@@ -23,10 +23,11 @@ def test_host_b_runs_host_a_engine_from_the_remote_and_an_untrusted_one_is_rebui
     _, other_public = write_keypair(tmp_path / "other")
     a = on_host(engine_host, str(tmp_path / "a"),
                 {"ADSTORE_REMOTE": s3_url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)})
-    assert (a["kind"], a["reason"], a["compiles"]) == ("miss", "absent", 1), a
+    assert (a["kind"], a["reason"], a["source"], a["compiles"]) == ("miss", "absent", "compiled", 1), a
     assert a["matches_eager"] and a["counters"]["remote.records_up"] == 1 and a["counters"]["remote.bytes_up"] > 0
     b = on_host(engine_host, str(tmp_path / "b"), {"ADSTORE_REMOTE": s3_url, "ADSTORE_TRUSTED_KEYS": str(public)})
-    assert (b["kind"], b["compiles"]) == ("hit", 0), b
+    assert (b["kind"], b["source"], b["compiles"]) == ("hit", "remote", 0), b
+    assert b["transferred"] == b["counters"]["remote.bytes_down"] > 0
     assert b["hash"] == a["hash"] and b["output"] == a["output"]
     assert b["counters"]["remote.hits"] == 1 and b["counters"]["remote.bytes_down"] > 0
     assert "remote.bytes_up" not in b["counters"]
