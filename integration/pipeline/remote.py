@@ -14,9 +14,11 @@ takes a single-flight build lease: rank 0 acquires it and broadcasts its role
 through the agreement group (:mod:`~adstore.integration.pipeline.dist`), so
 all ranks of one host build together or wait together.  A leading host builds
 and pushes every rank's record, meets at a barrier, then rank 0 releases; on a
-following host rank 0 waits a bounded time (``ADSTORE_REMOTE_WAIT``, default
-300 s) for every rank's record, broadcasts whether they came, and each rank
-restores its own, or they all build when the wait ends or the builder is gone.
+following host each rank waits a bounded time (``ADSTORE_REMOTE_WAIT``,
+default 300 s) for every rank's record and restores its own, or builds when
+the wait ends or the builder is gone.  The wait is not a collective, so it may
+outlast the process group's timeout; ranks whose waits ended differently are
+settled by the cache's rank agreement (any miss: every rank builds).
 At world size 1 the collectives are no-ops.  The collectives run only when a
 remote is named (``remote`` or ``ADSTORE_REMOTE``, the same on every rank),
 whether or not it opened on this rank, so no rank skips one its peers make.
@@ -144,17 +146,22 @@ def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | 
         return missed
     if role is not Role.FOLLOWER:
         return missed
-    ready = False
-    if flight is not None:
-        key, ranks = flight.key, range(ctx.world_size)
-        waited = flights.wait(flight, timeout=_wait_seconds(), ready=lambda: all(
-            remote.head("ac", record_address(key, r)).value is not None for r in ranks))
-        ready = waited.ready
-        if not ready:
-            log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
-    if not broadcast_int(1 if ready else 0) or missed is None:
-        return missed  # everyone builds; or this rank already had its entry locally
-    return remote_restore(cache.store(), remote, cache.key(ctx).key, ctx.rank, ctx.world_size)
+    if missed is None:
+        return None  # this rank has its entry locally: nothing to wait for
+    # Each rank waits on its own (no collective may outlast the process group's timeout) for every
+    # rank's record; ranks that end up disagreeing are settled by the cache's own rank agreement.
+    try:
+        key = cache.key(ctx).key
+    except Exception:
+        return missed
+    following = flight if flight is not None else Flight(key, Role.FOLLOWER)
+    ranks = range(ctx.world_size)
+    waited = flights.wait(following, timeout=_wait_seconds(), ready=lambda: all(
+        remote.head("ac", record_address(key, r)).value is not None for r in ranks))
+    if not waited.ready:
+        log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
+        return missed
+    return remote_restore(cache.store(), remote, key, ctx.rank, ctx.world_size)
 
 
 def _wait_seconds() -> float:
