@@ -262,19 +262,21 @@ class Tier:
         if self.busy:
             return missed
         with self._busy():
-            first = remote_restore(store, self.remote, key, 0 if rank is None else rank, None)
-            if first.ok and first.value is not None and rank is None:
-                for other in range(1, first.value.world_size):
-                    out = remote_restore(store, self.remote, key, other, first.value.world_size)
-                    if not out.ok:
-                        first = out
+            outs = [remote_restore(store, self.remote, key, 0 if rank is None else rank, None)]
+            if outs[0].ok and outs[0].value is not None and rank is None:
+                world_size = outs[0].value.world_size
+                for other in range(1, world_size):
+                    outs.append(remote_restore(store, self.remote, key, other, world_size))
+                    if not outs[-1].ok:
                         break
-            if not first.ok:
-                if first.reason in (None, Reason.ABSENT):
+            failed = outs[-1]
+            if not failed.ok:
+                if failed.reason in (None, Reason.ABSENT):
                     return missed
-                return type(missed)(False, Reason(first.reason))
+                known = failed.reason in Reason._value2member_map_
+                return type(missed)(False, Reason(failed.reason) if known else Reason.REMOTE_ERROR)
             with self._restored_lock:
-                self._restored[key] = self._restored.pop(key, 0) + first.nbytes
+                self._restored[key] = self._restored.pop(key, 0) + sum(o.nbytes for o in outs)
                 while len(self._restored) > self.RESTORED_MAX:
                     del self._restored[next(iter(self._restored))]
             return store.lookup(key, rank=rank, record=False)
