@@ -53,7 +53,7 @@ from adstore.integration.engine.runtime import (
 )
 from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
 from adstore.integration.engine.toolchain import STORAGE_SETTINGS, effective_inductor_configs
-from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch, IncompatibleEnv
+from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
 from adstore.integration.pipeline.envcheck import find_mismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import json_digest
@@ -257,7 +257,7 @@ class EngineCache:
             timings["refit"] = refit(runner, weights, spec)
         except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
             self._memory.discard(h)
-            why = exc.reason if isinstance(exc, (EngineCacheError, IncompatibleEnv)) else Reason.LOAD_FAILED
+            why = exc.reason if isinstance(exc, EngineCacheError) else Reason.LOAD_FAILED
             if source == Source.MEMORY:
                 # The private copy went bad (changed, removed by a tmp cleaner, ...): refused, ask the backend.
                 logger.warning("in-process engine copy of %s refused (%s: %s); reading the backend", h[:12], why, exc)
@@ -266,7 +266,7 @@ class EngineCache:
                 if engine is None and reason == Reason.ABSENT:  # the backend no longer has it: say why
                     return self._miss(h, why, f"in-process copy refused: {exc}")
                 return engine, reason, detail
-            if isinstance(exc, (EngineCacheError, IncompatibleEnv)):
+            if isinstance(exc, EngineCacheError):
                 return self._miss(h, why, str(exc))
             return self._miss(h, Reason.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
         finally:

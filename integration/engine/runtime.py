@@ -21,7 +21,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from adstore.integration.engine.hashing import call_spec
 from adstore.integration.engine.toolchain import toolchain_identity
 from adstore.integration.errors import EngineMismatch
-from adstore.integration.pipeline.envcheck import EnvMismatch, env_differences
+from adstore.integration.pipeline.envcheck import env_differences
 from adstore.integration.pipeline.events import CacheEvent, Source
 from adstore.integration.pipeline.keys import json_digest
 
@@ -241,11 +241,13 @@ def validate_meta(
     inductor_configs: dict[str, Any],
     components: Mapping[str, Any],
 ) -> None:
-    """A stored engine must be exactly what this request would compile, here.
+    """A stored engine must be exactly what this request would compile, here; else EngineMismatch.
 
-    IncompatibleEnv (naming the fields) when it was built in another
-    environment; EngineMismatch when anything else differs, including the
-    stored graph digest: a record relabelled under another hash is a miss.
+    The hash covers the toolchain and the graph, so a record under this hash
+    that names another toolchain (the fields are named) or stores another
+    graph digest was forged or relabelled: a miss, never a load.  A genuine
+    engine from another environment has another hash (``incompatible_env``
+    comes from the miss diagnosis, :mod:`~adstore.integration.pipeline.envcheck`).
     """
     if meta.get("kind") != ENGINE_KIND:
         raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
@@ -256,7 +258,8 @@ def validate_meta(
     here = {"toolchain": toolchain_identity()}
     diffs = env_differences({"toolchain": meta.get("toolchain")}, here, env=("toolchain",))
     if diffs:
-        raise EnvMismatch(h, tuple(diffs)).error()
+        raise EngineMismatch("toolchain", "record names another toolchain: "
+                                          + "; ".join(str(d) for d in diffs[:4]))
     stored, wanted = meta.get("components"), record_components(components)
     if not isinstance(stored, Mapping):
         raise EngineMismatch("components", "record stores no hash components")

@@ -392,7 +392,7 @@ def test_mismatched_metadata_is_a_miss(env):
     cases = {
         constants_shape: "engine_mismatch",
         constants_missing: "engine_mismatch",
-        toolchain: "incompatible_env",
+        toolchain: "engine_mismatch",
         settings: "engine_mismatch",
         version: "engine_mismatch",
         other_hash: "engine_mismatch",
