@@ -1,8 +1,10 @@
 """Where things live under a store root (README, "Using the store").
 
 ``index/`` is the LMDB environment, ``blobs/ab/<sha256>`` the read-only blob
-files, ``tmp/`` the writers' unique temp files, ``quarantine/`` the blobs that
-failed verification, and ``CACHEDIR.TAG`` tells backup tools to skip it all.
+files, ``records/`` the on-disk records the index is rebuilt from
+(``recordfiles``), ``tmp/`` the writers' unique temp files, ``quarantine/``
+the blobs that failed verification, and ``CACHEDIR.TAG`` tells backup tools
+to skip it all.
 A digest is validated before it is joined into a path (invariant 2 in the
 README's list of guarantees).
 """
@@ -41,6 +43,10 @@ class Layout:
     @property
     def blobs(self) -> Path:
         return self.root / "blobs"
+
+    @property
+    def records(self) -> Path:
+        return self.root / "records"
 
     @property
     def tmp(self) -> Path:
@@ -126,19 +132,20 @@ class Layout:
                 pass
 
     def check_no_symlinks(self) -> None:
-        """Refuse a root whose ``index/``, ``blobs/``, ``tmp/`` or ``quarantine/`` is a symlink (invariant 10).
+        """Refuse a root whose ``index/``, ``blobs/``, ``records/``, ``tmp/`` or ``quarantine/`` is a symlink.
 
-        Wherever it points, blobs, LMDB files or quarantined files would be
-        written through it: :class:`UnsafeRoot` (reason ``unsafe_root``).
+        Wherever it points, blobs, LMDB files, records or quarantined files
+        would be written through it (invariant 10): :class:`UnsafeRoot`
+        (reason ``unsafe_root``).
         """
-        for d in (self.index, self.blobs, self.tmp, self.quarantine):
+        for d in (self.index, self.blobs, self.records, self.tmp, self.quarantine):
             if d.is_symlink():
                 raise UnsafeRoot(str(self.root), f"{d.name}/ is a symlink (to {os.readlink(d)!r}); "
                                  "a store's directories must be real directories inside its root")
 
     def create(self) -> None:
         """Create the layout (call after the root passed its permission checks)."""
-        for d in (self.index, self.blobs, self.tmp, self.quarantine):
+        for d in (self.index, self.blobs, self.records, self.records / "pending", self.tmp, self.quarantine):
             self.mkdir(d)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():

@@ -1,38 +1,43 @@
-"""Replace a damaged LMDB index with a fresh one (README, "Damage and repair").
+"""Replace a damaged LMDB index with one rebuilt from the files (README, "Damage and repair").
 
 ``verify --fix`` uses this when the index cannot be read safely: it is not
 LMDB, it is truncated, or reading its pages faults (``indexfile``).  The
-plan names what will happen before anything moves: the damaged ``index/``
-goes aside into ``quarantine/index.<ns timestamp>`` (kept for a post-mortem,
-never deleted), a fresh index is created, and every blob file on disk whose
-content hashes to its name is registered again (unreferenced, so gc sweeps
-it past the grace period unless a writer stores the same content again).
-Files that do not hash to their name, and anything that is not a regular
-file (a symlink is never followed), are moved to ``quarantine/``.
+files are the source of truth and the index a cache of them (invariant 9),
+so the plan names what will happen before anything moves: the damaged
+``index/`` goes aside into ``quarantine/index.<ns timestamp>`` (kept for a
+post-mortem, never deleted), a fresh index is created, every blob file on
+disk whose content hashes to its name is registered again, and then every
+entry, committed manifest, refcount, inline blob and pin is restored from
+the on-disk records (``fromrecords``, ``recordfiles``).  Files that do not
+hash to their name, and anything that is not a regular file (a symlink is
+never followed), are moved to ``quarantine/``; records whose blobs are
+missing or corrupt, or that fail their checksum, are newer than this
+adstore, or name what they may not, are skipped and reported.
 
-What this cannot restore yet: entries, manifests, inline blobs, LRU order
-and counters live only in the index until the on-disk records of invariant
-9 exist, so every entry of the damaged index is lost (a miss; the next save
-stores it again).  The report says so.
+What is lost with the index: LRU order, hit counts and the counters of
+``adstore stats`` (an entry's last access becomes its record's creation
+time), uncommitted saves in flight, and leases (their holders take them
+again).  Blob files no restored manifest references stay registered,
+unreferenced, and gc sweeps them past the grace period.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .ballast import Ballast
 from .errors import StoreError
+from .fromrecords import Restored, Skipped, hash_blob_file, restore
 from .fsutil import fsync_dir
 from .index import Index
 from .indexfile import FRESH_INDEX_BYTES
 from .layout import Layout
+from .recordfiles import Found, RecordFiles, RecordState
 from .records import BlobRow
 from .tables import Tables, Txn
 
@@ -40,14 +45,12 @@ __all__ = ["RebuildPlan", "RebuildReport", "plan_rebuild", "LOST_WITH_THE_INDEX"
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 4 << 20
 _BATCH = 500
 
-#: The warning every rebuild reports (until invariant 9's records exist).
+#: The warning every rebuild reports: what the records do not hold.
 LOST_WITH_THE_INDEX = (
-    "entries, manifests, inline blobs, LRU order and counters lived only in the damaged index and are lost: "
-    "lookups miss until the next save (rebuilding entries needs the on-disk records of invariant 9, "
-    "not written yet)"
+    "LRU order, hit counts, counters, leases and saves in flight lived only in the damaged index and are lost; "
+    "entries were restored from their on-disk records"
 )
 
 
@@ -60,15 +63,26 @@ class RebuildReport:
     registered_bytes: int
     quarantined: tuple[str, ...]
     lost: str = LOST_WITH_THE_INDEX
+    entries: int = 0  # restored from records
+    manifests: int = 0
+    inline_blobs: int = 0
+    pinned: int = 0
+    skipped: tuple[Skipped, ...] = ()  # record files not restored, with why
 
 
 @dataclass(frozen=True, slots=True)
 class RebuildPlan:
-    """Move ``index/`` aside, create a fresh index, re-register ``blob_files``."""
+    """Move ``index/`` aside, create a fresh index, re-register ``blob_files``, restore ``records``."""
 
     layout: Layout
     why: str
     blob_files: tuple[Path, ...] = field(default=())
+    records: tuple[Found, ...] = field(default=())
+
+    @property
+    def committed_records(self) -> int:
+        """How many committed record files the plan will read."""
+        return sum(1 for f in self.records if f.state is RecordState.COMMITTED)
 
     @property
     def destination(self) -> Path:
@@ -90,7 +104,7 @@ class RebuildPlan:
         good: list[tuple[str, int]] = []
         bad: list[str] = []
         for path in self.blob_files:
-            found = _hash_blob_file(path)
+            found = hash_blob_file(path)
             if found is not None and found[0] == path.name and path.parent.name == path.name[:2]:
                 good.append((path.name, found[1]))
                 continue
@@ -110,38 +124,24 @@ class RebuildPlan:
                         t.put_blob(digest, BlobRow(size, 0, now, 0), inline=None)
 
                 tables.write(fn)
+            restored = restore(tables, RecordFiles(layout), self.records, dict(good))
         finally:
             index.release()
-        return RebuildReport(str(dest), len(good), sum(s for _, s in good), tuple(bad))
+        return _report(str(dest), good, bad, restored)
 
 
-def _hash_blob_file(path: Path) -> tuple[str, int] | None:
-    """(SHA-256, size) of a regular blob file, read without following a symlink; None otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        h = hashlib.sha256()
-        n = 0
-        while chunk := os.read(fd, _CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-        return h.hexdigest(), n
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+def _report(dest: str, good: list[tuple[str, int]], bad: list[str], restored: Restored) -> RebuildReport:
+    return RebuildReport(dest, len(good), sum(s for _, s in good), tuple(bad), entries=restored.entries,
+                         manifests=restored.manifests, inline_blobs=restored.inline_blobs, pinned=restored.pinned,
+                         skipped=tuple(restored.skipped))
 
 
 def plan_rebuild(layout: Layout, why: str) -> RebuildPlan:
-    """The plan for ``layout``: every file under ``blobs/ab/`` (named like a digest or not)."""
+    """The plan for ``layout``: every file under ``blobs/ab/`` (named like a digest or not) and ``records/``."""
     files: list[Path] = []
     if layout.blobs.is_dir() and not layout.blobs.is_symlink():
         for sub in sorted(layout.blobs.iterdir()):
             if sub.is_symlink() or not sub.is_dir():
                 continue
             files += sorted(sub.iterdir())  # a name that is no digest fails the hash check: moved aside
-    return RebuildPlan(layout, why, tuple(files))
+    return RebuildPlan(layout, why, tuple(files), tuple(RecordFiles(layout).scan()))

@@ -33,6 +33,7 @@ from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish
 from .reasons import Reason
 from .rebuild import RebuildReport, plan_rebuild
+from .recordsync import RecordWriter, components_changed, record_inputs
 from .records import (
     BlobRef,
     Entry,
@@ -124,6 +125,7 @@ class Store:
                             reserve=self._inline.reserve, on_dedup=self._count_dedup)
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
+        self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
 
     def _init_totals(self) -> None:
         """Count the pinned bytes once in an index written before they were kept as a total."""
@@ -259,17 +261,31 @@ class Store:
             validate_artifact_name(name)
             if not isinstance(ref, BlobRef):
                 raise InvalidKey(ref, f"artifact {name!r} must be a BlobRef")
-        return self._tables.write(lambda t: publish(
-            t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
-            namespace=namespace, components=components or {}, meta=meta or {}, file_ok=self._blobs.file_ok))
+        def fn(t: Txn) -> tuple[Manifest, dict[str, Any], dict[str, bytes]]:
+            m = publish(t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
+                        namespace=namespace, components=components or {}, meta=meta or {},
+                        file_ok=self._blobs.file_ok)
+            return m, *record_inputs(t, m)
+
+        manifest, stored_components, inline = self._tables.write(fn)
+        try:
+            self._records.published(manifest, stored_components, inline)
+        except BaseException:  # no record, no commit: the save fails whole
+            self.abort(key, rank=rank, generation=generation)
+            raise
+        return manifest
 
     def commit(self, key: str, *, rank: int = 0, generation: int,
                components: Mapping[str, Any] | None = None) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
         validate_key(key)
         validate_json(components or {}, "components")
-        manifest, _zero = self._tables.write(
-            lambda t: commit(t, key=key, rank=rank, generation=generation, components=components))
+        def fn(t: Txn) -> tuple[Manifest, bool]:
+            changed = components_changed(t, key, components)
+            return commit(t, key=key, rank=rank, generation=generation, components=components)[0], changed
+
+        (manifest, rewrite), drops = self._tables.write_noting_drops(fn)
+        self._records.committed(key, rank, generation, rewrite=rewrite, drops=drops)
         if self.tier is not None:
             self.tier.pushed(self, key, rank)
         return manifest
@@ -362,6 +378,7 @@ class Store:
             t.put_entry(entry)
 
         self._tables.write(fn)
+        self._records.pinned(key, pinned)
 
     def pin(self, key: str) -> None:
         """Exclude an entry from eviction until ``unpin``."""

@@ -1,8 +1,12 @@
 """The orphan sweep: leftovers of killed writers, past the grace period (invariant 7).
 
 Blob files without a row, stale temp files, uncommitted manifests older than
-the grace period, blobs nothing references any more and leases of dead
-processes are swept by gc, never by a reader.  A plan first, then
+the grace period, blobs nothing references any more, leases of dead
+processes and on-disk records whose manifest the index no longer has (an
+entry removed or evicted by a process killed before it unlinked them; a
+rebuild must not bring it back) are swept by gc, never by a reader.  A
+pending record of a manifest the index says is committed (a commit cut short
+between its transaction and its rename) is moved into place.  A plan first, then
 ``execute()``; rows go in one write transaction, files after it committed
 (README, "Using the store").
 """
@@ -20,6 +24,7 @@ from .errors import CorruptRecord
 from .eviction import drop_unreferenced
 from .leases import live_leases
 from .manifests import drop_if_empty
+from .recordsync import RecordIssues, check_records, fix_records
 from .records import BlobRef, BlobRow, Manifest, manifest_key
 from .tables import Tables, Txn
 
@@ -38,18 +43,21 @@ class SweepPlan:
     zero_ref_blobs: list[BlobRef] = field(default_factory=list)
     dead_leases: list[bytes] = field(default_factory=list)
     bytes_to_free: int = 0
+    #: Orphan record files to unlink and unfinished commits to finish (``recordsync``).
+    records: RecordIssues = field(default_factory=RecordIssues)
     _sweeper: Sweeper | None = field(default=None, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
         return not (self.orphan_files or self.stale_temps or self.stale_manifests
-                    or self.zero_ref_blobs or self.dead_leases)
+                    or self.zero_ref_blobs or self.dead_leases or not self.records.empty)
 
     @property
     def items(self) -> int:
-        """How many things the sweep will remove."""
+        """How many things the sweep will remove (or, for unfinished record commits, finish)."""
         return (len(self.orphan_files) + len(self.stale_temps) + len(self.stale_manifests)
-                + len(self.zero_ref_blobs) + len(self.dead_leases))
+                + len(self.zero_ref_blobs) + len(self.dead_leases) + len(self.records.orphans)
+                + len(self.records.unfinished))
 
     def execute(self) -> int:
         """Carry the sweep out; returns bytes freed."""
@@ -64,6 +72,8 @@ class SweepPlan:
             "stale_manifests": len(self.stale_manifests),
             "zero_ref_blobs": len(self.zero_ref_blobs),
             "dead_leases": len(self.dead_leases),
+            "orphan_records": len(self.records.orphans),
+            "unfinished_records": len(self.records.unfinished),
             "bytes_to_free": self.bytes_to_free,
         }
 
@@ -79,6 +89,9 @@ class Sweeper:
         now = time.time() if now is None else now
         old = now - self.grace
         layout = self._tables.layout
+        found = check_records(self._tables, read=False)  # names only: gc never reads record content
+        records = RecordIssues(orphans=[f for f in found.orphans if f.mtime <= old],
+                               unfinished=[f for f in found.unfinished if f.mtime <= old])
         registered: set[str] = set()
         zero_ref: list[BlobRef] = []
         stale: list[Manifest] = []
@@ -104,7 +117,8 @@ class Sweeper:
                 orphans += [f for f in sub.iterdir() if f.name not in registered]
         orphans, orphan_bytes = _older(orphans, old)
         temps, temp_bytes = _older(list(layout.tmp.iterdir()) if layout.tmp.exists() else [], old)
-        return SweepPlan(orphans, temps, stale, zero_ref, dead, nbytes + orphan_bytes + temp_bytes, _sweeper=self)
+        return SweepPlan(orphans, temps, stale, zero_ref, dead, nbytes + orphan_bytes + temp_bytes, records,
+                         _sweeper=self)
 
     def execute(self, plan: SweepPlan) -> int:
         now = time.time()
@@ -134,6 +148,8 @@ class Sweeper:
                 freed += _unlink_if_old(f, cutoff)
         for f in plan.stale_temps:
             freed += _unlink_if_old(f, cutoff)
+        if not plan.records.empty:
+            fix_records(self._tables, plan.records, grace_period=self.grace)
         log.info("sweep freed %d bytes", freed)
         return freed
 

@@ -7,7 +7,10 @@ place; the totals in ``meta`` (physical, logical and pinned bytes) follow
 every row that changes them; and every change that can take a blob away from
 a hit (a row dropped, quarantined or replaced) moves the blob epoch that the
 lookup memo trusts (README, "Using the store").  Files are unlinked only after
-the transaction that dropped their rows committed (:meth:`Tables.unlink_after_commit`).
+the transaction that dropped their rows committed (:meth:`Tables.unlink_after_commit`);
+so are the on-disk records (``recordfiles``) of every manifest a transaction
+drops, which each :class:`Txn` notes as it drops them, whichever operation
+it serves (README, "Damage and repair").
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .blobrows import PHYSICAL, BlobRows
 from .errors import CorruptRecord
 from .records import (
     ACCESS_ROW,
+    split_manifest_key,
+    validate_key,
     Entry,
     LeaseRecord,
     Manifest,
@@ -39,7 +44,8 @@ if TYPE_CHECKING:
     from .index import Index
     from .layout import Layout
 
-__all__ = ["DATABASES", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH"]
+__all__ = ["DATABASES", "Tables", "Txn", "Drops", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH",
+           "COMMITTED_RECORD", "PENDING_RECORD"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,23 @@ BLOB_EPOCH = b"blob_epoch"
 _I64 = struct.Struct("<q")
 _UNLINK_BATCH = 1000
 
+#: Which record files a dropped manifest may have: the committed one, the pending one (bits).
+COMMITTED_RECORD, PENDING_RECORD = 1, 2
+_BOTH = COMMITTED_RECORD | PENDING_RECORD
+
+
+class Drops:
+    """What a write transaction dropped that has files under ``records/``: manifests and pins."""
+
+    __slots__ = ("manifests", "pins")
+
+    def __init__(self) -> None:
+        self.manifests: list[tuple[bytes, int]] = []  # (manifest key, which record files)
+        self.pins: list[bytes] = []  # entry keys that were pinned
+
+    def __bool__(self) -> bool:
+        return bool(self.manifests or self.pins)
+
 
 def _int(raw: bytes | None) -> int:
     return _I64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
@@ -74,7 +97,7 @@ class Txn(BlobRows):
     of thousands of rows costs one read-modify-write per total.
     """
 
-    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor")
+    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops")
 
     def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any]) -> None:
         self.raw = raw
@@ -82,6 +105,12 @@ class Txn(BlobRows):
         self._deltas: dict[tuple[str, bytes], int] | None = None  # (table, name) -> delta; made when needed
         self._epoch_moved = False
         self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
+        self.drops: Drops | None = None  # made on the first drop (read transactions allocate none)
+
+    def _drops(self) -> Drops:
+        if self.drops is None:
+            self.drops = Drops()
+        return self.drops
 
     def finish(self) -> None:
         """Write the summed totals, counters and the epoch (write transactions only)."""
@@ -239,6 +268,7 @@ class Txn(BlobRows):
         self._add(LOGICAL, -nbytes)
         if pinned:
             self._add(PINNED, -nbytes)
+            self._drops().pins.append(raw_key)
         self.drop_entry_key(raw_key)
 
     def forget_entries(self, entries: Sequence[tuple[bytes, int, int, Sequence[bytes]]]) -> None:
@@ -251,6 +281,10 @@ class Txn(BlobRows):
         self._add(PINNED, -sum(e[1] for e in entries if e[2]))
         keys = sorted([e[0] for e in entries])
         manifests = sorted([mk for e in entries for mk in e[3]])
+        if manifests or any(e[2] for e in entries):  # current manifests only: committed records
+            drops = self._drops()
+            drops.manifests += [(mk, COMMITTED_RECORD) for mk in manifests]
+            drops.pins += [e[0] for e in entries if e[2]]
         for table, rows in (("entries", keys), ("entry_shadow", keys), ("access", keys), ("components", keys),
                             ("manifests", manifests)):
             cur = self.raw.cursor(db=self._db[table])
@@ -350,7 +384,8 @@ class Txn(BlobRows):
 
     def drop_manifest_row(self, mk: bytes) -> None:
         """Delete a manifest row without releasing references (``verify --fix`` recounts)."""
-        self.raw.delete(mk, db=self._db["manifests"])
+        if self.raw.delete(mk, db=self._db["manifests"]):
+            self._drops().manifests.append((mk, _BOTH))
 
     def take_manifests_of(
         self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None,
@@ -368,9 +403,10 @@ class Txn(BlobRows):
         keys, rows = self.manifests_listed(key)
         delete, manifests = self.raw.delete, self._db["manifests"]
         shadowed = refs_of(shadow[0], shadow[1], rows) if shadow is not None else None
-        if shadowed is not None:
+        if shadowed is not None:  # exactly the current manifests: committed
             for mk in keys:
                 delete(mk, db=manifests)
+            self._drops().manifests.extend((mk, COMMITTED_RECORD) for mk in keys)
             return shadowed, False
         taken: list[bytes] = []
         kept = False
@@ -381,6 +417,7 @@ class Txn(BlobRows):
                 continue
             taken += [bytes.fromhex(d) for d in digests]
             delete(mk, db=manifests)
+            self._drops().manifests.append((mk, COMMITTED_RECORD if committed else _BOTH))
         return taken, kept
 
     def manifests_listed(self, key: str) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
@@ -452,22 +489,38 @@ class Tables:
         return _Reading(self)
 
     def write(self, fn: Callable[[Txn], T]) -> T:
-        """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew)."""
+        """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew).
+
+        The records of the manifests and pins it dropped are unlinked after the commit.
+        """
+        result, drops = self.write_noting_drops(fn)
+        if drops:
+            self.unlink_after_commit((), drops)
+        return result
+
+    def write_noting_drops(self, fn: Callable[[Txn], T]) -> tuple[T, Drops | None]:
+        """:meth:`write`, leaving the records of what it dropped to the caller (``Store.commit``)."""
+        noted: list[Drops | None] = [None]
+
         def run(raw: lmdb.Transaction) -> T:
             t = Txn(raw, self.index.db)
             result = fn(t)
             t.finish()
+            noted[0] = t.drops  # of the run that commits
             return result
 
-        return self.index.write(run)
+        return self.index.write(run), noted[0]
 
-    def unlink_after_commit(self, digests: Sequence[str]) -> int:
-        """Unlink the blob files of ``digests`` whose rows are gone; returns the bytes unlinked.
+    def unlink_after_commit(self, digests: Sequence[str], drops: Drops | None = None) -> int:
+        """Unlink the blob files of ``digests`` whose rows are gone, and the records of ``drops``; returns the bytes.
 
         Called once the transaction that dropped the rows committed
         (invariant 4).  Each unlink runs under the write lock, after checking
         that no writer registered the blob again meanwhile: a writer that
         sees its file inside its registering transaction may rely on it.
+        A record goes unless its manifest row is back (a restore that
+        published the same generation again), a pin marker unless its entry
+        is pinned again (invariant 9).
         """
         total = 0
         for i in range(0, len(digests), _UNLINK_BATCH):
@@ -489,4 +542,34 @@ class Tables:
                 return n
 
             total += self.write(fn)
+        if drops:
+            self._unlink_records(drops)
         return total
+
+    def _unlink_records(self, drops: Drops) -> None:
+        from .recordfiles import RecordFiles  # noqa: PLC0415  (recordfiles -> layout; kept off the import path of readers)
+
+        files = RecordFiles(self.layout)
+        items: list[tuple[bytes, int]] = drops.manifests + [(k, 0) for k in drops.pins]
+        for i in range(0, len(items), _UNLINK_BATCH):
+            def fn(t: Txn, batch: Sequence[tuple[bytes, int]] = items[i:i + _UNLINK_BATCH]) -> None:
+                for k, which in batch:
+                    try:
+                        if which == 0:  # a pin marker
+                            key = validate_key(k.decode())
+                            entry = t._entry_or_none(k)
+                            if entry is None or not entry.pinned:
+                                files.set_pinned(key, False)
+                            continue
+                        key, rank, generation = split_manifest_key(k)
+                        validate_key(key)
+                    except (CorruptRecord, ValueError):  # a damaged row's key names no record file
+                        continue
+                    if t.manifest_row(k) is None:
+                        files.drop(key, rank, generation, committed=bool(which & COMMITTED_RECORD),
+                                   pending=bool(which & PENDING_RECORD))
+
+            try:
+                self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))
+            except OSError as exc:  # records stay behind: orphans that gc sweeps
+                log.warning("could not unlink records: %s", exc)

@@ -2,6 +2,7 @@
 
 Rehashes every blob, checks every manifest's references, every entry's ranks
 and every refcount against the invariants (README, "Using the store"), and
+every on-disk record against the index (invariant 9, ``recordsync``), and
 reports each finding with its kind, the key or digest it is about, and a
 sentence: problems (invariant violations) apart from warnings (orphans and
 stale leftovers of killed writers, which gc sweeps and which are not
@@ -24,7 +25,10 @@ from .errors import CorruptRecord
 from .layout import Layout
 from .reasons import Reason
 from .rebuild import RebuildReport
-from .records import BlobRow, Entry, Manifest, manifest_key, unpack_inline
+from .fromrecords import reimport
+from .recordfiles import RecordFiles
+from .records import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline, validate_key
+from .recordsync import check_records, fix_records
 from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
 
 __all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
@@ -60,6 +64,7 @@ class VerifyReport:
     bytes_checked: int = 0
     manifests_checked: int = 0
     entries_checked: int = 0
+    records_checked: int = 0
     repaired: bool = False
 
     @property
@@ -83,15 +88,19 @@ class VerifyReport:
         """The report for an index that cannot be scanned safely (README, "Damage and repair")."""
         rep = cls()
         rep.add(Reason.CORRUPT_INDEX, "", f"the index is damaged ({why}); `adstore verify --fix` moves it to "
-                "quarantine/ and rebuilds it from the blob files")
+                "quarantine/ and rebuilds it from the blob files and records")
         return rep
 
     def add_rebuild(self, why: str, rebuilt: RebuildReport) -> None:
         """Record a rebuild of a damaged index (``rebuild``): the damage, what came back, what is lost."""
         self.findings.insert(0, Finding(Reason.CORRUPT_INDEX, "", f"the index was damaged ({why})"))
         self.fixed.insert(0, f"moved the damaged index to {rebuilt.damaged_index} and created a fresh one; "
-                          f"re-registered {rebuilt.registered} intact blob file(s) ({rebuilt.registered_bytes} bytes)")
+                          f"re-registered {rebuilt.registered} intact blob file(s) ({rebuilt.registered_bytes} bytes); "
+                          f"restored {rebuilt.entries} entr(ies), {rebuilt.manifests} manifest(s), "
+                          f"{rebuilt.inline_blobs} inline blob(s) and {rebuilt.pinned} pin(s) from their records")
         self.fixed[1:1] = [f"quarantined blob file {p} (not intact or not a regular file)" for p in rebuilt.quarantined]
+        for skipped in rebuilt.skipped:
+            self.findings.append(Finding(skipped.reason, "", f"record not restored: {skipped}", problem=False))
         self.findings.append(Finding(Reason.CORRUPT_INDEX, "", rebuilt.lost, problem=False))
         self.repaired = True
 
@@ -106,6 +115,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "manifests_checked": self.manifests_checked,
             "entries_checked": self.entries_checked,
+            "records_checked": self.records_checked,
             "repaired": self.repaired,
         }
 
@@ -276,17 +286,47 @@ def verify_store(
         rep.add(Reason.STALE_TEMPS, "", f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
                 problem=False)
 
+    # 4. the on-disk records against the index (invariant 9)
+    issues = check_records(tables)
+    rep.records_checked = issues.checked
+    for kind, subject, detail, problem in issues.findings():
+        rep.add(kind, subject, detail, problem=problem)
+
     if fix and (rep.problems or any(s.strays.values()) or drift):
-        _repair(tables, rep, s, bad_blobs, doomed, quarantine)
+        touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
+        if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
+            intact = {d: r.size for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
+            restored = reimport(tables, RecordFiles(layout), touched, intact)
+            if restored.entries:
+                rep.fixed.append(f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
+                                 "from their on-disk records")
+    if fix and not issues.empty:
+        rep.fixed += fix_records(tables, check_records(tables))  # again: the repair may have dropped manifests
+        rep.repaired = True
     return rep
 
 
+def _keys_of(raw_keys: list[bytes], *, manifests: bool) -> set[str]:
+    """The cache keys of damaged rows that still name one (a key is validated before it names a file)."""
+    out: set[str] = set()
+    for k in raw_keys:
+        try:
+            out.add(validate_key(split_manifest_key(k)[0] if manifests else k.decode()))
+        except (CorruptRecord, ValueError):
+            continue
+    return out
+
+
 def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], doomed: list[Manifest],
-            quarantine: Callable[[str], None]) -> None:
+            quarantine: Callable[[str], None]) -> set[str]:
+    """Repair in place; returns the keys whose entries it dropped or cut (``reimport`` restores them)."""
     for digest in sorted(bad_blobs):
         if not s.rows[digest].quarantined:
             quarantine(digest)
             rep.fixed.append(f"quarantined blob {digest}")
+
+    touched = _keys_of(s.bad_entries, manifests=False) | _keys_of(s.bad_manifests, manifests=True)
+    touched |= {m.key for m in doomed}
 
     def fn(t: Txn) -> tuple[list[str], list[str]]:
         fixed: list[str] = []
@@ -328,8 +368,11 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
             if not ranks and e.key not in all_keys:
                 t.drop_entry(e.key, e)
                 fixed.append(f"dropped entry {e.key} (nothing restorable left)")
+                touched.add(e.key)
                 continue
             if ranks != e.ranks or new_bytes != e.bytes:
+                if ranks != e.ranks:
+                    touched.add(e.key)
                 e.ranks, e.bytes = ranks, new_bytes
                 t.put_entry(e)
                 fixed.append(f"repaired entry {e.key}")
@@ -343,8 +386,11 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
         t.set_total(PINNED, pinned)
         return fixed, dropped
 
-    fixed, dropped = tables.write(fn)
+    # The records of the rows dropped here stay: ``reimport`` restores from them, then ``fix_records``
+    # removes what is left as orphans.
+    (fixed, dropped), _records_left = tables.write_noting_drops(fn)
     rep.fixed += fixed
     tables.unlink_after_commit(dropped)  # files of dropped rows that are still in blobs/
     rep.repaired = True
     log.info("verify --fix: %d repair(s)", len(rep.fixed))
+    return touched

@@ -1,0 +1,293 @@
+"""The on-disk records of invariant 9: what a lost index is rebuilt from (README, "Damage and repair").
+
+Layout under ``<root>/records/``::
+
+    pending/<key>.<rank>.<generation>   published, not committed (never restored)
+    ab/<key>.<rank>.<generation>        committed (``ab``: first two hex digits of SHA-256 of the key)
+    ab/<key>.pin                        the entry is pinned (an empty marker)
+
+A record is immutable: its name says which save it belongs to (a generation
+is drawn once per save), its content is written once, checksummed and
+versioned (:mod:`.recordfmt`, the format the remote tier ships too).  The
+protocol keeps the commit's guarantees and its one-fsync budget:
+
+* ``publish`` writes the record into ``pending/`` right after the index
+  transaction that published the manifest: unique temp (``O_EXCL`` and
+  ``O_NOFOLLOW``), write, fsync, rename.  It is the save's step that already
+  writes and fsyncs blob files, so this costs one more fsync there, none in
+  the commit.
+* ``commit`` renames it from ``pending/`` to its shard after the index
+  transaction committed, so nothing is restorable from the records before the
+  index says so, and a crash at any step leaves the rank's old committed
+  record, its new one, or both (a rebuild takes the newer).  The rename is
+  not fsynced: a power loss can undo the last renames as LMDB (``metasync``
+  off) can undo its last commit, which after a rebuild is a miss, never a
+  wrong answer; a record that a power loss tore fails its checksum.
+* Whatever drops a manifest row (a newer generation, removal, eviction, the
+  sweep, ``abort``, ``verify --fix``) unlinks its records after the
+  transaction committed (``Tables.unlink_after_commit``); leftovers of a
+  killed process are orphans that gc sweeps and ``verify`` reports.
+
+Inline blobs (below the inline threshold, kept in the index's ``blobdata``)
+are carried inside the record, base64: writing them as files as well would
+bring back the file, fsync and inode per small blob that inline storage
+exists to avoid, while the record is written and fsynced once per rank
+anyway; they are small by definition, and their bytes are checked against
+their digest before a rebuild registers them.
+
+Pins are mutable and records are not, so a pin is a marker file beside the
+entry's records, created or removed after the index transaction that
+changed it (``verify --fix`` settles a marker a crash left behind).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import UnsafeRoot
+from .fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
+from .layout import Layout
+from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
+from .records import validate_key
+
+__all__ = ["RecordFiles", "RecordState", "Found", "PENDING", "PIN_SUFFIX", "RECORD_MODE"]
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"
+PIN_SUFFIX = ".pin"
+RECORD_MODE = 0o444
+_HEX = frozenset("0123456789abcdef")
+
+
+class RecordState(enum.Enum):
+    """What a file under ``records/`` is, by where it lives and how it is named."""
+
+    COMMITTED = "committed"
+    PENDING = "pending"
+    PIN = "pin"
+    UNKNOWN = "unknown"  # not named like anything the store writes, or not a regular file
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One file under ``records/``: its path, state, and the (key, rank, generation) its name says."""
+
+    path: Path
+    state: RecordState
+    key: str = ""
+    rank: int = -1
+    generation: int = -1
+    mtime: float = 0.0
+
+
+def shard_of(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:2]
+
+
+def _parse_name(name: str) -> tuple[str, int, int] | None:
+    """(key, rank, generation) of ``<key>.<rank>.<generation>``; None for anything else."""
+    head, sep, gen = name.rpartition(".")
+    key, sep2, rank = head.rpartition(".")
+    if not (sep and sep2 and rank.isascii() and rank.isdigit() and gen.isascii() and gen.isdigit()):
+        return None
+    if len(rank) > 10 or len(gen) > 19:
+        return None
+    try:
+        validate_key(key)
+    except ValueError:
+        return None
+    return key, int(rank), int(gen)
+
+
+class RecordFiles:
+    """The ``records/`` directory of one store root."""
+
+    __slots__ = ("layout", "root", "pending")
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.root = layout.records
+        self.pending = self.root / PENDING
+
+    # -- paths -------------------------------------------------------------------
+    def committed_path(self, key: str, rank: int, generation: int) -> Path:
+        return self.root / shard_of(key) / f"{key}.{rank}.{generation}"
+
+    def pending_path(self, key: str, rank: int, generation: int) -> Path:
+        return self.pending / f"{key}.{rank}.{generation}"
+
+    def pin_path(self, key: str) -> Path:
+        return self.root / shard_of(key) / f"{key}{PIN_SUFFIX}"
+
+    def _dir(self, path: Path) -> None:
+        """Create ``path`` (and ``records/``) as real directories of the store; a symlink is refused."""
+        self.layout.mkdir(path)
+        if path.is_symlink():
+            raise UnsafeRoot(str(self.layout.root), f"{path} is a symlink; records are written only inside the root")
+
+    # -- writing -----------------------------------------------------------------
+    def write_pending(self, payload: Mapping[str, Any]) -> Path:
+        """Write a published rank's record into ``pending/`` (fsynced; the commit renames it)."""
+        return self._write(self.pending_path(payload["key"], payload["rank"], payload["generation"]), payload)
+
+    def write_committed(self, payload: Mapping[str, Any]) -> Path:
+        """Write a committed rank's record in place (no pending one: ``verify --fix``, an older store)."""
+        return self._write(self.committed_path(payload["key"], payload["rank"], payload["generation"]), payload)
+
+    def _write(self, dest: Path, payload: Mapping[str, Any]) -> Path:
+        data = encode_record(payload)
+        tmp = unique_temp(self.layout.tmp, ".record")
+        with discarding_on_error(tmp, name=str(dest)):
+            fd = self.layout.open_temp(tmp)  # O_EXCL | O_NOFOLLOW
+            try:
+                write_chunks(fd, (data,))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                publish_temp(tmp, dest, mode=RECORD_MODE, sync_dir=False)
+            except FileNotFoundError:  # first record of its shard, or records/ was removed
+                self._dir(self.root)
+                self._dir(dest.parent)
+                publish_temp(tmp, dest, mode=RECORD_MODE, sync_dir=False)
+        return dest
+
+    def commit(self, key: str, rank: int, generation: int) -> bool:
+        """Move a pending record to its committed place; False if there was none."""
+        src, dest = self.pending_path(key, rank, generation), self.committed_path(key, rank, generation)
+        try:
+            os.rename(src, dest)
+        except FileNotFoundError:
+            if not os.path.lexists(src):
+                return False
+            self._dir(dest.parent)
+            os.rename(src, dest)
+        return True
+
+    def drop(self, key: str, rank: int, generation: int, *, committed: bool = True, pending: bool = True) -> None:
+        """Unlink a manifest's records (a name that is not there is fine)."""
+        paths = ([self.committed_path(key, rank, generation)] if committed else []) + \
+            ([self.pending_path(key, rank, generation)] if pending else [])
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def set_pinned(self, key: str, pinned: bool) -> None:
+        """Create or remove the entry's pin marker (never following a symlink)."""
+        path = self.pin_path(key)
+        if not pinned:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(2):
+            try:
+                os.close(os.open(path, flags, 0o444))
+                return
+            except FileExistsError:
+                return
+            except FileNotFoundError:
+                self._dir(self.root)
+                self._dir(path.parent)
+
+    # -- reading -----------------------------------------------------------------
+    def is_committed(self, key: str, rank: int, generation: int) -> bool:
+        return os.path.lexists(self.committed_path(key, rank, generation))
+
+    def read(self, path: Path) -> Record:
+        """The validated record in ``path`` (opened without following a symlink); :class:`BadRecord` else."""
+        where = str(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadRecord(where, f"cannot be opened ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRecord(where, "not a regular file")
+            if st.st_size > MAX_RECORD_BYTES:
+                raise BadRecord(where, f"{st.st_size} bytes, more than any record ({MAX_RECORD_BYTES})")
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+        except OSError as exc:
+            raise BadRecord(where, f"cannot be read ({exc.strerror})") from None
+        finally:
+            os.close(fd)
+        return decode_record(b"".join(chunks), where)
+
+    def read_found(self, found: Found) -> Record:
+        """:meth:`read`, and the record must be the one its name and shard say (no record takes another's place)."""
+        record = self.read(found.path)
+        if (record.key, record.rank, record.generation) != (found.key, found.rank, found.generation):
+            raise BadRecord(str(found.path), f"holds {record.key} rank {record.rank} generation "
+                            f"{record.generation}, not what its name says")
+        if found.state is RecordState.COMMITTED and found.path.parent.name != shard_of(record.key):
+            raise BadRecord(str(found.path), "is in another key's shard")
+        return record
+
+    def scan_key(self, key: str) -> list[Found]:
+        """The files of one key: its committed records and its pin marker (pending ones are not restored)."""
+        shard = self.root / shard_of(key)
+        try:
+            names = os.listdir(shard) if not shard.is_symlink() else []
+        except OSError:
+            return []
+        prefix = f"{key}."
+        return [_classify(shard / n, pending=False) for n in sorted(names) if n.startswith(prefix)]
+
+    def scan(self) -> Iterator[Found]:
+        """Every file under ``records/`` (sorted; symlinks and strangers as :attr:`RecordState.UNKNOWN`)."""
+        if not self.root.is_dir() or self.root.is_symlink():
+            return
+        for sub in sorted(self.root.iterdir()):
+            is_pending = sub.name == PENDING
+            if sub.is_symlink() or not sub.is_dir() or not (is_pending or (len(sub.name) == 2 and set(sub.name) <= _HEX)):
+                yield Found(sub, RecordState.UNKNOWN, mtime=_mtime(sub))
+                continue
+            for path in sorted(sub.iterdir()):
+                yield _classify(path, pending=is_pending)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _classify(path: Path, *, pending: bool) -> Found:
+    try:
+        st = path.lstat()
+    except OSError:
+        return Found(path, RecordState.UNKNOWN)
+    if not stat.S_ISREG(st.st_mode):
+        return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+    name = path.name
+    if not pending and name.endswith(PIN_SUFFIX):
+        key = name[:-len(PIN_SUFFIX)]
+        try:
+            validate_key(key)
+        except ValueError:
+            return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+        if shard_of(key) != path.parent.name:
+            return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+        return Found(path, RecordState.PIN, key, mtime=st.st_mtime)
+    parsed = _parse_name(name)
+    if parsed is None:
+        return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+    state = RecordState.PENDING if pending else RecordState.COMMITTED
+    return Found(path, state, *parsed, mtime=st.st_mtime)
