@@ -81,6 +81,31 @@ def populate(store: Store, dc: diskcache.Cache, n: int) -> list[str]:
     return keys
 
 
+def saves(store: Store, n: int) -> dict:
+    """The cost of one save, one rank: put two small blobs, publish, commit (each step timed).
+
+    What a cache point pays after its snapshot is serialised; ``commit`` is
+    the step the one-fsync-per-commit budget is about (README, "Damage and repair").
+    """
+    put_t, pub_t, com_t, total_t = [], [], [], []
+    for i in range(n):
+        key = hashlib.sha256(f"save{i}".encode()).hexdigest()
+        gen = store.new_generation()
+        t0 = time.perf_counter()
+        arts = {"module.pt": store.put_bytes(os.urandom(1000)), "hooks.json": store.put_bytes(b"[]")}
+        t1 = time.perf_counter()
+        store.publish(key, generation=gen, artifacts=arts, namespace="pipeline", components={"i": i})
+        t2 = time.perf_counter()
+        store.commit(key, generation=gen)
+        t3 = time.perf_counter()
+        put_t.append(t1 - t0); pub_t.append(t2 - t1); com_t.append(t3 - t2); total_t.append(t3 - t0)
+    return {
+        "save_p50_us": pct(total_t, .5) * 1e6, "save_p99_us": pct(total_t, .99) * 1e6,
+        "put_p50_us": pct(put_t, .5) * 1e6, "publish_p50_us": pct(pub_t, .5) * 1e6,
+        "commit_p50_us": pct(com_t, .5) * 1e6, "commit_p99_us": pct(com_t, .99) * 1e6,
+    }
+
+
 def lookups(store: Store, dc: diskcache.Cache, keys: list[str], n: int) -> dict:
     """Steady state: one untimed pass over every key warms both (page cache, decoders).
 
@@ -177,11 +202,18 @@ def concurrent(root: str, dc_root: str, keys: list[str], procs: int, seconds: fl
     return out
 
 
+def _print_saves(sv: dict) -> None:
+    print(f"save (1 rank, 2 small blobs) p50 {us(sv['save_p50_us'] / 1e6)} p99 {us(sv['save_p99_us'] / 1e6)}: "
+          f"puts {us(sv['put_p50_us'] / 1e6)}, publish {us(sv['publish_p50_us'] / 1e6)}, "
+          f"commit {us(sv['commit_p50_us'] / 1e6)} (p99 {us(sv['commit_p99_us'] / 1e6)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples, 64 MiB big blob")
     ap.add_argument("--big-mib", type=int, default=256)
     ap.add_argument("--procs", type=int, default=8)
+    ap.add_argument("--saves-only", action="store_true", help="only the save rows (put + publish + commit)")
     args = ap.parse_args(argv)
     n = 500 if args.quick else 3000
     big = 64 if args.quick else args.big_mib
@@ -190,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         store = Store.open(work / "adstore")
         dc = diskcache.Cache(str(work / "diskcache"))
         res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+        res["save"] = saves(store, 200 if args.quick else 1000)
+        if args.saves_only:
+            store.close()
+            dc.close()
+            _print_saves(res["save"])
+            (results_dir() / "store_saves.json").write_text(json.dumps(res, indent=2))
+            return 0
         res["small"] = small_blobs(store, dc, n)
         keys = populate(store, dc, 1000 if args.quick else 5000)
         store.flush()
@@ -202,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
         dc.close()
     s, lk, c = res["small"], res["lookup"], res["concurrent"]
+    _print_saves(res["save"])
     rows = [
         ("small put p50 (4 KiB)", us(s["put_p50_us"] / 1e6), us(s["dc_put_p50_us"] / 1e6),
          f"{s['dc_put_p50_us'] / s['put_p50_us']:.2f}x faster"),
