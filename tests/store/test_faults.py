@@ -11,8 +11,10 @@ so the driver knows exactly where the child died.  After every kill the
 driver checks that ``verify()`` finds no problem, that the replaced key is
 served as exactly the old or exactly the new generation (a commit that
 returned is durable; nothing before the first commit is visible), that the
-removed entry is intact or absent, and that the next writer is not blocked
-(LMDB's writer lock of the dead process is recovered).
+removed entry is intact or absent, that a copy swept by gc and then rebuilt
+from its on-disk records serves exactly the same (invariant 9), and that
+the next writer is not blocked (LMDB's writer lock of the dead process is
+recovered).
 
 The sweep continues with k = 0, 3, 5, 8, 10, ... (steps alternating 3 and
 2, so periodic sequences such as one blob write are cut at every phase) until
@@ -26,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -238,6 +241,10 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
                     failures.append(f"{where}: victim still present after its removal committed")
                 if not removed and not v_hit:
                     failures.append(f"{where}: victim lost before its removal committed ({v_reason})")
+                # The records say what the index says: gc, then a lost index rebuilt from them (invariant 9).
+                disagreement = _rebuild_disagrees(root, (hit, gen), v_hit)
+                if disagreement:
+                    failures.append(f"{where}: {disagreement}")
                 # The next writer must not be blocked by the dead child's LMDB writer lock.
                 t0 = time.monotonic()
                 save(store, "probe", sizes=(50, 66_000))
@@ -257,6 +264,35 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
             failures.append(f"after final sweep: {rep.to_dict()}")
     q.put({"kill_points": kill_points, "completed": completed, "last_k": k, "failures": failures,
            "outcomes": dict(outcomes), "killed_at": dict(labels)})
+
+
+def _rebuild_disagrees(root: str, k_served: tuple[bool, int | None], victim_hit: bool) -> str | None:
+    """Copy the store, sweep it as gc would, lose its index, rebuild it from the records, compare.
+
+    gc first: it removes the records of a removal cut short after its
+    commit and finishes a commit cut short before its rename, so afterwards
+    the rebuilt index must serve exactly what the sound one served: K as the
+    same generation (or a miss), the victim present or gone.
+    """
+    copy = Path(root).parent / "rebuilt-copy"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(root, copy, symlinks=True, ignore=shutil.ignore_patterns("lock.mdb"))
+    try:
+        with Store.open(copy, grace_period=0.0) as store:
+            store.plan_sweep().execute()
+        os.truncate(copy / "index" / "data.mdb", 8192)
+        if Store.repair_index(copy) is None:
+            return "a truncated index was not rebuilt"
+        with Store.open(copy, grace_period=0.0) as store:
+            hit, gen, reason = _check_served(store, "K")
+            v_hit = _check_served_victim(store)[0]
+        if (hit, gen if hit else None) != (k_served[0], k_served[1] if k_served[0] else None):
+            return f"rebuilt index serves K hit={hit} gen={gen} ({reason}), the sound one hit={k_served}"
+        if v_hit != victim_hit:
+            return f"rebuilt index has the victim {'back' if v_hit else 'lost'} (sound index: {victim_hit})"
+        return None
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def _committed_in_phase(trace: list[str], phase: str) -> bool:
