@@ -5,8 +5,9 @@ in a child process (so a SIGBUS/SIGSEGV is observed, not suffered): lookups
 and reads like a pipeline, then ``adstore stats``, ``verify``, ``verify
 --fix`` and lookups again.  Every case must show no signal death, no exit 70
 (internal error), no raw ``lmdb`` exception, no wrong bytes; ``verify --fix``
-must repair (exit 0), and afterwards the store opens and every lookup is a
-clean miss or a hit with the saved bytes.  Damage: ``data.mdb`` truncated at
+must repair (exit 0), and afterwards the store opens and every entry is a hit
+with the saved bytes again: the index is rebuilt from the blob files and the
+on-disk records (invariant 9), so damage to the index alone loses no entry.  Damage: ``data.mdb`` truncated at
 page boundaries and odd sizes, random bytes over index pages (many seeds),
 whole pages overwritten, a file that is not LMDB, symlinked directories and
 blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
@@ -118,8 +119,8 @@ def _exit70(case: dict) -> int:
     return sum(1 for s in case["done"].values() if s.get("exit") == 70 or "internal:" in json.dumps(s))
 
 
-def check_repaired(case: dict) -> list[str]:
-    """What is wrong with one index-damage case (empty: it passed)."""
+def check_repaired(case: dict, *, hits: int = KEYS) -> list[str]:
+    """What is wrong with one index-damage case (empty: it passed); ``hits``: entries intact after the fix."""
     name, done = case["name"], case["done"]
     if case["code"] != 0:
         return [f"{name}: child ended with {case['code']} in step {case['died_in']}"]
@@ -132,6 +133,9 @@ def check_repaired(case: dict) -> list[str]:
         bad.append(f"{name}: after verify --fix: {done['after']}")
     if done["fix"]["exit"] != 0 or done["verify_after"]["exit"] != 0:
         bad.append(f"{name}: verify --fix {done['fix']} then verify {done['verify_after']}")
+    if done["after"].get("hits") != hits:
+        bad.append(f"{name}: {done['after'].get('hits')} of {hits} intact entries hit after verify --fix: "
+                   f"{done['after']}")
     if _raw_lmdb(case) or _exit70(case):
         bad.append(f"{name}: raw lmdb or internal error: {done}")
     return bad
@@ -213,7 +217,7 @@ def check_unsafe(case: dict) -> list[str]:
 
 
 def check_blob_symlink(case: dict) -> list[str]:
-    bad = check_repaired(case)
+    bad = check_repaired(case, hits=KEYS - 1)  # the entry of the symlinked blob has no intact file
     read = case["done"].get("read", {})
     if read.get("hits", 0) >= KEYS:
         bad.append(f"{case['name']}: the symlinked blob was served: {read}")
@@ -288,6 +292,7 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
         assert shutil.disk_usage(small_fs).free > 1 << 20
     elif how == "index truncated, ballast kept":  # the rebuild spends the ballast on the fresh index
         assert done["fix"]["exit"] == 0 and not done["after"].get("open_error"), done
+        assert done["after"]["hits"] == KEYS, done  # every entry back from its records
     else:
         assert done["gc"]["exit"] in (0, 8, 9), done["gc"]  # a named error at worst, never stuck in a crash
 
