@@ -185,3 +185,15 @@ def test_direct_construction_checks_every_field() -> None:
             DaemonConfig(**kwargs)
         assert info.value.field == field
 
+
+
+def test_the_remote_keys_take_a_url_and_a_mode() -> None:
+    cfg = DaemonConfig.from_mapping({"remote": " s3://bucket/fleet ", "remote_mode": "READ_WRITE"})
+    assert (cfg.remote, cfg.remote_mode) == ("s3://bucket/fleet", "read-write")
+    assert DaemonConfig.from_mapping({}).remote is None and DaemonConfig.from_mapping({}).remote_mode == "read"
+    assert DaemonConfig.from_mapping({"remote": "none"}).remote is None
+    for bad in ("bucket/fleet", "s3://", "://x", "http://a b/c", 7):
+        with pytest.raises(ConfigError, match="remote"):
+            DaemonConfig.from_mapping({"remote": bad})
+    with pytest.raises(ConfigError, match="remote_mode"):
+        DaemonConfig.from_mapping({"remote_mode": "write"})
