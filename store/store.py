@@ -154,10 +154,10 @@ class Store:
         """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_REMOTE*`` name."""
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
-        if env.get("ADSTORE_REMOTE", "").strip():
-            from .remote import RemoteConfig
+        if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
+            from .tiered import tier_from_env  # a remote that cannot be opened is logged, not raised
 
-            settings["remote"] = RemoteConfig.from_env(env)
+            settings["remote"] = tier_from_env(env)
         if env.get("ADSTORE_MAX_SIZE"):
             settings["max_size"] = parse_size(env["ADSTORE_MAX_SIZE"], field="ADSTORE_MAX_SIZE")
         if env.get("ADSTORE_GRACE_PERIOD"):

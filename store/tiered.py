@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "persist_counters",
     "Tier",
     "open_tier",
+    "tier_from_env",
 ]
 
 log = logging.getLogger(__name__)
@@ -197,19 +198,30 @@ def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, ran
 
 
 # -- the tier a store is opened with ---------------------------------------------
-RemoteSpec = str | RemoteConfig | Remote
+def tier_from_env(environ: Mapping[str, str] | None = None) -> Tier | None:
+    """The tier ``ADSTORE_REMOTE*`` describe (``Store.from_env``); None, logged, when it cannot be opened.
+
+    Unlike an explicit ``remote=``, a bad environment (an unreadable key
+    file, an unknown scheme) must not make every engine compile fail: the
+    process runs on its local store alone, as the pipeline cache does.
+    """
+    try:
+        return open_tier(RemoteConfig.from_env(environ))
+    except AdstoreError as exc:
+        log.warning("remote tier disabled (ADSTORE_REMOTE*): %s", exc)
+        return None
 
 
-def open_tier(spec: RemoteSpec | None) -> Tier | None:
-    """The :class:`Tier` for ``Store.open(remote=...)``: a URL, a :class:`RemoteConfig` or a :class:`Remote`.
+def open_tier(spec: str | RemoteConfig | Remote | Tier | None) -> Tier | None:
+    """The :class:`Tier` for ``Store.open(remote=...)``: a URL, a :class:`RemoteConfig`, a :class:`Remote` (or a Tier).
 
     A URL takes the rest of its configuration (mode, keys, timeouts) from
     ``ADSTORE_REMOTE_MODE`` and friends, the URL itself wins over
     ``ADSTORE_REMOTE``.  A configuration that cannot be opened raises
     :class:`ConfigError` here, once, not as misses later.
     """
-    if spec is None:
-        return None
+    if spec is None or isinstance(spec, Tier):
+        return spec
     if isinstance(spec, Remote):
         return Tier(spec, owned=False)
     cfg = spec if isinstance(spec, RemoteConfig) else RemoteConfig.from_env(url=str(spec))

@@ -91,3 +91,18 @@ def test_a_down_remote_never_fails_a_lookup_or_a_commit(keys, tmp_path, monkeypa
         assert s.lookup("k").hit
         miss = s.lookup("cold")
         assert not miss.hit and miss.reason == "remote_unavailable"
+
+
+def test_a_bad_remote_environment_is_logged_and_the_store_runs_alone(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("ADSTORE_ROOT", str(tmp_path / "s"))
+    monkeypatch.setenv("ADSTORE_REMOTE", "memory://x")
+    monkeypatch.setenv("ADSTORE_TRUSTED_KEYS", str(tmp_path / "no-such-key.pub"))
+    with Store.from_env() as s:
+        assert s.tier is None
+        commit(s, "k", {"x": b"1"})
+        assert s.lookup("k").hit
+    assert "remote tier disabled" in caplog.text
+    from adstore.store.errors import AdstoreError
+
+    with pytest.raises(AdstoreError):  # an explicit argument is a programming error: raised at once
+        Store.open(tmp_path / "t", remote=RemoteConfig.from_env(url="memory://x"))
