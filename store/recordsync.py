@@ -24,7 +24,7 @@ from .layout import Layout
 from .reasons import Reason
 from .recordfiles import Found, RecordFiles, RecordState
 from .recordfmt import BadRecord, payload_of
-from .records import Manifest, manifest_key, unpack_inline
+from .records import Entry, Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
 from .tables import Drops, Tables, Txn
 
 __all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
@@ -148,24 +148,38 @@ class RecordIssues:
 
 
 def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
-    """Compare every file under ``records/`` with the index (``read``: decode and checksum each record)."""
+    """Compare every file under ``records/`` with the index.
+
+    ``read`` (``verify``): decode and checksum each record, and look for
+    committed manifests and pins that have no file.  Without it (gc), only
+    names are compared: orphans and unfinished commits, one pass over the
+    manifest keys.  The files are listed before the index is read, so a
+    record committed meanwhile has its manifest row in the snapshot.
+    """
     files = RecordFiles(tables.layout)
     issues = RecordIssues()
     found = list(files.scan())
     with tables.read() as t:
         current: set[tuple[str, int, int]] = set()
         pinned: set[str] = set()
-        for entry, _ in t.entries():
-            current.update((entry.key, r, g) for r, g in entry.ranks.items())
-            if entry.pinned:
-                pinned.add(entry.key)
+        if read:
+            for entry, _ in t.entries():
+                current.update((entry.key, r, g) for r, g in entry.ranks.items())
+                if entry.pinned:
+                    pinned.add(entry.key)
+        else:
+            for f in found:
+                if f.state is RecordState.PIN:
+                    entry = _entry_or_none(t, f.key)
+                    if entry is not None and entry.pinned:
+                        pinned.add(f.key)
         rows: dict[tuple[str, int, int], bool] = {}
         for mk, raw in t.manifest_rows():
             try:
-                m = Manifest.decode(mk, raw)
+                key, rank, generation = split_manifest_key(mk)
             except (CorruptRecord, UnicodeDecodeError):
                 continue
-            rows[(m.key, m.rank, m.generation)] = m.committed
+            rows[(key, rank, generation)] = manifest_refs(raw)[1]
     committed_files: set[tuple[str, int, int]] = set()
     settled: list[Found] = []  # pending records of committed manifests (not corrupt)
     markers: set[str] = set()
@@ -199,6 +213,13 @@ def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
     issues.missing = sorted(i for i in current if rows.get(i) and i not in committed_files and i not in unfinished)
     issues.pins = sorted((k, True) for k in pinned - markers)
     return issues
+
+
+def _entry_or_none(t: Txn, key: str) -> Entry | None:
+    try:
+        return t.entry(key)
+    except CorruptRecord:
+        return None
 
 
 def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | None = None) -> list[str]:
