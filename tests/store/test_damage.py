@@ -237,7 +237,7 @@ def _record(name: str, results: list[dict], failures: list[str]) -> dict:
 
 def _suite(base, work: Path, *, slow: bool) -> tuple[list, list]:
     results, failures = run_suite(base, work, index_cases(base[0], slow=slow), check_repaired)
-    hostile = {f"symlinked-{d}": _symlinked(d) for d in ("blobs", "index", "tmp", "quarantine")}
+    hostile = {f"symlinked-{d}": _symlinked(d) for d in ("blobs", "index", "records", "tmp", "quarantine")}
     more, more_failures = run_suite(base, work, hostile, check_unsafe)
     blob, blob_failures = run_suite(base, work, {"symlinked-blob-file": _symlinked_blob}, check_blob_symlink)
     return results + more + blob, failures + more_failures + blob_failures

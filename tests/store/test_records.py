@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from store_helpers import save
 
-from adstore.store import Reason, Store
+from adstore.store import Reason, Store, UnsafeRoot
 from adstore.store.layout import Layout
 from adstore.store.recordfiles import RecordFiles, RecordState
 from adstore.store.recordfmt import RECORD_FORMAT, BadRecord, decode_record, encode_record
@@ -217,6 +217,18 @@ def test_a_tampered_record_is_skipped_with_a_reason(store_root, kind):
         assert after.ok and not after.warnings, after.to_dict()
         assert _served(store, "one") == want
     assert not os.path.lexists(path)
+
+
+def test_a_symlinked_records_directory_is_refused(store_root, tmp_path):
+    """Records would be written through it, wherever it points (invariant 10)."""
+    with Store.open(store_root) as store:
+        save(store, "k")
+    outside = tmp_path / "outside"
+    shutil.move(store_root / "records", outside)
+    os.symlink(outside, store_root / "records")
+    with pytest.raises(UnsafeRoot, match="records/ is a symlink"):
+        Store.open(store_root)
+    assert _cli(store_root, "verify", "--fix").returncode == 7
 
 
 def test_decode_record_refuses_a_file_too_large_or_without_a_checksum():
