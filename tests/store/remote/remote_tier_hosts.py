@@ -152,6 +152,7 @@ def _dist_flight_rank(rank: int, world_size: int, port: int, job: dict[str, Any]
     import torch.distributed as dist
 
     os.environ.update(job["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(job.get("rank_env", {}).get(rank, {}))  # what only this rank sees
     try:
         from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
 

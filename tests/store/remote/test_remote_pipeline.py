@@ -122,3 +122,18 @@ def test_two_hosts_of_two_gloo_ranks_race_on_one_key_one_builds(backend, request
     assert built[0]["counters"].get("remote.flight.leader") == 1, built[0]["counters"]
     assert restored[0]["counters"].get("remote.flight.follower") == 1, restored[0]["counters"]
     assert "remote.flight.leader" not in built[1]["counters"]  # only rank 0 takes the lease
+
+
+@pytest.mark.slow
+def test_a_rank_whose_remote_cannot_open_makes_no_rank_hang(http_url, checkpoint, tmp_path):
+    """Rank 1's key file is missing, so its remote is off: the ranks still make the same collectives,
+    both build, and only rank 0 pushes (a remote is a miss at worst, never a hang or a crash)."""
+    private, public = write_keypair(tmp_path / "keys")
+    env = {"ADSTORE_REMOTE": http_url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private),
+           "ADSTORE_TRUSTED_KEYS": str(public)}
+    job = {"env": env, "checkpoint": checkpoint, "model": MODEL, "roots": [str(tmp_path / f"r{r}") for r in range(2)],
+           "rank_env": {1: {"ADSTORE_TRUSTED_KEYS": str(tmp_path / "missing.pub")}}}
+    (ranks,) = dist_hosts_race([job], 2, timeout=600)
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    assert [[e["kind"] for e in cache_events(r)] for r in ranks] == [["miss", "save"], ["miss", "save"]]
+    assert ranks[0]["counters"].get("remote.records_up") == 1 and "remote.records_up" not in ranks[1]["counters"]
