@@ -145,7 +145,8 @@ class Layout:
 
     def create(self) -> None:
         """Create the layout (call after the root passed its permission checks)."""
-        for d in (self.index, self.blobs, self.records, self.records / "pending", self.tmp, self.quarantine):
+        for d in (self.index, self.blobs, self.records, self.records / "pending", self.records / "obsolete",
+                  self.tmp, self.quarantine):
             self.mkdir(d)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():

@@ -4,9 +4,10 @@ Blob files without a row, stale temp files, uncommitted manifests older than
 the grace period, blobs nothing references any more, leases of dead
 processes and on-disk records whose manifest the index no longer has (an
 entry removed or evicted by a process killed before it unlinked them; a
-rebuild must not bring it back) are swept by gc, never by a reader.  A
-pending record of a manifest the index says is committed (a commit cut short
-between its transaction and its rename) is moved into place.  A plan first, then
+rebuild must not bring it back) are swept by gc, never by a reader, and so
+are the records that removals moved to ``records/obsolete/``.  A pending
+record of a manifest the index says is committed (a commit cut short between
+its transaction and its rename) is moved into place.  A plan first, then
 ``execute()``; rows go in one write transaction, files after it committed
 (README, "Using the store").
 """
@@ -14,6 +15,7 @@ between its transaction and its rename) is moved into place.  A plan first, then
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from .errors import CorruptRecord
 from .eviction import drop_unreferenced
 from .leases import live_leases
 from .manifests import drop_if_empty
+from .recordfiles import RecordFiles
 from .recordsync import RecordIssues, check_records, fix_records
 from .records import BlobRef, BlobRow, Manifest, manifest_key
 from .tables import Tables, Txn
@@ -45,19 +48,21 @@ class SweepPlan:
     bytes_to_free: int = 0
     #: Orphan record files to unlink and unfinished commits to finish (``recordsync``).
     records: RecordIssues = field(default_factory=RecordIssues)
+    #: Record files removals obsoleted (``records/obsolete/``): unlinked, whatever their age.
+    obsolete_records: list[Path] = field(default_factory=list)
     _sweeper: Sweeper | None = field(default=None, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
         return not (self.orphan_files or self.stale_temps or self.stale_manifests
-                    or self.zero_ref_blobs or self.dead_leases or not self.records.empty)
+                    or self.zero_ref_blobs or self.dead_leases or not self.records.empty or self.obsolete_records)
 
     @property
     def items(self) -> int:
         """How many things the sweep will remove (or, for unfinished record commits, finish)."""
         return (len(self.orphan_files) + len(self.stale_temps) + len(self.stale_manifests)
                 + len(self.zero_ref_blobs) + len(self.dead_leases) + len(self.records.orphans)
-                + len(self.records.unfinished))
+                + len(self.records.unfinished) + len(self.obsolete_records))
 
     def execute(self) -> int:
         """Carry the sweep out; returns bytes freed."""
@@ -74,6 +79,7 @@ class SweepPlan:
             "dead_leases": len(self.dead_leases),
             "orphan_records": len(self.records.orphans),
             "unfinished_records": len(self.records.unfinished),
+            "obsolete_records": len(self.obsolete_records),
             "bytes_to_free": self.bytes_to_free,
         }
 
@@ -118,7 +124,7 @@ class Sweeper:
         orphans, orphan_bytes = _older(orphans, old)
         temps, temp_bytes = _older(list(layout.tmp.iterdir()) if layout.tmp.exists() else [], old)
         return SweepPlan(orphans, temps, stale, zero_ref, dead, nbytes + orphan_bytes + temp_bytes, records,
-                         _sweeper=self)
+                         RecordFiles(layout).obsolete_files(), _sweeper=self)
 
     def execute(self, plan: SweepPlan) -> int:
         now = time.time()
@@ -150,6 +156,11 @@ class Sweeper:
             freed += _unlink_if_old(f, cutoff)
         if not plan.records.empty:
             fix_records(self._tables, plan.records, grace_period=self.grace)
+        for f in plan.obsolete_records + RecordFiles(self._tables.layout).obsolete_files():
+            try:  # those of this plan, and the orphans fix_records just obsoleted
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
         log.info("sweep freed %d bytes", freed)
         return freed
 

@@ -130,6 +130,11 @@ def test_records_follow_every_change_of_the_index(store):
     assert states() == {"committed": [f"k.0.{gen2}"], "pin": ["k"]}  # an aborted save leaves nothing
     store.plan_remove(["k"]).execute()
     assert states() == {}
+    # Dropped records were moved to obsolete/ (a rename is cheaper than an unlink); gc empties it.
+    assert {f.name for f in files.obsolete_files()} >= {f"k.0.{gen}", f"k.0.{gen2}", f"k.0.{gen3}"}
+    assert store.plan_sweep().to_dict()["obsolete_records"] >= 3
+    store.plan_sweep().execute()
+    assert files.obsolete_files() == []
     assert store.verify().ok and not store.verify().warnings
 
 
