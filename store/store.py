@@ -474,8 +474,10 @@ class Store:
         """Rehash every blob and check every invariant; ``fix`` repairs what it can.
 
         The index is first read in full by a child process (``indexfile.probe_index``):
-        damaged pages are reported, never a dead process.  With ``fix`` a damaged
-        index is moved to ``quarantine/`` and rebuilt from the blob files (``rebuild``).
+        damaged pages are reported, never a dead process.  The on-disk records are
+        checked against the index (``recordsync``).  With ``fix`` a damaged index is
+        moved to ``quarantine/`` and rebuilt from the blob files and the records
+        (``rebuild``), and entries an in-place repair drops come back from their records.
         """
         self.flush()
         probe = probe_index(self.root)
@@ -499,8 +501,10 @@ class Store:
     def repair_index(cls, root: str | os.PathLike[str] | None = None) -> tuple[str, RebuildReport] | None:
         """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages).
 
-        For ``verify --fix`` before it opens the store; None when the index is
-        sound (or there is no store).  Returns why it was rebuilt and the report.
+        From the blob files and the on-disk records (invariant 9): every entry
+        whose files are intact comes back.  For ``verify --fix`` before it opens
+        the store; None when the index is sound (or there is no store).  Returns
+        why it was rebuilt and the report.
         """
         layout = Layout(Path(default_root() if root is None else root).expanduser().absolute())
         if not layout.exists():
