@@ -128,14 +128,16 @@ class RecordFiles:
         self._root_s = str(self.root)  # drop() joins strings: pathlib costs more than the rename
 
     # -- paths -------------------------------------------------------------------
+    # A key is validated before it is joined into a path (as a digest is, invariant 2):
+    # keys read back from a damaged or tampered index must not name a file outside records/.
     def committed_path(self, key: str, rank: int, generation: int) -> Path:
-        return self.root / shard_of(key) / f"{key}.{rank}.{generation}"
+        return self.root / shard_of(validate_key(key)) / f"{key}.{int(rank)}.{int(generation)}"
 
     def pending_path(self, key: str, rank: int, generation: int) -> Path:
-        return self.pending / f"{key}.{rank}.{generation}"
+        return self.pending / f"{validate_key(key)}.{int(rank)}.{int(generation)}"
 
     def pin_path(self, key: str) -> Path:
-        return self.root / shard_of(key) / f"{key}{PIN_SUFFIX}"
+        return self.root / shard_of(validate_key(key)) / f"{key}{PIN_SUFFIX}"
 
     def _dir(self, path: Path) -> None:
         """Create ``path`` (and ``records/``) as real directories of the store; a symlink is refused."""
@@ -184,7 +186,7 @@ class RecordFiles:
 
     def drop(self, key: str, rank: int, generation: int, *, committed: bool = True, pending: bool = True) -> None:
         """Obsolete a manifest's records: move them into ``obsolete/`` (a name that is not there is fine)."""
-        name, root = f"{key}.{rank}.{generation}", self._root_s
+        name, root = f"{validate_key(key)}.{int(rank)}.{int(generation)}", self._root_s
         dest = f"{root}/{OBSOLETE}/{name}"
         paths = ([f"{root}/{shard_of(key)}/{name}"] if committed else []) + \
             ([f"{root}/{PENDING}/{name}"] if pending else [])

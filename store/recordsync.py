@@ -24,7 +24,15 @@ from .layout import Layout
 from .reasons import Reason
 from .recordfiles import Found, RecordFiles, RecordState
 from .recordfmt import BadRecord, payload_of
-from .records import Entry, Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
+from .records import (
+    Entry,
+    Manifest,
+    manifest_key,
+    manifest_refs,
+    split_manifest_key,
+    unpack_inline,
+    validate_key,
+)
 from .tables import Drops, Tables, Txn
 
 __all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
@@ -164,6 +172,8 @@ def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
         pinned: set[str] = set()
         if read:
             for entry, _ in t.entries():
+                if not _valid_key(entry.key):  # a tampered row: verify reports it, no file is named after it
+                    continue
                 current.update((entry.key, r, g) for r, g in entry.ranks.items())
                 if entry.pinned:
                     pinned.add(entry.key)
@@ -213,6 +223,14 @@ def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
     issues.missing = sorted(i for i in current if rows.get(i) and i not in committed_files and i not in unfinished)
     issues.pins = sorted((k, True) for k in pinned - markers)
     return issues
+
+
+def _valid_key(key: str) -> bool:
+    try:
+        validate_key(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _entry_or_none(t: Txn, key: str) -> Entry | None:

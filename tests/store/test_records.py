@@ -285,6 +285,40 @@ def test_verify_reports_and_fix_repairs_records_out_of_step(store):
     assert by_key["a"].path.exists() and not orphan.exists() and files.pin_path("c").exists()
 
 
+def test_a_damaged_record_of_a_sound_index_is_quarantined_and_written_again(store):
+    save(store, "k", sizes=(100, 70_000))
+    files = RecordFiles(Layout(store.root))
+    (found,) = [f for f in files.scan() if f.state is RecordState.COMMITTED]
+    good = files.read(found.path)
+    _flip_byte(found.path)
+    rep = store.verify()
+    assert not rep.ok and [f.kind for f in rep.findings if f.problem] == [Reason.CORRUPT_RECORD], rep.to_dict()
+    assert store.verify(fix=True).ok
+    assert files.read(found.path) == good  # written again from the index
+    assert any(p.name.startswith("record.") for p in (store.root / "quarantine").iterdir())
+    assert store.verify().ok and not store.verify().warnings
+
+
+def test_a_hostile_key_in_the_index_names_no_record_file(store, tmp_path):
+    """Rows copied under a key that is a path: verify and --fix must not write or move anything outside."""
+    from adstore.store.records import manifest_key
+
+    gen = save(store, "k")
+    evil = "../../../evil"  # from records/<ab>/: beside the store root, in tmp_path
+    with store.index.env.begin(write=True) as txn:
+        db = store.index.db
+        txn.put(evil.encode(), txn.get(b"k", db=db["entries"]), db=db["entries"])
+        txn.put(manifest_key(evil, 0, gen), txn.get(manifest_key("k", 0, gen), db=db["manifests"]),
+                db=db["manifests"])
+    with pytest.raises(ValueError):
+        RecordFiles(Layout(store.root)).committed_path(evil, 0, gen)
+    store.verify()
+    store.verify(fix=True)
+    store.plan_sweep().execute()
+    assert store.root.parent == tmp_path and not list(tmp_path.glob("evil*"))
+    assert store.lookup("k", record=False).hit
+
+
 def test_gc_finishes_a_commit_and_sweeps_a_removal_cut_short(store_root):
     """What a process killed between the index transaction and the record files leaves (test_faults cuts
     every step; here each leftover is made by hand), and what a rebuild does with it after gc."""
