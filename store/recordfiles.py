@@ -64,7 +64,7 @@ from .layout import Layout
 from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
 from .records import validate_key
 
-__all__ = ["RecordFiles", "RecordState", "Found", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE"]
+__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Found:
     key: str = ""
     rank: int = -1
     generation: int = -1
-    mtime: float = 0.0
+    mtime: float = 0.0  # 0.0: not read yet (see mtime_of)
 
 
 def shard_of(key: str) -> str:
@@ -264,15 +264,15 @@ class RecordFiles:
     def scan_key(self, key: str) -> list[Found]:
         """The files of one key: its committed records and its pin marker (pending ones are not restored)."""
         shard = self.root / shard_of(key)
-        try:
-            names = os.listdir(shard) if not shard.is_symlink() else []
-        except OSError:
-            return []
         prefix = f"{key}."
-        return [_classify(shard / n, pending=False) for n in sorted(names) if n.startswith(prefix)]
+        return [f for f in _scan_dir(shard, pending=False) if f.path.name.startswith(prefix)]
 
     def scan(self) -> Iterator[Found]:
-        """Every file under ``records/`` but ``obsolete/`` (sorted; symlinks and strangers as UNKNOWN)."""
+        """Every file under ``records/`` but ``obsolete/`` (sorted; symlinks and strangers as UNKNOWN).
+
+        Names and types come from the directory entries (no stat per file);
+        a :class:`Found`'s ``mtime`` is read when asked (:func:`mtime_of`).
+        """
         if not self.root.is_dir() or self.root.is_symlink():
             return
         for sub in sorted(self.root.iterdir()):
@@ -280,38 +280,47 @@ class RecordFiles:
                 continue
             is_pending = sub.name == PENDING
             if sub.is_symlink() or not sub.is_dir() or not (is_pending or (len(sub.name) == 2 and set(sub.name) <= _HEX)):
-                yield Found(sub, RecordState.UNKNOWN, mtime=_mtime(sub))
+                yield Found(sub, RecordState.UNKNOWN)
                 continue
-            for path in sorted(sub.iterdir()):
-                yield _classify(path, pending=is_pending)
+            yield from _scan_dir(sub, pending=is_pending)
 
 
-def _mtime(path: Path) -> float:
+def mtime_of(found: Found) -> float:
+    """When ``found`` was last modified (0.0 if it is gone): gc's grace period is counted from it."""
+    if found.mtime:
+        return found.mtime
     try:
-        return path.lstat().st_mtime
+        return found.path.lstat().st_mtime
     except OSError:
         return 0.0
 
 
-def _classify(path: Path, *, pending: bool) -> Found:
+def _scan_dir(directory: Path, *, pending: bool) -> list[Found]:
     try:
-        st = path.lstat()
+        if directory.is_symlink():
+            return []
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError:
+        return []
+    return [_classify(directory / e.name, e.is_file(follow_symlinks=False), pending=pending) for e in entries]
+
+
+def _classify(path: Path, regular: bool, *, pending: bool) -> Found:
+    if not regular:
         return Found(path, RecordState.UNKNOWN)
-    if not stat.S_ISREG(st.st_mode):
-        return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
     name = path.name
     if not pending and name.endswith(PIN_SUFFIX):
         key = name[:-len(PIN_SUFFIX)]
         try:
             validate_key(key)
         except ValueError:
-            return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+            return Found(path, RecordState.UNKNOWN)
         if shard_of(key) != path.parent.name:
-            return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
-        return Found(path, RecordState.PIN, key, mtime=st.st_mtime)
+            return Found(path, RecordState.UNKNOWN)
+        return Found(path, RecordState.PIN, key)
     parsed = _parse_name(name)
     if parsed is None:
-        return Found(path, RecordState.UNKNOWN, mtime=st.st_mtime)
+        return Found(path, RecordState.UNKNOWN)
     state = RecordState.PENDING if pending else RecordState.COMMITTED
-    return Found(path, state, *parsed, mtime=st.st_mtime)
+    return Found(path, state, *parsed)

@@ -22,7 +22,7 @@ from typing import Any
 from .errors import CorruptRecord
 from .layout import Layout
 from .reasons import Reason
-from .recordfiles import Found, RecordFiles, RecordState
+from .recordfiles import Found, RecordFiles, RecordState, mtime_of
 from .recordfmt import BadRecord, payload_of
 from .records import (
     Entry,
@@ -254,7 +254,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
     done: list[str] = []
     cutoff = time.time() - (grace_period or 0.0)
     for f in issues.unfinished:
-        if grace_period is not None and f.mtime > cutoff:
+        if grace_period is not None and mtime_of(f) > cutoff:
             continue
         try:
             if files.commit(f.key, f.rank, f.generation):
@@ -263,7 +263,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
             log.warning("could not finish record %s: %s", f.path, exc)
     drops = Drops()
     for f in issues.orphans:
-        if grace_period is not None and f.mtime > cutoff:
+        if grace_period is not None and mtime_of(f) > cutoff:
             continue
         if f.state is RecordState.PIN:
             drops.pins.append(f.key.encode())

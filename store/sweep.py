@@ -26,7 +26,7 @@ from .errors import CorruptRecord
 from .eviction import drop_unreferenced
 from .leases import live_leases
 from .manifests import drop_if_empty
-from .recordfiles import RecordFiles
+from .recordfiles import RecordFiles, mtime_of
 from .recordsync import RecordIssues, check_records, fix_records
 from .records import BlobRef, BlobRow, Manifest, manifest_key
 from .tables import Tables, Txn
@@ -96,8 +96,8 @@ class Sweeper:
         old = now - self.grace
         layout = self._tables.layout
         found = check_records(self._tables, read=False)  # names only: gc never reads record content
-        records = RecordIssues(orphans=[f for f in found.orphans if f.mtime <= old],
-                               unfinished=[f for f in found.unfinished if f.mtime <= old])
+        records = RecordIssues(orphans=[f for f in found.orphans if mtime_of(f) <= old],
+                               unfinished=[f for f in found.unfinished if mtime_of(f) <= old])
         registered: set[str] = set()
         zero_ref: list[BlobRef] = []
         stale: list[Manifest] = []
