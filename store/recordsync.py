@@ -5,9 +5,10 @@ commits (:class:`RecordWriter`); ``verify`` compares every record file with
 the index and ``verify --fix`` or gc repair what a crash or a hand left
 behind (:func:`check_records`).  The index is the truth while it is sound:
 a committed manifest without its record gets one written from the index, a
-record whose manifest the index no longer has is an orphan and goes (the
-entry was removed or evicted; a rebuild must not bring it back), a record
-that fails its checksum or names what it may not goes to ``quarantine/``.
+record whose manifest the index no longer has is an orphan and is moved to
+``records/obsolete/`` (the entry was removed or evicted; a rebuild must not
+bring it back), a record that fails its checksum or names what it may not
+goes to ``quarantine/``.
 """
 
 from __future__ import annotations

@@ -491,7 +491,8 @@ class Tables:
     def write(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew).
 
-        The records of the manifests and pins it dropped are unlinked after the commit.
+        The records of the manifests it dropped are obsoleted (moved to ``records/obsolete/``) and the
+        pin markers of the entries it dropped unlinked, after the commit.
         """
         result, drops = self.write_noting_drops(fn)
         if drops:
@@ -512,15 +513,15 @@ class Tables:
         return self.index.write(run), noted[0]
 
     def unlink_after_commit(self, digests: Sequence[str], drops: Drops | None = None) -> int:
-        """Unlink the blob files of ``digests`` whose rows are gone, and the records of ``drops``; returns the bytes.
+        """Unlink the blob files of ``digests`` whose rows are gone, obsolete the records of ``drops``; returns bytes.
 
         Called once the transaction that dropped the rows committed
         (invariant 4).  Each unlink runs under the write lock, after checking
         that no writer registered the blob again meanwhile: a writer that
         sees its file inside its registering transaction may rely on it.
-        A record goes unless its manifest row is back (a restore that
-        published the same generation again), a pin marker unless its entry
-        is pinned again (invariant 9).
+        A record is moved to ``records/obsolete/`` unless its manifest row is
+        back (a restore that published the same generation again), a pin
+        marker unlinked unless its entry is pinned again (invariant 9).
         """
         total = 0
         for i in range(0, len(digests), _UNLINK_BATCH):
@@ -543,10 +544,10 @@ class Tables:
 
             total += self.write(fn)
         if drops:
-            self._unlink_records(drops)
+            self._obsolete_records(drops)
         return total
 
-    def _unlink_records(self, drops: Drops) -> None:
+    def _obsolete_records(self, drops: Drops) -> None:
         from .recordfiles import RecordFiles  # noqa: PLC0415  (recordfiles -> layout; kept off the import path of readers)
 
         files = RecordFiles(self.layout)
@@ -572,4 +573,4 @@ class Tables:
             try:
                 self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))
             except OSError as exc:  # records stay behind: orphans that gc sweeps
-                log.warning("could not unlink records: %s", exc)
+                log.warning("could not obsolete records: %s", exc)
