@@ -135,7 +135,8 @@ def record_refs(payload: Mapping[str, Any]) -> dict[str, BlobRef]:
 def encode_record(payload: Mapping[str, Any]) -> bytes:
     """The bytes of a record file: the payload and the SHA-256 of its canonical JSON."""
     body = encode_json(dict(payload))
-    return encode_json({"sha256": hashlib.sha256(body).hexdigest(), "record": json.loads(body)}) + b"\n"
+    # What encode_json makes of {"record": payload, "sha256": ...} (sorted keys, no spaces), without encoding twice.
+    return b'{"record":' + body + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}\n'
 
 
 def _int(value: object, what: str, low: int, high: int) -> int:
