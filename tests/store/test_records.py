@@ -390,3 +390,42 @@ def test_rebuild_of_many_entries_restores_them_all(store_root):
         assert {k: _served(store, k) for k in want} == want
         assert sum(e.pinned for e in store.entries()) == 100
         assert store.verify().ok
+
+
+def test_a_host_that_holds_one_rank_of_two_gets_it_back(store_root):
+    """Ranks on different hosts: each store holds its own rank's manifest, and its rebuild restores that rank."""
+    with Store.open(store_root, grace_period=0.0) as store:
+        gen = store.new_generation()
+        ref = store.put_bytes(b"rank one" * 10_000)
+        store.publish("dist", rank=1, world_size=2, generation=gen, artifacts={"m": ref})
+        store.commit("dist", rank=1, generation=gen)
+        assert store.lookup("dist", rank=1, record=False).hit
+        assert store.lookup("dist", record=False).reason == Reason.INCOMPLETE
+    os.truncate(store_root / "index" / "data.mdb", 4096)
+    _, report = Store.repair_index(store_root)
+    assert report.entries == 1 and not report.skipped
+    with Store.open(store_root, grace_period=0.0) as store:
+        res = store.lookup("dist", rank=1, record=False)
+        assert res.hit and res.generation == gen and store.read_artifact(res.manifest, "m") == b"rank one" * 10_000
+        assert store.lookup("dist", record=False).reason == Reason.INCOMPLETE  # as before the index was lost
+        assert store.verify().ok
+
+
+def test_choose_prefers_the_newest_complete_generation():
+    """A crash between two ranks' commits: the older generation every rank has wins over a newer partial one."""
+    from adstore.store import BlobRef
+    from adstore.store.fromrecords import choose
+    from adstore.store.recordfmt import Record
+
+    ref = BlobRef("0" * 64, 1)
+
+    def rec(rank: int, gen: int, created: float, ws: int = 2) -> Record:
+        return Record("k", rank, ws, gen, "default", {}, {"a": ref}, created=created)
+
+    old0, old1, new0 = rec(0, 5, 1.0), rec(1, 5, 1.0), rec(0, 9, 2.0)
+    assert choose([new0, old0, old1]) == [old0, old1]
+    new1 = rec(1, 9, 2.0)
+    assert choose([new0, old0, old1, new1]) == [new0, new1]
+    assert choose([new0, old1]) == [new0, old1]  # nothing complete: each rank's newest (a lookup says mismatch)
+    solo = rec(0, 7, 3.0, ws=1)  # the newest save changed the topology
+    assert choose([old0, old1, solo]) == [solo]
