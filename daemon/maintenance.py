@@ -37,6 +37,7 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
         ("Blobs checked", f"{report.blobs_checked} ({human_size(getattr(report, 'bytes_checked', 0))})"),
         ("Manifests checked", report.manifests_checked),
         ("Entries checked", getattr(report, "entries_checked", "-")),
+        ("Records checked", getattr(report, "records_checked", "-")),
         ("Problems", len(report.problems)),
         ("Warnings", len(report.warnings)),
         ("Fixed", len(report.fixed)),
