@@ -5,7 +5,7 @@ Layout under ``<root>/records/``::
     pending/<key>.<rank>.<generation>   published, not committed (never restored)
     ab/<key>.<rank>.<generation>        committed (``ab``: first two hex digits of SHA-256 of the key)
     ab/<key>.pin                        the entry is pinned (an empty marker)
-    obsolete/<key>.<rank>.<generation>  dropped with its manifest, deleted by the next gc
+    obsolete/<ns>.<pid>.<n>.list        names records dropped with their manifests (gc deletes them)
 
 A record is immutable: its name says which save it belongs to (a generation
 is drawn once per save), its content is written once, checksummed and
@@ -26,13 +26,16 @@ protocol keeps the commit's guarantees and its one-fsync budget:
   wrong answer; a record that a power loss tore fails its checksum.
 * Whatever drops a manifest row (a newer generation, removal, eviction, the
   sweep, ``abort``, ``verify --fix``) obsoletes its records after the
-  transaction committed (``Tables.unlink_after_commit``): a rename into
-  ``obsolete/``, which nothing restores from and the next gc empties.  A
-  rename, not an unlink: unlinking a small fsynced file costs ~60 µs on the
-  VM (its blocks are freed through the journal), a rename ~10 µs, and an
-  eviction pass drops thousands of entries at once while gc has time.
-  Leftovers of a killed process are orphans that gc sweeps and ``verify``
-  reports.
+  transaction committed (``Tables.unlink_after_commit``): one *obsolete
+  list* per batch, ``obsolete/<ns>.<pid>.<n>.list``, names the record files
+  (``ab/<name>``, ``pending/<name>``), written under the write lock.  A
+  listed record is dead: scans (a rebuild, ``verify``) skip it unless it was
+  written again after its list (a restore that published the same
+  generation anew), and the next gc unlinks it, then the list.  One small
+  file per batch, not a syscall per record: unlinking a small fsynced file
+  costs ~60 µs on the VM, a rename ~10 µs, and an eviction pass drops
+  thousands of entries at once while gc has time.  Leftovers of a killed
+  process are orphans that gc sweeps and ``verify`` reports.
 
 Inline blobs (below the inline threshold, kept in the index's ``blobdata``)
 are carried inside the record, base64: writing them as files as well would
@@ -50,10 +53,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import logging
 import os
 import stat
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,14 +69,18 @@ from .layout import Layout
 from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
 from .records import validate_key
 
-__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE"]
+__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
+           "LIST_SUFFIX"]
 
 log = logging.getLogger(__name__)
 
 PENDING = "pending"
 OBSOLETE = "obsolete"
 PIN_SUFFIX = ".pin"
+LIST_SUFFIX = ".list"
 RECORD_MODE = 0o444
+_MAX_LIST_BYTES = 64 << 20  # a list names at most a batch of records; anything bigger is not ours
+_LISTS = itertools.count()
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -199,11 +208,100 @@ class RecordFiles:
                 self._dir(self.obsolete)  # removed under a running store
                 os.rename(path, dest)
 
+    def obsolete_names(self, key: str, rank: int, generation: int, *, committed: bool = True,
+                       pending: bool = True) -> list[str]:
+        """The names (relative to ``records/``) of a manifest's record files, for an obsolete list."""
+        name = f"{validate_key(key)}.{int(rank)}.{int(generation)}"
+        return ([f"{shard_of(key)}/{name}"] if committed else []) + ([f"{PENDING}/{name}"] if pending else [])
+
+    def write_obsolete_list(self, names: list[str]) -> None:
+        """Write one obsolete list naming ``names`` (call it holding the write lock, after the drop committed).
+
+        Not fsynced, like the renames of the commit: a power loss can bring
+        the records back, which a rebuild then restores if their blobs are
+        still there (an entry that was dropped comes back; never a wrong one).
+        """
+        if not names:
+            return
+        path = f"{self._root_s}/{OBSOLETE}/{time.time_ns()}.{os.getpid()}.{next(_LISTS)}{LIST_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o444)
+        except FileNotFoundError:
+            self._dir(self.obsolete)  # first list, or records/ was removed under a running store
+            fd = os.open(path, flags, 0o444)
+        try:
+            write_chunks(fd, ("\n".join(names).encode(),))
+        finally:
+            os.close(fd)
+
     def obsolete_files(self) -> list[Path]:
-        """The files in ``obsolete/`` (gc unlinks them; nothing restores from them)."""
+        """The files in ``obsolete/``: lists, and records an older adstore moved there (gc deletes them)."""
         if not self.obsolete.is_dir() or self.obsolete.is_symlink():
             return []
         return sorted(self.obsolete.iterdir())
+
+    def obsoleted(self) -> dict[str, float]:
+        """Every record name the obsolete lists name, with the newest list's mtime that names it.
+
+        A line that is not a record name this store writes (``ab/<key>.<rank>.<gen>``
+        or ``pending/...``) is ignored: a tampered list can hide no path outside
+        ``records/`` and names nothing but records.
+        """
+        out: dict[str, float] = {}
+        for path in self.obsolete_files():
+            if not path.name.endswith(LIST_SUFFIX):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_LIST_BYTES:
+                    continue
+                data = os.read(fd, st.st_size + 1)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            for line in data.decode("utf-8", "replace").splitlines():
+                sub, sep, name = line.partition("/")
+                if not sep or "/" in name or _parse_name(name) is None:
+                    continue
+                if sub != PENDING and not (len(sub) == 2 and set(sub) <= _HEX):
+                    continue
+                if out.get(line, 0.0) < st.st_mtime:
+                    out[line] = st.st_mtime
+        return out
+
+    def live(self, found: list[Found], obsoleted: Mapping[str, float] | None = None) -> list[Found]:
+        """``found`` without the records an obsolete list names (unless written again after that list)."""
+        dead = self.obsoleted() if obsoleted is None else obsoleted
+        if not dead:
+            return found
+        out = []
+        for f in found:
+            when = dead.get(f"{f.path.parent.name}/{f.path.name}") if f.state is not RecordState.UNKNOWN else None
+            if when is None or mtime_of(f) > when:
+                out.append(f)
+        return out
+
+    @staticmethod
+    def listed_identity(name: str) -> tuple[str, int, int] | None:
+        """(key, rank, generation) of an obsolete list's line (as :meth:`obsoleted` returns it)."""
+        return _parse_name(name.partition("/")[2])
+
+    def unlink_listed(self, name: str, listed_at: float) -> bool:
+        """Delete the record an obsolete list names, unless it was written after that list."""
+        path = f"{self._root_s}/{name}"
+        try:
+            if os.lstat(path).st_mtime > listed_at:
+                return False
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     def set_pinned(self, key: str, pinned: bool) -> None:
         """Create or remove the entry's pin marker (never following a symlink)."""
@@ -262,27 +360,30 @@ class RecordFiles:
         return record
 
     def scan_key(self, key: str) -> list[Found]:
-        """The files of one key: its committed records and its pin marker (pending ones are not restored)."""
+        """The live files of one key: its committed records and its pin marker (pending ones are not restored)."""
         shard = self.root / shard_of(key)
         prefix = f"{key}."
-        return [f for f in _scan_dir(shard, pending=False) if f.path.name.startswith(prefix)]
+        return self.live([f for f in _scan_dir(shard, pending=False) if f.path.name.startswith(prefix)])
 
-    def scan(self) -> Iterator[Found]:
-        """Every file under ``records/`` but ``obsolete/`` (sorted; symlinks and strangers as UNKNOWN).
+    def scan(self) -> list[Found]:
+        """Every live file under ``records/`` but ``obsolete/`` (sorted; symlinks and strangers as UNKNOWN).
 
-        Names and types come from the directory entries (no stat per file);
-        a :class:`Found`'s ``mtime`` is read when asked (:func:`mtime_of`).
+        Names and types come from the directory entries (no stat per file,
+        but one per record an obsolete list names); a :class:`Found`'s
+        ``mtime`` is read when asked (:func:`mtime_of`).
         """
         if not self.root.is_dir() or self.root.is_symlink():
-            return
+            return []
+        found: list[Found] = []
         for sub in sorted(self.root.iterdir()):
             if sub.name == OBSOLETE and sub.is_dir() and not sub.is_symlink():
                 continue
             is_pending = sub.name == PENDING
             if sub.is_symlink() or not sub.is_dir() or not (is_pending or (len(sub.name) == 2 and set(sub.name) <= _HEX)):
-                yield Found(sub, RecordState.UNKNOWN)
+                found.append(Found(sub, RecordState.UNKNOWN))
                 continue
-            yield from _scan_dir(sub, pending=is_pending)
+            found += _scan_dir(sub, pending=is_pending)
+        return self.live(found)
 
 
 def mtime_of(found: Found) -> float:

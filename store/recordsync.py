@@ -5,9 +5,9 @@ commits (:class:`RecordWriter`); ``verify`` compares every record file with
 the index and ``verify --fix`` or gc repair what a crash or a hand left
 behind (:func:`check_records`).  The index is the truth while it is sound:
 a committed manifest without its record gets one written from the index, a
-record whose manifest the index no longer has is an orphan and is moved to
-``records/obsolete/`` (the entry was removed or evicted; a rebuild must not
-bring it back), a record that fails its checksum or names what it may not
+record whose manifest the index no longer has is an orphan and is named in
+an obsolete list (``records/obsolete/``; the entry was removed or evicted, a
+rebuild must not bring it back), a record that fails its checksum or names what it may not
 goes to ``quarantine/``.
 """
 
@@ -275,7 +275,8 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
         tables.unlink_after_commit((), drops)
         done.append(f"removed {len(drops.manifests) + len(drops.pins)} orphan record file(s)")
     if grace_period is not None:
-        return done
+        return done  # gc deletes what the obsolete lists name next
+    tables.purge_obsolete_records()  # verify --fix: the orphans just listed, and any earlier lists
     layout: Layout = tables.layout
     for f, why in issues.corrupt:
         target = layout.quarantine / f"record.{f.path.name[:200]}.{time.time_ns()}"

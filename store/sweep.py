@@ -5,7 +5,7 @@ the grace period, blobs nothing references any more, leases of dead
 processes and on-disk records whose manifest the index no longer has (an
 entry removed or evicted by a process killed before it unlinked them; a
 rebuild must not bring it back) are swept by gc, never by a reader, and so
-are the records that removals moved to ``records/obsolete/``.  A pending
+are the records that removals listed in ``records/obsolete/``.  A pending
 record of a manifest the index says is committed (a commit cut short between
 its transaction and its rename) is moved into place.  A plan first, then
 ``execute()``; rows go in one write transaction, files after it committed
@@ -48,7 +48,8 @@ class SweepPlan:
     bytes_to_free: int = 0
     #: Orphan record files to unlink and unfinished commits to finish (``recordsync``).
     records: RecordIssues = field(default_factory=RecordIssues)
-    #: Record files removals obsoleted (``records/obsolete/``): unlinked, whatever their age.
+    #: Obsolete lists in ``records/obsolete/`` (each names records that removals dropped): their
+    #: records, then the lists, are deleted whatever their age.
     obsolete_records: list[Path] = field(default_factory=list)
     _sweeper: Sweeper | None = field(default=None, repr=False, compare=False)
 
@@ -156,11 +157,8 @@ class Sweeper:
             freed += _unlink_if_old(f, cutoff)
         if not plan.records.empty:
             fix_records(self._tables, plan.records, grace_period=self.grace)
-        for f in plan.obsolete_records + RecordFiles(self._tables.layout).obsolete_files():
-            try:  # those of this plan, and the orphans fix_records just obsoleted
-                os.unlink(f)
-            except FileNotFoundError:
-                pass
+        if plan.obsolete_records or not plan.records.empty:  # this plan's lists, and those fix_records just wrote
+            self._tables.purge_obsolete_records()
         log.info("sweep freed %d bytes", freed)
         return freed
 

@@ -547,6 +547,36 @@ class Tables:
             self._obsolete_records(drops)
         return total
 
+    def purge_obsolete_records(self) -> int:
+        """gc: delete the records the obsolete lists name, then the lists; returns record files deleted.
+
+        Each record is deleted under the write lock and only while its
+        manifest row is still gone and the file is not newer than its list (a
+        restore may have published the same generation again).
+        """
+        from .recordfiles import RecordFiles  # noqa: PLC0415
+
+        files = RecordFiles(self.layout)
+        lists = files.obsolete_files()
+        dead = sorted(files.obsoleted().items())
+        deleted = 0
+        for i in range(0, len(dead), _UNLINK_BATCH):
+            def fn(t: Txn, batch: Sequence[tuple[str, float]] = dead[i:i + _UNLINK_BATCH]) -> int:
+                n = 0
+                for name, listed_at in batch:
+                    ident = files.listed_identity(name)
+                    if ident is not None and t.manifest_row(manifest_key(*ident)) is None:
+                        n += files.unlink_listed(name, listed_at)
+                return n
+
+            deleted += self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))
+        for path in lists:  # the lists, and records an older adstore renamed into obsolete/
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return deleted
+
     def _obsolete_records(self, drops: Drops) -> None:
         from .recordfiles import RecordFiles  # noqa: PLC0415  (recordfiles -> layout; kept off the import path of readers)
 
@@ -554,6 +584,7 @@ class Tables:
         items: list[tuple[bytes, int]] = drops.manifests + [(k, 0) for k in drops.pins]
         for i in range(0, len(items), _UNLINK_BATCH):
             def fn(t: Txn, batch: Sequence[tuple[bytes, int]] = items[i:i + _UNLINK_BATCH]) -> None:
+                names: list[str] = []
                 for k, which in batch:
                     try:
                         if which == 0:  # a pin marker
@@ -567,8 +598,9 @@ class Tables:
                     except (CorruptRecord, ValueError):  # a damaged row's key names no record file
                         continue
                     if t.manifest_row(k) is None:
-                        files.drop(key, rank, generation, committed=bool(which & COMMITTED_RECORD),
-                                   pending=bool(which & PENDING_RECORD))
+                        names += files.obsolete_names(key, rank, generation, committed=bool(which & COMMITTED_RECORD),
+                                                      pending=bool(which & PENDING_RECORD))
+                files.write_obsolete_list(names)  # under the write lock: no one publishes them again meanwhile
 
             try:
                 self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))

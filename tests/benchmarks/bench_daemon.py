@@ -47,6 +47,7 @@ from adstore.daemon.enforce import Enforcer
 from adstore.daemon.lock import STATUS_NAME
 from adstore.store import Store
 from adstore.store.layout import Layout
+from adstore.store.recordsync import RecordWriter
 from adstore.store.manifests import commit, publish
 from adstore.store.tables import Tables
 
@@ -200,7 +201,10 @@ def populate_bulk(store: Store, n: int, size: int, unique: int) -> float:
 
     Blobs go through the public put_bytes (one fsynced transaction each, the
     slow part of the setup, hence the sharing); publish and commit run the
-    store's own transaction functions 1000 entries per transaction.
+    store's own transaction functions 1000 entries per transaction, and each
+    entry's on-disk record (invariant 9) is written from the index as
+    ``verify --fix`` writes it, so eviction drops entries as a real store
+    holds them.
     """
     t0 = time.perf_counter()
     unique = max(1, min(unique, n))
@@ -216,6 +220,9 @@ def populate_bulk(store: Store, n: int, size: int, unique: int) -> float:
                         components={"i": i}, meta={}, file_ok=lambda digest, size: True)
                 commit(t, key=key, rank=0, generation=gen)
         tables.write(fn)
+    writer = RecordWriter(tables)
+    for i in range(n):
+        writer.write_from_index(f"bulk{i:08d}", 0, i + 1)
     return time.perf_counter() - t0
 
 

@@ -184,6 +184,9 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
     completed = False
     while not completed and k < 5000:
         with Store.open(root, grace_period=0.0) as store:  # baseline: K committed, victim present
+            # gc first, untrapped: what earlier cut runs left (obsolete lists, orphans) would otherwise
+            # grow the scenario's own sweep by a few steps per run, and k would never catch up with it.
+            store.plan_sweep().execute()
             gen_old = _current_gen(store, "K")
             if gen_old is None:
                 gen_old = store.new_generation()

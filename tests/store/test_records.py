@@ -130,11 +130,17 @@ def test_records_follow_every_change_of_the_index(store):
     assert states() == {"committed": [f"k.0.{gen2}"], "pin": ["k"]}  # an aborted save leaves nothing
     store.plan_remove(["k"]).execute()
     assert states() == {}
-    # Dropped records were moved to obsolete/ (a rename is cheaper than an unlink); gc empties it.
-    assert {f.name for f in files.obsolete_files()} >= {f"k.0.{gen}", f"k.0.{gen2}", f"k.0.{gen3}"}
-    assert store.plan_sweep().to_dict()["obsolete_records"] >= 3
+    # Dropped records are named by obsolete lists (one small file per batch, not a syscall per record):
+    # scans skip them, gc deletes them and then the lists.
+    listed = {name.rpartition("/")[2] for name in files.obsoleted()}
+    assert listed >= {f"k.0.{gen}", f"k.0.{gen2}", f"k.0.{gen3}"}
+    assert all(f.name.endswith(".list") for f in files.obsolete_files())
+    on_disk = {p.name for p in (store.root / "records").rglob("k.0.*") if "obsolete" not in p.parts}
+    assert f"k.0.{gen2}" in on_disk  # still there until gc, but dead
+    assert store.plan_sweep().to_dict()["obsolete_records"] >= 1
     store.plan_sweep().execute()
     assert files.obsolete_files() == []
+    assert not [p for p in (store.root / "records").rglob("k.*") if p.is_file()]
     assert store.verify().ok and not store.verify().warnings
 
 
@@ -429,3 +435,47 @@ def test_choose_prefers_the_newest_complete_generation():
     assert choose([new0, old1]) == [new0, old1]  # nothing complete: each rank's newest (a lookup says mismatch)
     solo = rec(0, 7, 3.0, ws=1)  # the newest save changed the topology
     assert choose([old0, old1, solo]) == [solo]
+
+
+def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
+    """A restore may publish a dropped generation again: the rewritten record is newer than the list
+    naming it, so scans and rebuilds keep it and gc does not delete it."""
+    import time
+
+    files = RecordFiles(Layout(store.root))
+    arts = {"a": store.put_bytes(b"z" * 70_000)}
+    gen = store.new_generation()
+    store.publish("k", generation=gen, artifacts=arts)
+    store.commit("k", generation=gen)
+    store.plan_remove(["k"]).execute()
+    assert [name for name in files.obsoleted() if name.endswith(f"k.0.{gen}")] and files.scan() == []
+    time.sleep(0.05)  # file times tick coarsely: the new record must be visibly newer than its list
+    arts = {"a": store.put_bytes(b"z" * 70_000)}  # (the removal may have taken the blob too)
+    store.publish("k", generation=gen, artifacts=arts)
+    store.commit("k", generation=gen)
+    assert [f.generation for f in files.scan()] == [gen]
+    store.plan_sweep().execute()
+    assert [f.generation for f in files.scan()] == [gen] and files.obsolete_files() == []
+    want = _served(store, "k")
+    store.close()
+    os.truncate(store.root / "index" / "data.mdb", 4096)
+    assert _cli(store.root, "verify", "--fix").returncode == 0
+    with Store.open(store.root) as again:
+        assert _served(again, "k") == want
+
+
+def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    save(store, "live")
+    files = RecordFiles(Layout(store.root))
+    (live,) = files.scan()
+    obsolete = store.root / "records" / "obsolete"
+    obsolete.mkdir(exist_ok=True)
+    lines = ["../../victim", f"{tmp_path}/victim", "ab/../../../victim", "zz/live.0.1", "pending/",
+             f"{live.path.parent.name}/{live.path.name}", "\x00", "é/x.0.1"]
+    (obsolete / "evil.list").write_text("\n".join(lines))
+    assert set(files.obsoleted()) == {f"{live.path.parent.name}/{live.path.name}"}
+    store.plan_sweep().execute()  # the live record keeps its manifest row: gc keeps the file
+    assert victim.read_bytes() == b"keep" and live.path.exists() and files.obsolete_files() == []
+    assert store.verify().ok and store.lookup("live", record=False).hit
