@@ -128,7 +128,24 @@ def refit(runner: Any, weights: Mapping[str, torch.Tensor], spec: list[dict[str,
 
 
 def load_runner(path: Path) -> Any:
-    return torch._inductor.aoti_load_package(str(path))
+    """Load an AOTInductor package, as ``torch._inductor.aoti_load_package`` does, minus its ISA probe.
+
+    torch's loader first asks Inductor for this host's device information,
+    which picks the CPU vector ISA by compiling and running test programs
+    (about 1.2 s of a next-process hit here), only to log a warning when the
+    package was built for another ISA.  The engine's key already pins the
+    CPU capability, platform and toolchain (``toolchain.py``), so a package
+    built for another ISA is never looked up here: the package is opened by
+    torch's own C++ loader and wrapped as torch wraps it.  Another torch
+    without these internals takes the public path.
+    """
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        loader_cls = torch._C._aoti.AOTIModelPackageLoader
+    except (ImportError, AttributeError):
+        return torch._inductor.aoti_load_package(str(path))
+    return AOTICompiledModel(loader_cls(str(path), "model", False, 1, -1))
 
 
 # --------------------------------------------------------------------------- engine

@@ -593,6 +593,30 @@ def _compile_in_child(root: str, seed: int) -> tuple[str, str, float]:
         return engine.event.kind, engine.hash, err
 
 
+def _hit_in_child(root: str) -> tuple[str, float, int]:
+    """Spawned worker: a next-process hit; did loading the package probe the CPU's vector ISA?"""
+    from torch._inductor import cpu_vec_isa
+
+    with Store.open(root, grace_period=0.0) as store:
+        front = EngineCache(StoreEngineStorage(store))
+        model = make_model(1)
+        engine = front.compile(model, (X,))
+        err = (engine(X) - model(X)).abs().max().item()
+        front.close()
+    return engine.event.kind, err, cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+
+
+def test_a_next_process_hit_loads_the_package_without_probing_the_cpu(env):
+    """torch's package loader probes the vector ISA (compiling test programs, ~1 s) only to warn;
+    the key pins the CPU capability, so the hit skips it and still computes the right outputs."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        kind, err, probed = pool.apply(_hit_in_child, (str(env["store"].root),))
+    assert kind == "hit" and err < 1e-5
+    assert probed == 0
+
+
 @pytest.mark.slow
 def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
     import multiprocessing as mp
