@@ -105,8 +105,12 @@ def machine_info() -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- running
 
+#: ``bench_*.py`` modules that are helpers of the benchmarks, not benchmarks.
+HELPERS = frozenset({"bench_results"})
+
+
 def discover(only: set[str] | None) -> list[Path]:
-    benches = sorted(HERE.glob("bench_*.py"))
+    benches = sorted(b for b in HERE.glob("bench_*.py") if b.stem not in HELPERS)
     if only:
         benches = [b for b in benches if b.stem in only or b.stem.removeprefix("bench_") in only]
     return benches
