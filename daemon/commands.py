@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.errors import UnknownKey, UsageError
+from adstore.daemon.errors import UsageError
 from adstore.daemon.format import (
     Progress,
     human_age,

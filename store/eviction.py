@@ -5,7 +5,7 @@ key), least recently used first, and never on single blobs under a live
 manifest (invariant 4).  Execution re-checks each victim inside the write
 transaction of its batch (still unleased; for eviction also unpinned, not
 used or recommitted since the plan), deletes the rows, commits, and only then
-unlinks files (:meth:`Tables.unlink_after_commit`).  A blob that loses its
+unlinks files (:func:`.aftercommit.unlink_after_commit`).  A blob that loses its
 last reference is deleted only when it is older than the grace period;
 otherwise the sweep takes it later (README, "Using the store").
 """
@@ -23,10 +23,12 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any
 
+from .aftercommit import Drops, unlink_after_commit, write_obsolete_list
 from .ballast import spending_allowed
 from .errors import CorruptRecord, KeyNotFound
 from .leases import live_leases
 from .manifests import drop_entry
+from .recordfiles import RecordFiles
 from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs, validate_key
 from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
 from .tables import PHYSICAL, Tables, Txn
@@ -112,16 +114,21 @@ class EvictionPlan:
         size = batch_size or total
         freed = evicted = 0
         unchanged_at = self._snapshot + 1  # the id of the next write if nobody else commits
-        for start in range(0, total, size):
-            if should_stop is not None and should_stop():
-                break
-            chunk = self._victims[start:start + size]
-            batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at)
-            unchanged_at = txn_id + 1
-            freed += batch.bytes_freed
-            evicted += len(batch.keys)
-            if on_batch is not None and on_batch(batch):
-                break
+        carried = Drops()  # the records a batch dropped, listed as obsolete by the next one
+        try:
+            for start in range(0, total, size):
+                if should_stop is not None and should_stop():
+                    break
+                chunk = self._victims[start:start + size]
+                batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at, carried=carried)
+                unchanged_at = txn_id + 1
+                freed += batch.bytes_freed
+                evicted += len(batch.keys)
+                if on_batch is not None and on_batch(batch):
+                    break
+        finally:
+            if carried:  # the last batch's, or one a failed batch did not list
+                unlink_after_commit(self._evictor.tables, (), carried)
         log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
         return freed
 
@@ -161,7 +168,12 @@ class Evictor:
 
     def __init__(self, tables: Tables, *, grace_period: float) -> None:
         self._tables = tables
+        self._files = RecordFiles(tables.layout)
         self.grace = grace_period
+
+    @property
+    def tables(self) -> Tables:
+        return self._tables
 
     # -- planning ---------------------------------------------------------------
     def plan(
@@ -225,6 +237,7 @@ class Evictor:
         candidates: list[_Victim] = []
         skipped: list[str] = []
         ns = namespace.encode() if namespace is not None else None
+        add, skip, grace, access_row = candidates.append, skipped.append, self.grace, ACCESS_ROW
         for k, raw, shadow, access, mks, rows in t.entry_scan():
             head = head_of(raw, shadow)
             entry = None
@@ -242,12 +255,12 @@ class Evictor:
             except (CorruptRecord, UnicodeDecodeError) as exc:
                 log.warning("entry %r: %s", k, exc)
                 continue
-            if pinned or key in leased or now - created < self.grace:
-                skipped.append(key)
+            if pinned or key in leased or now - created < grace:
+                skip(key)
                 continue
-            last, hits = ACCESS_ROW.unpack(access) if access is not None and len(access) == ACCESS_ROW.size \
+            last, hits = access_row.unpack(access) if access is not None and len(access) == access_row.size \
                 else (created, 0)
-            candidates.append(_victim(last, key, k, raw, shadow, head, entry, hits, mks, rows))
+            add(_victim(last, key, k, raw, shadow, head, entry, hits, mks, rows))
         candidates.sort(key=itemgetter(_LAST))
         return candidates, skipped
 
@@ -281,7 +294,8 @@ class Evictor:
                             snapshot)
 
     # -- execution --------------------------------------------------------------
-    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int) -> tuple[EvictedBatch, int]:
+    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int,
+                carried: Drops) -> tuple[EvictedBatch, int]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
         Returns the batch and the id of its transaction.  When that id is
@@ -290,12 +304,25 @@ class Evictor:
         every victim's rows are as planned and are dropped without being
         read again (LMDB transactions see committed snapshots; each commit
         takes the next id).
+
+        ``carried`` holds what the previous batch dropped that has records:
+        this batch's transaction (the write lock, after that batch committed)
+        lists them as obsolete, saving a transaction per batch, and leaves
+        its own drops in ``carried`` for the next.
         """
         now = time.time()
         evict = kind is PlanKind.EVICT
+        files = self._files
 
         def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int]:
-            if t.raw.id() == unchanged_at:  # every row exactly as the plan read it
+            unchanged = t.raw.id() == unchanged_at
+            if carried:
+                try:
+                    write_obsolete_list(t, files, carried, unchanged=unchanged)
+                except OSError as exc:  # never fail an eviction for it (at 0 bytes free): gc sweeps orphans
+                    log.warning("could not obsolete records: %s", exc)
+                carried.manifests, carried.pins = [], []  # listed once, even if fn runs again
+            if unchanged:  # every row exactly as the plan read it
                 planned = [v for v in victims if v[_MKS] is not None and v[_HEAD] is not None]
                 rest = [v for v in victims if v[_MKS] is None or v[_HEAD] is None] if len(planned) < len(victims) else []
                 leased: set[str] = set()
@@ -317,8 +344,10 @@ class Evictor:
             return done, dropped, t.raw.id()
 
         with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
-            done, dropped, txn_id = self._tables.write(fn)
-        self._tables.unlink_after_commit([d for d, row in dropped if not row.inline])
+            (done, dropped, txn_id), drops = self._tables.write_noting_drops(fn)
+        if drops:
+            carried.manifests, carried.pins = drops.manifests, drops.pins
+        unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
 
     def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str],

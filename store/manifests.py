@@ -16,16 +16,53 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BlobMissing, CorruptRecord, StoreError
+from .errors import BlobMissing, CorruptRecord, InvalidKey, StoreError
 from .leases import hostname
-from .records import BlobRef, Entry, Manifest, manifest_key
+from .records import (
+    BlobRef,
+    Entry,
+    Manifest,
+    manifest_key,
+    validate_artifact_name,
+    validate_json,
+    validate_key,
+    validate_namespace,
+)
 from .shadows import PINNED, Head, to_entry
 from .tables import Txn
 
-__all__ = ["FileCheck", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
+__all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
 
 #: ``file_ok(digest, size)``: is the blob file of that digest on disk with that size?
 FileCheck = Callable[[str, int], bool]
+
+
+def validate_publish(
+    key: str,
+    *,
+    rank: object,
+    world_size: object,
+    generation: object,
+    artifacts: Mapping[str, object],
+    namespace: str,
+    components: Mapping[str, Any] | None,
+    meta: Mapping[str, Any] | None,
+) -> None:
+    """Refuse a publish whose arguments could not be stored as given (:class:`InvalidKey`), before any write."""
+    validate_key(key)
+    validate_namespace(namespace)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidKey(world_size, "world_size must be a positive integer")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidKey(rank, f"rank must be within 0..{world_size - 1}")
+    if not isinstance(generation, int) or not 0 < generation < 1 << 63:
+        raise InvalidKey(generation, "generation must be a positive 63-bit integer")
+    validate_json(components or {}, "components")
+    validate_json(meta or {}, "meta")
+    for name, ref in artifacts.items():
+        validate_artifact_name(name)
+        if not isinstance(ref, BlobRef):
+            raise InvalidKey(ref, f"artifact {name!r} must be a BlobRef")
 
 
 def publish(

@@ -26,7 +26,7 @@ protocol keeps the commit's guarantees and its one-fsync budget:
   wrong answer; a record that a power loss tore fails its checksum.
 * Whatever drops a manifest row (a newer generation, removal, eviction, the
   sweep, ``abort``, ``verify --fix``) obsoletes its records after the
-  transaction committed (``Tables.unlink_after_commit``): one *obsolete
+  transaction committed (:mod:`.aftercommit`): one *obsolete
   list* per batch, ``obsolete/<ns>.<pid>.<n>.list``, names the record files
   (``ab/<name>``, ``pending/<name>``), written under the write lock.  A
   listed record is dead: scans (a rebuild, ``verify``) skip it unless it was
@@ -57,8 +57,9 @@ import itertools
 import logging
 import os
 import stat
+import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,9 @@ from .errors import UnsafeRoot
 from .fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
 from .layout import Layout
 from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
-from .records import validate_key
+from .records import KEY_RE, MANIFEST_SUFFIX, validate_key
 
-__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
+__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "obsolete_names", "shard_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
            "LIST_SUFFIX"]
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,12 @@ LIST_SUFFIX = ".list"
 RECORD_MODE = 0o444
 _MAX_LIST_BYTES = 64 << 20  # a list names at most a batch of records; anything bigger is not ours
 _LISTS = itertools.count()
+_KEY_MATCH = KEY_RE.match
+#: An obsolete list: this line, then per record (which files, key length) and the manifest key.
+_LIST_MAGIC = b"adstore obsolete list 1\n"
+_LIST_ITEM = struct.Struct("<BH")
 _HEX = frozenset("0123456789abcdef")
+_SHARDS = tuple(f"{i:02x}" for i in range(256))  # a shard is the first byte of SHA-256 of the key
 
 
 class RecordState(enum.Enum):
@@ -106,7 +112,47 @@ class Found:
 
 
 def shard_of(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:2]
+    return _SHARDS[hashlib.sha256(key.encode()).digest()[0]]
+
+
+def _list_items(data: bytes) -> Iterator[tuple[bytes, int]]:
+    """The (manifest key, which record files) of an obsolete list; nothing if it is not one, up to a torn end."""
+    if not data.startswith(_LIST_MAGIC):
+        return
+    at, end, size, unpack = len(_LIST_MAGIC), len(data), _LIST_ITEM.size, _LIST_ITEM.unpack_from
+    while at + size <= end:
+        which, n = unpack(data, at)
+        at += size
+        if at + n > end:
+            return
+        yield data[at:at + n], which
+        at += n
+
+
+def obsolete_names(dropped: Iterable[tuple[bytes, int]]) -> list[str]:
+    """The names (relative to ``records/``) of the record files of dropped manifests, for an obsolete list.
+
+    ``dropped``: (manifest key, which record files: bit 1 committed, bit 2
+    pending).  A key that does not parse or validate (a damaged row, a
+    tampered list) names nothing, so no name is a file outside ``records/``.
+    """
+    names: list[str] = []
+    add, match, sha256, unpack, shards = names.append, _KEY_MATCH, hashlib.sha256, MANIFEST_SUFFIX.unpack, _SHARDS
+    for mk, which in dropped:
+        raw, sep, tail = mk.partition(b"\x00")
+        try:
+            key = raw.decode()
+        except UnicodeDecodeError:
+            continue
+        if not sep or len(tail) != MANIFEST_SUFFIX.size or not match(key):
+            continue
+        rank, generation = unpack(tail)
+        name = f"{key}.{rank}.{generation}"
+        if which & 1:
+            add(f"{shards[sha256(raw).digest()[0]]}/{name}")
+        if which & 2:
+            add(f"{PENDING}/{name}")
+    return names
 
 
 def _parse_name(name: str) -> tuple[str, int, int] | None:
@@ -208,21 +254,22 @@ class RecordFiles:
                 self._dir(self.obsolete)  # removed under a running store
                 os.rename(path, dest)
 
-    def obsolete_names(self, key: str, rank: int, generation: int, *, committed: bool = True,
-                       pending: bool = True) -> list[str]:
-        """The names (relative to ``records/``) of a manifest's record files, for an obsolete list."""
-        name = f"{validate_key(key)}.{int(rank)}.{int(generation)}"
-        return ([f"{shard_of(key)}/{name}"] if committed else []) + ([f"{PENDING}/{name}"] if pending else [])
+    def write_obsolete_list(self, dropped: Sequence[tuple[bytes, int]]) -> None:
+        """Write one obsolete list naming the records of ``dropped`` manifests (see :func:`obsolete_names`).
 
-    def write_obsolete_list(self, names: list[str]) -> None:
-        """Write one obsolete list naming ``names`` (call it holding the write lock, after the drop committed).
-
-        Not fsynced, like the renames of the commit: a power loss can bring
-        the records back, which a rebuild then restores if their blobs are
-        still there (an entry that was dropped comes back; never a wrong one).
+        Call it holding the write lock, after the drop committed.  The list
+        holds the manifest keys as the index has them, length-prefixed: no
+        per-record work while the lock is held (an eviction batch lists a
+        thousand), and no key, however damaged, can inject a line; readers
+        validate each key (:meth:`obsoleted`).  Not fsynced, like the renames
+        of the commit: a power loss can bring the records back, which a
+        rebuild then restores if their blobs are still there (an entry that
+        was dropped comes back; never a wrong one).
         """
-        if not names:
+        if not dropped:
             return
+        pack = _LIST_ITEM.pack
+        data = b"".join([_LIST_MAGIC, *(pack(which, len(mk)) + mk for mk, which in dropped)])
         path = f"{self._root_s}/{OBSOLETE}/{time.time_ns()}.{os.getpid()}.{next(_LISTS)}{LIST_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -231,7 +278,7 @@ class RecordFiles:
             self._dir(self.obsolete)  # first list, or records/ was removed under a running store
             fd = os.open(path, flags, 0o444)
         try:
-            write_chunks(fd, ("\n".join(names).encode(),))
+            write_chunks(fd, (data,))
         finally:
             os.close(fd)
 
@@ -244,9 +291,9 @@ class RecordFiles:
     def obsoleted(self) -> dict[str, float]:
         """Every record name the obsolete lists name, with the newest list's mtime that names it.
 
-        A line that is not a record name this store writes (``ab/<key>.<rank>.<gen>``
-        or ``pending/...``) is ignored: a tampered list can hide no path outside
-        ``records/`` and names nothing but records.
+        Names are made from the listed manifest keys by :func:`obsolete_names`,
+        which skips any key that is not valid: a tampered list can hide no path
+        outside ``records/`` and names nothing but records.
         """
         out: dict[str, float] = {}
         for path in self.obsolete_files():
@@ -265,14 +312,9 @@ class RecordFiles:
                 continue
             finally:
                 os.close(fd)
-            for line in data.decode("utf-8", "replace").splitlines():
-                sub, sep, name = line.partition("/")
-                if not sep or "/" in name or _parse_name(name) is None:
-                    continue
-                if sub != PENDING and not (len(sub) == 2 and set(sub) <= _HEX):
-                    continue
-                if out.get(line, 0.0) < st.st_mtime:
-                    out[line] = st.st_mtime
+            for name in obsolete_names(_list_items(data)):
+                if out.get(name, 0.0) < st.st_mtime:
+                    out[name] = st.st_mtime
         return out
 
     def live(self, found: list[Found], obsoleted: Mapping[str, float] | None = None) -> list[Found]:

@@ -26,6 +26,7 @@ __all__ = [
     "LeaseRecord",
     "validate_digest",
     "validate_key",
+    "KEY_RE",
     "validate_namespace",
     "validate_artifact_name",
     "validate_json",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}$")
+KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}$")
 _NAMESPACE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 _ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
@@ -69,7 +70,7 @@ def validate_digest(digest: object) -> str:
 def validate_key(key: object) -> str:
     if not isinstance(key, str):
         raise InvalidKey(key, "a cache key must be a string")
-    if not _KEY_RE.match(key):
+    if not KEY_RE.match(key):
         raise InvalidKey(key, "use 1-200 characters from [A-Za-z0-9._:+=@-], starting with a letter or digit")
     return key
 

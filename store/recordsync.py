@@ -26,7 +26,6 @@ from .reasons import Reason
 from .recordfiles import Found, RecordFiles, RecordState, mtime_of
 from .recordfmt import BadRecord, payload_of
 from .records import (
-    Entry,
     Manifest,
     manifest_key,
     manifest_refs,
@@ -34,7 +33,8 @@ from .records import (
     unpack_inline,
     validate_key,
 )
-from .tables import Drops, Tables, Txn
+from .aftercommit import Drops, purge_obsolete_records, unlink_after_commit
+from .tables import Tables, Txn
 
 __all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
 
@@ -100,7 +100,7 @@ class RecordWriter:
         except CorruptRecord as exc:
             log.warning("record of %s rank %d not written: %s", key, rank, exc)
         if drops:
-            self._tables.unlink_after_commit((), drops)
+            unlink_after_commit(self._tables, (), drops)
 
     def write_from_index(self, key: str, rank: int, generation: int) -> bool:
         """Write the committed record of (key, rank, generation) from the index; False if it has none."""
@@ -181,8 +181,7 @@ def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
         else:
             for f in found:
                 if f.state is RecordState.PIN:
-                    entry = _entry_or_none(t, f.key)
-                    if entry is not None and entry.pinned:
+                    if t.is_pinned(f.key.encode()):
                         pinned.add(f.key)
         rows: dict[tuple[str, int, int], bool] = {}
         for mk, raw in t.manifest_rows():
@@ -234,13 +233,6 @@ def _valid_key(key: str) -> bool:
     return True
 
 
-def _entry_or_none(t: Txn, key: str) -> Entry | None:
-    try:
-        return t.entry(key)
-    except CorruptRecord:
-        return None
-
-
 def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | None = None) -> list[str]:
     """Repair what :func:`check_records` found; returns what was done.
 
@@ -248,7 +240,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
     it are left alone (a save may be between its index transaction and its
     rename) and nothing is written or quarantined; without it (``verify
     --fix``), everything is settled.  Each removal re-checks the index under
-    its write lock (``Tables.unlink_after_commit``).
+    its write lock (``aftercommit.unlink_after_commit``).
     """
     writer = RecordWriter(tables)
     files = writer.files
@@ -272,11 +264,11 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
             which = 1 if f.state is RecordState.COMMITTED else 2
             drops.manifests.append((manifest_key(f.key, f.rank, f.generation), which))
     if drops:
-        tables.unlink_after_commit((), drops)
+        unlink_after_commit(tables, (), drops)
         done.append(f"removed {len(drops.manifests) + len(drops.pins)} orphan record file(s)")
     if grace_period is not None:
         return done  # gc deletes what the obsolete lists name next
-    tables.purge_obsolete_records()  # verify --fix: the orphans just listed, and any earlier lists
+    purge_obsolete_records(tables)  # verify --fix: the orphans just listed, and any earlier lists
     layout: Layout = tables.layout
     for f, why in issues.corrupt:
         target = layout.quarantine / f"record.{f.path.name[:200]}.{time.time_ns()}"

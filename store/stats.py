@@ -10,9 +10,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .budget import Budget
+from .budget import Budget, read_budget
+from .tables import LOGICAL, PHYSICAL, PINNED, Tables
 
-__all__ = ["StoreStats", "event_counters"]
+__all__ = ["StoreStats", "event_counters", "read_stats"]
 
 _PLURAL = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
 
@@ -52,3 +53,21 @@ class StoreStats:
         d["budget"] = self.budget.to_dict() if self.budget is not None else None
         d["dedup_ratio"] = self.dedup_ratio
         return d
+
+
+def read_stats(tables: Tables) -> StoreStats:
+    """The counters and totals of one read transaction, and the size of the index files."""
+    with tables.read() as t:
+        st = StoreStats(
+            counters=t.counters(),
+            entries=t.rows("entries"),
+            blobs=t.rows("blobs"),
+            inline_blobs=t.rows("blobdata"),
+            leases=t.rows("leases"),
+            physical_bytes=t.total(PHYSICAL),
+            logical_bytes=t.total(LOGICAL),
+            pinned_bytes=t.total(PINNED),
+            budget=read_budget(t),
+        )
+    st.index_bytes = sum(f.stat().st_size for f in tables.layout.index.iterdir() if f.is_file())
+    return st

@@ -30,7 +30,7 @@ from .indexfile import probe_index
 from .layout import Layout
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
-from .manifests import abort, commit, publish
+from .manifests import abort, commit, publish, validate_publish
 from .reasons import Reason
 from .rebuild import RebuildReport, plan_rebuild
 from .recordsync import RecordWriter, components_changed, record_inputs
@@ -39,15 +39,13 @@ from .records import (
     Entry,
     LeaseRecord,
     Manifest,
-    validate_artifact_name,
     validate_json,
     validate_key,
-    validate_namespace,
 )
-from .stats import StoreStats, event_counters
+from .stats import StoreStats, event_counters, read_stats
 from .sweep import Sweeper, SweepPlan
 from .inline import InlineEviction
-from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
+from .tables import PHYSICAL, PINNED, Tables, Txn
 from .units import MinFree, parse_duration, parse_size
 from .verify import Progress, VerifyReport, verify_store
 
@@ -247,20 +245,9 @@ class Store:
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
         """Record this rank's manifest, uncommitted; blobs must be stored already."""
-        validate_key(key)
-        validate_namespace(namespace)
-        if not isinstance(world_size, int) or world_size < 1:
-            raise InvalidKey(world_size, "world_size must be a positive integer")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise InvalidKey(rank, f"rank must be within 0..{world_size - 1}")
-        if not isinstance(generation, int) or not 0 < generation < 1 << 63:
-            raise InvalidKey(generation, "generation must be a positive 63-bit integer")
-        validate_json(components or {}, "components")
-        validate_json(meta or {}, "meta")
-        for name, ref in artifacts.items():
-            validate_artifact_name(name)
-            if not isinstance(ref, BlobRef):
-                raise InvalidKey(ref, f"artifact {name!r} must be a BlobRef")
+        validate_publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
+                         namespace=namespace, components=components, meta=meta)
+
         def fn(t: Txn) -> tuple[Manifest, dict[str, Any], dict[str, bytes]]:
             m = publish(t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
                         namespace=namespace, components=components or {}, meta=meta or {},
@@ -419,20 +406,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         self.flush()
-        with self._tables.read() as t:
-            st = StoreStats(
-                counters=t.counters(),
-                entries=t.rows("entries"),
-                blobs=t.rows("blobs"),
-                inline_blobs=t.rows("blobdata"),
-                leases=t.rows("leases"),
-                physical_bytes=t.total(PHYSICAL),
-                logical_bytes=t.total(LOGICAL),
-                pinned_bytes=t.total(PINNED),
-                budget=read_budget(t),
-            )
-        st.index_bytes = sum(f.stat().st_size for f in self._tables.layout.index.iterdir() if f.is_file())
-        return st
+        return read_stats(self._tables)
 
     def set_budget(self, budget: Budget) -> None:
         """Persist the budget the daemon enforces (``adstore stats`` and writers read it)."""

@@ -15,7 +15,6 @@ its transaction and its rename) is moved into place.  A plan first, then
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from .manifests import drop_if_empty
 from .recordfiles import RecordFiles, mtime_of
 from .recordsync import RecordIssues, check_records, fix_records
 from .records import BlobRef, BlobRow, Manifest, manifest_key
+from .aftercommit import purge_obsolete_records, unlink_after_commit
 from .tables import Tables, Txn
 
 __all__ = ["SweepPlan", "Sweeper"]
@@ -149,7 +149,7 @@ class Sweeper:
         cutoff = now - self.grace
         files = [d for d, row in dropped if not row.inline]
         files += [f.name for f in plan.orphan_files if _is_digest_name(f.name) and _older([f], cutoff)[0]]
-        freed += self._tables.unlink_after_commit(files)
+        freed += unlink_after_commit(self._tables, files)
         for f in plan.orphan_files:
             if not _is_digest_name(f.name):
                 freed += _unlink_if_old(f, cutoff)
@@ -158,7 +158,7 @@ class Sweeper:
         if not plan.records.empty:
             fix_records(self._tables, plan.records, grace_period=self.grace)
         if plan.obsolete_records or not plan.records.empty:  # this plan's lists, and those fix_records just wrote
-            self._tables.purge_obsolete_records()
+            purge_obsolete_records(self._tables)
         log.info("sweep freed %d bytes", freed)
         return freed
 

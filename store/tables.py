@@ -6,29 +6,26 @@ So the rows an entry owns (entry, access, components) are dropped in one
 place; the totals in ``meta`` (physical, logical and pinned bytes) follow
 every row that changes them; and every change that can take a blob away from
 a hit (a row dropped, quarantined or replaced) moves the blob epoch that the
-lookup memo trusts (README, "Using the store").  Files are unlinked only after
-the transaction that dropped their rows committed (:meth:`Tables.unlink_after_commit`);
-so are the on-disk records (``recordfiles``) of every manifest a transaction
-drops, which each :class:`Txn` notes as it drops them, whichever operation
-it serves (README, "Damage and repair").
+lookup memo trusts (README, "Using the store").  Each :class:`Txn` notes the
+manifests and pins it drops, whichever operation it serves, so that their
+on-disk records follow once it committed (:mod:`.aftercommit`; README,
+"Damage and repair").
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
+from .aftercommit import BOTH_RECORDS, COMMITTED_RECORD, Drops, unlink_after_commit
 from .blobrows import PHYSICAL, BlobRows
 from .errors import CorruptRecord
 from .records import (
     ACCESS_ROW,
-    split_manifest_key,
-    validate_key,
     Entry,
     LeaseRecord,
     Manifest,
@@ -44,8 +41,7 @@ if TYPE_CHECKING:
     from .index import Index
     from .layout import Layout
 
-__all__ = ["DATABASES", "Tables", "Txn", "Drops", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH",
-           "COMMITTED_RECORD", "PENDING_RECORD"]
+__all__ = ["DATABASES", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH"]
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +61,6 @@ PINNED = b"pinned_bytes"
 BLOB_EPOCH = b"blob_epoch"
 
 _I64 = struct.Struct("<q")
-_UNLINK_BATCH = 1000
-
-#: Which record files a dropped manifest may have: the committed one, the pending one (bits).
-COMMITTED_RECORD, PENDING_RECORD = 1, 2
-_BOTH = COMMITTED_RECORD | PENDING_RECORD
-
-
-class Drops:
-    """What a write transaction dropped that has files under ``records/``: manifests and pins."""
-
-    __slots__ = ("manifests", "pins")
-
-    def __init__(self) -> None:
-        self.manifests: list[tuple[bytes, int]] = []  # (manifest key, which record files)
-        self.pins: list[bytes] = []  # entry keys that were pinned
-
-    def __bool__(self) -> bool:
-        return bool(self.manifests or self.pins)
-
-
 def _int(raw: bytes | None) -> int:
     return _I64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
@@ -212,26 +188,24 @@ class Txn(BlobRows):
         share the entries' key order (a manifest key is the entry key, a NUL,
         rank and generation).  How eviction planning reads 100k entries.
         """
-        db = self._db
-        shadows, accesses, manifests = (self.raw.cursor(db=db[n]) for n in ("entry_shadow", "access", "manifests"))
-        s_key = shadows.key() if shadows.first() else None
-        a_key = accesses.key() if accesses.first() else None
-        m_key = manifests.key() if manifests.first() else None
-        for k, raw in self.raw.cursor(db=db["entries"]):
-            while s_key is not None and s_key < k:
-                s_key = shadows.key() if shadows.next() else None
-            while a_key is not None and a_key < k:
-                a_key = accesses.key() if accesses.next() else None
+        db, cursor = self._db, self.raw.cursor
+        shadows, accesses, manifests = (iter(cursor(db=db[n])) for n in ("entry_shadow", "access", "manifests"))
+        s, a, m = next(shadows, None), next(accesses, None), next(manifests, None)  # (key, row), None at the end
+        for k, raw in cursor(db=db["entries"]):
+            while s is not None and s[0] < k:
+                s = next(shadows, None)
+            while a is not None and a[0] < k:
+                a = next(accesses, None)
             prefix = k + b"\x00"
-            while m_key is not None and m_key < prefix:
-                m_key = manifests.key() if manifests.next() else None
+            while m is not None and m[0] < prefix:
+                m = next(manifests, None)
             keys: list[bytes] = []
             rows: list[bytes] = []
-            while m_key is not None and m_key.startswith(prefix):
-                keys.append(m_key)
-                rows.append(manifests.value())
-                m_key = manifests.key() if manifests.next() else None
-            yield (k, raw, shadows.value() if s_key == k else None, accesses.value() if a_key == k else None,
+            while m is not None and m[0].startswith(prefix):
+                keys.append(m[0])
+                rows.append(m[1])
+                m = next(manifests, None)
+            yield (k, raw, s[1] if s is not None and s[0] == k else None, a[1] if a is not None and a[0] == k else None,
                    tuple(keys), tuple(rows))
 
     def entries(self) -> Iterator[tuple[Entry, bytes]]:
@@ -302,6 +276,11 @@ class Txn(BlobRows):
             self._add(LOGICAL, sign * entry.bytes)
             if entry.pinned:
                 self._add(PINNED, sign * entry.bytes)
+
+    def is_pinned(self, raw_key: bytes) -> bool:
+        """Whether the entry of ``raw_key`` exists, is readable and is pinned."""
+        entry = self._entry_or_none(raw_key)
+        return entry is not None and entry.pinned
 
     def _entry_or_none(self, raw_key: bytes) -> Entry | None:
         raw = self.raw.get(raw_key, None, self._db["entries"])
@@ -385,7 +364,7 @@ class Txn(BlobRows):
     def drop_manifest_row(self, mk: bytes) -> None:
         """Delete a manifest row without releasing references (``verify --fix`` recounts)."""
         if self.raw.delete(mk, db=self._db["manifests"]):
-            self._drops().manifests.append((mk, _BOTH))
+            self._drops().manifests.append((mk, BOTH_RECORDS))
 
     def take_manifests_of(
         self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None,
@@ -417,7 +396,7 @@ class Txn(BlobRows):
                 continue
             taken += [bytes.fromhex(d) for d in digests]
             delete(mk, db=manifests)
-            self._drops().manifests.append((mk, COMMITTED_RECORD if committed else _BOTH))
+            self._drops().manifests.append((mk, COMMITTED_RECORD if committed else BOTH_RECORDS))
         return taken, kept
 
     def manifests_listed(self, key: str) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
@@ -477,7 +456,7 @@ class _Reading:
 
 
 class Tables:
-    """Typed transactions over one :class:`~adstore.store.index.Index`, plus the after-commit unlink."""
+    """Typed transactions over one :class:`~adstore.store.index.Index`."""
 
     __slots__ = ("index", "layout")
 
@@ -491,12 +470,12 @@ class Tables:
     def write(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew).
 
-        The records of the manifests it dropped are obsoleted (moved to ``records/obsolete/``) and the
-        pin markers of the entries it dropped unlinked, after the commit.
+        The records of the manifests it dropped are obsoleted and the pin markers of the entries it
+        dropped unlinked, after the commit (:func:`.aftercommit.unlink_after_commit`).
         """
         result, drops = self.write_noting_drops(fn)
         if drops:
-            self.unlink_after_commit((), drops)
+            unlink_after_commit(self, (), drops)
         return result
 
     def write_noting_drops(self, fn: Callable[[Txn], T]) -> tuple[T, Drops | None]:
@@ -511,98 +490,3 @@ class Tables:
             return result
 
         return self.index.write(run), noted[0]
-
-    def unlink_after_commit(self, digests: Sequence[str], drops: Drops | None = None) -> int:
-        """Unlink the blob files of ``digests`` whose rows are gone, obsolete the records of ``drops``; returns bytes.
-
-        Called once the transaction that dropped the rows committed
-        (invariant 4).  Each unlink runs under the write lock, after checking
-        that no writer registered the blob again meanwhile: a writer that
-        sees its file inside its registering transaction may rely on it.
-        A record is moved to ``records/obsolete/`` unless its manifest row is
-        back (a restore that published the same generation again), a pin
-        marker unlinked unless its entry is pinned again (invariant 9).
-        """
-        total = 0
-        for i in range(0, len(digests), _UNLINK_BATCH):
-            batch = digests[i:i + _UNLINK_BATCH]
-
-            def fn(t: Txn, batch: Sequence[str] = batch) -> int:
-                n = 0
-                for digest in batch:
-                    row = t.blob_row(digest)
-                    if row is not None and not row.inline and not row.quarantined:
-                        continue
-                    path = self.layout.blob_path(digest)
-                    size = self.layout.file_size(path)
-                    try:
-                        os.unlink(path)
-                        n += size
-                    except FileNotFoundError:
-                        pass
-                return n
-
-            total += self.write(fn)
-        if drops:
-            self._obsolete_records(drops)
-        return total
-
-    def purge_obsolete_records(self) -> int:
-        """gc: delete the records the obsolete lists name, then the lists; returns record files deleted.
-
-        Each record is deleted under the write lock and only while its
-        manifest row is still gone and the file is not newer than its list (a
-        restore may have published the same generation again).
-        """
-        from .recordfiles import RecordFiles  # noqa: PLC0415
-
-        files = RecordFiles(self.layout)
-        lists = files.obsolete_files()
-        dead = sorted(files.obsoleted().items())
-        deleted = 0
-        for i in range(0, len(dead), _UNLINK_BATCH):
-            def fn(t: Txn, batch: Sequence[tuple[str, float]] = dead[i:i + _UNLINK_BATCH]) -> int:
-                n = 0
-                for name, listed_at in batch:
-                    ident = files.listed_identity(name)
-                    if ident is not None and t.manifest_row(manifest_key(*ident)) is None:
-                        n += files.unlink_listed(name, listed_at)
-                return n
-
-            deleted += self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))
-        for path in lists:  # the lists, and records an older adstore renamed into obsolete/
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        return deleted
-
-    def _obsolete_records(self, drops: Drops) -> None:
-        from .recordfiles import RecordFiles  # noqa: PLC0415  (recordfiles -> layout; kept off the import path of readers)
-
-        files = RecordFiles(self.layout)
-        items: list[tuple[bytes, int]] = drops.manifests + [(k, 0) for k in drops.pins]
-        for i in range(0, len(items), _UNLINK_BATCH):
-            def fn(t: Txn, batch: Sequence[tuple[bytes, int]] = items[i:i + _UNLINK_BATCH]) -> None:
-                names: list[str] = []
-                for k, which in batch:
-                    try:
-                        if which == 0:  # a pin marker
-                            key = validate_key(k.decode())
-                            entry = t._entry_or_none(k)
-                            if entry is None or not entry.pinned:
-                                files.set_pinned(key, False)
-                            continue
-                        key, rank, generation = split_manifest_key(k)
-                        validate_key(key)
-                    except (CorruptRecord, ValueError):  # a damaged row's key names no record file
-                        continue
-                    if t.manifest_row(k) is None:
-                        names += files.obsolete_names(key, rank, generation, committed=bool(which & COMMITTED_RECORD),
-                                                      pending=bool(which & PENDING_RECORD))
-                files.write_obsolete_list(names)  # under the write lock: no one publishes them again meanwhile
-
-            try:
-                self.index.write(lambda raw, fn=fn: fn(Txn(raw, self.index.db)))
-            except OSError as exc:  # records stay behind: orphans that gc sweeps
-                log.warning("could not obsolete records: %s", exc)

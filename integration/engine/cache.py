@@ -334,7 +334,6 @@ class EngineCache:
         inductor_configs, code_consts, components = req.inductor_configs, req.code_consts, req.components
         backend = self.backend
         path = self._memory.new_path()
-        t0 = time.perf_counter()
         try:
             runner = self._compile_and_load(ep, path, inductor_configs, timings)
             compile_seconds = timings["compile"]

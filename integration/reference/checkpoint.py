@@ -12,7 +12,6 @@ import logging
 import os
 import zlib
 from pathlib import Path
-from typing import Any
 
 import torch
 from adstore.integration.pipeline.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint

@@ -26,6 +26,7 @@ from adstore.store import Reason, Store, UnsafeRoot
 from adstore.store.layout import Layout
 from adstore.store.recordfiles import RecordFiles, RecordState
 from adstore.store.recordfmt import RECORD_FORMAT, BadRecord, decode_record, encode_record
+from adstore.store.records import MANIFEST_SUFFIX, manifest_key
 
 KEPT = ("one", "two", "pinned", "tiny")  # what must come back
 GONE = ("removed", "evicted")  # what must not
@@ -470,11 +471,15 @@ def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_p
     save(store, "live")
     files = RecordFiles(Layout(store.root))
     (live,) = files.scan()
-    obsolete = store.root / "records" / "obsolete"
-    obsolete.mkdir(exist_ok=True)
-    lines = ["../../victim", f"{tmp_path}/victim", "ab/../../../victim", "zz/live.0.1", "pending/",
-             f"{live.path.parent.name}/{live.path.name}", "\x00", "é/x.0.1"]
-    (obsolete / "evil.list").write_text("\n".join(lines))
+    suffix = MANIFEST_SUFFIX.pack(0, 1)
+    hostile = [b"../../victim\x00" + suffix, f"{tmp_path}/victim".encode() + b"\x00" + suffix,
+               b"ab/../../../victim\x00" + suffix, b"live\x00" + suffix[:5], b"live", b"\x00",
+               "é".encode() + b"\x00" + suffix, b"li\nve\x00" + suffix, b"\xff\xfe\x00" + suffix]
+    files.write_obsolete_list([(mk, 3) for mk in hostile] + [(manifest_key("live", 0, live.generation), 1)])
+    (listed,) = files.obsolete_files()
+    with open(listed, "ab") as f:
+        f.write(b"\x01\xff\xffab/../victim")  # a torn or lying last item
+    (files.obsolete / "evil.list").write_bytes(b"ab/live.0.1\n" + bytes(100))  # not a list at all
     assert set(files.obsoleted()) == {f"{live.path.parent.name}/{live.path.name}"}
     store.plan_sweep().execute()  # the live record keeps its manifest row: gc keeps the file
     assert victim.read_bytes() == b"keep" and live.path.exists() and files.obsolete_files() == []

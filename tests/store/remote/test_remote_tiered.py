@@ -25,7 +25,6 @@ from adstore.store.remote import (
     BackgroundUploader,
     Kind,
     Signer,
-    TrustedKeys,
     generate_keypair,
     open_remote,
     record_address,
