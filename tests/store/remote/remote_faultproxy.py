@@ -7,7 +7,8 @@ the connections already open, so clients reconnect into the new mode):
 * ``reset`` — read the request, then close with RST (ECONNRESET);
 * ``stall`` — accept and read, never answer (a hung server: read timeouts);
 * ``503``   — answer every request ``503 Service Unavailable``;
-* ``cut``   — forward, but drop the connection after 64 KiB of answer (a body cut short).
+* ``cut``   — forward, but drop the connection after 64 KiB of answer (a body cut short);
+* ``flip``  — forward, but invert one byte of the answer at 64 KiB (a body damaged in transit, same length).
 
 Threads are daemons and every socket has a timeout, so a test cannot hang on it.
 """
@@ -75,10 +76,11 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket, mode: str) -> None:
         try:
-            if mode in ("pass", "cut"):
+            if mode in ("pass", "cut", "flip"):
                 upstream = self._track(socket.create_connection(self.upstream, timeout=30))
                 limit = 64 << 10 if mode == "cut" else None
-                threading.Thread(target=self._pump, args=(upstream, client, False, limit), daemon=True).start()
+                flip = 64 << 10 if mode == "flip" else None
+                threading.Thread(target=self._pump, args=(upstream, client, False, limit, flip), daemon=True).start()
                 self._pump(client, upstream, True)
             elif mode == "reset":
                 client.recv(65536)
@@ -102,7 +104,8 @@ class FaultProxy:
         except OSError:
             pass
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool, limit: int | None = None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool, limit: int | None = None,
+              flip: int | None = None) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
@@ -113,6 +116,12 @@ class FaultProxy:
                     limit -= len(data)
                     if not data:
                         break
+                if flip is not None:
+                    if flip < len(data):
+                        data = data[:flip] + bytes([data[flip] ^ 0xFF]) + data[flip + 1:]
+                        flip = None
+                    else:
+                        flip -= len(data)
                 if record:
                     with self._lock:
                         self.sent += data

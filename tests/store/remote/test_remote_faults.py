@@ -136,6 +136,28 @@ def test_a_download_cut_short_is_unavailable_not_a_blob(kind, request, tmp_path)
         proxy.close()
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_download_damaged_in_transit_is_rejected_by_its_digest(kind, request, tmp_path):
+    """One byte flipped on the wire, length unchanged: SHA-256 refuses it (for S3 too, not botocore's CRC32)."""
+    server = server_of(kind, request)
+    prefix = f"flip-{uuid.uuid4().hex[:8]}"
+    data = os.urandom(1 << 20)
+    d = digest_of(data)
+    writer = open_at(kind, server.endpoint, prefix, mode="read-write")
+    if kind == "s3":
+        writer.backend.send_checksums = False  # botocore then stores its default CRC32 with the object
+    assert writer.put(Kind.CAS, d, data).ok
+    proxy = FaultProxy(server.port, mode="flip")
+    try:
+        r = open_at(kind, proxy.endpoint, prefix, timeout=2, connect_timeout=1)
+        out = r.fetch_blob(d, len(data), dest=tmp_path / "blob")
+        assert out.reason == "remote_checksum" and out.error.got_digest not in (None, d), out
+        assert out.error.got_size == len(data) and not (tmp_path / "blob").exists()
+        assert r.counters["checksum_rejected"] == 1
+    finally:
+        proxy.close()
+
+
 def test_an_overwritten_remote_blob_is_rejected(hosts, tmp_path):
     kind, writer, reader = hosts
     data = os.urandom(200_000)
