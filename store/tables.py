@@ -188,24 +188,26 @@ class Txn(BlobRows):
         share the entries' key order (a manifest key is the entry key, a NUL,
         rank and generation).  How eviction planning reads 100k entries.
         """
-        db, cursor = self._db, self.raw.cursor
-        shadows, accesses, manifests = (iter(cursor(db=db[n])) for n in ("entry_shadow", "access", "manifests"))
-        s, a, m = next(shadows, None), next(accesses, None), next(manifests, None)  # (key, row), None at the end
-        for k, raw in cursor(db=db["entries"]):
-            while s is not None and s[0] < k:
-                s = next(shadows, None)
-            while a is not None and a[0] < k:
-                a = next(accesses, None)
+        db = self._db
+        shadows, accesses, manifests = (self.raw.cursor(db=db[n]) for n in ("entry_shadow", "access", "manifests"))
+        s_key = shadows.key() if shadows.first() else None
+        a_key = accesses.key() if accesses.first() else None
+        m_key = manifests.key() if manifests.first() else None
+        for k, raw in self.raw.cursor(db=db["entries"]):
+            while s_key is not None and s_key < k:
+                s_key = shadows.key() if shadows.next() else None
+            while a_key is not None and a_key < k:
+                a_key = accesses.key() if accesses.next() else None
             prefix = k + b"\x00"
-            while m is not None and m[0] < prefix:
-                m = next(manifests, None)
+            while m_key is not None and m_key < prefix:
+                m_key = manifests.key() if manifests.next() else None
             keys: list[bytes] = []
             rows: list[bytes] = []
-            while m is not None and m[0].startswith(prefix):
-                keys.append(m[0])
-                rows.append(m[1])
-                m = next(manifests, None)
-            yield (k, raw, s[1] if s is not None and s[0] == k else None, a[1] if a is not None and a[0] == k else None,
+            while m_key is not None and m_key.startswith(prefix):
+                keys.append(m_key)
+                rows.append(manifests.value())
+                m_key = manifests.key() if manifests.next() else None
+            yield (k, raw, shadows.value() if s_key == k else None, accesses.value() if a_key == k else None,
                    tuple(keys), tuple(rows))
 
     def entries(self) -> Iterator[tuple[Entry, bytes]]:

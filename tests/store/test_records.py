@@ -484,3 +484,45 @@ def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_p
     store.plan_sweep().execute()  # the live record keeps its manifest row: gc keeps the file
     assert victim.read_bytes() == b"keep" and live.path.exists() and files.obsolete_files() == []
     assert store.verify().ok and store.lookup("live", record=False).hit
+
+
+def test_an_eviction_in_batches_lists_every_record_once_even_when_a_writer_commits_between(store, monkeypatch):
+    """Each batch lists the previous batch's records inside its own transaction (the last batch's after it):
+    every evicted record is listed exactly once, a record saved meanwhile is not, and a list that cannot be
+    written never fails the eviction (its records are orphans that gc sweeps)."""
+    files = RecordFiles(Layout(store.root))
+    gens = {f"e{i}": save(store, f"e{i}", sizes=(100,)) for i in range(7)}
+    plan = store.plan_eviction(max_size=1)
+    assert plan.count == 7
+
+    def meanwhile(batch) -> None:  # other writers commit between batches: the next batch re-checks
+        if "late" not in gens:
+            gens["late"] = save(store, "late", sizes=(100,))
+            again = batch.keys[0]  # a restore publishes an evicted generation again before it is listed
+            store.publish(again, generation=gens[again], artifacts={"a": store.put_bytes(b"again")})
+            store.commit(again, generation=gens[again])
+            gens["again"] = again
+
+    plan.execute(batch_size=2, on_batch=meanwhile)
+    again = gens.pop("again")
+    listed = [name.rpartition("/")[2] for name in files.obsoleted()]
+    assert sorted(listed) == sorted(f"e{i}.0.{gens[f'e{i}']}" for i in range(7) if f"e{i}" != again)
+    assert len(files.obsolete_files()) == 4  # one list per batch
+    assert sorted((f.key, f.generation) for f in files.scan()) == sorted([("late", gens["late"]), (again, gens[again])])
+    store.plan_sweep().execute()
+    assert files.obsolete_files() == [] and store.verify().ok
+
+    gens = {f"f{i}": save(store, f"f{i}", sizes=(100,)) for i in range(3)}
+
+    def full(self, dropped):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RecordFiles, "write_obsolete_list", full)
+    store.plan_eviction(max_size=1).execute(batch_size=1)
+    assert store.stats().entries == 0 and files.obsolete_files() == []
+    monkeypatch.undo()
+    assert {f.key for f in files.scan()} == {"late", again, "f0", "f1", "f2"}  # left behind: orphans
+    report = store.verify()
+    assert report.ok and [f.kind for f in report.findings] == [Reason.ORPHAN_RECORDS]
+    store.plan_sweep().execute()
+    assert files.scan() == [] and not store.verify().warnings
