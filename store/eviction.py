@@ -81,6 +81,8 @@ class EvictionPlan:
     _evictor: Evictor | None = field(default=None, repr=False, compare=False)
     #: The id of the snapshot the plan was made from (LMDB transaction ids count commits).
     _snapshot: int = field(default=-1, repr=False, compare=False)
+    #: Positions of the victims that drop some blob's last planned reference (see ``execute``).
+    _frees: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     _entries: list[Entry] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -115,18 +117,24 @@ class EvictionPlan:
         freed = evicted = 0
         unchanged_at = self._snapshot + 1  # the id of the next write if nobody else commits
         carried = Drops()  # the records a batch dropped, listed as obsolete by the next one
+        owing = False  # references owed by this execution's batches and not yet released
         try:
             for start in range(0, total, size):
                 if should_stop is not None and should_stop():
                     break
                 chunk = self._victims[start:start + size]
-                batch, txn_id = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at, carried=carried)
+                # Release in the batches that free blobs (by the plan) and in the last; owe in the others.
+                settle = start + size >= total or any(i in self._frees for i in range(start, start + len(chunk)))
+                batch, txn_id, owing = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
+                                                             carried=carried, settle=settle)
                 unchanged_at = txn_id + 1
                 freed += batch.bytes_freed
                 evicted += len(batch.keys)
                 if on_batch is not None and on_batch(batch):
                     break
         finally:
+            if owing:  # stopped early: release what the batches so far owe
+                self._evictor.settle()
             if carried:  # the last batch's, or one a failed batch did not list
                 unlink_after_commit(self._evictor.tables, (), carried)
         log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
@@ -225,7 +233,8 @@ class Evictor:
                     break
                 victims.append(v)
                 sim.drop(v)
-        return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, snapshot)
+        return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, snapshot,
+                            frozenset(sim.frees))
 
     def _candidates(self, t: Txn, leased: set[str], namespace: str | None,
                     now: float) -> tuple[list[_Victim], list[str]]:
@@ -291,11 +300,11 @@ class Evictor:
                 victims.append(v)
                 sim.drop(v)
         return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self,
-                            snapshot)
+                            snapshot, frozenset(sim.frees))
 
     # -- execution --------------------------------------------------------------
     def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int,
-                carried: Drops) -> tuple[EvictedBatch, int]:
+                carried: Drops, settle: bool) -> tuple[EvictedBatch, int, bool]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
         Returns the batch and the id of its transaction.  When that id is
@@ -309,12 +318,18 @@ class Evictor:
         this batch's transaction (the write lock, after that batch committed)
         lists them as obsolete, saving a transaction per batch, and leaves
         its own drops in ``carried`` for the next.
+
+        Without ``settle`` (by the plan, no victim here drops a blob's last
+        reference) and with every row as planned, the batch owes the
+        references it dropped (``blobrows``) instead of rewriting their blob
+        rows; a settling batch releases them together with every owed one.
+        Returns the batch, the id of its transaction and whether it owed.
         """
         now = time.time()
         evict = kind is PlanKind.EVICT
         files = self._files
 
-        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int]:
+        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int, bool]:
             unchanged = t.raw.id() == unchanged_at
             if carried:
                 try:
@@ -338,17 +353,34 @@ class Evictor:
                     taken.append(refs)  # type: ignore[arg-type]
                     done.append(v[_KEY])
             t.count("evictions", len(done))
+            if unchanged and not settle:
+                t.owe_releases(chain.from_iterable(taken))
+                return done, [], t.raw.id(), True
             counts = Counter(chain.from_iterable(taken))
+            counts.update(t.take_owed_releases())
             dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
-            return done, dropped, t.raw.id()
+            return done, dropped, t.raw.id(), False
 
         with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
-            (done, dropped, txn_id), drops = self._tables.write_noting_drops(fn)
+            (done, dropped, txn_id, owed), drops = self._tables.write_noting_drops(fn)
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins
         unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id
+        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id, owed
+
+    def settle(self) -> int:
+        """Release every owed reference (``blobrows``) and drop what that frees; returns bytes freed."""
+        now = time.time()
+
+        def fn(t: Txn) -> list[tuple[str, BlobRow]]:
+            owed = t.take_owed_releases()
+            return drop_unreferenced(t, t.release_counts(owed), now, self.grace) if owed else []
+
+        with spending_allowed(self._tables.index.ballast):
+            dropped = self._tables.write(fn)
+        unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
+        return sum(row.size for _, row in dropped)
 
     def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str],
                         now: float) -> Sequence[bytes] | None:
@@ -398,13 +430,17 @@ class _Simulation:
         self._now = now
         self._grace = grace
         self._t = t
+        self._owed = t.owed_releases()  # references already dropped, not yet released
         self._left: dict[bytes, int] = {}  # references left per blob (row key)
         self._rows: dict[bytes, tuple[int, int, float, int] | None] = {}
         self.blobs: list[BlobRef] = []
         self.freed = 0
+        self.frees: set[int] = set()  # positions of victims that drop some blob's last reference
+        self._at = 0
 
     def drop(self, v: _Victim) -> None:
-        rows_seen, left, now, grace = self._rows, self._left, self._now, self._grace
+        rows_seen, left, now, grace, at = self._rows, self._left, self._now, self._grace, self._at
+        self._at += 1
         for k in v[_REFS]:
             if k not in rows_seen:
                 raw = self._t.blob_row_raw(k)
@@ -412,11 +448,14 @@ class _Simulation:
             row = rows_seen[k]
             if row is None:
                 continue
-            n = left[k] = left.get(k, row[1]) - 1
-            if n == 0 and now - row[2] >= grace:
-                self.freed += row[0]
-                self.blobs.append(BlobRef(k.hex(), row[0]))
+            n = left[k] = left.get(k, row[1] - self._owed.get(k, 0)) - 1
+            if n <= 0:
+                self.frees.add(at)
+                if n == 0 and now - row[2] >= grace:
+                    self.freed += row[0]
+                    self.blobs.append(BlobRef(k.hex(), row[0]))
 
 
 def _unreferenced_bytes(t: Txn) -> int:
-    return sum(row.size for _, row in t.decoded_blob_rows() if row.refs == 0)
+    owed = t.owed_releases()
+    return sum(row.size for digest, row in t.decoded_blob_rows() if row.refs <= owed.get(bytes.fromhex(digest), 0))

@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The named databases of the index (``entry_shadow``: see ``shadows``).
+#: The named databases of the index (``entry_shadow``: see ``shadows``; ``releases``: ``blobrows``).
 DATABASES = ("blobs", "blobdata", "entries", "entry_shadow", "access", "components", "manifests", "leases",
-             "stats", "meta")
+             "stats", "meta", "releases")
 
 #: Totals in ``meta`` that would otherwise need a full scan (and ``blobrows.PHYSICAL``);
 #: ``verify --fix`` recounts them.

@@ -148,10 +148,11 @@ class _Scan:
     bad_entries: list[bytes] = field(default_factory=list)
     strays: dict[str, list[bytes]] = field(default_factory=dict)
     totals: dict[bytes, int] = field(default_factory=dict)
+    owed: Counter[bytes] = field(default_factory=Counter)  # references an eviction pass owes (``blobrows``)
 
 
 def _scan(t: Txn, rep: VerifyReport) -> _Scan:
-    s = _Scan()
+    s = _Scan(owed=t.owed_releases())
     for k, v in t.blob_rows():
         if len(k) != 32:  # not a SHA-256: never turned into a path
             rep.add(Reason.CORRUPT_INDEX, "", f"blob row with a malformed key {k!r}")
@@ -256,9 +257,10 @@ def verify_store(
             if m is None or not m.committed:
                 rep.add(Reason.INCOMPLETE, e.key, f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
     for digest, row in s.rows.items():
-        if row.refs != refs.get(digest, 0):
+        held = row.refs - s.owed.get(bytes.fromhex(digest), 0)  # less what an eviction pass owes (``blobrows``)
+        if held != refs.get(digest, 0):
             rep.add(Reason.REFCOUNT, digest,
-                    f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
+                    f"blob {digest}: refcount {held}, referenced by {refs.get(digest, 0)} manifest(s)")
     actual = {PHYSICAL: sum(r.size for r in s.rows.values()),
               LOGICAL: sum(e.bytes for e in s.entries.values()),
               PINNED: sum(e.bytes for e in s.entries.values() if e.pinned)}
@@ -346,7 +348,8 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
             if t.manifest_row(manifest_key(m.key, m.rank, m.generation)) is not None:
                 t.drop_manifest(m)
                 fixed.append(f"dropped manifest {m.key} rank {m.rank} gen {m.generation}")
-        # Recount everything from what is left.
+        # Recount everything from what is left (owed releases included).
+        t.take_owed_releases()
         manifests = [Manifest.decode(mk, raw) for mk, raw in t.manifest_rows()]
         refs: Counter[str] = Counter(d for m in manifests for d in m.digests())
         current = {(m.key, m.rank): m for m in manifests if m.committed}
