@@ -81,13 +81,18 @@ def _killed_mid_pass(root: str) -> None:
     store.plan_eviction(max_size=1).execute(batch_size=1, on_batch=each)
 
 
-def test_a_pass_killed_while_owing_leaves_a_sound_store_that_the_next_release_settles(store_root):
-    with Store.open(store_root, grace_period=0.0) as store:
-        _fill(store, 9)
-    p = CTX.Process(target=_killed_mid_pass, args=(str(store_root),))
+def _owing_store(root: Path, n: int) -> None:
+    """``n`` entries, then a pass SIGKILLed after its first batch that owed (in another process)."""
+    with Store.open(root, grace_period=0.0) as store:
+        _fill(store, n)
+    p = CTX.Process(target=_killed_mid_pass, args=(str(root),))
     p.start()
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
+
+
+def test_a_pass_killed_while_owing_leaves_a_sound_store_that_the_next_release_settles(store_root):
+    _owing_store(store_root, 9)
     with Store.open(store_root, grace_period=0.0) as store:
         owed = _owed(store)
         assert owed
@@ -107,11 +112,7 @@ def test_a_pass_killed_while_owing_leaves_a_sound_store_that_the_next_release_se
 
 
 def test_verify_fix_leaves_owed_references_of_a_sound_store_for_the_next_release(store_root):
-    with Store.open(store_root, grace_period=0.0) as store:
-        _fill(store, 6)
-    p = CTX.Process(target=_killed_mid_pass, args=(str(store_root),))
-    p.start()
-    p.join(60)
+    _owing_store(store_root, 6)
     with Store.open(store_root, grace_period=0.0) as store:
         owed = _owed(store)
         assert owed
@@ -129,7 +130,7 @@ def test_a_torn_owed_row_counts_whole_digests_only(store):
     assert store.verify(fix=True).ok and not _owed(store) and store.verify().ok
 
 
-def test_owed_rows_do_not_outlive_a_removal(store, tmp_path: Path):
+def test_owed_rows_do_not_outlive_a_removal(store):
     _fill(store, 6)
     store.plan_remove([f"e{i:02d}" for i in range(6)]).execute(batch_size=1)
     assert not _owed(store) and store.stats().blobs == 0 and store.verify().ok
