@@ -382,6 +382,13 @@ def rows_remote(d: dict) -> list[Row]:
         out.append(row("remote", f"remote hit into an empty store vs the cold pipeline ({label}), whole processes",
                        _s(p["remote_hit_s"]), f"cold pipeline {_s(p['cold_s'])}", p["speedup"], "≥ 10× faster",
                        p["meets_10x"], f"floor (import torch) {_s(p['floor_s'])}"))
+        # Every process pays the floor, which caps the whole-process ratio at cold / floor; the work the
+        # remote hit replaces is what lies above it.
+        hit, cold = p["remote_hit_s"] - p["floor_s"], p["cold_s"] - p["floor_s"]
+        if hit > 0 and cold > 0:
+            out.append(row("remote", "the same, above the floor (after `import torch`)", _s(hit), f"cold {_s(cold)}",
+                           cold / hit, "≥ 10× faster", cold / hit >= 10,
+                           f"whole processes cannot pass cold / floor = {p['cold_s'] / p['floor_s']:.1f}×"))
         out.append(row("remote", "cold run that also pushes", _s(p["cold_push_s"]), f"cold {_s(p['cold_s'])}",
                        None, "", None, f"push adds {_s(max(p['push_overhead_s'], 0.0))}"))
         out.append(row("remote", "local hit after the remote hit", _s(p["local_hit_s"]),
