@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from bench_results import results_dir
+from bench_results import write_results
 
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer
@@ -325,16 +325,7 @@ def main() -> int:
         results["startup_to_ready_s"] = STARTUPS
         print(f"daemon start-up to READY=1: {', '.join(f'{s:.2f}s' for s in STARTUPS)} "
               f"(python start-up {_time_cmd([sys.executable, '-c', 'pass']):.2f}s)")
-    out = results_dir()
-    merged: dict[str, Any] = {}
-    if args.skip:  # a partial run keeps the other sections of the last run
-        try:
-            merged = json.loads((out / "daemon.json").read_text())
-        except (OSError, ValueError):
-            merged = {}
-    merged.update(results)
-    (out / "daemon.json").write_text(json.dumps(merged, indent=2))
-    print(f"wrote {out / 'daemon.json'}")
+    print(f"wrote {write_results('daemon.json', results, partial=bool(args.skip))}")
     return 0
 
 

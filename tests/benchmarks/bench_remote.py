@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import http.client
-import json
 import os
 import signal
 import statistics
@@ -49,7 +48,7 @@ import time
 from pathlib import Path
 
 from bench_restart import timed as timed_process
-from bench_results import results_dir
+from bench_results import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store" / "remote"))
 from remote_servers import BUCKET, S3_ENV, free_port, start_moto, start_webdav  # noqa: E402
@@ -333,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'benchmark':40} {'adstore':24} {'baseline':30} ratio")
     for row in rows:
         print(f"{row[0]:40} {row[1]:24} {row[2]:30} {row[3]}")
-    (results_dir() / "remote.json").write_text(json.dumps(res, indent=2))
+    write_results("remote.json", res, partial=bool(skip))
     return 0
 
 

@@ -8,10 +8,12 @@ measured figures.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["results_dir"]
+__all__ = ["results_dir", "write_results"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,3 +22,18 @@ def results_dir() -> Path:
     out = Path(os.environ.get("ADSTORE_BENCH_RESULTS") or REPO / "bench-results")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def write_results(name: str, results: dict[str, Any], *, partial: bool) -> Path:
+    """Write ``results`` to ``<results_dir>/<name>``; a ``partial`` run (some parts skipped) keeps the
+    sections of the last run it did not measure, so one part can be measured again alone."""
+    path = results_dir() / name
+    merged: dict[str, Any] = {}
+    if partial:
+        try:
+            merged = json.loads(path.read_text())
+        except (OSError, ValueError):
+            merged = {}
+    merged.update(results)
+    path.write_text(json.dumps(merged, indent=2))
+    return path
