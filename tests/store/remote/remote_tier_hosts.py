@@ -95,15 +95,26 @@ def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, An
 
 
 def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
-    """One rank of a gloo group, on its own "host": its own store root, the job's environment."""
+    """One rank of a gloo group, on its own "host": its own store root, the job's environment.
+
+    With ``job["start"]`` (an event) every rank of every host starts the pipeline at the same moment;
+    ``job["rank_env"][rank]`` is what only this rank sees.
+    """
     import traceback
     from datetime import timedelta
 
     import torch.distributed as dist
 
     os.environ.update(job["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    os.environ.update(job.get("rank_env", {}).get(rank, {}))
+    start = job.get("start")
     try:
+        from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=300 if start is not None else 120))
+        if start is not None:
+            start.wait(300)
         result = pipeline_host(job["roots"][rank], job["checkpoint"], {}, job["model"])
         queue.put({"rank": rank, **result})
     except BaseException:
@@ -144,31 +155,6 @@ def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dic
                 p.kill()
 
 
-def _dist_flight_rank(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
-    """:func:`dist_rank_host`, started at the same moment as every rank of the other hosts (``job["start"]``)."""
-    import traceback
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    os.environ.update(job["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.update(job.get("rank_env", {}).get(rank, {}))  # what only this rank sees
-    try:
-        from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
-
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-        job["start"].wait(300)
-        result = pipeline_host(job["roots"][rank], job["checkpoint"], {}, job["model"])
-        queue.put({"rank": rank, **result})
-    except BaseException:
-        queue.put({"rank": rank, "error": traceback.format_exc()})
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
 def dist_hosts_race(jobs: list[dict[str, Any]], world_size: int, timeout: float = 900) -> list[list[dict[str, Any]]]:
     """Each job is one host of ``world_size`` gloo ranks; all hosts start the pipeline at once; results per host."""
     from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +163,6 @@ def dist_hosts_race(jobs: list[dict[str, Any]], world_size: int, timeout: float 
 
     start = multiprocessing.get_context("spawn").Barrier(len(jobs) * world_size)
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(run_ranks, {**job, "start": start}, world_size, target=_dist_flight_rank,
+        futures = [pool.submit(run_ranks, {**job, "start": start}, world_size, target=dist_rank_host,
                                timeout=timeout) for job in jobs]
         return [sorted(f.result(), key=lambda r: r["rank"]) for f in futures]
