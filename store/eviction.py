@@ -25,7 +25,7 @@ from typing import Any
 
 from .aftercommit import Drops, unlink_after_commit, write_obsolete_list
 from .ballast import spending_allowed
-from .errors import CorruptRecord, KeyNotFound
+from .errors import CorruptRecord, KeyNotFound, StoreError
 from .leases import live_leases
 from .manifests import drop_entry
 from .recordfiles import RecordFiles
@@ -134,7 +134,10 @@ class EvictionPlan:
                     break
         finally:
             if owing:  # stopped early: release what the batches so far owe
-                self._evictor.settle()
+                try:
+                    self._evictor.settle()
+                except (StoreError, OSError) as exc:  # owed rows stay: the next release takes them
+                    log.warning("owed references not released yet: %s", exc)
             if carried:  # the last batch's, or one a failed batch did not list
                 unlink_after_commit(self._evictor.tables, (), carried)
         log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
