@@ -1,4 +1,4 @@
-"""Helpers for store tests that run in spawned processes (importable by path)."""
+"""Helpers shared by the store tests, also by those that run in spawned processes (importable by path)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +71,20 @@ def check_hit(store: Store, key: str) -> bool:
             gens.add(gen)
     assert len(gens) <= 1, f"mixed generations served for {key}: {gens}"
     return True
+
+
+def served_digests(store: Store, key: str) -> dict[int, dict[str, str]]:
+    """The SHA-256 of every artifact ``key`` serves, by rank: what a rebuilt index must serve again."""
+    res = store.lookup(key, record=False)
+    assert res.hit, (key, res.reason)
+    return {rank: {n: hashlib.sha256(store.read_artifact(m, n)).hexdigest() for n in m.artifacts}
+            for rank, m in res.manifests.items()}
+
+
+def run_cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """``adstore --root ROOT ARGS`` in a real CLI process (what an operator runs), its output captured."""
+    return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
+                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def worker_mixed(root: str, worker: int, seconds: float, keys: int, result_q) -> None:
