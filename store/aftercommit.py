@@ -76,11 +76,9 @@ def unlink_after_commit(tables: Tables, digests: Sequence[str], drops: Drops | N
         total += tables.write(fn)
     if drops:
         files = RecordFiles(tables.layout)
-        items = [*drops.manifests, *((k, 0) for k in drops.pins)]
-        for i in range(0, len(items), _BATCH):
+        for i in range(0, max(len(drops.manifests), len(drops.pins)), _BATCH):
             chunk = Drops()
-            for k, which in items[i:i + _BATCH]:
-                (chunk.manifests.append((k, which)) if which else chunk.pins.append(k))
+            chunk.manifests, chunk.pins = drops.manifests[i:i + _BATCH], drops.pins[i:i + _BATCH]
             try:
                 tables.write(lambda t, chunk=chunk: write_obsolete_list(t, files, chunk, unchanged=False))
             except OSError as exc:  # records stay behind: orphans that gc sweeps

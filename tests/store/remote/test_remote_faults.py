@@ -119,43 +119,38 @@ def test_5xx_resets_and_hangs_through_a_proxy(kind, mode, request):
         proxy.close()
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_a_download_cut_short_is_unavailable_not_a_blob(kind, request, tmp_path):
+def _fetch_through_proxy(kind, request, tmp_path, mode: str):
+    """A 1 MiB blob put on a fresh server, fetched back through a :class:`FaultProxy` in ``mode``."""
     server = server_of(kind, request)
-    prefix = f"cut-{uuid.uuid4().hex[:8]}"
-    data = os.urandom(1 << 20)
-    d = digest_of(data)
-    assert open_at(kind, server.endpoint, prefix, mode="read-write").put(Kind.CAS, d, data).ok
-    proxy = FaultProxy(server.port, mode="cut")
-    try:
-        r = open_at(kind, proxy.endpoint, prefix, timeout=2, connect_timeout=1)
-        out = r.fetch_blob(d, len(data), dest=tmp_path / "blob")
-        assert out.reason == "remote_unavailable", out
-        assert not (tmp_path / "blob").exists()
-    finally:
-        proxy.close()
-
-
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_a_download_damaged_in_transit_is_rejected_by_its_digest(kind, request, tmp_path):
-    """One byte flipped on the wire, length unchanged: SHA-256 refuses it (for S3 too, not botocore's CRC32)."""
-    server = server_of(kind, request)
-    prefix = f"flip-{uuid.uuid4().hex[:8]}"
+    prefix = f"{mode}-{uuid.uuid4().hex[:8]}"
     data = os.urandom(1 << 20)
     d = digest_of(data)
     writer = open_at(kind, server.endpoint, prefix, mode="read-write")
     if kind == "s3":
         writer.backend.send_checksums = False  # botocore then stores its default CRC32 with the object
     assert writer.put(Kind.CAS, d, data).ok
-    proxy = FaultProxy(server.port, mode="flip")
+    proxy = FaultProxy(server.port, mode=mode)
     try:
         r = open_at(kind, proxy.endpoint, prefix, timeout=2, connect_timeout=1)
-        out = r.fetch_blob(d, len(data), dest=tmp_path / "blob")
-        assert out.reason == "remote_checksum" and out.error.got_digest not in (None, d), out
-        assert out.error.got_size == len(data) and not (tmp_path / "blob").exists()
-        assert r.counters["checksum_rejected"] == 1
+        return r, r.fetch_blob(d, len(data), dest=tmp_path / "blob"), d, len(data)
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_download_cut_short_is_unavailable_not_a_blob(kind, request, tmp_path):
+    _, out, _, _ = _fetch_through_proxy(kind, request, tmp_path, "cut")
+    assert out.reason == "remote_unavailable", out
+    assert not (tmp_path / "blob").exists()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_download_damaged_in_transit_is_rejected_by_its_digest(kind, request, tmp_path):
+    """One byte flipped on the wire, length unchanged: SHA-256 refuses it (for S3 too, not botocore's CRC32)."""
+    r, out, d, size = _fetch_through_proxy(kind, request, tmp_path, "flip")
+    assert out.reason == "remote_checksum" and out.error.got_digest not in (None, d), out
+    assert out.error.got_size == size and not (tmp_path / "blob").exists()
+    assert r.counters["checksum_rejected"] == 1
 
 
 def test_an_overwritten_remote_blob_is_rejected(hosts, tmp_path):
