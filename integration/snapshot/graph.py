@@ -331,9 +331,8 @@ class GraphDecoder:
         if dev is None:
             dev = self._devices[device] = torch.device(device)
         elem = torch.empty_strided(shape, stride, dtype=dt, device="meta")
-        off = offset if type(offset) is int else d(offset)
-        if off:
-            elem = elem.as_strided(shape, stride, off)
+        if offset != 0:  # a symbolic offset is never tested for truth (an unbacked one cannot be)
+            elem = elem.as_strided(shape, stride, offset if type(offset) is int else d(offset))
         t = self._fake_cls(self.syms.fake_mode, elem, dev)
         if grad:
             t.requires_grad_(True)

@@ -232,6 +232,7 @@ class SymDecoder:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         from torch.utils._sympy.numbers import int_oo
         from torch.utils._sympy.value_ranges import ValueRanges
+        from torch.utils._traceback import CapturedTraceback
 
         shape_env = ShapeEnv()
         symbols: dict[str, sympy.Symbol] = {}
@@ -242,6 +243,10 @@ class SymDecoder:
             hint = info.get("hint")
             if isinstance(hint, (int, float)) and not isinstance(hint, bool):
                 shape_env.add_backed_var_to_val(sym, hint)
+            else:  # unbacked (data-dependent, ``u0``): registered as create_unbacked_symint does
+                shape_env.var_to_stack[sym] = CapturedTraceback.extract(skip=1)
+                if name[:1] == "u" and name[1:].isdigit():
+                    shape_env.unbacked_symint_counter = max(shape_env.unbacked_symint_counter, int(name[1:]) + 1)
             rng = info.get("range")
             if rng is not None:
                 vr = ValueRanges(_unbound(rng[0]), _unbound(rng[1]))

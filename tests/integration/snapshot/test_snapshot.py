@@ -165,6 +165,39 @@ def test_dynamic_export_symbols_guards_and_meta():
     assert gm_ref.range_constraints.keys() == restored.range_constraints.keys()
 
 
+class _Routed(torch.nn.Module):
+    """Data-dependent shapes and offsets, as MoE routing makes them: rows picked by ``nonzero`` (``u0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(-1)
+        picked = self.proj(x[rows])
+        after = torch.cat([picked, x])[picked.shape[0]:]  # a view whose offset is unbacked
+        return torch.zeros_like(x).index_add(0, rows, picked) + after
+
+
+def test_unbacked_symbols_roundtrip():
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    module = _Routed().eval()
+    gm = torch.export.export(module, (x,)).module()
+    unbacked = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                and any(str(d).startswith("u") for d in n.meta["val"].shape)]
+    assert unbacked, "the export has no data-dependent shape to restore"
+    restored, ref, art = _meta_roundtrip(gm, x)
+    assert restored.code == gm.code
+    assert torch.equal(restored(x), ref)
+    for x2 in (torch.randn(6, 8), -torch.ones(6, 8)):
+        assert torch.equal(restored(x2), module(x2))
+    dims = [d for n in restored.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+            for d in n.meta["val"].shape if str(d).startswith("u")]
+    assert dims and all(isinstance(d, torch.SymInt) for d in dims)
+    assert "u0" in summarize(art)["symbols"]
+
+
 def test_weight_nodes_marked_stale_and_tensor_meta_present():
     x = torch.randn(3, 8)
     gm = torch.export.export(Net().eval(), (x,)).module()
