@@ -94,6 +94,16 @@ class ExportToGraph(Transform):
 
             dynamic = ({0: Dim("batch", min=1, max=cfg.max_batch), 1: Dim("seq", min=1, max=cfg.max_seq)},)
         ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=cfg.strict)
+        lifted = ep.graph_signature.lifted_tensor_constants  # not buffers: those get their values back below
+        lost = sorted(k for k in lifted if isinstance(ep.constants.get(k), torch.Tensor) and ep.constants[k].is_meta)
+        if lost:
+            # A tensor made from Python values inside forward on the parameters' device (falcon's
+            # ``fused_qkv[..., [-2], :]``) is a meta constant here: its values are gone, and the
+            # graph would index with uninitialised memory once the weights are loaded.
+            raise IntegrationError(f"export made {len(lost)} tensor constant(s) on the meta device, whose "
+                                   f"values are lost (e.g. {lost[:2]}): the model creates tensors on its "
+                                   "parameters' device inside forward, so it cannot be exported before its "
+                                   "weights exist")
         gm = ep.module()
         for qual, value in real.items():
             owner, _, leaf = qual.rpartition(".")
