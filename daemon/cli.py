@@ -320,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_remote_arguments(p)
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
-    p.add_argument("--arch", default="llama", help="model architecture (default: llama)")
+    p.add_argument("--arch", default="llama",
+                   help="a tuned architecture (llama, qwen3_5_moe, gemma4, glm4_moe_lite, ...) or any transformers "
+                        "model type the survey handles (default: llama)")
     p.add_argument("--layers", type=_positive_int, default=4, metavar="N", help="decoder layers (default: 4)")
     p.add_argument("--hidden", type=_positive_int, default=256, metavar="N", help="hidden size (default: 256)")
     p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # transformers model types: bert-generation, qwen3_5_moe
 
 
 def _llama_like(model_type: str, layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
@@ -122,20 +125,29 @@ def _mla(hidden: int) -> dict[str, Any]:
             "qk_nope_head_dim": hidden // 2, "v_head_dim": hidden // 2, "head_dim": rope}
 
 
-def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64) -> dict[str, Any]:
-    """A small config dict for ``arch`` (see :data:`ARCHITECTURES`)."""
-    try:
-        builder = ARCHITECTURES[MODEL_TYPES.get(arch, arch)]
-    except KeyError:
-        raise ConfigError(
-            "arch",
-            f"unknown architecture {arch!r}; the reference pipeline is tested on {sorted(ARCHITECTURES)}. "
-            "Another transformers causal LM may still run: build ModelFactory(config={'model_type': ..., ...}) "
-            "with its full config (untested: export, pattern rewrites and sharding may not apply)",
-        ) from None
-    if layers < 1 or hidden < 32 or hidden % 32:
+def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, surveyed: bool = True) -> dict[str, Any]:
+    """A small config dict for ``arch``: a tuned one (:data:`ARCHITECTURES`) or any transformers model type.
+
+    A model type outside the tuned eleven is sized down from its transformers
+    defaults (:func:`~adstore.integration.reference.model_types.small_config`)
+    and accepted only if the survey found the pipeline handles it; otherwise the
+    error says why.  ``surveyed=False`` skips that check (the survey itself).
+    """
+    if not isinstance(arch, str) or not _NAME.fullmatch(arch):
+        raise ConfigError("arch", f"not an architecture name: {arch!r}")
+    if any(type(v) is not int for v in (layers, hidden)) or layers < 1 or hidden < 32 or hidden % 32:
         raise ConfigError("hidden", f"need layers >= 1 and hidden a multiple of 32, got {layers=} {hidden=}")
-    return builder(layers, hidden)
+    builder = ARCHITECTURES.get(MODEL_TYPES.get(arch, arch))
+    if builder is not None:
+        return builder(layers, hidden)
+    from adstore.integration.reference import model_types
+
+    if surveyed:
+        handled, why = model_types.lookup(arch)
+        if not handled:
+            raise ConfigError("arch", f"{why}. Tuned architectures: {sorted(ARCHITECTURES)}; another model "
+                              "may still run as ModelFactory(config={'model_type': ..., ...}) with its full config")
+    return model_types.small_config(arch, layers=layers, hidden=hidden)
 
 
 @contextlib.contextmanager
@@ -200,8 +212,13 @@ class ModelFactory:
             hf = AutoConfig.for_model(model_type, **cfg)
         except (ValueError, KeyError) as exc:
             raise ConfigError("model.config", f"transformers rejects the config: {exc}") from exc
-        hf.use_cache = False
-        hf._attn_implementation = self.model_kwargs.get("attn_implementation", "sdpa")
+        cls = self._model_class(hf)
+        text = hf.get_text_config(decoder=True)
+        hf.use_cache = text.use_cache = False
+        # SDPA where the architecture has it (the attention the KV-cache and engine stages recognise),
+        # else the architecture's own eager attention.
+        default = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+        hf._attn_implementation = self.model_kwargs.get("attn_implementation", default)
         # Dense per-token expert matmuls trace the same on every device; the
         # grouped kernels pick integer paths by the trace device (meta).
         hf._experts_implementation = self.model_kwargs.get("experts_implementation", "batched_mm")
@@ -234,13 +251,14 @@ class ModelFactory:
     def tp_plan(self) -> dict[str, str]:
         """Tensor-parallel plan by parameter-owner pattern (``*`` = layer index)."""
         hf = self.hf_config()
-        plan = {f"model.{k}": v for k, v in (getattr(hf, "base_model_tp_plan", None) or {}).items()}
+        text = hf.get_text_config(decoder=True)
+        plan = {f"model.{k}": v for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()}
         plan.update(getattr(self._model_class(hf), "_tp_plan", None) or {})
         return plan
 
     def attention_shape(self) -> dict[str, int]:
         """Head counts the sharding transform checks divisibility against."""
-        hf = self.hf_config()
+        hf = self.hf_config().get_text_config(decoder=True)  # a composite model's language part
         heads = int(hf.num_attention_heads)
         return {
             "num_attention_heads": heads,
@@ -262,6 +280,8 @@ class ModelFactory:
         """Build the model: meta parameters (``device="meta"``) or real random ones."""
         hf = self.hf_config()
         cls = self._model_class(hf)
+        if not isinstance(hf, cls.config_class):
+            hf = hf.get_text_config(decoder=True)  # a composite type whose causal LM is its language model alone (qwen3_5)
         ctx = meta_parameters() if device == "meta" else contextlib.nullcontext()
         with ctx:
             model = cls(copy.deepcopy(hf))
@@ -272,7 +292,7 @@ class ModelFactory:
                     if p is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
                         mod._parameters[name] = nn.Parameter(p.to(self.dtype), requires_grad=False)
         model.eval()
-        log.debug("built %s (%d layers) on %s", cls.__name__, hf.num_hidden_layers, device)
+        log.debug("built %s on %s", cls.__name__, device)
         return model
 
     def eager_model(self, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -284,5 +304,7 @@ class ModelFactory:
     def example_inputs(self, *, batch: int = 2, seq: int = 8, seed: int = 0) -> tuple[torch.Tensor]:
         """Token ids of the export / comparison shape (deterministic)."""
         gen = torch.Generator().manual_seed(seed)
-        vocab = int(self.config.get("vocab_size") or self.hf_config().vocab_size)
+        text = self.config.get("text_config")
+        vocab = self.config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, Mapping) else None)
+        vocab = int(vocab or self.hf_config().get_text_config(decoder=True).vocab_size)
         return (torch.randint(0, vocab, (batch, seq), generator=gen),)

@@ -1,0 +1,129 @@
+"""Any transformers causal-LM model type by name: the survey's verdicts, and the factory that follows them.
+
+The survey (``python -m adstore.integration.reference.survey``) runs the whole
+reference pipeline on each model type; these tests hold its recorded verdicts
+to what the pipeline does now (one handled type in the default run, a sample
+of both verdicts in the slow tier), and check that the factory accepts exactly
+the handled types and refuses the others with the survey's reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from adstore.integration.errors import IntegrationError
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
+from adstore.integration.reference import survey, survey_results
+from adstore.integration.reference.checkpoint import write_random_checkpoint
+from adstore.integration.reference.models import ARCHITECTURES, ModelFactory, tiny_config
+from adstore.integration.reference.pipeline import default_transforms
+from adstore.store.errors import ConfigError
+
+HANDLED, REFUSED = survey_results.HANDLED, survey_results.REFUSED
+
+
+def test_every_causal_lm_type_has_a_verdict():
+    assert not set(HANDLED) & set(REFUSED)
+    assert all(len(m) == len(survey.REWRITES) for m in HANDLED.values())
+    assert all(why.split(":", 1)[0] in ("config", "build", "eager", "pipeline", "torch_compile")
+               or why.startswith(("no verdict", "the check died")) for why in REFUSED.values())
+    installed = set(survey.model_types())
+    surveyed = set(HANDLED) | set(REFUSED)
+    if transformers.__version__ == survey_results.TRANSFORMERS:
+        assert installed == surveyed
+    # Another transformers may add types: those are refused until surveyed, and say so.
+    for model_type in sorted(installed - surveyed)[:3]:
+        with pytest.raises(ConfigError, match="not surveyed"):
+            ModelFactory.from_config({"arch": model_type})
+    # The seed design's models and the rest of the tuned set are handled under their transformers names.
+    for model_type in ("qwen3_5_moe_text", "gemma4_text", "glm4_moe_lite", "deepseek_v3", "mixtral",
+                       "qwen3_moe", "llama", "qwen2"):
+        assert model_type in HANDLED, REFUSED.get(model_type)
+
+
+def test_the_factory_accepts_handled_types_and_refuses_the_rest_with_the_reason():
+    handled = sorted(t for t in HANDLED if t not in ARCHITECTURES)
+    assert len(handled) > 100
+    for model_type in handled[:5]:
+        factory = ModelFactory.from_config({"arch": model_type})
+        assert factory.config["model_type"] == model_type
+    for model_type, why in sorted(REFUSED.items())[:5]:
+        with pytest.raises(ConfigError) as err:
+            ModelFactory.from_config({"arch": model_type})
+        assert why[:60] in str(err.value) and "does not handle" in str(err.value)
+    with pytest.raises(ConfigError, match="not surveyed"):
+        ModelFactory.from_config({"arch": "no_such_model"})
+
+
+@pytest.mark.parametrize("arch", [["llama"], 7, None, "", "../../etc/passwd", "llama\n"])
+def test_hostile_architecture_names_are_config_errors(arch):
+    with pytest.raises(ConfigError):
+        ModelFactory.from_config({"arch": arch})
+
+
+def test_layers_and_hidden_size_any_type():
+    cfg = tiny_config("gemma3_text", layers=3, hidden=96)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (96, 3)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]  # every kind
+    assert tiny_config("llama4_text")["moe_layers"] == [0, 1]  # layer indices stay below the layer count
+    assert cfg["num_attention_heads"] * cfg["head_dim"] == 96
+    hf = ModelFactory(config=cfg).hf_config()
+    assert hf.num_hidden_layers == 3 and hf.use_cache is False
+    for bad in ({"layers": 0}, {"hidden": 48}, {"layers": "2"}, {"hidden": 64.0}, {"layers": True}):
+        with pytest.raises(ConfigError):
+            ModelFactory.from_config({"arch": "mistral", **bad})
+
+
+def test_recorded_recipes_give_the_config_transformers_defaults_give():
+    """A restart sizes a surveyed type's config from the survey's record, without importing transformers."""
+    from transformers import AutoConfig
+
+    from adstore.integration.reference.model_types import _shrink
+
+    assert set(survey_results.RECIPES) == {t for t in HANDLED if t not in ARCHITECTURES}
+    same = transformers.__version__ == survey_results.TRANSFORMERS  # else the record is what holds
+    for model_type in _sample(survey_results.RECIPES, 40) + ["gemma3", "qwen3_5", "deepseek_v2"]:
+        recorded = tiny_config(model_type, layers=3, hidden=96)
+        assert recorded["num_hidden_layers" if "num_hidden_layers" in recorded else "model_type"]
+        if same:
+            live = {"model_type": model_type, **_shrink(AutoConfig.for_model(model_type).to_dict(), 3, 96)}
+            assert recorded == live, model_type
+
+
+def test_a_handled_type_runs_cold_warm_and_compiled_as_surveyed():
+    verdict = survey.check("phi3")
+    assert verdict["handled"], verdict
+    assert verdict["matches"] == HANDLED["phi3"]
+
+
+def test_export_refuses_tensor_constants_whose_values_are_lost(tmp_path):
+    """Falcon indexes with a list inside forward: on the meta device that index tensor has no values."""
+    factory = ModelFactory(config=tiny_config("falcon", surveyed=False))
+    checkpoint = write_random_checkpoint(factory.build(), tmp_path / "checkpoint", seed=0)
+    opt = InferenceOptimizer(factory, checkpoint, default_transforms(pipeline_cache={"root": str(tmp_path / "s")}))
+    with pytest.raises(IntegrationError, match="meta device"):
+        opt()
+    assert "meta device" in REFUSED["falcon"]
+    with pytest.raises(ConfigError, match="meta device"):
+        ModelFactory.from_config({"arch": "falcon"})
+
+
+def _sample(names, n):
+    """Every k-th name: a fixed sample that spreads over the alphabet."""
+    names = sorted(names)
+    return names[:: max(1, len(names) // n)][:n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", _sample([t for t in HANDLED if t not in ARCHITECTURES], 12)
+                         + _sample(REFUSED, 6))
+def test_recorded_verdicts_still_hold(model_type):
+    verdict = survey._check_in_child(model_type, compile=True, timeout=900)
+    if model_type in HANDLED:
+        assert verdict["handled"], verdict
+        assert verdict["matches"] == HANDLED[model_type]
+    else:
+        assert not verdict["handled"]
+        assert verdict["why"].split(":", 1)[0] == REFUSED[model_type].split(":", 1)[0], verdict
+
