@@ -18,10 +18,11 @@ from typing import Any
 
 from adstore.store.errors import ConfigError
 
-__all__ = ["lookup", "small_config"]
+__all__ = ["lookup", "recipe", "small_config"]
 
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "n_embed", "dim")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
+_N_HEADS = 4  # attention heads of every small config (head dim ``hidden // 4``), half as many KV heads
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
           "encoder_attention_heads")
 
@@ -33,7 +34,7 @@ def _rules(layers: int, hidden: int) -> dict[tuple[str, ...], Any]:
     stays exercised); MoE with four experts, two per token and one shared;
     multi-head latent attention sized like ``models._mla``.
     """
-    heads = 4
+    heads = _N_HEADS
     return {
         _HIDDEN: hidden,
         _LAYERS: layers,
@@ -82,7 +83,7 @@ def _shrink(defaults: dict[str, Any], layers: int, hidden: int) -> dict[str, Any
             if name in defaults and not isinstance(defaults[name], (dict, list)):
                 out[name] = value
     if "kv_lora_rank" in defaults:  # multi-head latent attention: no grouped KV heads
-        out.update({k: 4 for k in ("num_key_value_heads",) if k in defaults})
+        out.update({k: _N_HEADS for k in ("num_key_value_heads",) if k in defaults})
         out.update({k: hidden // 4 for k in ("head_dim",) if k in defaults})  # the rotary tables' dim
     n = next((defaults[k] for k in _LAYERS if isinstance(defaults.get(k), int)), None)
     for key, value in defaults.items():
@@ -102,7 +103,7 @@ def _shrink(defaults: dict[str, Any], layers: int, hidden: int) -> dict[str, Any
     return out
 
 
-def _recipe(defaults: dict[str, Any]) -> dict[str, Any]:
+def recipe(defaults: dict[str, Any]) -> dict[str, Any]:
     """The part of a config's defaults that :func:`_shrink` reads (so the survey can record it)."""
     names = {n for names in _rules(2, 64) for n in names} | {"kv_lora_rank", "sliding_window"}
     n = next((defaults[k] for k in _LAYERS if isinstance(defaults.get(k), int)), None)
