@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pprint
 import subprocess
 import sys
 import tempfile
@@ -145,15 +144,19 @@ def _check_in_child(model_type: str, compile: bool, timeout: float) -> dict[str,
         return {"model_type": model_type, "handled": False, "why": f"the check died (exit {proc.returncode}): {tail}"}
 
 
+def _table(name: str, value_type: str, rows: dict[str, Any]) -> str:
+    """``NAME: dict[str, T] = {...}`` with one line per model type (a data file, read by type)."""
+    body = "".join(f"    {k!r}: {rows[k]!r},\n" for k in sorted(rows))
+    return f"{name}: dict[str, {value_type}] = {{\n{body}}}"
+
+
 def _write(verdicts: list[dict[str, Any]]) -> None:
     """Regenerate survey_results.py, merged over the verdicts already there."""
     import torch
     import transformers
-
-    from adstore.integration.reference import survey_results as old
-
     from transformers import AutoConfig
 
+    from adstore.integration.reference import survey_results as old
     from adstore.integration.reference.model_types import recipe
     from adstore.integration.reference.models import ARCHITECTURES
 
@@ -175,10 +178,10 @@ def _write(verdicts: list[dict[str, Any]]) -> None:
         'first step that failed and why.\n"""\n\n'
         f"TRANSFORMERS = {transformers.__version__!r}\n"
         f"TORCH = {torch.__version__.split('+')[0]!r}\n\n"
-        f"HANDLED: dict[str, list[int]] = {pprint.pformat(dict(sorted(handled.items())), width=110, compact=True)}\n\n"
-        f"REFUSED: dict[str, str] = {pprint.pformat(dict(sorted(refused.items())), width=110)}\n\n"
+        f"{_table('HANDLED', 'list[int]', handled)}\n\n"
+        f"{_table('REFUSED', 'str', refused)}\n\n"
         "#: The transformers defaults model_types.small_config reads, per handled type (no import at restart).\n"
-        f"RECIPES: dict[str, dict] = {pprint.pformat(recipes, width=110, compact=True)}\n"
+        f"{_table('RECIPES', 'dict', recipes)}\n"
     )
     _RESULTS.write_text(text)
 
