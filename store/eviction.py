@@ -125,9 +125,8 @@ class EvictionPlan:
                 chunk = self._victims[start:start + size]
                 # Release in the batches that free blobs (by the plan) and in the last; owe in the others.
                 settle = start + size >= total or any(i in self._frees for i in range(start, start + len(chunk)))
-                batch, txn_id, owing = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
-                                                             carried=carried, settle=settle)
-                unchanged_at = txn_id + 1
+                batch, unchanged_at, owing = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
+                                                                   carried=carried, settle=settle)
                 freed += batch.bytes_freed
                 evicted += len(batch.keys)
                 if on_batch is not None and on_batch(batch):
@@ -310,12 +309,15 @@ class Evictor:
                 carried: Drops, settle: bool) -> tuple[EvictedBatch, int, bool]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
-        Returns the batch and the id of its transaction.  When that id is
-        ``unchanged_at``, no one committed since the plan's snapshot (or since
-        this plan's previous batch, which only dropped its own victims), so
-        every victim's rows are as planned and are dropped without being
-        read again (LMDB transactions see committed snapshots; each commit
-        takes the next id).
+        When its transaction's id is ``unchanged_at``, no one committed since
+        the plan's snapshot (or since this plan's previous batch, which only
+        dropped its own victims), so every victim's rows are as planned and
+        are dropped without being read again (LMDB transactions see committed
+        snapshots; each commit that changes something takes the next id).
+        A commit that changes nothing takes no id: after a batch that dropped
+        no victim (all used or pinned since the plan) the next writer gets
+        this batch's id again, so the next batch may only expect that id
+        (expecting the one after would take another writer's commit for none).
 
         ``carried`` holds what the previous batch dropped that has records:
         this batch's transaction (the write lock, after that batch committed)
@@ -326,7 +328,8 @@ class Evictor:
         reference) and with every row as planned, the batch owes the
         references it dropped (``blobrows``) instead of rewriting their blob
         rows; a settling batch releases them together with every owed one.
-        Returns the batch, the id of its transaction and whether it owed.
+        Returns the batch, the ``unchanged_at`` of the next batch (the id its
+        transaction has if no one else commits) and whether it owed.
         """
         now = time.time()
         evict = kind is PlanKind.EVICT
@@ -356,21 +359,22 @@ class Evictor:
                     taken.append(refs)  # type: ignore[arg-type]
                     done.append(v[_KEY])
             t.count("evictions", len(done))
+            next_id = t.raw.id() + 1 if done else t.raw.id()  # rows deleted: this commit takes its id
             if unchanged and not settle:
                 t.owe_releases(chain.from_iterable(taken))
-                return done, [], t.raw.id(), True
+                return done, [], next_id, True
             counts = Counter(chain.from_iterable(taken))
             counts.update(t.take_owed_releases())
             dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
-            return done, dropped, t.raw.id(), False
+            return done, dropped, next_id, False
 
         with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
-            (done, dropped, txn_id, owed), drops = self._tables.write_noting_drops(fn)
+            (done, dropped, next_id, owed), drops = self._tables.write_noting_drops(fn)
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins
         unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), txn_id, owed
+        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), next_id, owed
 
     def settle(self) -> int:
         """Release every owed reference (``blobrows``) and drop what that frees; returns bytes freed."""

@@ -107,6 +107,30 @@ def test_a_plan_executed_after_another_writer_rechecks_its_victims(store_root):
         store.close()
 
 
+def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
+    """LMDB gives the next write the id of a commit that changed nothing: a batch whose victims all
+    no longer qualify must still take its id, or a writer committing right after it looks like
+    "nobody wrote since" to the next batch, which then drops rows as planned that have changed."""
+    store = Store.open(store_root, grace_period=0.0)
+    other = Store.open(store_root, grace_period=0.0)
+    try:
+        for key in ("a", "b"):
+            save(store, key)
+        plan = store.plan_eviction(max_size=0)
+        assert [e.key for e in plan.victims] == ["a", "b"]
+        assert store.lookup("a").hit  # used since the plan: the first batch drops nothing
+        store.flush()
+        between = [lambda: other.pin("b")]  # one commit between the batches
+        plan.execute(batch_size=1, on_batch=lambda batch: between and between.pop()())
+        assert [k for k in ("a", "b") if store.lookup(k, record=False).hit] == ["a", "b"]
+        report = store.verify()
+        assert report.ok and not report.findings, report.findings
+        assert store.stats().pinned_bytes == store.entry("b").bytes
+    finally:
+        other.close()
+        store.close()
+
+
 # ---------------------------------------------------------------- keys
 def test_resolve_key_raises_typed_errors(store):
     save(store, "abc1")
