@@ -133,11 +133,13 @@ class Sweeper:
 
         def fn(t: Txn) -> list[tuple[str, BlobRow]]:
             zero = [ref.digest for ref in plan.zero_ref_blobs] + t.release_counts(t.take_owed_releases())
-            for m in plan.stale_manifests:
-                raw = t.manifest_row(manifest_key(m.key, m.rank, m.generation))
-                if raw is None or Manifest.decode(manifest_key(m.key, m.rank, m.generation), raw).committed:
+            for planned in plan.stale_manifests:
+                mk = manifest_key(planned.key, planned.rank, planned.generation)
+                raw = t.manifest_row(mk)
+                m = Manifest.decode(mk, raw) if raw is not None else None
+                if m is None or m.committed or m.created > now - self.grace:  # committed or published again
                     continue
-                zero += t.drop_manifest(m)
+                zero += t.drop_manifest(m)  # the references the row holds now, not the ones planned
                 drop_if_empty(t, m.key)
             _, dead = live_leases(t, now)
             for lease_id in set(plan.dead_leases) & set(dead):

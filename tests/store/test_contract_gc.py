@@ -143,6 +143,21 @@ def test_sweep_collects_leftovers_of_killed_writers(store):
     assert rep.ok and not rep.warnings, rep.to_dict()
 
 
+def test_sweep_releases_what_a_stale_manifest_holds_when_it_runs(store):
+    """A save that published again under the same generation after the sweep planned: the sweep
+    releases the references of the row it drops, not those it planned (once each, never twice)."""
+    first, second = store.put_bytes(b"1" * 70_000), store.put_bytes(b"2" * 70_000)
+    gen = store.new_generation()
+    store.publish("pending", generation=gen, artifacts={"a": first})
+    plan = store.plan_sweep()
+    assert plan.to_dict()["stale_manifests"] == 1
+    store.publish("pending", generation=gen, artifacts={"a": second})  # releases `first`, holds `second`
+    plan.execute()
+    assert store.manifests("pending") == []
+    rep = store.verify()
+    assert rep.ok and not rep.findings, rep.to_dict()
+
+
 def test_sweep_respects_grace_period(store_root):
     store = Store.open(store_root, grace_period=3600.0)
     ref = store.put_bytes(b"z" * 100_000)  # put, not yet published: protected
