@@ -35,6 +35,7 @@ class Bookkeeping:
         self._counters: Counter[str] = Counter()
         self._access: dict[str, tuple[float, int]] = {}
         self._started = False
+        self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         _OPEN.add(self)
 
@@ -72,7 +73,8 @@ class Bookkeeping:
                     book.flush()
                     del book
 
-            threading.Thread(target=run, name="adstore-flush", daemon=True).start()
+            self._thread = threading.Thread(target=run, name="adstore-flush", daemon=True)
+            self._thread.start()
 
     def flush(self) -> None:
         """Write pending counters and access times; bookkeeping never fails a cache operation."""
@@ -99,7 +101,16 @@ class Bookkeeping:
             log.warning("could not flush store counters: %s", exc)
 
     def close(self) -> None:
+        """Stop the flusher, then write what is pending.
+
+        The flusher may be inside a write (waiting for another process's write
+        lock, even): it is joined before the store closes its environment,
+        which must never close under a transaction another thread is using.
+        """
         self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         self.flush()
         _OPEN.discard(self)
 
@@ -110,6 +121,7 @@ class Bookkeeping:
         self._access = {}
         self._lock = threading.Lock()
         self._started = False  # threads do not survive fork
+        self._thread = None
 
 
 def _flush_all() -> None:
