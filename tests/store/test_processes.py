@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import sys
 import time
 
 import lmdb
@@ -70,9 +71,6 @@ def _fork_child_uses_store(root: str, conn) -> None:
 
 
 def _close_while_flushing(root: str, rounds: int, q) -> None:
-    import random
-    import sys
-
     sys.setswitchinterval(1e-5)  # switch threads often: close() lands inside the flusher's write
     lost = 0
     for _ in range(rounds):
