@@ -310,10 +310,12 @@ class Evictor:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
         When its transaction's id is ``unchanged_at``, no one committed since
-        the plan's snapshot (or since this plan's previous batch, which only
-        dropped its own victims), so every victim's rows are as planned and
-        are dropped without being read again (LMDB transactions see committed
-        snapshots; each commit that changes something takes the next id).
+        the plan's snapshot (nor between this plan's previous batches, which
+        only dropped their own victims), so every victim's rows are as planned
+        and are dropped without being read again (LMDB transactions see
+        committed snapshots; each commit that changes something takes the
+        next id).  Once a batch finds a foreign commit, every later batch of
+        the plan re-reads its victims: that batch checked only its own.
         A commit that changes nothing takes no id: after a batch that dropped
         no victim (all used or pinned since the plan) the next writer gets
         this batch's id again, so the next batch may only expect that id
@@ -329,7 +331,8 @@ class Evictor:
         references it dropped (``blobrows``) instead of rewriting their blob
         rows; a settling batch releases them together with every owed one.
         Returns the batch, the ``unchanged_at`` of the next batch (the id its
-        transaction has if no one else commits) and whether it owed.
+        transaction has if no one else commits; -1 after a foreign commit) and
+        whether it owed.
         """
         now = time.time()
         evict = kind is PlanKind.EVICT
@@ -359,7 +362,9 @@ class Evictor:
                     taken.append(refs)  # type: ignore[arg-type]
                     done.append(v[_KEY])
             t.count("evictions", len(done))
-            next_id = t.raw.id() + 1 if done else t.raw.id()  # rows deleted: this commit takes its id
+            # Rows deleted: this commit takes its id.  A batch that found the index changed re-read
+            # only its own victims: every later batch must re-read its own too (-1 matches no id).
+            next_id = (t.raw.id() + 1 if done else t.raw.id()) if unchanged else -1
             if unchanged and not settle:
                 t.owe_releases(chain.from_iterable(taken))
                 return done, [], next_id, True

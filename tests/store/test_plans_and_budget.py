@@ -131,6 +131,29 @@ def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
         store.close()
 
 
+def test_a_batch_that_saw_another_writer_leaves_the_later_batches_to_recheck(store_root):
+    """A commit between the plan and its first batch sends that batch down the re-checking path,
+    which reads only its own victims: the next batch must not take "nothing committed since the
+    previous batch" for "every row as planned", or it drops an entry pinned since the plan."""
+    store = Store.open(store_root, grace_period=0.0)
+    other = Store.open(store_root, grace_period=0.0)
+    try:
+        for key in ("a", "b"):
+            save(store, key)
+        plan = store.plan_eviction(max_size=0)
+        assert [e.key for e in plan.victims] == ["a", "b"]
+        other.pin("b")  # after the plan, before the first batch
+        plan.execute(batch_size=1)
+        assert not store.lookup("a", record=False).hit
+        assert store.lookup("b", record=False).hit
+        report = store.verify()
+        assert report.ok and not report.findings, report.findings
+        assert store.stats().pinned_bytes == store.stats().logical_bytes == store.entry("b").bytes
+    finally:
+        other.close()
+        store.close()
+
+
 # ---------------------------------------------------------------- keys
 def test_resolve_key_raises_typed_errors(store):
     save(store, "abc1")
