@@ -15,9 +15,12 @@ without a valid meta page, is :class:`CorruptRecord` (reason
 Damage *inside* pages (random bytes over a B-tree page) can still fault
 LMDB's own C code on some reads.  :func:`probe_index` therefore reads every
 row of every table in a child process first (``python -c`` with
-lmdb only): ``verify`` runs it before it scans the
-index in-process, so a damaged index is reported (and ``--fix`` rebuilds
-it) instead of killing ``verify``.
+lmdb only), checking that the keys are in order and that a search finds
+each: ``verify`` runs it before it scans the index in-process, so a damaged
+index is reported (and ``--fix`` rebuilds it) instead of killing ``verify``.
+No read looks at LMDB's list of free pages, but every write takes pages
+from it: :func:`check_free_list` walks it with ``pread`` (an in-place
+repair on a damaged list would overwrite pages in use, or abort).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CorruptRecord
 
-__all__ = ["MetaPage", "read_meta", "check_data_file", "probe_index", "ProbeResult", "FRESH_INDEX_BYTES",
-           "needs_creating"]
+__all__ = ["MetaPage", "read_meta", "check_data_file", "check_free_list", "probe_index", "ProbeResult",
+           "FRESH_INDEX_BYTES", "needs_creating"]
 
 log = logging.getLogger(__name__)
 
@@ -194,21 +198,14 @@ def _children(page: bytes, pgno: int, psize: int, file_pages: int) -> list[int]:
     """Page numbers a branch or leaf page refers to (child pages, overflow runs, sub-database roots)."""
     if len(page) < psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
         return []
-    flags, lower = struct.unpack_from("<HH", page, 10)
+    flags = struct.unpack_from("<H", page, 10)[0]
     if flags & _P_OVERFLOW:
         pages = struct.unpack_from("<I", page, 12)[0]
         return [pgno + pages - 1] if pages > 1 and pgno + pages > file_pages else []
-    if not flags & (_P_BRANCH | _P_LEAF) or lower < _PAGE_HEADER or lower > psize:
-        return []
     out: list[int] = []
-    for i in range((lower - _PAGE_HEADER) // 2):
-        off = struct.unpack_from("<H", page, _PAGE_HEADER + 2 * i)[0]
-        if off + _NODE.size > psize:
-            continue
-        lo, hi, nflags, ksize = _NODE.unpack_from(page, off)
-        data = off + _NODE.size + ksize
+    for _off, size, nflags, _ksize, data in _nodes(page, psize):
         if flags & _P_BRANCH:
-            out.append(lo | hi << 16 | nflags << 32)
+            out.append(size | nflags << 32)
         elif nflags & _F_BIGDATA and data + 8 <= psize:
             out.append(struct.unpack_from("<Q", page, data)[0])
         elif nflags & _F_SUBDATA and data + 48 <= psize:
@@ -216,6 +213,129 @@ def _children(page: bytes, pgno: int, psize: int, file_pages: int) -> list[int]:
             if root != _NO_PAGE:
                 out.append(root)
     return out
+
+
+def _nodes(page: bytes, psize: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """The nodes of a branch or leaf page: offset, data size (a branch's child page, low 32 bits),
+    node flags (its high bits), key size and where the data starts; nodes past the page are left out."""
+    flags, lower = struct.unpack_from("<HH", page, 10)
+    if not flags & (_P_BRANCH | _P_LEAF) or lower < _PAGE_HEADER or lower > psize:
+        return
+    for i in range((lower - _PAGE_HEADER) // 2):
+        off = struct.unpack_from("<H", page, _PAGE_HEADER + 2 * i)[0]
+        if off + _NODE.size > psize:
+            continue
+        lo, hi, nflags, ksize = _NODE.unpack_from(page, off)
+        yield off, lo | hi << 16, nflags, ksize, off + _NODE.size + ksize
+
+
+def check_free_list(data_file: Path) -> str | None:
+    """Why LMDB's list of free pages in ``data_file`` is unsafe to write with; None when it is sound.
+
+    No read ever looks at that list (the probe's child cannot see it), but
+    every write transaction takes pages from it without checking them: a
+    listed page that is still in use gets overwritten, one past the last
+    page is ``MDB_PAGE_NOTFOUND``, and LMDB's own assertions abort the
+    process.  So the free-page tree is walked with ``pread``, and every page
+    it lists must lie in the file, be listed once, and be neither in use by
+    a table nor part of the tree itself.  A commit during the walk may
+    recycle pages the walk reads: the walk is repeated, and an index that
+    keeps changing (LMDB's own writers) counts as sound.
+    """
+    for _ in range(_RETRIES):
+        try:
+            meta = read_meta(data_file)
+            if meta is None:
+                return None
+            fd = os.open(data_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            try:
+                why = _free_list_damage(fd, meta)
+            finally:
+                os.close(fd)
+            now = read_meta(data_file)
+        except (OSError, CorruptRecord):
+            return None  # unreadable or no meta page: check_data_file's business
+        if now is not None and now.txnid == meta.txnid:
+            return why
+    return None
+
+
+def _free_list_damage(fd: int, meta: MetaPage) -> str | None:
+    psize, last = meta.page_size, meta.last_page
+
+    def read(pgno: int) -> bytes:
+        return os.pread(fd, psize, pgno * psize)
+
+    def overflow_run(pgno: int) -> int | None:
+        """How many pages the overflow run starting at ``pgno`` spans; None if it is no such run."""
+        if not 2 <= pgno <= last:
+            return None
+        page = read(pgno)
+        if len(page) < _PAGE_HEADER or struct.unpack_from("<Q", page, 0)[0] != pgno \
+                or not struct.unpack_from("<H", page, 10)[0] & _P_OVERFLOW:
+            return None
+        pages = struct.unpack_from("<I", page, 12)[0]
+        return pages if 1 <= pages <= last - pgno + 1 else None
+
+    # The pages the tables use (a damaged table is the probe's business: walk what parses).
+    used: set[int] = set()
+    todo = [meta.roots[1]] if meta.roots[1] != _NO_PAGE else []
+    while todo:
+        pgno = todo.pop()
+        if pgno in used or not 2 <= pgno <= last:
+            continue
+        used.add(pgno)
+        page = read(pgno)
+        if len(page) < psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
+            continue
+        leaf = struct.unpack_from("<H", page, 10)[0] & _P_LEAF
+        for child in _children(page, pgno, psize, last + 1):
+            run = overflow_run(child) if leaf else None
+            if run is not None and child not in used:
+                used.update(range(child, child + run))
+            else:
+                todo.append(child)
+
+    tree: set[int] = set()
+    listed: set[int] = set()
+    todo = [meta.roots[0]] if meta.roots[0] != _NO_PAGE else []
+    while todo:
+        pgno = todo.pop()
+        if not 2 <= pgno <= last or pgno in tree:
+            return f"the free-page tree refers to page {pgno} (outside pages 2..{last}, or twice)"
+        tree.add(pgno)
+        page = read(pgno)
+        if len(page) < psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
+            return f"free-page tree page {pgno} does not carry its own number"
+        flags = struct.unpack_from("<H", page, 10)[0]
+        if not flags & (_P_BRANCH | _P_LEAF):
+            return f"free-page tree page {pgno} is not a tree page (flags {flags:#x})"
+        for _off, size, nflags, ksize, data in _nodes(page, psize):
+            if flags & _P_BRANCH:
+                todo.append(size | nflags << 32)
+                continue
+            if nflags & _F_BIGDATA:
+                start = struct.unpack_from("<Q", page, data)[0] if data + 8 <= psize else 0
+                run = overflow_run(start)
+                if run is None or start in tree or _PAGE_HEADER + size > run * psize:
+                    return f"free-page record at page {pgno} points to a bad overflow page {start}"
+                tree.update(range(start, start + run))
+                ids = os.pread(fd, size, start * psize + _PAGE_HEADER)
+            else:
+                ids = page[data:data + size] if ksize == 8 and data + size <= psize else b""
+            count = struct.unpack_from("<Q", ids, 0)[0] if len(ids) >= 8 else -1
+            if count < 0 or 8 + 8 * count > len(ids):
+                return f"free-page record at page {pgno} is malformed"
+            for free in struct.unpack_from(f"<{count}Q", ids, 8):
+                if not 2 <= free <= last:
+                    return f"the free-page list names page {free}, outside pages 2..{last}"
+                if free in listed:
+                    return f"the free-page list names page {free} twice"
+                listed.add(free)
+    taken = listed & (used | tree)
+    if taken:
+        return f"the free-page list names page {min(taken)}, which is in use"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +358,13 @@ try:
                 db = env.open_db(name.encode(), txn=txn, create=False)
             except lmdb.NotFoundError:
                 continue
-            for _ in txn.cursor(db=db):
-                pass
+            prev = None
+            for key, _value in txn.cursor(db=db):
+                if prev is not None and key <= prev:
+                    sys.exit(f"table {name}: key {key!r} out of order (after {prev!r})")
+                if txn.get(key, db=db) is None:
+                    sys.exit(f"table {name}: key {key!r} cannot be found by a search")
+                prev = key
 except lmdb.Error as exc:
     if "Permission denied" in str(exc) or "Read-only" in str(exc):
         sys.exit(3)  # cannot probe (no write access to lock.mdb): inconclusive, not damage
@@ -252,7 +377,8 @@ def probe_index(root: Path) -> ProbeResult:
 
     A signal death of the child (LMDB faulting on a damaged page) or any
     error is a damaged index; this process never touches the bad page.
-    A file that fails :func:`check_data_file` is damaged without a child.
+    A file that fails :func:`check_data_file` or :func:`check_free_list`
+    is damaged without a child.
     A user who may not write ``lock.mdb`` or run the interpreter cannot
     probe: that counts as sound (``verify`` then scans in-process as before).
     """
@@ -262,6 +388,9 @@ def probe_index(root: Path) -> ProbeResult:
         check_data_file(root / "index")
     except CorruptRecord as exc:
         return ProbeResult(False, exc.detail)
+    why = check_free_list(root / "index" / "data.mdb")
+    if why is not None:
+        return ProbeResult(False, why)
     try:
         res = subprocess.run([sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES], check=False,
                              capture_output=True, text=True, timeout=_PROBE_TIMEOUT)

@@ -9,8 +9,9 @@ must repair (exit 0), and afterwards the store opens and every entry is a hit
 with the saved bytes again: the index is rebuilt from the blob files and the
 on-disk records (invariant 9), so damage to the index alone loses no entry.  Damage: ``data.mdb`` truncated at
 page boundaries and odd sizes, random bytes over index pages (many seeds),
-whole pages overwritten, a file that is not LMDB, symlinked directories and
-blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
+whole pages overwritten, LMDB's free-page list naming pages in use or past
+the end, keys spelled otherwise (out of order), a file that is not LMDB,
+symlinked directories and blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
 ``damage_slow``) for the README's reliability table.
 """
 
@@ -21,7 +22,9 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import pytest
 from adstore.store import Store
-from store_helpers import report_figures, save
+from adstore.store.indexfile import read_meta
+from store_helpers import report_figures, run_cli, save
 from test_diskfull import small_fs  # noqa: F401  (the 8 MiB tmpfs fixture; root only)
 
 CHILD = Path(__file__).with_name("damage_child.py")
@@ -80,6 +84,66 @@ def scribble(seed: int, *, whole_page: bool = False) -> Damage:
                 else:
                     f.seek(page * PAGE + rng.randrange(0, PAGE - 64))
                     f.write(rng.randbytes(rng.randint(1, 64)))
+    return damage
+
+
+def free_list(how: str, nth: int = 0) -> Damage:
+    """Damage LMDB's free-page list, which no read looks at but every write allocates from.
+
+    ``one_in_use``: the first listed page becomes the ``nth`` page of the tables (a write
+    overwrites it: an in-place repair left the index inconsistent, or aborted the process);
+    ``in_use``: every listed page does (the first write of any process aborts); ``past_end``:
+    a page past the last one; ``count``: a record longer than its data; ``not_a_page``: the
+    tree's root page loses its leaf flag.
+    """
+    def damage(root: Path) -> None:
+        meta = read_meta(_data(root))
+        assert meta is not None and meta.roots[0] != (1 << 64) - 1, "the base store has no free pages"
+        with open(_data(root), "r+b") as f:
+            at = meta.roots[0] * PAGE
+            f.seek(at)
+            page = bytearray(f.read(PAGE))
+            flags = struct.unpack_from("<H", page, 10)[0]
+            assert flags & 0x02, "the free-page tree of the base store is one leaf"
+            records = [_free_record(page, struct.unpack_from("<H", page, 16 + 2 * i)[0])
+                       for i in range((struct.unpack_from("<H", page, 12)[0] - 16) // 2)]
+            free = {p for start, n in records for p in struct.unpack_from(f"<{n}Q", page, start + 8)}
+            used = sorted(set(range(2, meta.last_page + 1)) - free - {meta.roots[0]})
+            ids, count = records[0]
+            if how == "in_use":
+                for start, n in records:
+                    struct.pack_into(f"<{n}Q", page, start + 8, *(used[i % len(used)] for i in range(n)))
+            elif how == "one_in_use":
+                struct.pack_into("<Q", page, ids + 8, used[nth % len(used)])
+            elif how == "past_end":
+                struct.pack_into("<Q", page, ids + 8, meta.last_page + 7)
+            elif how == "count":
+                struct.pack_into("<Q", page, ids, count + 500)
+            else:
+                struct.pack_into("<H", page, 10, flags & ~0x02)
+            f.seek(at)
+            f.write(page)
+    return damage
+
+
+def _free_record(page: bytes, node: int) -> tuple[int, int]:
+    """Where a free-page record's page list starts in its leaf, and how many pages it lists."""
+    nflags, ksize = struct.unpack_from("<HH", page, node + 4)
+    assert not nflags & 0x01, "the free-page records of the base store are inline"
+    return node + 8 + ksize, struct.unpack_from("<Q", page, node + 8 + ksize)[0]
+
+
+def renamed_key(new: bytes, nth: int | None = None) -> Damage:
+    """``key5`` spelled ``new`` where the index holds it (every place, or the ``nth`` only): rows out of
+    key order, or found by no search (an in-place repair left the index inconsistent)."""
+    def damage(root: Path) -> None:
+        data = _data(root).read_bytes()
+        if nth is None:
+            data = data.replace(b"key5", new)
+        else:
+            at = [m.start() for m in re.finditer(b"key5", data)][nth]
+            data = data[:at] + new + data[at + len(new):]
+        _data(root).write_bytes(data)
     return damage
 
 
@@ -183,6 +247,12 @@ def index_cases(base_root: Path, *, slow: bool) -> dict[str, Damage]:
     cases |= {f"scribble-{s}": scribble(s) for s in seeds}
     cases |= {f"page-{s}": scribble(s, whole_page=True) for s in pages_seeds}
     cases |= {f"not-lmdb-{i}-{len(b)}": replace_data(b) for i, b in enumerate(junk)}
+    cases |= {f"free-list-{how}": free_list(how) for how in ("past_end", "count", "not_a_page")}
+    cases |= {f"free-list-names-used-page-{n}": free_list("one_in_use", n) for n in range(0, 12, 1 if slow else 3)}
+    cases |= {f"renamed-key-{new.decode()}": renamed_key(new) for new in (b"kez5", b"key0", b"kay5")}
+    if slow:
+        places = _data(base_root).read_bytes().count(b"key5")
+        cases |= {f"renamed-key-at-{n}": renamed_key(b"kez5", n) for n in range(places)}
     return cases
 
 
@@ -295,6 +365,26 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
         assert done["after"]["hits"] == KEYS, done  # every entry back from its records
     else:
         assert done["gc"]["exit"] in (0, 8, 9), done["gc"]  # a named error at worst, never stuck in a crash
+
+
+def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, tmp_path):
+    """A process's first write aborts in LMDB on such an index (README, Known limits); ``verify``
+    finds it without writing, and ``verify --fix`` rebuilds the index: every entry hits again."""
+    src, expected = base
+    root = tmp_path / "store"
+    shutil.copytree(src, root, symlinks=True)
+    free_list("in_use")(root)
+    verify = run_cli(root, "verify")
+    assert verify.returncode == 1 and "free-page list names page" in verify.stdout, verify
+    fix = run_cli(root, "verify", "--fix")
+    assert fix.returncode == 0 and f"restored {KEYS} entr(ies)" in fix.stdout, fix
+    assert run_cli(root, "verify").returncode == 0
+    with Store.open(root, create=False) as store:
+        for key, artifacts in expected.items():
+            res = store.lookup(key, record=False)
+            assert res.hit, (key, res.reason)
+            assert {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
+                    for n in res.manifest.artifacts} == artifacts
 
 
 def test_damage_suite(base, tmp_path):

@@ -8,16 +8,18 @@ store only as its own errors.  The child-process cases live in ``test_damage.py`
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
+import time
 
 import lmdb
 import pytest
 from adstore.store import CorruptRecord, Store, UnsafeRoot
 from adstore.store.ballast import Ballast
-from adstore.store.indexfile import check_data_file, read_meta
+from adstore.store.indexfile import check_data_file, check_free_list, read_meta
 from adstore.store.reasons import Reason
-from store_helpers import save
+from store_helpers import save, writer_forever
 
 
 @pytest.mark.parametrize("sub", ["blobs", "index", "tmp", "quarantine"])
@@ -114,6 +116,37 @@ def test_a_file_that_ends_before_never_written_pages_is_sound(tmp_path):
         assert store.lookup("k", record=False).hit
         save(store, "k2")
         assert store.lookup("k2", record=False).hit and store.verify().ok
+
+
+def test_the_free_list_check_passes_sound_indexes_even_under_writers(tmp_path, monkeypatch):
+    """``check_free_list`` (``verify`` runs it) must never call a sound index damaged: not one whose
+    eviction freed hundreds of pages at once (a free-page record in overflow pages), nor one that two
+    processes save to and evict from while it walks (a damaged verdict would rebuild a sound index)."""
+    root = tmp_path / "store"
+    data = root / "index" / "data.mdb"
+    with Store.open(root, grace_period=0.0) as store:
+        for i in range(400):
+            save(store, f"k{i}", sizes=(100, 200))
+        assert check_free_list(data) is None
+        store.plan_eviction(max_size=0).execute()
+        assert check_free_list(data) is None
+        for i in range(20):
+            save(store, f"x{i}", sizes=(100, 300))
+    monkeypatch.setenv("ADSTORE_TEST_EVICT", "1")
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=writer_forever, args=(str(root), seed)) for seed in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        verdicts = []
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            verdicts.append(check_free_list(data))
+    finally:
+        for w in writers:
+            w.kill()
+            w.join()
+    assert len(verdicts) > 50 and not [v for v in verdicts if v is not None], set(verdicts)
 
 
 def test_lmdb_errors_in_reads_become_the_stores_own(tmp_path, monkeypatch):
