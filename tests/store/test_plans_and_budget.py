@@ -3,6 +3,7 @@ the budget persisted in the index, pinned-bytes accounting and the entry shadows
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -107,10 +108,9 @@ def test_a_plan_executed_after_another_writer_rechecks_its_victims(store_root):
         store.close()
 
 
-def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
-    """LMDB gives the next write the id of a commit that changed nothing: a batch whose victims all
-    no longer qualify must still take its id, or a writer committing right after it looks like
-    "nobody wrote since" to the next batch, which then drops rows as planned that have changed."""
+@contextlib.contextmanager
+def _two_handles_and_a_plan(store_root):
+    """Entries a and b, a plan to evict both (a first), and a second handle to commit in between."""
     store = Store.open(store_root, grace_period=0.0)
     other = Store.open(store_root, grace_period=0.0)
     try:
@@ -118,40 +118,36 @@ def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
             save(store, key)
         plan = store.plan_eviction(max_size=0)
         assert [e.key for e in plan.victims] == ["a", "b"]
+        yield store, other, plan
+        report = store.verify()
+        assert report.ok and not report.findings, report.findings
+        assert store.stats().pinned_bytes == store.entry("b").bytes  # b, pinned by `other`, kept
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
+    """LMDB gives the next write the id of a commit that changed nothing: a batch whose victims all
+    no longer qualify must still take its id, or a writer committing right after it looks like
+    "nobody wrote since" to the next batch, which then drops rows as planned that have changed."""
+    with _two_handles_and_a_plan(store_root) as (store, other, plan):
         assert store.lookup("a").hit  # used since the plan: the first batch drops nothing
         store.flush()
         between = [lambda: other.pin("b")]  # one commit between the batches
         plan.execute(batch_size=1, on_batch=lambda batch: between and between.pop()())
         assert [k for k in ("a", "b") if store.lookup(k, record=False).hit] == ["a", "b"]
-        report = store.verify()
-        assert report.ok and not report.findings, report.findings
-        assert store.stats().pinned_bytes == store.entry("b").bytes
-    finally:
-        other.close()
-        store.close()
 
 
 def test_a_batch_that_saw_another_writer_leaves_the_later_batches_to_recheck(store_root):
     """A commit between the plan and its first batch sends that batch down the re-checking path,
     which reads only its own victims: the next batch must not take "nothing committed since the
     previous batch" for "every row as planned", or it drops an entry pinned since the plan."""
-    store = Store.open(store_root, grace_period=0.0)
-    other = Store.open(store_root, grace_period=0.0)
-    try:
-        for key in ("a", "b"):
-            save(store, key)
-        plan = store.plan_eviction(max_size=0)
-        assert [e.key for e in plan.victims] == ["a", "b"]
+    with _two_handles_and_a_plan(store_root) as (store, other, plan):
         other.pin("b")  # after the plan, before the first batch
         plan.execute(batch_size=1)
-        assert not store.lookup("a", record=False).hit
-        assert store.lookup("b", record=False).hit
-        report = store.verify()
-        assert report.ok and not report.findings, report.findings
-        assert store.stats().pinned_bytes == store.stats().logical_bytes == store.entry("b").bytes
-    finally:
-        other.close()
-        store.close()
+        assert [k for k in ("a", "b") if store.lookup(k, record=False).hit] == ["b"]
+        assert store.stats().logical_bytes == store.entry("b").bytes
 
 
 # ---------------------------------------------------------------- keys
