@@ -166,7 +166,8 @@ def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
             ("Conditional writes", status["conditional_writes"]),
             ("Signing key", status["signing_key"] or "none"),
             ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
-            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s")]
+            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s"),
+            ("Deadline", f"{cfg.deadline:g}s a call, blobs + size at {human_size(int(cfg.min_throughput))}/s")]
     rows += remote_stats_rows({f"remote.{k}": v for k, v in stored.items()})
     ctx.emit(data, kv_block(rows))
     return 1 if data["reachable"] is False else 0  # like verify: a check that failed, not an error

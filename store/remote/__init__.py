@@ -17,6 +17,7 @@ from .addresses import Kind, check_digest, lease_address, object_name, record_ad
 from .backend import ConditionalWrites, RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
 from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_RECORD_BYTES, Remote
+from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
 from .config import RemoteConfig, open_remote, parse_mode, register_scheme
 from .errors import (
     NotSupported,
@@ -49,6 +50,10 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_COOLDOWN",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_MIN_THROUGHPUT",
+    "Deadline",
+    "Limits",
     "MAX_RECORD_BYTES",
     # the public layer
     "Remote",

@@ -18,6 +18,7 @@ import errno
 import io
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from typing import BinaryIO
 
@@ -167,6 +168,14 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, kind: Kind, digest: str) -> None:
         """Remove the object if it exists (lease release; remote eviction is the server's job)."""
+
+    def interrupt(self, worker: threading.Thread) -> None:
+        """Cut short the call ``worker`` is running: its deadline passed (best effort, from another thread).
+
+        The caller has already given up; this only frees the worker and its
+        connection sooner.  The default does nothing: the worker then ends
+        when its own socket timeout or the server does.
+        """
 
     def close(self) -> None:
         """Release connections; the backend may not be used afterwards."""

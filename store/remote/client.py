@@ -25,6 +25,7 @@ from ..reasons import Reason
 from .addresses import Kind, object_name, record_address
 from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend
 from .breaker import CircuitBreaker
+from .deadline import Deadline, Limits, run_bounded
 from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
 from .outcomes import Mode, Outcome
 from .reasons import RemoteReason
@@ -53,8 +54,10 @@ class Remote:
         trusted: TrustedKeys | None = None,
         breaker: CircuitBreaker | None = None,
         max_record_bytes: int = MAX_RECORD_BYTES,
+        limits: Limits | None = None,
     ) -> None:
         self.backend = backend
+        self.limits = limits if limits is not None else Limits()
         self.mode = Mode(mode)
         self.signer = signer
         self.trusted = trusted
@@ -89,8 +92,14 @@ class Remote:
             return dict(self._counters)
 
     # -- the one door ----------------------------------------------------
-    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False) -> T:
-        """Run one backend call: validate, enforce the mode, ask the breaker, count."""
+    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False,
+              deadline: Deadline | None = None, on_expire: Callable[[], None] | None = None) -> T:
+        """Run one backend call: validate, enforce the mode, ask the breaker, bound its time, count.
+
+        ``deadline`` defaults to the limit of one small call; past it the
+        call is :class:`RemoteTimeout` (it opens the circuit like any
+        timeout), ``on_expire`` runs and the backend is asked to interrupt it.
+        """
         target = object_name(kind, digest)
         if write and self.mode is not Mode.READ_WRITE:
             raise ReadOnlyRemote(op, target)
@@ -100,8 +109,15 @@ class Remote:
             self.count("fast_fails")
             raise
         self.count(f"calls.{op}")
+
+        def interrupt(worker: threading.Thread) -> None:
+            if on_expire is not None:
+                on_expire()
+            self.backend.interrupt(worker)
+
         try:
-            result = fn()
+            result = run_bounded(fn, deadline if deadline is not None else self.limits.start(), op=op,
+                                 target=target, interrupt=interrupt)
         except RemoteUnavailable as exc:
             if self.breaker.failure(exc):
                 self.count("breaker_opened")
@@ -113,6 +129,10 @@ class Remote:
             raise
         self.breaker.success()
         return result
+
+    def refusal(self) -> Reason | None:
+        """Why a call now would fail at once without reaching the server (the circuit is open), else None."""
+        return self.breaker.refusal()
 
     def _guard(self, op: str, fn: Callable[[], Outcome[T]]) -> Outcome[T]:
         """Turn every failure of ``fn`` into an outcome with a reason; time it."""
@@ -194,16 +214,17 @@ class Remote:
 
     # -- blobs (transfer.py) ---------------------------------------------
     def fetch_blob(self, digest: str, size: int, *, dest: str | Path, fsync: bool = False) -> Outcome[Path]:
-        """Download a blob into the new file ``dest``, verified (see :func:`transfer.fetch_blob`)."""
+        """Download a blob into the new file ``dest``, verified, within its deadline (:func:`transfer.fetch_blob`)."""
         return self._guard("fetch_blob", lambda: transfer.fetch_blob(self, digest, size, dest=Path(dest), fsync=fsync))
 
     def push_blob(self, digest: str, size: int, source: str | Path | bytes) -> Outcome[int]:
         """Upload a blob unless the remote has it (HEAD first); the bytes sent (0 if it had it)."""
         return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source))
 
-    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink) -> Outcome[int]:
-        """Fetch every blob ``sink`` lacks into it (a Store); all or a failed outcome."""
-        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink))
+    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink,
+                   deadline: Deadline | None = None) -> Outcome[int]:
+        """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome."""
+        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, deadline=deadline))
 
     # -- records ---------------------------------------------------------
     def fetch_record(self, key: str, rank: int = 0) -> Outcome[Verified]:
