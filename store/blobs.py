@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from .blobwriter import BlobWriter
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
 from .records import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline, validate_digest
@@ -59,8 +61,9 @@ class Blobs:
     ) -> None:
         self._tables = tables
         self._layout = tables.layout
+        self.layout = tables.layout
         self.file_ok = tables.layout.has_file
-        self._inline_threshold = inline_threshold
+        self.inline_threshold = inline_threshold
         self._grace = grace_period
         self._reserve = reserve
         self._on_dedup = on_dedup
@@ -71,7 +74,7 @@ class Blobs:
         ref = BlobRef(hashlib.sha256(view).hexdigest(), view.nbytes)
         if self._existing(ref):
             return ref
-        if ref.size < self._inline_threshold:
+        if ref.size < self.inline_threshold:
             self._register(ref, inline_data=bytes(view))
             return ref
         self._write_file(ref, lambda: (view,))
@@ -92,7 +95,7 @@ class Blobs:
         ref = BlobRef(h.hexdigest(), size)
         if self._existing(ref):
             return ref
-        if size < self._inline_threshold:
+        if size < self.inline_threshold:
             data = src.read_bytes()
             if hashlib.sha256(data).hexdigest() != ref.digest:
                 raise StoreError(f"{src} changed while it was being stored")
@@ -122,18 +125,36 @@ class Blobs:
             if self._existing(ref):
                 tmp.unlink(missing_ok=True)
                 return ref
-            try:
-                if size < self._inline_threshold:
+            if size < self.inline_threshold:
+                try:
                     data = tmp.read_bytes()
-                    tmp.unlink()
-                    self._register(ref, inline_data=data)
-                    return ref
-                self._reserve(size)
-                self._publish_and_register(ref, tmp)
-            except (FileNotFoundError, _FileVanished):  # a stream cannot be read twice
-                raise StoreError(f"blob {ref.digest}: its temp file was swept while being stored "
-                                 f"(grace period {self._grace:g}s)") from None
+                except FileNotFoundError:
+                    raise self._swept(ref) from None
+                tmp.unlink()
+                self._register(ref, inline_data=data)
+                return ref
+            self._reserve(size)
+            self.publish_verified(ref, tmp)
             return ref
+
+    def writer(self, ref: BlobRef, *, cancelled: threading.Event | None = None) -> BlobWriter:
+        """A writer streaming the blob ``ref`` into place as its bytes arrive (``blobwriter``)."""
+        return BlobWriter(self, ref, cancelled=cancelled)
+
+    def register_inline(self, ref: BlobRef, data: bytes) -> None:
+        """Register a small blob whose bytes the caller has verified against ``ref``."""
+        self._register(ref, inline_data=data)
+
+    def publish_verified(self, ref: BlobRef, tmp: Path) -> None:
+        """Rename a verified, fsynced temp file into place and register it (the stream cannot be re-read)."""
+        try:
+            self._publish_and_register(ref, tmp)
+        except _FileVanished:  # a stream cannot be read twice
+            raise self._swept(ref) from None
+
+    def _swept(self, ref: BlobRef) -> StoreError:
+        return StoreError(f"blob {ref.digest}: its temp file was swept while being stored "
+                          f"(grace period {self._grace:g}s)")
 
     def _existing(self, ref: BlobRef) -> bool:
         """True when the blob is stored intact; refreshes its freshness if stale.

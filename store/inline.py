@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import shutil
 
-from .budget import read_budget
-from .errors import OverBudget
+from .budget import Budget, read_budget
+from .errors import OverBudget, StoreFull
 from .eviction import Evictor
 from .sweep import Sweeper
 from .tables import PHYSICAL, Tables
@@ -40,20 +40,21 @@ class InlineEviction:
         with self._tables.read() as t:
             return t.total(PHYSICAL)
 
-    def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` more (or refuse them, at this writer's own limit)."""
-        limit, grace = self.max_size, self.grace_period
-        if limit is None:
-            with self._tables.read() as t:
-                budget = read_budget(t)
-            if budget is None:
-                return
-            du = shutil.disk_usage(self._tables.layout.root)
-            limit, grace = budget.limit(size=self._size(), fs_total=du.total, fs_free=du.free), budget.grace_period
-            if limit is None:
-                return
+    def _limit(self) -> tuple[int | None, float, Budget | None]:
+        """This writer's hard limit (its own ``max_size``, else the persisted budget's), the grace, the budget."""
+        with self._tables.read() as t:
+            budget = read_budget(t)
+        if self.max_size is not None:
+            return self.max_size, self.grace_period, budget
+        if budget is None:
+            return None, self.grace_period, None
+        du = shutil.disk_usage(self._tables.layout.root)
+        return budget.limit(size=self._size(), fs_total=du.total, fs_free=du.free), budget.grace_period, budget
+
+    def _make_room(self, nbytes: int, limit: int, grace: float) -> int:
+        """Evict (a bounded batch) and sweep until ``nbytes`` more fit under ``limit``; the size after."""
         if self._size() + nbytes <= limit:
-            return
+            return self._size()
         if limit - nbytes >= 0:
             plan = Evictor(self._tables, grace_period=grace).plan(max_size=limit - nbytes,
                                                                   max_entries=INLINE_EVICTION_BATCH)
@@ -64,6 +65,35 @@ class InlineEviction:
             sweep = Sweeper(self._tables, grace_period=grace).plan()  # unreferenced blobs past the grace period
             if not sweep.empty:
                 sweep.execute()
-        size = self._size()
+        return self._size()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more (or refuse them, at this writer's own limit)."""
+        limit, grace, _budget = self._limit()
+        if limit is None:
+            return
+        size = self._make_room(nbytes, limit, grace)
         if size + nbytes > limit and self.max_size is not None:
             raise OverBudget(nbytes, limit, size)
+
+    def admit(self, nbytes: int) -> None:
+        """Before a download of ``nbytes`` another host declared: make room, or refuse before the first byte.
+
+        Stricter than :meth:`reserve`, which lets a local writer pass the
+        daemon's budget (the daemon enforces it): bytes a remote record
+        announces must fit under every limit, own or persisted
+        (:class:`OverBudget`), and in the filesystem's free space less the
+        budget's ``min_free`` (:class:`StoreFull`).
+        """
+        limit, grace, budget = self._limit()
+        if limit is not None:
+            if nbytes > limit:
+                raise OverBudget(nbytes, limit, self._size())
+            size = self._make_room(nbytes, limit, grace)
+            if size + nbytes > limit:
+                raise OverBudget(nbytes, limit, size)
+        du = shutil.disk_usage(self._tables.layout.root)
+        floor = budget.min_free.of(du.total) if budget is not None and budget.min_free is not None else 0
+        if du.free - floor < nbytes:
+            raise StoreFull(str(self._tables.layout.root),
+                            f"{nbytes} bytes to download, {du.free} free" + (f" less min_free {floor}" if floor else ""))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,7 +21,8 @@ from typing import Any
 
 from .ballast import Ballast
 from .blobs import Blobs
-from .bookkeeping import Bookkeeping
+from .blobwriter import BlobWriter
+from .bookkeeping import Bookkeeping, flush_root
 from .budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
 from .eviction import EvictionPlan, Evictor
@@ -216,6 +218,23 @@ class Store:
     def blob_path(self, ref_or_digest: BlobRef | str) -> Path | None:
         return self._blobs.path(ref_or_digest)
 
+    def blob_writer(self, ref: BlobRef, *, cancelled: threading.Event | None = None) -> BlobWriter:
+        """A writer that streams the blob ``ref`` into place as its bytes arrive, hashed once (``blobwriter``).
+
+        For bytes of a known digest from elsewhere (the remote tier): they are
+        registered only if they hash to ``ref``; call :meth:`admit` first.
+        """
+        return self._blobs.writer(ref, cancelled=cancelled)
+
+    def admit(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` about to be downloaded, or refuse them before the first byte.
+
+        :class:`OverBudget` past this writer's or the persisted budget's limit
+        (after a bounded inline eviction), :class:`StoreFull` past the free
+        space less the budget's ``min_free``.
+        """
+        self._inline.admit(nbytes)
+
     def temp_path(self, suffix: str = ".tmp") -> Path:
         """A unique path in the store's ``tmp/`` (same filesystem as the blobs; swept past the grace period)."""
         return unique_temp(self._tables.layout.tmp, suffix)
@@ -292,7 +311,7 @@ class Store:
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
-        if self.tier is not None and result.reason == Reason.ABSENT:
+        if self.tier is not None and not result.hit:
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:
             self._book.hit(key, record=record)
@@ -405,7 +424,8 @@ class Store:
             return t.total(PHYSICAL)
 
     def stats(self) -> StoreStats:
-        self.flush()
+        """Counters and totals, including what every store of this process opened at this root counted."""
+        flush_root(self._tables.layout.root)
         return read_stats(self._tables)
 
     def set_budget(self, budget: Budget) -> None:
