@@ -15,10 +15,11 @@ import threading
 import time
 import weakref
 from collections import Counter
+from pathlib import Path
 
 from .tables import Tables, Txn
 
-__all__ = ["Bookkeeping"]
+__all__ = ["Bookkeeping", "flush_root"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,15 @@ class Bookkeeping:
         _OPEN.add(self)
 
     def hit(self, key: str, *, record: bool) -> None:
-        """A lookup hit ``key``: refresh its last access (and count the hit if ``record``)."""
+        """A lookup hit ``key``: refresh its last access; count the hit (store and entry) only if ``record``.
+
+        Lookups the store makes for itself (a remote restore checking what it
+        committed, a push finding its entry) pass ``record=False``: they keep
+        the entry fresh but are not hits anyone asked for.
+        """
         with self._lock:
             hits = self._access.get(key, (0.0, 0))[1]
-            self._access[key] = (time.time(), hits + 1)
+            self._access[key] = (time.time(), hits + 1 if record else hits)
             if record:
                 self._counters["hits"] += 1
         self._ensure_flusher()
@@ -122,6 +128,13 @@ class Bookkeeping:
         self._lock = threading.Lock()
         self._started = False  # threads do not survive fork
         self._thread = None
+
+
+def flush_root(root: Path) -> None:
+    """Write what every store of this process opened at ``root`` has pending (``Store.stats``)."""
+    for book in list(_OPEN):
+        if book._tables.layout.root == root:
+            book.flush()
 
 
 def _flush_all() -> None:
