@@ -187,3 +187,87 @@ def test_a_down_remote_costs_the_timeout_once_then_the_circuit_answers(kind, req
         assert store.stats().counters["remote.misses"] == 51
     finally:
         proxy.close()
+
+
+def commit_rank(store: Store, key: str, rank: int, generation: int, data: bytes) -> None:
+    ref = store.put_bytes(data)
+    store.publish(key, rank=rank, world_size=2, generation=generation, artifacts={"module.pt": ref})
+    store.commit(key, rank=rank, generation=generation)
+
+
+def test_ranks_arriving_one_by_one_are_restored_once_all_are_there(url, signer, trusted, tmp_path):
+    """A reader that looked while only rank 0 was up is mended by its next lookup once rank 1 arrives."""
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    writer = open_remote(url, mode="read-write", signer=signer)
+    with Store(tmp_path / "writer") as w, Store(tmp_path / "reader", remote=open_remote(url, trusted=trusted)) as r:
+        gen = w.new_generation()
+        commit_rank(w, key, 0, gen, b"rank zero" * 10_000)
+        commit_rank(w, key, 1, gen, b"rank one" * 10_000)
+        assert remote_save(w, writer, key, 0).ok
+        first = r.lookup(key)
+        assert not first.hit and first.reason in ("absent", "incomplete")  # never a partial hit
+        assert r.lookup(key, record=False).reason == "incomplete"  # rank 0 came over, rank 1 is not there yet
+        assert remote_save(w, writer, key, 1).ok
+        res = r.lookup(key)
+        assert res.hit and res.generation == gen and sorted(res.manifests) == [0, 1]
+        assert r.read_artifact(res.manifests[1], "module.pt") == b"rank one" * 10_000
+        # a newer generation on the remote replaces both ranks of an older one held here
+        gen2 = w.new_generation()
+        commit_rank(w, key, 0, gen2, b"zero, again")
+        commit_rank(w, key, 1, gen2, b"one, again")
+        assert remote_save(w, writer, key, 1).ok
+        assert remote_save(w, writer, key, 0).ok
+        with Store(tmp_path / "other", remote=open_remote(url, trusted=trusted)) as other:
+            commit_rank(other, key, 0, gen, b"stale")  # rank 0 of the old generation only: incomplete
+            res = other.lookup(key)
+            assert res.hit and res.generation == gen2, res
+            assert other.read_artifact(res.manifests[0], "module.pt") == b"zero, again"
+    writer.close()
+
+
+def _restore_in_child(root: str, url: str, public_pem: bytes, key: str) -> None:
+    from adstore.store.remote import TrustedKeys
+
+    with Store(root) as store:
+        remote_restore(store, open_remote(url, trusted=TrustedKeys.from_pem(public_pem), deadline=600), key, 0, 1)
+
+
+def test_sigkill_during_a_streamed_restore_leaves_nothing_committed(keypair, tmp_path):
+    """The reader is killed while a blob streams in: no entry, no blob, only a temp file gc sweeps."""
+    import multiprocessing
+    import signal
+
+    from remote_faultserver import FaultServer
+
+    server = FaultServer()
+    key = "k-sigkill"
+    try:
+        with Store(tmp_path / "writer") as w:
+            data = os.urandom(1 << 20)
+            commit_entry(w, key, {"big.bin": data})
+            assert remote_save(w, open_remote(server.url, mode="read-write",
+                                              signer=Signer.from_pem(keypair.private_pem)), key).ok
+        server.fault(f"cas/{hashlib.sha256(data).hexdigest()}", "drip", interval=0.01)
+        root = tmp_path / "reader"
+        Store(root).close()
+        child = multiprocessing.get_context("spawn").Process(
+            target=_restore_in_child, args=(str(root), server.url, keypair.public_pem, key))
+        child.start()
+        tmp = root / "tmp"
+        for _ in range(6000):  # until the blob's temp file exists and has bytes in it
+            parts = [p for p in tmp.iterdir() if p.stat().st_size > 0]
+            if parts or not child.is_alive():
+                break
+            time.sleep(0.01)
+        assert parts, "the restore never started streaming"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        with Store(root, grace_period=0) as store:
+            nothing_committed(store, key)
+            assert not store.has_blob(hashlib.sha256(data).hexdigest())
+            plan = store.plan_sweep()
+            assert plan.execute() is not None
+            assert list(tmp.iterdir()) == []
+            assert store.verify().ok
+    finally:
+        server.close()
