@@ -147,7 +147,8 @@ class Remote:
             return Outcome(reason=reason, error=exc, seconds=time.perf_counter() - start)
         except Exception as exc:  # a bug must not fail a pipeline either
             self.count(f"errors.{RemoteReason.REMOTE_ERROR}")
-            log.exception("remote %s %s failed unexpectedly", self.url, op)
+            log.error("remote %s %s failed unexpectedly: %s: %s", self.url, op, type(exc).__name__, exc)
+            log.debug("remote %s %s failure", self.url, op, exc_info=True)  # a bug: its traceback for whoever debugs
             error = RemoteError(f"{type(exc).__name__}: {exc}", op=op)
             return Outcome(reason=str(RemoteReason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
         return dataclasses.replace(out, seconds=time.perf_counter() - start)

@@ -179,3 +179,34 @@ def test_a_lookup_that_restores_counts_one_hit(server, signer, trusted, tmp_path
         (entry,) = store.entries()
         assert entry.hits == 1
         assert store.stats().counters["hits"] == 1
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_a_server_dripping_every_answer_is_a_timeout_on_both_backends(kind, request, signer, trusted, tmp_path):
+    """Every byte from the real server (moto or WebDAV) trickles through a proxy: bounded all the same."""
+    from remote_faultproxy import FaultProxy
+    from remote_servers import BUCKET
+
+    server = request.getfixturevalue("s3_env" if kind == "s3" else "dav_server")
+    proxy = FaultProxy(server.port)
+    prefix = f"drip-{os.urandom(4).hex()}"
+
+    def at(endpoint: str, **kw):
+        if kind == "s3":
+            return open_remote(f"s3://{BUCKET}/{prefix}", endpoint_url=endpoint, **kw)
+        return open_remote(f"{endpoint}/{prefix}", **kw)
+
+    try:
+        with Store(tmp_path / "writer") as w:
+            ref = w.put_bytes(os.urandom(100_000))
+            gen = w.new_generation()
+            w.publish(KEY, generation=gen, artifacts={"a": ref})
+            w.commit(KEY, generation=gen)
+            assert remote_save(w, at(server.endpoint, mode="read-write", signer=signer), KEY).ok
+        proxy.set_mode("drip")
+        with Store(tmp_path / "reader") as store:
+            out = remote_restore(store, at(proxy.endpoint, trusted=trusted, deadline=1.0, cooldown=60), KEY, 0, 1)
+            assert out.reason == "remote_timeout"
+            assert store.manifests(KEY) == []
+    finally:
+        proxy.close()
