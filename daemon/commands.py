@@ -103,9 +103,12 @@ def _json_default(obj: Any) -> Any:
 def resolve_key(store: Store, text: str) -> str:
     """The full key for an exact key or an unambiguous prefix (like git).
 
-    The store raises :class:`UnknownKey` or :class:`AmbiguousKey` (with the candidates).
+    The store raises :class:`UnknownKey` or :class:`AmbiguousKey` (with the
+    candidates), and InvalidKey for text no key can start with: a key with a
+    stray newline or space is refused as typed, never quietly trimmed into
+    another key (``rm`` must act on exactly what it was given).
     """
-    return store.resolve_key(text.strip())
+    return store.resolve_key(text)
 
 
 def _scan(store: Store, namespace: str | None = None, *, label: str = "scanning") -> Iterator[Any]:

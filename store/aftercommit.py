@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .recordfiles import RecordFiles
-from .records import manifest_key, validate_key
+from .names import validate_key
+from .records import manifest_key
 
 if TYPE_CHECKING:
     from .tables import Tables, Txn

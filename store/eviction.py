@@ -29,7 +29,8 @@ from .errors import CorruptRecord, KeyNotFound, StoreError
 from .leases import live_leases
 from .manifests import drop_entry
 from .recordfiles import RecordFiles
-from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs, validate_key
+from .names import validate_key
+from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
 from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
 from .tables import PHYSICAL, Tables, Txn
 from .units import MinFree, parse_min_free

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from .errors import UnsafeRoot
 from .fsutil import atomic_write
-from .records import validate_digest
+from .names import validate_digest
 
 __all__ = ["Layout"]
 

@@ -18,16 +18,15 @@ from typing import Any
 
 from .errors import BlobMissing, CorruptRecord, InvalidKey, StoreError
 from .leases import hostname
-from .records import (
-    BlobRef,
-    Entry,
-    Manifest,
-    manifest_key,
+from .names import (
     validate_artifact_name,
-    validate_json,
+    validate_generation,
     validate_key,
     validate_namespace,
+    validate_rank,
+    validate_world_size,
 )
+from .records import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .shadows import PINNED, Head, to_entry
 from .tables import Txn
 
@@ -51,12 +50,8 @@ def validate_publish(
     """Refuse a publish whose arguments could not be stored as given (:class:`InvalidKey`), before any write."""
     validate_key(key)
     validate_namespace(namespace)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidKey(world_size, "world_size must be a positive integer")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidKey(rank, f"rank must be within 0..{world_size - 1}")
-    if not isinstance(generation, int) or not 0 < generation < 1 << 63:
-        raise InvalidKey(generation, "generation must be a positive 63-bit integer")
+    validate_rank(rank, validate_world_size(world_size))
+    validate_generation(generation)
     validate_json(components or {}, "components")
     validate_json(meta or {}, "meta")
     for name, ref in artifacts.items():

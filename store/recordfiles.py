@@ -68,7 +68,8 @@ from .errors import UnsafeRoot
 from .fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
 from .layout import Layout
 from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
-from .records import KEY_RE, MANIFEST_SUFFIX, validate_key
+from .names import is_key, validate_key
+from .records import MANIFEST_SUFFIX
 
 __all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "obsolete_names", "shard_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
            "LIST_SUFFIX"]
@@ -82,7 +83,6 @@ LIST_SUFFIX = ".list"
 RECORD_MODE = 0o444
 _MAX_LIST_BYTES = 64 << 20  # a list names at most a batch of records; anything bigger is not ours
 _LISTS = itertools.count()
-_KEY_MATCH = KEY_RE.match
 #: An obsolete list: this line, then per record (which files, key length) and the manifest key.
 _LIST_MAGIC = b"adstore obsolete list 1\n"
 _LIST_ITEM = struct.Struct("<BH")
@@ -137,7 +137,7 @@ def obsolete_names(dropped: Iterable[tuple[bytes, int]]) -> list[str]:
     tampered list) names nothing, so no name is a file outside ``records/``.
     """
     names: list[str] = []
-    add, match, sha256, unpack, shards = names.append, _KEY_MATCH, hashlib.sha256, MANIFEST_SUFFIX.unpack, _SHARDS
+    add, match, sha256, unpack, shards = names.append, is_key, hashlib.sha256, MANIFEST_SUFFIX.unpack, _SHARDS
     for mk, which in dropped:
         raw, sep, tail = mk.partition(b"\x00")
         try:
@@ -161,11 +161,7 @@ def _parse_name(name: str) -> tuple[str, int, int] | None:
     key, sep2, rank = head.rpartition(".")
     if not (sep and sep2 and rank.isascii() and rank.isdigit() and gen.isascii() and gen.isdigit()):
         return None
-    if len(rank) > 10 or len(gen) > 19:
-        return None
-    try:
-        validate_key(key)
-    except ValueError:
+    if len(rank) > 10 or len(gen) > 19 or not is_key(key):
         return None
     return key, int(rank), int(gen)
 

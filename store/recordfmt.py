@@ -36,15 +36,16 @@ from typing import Any
 
 from .errors import AdstoreError, CorruptRecord, InvalidKey
 from .reasons import Reason
-from .records import (
-    BlobRef,
-    Manifest,
-    encode_json,
+from .names import (
     validate_artifact_name,
-    validate_json,
+    validate_generation,
     validate_key,
     validate_namespace,
+    validate_rank,
+    validate_size,
+    validate_world_size,
 )
+from .records import BlobRef, Manifest, encode_json, validate_json
 
 __all__ = [
     "RECORD_FORMAT",
@@ -52,7 +53,6 @@ __all__ = [
     "BadRecord",
     "Record",
     "payload_of",
-    "record_refs",
     "encode_record",
     "decode_record",
     "parse_payload",
@@ -124,25 +124,11 @@ def payload_of(manifest: Manifest, components: Mapping[str, Any], *, local: bool
     return payload
 
 
-def record_refs(payload: Mapping[str, Any]) -> dict[str, BlobRef]:
-    """The artifacts of a payload as validated :class:`BlobRef` (digests checked before any path join)."""
-    artifacts = payload.get("artifacts")
-    if not isinstance(artifacts, dict):
-        raise AdstoreError("record has no artifact table")
-    return {str(name): BlobRef(str(ref[0]), int(ref[1])) for name, ref in artifacts.items()}
-
-
 def encode_record(payload: Mapping[str, Any]) -> bytes:
     """The bytes of a record file: the payload and the SHA-256 of its canonical JSON."""
     body = encode_json(dict(payload))
     # What encode_json makes of {"record": payload, "sha256": ...} (sorted keys, no spaces), without encoding twice.
     return b'{"record":' + body + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}\n'
-
-
-def _int(value: object, what: str, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value < high:
-        raise ValueError(f"{what} {value!r} is not an integer in [{low}, {high})")
-    return value
 
 
 def decode_record(raw: bytes, where: str) -> Record:
@@ -177,9 +163,9 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
     try:
         key = validate_key(payload.get("key"))
         namespace = validate_namespace(payload.get("namespace"))
-        world_size = _int(payload.get("world_size"), "world size", 1, 1 << 31)
-        rank = _int(payload.get("rank"), "rank", 0, world_size)
-        generation = _int(payload.get("generation"), "generation", 1, 1 << 63)
+        world_size = validate_world_size(payload.get("world_size"))
+        rank = validate_rank(payload.get("rank"), world_size)
+        generation = validate_generation(payload.get("generation"))
         components, meta, producer = (payload.get(f, {}) for f in ("components", "meta", "producer"))
         for name, value in (("components", components), ("meta", meta), ("producer", producer)):
             if not isinstance(value, dict):
@@ -195,7 +181,7 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
         for name, ref in artifacts_raw.items():
             if not isinstance(ref, list) or len(ref) != 2:
                 raise ValueError(f"artifact {name!r} is not [digest, size]")
-            artifacts[validate_artifact_name(name)] = BlobRef(ref[0], _int(ref[1], "size", 0, 1 << 62))
+            artifacts[validate_artifact_name(name)] = BlobRef(ref[0], validate_size(ref[1]))
         inline = _inline(payload.get("inline", {}), {r.digest: r.size for r in artifacts.values()})
     except (AdstoreError, ValueError, TypeError) as exc:
         detail = exc.why if isinstance(exc, InvalidKey) else str(exc)

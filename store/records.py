@@ -9,14 +9,14 @@ index becomes a miss with reason ``corrupt_index``, never a crash.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from .errors import CorruptRecord, InvalidDigest, InvalidKey
+from .errors import CorruptRecord, InvalidKey
+from .names import is_digest, validate_digest, validate_size
 
 __all__ = [
     "BlobRef",
@@ -24,11 +24,6 @@ __all__ = [
     "Entry",
     "Manifest",
     "LeaseRecord",
-    "validate_digest",
-    "validate_key",
-    "KEY_RE",
-    "validate_namespace",
-    "validate_artifact_name",
     "validate_json",
     "MAX_JSON_DEPTH",
     "manifest_key",
@@ -47,44 +42,8 @@ __all__ = [
     "FLAG_QUARANTINED",
 ]
 
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}$")
-_NAMESPACE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
-_ARTIFACT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-
 FLAG_INLINE = 1
 FLAG_QUARANTINED = 2
-
-
-def validate_digest(digest: object) -> str:
-    """Return ``digest`` if it is 64 lowercase hex chars, else raise InvalidDigest.
-
-    Called before a digest is ever joined into a path (invariant 2), so
-    ``../../etc/passwd`` can never become a blob path.
-    """
-    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
-        raise InvalidDigest(digest)
-    return digest
-
-
-def validate_key(key: object) -> str:
-    if not isinstance(key, str):
-        raise InvalidKey(key, "a cache key must be a string")
-    if not KEY_RE.match(key):
-        raise InvalidKey(key, "use 1-200 characters from [A-Za-z0-9._:+=@-], starting with a letter or digit")
-    return key
-
-
-def validate_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise InvalidKey(namespace, "a namespace is 1-32 characters from [a-z0-9_]")
-    return namespace
-
-
-def validate_artifact_name(name: object) -> str:
-    if not isinstance(name, str) or not _ARTIFACT_RE.match(name):
-        raise InvalidKey(name, "an artifact name is 1-128 characters from [A-Za-z0-9._+-]")
-    return name
 
 
 #: How deep key components and manifest metadata may nest: far beyond any real
@@ -128,8 +87,7 @@ class BlobRef:
 
     def __post_init__(self) -> None:
         validate_digest(self.digest)
-        if not isinstance(self.size, int) or self.size < 0:
-            raise InvalidKey(self.size, "a blob size is a non-negative integer")
+        validate_size(self.size)
 
     def to_json(self) -> list[Any]:
         return [self.digest, self.size]
@@ -283,9 +241,9 @@ def manifest_refs(raw: bytes) -> ManifestRefs:
         committed, created = bool(obj.get("c")), float(obj.get("t", 0.0))  # type: ignore[union-attr]
     except (ValueError, KeyError, TypeError, AttributeError):
         return (), True, 0.0
-    if all(type(d) is str and _DIGEST_RE.match(d) for d in found):
+    if all(is_digest(d) for d in found):
         return found, committed, created
-    return tuple(d for d in found if type(d) is str and _DIGEST_RE.match(d)), committed, created
+    return tuple(d for d in found if is_digest(d)), committed, created
 
 
 @dataclass(slots=True)
@@ -330,7 +288,7 @@ class Manifest:
         try:
             artifacts = {}
             for name, (d, s) in obj["a"].items():
-                if not isinstance(d, str) or not _DIGEST_RE.match(d) or not isinstance(s, int) or s < 0:
+                if not is_digest(d) or type(s) is not int or s < 0:
                     raise ValueError(f"artifact {name!r} has a malformed digest or size")
                 artifacts[name] = BlobRef.trusted(d, s)
             if int(obj["ws"]) < 1:

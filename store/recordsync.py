@@ -25,14 +25,8 @@ from .layout import Layout
 from .reasons import Reason
 from .recordfiles import Found, RecordFiles, RecordState, mtime_of
 from .recordfmt import BadRecord, payload_of
-from .records import (
-    Manifest,
-    manifest_key,
-    manifest_refs,
-    split_manifest_key,
-    unpack_inline,
-    validate_key,
-)
+from .names import validate_key
+from .records import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
 from .aftercommit import Drops, purge_obsolete_records, unlink_after_commit
 from .tables import Tables, Txn
 

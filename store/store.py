@@ -36,14 +36,8 @@ from .manifests import abort, commit, publish, validate_publish
 from .reasons import Reason
 from .rebuild import RebuildReport, plan_rebuild
 from .recordsync import RecordWriter, components_changed, record_inputs
-from .records import (
-    BlobRef,
-    Entry,
-    LeaseRecord,
-    Manifest,
-    validate_json,
-    validate_key,
-)
+from .names import validate_key
+from .records import BlobRef, Entry, LeaseRecord, Manifest, validate_json
 from .stats import StoreStats, event_counters, read_stats
 from .sweep import Sweeper, SweepPlan
 from .inline import InlineEviction
@@ -350,10 +344,7 @@ class Store:
         """
         if not isinstance(prefix, str) or not prefix:
             raise KeyNotFound(str(prefix))
-        try:
-            start = prefix.encode()
-        except UnicodeEncodeError:  # undecodable bytes from a command line: no key has them
-            raise InvalidKey(prefix, "not valid UTF-8 text; keys are ASCII") from None
+        start = validate_key(prefix).encode()  # a prefix of a key is a key: the same rule, the same error
         with self._tables.read() as t:
             if t.entry_row(start) is not None:
                 return prefix

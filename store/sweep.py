@@ -27,6 +27,7 @@ from .leases import live_leases
 from .manifests import drop_if_empty
 from .recordfiles import RecordFiles, mtime_of
 from .recordsync import RecordIssues, check_records, fix_records
+from .names import is_digest
 from .records import BlobRef, BlobRow, Manifest, manifest_key
 from .aftercommit import purge_obsolete_records, unlink_after_commit
 from .tables import Tables, Txn
@@ -151,10 +152,10 @@ class Sweeper:
         freed = sum(row.size for _, row in dropped if row.inline)
         cutoff = now - self.grace
         files = [d for d, row in dropped if not row.inline]
-        files += [f.name for f in plan.orphan_files if _is_digest_name(f.name) and _older([f], cutoff)[0]]
+        files += [f.name for f in plan.orphan_files if is_digest(f.name) and _older([f], cutoff)[0]]
         freed += unlink_after_commit(self._tables, files)
         for f in plan.orphan_files:
-            if not _is_digest_name(f.name):
+            if not is_digest(f.name):
                 freed += _unlink_if_old(f, cutoff)
         for f in plan.stale_temps:
             freed += _unlink_if_old(f, cutoff)
@@ -179,10 +180,6 @@ def _older(paths: list[Path], cutoff: float) -> tuple[list[Path], int]:
             out.append(f)
             total += st.st_size
     return out, total
-
-
-def _is_digest_name(name: str) -> bool:
-    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _unlink_if_old(path: Path, cutoff: float) -> int:

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
 from .reasons import Reason
-from .recordfmt import RECORD_FORMAT, BadRecord, parse_payload, payload_of, record_refs
-from .records import BlobRef, Manifest
+from .recordfmt import RECORD_FORMAT, BadRecord, parse_payload, payload_of
+from .records import Manifest
 from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RECORD_FORMAT",
     "record_payload",
-    "record_refs",
     "remote_restore",
     "remote_save",
     "persist_counters",
@@ -63,15 +62,17 @@ def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
     format (``recordfmt``, also the store's own on-disk records), without the
     local-only fields (inline bytes, producer).
     """
+    return _committed_payload(store, key, rank)[0]
+
+
+def _committed_payload(store: Store, key: str, rank: int) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """The record payload of ``key``'s committed ``rank`` and its blobs, each once: (digest, size)."""
     found = store.lookup(key, rank=rank, record=False)
     if not found.hit or found.manifest is None:
         raise KeyNotFound(key)
     entry = store.entry(key)
-    return payload_of(found.manifest, entry.components if entry is not None else {})
-
-
-def _unique(refs: dict[str, BlobRef]) -> list[tuple[str, int]]:
-    return sorted({(r.digest, r.size) for r in refs.values()})
+    refs = sorted({(r.digest, r.size) for r in found.manifest.artifacts.values()})
+    return payload_of(found.manifest, entry.components if entry is not None else {}), refs
 
 
 # -- counters ------------------------------------------------------------------
@@ -192,8 +193,7 @@ def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, ran
     if not remote.writable:
         return Outcome(reason=str(Reason.REMOTE_READ_ONLY))
     try:
-        payload = record_payload(store, key, rank)
-        refs = _unique(record_refs(payload))
+        payload, refs = _committed_payload(store, key, rank)
     except AdstoreError as exc:
         store.count({f"remote.errors.{exc.reason}": 1})
         return Outcome(reason=str(exc.reason), error=exc, seconds=time.perf_counter() - start)

@@ -28,7 +28,8 @@ from .reasons import Reason
 from .rebuild import RebuildReport
 from .fromrecords import reimport
 from .recordfiles import RecordFiles
-from .records import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline, validate_key
+from .names import validate_key
+from .records import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from .recordsync import check_records, fix_records
 from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
 

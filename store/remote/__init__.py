@@ -13,10 +13,10 @@ README's "Remote tier" describes the protocol, the trust model and the
 defaults.
 """
 
-from .addresses import Kind, check_digest, lease_address, object_name, record_address
+from .addresses import Kind, lease_address, object_name, record_address
 from .backend import ConditionalWrites, RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
-from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_RECORD_BYTES, Remote
+from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
 from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
 from .config import RemoteConfig, open_remote, parse_mode, register_scheme
 from .errors import (
@@ -54,7 +54,7 @@ __all__ = [
     "DEFAULT_MIN_THROUGHPUT",
     "Deadline",
     "Limits",
-    "MAX_RECORD_BYTES",
+    "MAX_ENVELOPE_BYTES",
     # the public layer
     "Remote",
     "Outcome",
@@ -85,7 +85,6 @@ __all__ = [
     "MemoryBackend",
     # addresses
     "Kind",
-    "check_digest",
     "object_name",
     "record_address",
     "lease_address",

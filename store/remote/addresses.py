@@ -3,7 +3,7 @@
 The layout is the Bazel remote-cache one (README, "Remote tier"): ``cas/<sha256>``
 holds blobs by the SHA-256 of their content, ``ac/<sha256>`` holds per-key
 records (and build leases) by the SHA-256 of a name.  A digest is validated
-here, in one place, before any backend joins it into a URL or an object key,
+(``names.validate_digest``) before any backend joins it into a URL or an object key,
 so a record naming ``../../x`` can never address another object.
 """
 
@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 
-from ..errors import InvalidDigest
+from ..names import validate_digest
 
-__all__ = ["Kind", "check_digest", "object_name", "record_address", "lease_address"]
-
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+__all__ = ["Kind", "object_name", "record_address", "lease_address"]
 
 
 class Kind(enum.StrEnum):
@@ -27,16 +24,9 @@ class Kind(enum.StrEnum):
     AC = "ac"  # records and leases, addressed by the SHA-256 of their name
 
 
-def check_digest(digest: object) -> str:
-    """Return ``digest`` if it is 64 lowercase hex characters, else raise InvalidDigest."""
-    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
-        raise InvalidDigest(digest)
-    return digest
-
-
 def object_name(kind: Kind | str, digest: str) -> str:
     """``cas/<digest>`` or ``ac/<digest>``, after validating both parts."""
-    return f"{Kind(kind).value}/{check_digest(digest)}"
+    return f"{Kind(kind).value}/{validate_digest(digest)}"
 
 
 def _name_digest(name: str) -> str:

@@ -32,14 +32,16 @@ from .reasons import RemoteReason
 from .signing import Signer, TrustedKeys, Verified
 from . import transfer
 
-__all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_RECORD_BYTES"]
+__all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_ENVELOPE_BYTES"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Largest record (ac object) a reader accepts: records list digests, not content.
-MAX_RECORD_BYTES = 16 << 20
+#: Largest signed envelope (an ``ac`` object) a reader downloads: a remote record lists digests,
+#: never blob bytes, so it is far smaller than a local record file (``recordfmt.MAX_RECORD_BYTES``,
+#: which also carries the inline blobs of its rank).
+MAX_ENVELOPE_BYTES = 16 << 20
 
 
 class Remote:
@@ -53,7 +55,7 @@ class Remote:
         signer: Signer | None = None,
         trusted: TrustedKeys | None = None,
         breaker: CircuitBreaker | None = None,
-        max_record_bytes: int = MAX_RECORD_BYTES,
+        max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
         limits: Limits | None = None,
     ) -> None:
         self.backend = backend
@@ -62,7 +64,7 @@ class Remote:
         self.signer = signer
         self.trusted = trusted
         self.breaker = breaker if breaker is not None else CircuitBreaker()
-        self.max_record_bytes = max_record_bytes
+        self.max_envelope_bytes = max_envelope_bytes
         self._counters: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -159,7 +161,7 @@ class Remote:
         k = Kind(kind)
 
         def run() -> Outcome[bytes]:
-            limit = self.max_record_bytes if k is Kind.AC else 1 << 62
+            limit = self.max_envelope_bytes if k is Kind.AC else 1 << 62
             buf = io.BytesIO()
             n = self._call("get", k, digest, lambda: self.backend.get_to(k, digest, buf, limit))
             if n is None:
@@ -237,9 +239,9 @@ class Remote:
         """
         def run() -> Outcome[Verified]:
             got = self.get(Kind.AC, record_address(key, rank))
-            if got.reason == RemoteReason.REMOTE_CHECKSUM:  # past max_record_bytes: not a record we wrote
+            if got.reason == RemoteReason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
                 self.count("untrusted")
-                raise UntrustedRecord(f"larger than {self.max_record_bytes} bytes",
+                raise UntrustedRecord(f"larger than {self.max_envelope_bytes} bytes",
                                       target=f"ac/{record_address(key, rank)}")
             if not got.ok:
                 return got  # type: ignore[return-value]

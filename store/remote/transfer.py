@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
 from ..errors import ChecksumMismatch
 from ..records import BlobRef
-from .addresses import Kind, check_digest
+from ..names import validate_digest
+from .addresses import Kind
 from .backend import local_write_error
 from .deadline import Deadline
 from .errors import RemoteBlobMissing, RemoteChecksumMismatch
@@ -81,7 +82,7 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
     Returns ``dest`` only if the content hashes to ``digest`` and is exactly
     ``size`` bytes; on any failure nothing is left at ``dest``.
     """
-    check_digest(digest)
+    validate_digest(digest)
     cancelled = threading.Event()
     commit_lock = threading.Lock()
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.part")
@@ -137,7 +138,7 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
 
 def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, deadline: Deadline | None = None) -> int:
     """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received."""
-    check_digest(digest)
+    validate_digest(digest)
     cancelled = threading.Event()
     received = [0]
 
@@ -179,7 +180,7 @@ def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSin
     the remote's limit for that total.  Blobs stored before a failure are
     unreferenced and left to the store's gc, never half-committed.
     """
-    wanted = sorted({(check_digest(d), int(s)) for d, s in refs})
+    wanted = sorted({(validate_digest(d), int(s)) for d, s in refs})
     missing = [(d, s) for d, s in wanted if not sink.has_blob(d)]
     total = sum(s for _, s in missing)
     sink.admit(total)
@@ -192,7 +193,7 @@ def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSin
 
 def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes) -> Outcome[int]:
     """Upload a blob unless the remote holds it with this size; the bytes sent."""
-    check_digest(digest)
+    validate_digest(digest)
     have = remote._call("head", Kind.CAS, digest, lambda: remote.backend.head(Kind.CAS, digest))
     if have == size:
         remote.count("blobs_skipped")
