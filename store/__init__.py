@@ -26,6 +26,7 @@ from .errors import (
 )
 from .fsutil import atomic_write
 from .budget import DEFAULT_GRACE_PERIOD, Budget
+from .clock import Clock, ManualClock, system_clock
 from .eviction import EvictedBatch, EvictionPlan, PlanKind
 from .lookup import LookupResult
 from .reasons import Reason
@@ -47,6 +48,9 @@ from .verify import Finding, VerifyReport
 __all__ = [
     "Store",
     "default_root",
+    "Clock",
+    "ManualClock",
+    "system_clock",
     "DEFAULT_GRACE_PERIOD",
     "DEFAULT_INLINE_THRESHOLD",
     "BlobRef",

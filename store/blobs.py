@@ -172,7 +172,7 @@ class Blobs:
             return False
         if not row.inline and not self.file_ok(ref.digest, ref.size):
             return False
-        if time.time() - row.touched > self._grace / 4:
+        if self._tables.clock() - row.touched > self._grace / 4:
             if not self._touch(ref):
                 return False
         self._on_dedup(ref.size)
@@ -183,7 +183,7 @@ class Blobs:
             row = t.blob_row(ref.digest)
             if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
                 return False
-            row.touched = time.time()
+            row.touched = t.clock()
             t.touch_blob(ref.digest, row)
             return True
 
@@ -228,7 +228,7 @@ class Blobs:
             if inline_data is None and not self.file_ok(ref.digest, ref.size):
                 raise _FileVanished
             row = t.blob_row(ref.digest)
-            now = time.time()
+            now = t.clock()
             if row is not None:
                 intact = not row.quarantined and row.size == ref.size and (
                     row.inline or self.file_ok(ref.digest, ref.size))

@@ -12,7 +12,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -49,7 +48,7 @@ class Bookkeeping:
         """
         with self._lock:
             hits = self._access.get(key, (0.0, 0))[1]
-            self._access[key] = (time.time(), hits + 1 if record else hits)
+            self._access[key] = (self._tables.clock(), hits + 1 if record else hits)
             if record:
                 self._counters["hits"] += 1
         self._ensure_flusher()

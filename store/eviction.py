@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import logging
 import shutil
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -198,7 +197,7 @@ class Evictor:
         now: float | None = None,
     ) -> EvictionPlan:
         """LRU entries to evict so the store fits ``max_size``/``min_free``, or unused for ``older_than``."""
-        now = time.time() if now is None else now
+        now = self._tables.clock() if now is None else now
         need, why = 0, []
         with self._tables.read() as t:
             physical = t.total(PHYSICAL)
@@ -278,7 +277,7 @@ class Evictor:
 
     def plan_remove(self, keys: Iterable[str], *, now: float | None = None) -> EvictionPlan:
         """Entries asked for by name; a key without an entry is :class:`KeyNotFound`."""
-        now = time.time() if now is None else now
+        now = self._tables.clock() if now is None else now
         victims: list[_Victim] = []
         skipped: list[str] = []
         with self._tables.read() as t:
@@ -335,7 +334,7 @@ class Evictor:
         transaction has if no one else commits; -1 after a foreign commit) and
         whether it owed.
         """
-        now = time.time()
+        now = self._tables.clock()
         evict = kind is PlanKind.EVICT
         files = self._files
 
@@ -384,7 +383,7 @@ class Evictor:
 
     def settle(self) -> int:
         """Release every owed reference (``blobrows``) and drop what that frees; returns bytes freed."""
-        now = time.time()
+        now = self._tables.clock()
 
         def fn(t: Txn) -> list[tuple[str, BlobRow]]:
             owed = t.take_owed_releases()

@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import stat
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -156,7 +155,7 @@ def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: 
     by_key, pins, skipped = read_records(files, found, intact)
     out = Restored(skipped=skipped)
     keys = sorted(by_key)
-    now = time.time()
+    now = tables.clock()
     file_ok = tables.layout.has_file
     for i in range(0, len(keys), _BATCH):
         def fn(t: Txn, batch: list[str] = keys[i:i + _BATCH]) -> tuple[int, int, int, int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -85,7 +84,7 @@ def publish(
         if old.committed:
             raise StoreError(f"{key} rank {rank} generation {generation} is already committed")
         t.release(old.digests())
-    now = time.time()
+    now = t.clock()
     manifest = Manifest(
         key=key,
         rank=rank,
@@ -119,7 +118,7 @@ def commit(t: Txn, *, key: str, rank: int, generation: int,
         raise StoreError(f"no manifest to commit for {key} rank {rank} generation {generation}")
     manifest.committed = True
     t.put_manifest(manifest)
-    now = time.time()
+    now = t.clock()
     entry = t.entry(key) or Entry(key, manifest.namespace, manifest.world_size, {}, now, now)
     zero: list[str] = []
     old_gen = entry.ranks.get(rank)

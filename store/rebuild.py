@@ -117,7 +117,7 @@ class RebuildPlan:
         index = Index.acquire(layout.index, group_shared=layout.group_shared)
         try:
             tables = Tables(index, layout)
-            now = time.time()
+            now = tables.clock()
             for i in range(0, len(good), _BATCH):
                 def fn(t: Txn, batch: list[tuple[str, int]] = good[i:i + _BATCH]) -> None:
                     for digest, size in batch:

@@ -239,7 +239,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
     writer = RecordWriter(tables)
     files = writer.files
     done: list[str] = []
-    cutoff = time.time() - (grace_period or 0.0)
+    cutoff = tables.clock() - (grace_period or 0.0)
     for f in issues.unfinished:
         if grace_period is not None and mtime_of(f) > cutoff:
             continue

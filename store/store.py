@@ -23,6 +23,7 @@ from .ballast import Ballast
 from .blobs import Blobs
 from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
+from .clock import Clock, system_clock
 from .budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
 from .eviction import EvictionPlan, Evictor
@@ -78,6 +79,7 @@ class Store:
         create: bool = True,
         memoize_lookups: bool = True,
         remote: Any = None,
+        clock: Clock = system_clock,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
@@ -97,6 +99,7 @@ class Store:
         self._map_size = map_size
         self._memoize = memoize_lookups
         self._flush_interval = flush_interval
+        self.clock = clock  #: wall-clock seconds for every time the store keeps (``clock``; tests inject one)
         from .tiered import open_tier  # imports this module
 
         self.tier = open_tier(remote)  # the second tier, see ``open``; a bad one raises before the index opens
@@ -109,7 +112,7 @@ class Store:
         if self._index.ballast is None:
             self._index.ballast = Ballast(layout.root)
             self._index.ballast.ensure()
-        self._tables = Tables(self._index, layout)
+        self._tables = Tables(self._index, layout, self.clock)
         self._init_totals()
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
@@ -388,7 +391,7 @@ class Store:
     def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRecord]:
         """Pin ``key`` against gc while this process lives (or until ``ttl``)."""
         validate_key(key)
-        record = new_lease_record(key, ttl)
+        record = new_lease_record(key, ttl, self._tables.clock())
         lease_id = uuid.uuid4().bytes
         self._tables.write(lambda t: t.put_lease(lease_id, record))
         try:

@@ -15,7 +15,6 @@ its transaction and its rename) is moved into place.  A plan first, then
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,7 @@ class Sweeper:
         self.grace = grace_period
 
     def plan(self, *, now: float | None = None) -> SweepPlan:
-        now = time.time() if now is None else now
+        now = self._tables.clock() if now is None else now
         old = now - self.grace
         layout = self._tables.layout
         found = check_records(self._tables, read=False)  # names only: gc never reads record content
@@ -130,7 +129,7 @@ class Sweeper:
                          RecordFiles(layout).obsolete_files(), _sweeper=self)
 
     def execute(self, plan: SweepPlan) -> int:
-        now = time.time()
+        now = self._tables.clock()
 
         def fn(t: Txn) -> list[tuple[str, BlobRow]]:
             zero = [ref.digest for ref in plan.zero_ref_blobs] + t.release_counts(t.take_owed_releases())

@@ -23,6 +23,7 @@ import lmdb
 
 from .aftercommit import BOTH_RECORDS, COMMITTED_RECORD, Drops, unlink_after_commit
 from .blobrows import PHYSICAL, BlobRows
+from .clock import Clock, system_clock
 from .errors import CorruptRecord
 from .records import (
     ACCESS_ROW,
@@ -73,11 +74,12 @@ class Txn(BlobRows):
     of thousands of rows costs one read-modify-write per total.
     """
 
-    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops")
+    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops", "clock")
 
-    def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any]) -> None:
+    def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock) -> None:
         self.raw = raw
         self._db = db
+        self.clock = clock  # the store's (``Tables.clock``): rows stamped in this transaction use it
         self._deltas: dict[tuple[str, bytes], int] | None = None  # (table, name) -> delta; made when needed
         self._epoch_moved = False
         self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
@@ -446,7 +448,7 @@ class _Reading:
     def __enter__(self) -> Txn:
         index = self._tables.index
         self._txn = index.begin_read()
-        return Txn(self._txn, index.db)
+        return Txn(self._txn, index.db, self._tables.clock)
 
     def __exit__(self, *exc: object) -> None:
         if self._txn is not None:
@@ -460,11 +462,12 @@ class _Reading:
 class Tables:
     """Typed transactions over one :class:`~adstore.store.index.Index`."""
 
-    __slots__ = ("index", "layout")
+    __slots__ = ("index", "layout", "clock")
 
-    def __init__(self, index: Index, layout: Layout) -> None:
+    def __init__(self, index: Index, layout: Layout, clock: Clock = system_clock) -> None:
         self.index = index
         self.layout = layout
+        self.clock = clock  #: where every part of the store gets "now" (``clock``)
 
     def read(self) -> _Reading:
         return _Reading(self)
@@ -485,7 +488,7 @@ class Tables:
         noted: list[Drops | None] = [None]
 
         def run(raw: lmdb.Transaction) -> T:
-            t = Txn(raw, self.index.db)
+            t = Txn(raw, self.index.db, self.clock)
             result = fn(t)
             t.finish()
             noted[0] = t.drops  # of the run that commits

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -233,6 +232,7 @@ def verify_store(
 
     # 2. manifests, refcounts, entries
     refs: Counter[str] = Counter()
+    now = tables.clock()
     doomed: list[Manifest] = []
     for m in s.manifests:
         rep.manifests_checked += 1
@@ -247,7 +247,7 @@ def verify_store(
             rep.add(Reason.NOT_CURRENT, m.key,
                     f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current")
             doomed.append(m)
-        if not m.committed and time.time() - m.created > grace_period:
+        if not m.committed and now - m.created > grace_period:
             rep.add(Reason.STALE_MANIFEST, m.key, f"manifest {m.key} rank {m.rank}: uncommitted past the "
                     "grace period (gc sweeps it)", problem=False)
     by_key = {(m.key, m.rank, m.generation): m for m in s.manifests}

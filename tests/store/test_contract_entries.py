@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from store_helpers import check_hit, payload, save
@@ -93,10 +92,10 @@ def test_abort_drops_uncommitted_manifest(store):
     assert store.verify().ok
 
 
-def test_hit_refreshes_last_access(store):
+def test_hit_refreshes_last_access(store, clock):
     save(store, "k")
     before = store.entry("k")
-    time.sleep(0.01)
+    clock.advance(1)
     assert store.lookup("k").hit
     store.flush()
     after = store.entry("k")

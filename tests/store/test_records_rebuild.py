@@ -192,7 +192,6 @@ def test_choose_prefers_the_newest_complete_generation():
 def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
     """A restore may publish a dropped generation again: the rewritten record is newer than the list
     naming it, so scans and rebuilds keep it and gc does not delete it."""
-    import time
 
     files = RecordFiles(Layout(store.root))
     arts = {"a": store.put_bytes(b"z" * 70_000)}
@@ -201,7 +200,8 @@ def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
     store.commit("k", generation=gen)
     store.plan_remove(["k"]).execute()
     assert [name for name in files.obsoleted() if name.endswith(f"k.0.{gen}")] and files.scan() == []
-    time.sleep(0.05)  # file times tick coarsely: the new record must be visibly newer than its list
+    for listed in files.obsolete_files():  # the new record must be visibly newer than its list
+        os.utime(listed, (listed.stat().st_atime - 10, listed.stat().st_mtime - 10))
     arts = {"a": store.put_bytes(b"z" * 70_000)}  # (the removal may have taken the blob too)
     store.publish("k", generation=gen, artifacts=arts)
     store.commit("k", generation=gen)

@@ -17,7 +17,7 @@ import pytest
 from remote_faultserver import FaultServer
 
 from adstore.store import Budget, Store
-from adstore.store.remote import Kind, open_remote, record_address
+from adstore.store.remote import open_remote, record_address
 from adstore.store.tiered import remote_restore, remote_save
 
 KEY = "k" * 64

@@ -172,10 +172,8 @@ def test_a_down_remote_costs_the_timeout_once_then_the_circuit_answers(kind, req
             r = open_remote(f"s3://{BUCKET}/{prefix}", endpoint_url=proxy.endpoint, **opts)
         else:
             r = open_remote(f"{proxy.endpoint}/{prefix}", **opts)
-        t = time.perf_counter()
         first = remote_restore(store, r, "cold")
-        took = time.perf_counter() - t
-        assert first.reason == "remote_timeout" and took < 0.5 + 1.0, (first, took)
+        assert first.reason == "remote_timeout", first
         # The open circuit answers without asking the server (the latency itself is
         # measured in bench_remote.py, not asserted by a clock here).
         before = r.counters.get("fast_fails", 0)
