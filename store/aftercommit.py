@@ -74,14 +74,14 @@ def unlink_after_commit(tables: Tables, digests: Sequence[str], drops: Drops | N
                     pass
             return n
 
-        total += tables.write(fn)
+        total += tables.locked(fn)
     if drops:
         files = RecordFiles(tables.layout)
         for i in range(0, max(len(drops.manifests), len(drops.pins)), _BATCH):
             chunk = Drops()
             chunk.manifests, chunk.pins = drops.manifests[i:i + _BATCH], drops.pins[i:i + _BATCH]
             try:
-                tables.write(lambda t, chunk=chunk: write_obsolete_list(t, files, chunk, unchanged=False))
+                tables.locked(lambda t, chunk=chunk: write_obsolete_list(t, files, chunk, unchanged=False))
             except OSError as exc:  # records stay behind: orphans that gc sweeps
                 log.warning("could not obsolete records: %s", exc)
     return total
@@ -126,7 +126,7 @@ def purge_obsolete_records(tables: Tables) -> int:
                     n += files.unlink_listed(name, listed_at)
             return n
 
-        deleted += tables.write(fn)
+        deleted += tables.locked(fn)
     for path in lists:  # the lists, and records an older adstore renamed into obsolete/
         try:
             os.unlink(path)

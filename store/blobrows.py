@@ -4,21 +4,10 @@ A part of :class:`~adstore.store.tables.Txn`, kept apart to keep modules
 small: registering, touching, referencing, quarantining and dropping blob
 rows, with the physical-bytes total and the blob epoch following every change
 that can take a blob away from a hit (README, "Using the store").
-
-References an eviction batch drops may be *owed* instead of released: each
-row of ``releases`` holds the 32-byte digests of one batch's references (one
-per reference), written in the transaction that dropped their manifests.
-A refcount is then higher than its manifests, never lower, so no blob can go
-while referenced; whoever next releases (an eviction batch that frees blobs,
-the sweep) takes every owed row with it in one transaction, and ``verify``
-counts them.  Eviction owes a batch's references when, by its plan, none of
-them is a blob's last: a pass over entries that share blobs then rewrites
-each blob row once, not once per batch.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -126,26 +115,6 @@ class BlobRows:
                 raise BlobMissing(digest, "not registered")
             row.refs += 1
             self.touch_blob(digest, row)
-
-    def owe_releases(self, refs: Iterable[bytes]) -> None:
-        """Record dropped references (32-byte digests, one per reference) as owed, not yet released."""
-        row = b"".join(refs)
-        if row:
-            self.raw.put(uuid.uuid4().bytes, row, db=self._db["releases"])
-
-    def owed_releases(self) -> Counter[bytes]:
-        """References owed per blob (row key), over every ``releases`` row (a torn tail is not counted)."""
-        owed: Counter[bytes] = Counter()
-        for _, row in self.raw.cursor(db=self._db["releases"]):
-            owed.update(row[i:i + 32] for i in range(0, len(row) - len(row) % 32, 32))
-        return owed
-
-    def take_owed_releases(self) -> Counter[bytes]:
-        """:meth:`owed_releases`, deleting the rows: the caller releases them in this transaction."""
-        owed = self.owed_releases()
-        if self.raw.stat(self._db["releases"])["entries"]:  # dropping an empty table would still write
-            self.raw.drop(self._db["releases"], delete=False)
-        return owed
 
     def release(self, digests: Iterable[str]) -> list[str]:
         """Drop one reference per digest (hex); returns the digests now unreferenced."""

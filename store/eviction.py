@@ -19,22 +19,22 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 from .aftercommit import Drops, unlink_after_commit, write_obsolete_list
 from .ballast import spending_allowed
-from .errors import CorruptRecord, KeyNotFound, StoreError
+from .errors import CorruptRecord, KeyNotFound
 from .leases import live_leases
 from .manifests import drop_entry
 from .recordfiles import RecordFiles
 from .names import validate_key
 from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
 from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
-from .tables import PHYSICAL, Tables, Txn
+from .tables import PHYSICAL, Removal, Tables, Txn
 from .units import MinFree, parse_min_free
 
-__all__ = ["PlanKind", "EvictedBatch", "EvictionPlan", "Evictor", "drop_unreferenced"]
+__all__ = ["PlanKind", "EvictedBatch", "EvictionPlan", "Evictor", "Victim", "drop_unreferenced"]
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,33 @@ class EvictedBatch:
     bytes_freed: int  # physical bytes whose rows were deleted
 
 
-#: A victim as planned (a tuple of atoms, which the garbage collector stops tracking: a plan
-#: may hold 100k): last access, key, row key, entry row, shadow row, shadow head (None: no
-#: shadow of this row), decoded entry (only without a shadow), hits, its manifests' keys
-#: when its shadow describes every manifest it has (else None: execution reads them again),
-#: and the blob references of all its manifests (32-byte digests, one per manifest and digest).
-_Victim = tuple[float, str, bytes, bytes, "bytes | None", "Head | None", "Entry | None", int,
-                "tuple[bytes, ...] | None", "tuple[bytes, ...]"]
-_LAST, _KEY, _RAW_KEY, _ROW, _SHADOW, _HEAD, _ENTRY, _HITS, _MKS, _REFS = range(10)
+class Victim(NamedTuple):
+    """An entry as a plan read it: enough to remove it later without reading it again.
+
+    A named tuple of atoms: a plan may hold 100k, and the garbage collector
+    stops tracking tuples of atoms.  ``head`` is the entry's shadow head when
+    the shadow describes this very row (else None, and ``entry`` is the
+    decoded row); ``manifests`` are the keys of all its manifests when its
+    shadow describes every one of them (else None: execution reads them
+    again); ``refs`` are the blob references of all its manifests (32-byte
+    digests, one per manifest and digest).
+    """
+
+    last_access: float
+    key: str
+    raw_key: bytes
+    row: bytes
+    shadow: bytes | None
+    head: Head | None
+    entry: Entry | None
+    hits: int
+    manifests: tuple[bytes, ...] | None
+    refs: tuple[bytes, ...]
+
+    @property
+    def exact(self) -> bool:
+        """Whether the plan knows every row the entry owns (it can go without being read again)."""
+        return self.head is not None and self.manifests is not None
 
 
 @dataclass(frozen=True)
@@ -77,12 +96,10 @@ class EvictionPlan:
     bytes_to_free: int
     why: str
     skipped: list[str] = field(default_factory=list)
-    _victims: Sequence[_Victim] = field(default=(), repr=False, compare=False)
+    _victims: Sequence[Victim] = field(default=(), repr=False, compare=False)
     _evictor: Evictor | None = field(default=None, repr=False, compare=False)
-    #: The id of the snapshot the plan was made from (LMDB transaction ids count commits).
-    _snapshot: int = field(default=-1, repr=False, compare=False)
-    #: Positions of the victims that drop some blob's last planned reference (see ``execute``).
-    _frees: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    #: The index's write count when the plan was read (``tables.WRITES``).
+    _writes: int = field(default=-1, repr=False, compare=False)
     _entries: list[Entry] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -93,9 +110,11 @@ class EvictionPlan:
     @property
     def victims(self) -> list[Entry]:
         """The victims' entries (with last access and hits as planned); treat as read-only."""
-        if self._entries is None:
-            object.__setattr__(self, "_entries", [_entry_of(v) for v in self._victims])
-        return self._entries  # type: ignore[return-value]
+        entries = self._entries
+        if entries is None:
+            entries = [_entry_of(v) for v in self._victims]
+            object.__setattr__(self, "_entries", entries)
+        return entries
 
     def execute(
         self,
@@ -115,28 +134,19 @@ class EvictionPlan:
         total = len(self._victims)
         size = batch_size or total
         freed = evicted = 0
-        unchanged_at = self._snapshot + 1  # the id of the next write if nobody else commits
+        expected: int | None = self._writes  # the write count if nobody else wrote since the plan
         carried = Drops()  # the records a batch dropped, listed as obsolete by the next one
-        owing = False  # references owed by this execution's batches and not yet released
         try:
             for start in range(0, total, size):
                 if should_stop is not None and should_stop():
                     break
-                chunk = self._victims[start:start + size]
-                # Release in the batches that free blobs (by the plan) and in the last; owe in the others.
-                settle = start + size >= total or any(i in self._frees for i in range(start, start + len(chunk)))
-                batch, unchanged_at, owing = self._evictor.execute(self.kind, chunk, unchanged_at=unchanged_at,
-                                                                   carried=carried, settle=settle)
+                batch, expected = self._evictor.execute(self.kind, self._victims[start:start + size],
+                                                        expected=expected, carried=carried)
                 freed += batch.bytes_freed
                 evicted += len(batch.keys)
                 if on_batch is not None and on_batch(batch):
                     break
         finally:
-            if owing:  # stopped early: release what the batches so far owe
-                try:
-                    self._evictor.settle()
-                except (StoreError, OSError) as exc:  # owed rows stay: the next release takes them
-                    log.warning("owed references not released yet: %s", exc)
             if carried:  # the last batch's, or one a failed batch did not list
                 unlink_after_commit(self._evictor.tables, (), carried)
         log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
@@ -146,18 +156,20 @@ class EvictionPlan:
         return {
             "kind": str(self.kind),
             "reason": self.why,
-            "victims": [v[_KEY] for v in self._victims],
+            "victims": [v.key for v in self._victims],
             "blobs": len(self.blobs),
             "bytes_to_free": self.bytes_to_free,
             "skipped": list(self.skipped),
         }
 
 
-def _entry_of(v: _Victim) -> Entry:
-    head, shadow = v[_HEAD], v[_SHADOW]
-    entry = v[_ENTRY] if head is None else to_entry(v[_KEY], shadow, head)  # type: ignore[arg-type]
-    assert entry is not None
-    entry.last_access, entry.hits = v[_LAST], v[_HITS]
+def _entry_of(v: Victim) -> Entry:
+    if v.head is not None and v.shadow is not None:
+        entry = to_entry(v.key, v.shadow, v.head)
+    else:
+        assert v.entry is not None  # a victim without a usable shadow carries its decoded row
+        entry = v.entry
+    entry.last_access, entry.hits = v.last_access, v.hits
     return entry
 
 
@@ -214,7 +226,7 @@ class Evictor:
             if need > 0:
                 # Unreferenced blobs go with the sweep (or are a save in flight):
                 # never evict live entries for bytes that are garbage already.
-                garbage = _unreferenced_bytes(t)
+                garbage = sum(row.size for _, row in t.decoded_blob_rows() if row.refs <= 0)
                 if garbage:
                     need = max(0, need - garbage)
                     why.append(f"{garbage} bytes unreferenced (swept, not evicted)")
@@ -223,29 +235,28 @@ class Evictor:
             cutoff = now - older_than if older_than is not None else None
             if need <= 0 and cutoff is None:
                 return EvictionPlan(PlanKind.EVICT, [], 0, "within budget", _evictor=self)
-            snapshot = t.raw.id()
+            writes = t.writes()
             leased, _ = live_leases(t, now)
             candidates, skipped = self._candidates(t, leased, namespace, now)
             sim = _Simulation(now, self.grace, t)
-            victims: list[_Victim] = []
+            victims: list[Victim] = []
             for v in candidates:
                 if max_entries is not None and len(victims) >= max_entries:
                     break
-                if sim.freed >= need and not (cutoff is not None and v[_LAST] < cutoff):
+                if sim.freed >= need and not (cutoff is not None and v.last_access < cutoff):
                     break
                 victims.append(v)
                 sim.drop(v)
-        return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, snapshot,
-                            frozenset(sim.frees))
+        return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, writes)
 
     def _candidates(self, t: Txn, leased: set[str], namespace: str | None,
-                    now: float) -> tuple[list[_Victim], list[str]]:
+                    now: float) -> tuple[list[Victim], list[str]]:
         """Every entry eviction may take, least recently used first; and the keys it must skip.
 
         One pass over the tables (``Txn.entry_scan``), from the shadows where
         they hold: no JSON and no objects per entry.
         """
-        candidates: list[_Victim] = []
+        candidates: list[Victim] = []
         skipped: list[str] = []
         ns = namespace.encode() if namespace is not None else None
         add, skip, grace, access_row = candidates.append, skipped.append, self.grace, ACCESS_ROW
@@ -254,9 +265,9 @@ class Evictor:
             entry = None
             try:
                 key = k.decode()
-                if head is not None:
+                if head is not None and shadow is not None:
                     pinned, created = head[3] & PINNED, head[1]
-                    if ns is not None and shadow[HEAD.size:HEAD.size + head[5]] != ns:  # type: ignore[index]
+                    if ns is not None and shadow[HEAD.size:HEAD.size + head[5]] != ns:
                         continue
                 else:
                     entry = Entry.decode(k, raw)
@@ -272,16 +283,16 @@ class Evictor:
             last, hits = access_row.unpack(access) if access is not None and len(access) == access_row.size \
                 else (created, 0)
             add(_victim(last, key, k, raw, shadow, head, entry, hits, mks, rows))
-        candidates.sort(key=itemgetter(_LAST))
+        candidates.sort(key=attrgetter("last_access"))
         return candidates, skipped
 
     def plan_remove(self, keys: Iterable[str], *, now: float | None = None) -> EvictionPlan:
         """Entries asked for by name; a key without an entry is :class:`KeyNotFound`."""
         now = self._tables.clock() if now is None else now
-        victims: list[_Victim] = []
+        victims: list[Victim] = []
         skipped: list[str] = []
         with self._tables.read() as t:
-            snapshot = t.raw.id()
+            writes = t.writes()
             leased, _ = live_leases(t, now)
             sim = _Simulation(now, self.grace, t)
             for key in dict.fromkeys(keys):  # each once
@@ -294,52 +305,47 @@ class Evictor:
                     continue
                 shadow = t.shadow(k)
                 head = head_of(raw, shadow)
-                entry = Entry.decode(k, raw) if head is None else None
+                entry = None
+                if head is not None:
+                    created = head[1]
+                else:
+                    entry = Entry.decode(k, raw)
+                    created = entry.created
                 access = t.access(k)
-                created = head[1] if head is not None else entry.created  # type: ignore[union-attr]
                 last, hits = access if access is not None else (created, 0)
                 v = _victim(last, key, k, raw, shadow, head, entry, hits, *t.manifests_listed(key))
                 victims.append(v)
                 sim.drop(v)
         return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self,
-                            snapshot, frozenset(sim.frees))
+                            writes)
 
     # -- execution --------------------------------------------------------------
-    def execute(self, kind: PlanKind, victims: Sequence[_Victim], *, unchanged_at: int,
-                carried: Drops, settle: bool) -> tuple[EvictedBatch, int, bool]:
+    def execute(self, kind: PlanKind, victims: Sequence[Victim], *, expected: int | None,
+                carried: Drops) -> tuple[EvictedBatch, int | None]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
-        When its transaction's id is ``unchanged_at``, no one committed since
-        the plan's snapshot (nor between this plan's previous batches, which
-        only dropped their own victims), so every victim's rows are as planned
-        and are dropped without being read again (LMDB transactions see
-        committed snapshots; each commit that changes something takes the
-        next id).  Once a batch finds a foreign commit, every later batch of
-        the plan re-reads its victims: that batch checked only its own.
-        A commit that changes nothing takes no id: after a batch that dropped
-        no victim (all used or pinned since the plan) the next writer gets
-        this batch's id again, so the next batch may only expect that id
-        (expecting the one after would take another writer's commit for none).
+        ``expected`` is the write count (``tables.WRITES``) if nobody but
+        this plan wrote since it was read: then every victim's rows are as
+        planned, and exact ones (``Victim.exact``) are removed without being
+        read again.  Otherwise each victim is read again and removed only if
+        it still qualifies (unleased; for eviction also unpinned, not used or
+        recommitted since the plan), and every later batch does the same
+        (``expected`` None): this batch checked only its own victims.  The
+        references the removed manifests held are released in the same
+        transaction, and blobs left without one (past the grace period) go.
 
         ``carried`` holds what the previous batch dropped that has records:
         this batch's transaction (the write lock, after that batch committed)
         lists them as obsolete, saving a transaction per batch, and leaves
-        its own drops in ``carried`` for the next.
-
-        Without ``settle`` (by the plan, no victim here drops a blob's last
-        reference) and with every row as planned, the batch owes the
-        references it dropped (``blobrows``) instead of rewriting their blob
-        rows; a settling batch releases them together with every owed one.
-        Returns the batch, the ``unchanged_at`` of the next batch (the id its
-        transaction has if no one else commits; -1 after a foreign commit) and
-        whether it owed.
+        its own drops in ``carried`` for the next.  Returns the batch and the
+        write count the next batch may expect.
         """
         now = self._tables.clock()
         evict = kind is PlanKind.EVICT
         files = self._files
 
-        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int, bool]:
-            unchanged = t.raw.id() == unchanged_at
+        def fn(t: Txn) -> tuple[list[str], list[tuple[str, BlobRow]], int | None]:
+            unchanged = expected is not None and t.writes() == expected
             if carried:
                 try:
                     write_obsolete_list(t, files, carried, unchanged=unchanged)
@@ -347,92 +353,74 @@ class Evictor:
                     log.warning("could not obsolete records: %s", exc)
                 carried.manifests, carried.pins = [], []  # listed once, even if fn runs again
             if unchanged:  # every row exactly as the plan read it
-                planned = [v for v in victims if v[_MKS] is not None and v[_HEAD] is not None]
-                rest = [v for v in victims if v[_MKS] is None or v[_HEAD] is None] if len(planned) < len(victims) else []
+                planned = [v for v in victims if v.exact]
+                rest = [v for v in victims if not v.exact]
                 leased: set[str] = set()
             else:
                 planned, rest, leased = [], list(victims), live_leases(t, now)[0]
-            t.forget_entries([(v[_RAW_KEY], v[_HEAD][2], v[_HEAD][3] & PINNED, v[_MKS])  # type: ignore[index]
-                              for v in planned])
-            taken = [v[_REFS] for v in planned]
-            done = [v[_KEY] for v in planned]
+            t.remove_entries([Removal(v.raw_key, v.head[2], bool(v.head[3] & PINNED), v.manifests or ())
+                              for v in planned if v.head is not None])
+            taken: list[Sequence[bytes]] = [v.refs for v in planned]
+            done = [v.key for v in planned]
             for v in rest:
                 refs = self._drop_rechecked(t, v, evict, leased, now)
                 if refs is not None:
-                    taken.append(refs)  # type: ignore[arg-type]
-                    done.append(v[_KEY])
+                    taken.append(refs)
+                    done.append(v.key)
             t.count("evictions", len(done))
-            # Rows deleted: this commit takes its id.  A batch that found the index changed re-read
-            # only its own victims: every later batch must re-read its own too (-1 matches no id).
-            next_id = (t.raw.id() + 1 if done else t.raw.id()) if unchanged else -1
-            if unchanged and not settle:
-                t.owe_releases(chain.from_iterable(taken))
-                return done, [], next_id, True
-            counts = Counter(chain.from_iterable(taken))
-            counts.update(t.take_owed_releases())
-            dropped = drop_unreferenced(t, t.release_counts(counts), now, self.grace)
+            dropped = drop_unreferenced(t, t.release_counts(Counter(chain.from_iterable(taken))), now, self.grace)
             t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
-            return done, dropped, next_id, False
+            return done, dropped, t.writes() + 1 if unchanged else None  # this commit counts itself once
 
         with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
-            (done, dropped, next_id, owed), drops = self._tables.write_noting_drops(fn)
+            (done, dropped, next_expected), drops = self._tables.write_noting_drops(fn)
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins
         unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), next_id, owed
+        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), next_expected
 
-    def settle(self) -> int:
-        """Release every owed reference (``blobrows``) and drop what that frees; returns bytes freed."""
-        now = self._tables.clock()
-
-        def fn(t: Txn) -> list[tuple[str, BlobRow]]:
-            owed = t.take_owed_releases()
-            return drop_unreferenced(t, t.release_counts(owed), now, self.grace) if owed else []
-
-        with spending_allowed(self._tables.index.ballast):
-            dropped = self._tables.write(fn)
-        unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
-        return sum(row.size for _, row in dropped)
-
-    def _drop_rechecked(self, t: Txn, v: _Victim, evict: bool, leased: set[str],
+    def _drop_rechecked(self, t: Txn, v: Victim, evict: bool, leased: set[str],
                         now: float) -> Sequence[bytes] | None:
         """Drop a victim after checking it still qualifies; None if it does not (or is gone)."""
-        key, k = v[_KEY], v[_RAW_KEY]
+        key, k = v.key, v.raw_key
         raw = t.entry_row(k)
         if raw is None or key in leased:
             return None
-        entry, shadow = v[_ENTRY], (v[_SHADOW], v[_HEAD]) if v[_HEAD] is not None else None
-        if raw != v[_ROW]:  # changed since the plan: as it is now
+        entry = v.entry
+        shadow = (v.shadow, v.head) if v.head is not None and v.shadow is not None else None
+        if raw != v.row:  # changed since the plan: as it is now
             current = t.shadow(k)
             head = head_of(raw, current)
-            shadow = (current, head) if head is not None else None  # type: ignore[assignment]
+            shadow = (current, head) if head is not None and current is not None else None
             try:
-                entry = to_entry(key, current, head) if head is not None else Entry.decode(k, raw)  # type: ignore[arg-type]
+                entry = to_entry(key, *shadow) if shadow is not None else Entry.decode(k, raw)
             except CorruptRecord:
                 entry = _entry_of(v)
             if evict and (entry.pinned or entry.ranks != _ranks(v)):
                 return None  # pinned or recommitted since the plan: no longer a victim
         if evict:
             access = t.access(k)
-            if access is not None and access[0] > v[_LAST]:
+            if access is not None and access[0] > v.last_access:
                 return None  # used since the plan
         return drop_entry(t, key, entry, keep_pending_since=now - self.grace, shadow=shadow)
 
 
-def _ranks(v: _Victim) -> dict[int, int]:
-    head, entry = v[_HEAD], v[_ENTRY]
-    return dict(ranks_of(v[_SHADOW], head)) if head is not None else entry.ranks  # type: ignore[arg-type, union-attr]
+def _ranks(v: Victim) -> dict[int, int]:
+    if v.head is not None and v.shadow is not None:
+        return dict(ranks_of(v.shadow, v.head))
+    assert v.entry is not None
+    return v.entry.ranks
 
 
 def _victim(last: float, key: str, k: bytes, raw: bytes, shadow: bytes | None, head: Head | None,
-            entry: Entry | None, hits: int, mks: tuple[bytes, ...], rows: tuple[bytes, ...]) -> _Victim:
+            entry: Entry | None, hits: int, mks: tuple[bytes, ...], rows: tuple[bytes, ...]) -> Victim:
     """A planned victim with its manifests (keys ``mks``, ``rows``) read: references from the shadow
     when it describes exactly these rows, else decoded (every manifest, pending ones too)."""
-    refs = refs_of(shadow, head, rows) if head is not None else None  # type: ignore[arg-type]
+    refs = refs_of(shadow, head, rows) if head is not None and shadow is not None else None
     if refs is not None:
-        return last, key, k, raw, shadow, head, entry, hits, mks, refs
+        return Victim(last, key, k, raw, shadow, head, entry, hits, mks, tuple(refs))
     decoded = tuple(bytes.fromhex(d) for row in rows for d in manifest_refs(row)[0])
-    return last, key, k, raw, shadow, head, entry, hits, None, decoded
+    return Victim(last, key, k, raw, shadow, head, entry, hits, None, decoded)
 
 
 class _Simulation:
@@ -442,32 +430,21 @@ class _Simulation:
         self._now = now
         self._grace = grace
         self._t = t
-        self._owed = t.owed_releases()  # references already dropped, not yet released
         self._left: dict[bytes, int] = {}  # references left per blob (row key)
         self._rows: dict[bytes, tuple[int, int, float, int] | None] = {}
         self.blobs: list[BlobRef] = []
         self.freed = 0
-        self.frees: set[int] = set()  # positions of victims that drop some blob's last reference
-        self._at = 0
 
-    def drop(self, v: _Victim) -> None:
-        rows_seen, left, now, grace, at = self._rows, self._left, self._now, self._grace, self._at
-        self._at += 1
-        for k in v[_REFS]:
+    def drop(self, v: Victim) -> None:
+        rows_seen, left, now, grace = self._rows, self._left, self._now, self._grace
+        for k in v.refs:
             if k not in rows_seen:
                 raw = self._t.blob_row_raw(k)
                 rows_seen[k] = BLOB_ROW.unpack(raw) if raw is not None and len(raw) == BLOB_ROW.size else None
             row = rows_seen[k]
             if row is None:
                 continue
-            n = left[k] = left.get(k, row[1] - self._owed.get(k, 0)) - 1
-            if n <= 0:
-                self.frees.add(at)
-                if n == 0 and now - row[2] >= grace:
-                    self.freed += row[0]
-                    self.blobs.append(BlobRef(k.hex(), row[0]))
-
-
-def _unreferenced_bytes(t: Txn) -> int:
-    owed = t.owed_releases()
-    return sum(row.size for digest, row in t.decoded_blob_rows() if row.refs <= owed.get(bytes.fromhex(digest), 0))
+            n = left[k] = left.get(k, row[1]) - 1
+            if n == 0 and now - row[2] >= grace:
+                self.freed += row[0]
+                self.blobs.append(BlobRef(k.hex(), row[0]))

@@ -40,6 +40,7 @@ import lmdb
 from .ballast import Ballast, may_spend
 from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
 from .indexfile import FRESH_INDEX_BYTES, check_data_file, needs_creating
+from .migrations import migrate
 from .tables import DATABASES
 
 __all__ = ["Index", "SCHEMA_VERSION", "index_error"]
@@ -51,7 +52,8 @@ T = TypeVar("T")
 #: Bumped whenever a row's layout changes; an index of another version is refused.
 #: 2: inline blobs are stored with an xxh3-64 head (was a CRC-32 in the blob row).
 #: 3: an entry's last access and hits moved from its JSON row to ``access``.
-SCHEMA_VERSION = 3
+#: 4: no owed references (``releases``); a write count in ``meta`` (upgraded from 3: ``migrations``).
+SCHEMA_VERSION = 4
 _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
 _FORK_WAIT = 2.0
@@ -60,6 +62,15 @@ _SHARED: dict[tuple[int, str], list] = {}  # (pid, index path) -> [Index, users]
 _INHERITED: list[lmdb.Environment] = []  # kept alive, never closed (see module doc)
 _SHARED_LOCK = threading.Lock()
 _PID = os.getpid()  # kept current by the fork hook: os.getpid() is a syscall on the hot path
+
+
+def _upgraded(env: lmdb.Environment, txn: lmdb.Transaction, db: dict[str, object], schema: bytes) -> bool:
+    """Upgrade an index of an older schema in ``txn`` when a migration leads here (``migrations``)."""
+    try:
+        found = int(schema.decode())
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return found != SCHEMA_VERSION and migrate(env, txn, db, found, SCHEMA_VERSION)
 
 
 class _ForkGate:
@@ -284,8 +295,9 @@ class Index:
                     self.db = {name: env.open_db(name.encode()) for name in DATABASES}
                     with env.begin(write=True) as txn:
                         schema = txn.get(b"schema", db=self.db["meta"])
-                        if schema is None:
-                            txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=self.db["meta"])
+                        if schema is None or _upgraded(env, txn, self.db, schema):
+                            schema = str(SCHEMA_VERSION).encode()
+                            txn.put(b"schema", schema, db=self.db["meta"])
                     break
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)

@@ -27,7 +27,7 @@ from .names import (
 )
 from .records import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .shadows import PINNED, Head, to_entry
-from .tables import Txn
+from .tables import Removal, Txn
 
 __all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
 
@@ -196,7 +196,7 @@ def drop_entry(
     if entry is None and shadow is not None:
         if not kept:  # the usual case: no objects needed
             head = shadow[1]
-            t.forget_entry(key.encode(), head[2], bool(head[3] & PINNED))
+            t.remove_entries([Removal(key.encode(), head[2], bool(head[3] & PINNED))])
             return taken
         entry = to_entry(key, *shadow)
     if entry is None:

@@ -104,11 +104,10 @@ class Sweeper:
         stale: list[Manifest] = []
         nbytes = 0
         with self._tables.read() as t:
-            owed = t.owed_releases()  # an eviction pass cut short owes them; execute releases them
             for digest, row in t.decoded_blob_rows():
                 if not row.inline and not row.quarantined:
                     registered.add(digest)
-                if row.refs <= owed.get(bytes.fromhex(digest), 0) and row.touched <= old:
+                if row.refs == 0 and row.touched <= old:
                     zero_ref.append(BlobRef(digest, row.size))
                     nbytes += row.size
             for mk, raw in t.manifest_rows():
@@ -132,7 +131,7 @@ class Sweeper:
         now = self._tables.clock()
 
         def fn(t: Txn) -> list[tuple[str, BlobRow]]:
-            zero = [ref.digest for ref in plan.zero_ref_blobs] + t.release_counts(t.take_owed_releases())
+            zero = [ref.digest for ref in plan.zero_ref_blobs]
             for planned in plan.stale_manifests:
                 mk = manifest_key(planned.key, planned.rank, planned.generation)
                 raw = t.manifest_row(mk)

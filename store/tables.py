@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import lmdb
 
@@ -42,15 +42,18 @@ if TYPE_CHECKING:
     from .index import Index
     from .layout import Layout
 
-__all__ = ["DATABASES", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH"]
+__all__ = ["DATABASES", "ENTRY_TABLES", "Removal", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH",
+           "WRITES"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The named databases of the index (``entry_shadow``: see ``shadows``; ``releases``: ``blobrows``).
+#: The named databases of the index (``entry_shadow``: see ``shadows``).
 DATABASES = ("blobs", "blobdata", "entries", "entry_shadow", "access", "components", "manifests", "leases",
-             "stats", "meta", "releases")
+             "stats", "meta")
+#: The tables whose row under an entry's key belongs to the entry: written with it, removed with it.
+ENTRY_TABLES = ("entries", "entry_shadow", "access", "components")
 
 #: Totals in ``meta`` that would otherwise need a full scan (and ``blobrows.PHYSICAL``);
 #: ``verify --fix`` recounts them.
@@ -60,6 +63,18 @@ PINNED = b"pinned_bytes"
 #: lookups (drops it, quarantines it, replaces it), so that a lookup may trust
 #: blob rows it checked before while this value is unchanged (``lookup.LookupMemo``).
 BLOB_EPOCH = b"blob_epoch"
+#: In ``meta``: how many write transactions committed, counted by each of them (lock-only ones
+#: excepted): a reader that saw the same count later knows no row changed in between (eviction).
+WRITES = b"writes"
+
+
+class Removal(NamedTuple):
+    """An entry to remove: its key's bytes, its share of the totals, and manifests going with it."""
+
+    raw_key: bytes
+    nbytes: int  # its logical bytes (0 when unknown: ``verify --fix`` recounts the totals)
+    pinned: bool
+    manifests: Sequence[bytes] = ()  # keys of manifest rows removed with it (current, committed ones)
 
 _I64 = struct.Struct("<q")
 def _int(raw: bytes | None) -> int:
@@ -74,12 +89,14 @@ class Txn(BlobRows):
     of thousands of rows costs one read-modify-write per total.
     """
 
-    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops", "clock")
+    __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops", "clock", "lock_only")
 
-    def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock) -> None:
+    def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock, *,
+                 lock_only: bool = False) -> None:
         self.raw = raw
         self._db = db
         self.clock = clock  # the store's (``Tables.clock``): rows stamped in this transaction use it
+        self.lock_only = lock_only  # holds the write lock to act on files; changes no row (``Tables.locked``)
         self._deltas: dict[tuple[str, bytes], int] | None = None  # (table, name) -> delta; made when needed
         self._epoch_moved = False
         self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
@@ -91,8 +108,13 @@ class Txn(BlobRows):
         return self.drops
 
     def finish(self) -> None:
-        """Write the summed totals, counters and the epoch (write transactions only)."""
+        """Write the summed totals, counters, the epoch and the write count (write transactions only)."""
         meta = self._db["meta"]
+        if self.lock_only:
+            if self._deltas or self._epoch_moved:
+                raise RuntimeError("a lock-only transaction changed the index")  # a bug: use Tables.write
+            return
+        self.raw.put(WRITES, _I64.pack(_int(self.raw.get(WRITES, None, meta)) + 1), db=meta)
         for (table, name), delta in (self._deltas or {}).items():
             if delta:
                 db = self._db[table]
@@ -117,6 +139,10 @@ class Txn(BlobRows):
 
     def has_total(self, name: bytes) -> bool:
         return self.raw.get(name, None, self._db["meta"]) is not None
+
+    def writes(self) -> int:
+        """The write count this transaction sees (:data:`WRITES`)."""
+        return _int(self.raw.get(WRITES, None, self._db["meta"]))
 
     def epoch(self) -> bytes | None:
         """The blob epoch as stored (compared by value, never interpreted)."""
@@ -221,10 +247,12 @@ class Txn(BlobRows):
                 log.warning("%s", exc)
 
     def put_entry(self, entry: Entry) -> None:
-        """Write an entry row and its shadow; the logical and pinned totals follow the row it replaces."""
+        """Write an entry row and its shadow; the totals follow the row it replaces."""
         raw_key = entry.key.encode()
-        self._entry_totals(self._entry_or_none(raw_key), -1)
-        self._entry_totals(entry, +1)
+        old = self._entry_or_none(raw_key)
+        if old is not None:
+            self._entry_totals(-old.bytes, -old.bytes if old.pinned else 0)
+        self._entry_totals(entry.bytes, entry.bytes if entry.pinned else 0)
         raw = entry.encode()
         rows = self.current_manifests(entry.key, sorted(entry.ranks.items()))
         current = None if None in rows else rows
@@ -233,53 +261,41 @@ class Txn(BlobRows):
         self.raw.put(raw_key, entry_shadow(raw, entry, current, refs), db=self._db["entry_shadow"])  # type: ignore[arg-type]
 
     def drop_entry(self, key: str, entry: Entry | None = None) -> None:
-        """Delete an entry's rows (entry, shadow, access, components) and its share of the totals.
-
-        ``entry`` is the decoded row when the caller has it; else it is read.
-        """
+        """Remove one entry's rows (:meth:`remove_entries`); ``entry`` is its decoded row when the caller has it."""
         raw_key = key.encode()
         entry = entry if entry is not None else self._entry_or_none(raw_key)
-        self.forget_entry(raw_key, entry.bytes if entry is not None else 0, entry is not None and entry.pinned)
+        self.remove_entries([Removal(raw_key, entry.bytes, entry.pinned) if entry is not None
+                             else Removal(raw_key, 0, False)])
 
-    def forget_entry(self, raw_key: bytes, nbytes: int, pinned: bool) -> None:
-        """:meth:`drop_entry` for a caller that knows the entry's bytes and pin (from its shadow)."""
-        self._add(LOGICAL, -nbytes)
-        if pinned:
-            self._add(PINNED, -nbytes)
-            self._drops().pins.append(raw_key)
-        self.drop_entry_key(raw_key)
+    def remove_entries(self, removals: Sequence[Removal]) -> None:
+        """The one way an entry leaves the index: its row in every :data:`ENTRY_TABLES` table goes, with
+        the manifests listed, and its share of the totals.
 
-    def forget_entries(self, entries: Sequence[tuple[bytes, int, int, Sequence[bytes]]]) -> None:
-        """:meth:`forget_entry` for many (row key, bytes, pinned, manifest keys) at once, manifests too.
-
-        Each table's rows go in key order through one cursor, which LMDB
-        positions from where it is rather than from the root.
+        Each table's rows go in key order through one cursor (LMDB positions
+        it from where it is rather than from the root: eviction removes
+        thousands per transaction).  Pins and manifests are noted so their
+        record files follow after the commit (``aftercommit``).
         """
-        self._add(LOGICAL, -sum(e[1] for e in entries))
-        self._add(PINNED, -sum(e[1] for e in entries if e[2]))
-        keys = sorted([e[0] for e in entries])
-        manifests = sorted([mk for e in entries for mk in e[3]])
-        if manifests or any(e[2] for e in entries):  # current manifests only: committed records
+        if not removals:
+            return
+        self._entry_totals(-sum(r.nbytes for r in removals), -sum(r.nbytes for r in removals if r.pinned))
+        keys = sorted(r.raw_key for r in removals)
+        manifests = sorted(mk for r in removals for mk in r.manifests)
+        pins = [r.raw_key for r in removals if r.pinned]
+        if manifests or pins:
             drops = self._drops()
             drops.manifests += [(mk, COMMITTED_RECORD) for mk in manifests]
-            drops.pins += [e[0] for e in entries if e[2]]
-        for table, rows in (("entries", keys), ("entry_shadow", keys), ("access", keys), ("components", keys),
-                            ("manifests", manifests)):
+            drops.pins += pins
+        for table, rows in [*((t, keys) for t in ENTRY_TABLES), ("manifests", manifests)]:
             cur = self.raw.cursor(db=self._db[table])
             for k in rows:
                 if cur.set_key(k):
                     cur.delete()
 
-    def drop_entry_key(self, raw_key: bytes) -> None:
-        """Delete the rows of an entry key without touching the totals (``verify --fix`` recounts)."""
-        for table in ("entries", "entry_shadow", "access", "components"):
-            self.raw.delete(raw_key, db=self._db[table])
-
-    def _entry_totals(self, entry: Entry | None, sign: int) -> None:
-        if entry is not None:
-            self._add(LOGICAL, sign * entry.bytes)
-            if entry.pinned:
-                self._add(PINNED, sign * entry.bytes)
+    def _entry_totals(self, nbytes: int, pinned_bytes: int) -> None:
+        """The one place entries move the totals: ``nbytes`` logical bytes, ``pinned_bytes`` of them pinned."""
+        self._add(LOGICAL, nbytes)
+        self._add(PINNED, pinned_bytes)
 
     def is_pinned(self, raw_key: bytes) -> bool:
         """Whether the entry of ``raw_key`` exists, is readable and is pinned."""
@@ -471,6 +487,21 @@ class Tables:
 
     def read(self) -> _Reading:
         return _Reading(self)
+
+    def locked(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` holding the write lock, to act on files while no writer can change a row.
+
+        A lock-only transaction changes no row (a changed total or epoch is
+        a bug) and is not counted in :data:`WRITES`: it must not make an
+        eviction pass believe that someone else wrote.
+        """
+        def run(raw: lmdb.Transaction) -> T:
+            t = Txn(raw, self.index.db, self.clock, lock_only=True)
+            result = fn(t)
+            t.finish()
+            return result
+
+        return self.index.write(run)
 
     def write(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew).

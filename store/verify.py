@@ -30,7 +30,7 @@ from .recordfiles import RecordFiles
 from .names import validate_key
 from .records import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from .recordsync import check_records, fix_records
-from .tables import LOGICAL, PHYSICAL, PINNED, Tables, Txn
+from .tables import LOGICAL, PHYSICAL, PINNED, Removal, Tables, Txn
 
 __all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
 
@@ -148,11 +148,10 @@ class _Scan:
     bad_entries: list[bytes] = field(default_factory=list)
     strays: dict[str, list[bytes]] = field(default_factory=dict)
     totals: dict[bytes, int] = field(default_factory=dict)
-    owed: Counter[bytes] = field(default_factory=Counter)  # references an eviction pass owes (``blobrows``)
 
 
 def _scan(t: Txn, rep: VerifyReport) -> _Scan:
-    s = _Scan(owed=t.owed_releases())
+    s = _Scan()
     for k, v in t.blob_rows():
         if len(k) != 32:  # not a SHA-256: never turned into a path
             rep.add(Reason.CORRUPT_INDEX, "", f"blob row with a malformed key {k!r}")
@@ -258,10 +257,9 @@ def verify_store(
             if m is None or not m.committed:
                 rep.add(Reason.INCOMPLETE, e.key, f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
     for digest, row in s.rows.items():
-        held = row.refs - s.owed.get(bytes.fromhex(digest), 0)  # less what an eviction pass owes (``blobrows``)
-        if held != refs.get(digest, 0):
+        if row.refs != refs.get(digest, 0):
             rep.add(Reason.REFCOUNT, digest,
-                    f"blob {digest}: refcount {held}, referenced by {refs.get(digest, 0)} manifest(s)")
+                    f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
     actual = {PHYSICAL: sum(r.size for r in s.rows.values()),
               LOGICAL: sum(e.bytes for e in s.entries.values()),
               PINNED: sum(e.bytes for e in s.entries.values() if e.pinned)}
@@ -342,15 +340,14 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
         for k in s.bad_manifests:
             t.drop_manifest_row(k)
             fixed.append(f"dropped undecodable manifest {k!r}")
+        t.remove_entries([Removal(k, 0, False) for k in s.bad_entries])  # totals: recounted below
         for k in s.bad_entries:
-            t.drop_entry_key(k)
             fixed.append(f"dropped undecodable entry {k!r}")
         for m in {(m.key, m.rank, m.generation): m for m in doomed}.values():
             if t.manifest_row(manifest_key(m.key, m.rank, m.generation)) is not None:
                 t.drop_manifest(m)
                 fixed.append(f"dropped manifest {m.key} rank {m.rank} gen {m.generation}")
-        # Recount everything from what is left (owed releases included).
-        t.take_owed_releases()
+        # Recount everything from what is left.
         manifests = [Manifest.decode(mk, raw) for mk, raw in t.manifest_rows()]
         refs: Counter[str] = Counter(d for m in manifests for d in m.digests())
         current = {(m.key, m.rank): m for m in manifests if m.committed}
