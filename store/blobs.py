@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .blobwriter import BlobWriter
@@ -29,7 +29,7 @@ from .names import validate_digest
 from .records import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline
 from .tables import Tables, Txn
 
-__all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE"]
+__all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 
 log = logging.getLogger(__name__)
 
@@ -372,3 +372,36 @@ class Blobs:
             t.quarantine_blob(digest, row)
 
         self._tables.write(fn)
+
+
+#: Blob files unlinked per lock-only transaction.
+_UNLINK_BATCH = 1000
+
+
+def unlink_dropped(tables: Tables, digests: Sequence[str]) -> int:
+    """Unlink the blob files of ``digests`` whose rows a committed transaction dropped; returns bytes.
+
+    Files go only after the rows (invariant 4).  Each unlink runs under the
+    write lock (a lock-only transaction), after checking that no writer
+    registered the blob again meanwhile: a writer that sees its file inside
+    its registering transaction may rely on it.
+    """
+    layout, total = tables.layout, 0
+    for i in range(0, len(digests), _UNLINK_BATCH):
+        def fn(t: Txn, batch: Sequence[str] = digests[i:i + _UNLINK_BATCH]) -> int:
+            n = 0
+            for digest in batch:
+                row = t.blob_row(digest)
+                if row is not None and not row.inline and not row.quarantined:
+                    continue  # registered again
+                path = layout.blob_path(digest)
+                size = layout.file_size(path)
+                try:
+                    os.unlink(path)
+                    n += size
+                except FileNotFoundError:
+                    pass
+            return n
+
+        total += tables.locked(fn)
+    return total

@@ -5,7 +5,7 @@ key), least recently used first, and never on single blobs under a live
 manifest (invariant 4).  Execution re-checks each victim inside the write
 transaction of its batch (still unleased; for eviction also unpinned, not
 used or recommitted since the plan), deletes the rows, commits, and only then
-unlinks files (:func:`.aftercommit.unlink_after_commit`).  A blob that loses its
+unlinks files (``blobs.unlink_dropped``, ``obsolete.obsolete_dropped``).  A blob that loses its
 last reference is deleted only when it is older than the grace period;
 otherwise the sweep takes it later (README, "Using the store").
 """
@@ -22,7 +22,8 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, NamedTuple
 
-from .aftercommit import Drops, unlink_after_commit, write_obsolete_list
+from .blobs import unlink_dropped
+from .obsolete import obsolete_dropped, write_obsolete_list
 from .ballast import spending_allowed
 from .errors import CorruptRecord, KeyNotFound
 from .leases import live_leases
@@ -31,7 +32,7 @@ from .recordfiles import RecordFiles
 from .names import validate_key
 from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
 from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
-from .tables import PHYSICAL, Removal, Tables, Txn
+from .tables import PHYSICAL, Drops, Removal, Tables, Txn
 from .units import MinFree, parse_min_free
 
 __all__ = ["PlanKind", "EvictedBatch", "EvictionPlan", "Evictor", "Victim", "drop_unreferenced"]
@@ -148,7 +149,7 @@ class EvictionPlan:
                     break
         finally:
             if carried:  # the last batch's, or one a failed batch did not list
-                unlink_after_commit(self._evictor.tables, (), carried)
+                obsolete_dropped(self._evictor.tables, carried)
         log.info("%s: %d of %d planned entr(ies), freed %d bytes", self.kind, evicted, total, freed)
         return freed
 
@@ -376,7 +377,7 @@ class Evictor:
             (done, dropped, next_expected), drops = self._tables.write_noting_drops(fn)
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins
-        unlink_after_commit(self._tables, [d for d, row in dropped if not row.inline])
+        unlink_dropped(self._tables, [d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), next_expected
 
     def _drop_rechecked(self, t: Txn, v: Victim, evict: bool, leased: set[str],

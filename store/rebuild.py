@@ -37,6 +37,7 @@ from .fsutil import fsync_dir
 from .index import Index
 from .indexfile import FRESH_INDEX_BYTES
 from .layout import Layout
+from .obsolete import obsolete_dropped
 from .recordfiles import Found, RecordFiles, RecordState
 from .records import BlobRow
 from .tables import Tables, Txn
@@ -116,7 +117,7 @@ class RebuildPlan:
                 log.warning("could not quarantine %s: %s", path, exc)
         index = Index.acquire(layout.index, group_shared=layout.group_shared)
         try:
-            tables = Tables(index, layout)
+            tables = Tables(index, layout, after_commit=obsolete_dropped)
             now = tables.clock()
             for i in range(0, len(good), _BATCH):
                 def fn(t: Txn, batch: list[tuple[str, int]] = good[i:i + _BATCH]) -> None:

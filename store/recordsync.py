@@ -27,8 +27,8 @@ from .recordfiles import Found, RecordFiles, RecordState, mtime_of
 from .recordfmt import BadRecord, payload_of
 from .names import validate_key
 from .records import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
-from .aftercommit import Drops, purge_obsolete_records, unlink_after_commit
-from .tables import Tables, Txn
+from .obsolete import obsolete_dropped, purge_obsolete_records
+from .tables import Drops, Tables, Txn
 
 __all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
 
@@ -94,7 +94,7 @@ class RecordWriter:
         except CorruptRecord as exc:
             log.warning("record of %s rank %d not written: %s", key, rank, exc)
         if drops:
-            unlink_after_commit(self._tables, (), drops)
+            obsolete_dropped(self._tables, drops)
 
     def write_from_index(self, key: str, rank: int, generation: int) -> bool:
         """Write the committed record of (key, rank, generation) from the index; False if it has none."""
@@ -234,7 +234,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
     it are left alone (a save may be between its index transaction and its
     rename) and nothing is written or quarantined; without it (``verify
     --fix``), everything is settled.  Each removal re-checks the index under
-    its write lock (``aftercommit.unlink_after_commit``).
+    its write lock (``obsolete.obsolete_dropped``).
     """
     writer = RecordWriter(tables)
     files = writer.files
@@ -258,7 +258,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
             which = 1 if f.state is RecordState.COMMITTED else 2
             drops.manifests.append((manifest_key(f.key, f.rank, f.generation), which))
     if drops:
-        unlink_after_commit(tables, (), drops)
+        obsolete_dropped(tables, drops)
         done.append(f"removed {len(drops.manifests) + len(drops.pins)} orphan record file(s)")
     if grace_period is not None:
         return done  # gc deletes what the obsolete lists name next

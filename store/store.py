@@ -34,6 +34,7 @@ from .layout import Layout
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish, validate_publish
+from .obsolete import obsolete_dropped
 from .reasons import Reason
 from .rebuild import RebuildReport, plan_rebuild
 from .recordsync import RecordWriter, components_changed, record_inputs
@@ -112,7 +113,7 @@ class Store:
         if self._index.ballast is None:
             self._index.ballast = Ballast(layout.root)
             self._index.ballast.ensure()
-        self._tables = Tables(self._index, layout, self.clock)
+        self._tables = Tables(self._index, layout, self.clock, after_commit=obsolete_dropped)
         self._init_totals()
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").

@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from .ballast import spending_allowed
+from .blobs import unlink_dropped
 from .errors import CorruptRecord
 from .eviction import drop_unreferenced
 from .leases import live_leases
 from .manifests import drop_if_empty
+from .obsolete import purge_obsolete_records
 from .recordfiles import RecordFiles, mtime_of
 from .recordsync import RecordIssues, check_records, fix_records
 from .names import is_digest
 from .records import BlobRef, BlobRow, Manifest, manifest_key
-from .aftercommit import purge_obsolete_records, unlink_after_commit
 from .tables import Tables, Txn
 
 __all__ = ["SweepPlan", "Sweeper"]
@@ -151,7 +152,7 @@ class Sweeper:
         cutoff = now - self.grace
         files = [d for d, row in dropped if not row.inline]
         files += [f.name for f in plan.orphan_files if is_digest(f.name) and _older([f], cutoff)[0]]
-        freed += unlink_after_commit(self._tables, files)
+        freed += unlink_dropped(self._tables, files)
         for f in plan.orphan_files:
             if not is_digest(f.name):
                 freed += _unlink_if_old(f, cutoff)

@@ -8,7 +8,7 @@ every row that changes them; and every change that can take a blob away from
 a hit (a row dropped, quarantined or replaced) moves the blob epoch that the
 lookup memo trusts (README, "Using the store").  Each :class:`Txn` notes the
 manifests and pins it drops, whichever operation it serves, so that their
-on-disk records follow once it committed (:mod:`.aftercommit`; README,
+on-disk records follow once it committed (``Tables.after_commit``; README,
 "Damage and repair").
 """
 
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import lmdb
 
-from .aftercommit import BOTH_RECORDS, COMMITTED_RECORD, Drops, unlink_after_commit
 from .blobrows import PHYSICAL, BlobRows
 from .clock import Clock, system_clock
 from .errors import CorruptRecord
@@ -42,7 +41,8 @@ if TYPE_CHECKING:
     from .index import Index
     from .layout import Layout
 
-__all__ = ["DATABASES", "ENTRY_TABLES", "Removal", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH",
+__all__ = ["DATABASES", "ENTRY_TABLES", "Drops", "AfterCommit", "COMMITTED_RECORD", "PENDING_RECORD",
+           "BOTH_RECORDS", "Removal", "Tables", "Txn", "PHYSICAL", "LOGICAL", "PINNED", "BLOB_EPOCH",
            "WRITES"]
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,29 @@ BLOB_EPOCH = b"blob_epoch"
 #: In ``meta``: how many write transactions committed, counted by each of them (lock-only ones
 #: excepted): a reader that saw the same count later knows no row changed in between (eviction).
 WRITES = b"writes"
+
+
+#: Which record files a dropped manifest may have: the committed one, the pending one (bits).
+COMMITTED_RECORD, PENDING_RECORD = 1, 2
+BOTH_RECORDS = COMMITTED_RECORD | PENDING_RECORD
+
+
+class Drops:
+    """What a write transaction dropped that has files under ``records/``: manifests and pins."""
+
+    __slots__ = ("manifests", "pins")
+
+    def __init__(self) -> None:
+        self.manifests: list[tuple[bytes, int]] = []  # (manifest key, which record files)
+        self.pins: list[bytes] = []  # entry keys that were pinned
+
+    def __bool__(self) -> bool:
+        return bool(self.manifests or self.pins)
+
+
+#: What a store does after a commit that dropped manifests or pins (``obsolete.obsolete_dropped``:
+#: their records are listed as obsolete).  The index layer knows nothing of record files.
+AfterCommit = Callable[["Tables", Drops], None]
 
 
 class Removal(NamedTuple):
@@ -478,12 +501,16 @@ class _Reading:
 class Tables:
     """Typed transactions over one :class:`~adstore.store.index.Index`."""
 
-    __slots__ = ("index", "layout", "clock")
+    __slots__ = ("index", "layout", "clock", "after_commit")
 
-    def __init__(self, index: Index, layout: Layout, clock: Clock = system_clock) -> None:
+    def __init__(self, index: Index, layout: Layout, clock: Clock = system_clock, *,
+                 after_commit: AfterCommit | None = None) -> None:
         self.index = index
         self.layout = layout
         self.clock = clock  #: where every part of the store gets "now" (``clock``)
+        #: Run after each commit that dropped manifests or pins (None: their records are left to gc's
+        #: sweep, which finds them orphaned).
+        self.after_commit = after_commit
 
     def read(self) -> _Reading:
         return _Reading(self)
@@ -507,11 +534,11 @@ class Tables:
         """Run ``fn`` in one write transaction and commit (``fn`` may run again after the map grew).
 
         The records of the manifests it dropped are obsoleted and the pin markers of the entries it
-        dropped unlinked, after the commit (:func:`.aftercommit.unlink_after_commit`).
+        dropped unlinked, after the commit (:attr:`after_commit`).
         """
         result, drops = self.write_noting_drops(fn)
-        if drops:
-            unlink_after_commit(self, (), drops)
+        if drops and self.after_commit is not None:
+            self.after_commit(self, drops)
         return result
 
     def write_noting_drops(self, fn: Callable[[Txn], T]) -> tuple[T, Drops | None]:

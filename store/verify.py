@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aftercommit import unlink_after_commit
-from .blobs import CHUNK_SIZE
+from .blobs import CHUNK_SIZE, unlink_dropped
 from .errors import CorruptRecord
 from .layout import Layout
 from .reasons import Reason
@@ -392,7 +391,7 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
     # removes what is left as orphans.
     (fixed, dropped), _records_left = tables.write_noting_drops(fn)
     rep.fixed += fixed
-    unlink_after_commit(tables, dropped)  # files of dropped rows that are still in blobs/
+    unlink_dropped(tables, dropped)  # files of dropped rows that are still in blobs/
     rep.repaired = True
     log.info("verify --fix: %d repair(s)", len(rep.fixed))
     return touched
