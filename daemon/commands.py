@@ -25,13 +25,13 @@ from adstore.daemon.format import (
     human_duration,
     human_size,
     kv_block,
+    remote_stats_rows,
     short_key,
     table,
 )
 from adstore.daemon.lock import read_status
 from adstore.daemon.metrics import store_metrics
-from adstore.store import Store
-from adstore.store.errors import AdstoreError
+from adstore.store import AdstoreError, Store
 
 __all__ = [
     "Context",
@@ -211,8 +211,6 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     lines = [kv_block(rows), ""]
     counter_rows: list[tuple[str, Any]] = []
     ms_saved = counters.pop("ms_saved", 0)
-    from adstore.daemon.remote_cmds import remote_stats_rows  # the remote tier's rows (README, "Remote tier")
-
     remote_rows = remote_stats_rows(counters)
     counters = {k: v for k, v in counters.items() if not k.startswith("remote.")}
     for name, total, subs in _grouped_counters(counters):

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from adstore.store import Budget, Store, StoreStats
-from adstore.store.fsutil import atomic_write
+from adstore.store import Budget, Store, StoreStats, atomic_write
 
 __all__ = ["Family", "collect", "render", "store_metrics", "write_metrics", "COUNTERS", "GAUGES"]
 

@@ -26,8 +26,8 @@ from .blobwriter import BlobWriter
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
 from .names import validate_digest
-from .records import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline
-from .tables import Tables, Txn
+from .index.rows import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline
+from .index.tables import Tables, Txn
 
 __all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ChecksumMismatch, StoreError
 from .fsutil import is_disk_full, start_writeback, unique_temp
-from .records import BlobRef
+from .index.rows import BlobRef
 
 if TYPE_CHECKING:
     from .blobs import Blobs

@@ -16,7 +16,7 @@ import weakref
 from collections import Counter
 from pathlib import Path
 
-from .tables import Tables, Txn
+from .index.tables import Tables, Txn
 
 __all__ = ["Bookkeeping", "flush_root"]
 

@@ -14,8 +14,8 @@ import socket
 
 import psutil
 
-from .records import LeaseRecord
-from .tables import Txn
+from .index.rows import LeaseRecord
+from .index.tables import Txn
 
 __all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record", "live_leases"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptRecord
 from .reasons import Reason
-from .records import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
-from .tables import Txn
+from .index.rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
+from .index.tables import Txn
 
 __all__ = ["LookupResult", "LookupMemo", "lookup"]
 

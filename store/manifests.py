@@ -5,7 +5,7 @@ bumped in the same transaction (invariant 3), and commits it only when every
 rank saved.  Committing a generation replaces the rank's older generation and
 releases its blob references.  Dropping an entry takes every rank and every
 generation with it (invariant 4).  All of it runs inside one
-:class:`~adstore.store.tables.Txn` (README, "Using the store").
+:class:`~adstore.store.index.tables.Txn` (README, "Using the store").
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from .names import (
     validate_rank,
     validate_world_size,
 )
-from .records import BlobRef, Entry, Manifest, manifest_key, validate_json
-from .shadows import PINNED, Head, to_entry
-from .tables import Removal, Txn
+from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
+from .index.shadows import PINNED, Head, to_entry
+from .index.entryrows import Removal
+from .index.tables import Txn
 
 __all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
 

@@ -10,8 +10,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .budget import Budget, read_budget
-from .tables import LOGICAL, PHYSICAL, PINNED, Tables
+from .maintenance.budget import Budget, read_budget
+from .index.schema import LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
+from .index.tables import Tables
 
 __all__ = ["StoreStats", "event_counters", "read_stats"]
 
@@ -64,9 +65,9 @@ def read_stats(tables: Tables) -> StoreStats:
             blobs=t.rows("blobs"),
             inline_blobs=t.rows("blobdata"),
             leases=t.rows("leases"),
-            physical_bytes=t.total(PHYSICAL),
-            logical_bytes=t.total(LOGICAL),
-            pinned_bytes=t.total(PINNED),
+            physical_bytes=t.total(PHYSICAL_BYTES),
+            logical_bytes=t.total(LOGICAL_BYTES),
+            pinned_bytes=t.total(PINNED_BYTES),
             budget=read_budget(t),
         )
     st.index_bytes = sum(f.stat().st_size for f in tables.layout.index.iterdir() if f.is_file())

@@ -19,33 +19,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .ballast import Ballast
+from .index.ballast import Ballast
 from .blobs import Blobs
 from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
-from .budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
+from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
-from .eviction import EvictionPlan, Evictor
+from .maintenance.eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
-from .index import Index
-from .indexfile import probe_index
+from .index.env import Index
+from .index.file import probe_index
 from .layout import Layout
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish, validate_publish
-from .obsolete import obsolete_dropped
+from .records.obsolete import obsolete_dropped
 from .reasons import Reason
-from .rebuild import RebuildReport, plan_rebuild
-from .recordsync import RecordWriter, components_changed, record_inputs
+from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
+from .records.sync import RecordWriter, components_changed, record_inputs
 from .names import validate_key
-from .records import BlobRef, Entry, LeaseRecord, Manifest, validate_json
+from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
 from .stats import StoreStats, event_counters, read_stats
-from .sweep import Sweeper, SweepPlan
-from .inline import InlineEviction
-from .tables import PHYSICAL, PINNED, Tables, Txn
+from .maintenance.sweep import Sweeper, SweepPlan
+from .maintenance.inline import InlineEviction
+from .index.schema import PHYSICAL_BYTES
+from .index.tables import Tables, Txn
 from .units import MinFree, parse_duration, parse_size
-from .verify import Progress, VerifyReport, verify_store
+from .maintenance.verify import Progress, VerifyReport, verify_store
 
 __all__ = ["Store", "default_root", "DEFAULT_INLINE_THRESHOLD"]
 
@@ -114,7 +115,6 @@ class Store:
             self._index.ballast = Ballast(layout.root)
             self._index.ballast.ensure()
         self._tables = Tables(self._index, layout, self.clock, after_commit=obsolete_dropped)
-        self._init_totals()
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
@@ -124,17 +124,6 @@ class Store:
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
-
-    def _init_totals(self) -> None:
-        """Count the pinned bytes once in an index written before they were kept as a total."""
-        def fn(t: Txn) -> None:
-            if not t.has_total(PINNED):
-                t.set_total(PINNED, sum(e.bytes for e, _ in t.entries() if e.pinned))
-
-        with self._tables.read() as t:
-            if t.has_total(PINNED):
-                return
-        self._tables.write(fn)
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -416,7 +405,7 @@ class Store:
     def size(self) -> int:
         """Physical bytes of all registered blobs (files and inline)."""
         with self._tables.read() as t:
-            return t.total(PHYSICAL)
+            return t.total(PHYSICAL_BYTES)
 
     def stats(self) -> StoreStats:
         """Counters and totals, including what every store of this process opened at this root counted."""
@@ -495,14 +484,7 @@ class Store:
         the store; None when the index is sound (or there is no store).  Returns
         why it was rebuilt and the report.
         """
-        layout = Layout(Path(default_root() if root is None else root).expanduser().absolute())
-        if not layout.exists():
-            return None
-        layout.check_no_symlinks()
-        probe = probe_index(layout.root)
-        if probe.ok:
-            return None
-        return probe.detail, plan_rebuild(layout, probe.detail).execute()
+        return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
 
     def reader_check(self) -> int:
         """Free LMDB reader slots left by killed processes."""

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
 from .reasons import Reason
-from .recordfmt import RECORD_FORMAT, BadRecord, parse_payload, payload_of
-from .records import Manifest
+from .records.format import RECORD_FORMAT, BadRecord, parse_payload, payload_of
+from .index.rows import Manifest
 from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
 from ..errors import ChecksumMismatch
-from ..records import BlobRef
+from ..index.rows import BlobRef
 from ..names import validate_digest
 from .addresses import Kind
 from .backend import local_write_error

@@ -23,7 +23,7 @@ from daemon_support import populate, write_config
 from adstore.daemon.cli import main
 from adstore.daemon.commands import _flatten, entry_dict
 from adstore.store import Entry, InvalidKey, KeyNotFound, Store
-from adstore.store.records import MAX_JSON_DEPTH
+from adstore.store.index.rows import MAX_JSON_DEPTH
 
 KIB = 1024
 READ_ONLY = (["stats"], ["ls"], ["inspect", "abc"], ["explain", "abc"], ["verify"], ["stats", "--prometheus"])

@@ -136,7 +136,7 @@ def test_commit_without_publish_is_an_error(store):
 
 def test_hits_are_recorded_beside_the_entry_row(store):
     """Recording hits rewrites a small access row, never the entry (lookups memoize it by its bytes)."""
-    from adstore.store.records import ACCESS_ROW
+    from adstore.store.index.rows import ACCESS_ROW
 
     save(store, "k")
     env, dbs = store.index.env, store.index.db

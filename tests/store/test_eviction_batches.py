@@ -17,8 +17,8 @@ import lmdb
 from store_helpers import save
 
 from adstore.store import Store
-from adstore.store.index import SCHEMA_VERSION
-from adstore.store.tables import WRITES
+from adstore.store.index.schema import SCHEMA_VERSION
+from adstore.store.index.schema import WRITES
 
 SHARED = [os.urandom(5000) for _ in range(3)]
 
@@ -101,7 +101,7 @@ def test_an_index_that_owed_references_is_upgraded_when_opened(store_root, clock
             txn.put(os.urandom(16), bytes.fromhex(shared[0]) * 2 + bytes.fromhex(shared[1])[:7], db=releases)
             blobs = store.index.db["blobs"]
             for d, extra in ((shared[0], 2),):
-                from adstore.store.records import BLOB_ROW
+                from adstore.store.index.rows import BLOB_ROW
 
                 size, refs, touched, flags = BLOB_ROW.unpack(txn.get(bytes.fromhex(d), db=blobs))
                 txn.put(bytes.fromhex(d), BLOB_ROW.pack(size, refs + extra, touched, flags), db=blobs)

@@ -12,8 +12,8 @@ import multiprocessing as mp
 from store_helpers import check_hit, damage_inline_and_read, save
 
 from adstore.store import Store
-from adstore.store.records import BLOB_ROW, FLAG_QUARANTINED
-from adstore.store.tables import BLOB_EPOCH
+from adstore.store.index.rows import BLOB_ROW, FLAG_QUARANTINED
+from adstore.store.index.schema import BLOB_EPOCH
 
 
 def _epoch(store: Store) -> bytes | None:

@@ -28,7 +28,7 @@ from adstore.store.names import (
     validate_rank,
     validate_world_size,
 )
-from adstore.store.recordfmt import BadRecord, parse_payload
+from adstore.store.records.format import BadRecord, parse_payload
 from adstore.store.remote import object_name
 
 KEY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:+=@-"

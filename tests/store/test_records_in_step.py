@@ -15,8 +15,8 @@ from store_helpers import save
 
 from adstore.store import Reason
 from adstore.store.layout import Layout
-from adstore.store.recordfiles import RecordFiles, RecordState
-from adstore.store.recordfmt import RECORD_FORMAT
+from adstore.store.records.files import RecordFiles, RecordState
+from adstore.store.records.format import RECORD_FORMAT
 
 
 def test_records_follow_every_change_of_the_index(store):
@@ -72,7 +72,7 @@ def test_the_remote_payload_is_the_record_format_without_local_fields(store):
 
 
 def test_a_save_whose_record_cannot_be_written_fails_whole(store, monkeypatch):
-    from adstore.store import recordfiles
+    from adstore.store.records import files as recordfiles
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -20,7 +20,7 @@ from store_helpers import run_cli, save, served_digests
 
 from adstore.store import Reason, Store
 from adstore.store.layout import Layout
-from adstore.store.recordfiles import RecordFiles, RecordState
+from adstore.store.records.files import RecordFiles, RecordState
 
 
 KEPT = ("one", "two", "pinned", "tiny")  # what must come back
@@ -172,8 +172,8 @@ def test_a_host_that_holds_one_rank_of_two_gets_it_back(store_root):
 def test_choose_prefers_the_newest_complete_generation():
     """A crash between two ranks' commits: the older generation every rank has wins over a newer partial one."""
     from adstore.store import BlobRef
-    from adstore.store.fromrecords import choose
-    from adstore.store.recordfmt import Record
+    from adstore.store.records.restore import choose
+    from adstore.store.records.format import Record
 
     ref = BlobRef("0" * 64, 1)
 

@@ -38,22 +38,17 @@ from typing import TypeVar
 import lmdb
 
 from .ballast import Ballast, may_spend
-from .errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
-from .indexfile import FRESH_INDEX_BYTES, check_data_file, needs_creating
+from ..errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
+from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
-from .tables import DATABASES
+from .schema import DATABASES, SCHEMA_VERSION
 
-__all__ = ["Index", "SCHEMA_VERSION", "index_error"]
+__all__ = ["Index", "index_error"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Bumped whenever a row's layout changes; an index of another version is refused.
-#: 2: inline blobs are stored with an xxh3-64 head (was a CRC-32 in the blob row).
-#: 3: an entry's last access and hits moved from its JSON row to ``access``.
-#: 4: no owed references (``releases``); a write count in ``meta`` (upgraded from 3: ``migrations``).
-SCHEMA_VERSION = 4
 _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
 _FORK_WAIT = 2.0

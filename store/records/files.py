@@ -64,12 +64,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UnsafeRoot
-from .fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
-from .layout import Layout
-from .recordfmt import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
-from .names import is_key, validate_key
-from .records import MANIFEST_SUFFIX
+from ..errors import UnsafeRoot
+from ..fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
+from ..layout import Layout
+from .format import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
+from ..names import is_key, validate_key
+from ..index.rows import MANIFEST_SUFFIX
 
 __all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "obsolete_names", "shard_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
            "LIST_SUFFIX"]

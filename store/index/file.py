@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CorruptRecord
+from ..errors import CorruptRecord
+from .schema import DATABASES
 
 __all__ = ["MetaPage", "read_meta", "check_data_file", "check_free_list", "probe_index", "ProbeResult",
            "FRESH_INDEX_BYTES", "needs_creating"]
@@ -382,7 +383,6 @@ def probe_index(root: Path) -> ProbeResult:
     A user who may not write ``lock.mdb`` or run the interpreter cannot
     probe: that counts as sound (``verify`` then scans in-process as before).
     """
-    from .tables import DATABASES  # (tables imports lmdb; this module stays light)
 
     try:
         check_data_file(root / "index")

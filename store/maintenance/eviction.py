@@ -22,18 +22,21 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, NamedTuple
 
-from .blobs import unlink_dropped
-from .obsolete import obsolete_dropped, write_obsolete_list
-from .ballast import spending_allowed
-from .errors import CorruptRecord, KeyNotFound
-from .leases import live_leases
-from .manifests import drop_entry
-from .recordfiles import RecordFiles
-from .names import validate_key
-from .records import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
-from .shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
-from .tables import PHYSICAL, Drops, Removal, Tables, Txn
-from .units import MinFree, parse_min_free
+from ..blobs import unlink_dropped
+from ..records.obsolete import obsolete_dropped, write_obsolete_list
+from ..index.ballast import spending_allowed
+from ..errors import CorruptRecord, KeyNotFound
+from ..leases import live_leases
+from ..manifests import drop_entry
+from ..records.files import RecordFiles
+from ..names import validate_key
+from ..index.rows import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
+from ..index.shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
+from ..index.drops import Drops
+from ..index.entryrows import Removal
+from ..index.schema import PHYSICAL_BYTES
+from ..index.tables import Tables, Txn
+from ..units import MinFree, parse_min_free
 
 __all__ = ["PlanKind", "EvictedBatch", "EvictionPlan", "Evictor", "Victim", "drop_unreferenced"]
 
@@ -213,7 +216,7 @@ class Evictor:
         now = self._tables.clock() if now is None else now
         need, why = 0, []
         with self._tables.read() as t:
-            physical = t.total(PHYSICAL)
+            physical = t.total(PHYSICAL_BYTES)
             if max_size is not None and physical > max_size:
                 need = physical - max_size
                 why.append(f"size {physical} > max_size {max_size}")

@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AdstoreError, CorruptRecord, InvalidKey
-from .reasons import Reason
-from .names import (
+from ..errors import AdstoreError, CorruptRecord, InvalidKey
+from ..reasons import Reason
+from ..names import (
     validate_artifact_name,
     validate_generation,
     validate_key,
@@ -45,7 +45,7 @@ from .names import (
     validate_size,
     validate_world_size,
 )
-from .records import BlobRef, Manifest, encode_json, validate_json
+from ..index.rows import BlobRef, Manifest, encode_json, validate_json
 
 __all__ = [
     "RECORD_FORMAT",

@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .ballast import spending_allowed
-from .blobs import unlink_dropped
-from .errors import CorruptRecord
+from ..index.ballast import spending_allowed
+from ..blobs import unlink_dropped
+from ..errors import CorruptRecord
 from .eviction import drop_unreferenced
-from .leases import live_leases
-from .manifests import drop_if_empty
-from .obsolete import purge_obsolete_records
-from .recordfiles import RecordFiles, mtime_of
-from .recordsync import RecordIssues, check_records, fix_records
-from .names import is_digest
-from .records import BlobRef, BlobRow, Manifest, manifest_key
-from .tables import Tables, Txn
+from ..leases import live_leases
+from ..manifests import drop_if_empty
+from ..records.obsolete import purge_obsolete_records
+from ..records.files import RecordFiles, mtime_of
+from ..records.sync import RecordIssues, check_records, fix_records
+from ..names import is_digest
+from ..index.rows import BlobRef, BlobRow, Manifest, manifest_key
+from ..index.tables import Tables, Txn
 
 __all__ = ["SweepPlan", "Sweeper"]
 

@@ -1,6 +1,6 @@
 """The blob tables (``blobs``, ``blobdata``) of the typed transaction layer.
 
-A part of :class:`~adstore.store.tables.Txn`, kept apart to keep modules
+A part of :class:`~adstore.store.index.tables.Txn`, kept apart to keep modules
 small: registering, touching, referencing, quarantining and dropping blob
 rows, with the physical-bytes total and the blob epoch following every change
 that can take a blob away from a hit (README, "Using the store").
@@ -14,17 +14,16 @@ from typing import Any
 
 import lmdb
 
-from .errors import BlobMissing, CorruptRecord
-from .records import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
+from ..errors import BlobMissing, CorruptRecord
+from .rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
+from .schema import PHYSICAL_BYTES
 
-__all__ = ["BlobRows", "PHYSICAL"]
+__all__ = ["BlobRows"]
 
-#: In ``meta``: physical bytes of every registered blob (files and inline).
-PHYSICAL = b"physical_bytes"
 
 
 class BlobRows:
-    """Blob-row methods of :class:`~adstore.store.tables.Txn` (a mixin: no state of its own)."""
+    """Blob-row methods of :class:`~adstore.store.index.tables.Txn` (a mixin: no state of its own)."""
 
     __slots__ = ()
     raw: lmdb.Transaction
@@ -76,9 +75,9 @@ class BlobRows:
         db = self._db
         old = self.raw.get(k, None, db["blobs"])
         if old is not None:
-            self._add(PHYSICAL, -BlobRow.decode(old, k).size)
+            self._add(PHYSICAL_BYTES, -BlobRow.decode(old, k).size)
             self._epoch_moved = True  # a repair: checks against the old row no longer hold
-        self._add(PHYSICAL, row.size)
+        self._add(PHYSICAL_BYTES, row.size)
         if inline is not None:
             self.raw.put(k, inline, db=db["blobdata"])
         else:
@@ -90,7 +89,7 @@ class BlobRows:
         k = bytes.fromhex(digest)
         self.raw.delete(k, db=self._db["blobs"])
         self.raw.delete(k, db=self._db["blobdata"])
-        self._add(PHYSICAL, -row.size)
+        self._add(PHYSICAL_BYTES, -row.size)
         self._epoch_moved = True
 
     def drop_blob_key(self, row_key: bytes) -> None:

@@ -12,12 +12,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptRecord
-from .records import decode_json, encode_json
-from .units import MinFree
+from ..errors import CorruptRecord
+from ..index.rows import decode_json, encode_json
+from ..units import MinFree
 
 if TYPE_CHECKING:
-    from .tables import Txn
+    from ..index.tables import Txn
 
 __all__ = ["Budget", "DEFAULT_GRACE_PERIOD", "BUDGET", "read_budget"]
 

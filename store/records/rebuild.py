@@ -30,19 +30,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ballast import Ballast
-from .errors import StoreError
-from .fromrecords import Restored, Skipped, hash_blob_file, restore
-from .fsutil import fsync_dir
-from .index import Index
-from .indexfile import FRESH_INDEX_BYTES
-from .layout import Layout
+from ..index.ballast import Ballast
+from ..errors import StoreError
+from .restore import Restored, Skipped, hash_blob_file, restore
+from ..fsutil import fsync_dir
+from ..index.env import Index
+from ..index.file import FRESH_INDEX_BYTES, probe_index
+from ..layout import Layout
 from .obsolete import obsolete_dropped
-from .recordfiles import Found, RecordFiles, RecordState
-from .records import BlobRow
-from .tables import Tables, Txn
+from .files import Found, RecordFiles, RecordState
+from ..index.rows import BlobRow
+from ..index.tables import Tables, Txn
 
-__all__ = ["RebuildPlan", "RebuildReport", "plan_rebuild", "LOST_WITH_THE_INDEX"]
+__all__ = ["RebuildPlan", "RebuildReport", "plan_rebuild", "repair_unopenable", "LOST_WITH_THE_INDEX"]
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +146,17 @@ def plan_rebuild(layout: Layout, why: str) -> RebuildPlan:
                 continue
             files += sorted(sub.iterdir())  # a name that is no digest fails the hash check: moved aside
     return RebuildPlan(layout, why, tuple(files), tuple(RecordFiles(layout).scan()))
+
+
+def repair_unopenable(layout: Layout) -> tuple[str, RebuildReport] | None:
+    """Rebuild the index of ``layout`` if a child process cannot read it in full; why, and the report.
+
+    None when the index is sound or there is no store (``Store.repair_index``).
+    """
+    if not layout.exists():
+        return None
+    layout.check_no_symlinks()
+    probe = probe_index(layout.root)
+    if probe.ok:
+        return None
+    return probe.detail, plan_rebuild(layout, probe.detail).execute()

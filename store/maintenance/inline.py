@@ -15,10 +15,11 @@ import logging
 import shutil
 
 from .budget import Budget, read_budget
-from .errors import OverBudget, StoreFull
+from ..errors import OverBudget, StoreFull
 from .eviction import Evictor
 from .sweep import Sweeper
-from .tables import PHYSICAL, Tables
+from ..index.schema import PHYSICAL_BYTES
+from ..index.tables import Tables
 
 __all__ = ["InlineEviction", "INLINE_EVICTION_BATCH"]
 
@@ -38,7 +39,7 @@ class InlineEviction:
 
     def _size(self) -> int:
         with self._tables.read() as t:
-            return t.total(PHYSICAL)
+            return t.total(PHYSICAL_BYTES)
 
     def _limit(self) -> tuple[int | None, float, Budget | None]:
         """This writer's hard limit (its own ``max_size``, else the persisted budget's), the grace, the budget."""

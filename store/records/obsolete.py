@@ -19,12 +19,13 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .names import validate_key
-from .recordfiles import RecordFiles
-from .records import manifest_key
+from ..index.drops import Drops
+from ..names import validate_key
+from .files import RecordFiles
+from ..index.rows import manifest_key
 
 if TYPE_CHECKING:
-    from .tables import Drops, Tables, Txn
+    from ..index.tables import Tables, Txn
 
 __all__ = ["obsolete_dropped", "write_obsolete_list", "purge_obsolete_records"]
 
@@ -35,8 +36,6 @@ _BATCH = 1000
 
 def obsolete_dropped(tables: Tables, drops: Drops) -> None:
     """After a commit that dropped manifests or pins: list their records as obsolete, unlink pin markers."""
-    from .tables import Drops  # noqa: PLC0415  (only for the type of a chunk)
-
     files = RecordFiles(tables.layout)
     for i in range(0, max(len(drops.manifests), len(drops.pins)), _BATCH):
         chunk = Drops()

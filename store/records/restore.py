@@ -28,14 +28,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CorruptRecord
-from .lookup import lookup
-from .manifests import drop_entry
-from .reasons import Reason
-from .recordfiles import Found, RecordFiles, RecordState
-from .recordfmt import BadRecord, Record
-from .records import FLAG_INLINE, BlobRow, Entry, pack_inline
-from .tables import Tables, Txn
+from ..errors import CorruptRecord
+from ..lookup import lookup
+from ..manifests import drop_entry
+from ..reasons import Reason
+from .files import Found, RecordFiles, RecordState
+from .format import BadRecord, Record
+from ..index.rows import FLAG_INLINE, BlobRow, Entry, pack_inline
+from ..index.tables import Tables, Txn
 
 __all__ = ["Skipped", "Restored", "choose", "read_records", "restore", "reimport", "hash_blob_file"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from .errors import CorruptRecord, InvalidKey
-from .names import is_digest, validate_digest, validate_size
+from ..errors import CorruptRecord, InvalidKey
+from ..names import is_digest, validate_digest, validate_size
 
 __all__ = [
     "BlobRef",

@@ -19,17 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blobs import CHUNK_SIZE, unlink_dropped
-from .errors import CorruptRecord
-from .layout import Layout
-from .reasons import Reason
-from .rebuild import RebuildReport
-from .fromrecords import reimport
-from .recordfiles import RecordFiles
-from .names import validate_key
-from .records import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
-from .recordsync import check_records, fix_records
-from .tables import LOGICAL, PHYSICAL, PINNED, Removal, Tables, Txn
+from ..blobs import CHUNK_SIZE, unlink_dropped
+from ..errors import CorruptRecord
+from ..layout import Layout
+from ..reasons import Reason
+from ..records.rebuild import RebuildReport
+from ..records.restore import reimport
+from ..records.files import RecordFiles
+from ..names import validate_key
+from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
+from ..records.sync import check_records, fix_records
+from ..index.entryrows import Removal
+from ..index.schema import LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
+from ..index.tables import Tables, Txn
 
 __all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
 
@@ -178,7 +180,7 @@ def _scan(t: Txn, rep: VerifyReport) -> _Scan:
             continue
         del e
     s.strays = t.strays()
-    s.totals = {name: t.total(name) for name in (PHYSICAL, LOGICAL, PINNED)}
+    s.totals = {name: t.total(name) for name in (PHYSICAL_BYTES, LOGICAL_BYTES, PINNED_BYTES)}
     return s
 
 
@@ -259,9 +261,9 @@ def verify_store(
         if row.refs != refs.get(digest, 0):
             rep.add(Reason.REFCOUNT, digest,
                     f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
-    actual = {PHYSICAL: sum(r.size for r in s.rows.values()),
-              LOGICAL: sum(e.bytes for e in s.entries.values()),
-              PINNED: sum(e.bytes for e in s.entries.values() if e.pinned)}
+    actual = {PHYSICAL_BYTES: sum(r.size for r in s.rows.values()),
+              LOGICAL_BYTES: sum(e.bytes for e in s.entries.values()),
+              PINNED_BYTES: sum(e.bytes for e in s.entries.values() if e.pinned)}
     drift = actual != s.totals
     if drift:
         rep.add(Reason.TOTALS_DRIFT, "", "totals drifted: " + ", ".join(
@@ -382,9 +384,9 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
         for table, keys in t.strays().items():
             for k in keys:
                 t.drop_row(table, k)
-        t.set_total(PHYSICAL, physical)
-        t.set_total(LOGICAL, logical)
-        t.set_total(PINNED, pinned)
+        t.set_total(PHYSICAL_BYTES, physical)
+        t.set_total(LOGICAL_BYTES, logical)
+        t.set_total(PINNED_BYTES, pinned)
         return fixed, dropped
 
     # The records of the rows dropped here stay: ``reimport`` restores from them, then ``fix_records``

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from xxhash import xxh3_64_intdigest
 
-from .records import Entry
+from .rows import Entry
 
 __all__ = ["HEAD", "PINNED", "Head", "entry_shadow", "head_of", "rows_check", "to_entry", "ranks_of", "refs_of"]
 

@@ -11,8 +11,9 @@ always safe.
   used to write the references a batch dropped into a ``releases`` table and
   release them later; the references still owed there are released now
   (refcounts drop to what the manifests hold, and blobs left at zero go with
-  the next sweep), and the table goes.  The write count (``tables.WRITES``)
-  that eviction now compares starts at 0.
+  the next sweep), and the table goes.  The write count (``schema.WRITES``)
+  that eviction now compares starts at 0.  An index written before pinned
+  bytes were kept as a total gets that total.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any
 
 import lmdb
 
-from .records import BLOB_ROW
+from ..errors import CorruptRecord
+from .rows import BLOB_ROW, Entry
+from .schema import PINNED_BYTES
 
 __all__ = ["MIGRATIONS", "migrate"]
 
@@ -32,6 +35,19 @@ log = logging.getLogger(__name__)
 
 #: ``migration(env, txn, db)`` upgrades an index of version N to N + 1 inside ``txn``.
 Migration = Callable[[lmdb.Environment, lmdb.Transaction, Mapping[str, Any]], None]
+
+
+def _to_4(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any]) -> None:
+    _release_owed(env, txn, db)
+    if txn.get(PINNED_BYTES, db=db["meta"]) is None:
+        pinned = 0
+        for k, v in txn.cursor(db=db["entries"]):
+            try:
+                entry = Entry.decode(bytes(k), bytes(v))
+            except CorruptRecord:
+                continue  # verify reports it (and recounts the totals)
+            pinned += entry.bytes if entry.pinned else 0
+        txn.put(PINNED_BYTES, pinned.to_bytes(8, "little", signed=True), db=db["meta"])
 
 
 def _release_owed(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any]) -> None:
@@ -54,7 +70,7 @@ def _release_owed(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str,
         log.info("index upgraded to schema 4: released %d owed reference(s)", sum(owed.values()))
 
 
-MIGRATIONS: dict[int, Migration] = {3: _release_owed}
+MIGRATIONS: dict[int, Migration] = {3: _to_4}
 
 
 def migrate(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any], found: int, target: int) -> bool:

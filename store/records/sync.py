@@ -20,15 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptRecord
-from .layout import Layout
-from .reasons import Reason
-from .recordfiles import Found, RecordFiles, RecordState, mtime_of
-from .recordfmt import BadRecord, payload_of
-from .names import validate_key
-from .records import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
+from ..errors import CorruptRecord
+from ..layout import Layout
+from ..reasons import Reason
+from .files import Found, RecordFiles, RecordState, mtime_of
+from .format import BadRecord, payload_of
+from ..names import validate_key
+from ..index.rows import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
 from .obsolete import obsolete_dropped, purge_obsolete_records
-from .tables import Drops, Tables, Txn
+from ..index.drops import Drops
+from ..index.tables import Tables, Txn
 
 __all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
 
