@@ -60,12 +60,9 @@ class Bookkeeping:
 
     def _ensure_flusher(self) -> None:
         """Make sure this process runs a flusher thread (started lazily, again after fork)."""
-        if self._started or self._closed.is_set():
+        if self._started or self._closed.is_set() or not self._claim_flusher():
             return
         with self._lock:
-            if self._started:
-                return
-            self._started = True
             ref = weakref.ref(self)
             closed = self._closed
             interval = self.flush_interval
@@ -80,6 +77,14 @@ class Bookkeeping:
 
             self._thread = threading.Thread(target=run, name="adstore-flush", daemon=True)
             self._thread.start()
+
+    def _claim_flusher(self) -> bool:
+        """Whether this caller starts the flusher (one caller does, under the lock)."""
+        with self._lock:
+            if self._started:
+                return False
+            self._started = True
+            return True
 
     def flush(self) -> None:
         """Write pending counters and access times; bookkeeping never fails a cache operation."""

@@ -134,8 +134,8 @@ def discarding_on_error(tmp: Path, *, name: str | None = None) -> Iterator[Path]
             tmp.unlink()
         except FileNotFoundError:
             pass
-        if is_disk_full(exc):
-            raise StoreFull(name or str(tmp), os.strerror(exc.errno)) from exc  # type: ignore[union-attr]
+        if isinstance(exc, OSError) and is_disk_full(exc):
+            raise StoreFull(name or str(tmp), os.strerror(exc.errno or 0)) from exc
         raise
 
 
@@ -154,7 +154,8 @@ def atomic_write(
     """
     dest = Path(path)
     tmp = unique_temp(Path(tmp_dir) if tmp_dir is not None else dest.parent)
-    chunks: Iterable[bytes] = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    chunks: Iterable[bytes | bytearray | memoryview] = (
+        (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data)
     with discarding_on_error(tmp, name=str(dest)):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -333,7 +333,8 @@ class Tier:
             first = remote_restore(store, self.remote, key, 0, None)
             if not first.ok or first.value is None:
                 return [first]
-            world_size, ranks, outs = first.value.world_size, range(1, first.value.world_size), [first]
+            world_size, outs = first.value.world_size, [first]
+            ranks: Sequence[int] = range(1, world_size)
         else:
             world_size, outs = entry.world_size, []
             ranks = (range(world_size) if missed.reason == Reason.GENERATION_MISMATCH

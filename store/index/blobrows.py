@@ -9,12 +9,11 @@ that can take a blob away from a hit (README, "Using the store").
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import lmdb
-
 from ..errors import BlobMissing, CorruptRecord
+from .lmdbio import RawTxn
 from .rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
 from .schema import PHYSICAL_BYTES
 
@@ -26,9 +25,9 @@ class BlobRows:
     """Blob-row methods of :class:`~adstore.store.index.tables.Txn` (a mixin: no state of its own)."""
 
     __slots__ = ()
-    raw: lmdb.Transaction
+    raw: RawTxn
     _db: Mapping[str, Any]
-    _epoch_moved: bool
+    move_epoch: Callable[[], None]  # Txn's: this transaction takes a blob row away from lookups
 
     def _add_to(self, table: str, name: bytes, delta: int) -> None:  # pragma: no cover - Txn's
         raise NotImplementedError
@@ -76,7 +75,7 @@ class BlobRows:
         old = self.raw.get(k, None, db["blobs"])
         if old is not None:
             self._add(PHYSICAL_BYTES, -BlobRow.decode(old, k).size)
-            self._epoch_moved = True  # a repair: checks against the old row no longer hold
+            self.move_epoch()  # a repair: checks against the old row no longer hold
         self._add(PHYSICAL_BYTES, row.size)
         if inline is not None:
             self.raw.put(k, inline, db=db["blobdata"])
@@ -90,13 +89,13 @@ class BlobRows:
         self.raw.delete(k, db=self._db["blobs"])
         self.raw.delete(k, db=self._db["blobdata"])
         self._add(PHYSICAL_BYTES, -row.size)
-        self._epoch_moved = True
+        self.move_epoch()
 
     def drop_blob_key(self, row_key: bytes) -> None:
         """Delete an undecodable blob row (``verify --fix``); totals are recounted there."""
         self.raw.delete(row_key, db=self._db["blobs"])
         self.raw.delete(row_key, db=self._db["blobdata"])
-        self._epoch_moved = True
+        self.move_epoch()
 
     def quarantine_blob(self, digest: str, row: BlobRow) -> None:
         """Flag a blob as failed: lookups miss on it from now on; its inline bytes go."""
@@ -104,7 +103,7 @@ class BlobRows:
         k = bytes.fromhex(digest)
         self.raw.delete(k, db=self._db["blobdata"])
         self.raw.put(k, row.encode(), db=self._db["blobs"])
-        self._epoch_moved = True
+        self.move_epoch()
 
     def hold(self, digests: Iterable[str]) -> None:
         """Take one reference on each blob; a blob without a row is :class:`BlobMissing`."""

@@ -14,10 +14,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import lmdb
-
 from ..errors import CorruptRecord
 from .drops import COMMITTED_RECORD, Drops
+from .lmdbio import RawTxn
 from .rows import ACCESS_ROW, Entry, decode_json, encode_json, manifest_key, manifest_refs
 from .schema import ENTRY_TABLES, LOGICAL_BYTES, PINNED_BYTES
 from .shadows import entry_shadow, head_of, to_entry
@@ -41,7 +40,7 @@ class EntryRows:
     """Entry-row methods of :class:`~adstore.store.index.tables.Txn` (a mixin: no state of its own)."""
 
     __slots__ = ()
-    raw: lmdb.Transaction
+    raw: RawTxn
     _db: Mapping[str, Any]
     _add: Callable[[bytes, int], None]  # Txn's (through BlobRows): a total's delta, written before the commit
     _drops: Callable[[], Drops]  # Txn's: what this transaction dropped that has record files

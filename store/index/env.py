@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -53,7 +53,7 @@ _READER_CHECK_INTERVAL = 30.0
 _MAX_RETRIES = 16
 _FORK_WAIT = 2.0
 
-_SHARED: dict[tuple[int, str], list] = {}  # (pid, index path) -> [Index, users]
+_SHARED: dict[tuple[int, str], list[Any]] = {}  # (pid, index path) -> [Index, users]
 _INHERITED: list[lmdb.Environment] = []  # kept alive, never closed (see module doc)
 _SHARED_LOCK = threading.Lock()
 _PID = os.getpid()  # kept current by the fork hook: os.getpid() is a syscall on the hot path
@@ -218,7 +218,7 @@ class Index:
         self._lock = threading.Lock()
         self._pid = -1
         self._env: lmdb.Environment | None = None
-        self.db: dict[str, object] = {}
+        self.db: dict[str, Any] = {}  # lmdb's database handles, by name
         self._last_reader_check = 0.0
         self._unusable = ""
         #: The store's disk reserve, released by eviction's commits at 0 bytes free (set by the store).
@@ -235,7 +235,8 @@ class Index:
             if slot is None or slot[0]._env is None:
                 slot = _SHARED[key] = [cls(path, map_size=map_size, group_shared=group_shared), 0]
             slot[1] += 1
-            return slot[0]
+            index: Index = slot[0]
+            return index
 
     @staticmethod
     def users(path: Path) -> int:

@@ -56,7 +56,8 @@ def _release_owed(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str,
     except lmdb.NotFoundError:
         return
     owed: Counter[bytes] = Counter()
-    for _, row in txn.cursor(db=releases):
+    for _, value in txn.cursor(db=releases):
+        row = bytes(value)
         owed.update(row[i:i + 32] for i in range(0, len(row) - len(row) % 32, 32))
     blobs = db["blobs"]
     for key, n in sorted(owed.items()):

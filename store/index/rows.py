@@ -8,8 +8,10 @@ index becomes a miss with reason ``corrupt_index``, never a crash.
 
 from __future__ import annotations
 
+import builtins
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -170,7 +172,7 @@ def encode_json(obj: Any) -> bytes:
 # trailing one and two calls): half the cost on a short row, and scans of 100k
 # entry rows (eviction planning) are bounded by it.  Rows are written by
 # encode_json, so no whitespace surrounds them.
-_SCAN_ONCE = json.JSONDecoder().scan_once
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -268,7 +270,7 @@ class Manifest:
     def digests(self) -> set[str]:
         return {ref.digest for ref in self.artifacts.values()}
 
-    def encode(self) -> bytes:
+    def encode(self) -> builtins.bytes:
         return encode_json(
             {
                 "ws": self.world_size,
@@ -282,7 +284,7 @@ class Manifest:
         )
 
     @classmethod
-    def decode(cls, raw_key: bytes, raw: bytes) -> Manifest:
+    def decode(cls, raw_key: builtins.bytes, raw: builtins.bytes) -> Manifest:
         key, rank, generation = split_manifest_key(raw_key)
         obj = decode_json(raw, "manifests", raw_key)
         try:
@@ -336,7 +338,7 @@ class Entry:
     ranks: dict[int, int] = field(default_factory=dict)
     pinned: bool = False
 
-    def encode(self) -> bytes:
+    def encode(self) -> builtins.bytes:
         return encode_json(
             {
                 "ns": self.namespace,
@@ -349,7 +351,7 @@ class Entry:
         )
 
     @classmethod
-    def decode(cls, raw_key: bytes, raw: bytes) -> Entry:
+    def decode(cls, raw_key: builtins.bytes, raw: builtins.bytes) -> Entry:
         obj = decode_json(raw, "entries", raw_key)
         try:
             world_size, created = int(obj["ws"]), float(obj["t"])

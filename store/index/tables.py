@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lmdb
 
@@ -34,6 +34,7 @@ from .rows import (
 from .env import index_error
 from .drops import BOTH_RECORDS, COMMITTED_RECORD, Drops
 from .entryrows import EntryRows
+from .lmdbio import RawCursor, RawTxn
 from .schema import BLOB_EPOCH, WRITES
 from .shadows import Head, refs_of
 
@@ -72,13 +73,13 @@ class Txn(EntryRows, BlobRows):
 
     def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock, *,
                  lock_only: bool = False) -> None:
-        self.raw = raw
+        self.raw = cast(RawTxn, raw)  # values are bytes: no transaction of the store uses buffers=True
         self._db = db
         self.clock = clock  # the store's (``Tables.clock``): rows stamped in this transaction use it
         self.lock_only = lock_only  # holds the write lock to act on files; changes no row (``Tables.locked``)
         self._deltas: dict[tuple[str, bytes], int] | None = None  # (table, name) -> delta; made when needed
         self._epoch_moved = False
-        self._cursor: lmdb.Cursor | None = None  # on ``manifests``, reused by the per-key scans
+        self._cursor: RawCursor | None = None  # on ``manifests``, reused by the per-key scans
         self.drops: Drops | None = None  # made on the first drop (read transactions allocate none)
 
     def _drops(self) -> Drops:

@@ -254,8 +254,8 @@ def verify_store(
     for e in s.entries.values():
         rep.entries_checked += 1
         for r, g in e.ranks.items():
-            m = by_key.get((e.key, r, g))
-            if m is None or not m.committed:
+            current = by_key.get((e.key, r, g))
+            if current is None or not current.committed:
                 rep.add(Reason.INCOMPLETE, e.key, f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
     for digest, row in s.rows.items():
         if row.refs != refs.get(digest, 0):
@@ -298,8 +298,8 @@ def verify_store(
     if fix and (rep.problems or any(s.strays.values()) or drift):
         touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
         if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
-            intact = {d: r.size for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
-            restored = reimport(tables, RecordFiles(layout), touched, intact)
+            files = {d: r.size for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
+            restored = reimport(tables, RecordFiles(layout), touched, files)
             if restored.entries:
                 rep.fixed.append(f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
                                  "from their on-disk records")

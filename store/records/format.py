@@ -71,7 +71,7 @@ class BadRecord(CorruptRecord):
 
     def __init__(self, where: str, detail: str, reason: Reason = Reason.CORRUPT_RECORD) -> None:
         super().__init__("records", where, detail)
-        self.reason = reason  # type: ignore[misc]
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,11 @@ def obsolete_dropped(tables: Tables, drops: Drops) -> None:
     for i in range(0, max(len(drops.manifests), len(drops.pins)), _BATCH):
         chunk = Drops()
         chunk.manifests, chunk.pins = drops.manifests[i:i + _BATCH], drops.pins[i:i + _BATCH]
+        def listed(t: Txn, chunk: Drops = chunk) -> None:
+            write_obsolete_list(t, files, chunk, unchanged=False)
+
         try:
-            tables.locked(lambda t, chunk=chunk: write_obsolete_list(t, files, chunk, unchanged=False))
+            tables.locked(listed)
         except OSError as exc:  # records stay behind: orphans that gc sweeps
             log.warning("could not obsolete records: %s", exc)
 

@@ -33,7 +33,6 @@ from .errors import (
 from .httpcache import HttpBackend
 from .memory import MemoryBackend
 from .outcomes import Mode, Outcome
-from .reasons import RemoteReason
 from .s3 import S3Backend
 from .signing import ENVELOPE_VERSION, KeyPair, Signer, TrustedKeys, Verified, generate_keypair, write_keypair
 from .singleflight import DEFAULT_TTL, Flight, Lease, Role, SingleFlight, WaitResult
@@ -89,7 +88,6 @@ __all__ = [
     "record_address",
     "lease_address",
     # reasons and errors
-    "RemoteReason",
     "RemoteError",
     "RemoteUnavailable",
     "RemoteTimeout",

@@ -74,7 +74,7 @@ def body_size(data: Body) -> int:
         return end - pos
 
 
-def copy_limited(chunks: Iterable[bytes], fileobj: BinaryIO, *, max_bytes: int, digest: str) -> int:
+def copy_limited(chunks: Iterable[bytes | memoryview], fileobj: BinaryIO, *, max_bytes: int, digest: str) -> int:
     """Write ``chunks`` to ``fileobj``, refusing to write past ``max_bytes``.
 
     A server that sends more than the record says is cut off at the limit

@@ -87,11 +87,14 @@ class CircuitBreaker:
         """
         if self._state is BreakerState.CLOSED:  # one attribute read: no lock on the common path
             return None
-        with self._lock:
-            if self._state is BreakerState.OPEN and self._clock() >= self._open_until:
-                return None  # the next call is the probe
+        return self._refusal_locked()
+
+    def _refusal_locked(self) -> Reason | None:
+        with self._lock:  # the state may have changed since the caller's unlocked look
             if self._state is BreakerState.CLOSED:
                 return None
+            if self._state is BreakerState.OPEN and self._clock() >= self._open_until:
+                return None  # the next call is the probe
             return Reason.REMOTE_TIMEOUT if isinstance(self._opener, RemoteTimeout) else Reason.REMOTE_UNAVAILABLE
 
     def success(self) -> None:

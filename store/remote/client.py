@@ -28,7 +28,6 @@ from .breaker import CircuitBreaker
 from .deadline import Deadline, Limits, run_bounded
 from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
 from .outcomes import Mode, Outcome
-from .reasons import RemoteReason
 from .signing import Signer, TrustedKeys, Verified
 from . import transfer
 
@@ -148,11 +147,11 @@ class Remote:
             log.log(level, "remote %s %s: %s", self.url, op, exc)
             return Outcome(reason=reason, error=exc, seconds=time.perf_counter() - start)
         except Exception as exc:  # a bug must not fail a pipeline either
-            self.count(f"errors.{RemoteReason.REMOTE_ERROR}")
+            self.count(f"errors.{Reason.REMOTE_ERROR}")
             log.error("remote %s %s failed unexpectedly: %s: %s", self.url, op, type(exc).__name__, exc)
             log.debug("remote %s %s failure", self.url, op, exc_info=True)  # a bug: its traceback for whoever debugs
             error = RemoteError(f"{type(exc).__name__}: {exc}", op=op)
-            return Outcome(reason=str(RemoteReason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
+            return Outcome(reason=str(Reason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
         return dataclasses.replace(out, seconds=time.perf_counter() - start)
 
     # -- objects ---------------------------------------------------------
@@ -239,7 +238,7 @@ class Remote:
         """
         def run() -> Outcome[Verified]:
             got = self.get(Kind.AC, record_address(key, rank))
-            if got.reason == RemoteReason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
+            if got.reason == Reason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
                 self.count("untrusted")
                 raise UntrustedRecord(f"larger than {self.max_envelope_bytes} bytes",
                                       target=f"ac/{record_address(key, rank)}")
@@ -299,7 +298,8 @@ class Remote:
     def probe(self) -> Outcome[float]:
         """Is the remote reachable? A HEAD of a fixed name; the value is the round trip in seconds."""
         out = self.head(Kind.AC, hashlib.sha256(b"adstore:probe").hexdigest())
-        return dataclasses.replace(out, value=out.seconds if out.ok else None)  # type: ignore[arg-type]
+        return Outcome(value=out.seconds if out.ok else None, reason=out.reason, error=out.error, nbytes=out.nbytes,
+                       seconds=out.seconds)
 
     def status(self) -> dict[str, Any]:
         """URL, mode, conditional writes, breaker, keys and counters (for ``adstore remote``)."""

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import RemoteTimeout
 
@@ -125,7 +125,7 @@ class _Pool:
 _POOL = _Pool()
 
 
-def _log_late(future: concurrent.futures.Future[object]) -> None:
+def _log_late(future: concurrent.futures.Future[Any]) -> None:
     exc = future.exception()
     if exc is not None:
         log.debug("remote call abandoned at its deadline ended with %s: %s", type(exc).__name__, exc)

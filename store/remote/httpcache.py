@@ -124,7 +124,7 @@ class HttpBackend(RemoteBackend):
                               context=self._ssl_context)
             else:
                 conn = _HTTP(self._host, self._port, timeout=self._connect_timeout, blocksize=CHUNK)
-            conn.read_timeout = self._read_timeout  # type: ignore[attr-defined]
+            conn.read_timeout = self._read_timeout
             self._local.conn = conn
             with self._lock:
                 self._all.add(conn)

@@ -77,7 +77,8 @@ def _missing(exc: Any) -> bool:
 
 
 def _status(exc: Any) -> int | None:
-    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
 
 
 class S3Backend(RemoteBackend):
