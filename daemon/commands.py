@@ -195,8 +195,8 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         ("Entries", st.entries),
         ("Blobs", f"{st.blobs} ({st.inline_blobs} inline)"),
         ("Logical size", human_size(st.logical_bytes)),
-        ("Physical size", human_size(st.physical_bytes)),
-        ("Dedup ratio", f"{st.dedup_ratio:.2f}x"),
+        ("Content size", f"{human_size(st.content_bytes)} (dedup {st.dedup_ratio:.2f}x)"),
+        ("Physical size", f"{human_size(st.physical_bytes)} (compression {st.compression_ratio:.2f}x)"),
         ("Pinned", human_size(st.pinned_bytes)),
         ("Leases", st.leases),
         ("Index size", human_size(st.index_bytes)),
@@ -279,7 +279,8 @@ def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
     total = len(selected)
     if args.limit is not None:
         selected = selected[: args.limit]
-    data = {"total": total, "entries": [entry_dict(e) for e in selected]}
+    stored = store.stored_bytes(e.key for e in selected)
+    data = {"total": total, "entries": [{**entry_dict(e), "stored_bytes": stored[e.key]} for e in selected]}
     if ctx.json:
         ctx.emit(data, "")
         return 0
@@ -289,11 +290,12 @@ def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
     rows = []
     for e in selected:
         committed = len(e.ranks)
+        ratio = f"{e.bytes / stored[e.key]:.1f}x" if stored[e.key] else "-"
         rows.append((short_key(e.key), e.namespace, f"{committed}/{e.world_size}", human_size(e.bytes),
-                     e.hits, human_age(e.last_access, now=now), human_age(e.created, now=now),
-                     "yes" if e.pinned else ""))
-    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "HITS", "LAST USED", "CREATED", "PINNED"),
-                 align="llrrrllll")
+                     human_size(stored[e.key]), ratio, e.hits, human_age(e.last_access, now=now),
+                     human_age(e.created, now=now), "yes" if e.pinned else ""))
+    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "STORED", "RATIO", "HITS", "LAST USED", "CREATED",
+                        "PINNED"), align="llrrrrrllll")
     footer = f"\n{len(selected)} of {total} entries" if len(selected) < total else f"\n{total} entries"
     ctx.emit(data, text + footer)
     return 0

@@ -148,6 +148,8 @@ def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
              f"yes ({1000 * data['round_trip_seconds']:.1f} ms)" if data["reachable"] else f"no ({data['probe_reason']})")
     rows = [("Remote", status["url"]), ("Mode", status["mode"]), ("Reachable", reach),
             ("Conditional writes", status["conditional_writes"]),
+            ("Blob transfer", "zstd frames as stored (zcas/), raw otherwise" if status["transfer"] == "zstd"
+             else "raw (cas/, as Bazel clients expect)"),
             ("Signing key", status["signing_key"] or "none"),
             ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
             ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s"),

@@ -33,7 +33,7 @@ from .errors import (
 )
 from .fsutil import atomic_write, is_disk_full
 from .index.rows import BlobRef, Entry, LeaseRecord, Manifest
-from .layout import Layout
+from .layout import Layout, default_root
 from .leases import hostname, process_start_time
 from .lookup import LookupResult
 from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
@@ -50,7 +50,7 @@ from .names import (
 )
 from .reasons import Reason
 from .stats import StoreStats
-from .store import DEFAULT_INLINE_THRESHOLD, Store, default_root
+from .store import DEFAULT_INLINE_THRESHOLD, Store
 from .tiered import Tier, open_tier, remote_restore, remote_save
 from .units import (
     DURATION_HELP,

@@ -21,15 +21,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
 from .blobwriter import BlobWriter
+from .codec import Damaged, Encoding, decode_chunks
 from .errors import BlobMissing, ChecksumMismatch, StoreError
-from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
+from .fsutil import atomic_write, fsync_dir, publish_temp
 from .names import validate_digest
-from .index.rows import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline
+from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
 from .index.tables import Tables, Txn
 
-__all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
+__all__ = ["Blobs", "StoredBlob", "Swept", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,18 @@ CHUNK_SIZE = 4 << 20
 BLOB_MODE = 0o444
 def _digest_of(ref_or_digest: BlobRef | str) -> str:
     return ref_or_digest.digest if isinstance(ref_or_digest, BlobRef) else validate_digest(ref_or_digest)
+
+
+class StoredBlob(NamedTuple):
+    """How a blob file holds its content (``Store.stored_blob``): what the remote tier uploads."""
+
+    path: Path
+    encoding: Encoding
+    stored: int  # the file's size
+
+
+class Swept(StoreError):
+    """A blob's temp file was swept (a zero grace period) before it was in place: write it again, if you can."""
 
 
 class _FileVanished(Exception):
@@ -76,7 +90,7 @@ class Blobs:
         if self._existing(ref):
             return ref
         if ref.size < self.inline_threshold:
-            self._register(ref, inline_data=bytes(view))
+            self._register_inline(ref, bytes(view))
             return ref
         self._write_file(ref, lambda: (view,))
         return ref
@@ -100,62 +114,46 @@ class Blobs:
             data = src.read_bytes()
             if hashlib.sha256(data).hexdigest() != ref.digest:
                 raise StoreError(f"{src} changed while it was being stored")
-            self._register(ref, inline_data=data)
+            self._register_inline(ref, data)
             return ref
         self._write_file(ref, lambda: self._read_chunks(src))
         return ref
 
     def put_stream(self, chunks: Iterable[bytes]) -> BlobRef:
         """Store a stream of chunks, hashing while writing (one pass, bounded memory)."""
-        tmp = unique_temp(self._layout.tmp)
-        h = hashlib.sha256()
-
-        def hashed() -> Iterator[bytes]:
+        with self.writer(None) as w:
             for chunk in chunks:
-                h.update(chunk)
-                yield chunk
+                w.write(chunk)
+            return w.commit()
 
-        with discarding_on_error(tmp):
-            fd = self._layout.open_temp(tmp)
-            try:
-                size = write_chunks(fd, hashed())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            ref = BlobRef(h.hexdigest(), size)
-            if self._existing(ref):
-                tmp.unlink(missing_ok=True)
-                return ref
-            if size < self.inline_threshold:
-                try:
-                    data = tmp.read_bytes()
-                except FileNotFoundError:
-                    raise self._swept(ref) from None
-                tmp.unlink()
-                self._register(ref, inline_data=data)
-                return ref
-            self._reserve(size)
-            self.publish_verified(ref, tmp)
-            return ref
+    def writer(self, ref: BlobRef | None, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
+               cancelled: threading.Event | None = None) -> BlobWriter:
+        """A writer streaming a blob into place as its bytes arrive (``blobwriter``).
 
-    def writer(self, ref: BlobRef, *, cancelled: threading.Event | None = None) -> BlobWriter:
-        """A writer streaming the blob ``ref`` into place as its bytes arrive (``blobwriter``)."""
-        return BlobWriter(self, ref, cancelled=cancelled)
+        ``ref`` None: whatever the content hashes to.  ``source=ZSTD``: the
+        bytes are a zstd frame of ``frame_size`` bytes (a remote's object).
+        """
+        return BlobWriter(self, ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
     def register_inline(self, ref: BlobRef, data: bytes) -> None:
-        """Register a small blob whose bytes the caller has verified against ``ref``."""
-        self._register(ref, inline_data=data)
+        """Register a small blob whose bytes the caller has verified against ``ref`` (unless stored already)."""
+        if not self._existing(ref):
+            self._register_inline(ref, data)
 
-    def publish_verified(self, ref: BlobRef, tmp: Path) -> None:
-        """Rename a verified, fsynced temp file into place and register it (the stream cannot be re-read)."""
+    def publish_verified(self, ref: BlobRef, tmp: Path, *, encoding: Encoding, stored: int) -> None:
+        """Rename a verified, fsynced temp file into place and register it; once only (a stream cannot be re-read).
+
+        A blob stored meanwhile (another writer of the same content) wins:
+        this file is dropped.
+        """
+        if self._existing(ref):
+            tmp.unlink(missing_ok=True)
+            return
         try:
-            self._publish_and_register(ref, tmp)
-        except _FileVanished:  # a stream cannot be read twice
-            raise self._swept(ref) from None
-
-    def _swept(self, ref: BlobRef) -> StoreError:
-        return StoreError(f"blob {ref.digest}: its temp file was swept while being stored "
-                          f"(grace period {self._grace:g}s)")
+            self._publish_and_register(ref, tmp, encoding, stored)
+        except _FileVanished:
+            raise Swept(f"blob {ref.digest}: its temp file was swept while being stored "
+                        f"(grace period {self._grace:g}s)") from None
 
     def _existing(self, ref: BlobRef) -> bool:
         """True when the blob is stored intact; refreshes its freshness if stale.
@@ -170,7 +168,7 @@ class Blobs:
             return False
         if row.quarantined or row.size != ref.size:
             return False
-        if not row.inline and not self.file_ok(ref.digest, ref.size):
+        if not row.inline and not self.file_ok(ref.digest, row.stored):
             return False
         if self._tables.clock() - row.touched > self._grace / 4:
             if not self._touch(ref):
@@ -181,7 +179,7 @@ class Blobs:
     def _touch(self, ref: BlobRef) -> bool:
         def fn(t: Txn) -> bool:
             row = t.blob_row(ref.digest)
-            if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
+            if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, row.stored)):
                 return False
             row.touched = t.clock()
             t.touch_blob(ref.digest, row)
@@ -190,73 +188,69 @@ class Blobs:
         return self._tables.write(fn)
 
     def _write_file(self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]]) -> None:
+        """Write a blob whose source can be read again (a swept temp file is written once more)."""
         self._reserve(ref.size)
         for _attempt in range(3):
-            tmp = unique_temp(self._layout.tmp)
-            try:
-                with discarding_on_error(tmp):
-                    h = hashlib.sha256()
-                    fd = self._layout.open_temp(tmp)
-                    try:
-                        for chunk in chunks():
-                            h.update(chunk)
-                            write_chunks(fd, (chunk,))
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    if h.hexdigest() != ref.digest:
-                        raise StoreError("source changed while it was being stored")
-                    self._publish_and_register(ref, tmp)
+            with self.writer(ref) as w:
+                for chunk in chunks():
+                    w.write(chunk)
+                try:
+                    w.commit()
+                except ChecksumMismatch:
+                    raise StoreError("source changed while it was being stored") from None
+                except Swept:
+                    continue  # this source can be read again
                 return
-            except _FileVanished:
-                continue
         raise StoreError(f"blob {ref.digest} kept disappearing while being stored")
 
-    def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:
+    def _publish_and_register(self, ref: BlobRef, tmp: Path, encoding: Encoding, stored: int) -> None:
         dest = self._layout.blob_path(ref.digest)
         self._layout.mkdir(dest.parent)
         try:
             publish_temp(tmp, dest, mode=BLOB_MODE)
         except FileNotFoundError:
             raise _FileVanished from None
-        self._register(ref, inline_data=None)
-
-    def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
-        value = pack_inline(inline_data) if inline_data is not None else None
+        flags = FLAG_ZSTD if encoding is Encoding.ZSTD else 0
 
         def fn(t: Txn) -> None:
-            if inline_data is None and not self.file_ok(ref.digest, ref.size):
+            if not self.file_ok(ref.digest, stored):  # gc took it between the rename and now
                 raise _FileVanished
             row = t.blob_row(ref.digest)
             now = t.clock()
-            if row is not None:
-                intact = not row.quarantined and row.size == ref.size and (
-                    row.inline or self.file_ok(ref.digest, ref.size))
-                if intact:
-                    row.touched = now
-                    t.touch_blob(ref.digest, row)
-                    return
-            flags = FLAG_INLINE if inline_data is not None else 0
-            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags), inline=value)
+            if row is not None and not row.quarantined and row.size == ref.size and not row.inline \
+                    and row.flags == flags and row.stored == stored:
+                row.touched = now  # the same file again
+                t.touch_blob(ref.digest, row)
+                return
+            # New, or repairing a damaged row (or one whose file a writer of the same content replaced).
+            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags, stored),
+                       inline=None)
+            t.count("bytes_written", ref.size)
+
+        self._tables.write(fn)
+
+    def _register_inline(self, ref: BlobRef, data: bytes) -> None:
+        value = pack_inline(data)
+
+        def fn(t: Txn) -> None:
+            row = t.blob_row(ref.digest)
+            now = t.clock()
+            if row is not None and not row.quarantined and row.size == ref.size and (
+                    row.inline or self.file_ok(ref.digest, row.stored)):
+                row.touched = now
+                t.touch_blob(ref.digest, row)
+                return
+            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, FLAG_INLINE, ref.size),
+                       inline=value)
             t.count("bytes_written", ref.size)
 
         self._tables.write(fn)
 
     # -- read ------------------------------------------------------------
-    def _read_chunks(self, path: Path, *, blob: str | None = None) -> Iterator[bytes]:
-        """Chunks of ``path``, or of the blob file of ``blob`` (opened without following a symlink)."""
-        # Sized reads: asking for a whole chunk of a smaller file allocates the
-        # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
-        with (open(path, "rb", buffering=0) if blob is None else self._layout.open_blob(blob)) as f:
-            left = os.fstat(f.fileno()).st_size
-            while left > 0:
-                chunk = f.read(min(CHUNK_SIZE, left))
-                if not chunk:
-                    return
-                left -= len(chunk)
-                yield chunk
-            while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
-                yield chunk
+    def _read_chunks(self, path: Path) -> Iterator[bytes]:
+        """Chunks of the file ``path`` (a source being stored)."""
+        with open(path, "rb", buffering=0) as f:
+            yield from _chunks(f)
 
     def row(self, digest: str) -> BlobRow | None:
         with self._tables.read() as t:
@@ -267,7 +261,16 @@ class Blobs:
         row = self.row(digest)
         if row is None or row.quarantined:
             return False
-        return row.inline or self.file_ok(digest, row.size)
+        return row.inline or self.file_ok(digest, row.stored)
+
+    def stored(self, ref_or_digest: BlobRef | str) -> StoredBlob | None:
+        """The file of a blob kept as a file: where, how it holds the content, its size; None if inline or absent."""
+        digest = _digest_of(ref_or_digest)
+        row = self.row(digest)
+        if row is None or row.inline or row.quarantined:
+            return None
+        return StoredBlob(self._layout.blob_path(digest), Encoding.ZSTD if row.compressed else Encoding.RAW,
+                          row.stored)
 
     def path(self, ref_or_digest: BlobRef | str) -> Path | None:
         digest = _digest_of(ref_or_digest)
@@ -277,7 +280,8 @@ class Blobs:
         return self._layout.blob_path(digest)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        """The blob's content, verified: SHA-256 for files, the inline checksum for inline blobs.
+        """The blob's content, verified: SHA-256 for files (decoded from their frame, bounded by the size), the
+        inline checksum for inline blobs.
 
         The hot path of small reads is one get: an inline blob's value in
         ``blobdata`` exists only while its row is inline and not quarantined,
@@ -304,9 +308,15 @@ class Blobs:
                 raise BlobMissing(digest, "inline data missing")
             try:
                 with self._layout.open_blob(digest) as f:
-                    data = f.read()
+                    if row.compressed:
+                        data = b"".join(decode_chunks(f, row.size))
+                    else:
+                        data = f.read()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except Damaged as exc:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", row.size) from None
             except OSError as exc:  # a directory or unreadable thing where the blob should be
                 self.quarantine(digest)
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
@@ -328,18 +338,20 @@ class Blobs:
             raise BlobMissing(digest, "not registered")
         if row.inline or row.quarantined:
             return atomic_write(dest, self.get_bytes(digest))
-        src = self._layout.blob_path(digest)
-
         def verified() -> Iterator[bytes]:
             h = hashlib.sha256()
             n = 0
             try:
-                for chunk in self._read_chunks(src, blob=digest):
-                    h.update(chunk)
-                    n += len(chunk)
-                    yield chunk
+                with self._layout.open_blob(digest) as f:
+                    for chunk in (decode_chunks(f, row.size) if row.compressed else _chunks(f)):
+                        h.update(chunk)
+                        n += len(chunk)
+                        yield chunk
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except Damaged as exc:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", n) from None
             except OSError as exc:  # a symlink (ELOOP) or a directory where the blob should be
                 self.quarantine(digest)
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
@@ -367,11 +379,26 @@ class Blobs:
 
         def fn(t: Txn) -> None:
             row = t.blob_row(digest)
-            if row is None or (not row.inline and self.file_ok(digest, row.size)):
+            if row is None or (not row.inline and self.file_ok(digest, row.stored)):
                 return  # gone, or a writer repaired it meanwhile
             t.quarantine_blob(digest, row)
 
         self._tables.write(fn)
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    """Chunks of an open file, from its current position to its end."""
+    # Sized reads: asking for a whole chunk of a smaller file allocates the
+    # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
+    left = os.fstat(f.fileno()).st_size
+    while left > 0:
+        chunk = f.read(min(CHUNK_SIZE, left))
+        if not chunk:
+            return
+        left -= len(chunk)
+        yield chunk
+    while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
+        yield chunk
 
 
 #: Blob files unlinked per lock-only transaction.

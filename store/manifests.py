@@ -78,7 +78,7 @@ def publish(
         row = t.blob_row(ref.digest)
         if row is None:
             raise BlobMissing(ref.digest, "not registered (put it before publishing)")
-        if row.size != ref.size or row.quarantined or not (row.inline or file_ok(ref.digest, ref.size)):
+        if row.size != ref.size or row.quarantined or not (row.inline or file_ok(ref.digest, row.stored)):
             raise BlobMissing(ref.digest, "absent, quarantined or of the wrong size")
     old = t.manifest(key, rank, generation)
     if old is not None:

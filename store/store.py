@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from .index.ballast import Ballast
-from .blobs import Blobs
+from .blobs import Blobs, StoredBlob
 from .blobwriter import BlobWriter
+from .codec import Encoding
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
@@ -30,17 +31,17 @@ from .maintenance.eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index.env import Index
 from .index.file import probe_index
-from .layout import Layout
+from .layout import Layout, default_root
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish, validate_publish
 from .records.obsolete import obsolete_dropped
 from .reasons import Reason
 from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
-from .records.sync import RecordWriter, components_changed, record_inputs
+from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
 from .names import validate_key
 from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
-from .stats import StoreStats, event_counters, read_stats
+from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .maintenance.sweep import Sweeper, SweepPlan
 from .maintenance.inline import InlineEviction
 from .index.schema import PHYSICAL_BYTES
@@ -48,21 +49,12 @@ from .index.tables import Tables, Txn
 from .units import MinFree, parse_duration, parse_size
 from .maintenance.verify import Progress, VerifyReport, verify_store
 
-__all__ = ["Store", "default_root", "DEFAULT_INLINE_THRESHOLD"]
+__all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 64 << 10
 DEFAULT_MAP_SIZE = 1 << 30
-
-
-def default_root(environ: Mapping[str, str] | None = None) -> Path:
-    """``$ADSTORE_ROOT``, else ``${XDG_CACHE_HOME:-~/.cache}/adstore``."""
-    env = os.environ if environ is None else environ
-    if env.get("ADSTORE_ROOT"):
-        return Path(env["ADSTORE_ROOT"]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adstore"
 
 
 class Store:
@@ -202,16 +194,22 @@ class Store:
     def has_blob(self, ref_or_digest: BlobRef | str) -> bool:
         return self._blobs.has(ref_or_digest)
 
+    def stored_blob(self, ref_or_digest: BlobRef | str) -> StoredBlob | None:
+        """A file blob's path, encoding (raw or a zstd frame of the content) and size on disk; None if inline."""
+        return self._blobs.stored(ref_or_digest)
+
     def blob_path(self, ref_or_digest: BlobRef | str) -> Path | None:
         return self._blobs.path(ref_or_digest)
 
-    def blob_writer(self, ref: BlobRef, *, cancelled: threading.Event | None = None) -> BlobWriter:
+    def blob_writer(self, ref: BlobRef, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
+                    cancelled: threading.Event | None = None) -> BlobWriter:
         """A writer that streams the blob ``ref`` into place as its bytes arrive, hashed once (``blobwriter``).
 
         For bytes of a known digest from elsewhere (the remote tier): they are
-        registered only if they hash to ``ref``; call :meth:`admit` first.
+        registered only if they hash (or, ``source=ZSTD``, decode) to ``ref``;
+        call :meth:`admit` first.
         """
-        return self._blobs.writer(ref, cancelled=cancelled)
+        return self._blobs.writer(ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
     def admit(self, nbytes: int) -> None:
         """Make room for ``nbytes`` about to be downloaded, or refuse them before the first byte.
@@ -254,15 +252,15 @@ class Store:
         validate_publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
                          namespace=namespace, components=components, meta=meta)
 
-        def fn(t: Txn) -> tuple[Manifest, dict[str, Any], dict[str, bytes]]:
+        def fn(t: Txn) -> tuple[Manifest, RecordInputs]:
             m = publish(t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
                         namespace=namespace, components=components or {}, meta=meta or {},
                         file_ok=self._blobs.file_ok)
-            return m, *record_inputs(t, m)
+            return m, record_inputs(t, m)
 
-        manifest, stored_components, inline = self._tables.write(fn)
+        manifest, inputs = self._tables.write(fn)
         try:
-            self._records.published(manifest, stored_components, inline)
+            self._records.published(manifest, inputs)
         except BaseException:  # no record, no commit: the save fails whole
             self.abort(key, rank=rank, generation=generation)
             raise
@@ -351,6 +349,10 @@ class Store:
         if len(matches) > 1:
             raise AmbiguousKey(prefix, matches)
         return matches[0]
+
+    def stored_bytes(self, keys: Iterable[str]) -> dict[str, int]:
+        """What each entry's current blobs take on disk (a blob shared by entries counts in each)."""
+        return entry_stored_bytes(self._tables, [validate_key(k) for k in keys])
 
     def manifests(self, key: str) -> list[Manifest]:
         validate_key(key)

@@ -149,7 +149,8 @@ def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int 
     local = _committed(store, key, rank, record.generation)
     if local is not None:  # this generation is here already (another rank was the one missing)
         return Outcome(value=local, nbytes=nbytes, seconds=time.perf_counter() - start)
-    pulled = remote.pull_blobs([(r.digest, r.size) for r in record.artifacts.values()], sink=store)
+    pulled = remote.pull_blobs([(r.digest, r.size) for r in record.artifacts.values()], sink=store,
+                               stored=record.stored)
     nbytes += pulled.nbytes
     if not pulled.ok:
         return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)

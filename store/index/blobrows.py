@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import BlobMissing, CorruptRecord
 from .lmdbio import RawTxn
 from .rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
-from .schema import PHYSICAL_BYTES
+from .schema import CONTENT_BYTES, PHYSICAL_BYTES
 
 __all__ = ["BlobRows"]
 
@@ -74,9 +74,12 @@ class BlobRows:
         db = self._db
         old = self.raw.get(k, None, db["blobs"])
         if old is not None:
-            self._add(PHYSICAL_BYTES, -BlobRow.decode(old, k).size)
+            replaced = BlobRow.decode(old, k)
+            self._add(PHYSICAL_BYTES, -replaced.stored)
+            self._add(CONTENT_BYTES, -replaced.size)
             self.move_epoch()  # a repair: checks against the old row no longer hold
-        self._add(PHYSICAL_BYTES, row.size)
+        self._add(PHYSICAL_BYTES, row.stored)
+        self._add(CONTENT_BYTES, row.size)
         if inline is not None:
             self.raw.put(k, inline, db=db["blobdata"])
         else:
@@ -88,7 +91,8 @@ class BlobRows:
         k = bytes.fromhex(digest)
         self.raw.delete(k, db=self._db["blobs"])
         self.raw.delete(k, db=self._db["blobdata"])
-        self._add(PHYSICAL_BYTES, -row.size)
+        self._add(PHYSICAL_BYTES, -row.stored)
+        self._add(CONTENT_BYTES, -row.size)
         self.move_epoch()
 
     def drop_blob_key(self, row_key: bytes) -> None:
@@ -132,9 +136,9 @@ class BlobRows:
             raw = cur.value()
             if len(raw) != BLOB_ROW.size:
                 raise CorruptRecord("blobs", k.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
-            size, held, touched, flags = BLOB_ROW.unpack(raw)
+            size, held, touched, flags, stored = BLOB_ROW.unpack(raw)
             held = max(0, held - counts[k])
-            cur.put(k, BLOB_ROW.pack(size, held, touched, flags))
+            cur.put(k, BLOB_ROW.pack(size, held, touched, flags, stored))
             if held == 0:
                 zero.append(k.hex())
         return zero

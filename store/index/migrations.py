@@ -14,11 +14,16 @@ always safe.
   the next sweep), and the table goes.  The write count (``schema.WRITES``)
   that eviction now compares starts at 0.  An index written before pinned
   bytes were kept as a total gets that total.
+* **4 → 5**: blob files may hold a zstd frame of their content (``codec``):
+  each blob row gains the size its file (or inline value) takes on disk,
+  which budgets now count.  Every blob of an older store is stored raw, so
+  that size is its content's; the files are read as they are.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,11 +32,14 @@ import lmdb
 
 from ..errors import CorruptRecord
 from .rows import BLOB_ROW, Entry
-from .schema import PINNED_BYTES
+from .schema import CONTENT_BYTES, PINNED_BYTES
 
 __all__ = ["MIGRATIONS", "migrate"]
 
 log = logging.getLogger(__name__)
+
+#: A blob row of schema 4 and earlier: size, refcount, last put, flags.
+_ROW_4 = struct.Struct("<QqdB")
 
 #: ``migration(env, txn, db)`` upgrades an index of version N to N + 1 inside ``txn``.
 Migration = Callable[[lmdb.Environment, lmdb.Transaction, Mapping[str, Any]], None]
@@ -62,16 +70,29 @@ def _release_owed(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str,
     blobs = db["blobs"]
     for key, n in sorted(owed.items()):
         raw = txn.get(key, db=blobs)
-        if raw is None or len(raw) != BLOB_ROW.size:
+        if raw is None or len(raw) != _ROW_4.size:
             continue  # gone, or damaged: verify --fix recounts
-        size, refs, touched, flags = BLOB_ROW.unpack(raw)
-        txn.put(key, BLOB_ROW.pack(size, max(0, refs - n), touched, flags), db=blobs)
+        size, refs, touched, flags = _ROW_4.unpack(raw)
+        txn.put(key, _ROW_4.pack(size, max(0, refs - n), touched, flags), db=blobs)
     txn.drop(releases, delete=True)
     if owed:
         log.info("index upgraded to schema 4: released %d owed reference(s)", sum(owed.values()))
 
 
-MIGRATIONS: dict[int, Migration] = {3: _to_4}
+def _to_5(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any]) -> None:
+    blobs = db["blobs"]
+    rows = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=blobs)]
+    content = 0
+    for key, raw in rows:
+        if len(raw) != _ROW_4.size:
+            continue  # damaged: verify reports it (and --fix drops it)
+        size, refs, touched, flags = _ROW_4.unpack(raw)
+        txn.put(key, BLOB_ROW.pack(size, refs, touched, flags, size), db=blobs)  # raw: stored as it is
+        content += size
+    txn.put(CONTENT_BYTES, content.to_bytes(8, "little", signed=True), db=db["meta"])
+
+
+MIGRATIONS: dict[int, Migration] = {3: _to_4, 4: _to_5}
 
 
 def migrate(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any], found: int, target: int) -> bool:

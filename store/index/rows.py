@@ -42,10 +42,12 @@ __all__ = [
     "decode_json",
     "FLAG_INLINE",
     "FLAG_QUARANTINED",
+    "FLAG_ZSTD",
 ]
 
 FLAG_INLINE = 1
 FLAG_QUARANTINED = 2
+FLAG_ZSTD = 4  # the blob's file is one zstd frame of its bytes (``codec``)
 
 
 #: How deep key components and manifest metadata may nest: far beyond any real
@@ -107,8 +109,8 @@ class BlobRef:
         return ref
 
 
-#: A blob row: size, refcount, last put, flags.
-BLOB_ROW = struct.Struct("<QqdB")
+#: A blob row: size (of its content), refcount, last put, flags, stored size (of its file or inline value).
+BLOB_ROW = struct.Struct("<QqdBQ")
 #: The head of an inline blob's value in ``blobdata``: the checksum of the bytes after it.
 _INLINE_HEAD = struct.Struct("<Q")
 
@@ -135,16 +137,21 @@ def unpack_inline(value: bytes) -> tuple[bytes, bool]:
 
 @dataclass(slots=True)
 class BlobRow:
-    """Index row of one blob: size, manifests referencing it, last put, flags.
+    """Index row of one blob: size, manifests referencing it, last put, flags, stored size.
 
-    An inline blob's bytes live in ``blobdata`` (see :func:`pack_inline`)
-    exactly while its row is flagged inline and not quarantined.
+    ``size`` is the content's (a :class:`BlobRef`'s); ``stored`` is what the
+    blob takes on disk, its file's size (a zstd frame when ``FLAG_ZSTD``,
+    ``codec``), or its content's size when inline: budgets count
+    ``stored``.  An inline blob's bytes live in ``blobdata`` (see
+    :func:`pack_inline`) exactly while its row is flagged inline and not
+    quarantined.
     """
 
     size: int
     refs: int
     touched: float
-    flags: int = 0
+    flags: int
+    stored: int
 
     @property
     def inline(self) -> bool:
@@ -154,8 +161,12 @@ class BlobRow:
     def quarantined(self) -> bool:
         return bool(self.flags & FLAG_QUARANTINED)
 
+    @property
+    def compressed(self) -> bool:
+        return bool(self.flags & FLAG_ZSTD)
+
     def encode(self) -> bytes:
-        return BLOB_ROW.pack(self.size, self.refs, self.touched, self.flags)
+        return BLOB_ROW.pack(self.size, self.refs, self.touched, self.flags, self.stored)
 
     @classmethod
     def decode(cls, raw: bytes, key: bytes = b"") -> BlobRow:

@@ -230,7 +230,7 @@ class Evictor:
             if need > 0:
                 # Unreferenced blobs go with the sweep (or are a save in flight):
                 # never evict live entries for bytes that are garbage already.
-                garbage = sum(row.size for _, row in t.decoded_blob_rows() if row.refs <= 0)
+                garbage = sum(row.stored for _, row in t.decoded_blob_rows() if row.refs <= 0)
                 if garbage:
                     need = max(0, need - garbage)
                     why.append(f"{garbage} bytes unreferenced (swept, not evicted)")
@@ -373,7 +373,7 @@ class Evictor:
                     done.append(v.key)
             t.count("evictions", len(done))
             dropped = drop_unreferenced(t, t.release_counts(Counter(chain.from_iterable(taken))), now, self.grace)
-            t.count("bytes_evicted", sum(row.size for _, row in dropped))  # in the same commit as the rows
+            t.count("bytes_evicted", sum(row.stored for _, row in dropped))  # in the same commit as the rows
             return done, dropped, t.writes() + 1 if unchanged else None  # this commit counts itself once
 
         with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
@@ -381,7 +381,7 @@ class Evictor:
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins
         unlink_dropped(self._tables, [d for d, row in dropped if not row.inline])
-        return EvictedBatch(tuple(done), sum(row.size for _, row in dropped)), next_expected
+        return EvictedBatch(tuple(done), sum(row.stored for _, row in dropped)), next_expected
 
     def _drop_rechecked(self, t: Txn, v: Victim, evict: bool, leased: set[str],
                         now: float) -> Sequence[bytes] | None:
@@ -435,7 +435,7 @@ class _Simulation:
         self._grace = grace
         self._t = t
         self._left: dict[bytes, int] = {}  # references left per blob (row key)
-        self._rows: dict[bytes, tuple[int, int, float, int] | None] = {}
+        self._rows: dict[bytes, tuple[int, int, float, int, int] | None] = {}
         self.blobs: list[BlobRef] = []
         self.freed = 0
 
@@ -450,5 +450,5 @@ class _Simulation:
                 continue
             n = left[k] = left.get(k, row[1]) - 1
             if n == 0 and now - row[2] >= grace:
-                self.freed += row[0]
+                self.freed += row[4]  # what it takes on disk
                 self.blobs.append(BlobRef(k.hex(), row[0]))

@@ -14,23 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..blobs import CHUNK_SIZE, unlink_dropped
+from ..codec import Damaged, Encoding, decode_chunks
 from ..errors import CorruptRecord
 from ..layout import Layout
 from ..reasons import Reason
 from ..records.rebuild import RebuildReport
-from ..records.restore import reimport
+from ..records.restore import BlobFile, reimport
 from ..records.files import RecordFiles
 from ..names import validate_key
 from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from ..records.sync import check_records, fix_records
 from ..index.entryrows import Removal
-from ..index.schema import LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
+from ..index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
 from ..index.tables import Tables, Txn
 
 __all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
@@ -122,15 +124,25 @@ class VerifyReport:
         }
 
 
-def _hash_file(layout: Layout, digest: str) -> tuple[str, int] | None:
-    """(SHA-256, size) of a blob file, opened without following a symlink (invariant 10)."""
+def _hash_file(layout: Layout, digest: str, row: BlobRow) -> tuple[str, int] | None:
+    """(SHA-256, size) of a blob file's content, opened without following a symlink (invariant 10).
+
+    A zstd frame is decoded, bounded by the recorded size: a frame that does
+    not decode, fails its checksum, or decodes to more is reported as
+    hashing to ``damaged frame`` (cut at the recorded size).
+    """
     h = hashlib.sha256()
     n = 0
     try:
         with layout.open_blob(digest) as f:
-            while chunk := f.read(CHUNK_SIZE):
+            if os.fstat(f.fileno()).st_size != row.stored:
+                return f"(a file of {os.fstat(f.fileno()).st_size} bytes, {row.stored} recorded)", 0
+            chunks = decode_chunks(f, row.size) if row.compressed else iter(lambda: f.read(CHUNK_SIZE), b"")
+            for chunk in chunks:
                 h.update(chunk)
                 n += len(chunk)
+    except Damaged as exc:
+        return f"(a damaged frame: {exc})", n
     except OSError:  # missing, a symlink, a directory, unreadable: the blob is not there
         return None
     return h.hexdigest(), n
@@ -180,7 +192,7 @@ def _scan(t: Txn, rep: VerifyReport) -> _Scan:
             continue
         del e
     s.strays = t.strays()
-    s.totals = {name: t.total(name) for name in (PHYSICAL_BYTES, LOGICAL_BYTES, PINNED_BYTES)}
+    s.totals = {name: t.total(name) for name in (PHYSICAL_BYTES, CONTENT_BYTES, LOGICAL_BYTES, PINNED_BYTES)}
     return s
 
 
@@ -213,7 +225,7 @@ def verify_store(
             if not intact:
                 got = f"{got} (inline checksum mismatch)"
         else:
-            res = _hash_file(layout, digest)
+            res = _hash_file(layout, digest, row)
             if res is None:
                 what = "is a symlink (never followed)" if layout.blob_path(digest).is_symlink() else \
                     "missing or unreadable"
@@ -261,7 +273,8 @@ def verify_store(
         if row.refs != refs.get(digest, 0):
             rep.add(Reason.REFCOUNT, digest,
                     f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
-    actual = {PHYSICAL_BYTES: sum(r.size for r in s.rows.values()),
+    actual = {PHYSICAL_BYTES: sum(r.stored for r in s.rows.values()),
+              CONTENT_BYTES: sum(r.size for r in s.rows.values()),
               LOGICAL_BYTES: sum(e.bytes for e in s.entries.values()),
               PINNED_BYTES: sum(e.bytes for e in s.entries.values() if e.pinned)}
     drift = actual != s.totals
@@ -298,7 +311,8 @@ def verify_store(
     if fix and (rep.problems or any(s.strays.values()) or drift):
         touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
         if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
-            files = {d: r.size for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
+            files = {d: BlobFile(d, r.size, Encoding.ZSTD if r.compressed else Encoding.RAW, r.stored)
+                     for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
             restored = reimport(tables, RecordFiles(layout), touched, files)
             if restored.entries:
                 rep.fixed.append(f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
@@ -353,7 +367,7 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
         refs: Counter[str] = Counter(d for m in manifests for d in m.digests())
         current = {(m.key, m.rank): m for m in manifests if m.committed}
         all_keys = {m.key for m in manifests}
-        physical = logical = pinned = 0
+        physical = content = logical = pinned = 0
         for digest, row in list(t.decoded_blob_rows()):
             if digest in bad_blobs and refs.get(digest, 0) == 0:
                 t.drop_blob_key(bytes.fromhex(digest))
@@ -363,7 +377,8 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
                 row.refs = refs.get(digest, 0)
                 t.touch_blob(digest, row)
                 fixed.append(f"recounted references of blob {digest}")
-            physical += row.size
+            physical += row.stored
+            content += row.size
         for k, v in list(t.entry_rows()):
             e = Entry.decode(k, v)
             ranks = {r: g for r, g in e.ranks.items() if (e.key, r) in current and current[(e.key, r)].generation == g}
@@ -385,6 +400,7 @@ def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], do
             for k in keys:
                 t.drop_row(table, k)
         t.set_total(PHYSICAL_BYTES, physical)
+        t.set_total(CONTENT_BYTES, content)
         t.set_total(LOGICAL_BYTES, logical)
         t.set_total(PINNED_BYTES, pinned)
         return fixed, dropped

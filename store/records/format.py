@@ -4,17 +4,22 @@ A record is what invariant 9 keeps beside the index and what the remote
 tier ships between hosts (README, "Damage and repair" and "Remote tier"):
 one rank of one generation of a cache key, as a JSON payload::
 
-    {"format": 1, "key": ..., "rank": 0, "world_size": 1, "generation": ...,
+    {"format": 2, "key": ..., "rank": 0, "world_size": 1, "generation": ...,
      "namespace": "default", "components": {...}, "meta": {...},
      "artifacts": {"name": ["<sha256>", size], ...}, "created": 1.7e9,
+     "stored": {"<sha256>": ["zstd", stored size], ...},
      "producer": {...}, "inline": {"<sha256>": "<base64>", ...}}
 
 ``producer`` and ``inline`` are optional and only written into the store's
 own record files: small blobs live in the index's ``blobdata`` table, which a damaged
 index takes with it, so the local record carries their bytes (see
-:mod:`.recordfiles` for why).  The remote tier leaves it out (its records
-list digests; blobs travel through its CAS).  Readers ignore fields they do
-not know, and refuse a ``format`` newer than :data:`RECORD_FORMAT`.
+:mod:`.files` for why).  The remote tier leaves it out (its records
+list digests; blobs travel through its CAS).  ``stored`` names the blobs
+kept as zstd frames (``codec``): in a local record, how their files hold
+them; in a remote one, that they travel as frames (``zcas/<sha256>``); a
+payload without it is written as format 1, which older readers read.
+Readers ignore fields they do not know, and refuse a ``format`` newer than
+:data:`RECORD_FORMAT`.
 
 On disk a payload is wrapped with a checksum (:func:`encode_record`): the
 SHA-256 of the payload's canonical JSON.  :func:`decode_record` never trusts
@@ -34,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..codec import Encoding
 from ..errors import AdstoreError, CorruptRecord, InvalidKey
 from ..reasons import Reason
 from ..names import (
@@ -49,6 +55,7 @@ from ..index.rows import BlobRef, Manifest, encode_json, validate_json
 
 __all__ = [
     "RECORD_FORMAT",
+    "RAW_FORMAT",
     "MAX_RECORD_BYTES",
     "BadRecord",
     "Record",
@@ -59,7 +66,11 @@ __all__ = [
 ]
 
 #: Version of the record payload; a reader refuses a newer one (``newer_record``, ``remote_unsupported``).
-RECORD_FORMAT = 1
+#: 2: ``stored`` names the blobs kept (or shipped) as zstd frames; a payload without any stays 1, so a
+#: reader of format 1 still reads it (a remote over the Bazel HTTP protocol ships raw blobs only).
+RECORD_FORMAT = 2
+#: The format of a payload whose blobs are all stored raw.
+RAW_FORMAT = 1
 
 #: Largest record file a reader accepts: artifacts and the inline blobs (each below the inline
 #: threshold) of one rank; anything larger is not a record this store wrote.
@@ -89,6 +100,7 @@ class Record:
     created: float = 0.0
     producer: dict[str, Any] = field(default_factory=dict)
     inline: dict[str, bytes] = field(default_factory=dict)  # digest -> bytes, each hashed already
+    stored: dict[str, tuple[Encoding, int]] = field(default_factory=dict)  # digest -> (encoding, bytes), not raw
 
     def manifest(self) -> Manifest:
         """The committed manifest this record restores."""
@@ -98,15 +110,17 @@ class Record:
 
 
 def payload_of(manifest: Manifest, components: Mapping[str, Any], *, local: bool = False,
-               inline: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+               inline: Mapping[str, bytes] | None = None,
+               stored: Mapping[str, tuple[Encoding, int]] | None = None) -> dict[str, Any]:
     """The record payload of ``manifest`` (with its entry's ``components``).
 
     ``local``: a record file of this store, which also keeps the producer
     (host, pid, uid) and ``inline`` blobs' bytes by digest; the remote tier
-    ships neither.
+    ships neither.  ``stored``: the blobs kept (a local record) or shipped (a
+    remote one) as zstd frames, with their sizes as stored.
     """
     payload: dict[str, Any] = {
-        "format": RECORD_FORMAT,
+        "format": RECORD_FORMAT if stored else RAW_FORMAT,
         "key": manifest.key,
         "rank": manifest.rank,
         "namespace": manifest.namespace,
@@ -121,6 +135,8 @@ def payload_of(manifest: Manifest, components: Mapping[str, Any], *, local: bool
         payload["producer"] = dict(manifest.producer)
     if local and inline:
         payload["inline"] = {d: base64.b64encode(data).decode("ascii") for d, data in sorted(inline.items())}
+    if stored:
+        payload["stored"] = {d: [str(enc), n] for d, (enc, n) in sorted(stored.items())}
     return payload
 
 
@@ -183,11 +199,24 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
                 raise ValueError(f"artifact {name!r} is not [digest, size]")
             artifacts[validate_artifact_name(name)] = BlobRef(ref[0], validate_size(ref[1]))
         inline = _inline(payload.get("inline", {}), {r.digest: r.size for r in artifacts.values()})
+        stored = _stored(payload.get("stored", {}), {r.digest for r in artifacts.values()})
     except (AdstoreError, ValueError, TypeError) as exc:
         detail = exc.why if isinstance(exc, InvalidKey) else str(exc)
         raise BadRecord(where, f"invalid field: {detail[:200]}") from None
     return Record(key, rank, world_size, generation, namespace, components, artifacts, meta, float(created),
-                  producer, inline)
+                  producer, inline, stored)
+
+
+def _stored(raw: object, digests: set[str]) -> dict[str, tuple[Encoding, int]]:
+    """How the blobs of a payload that are not raw are stored: each an artifact's, a known encoding, a size."""
+    if not isinstance(raw, dict):
+        raise ValueError("stored is not a mapping")
+    out: dict[str, tuple[Encoding, int]] = {}
+    for digest, how in raw.items():
+        if digest not in digests or not isinstance(how, list) or len(how) != 2 or how[0] != Encoding.ZSTD:
+            raise ValueError(f"stored blob {str(digest)[:80]!r} is no artifact of the record, or not [\"zstd\", size]")
+        out[digest] = (Encoding.ZSTD, validate_size(how[1]))
+    return out
 
 
 def _inline(raw: object, sizes: Mapping[str, int]) -> dict[str, bytes]:

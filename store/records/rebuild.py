@@ -32,14 +32,15 @@ from pathlib import Path
 
 from ..index.ballast import Ballast
 from ..errors import StoreError
-from .restore import Restored, Skipped, hash_blob_file, restore
+from .restore import BlobFile, Restored, Skipped, identify_blob_file, restore
 from ..fsutil import fsync_dir
 from ..index.env import Index
 from ..index.file import FRESH_INDEX_BYTES, probe_index
 from ..layout import Layout
 from .obsolete import obsolete_dropped
 from .files import Found, RecordFiles, RecordState
-from ..index.rows import BlobRow
+from ..codec import Encoding
+from ..index.rows import FLAG_ZSTD, BlobRow
 from ..index.tables import Tables, Txn
 
 __all__ = ["RebuildPlan", "RebuildReport", "plan_rebuild", "repair_unopenable", "LOST_WITH_THE_INDEX"]
@@ -102,12 +103,12 @@ class RebuildPlan:
         layout.mkdir(layout.index)
         if shutil.disk_usage(layout.index).free < FRESH_INDEX_BYTES:
             Ballast(layout.root).release()  # what the ballast is for: room for the fresh index
-        good: list[tuple[str, int]] = []
+        good: list[BlobFile] = []
         bad: list[str] = []
         for path in self.blob_files:
-            found = hash_blob_file(path)
-            if found is not None and found[0] == path.name and path.parent.name == path.name[:2]:
-                good.append((path.name, found[1]))
+            found = identify_blob_file(path)
+            if found is not None and path.parent.name == path.name[:2]:
+                good.append(found)
                 continue
             target = layout.quarantine / f"{path.name}.{time.time_ns()}"
             try:
@@ -120,19 +121,20 @@ class RebuildPlan:
             tables = Tables(index, layout, after_commit=obsolete_dropped)
             now = tables.clock()
             for i in range(0, len(good), _BATCH):
-                def fn(t: Txn, batch: list[tuple[str, int]] = good[i:i + _BATCH]) -> None:
-                    for digest, size in batch:
-                        t.put_blob(digest, BlobRow(size, 0, now, 0), inline=None)
+                def fn(t: Txn, batch: list[BlobFile] = good[i:i + _BATCH]) -> None:
+                    for f in batch:
+                        flags = FLAG_ZSTD if f.encoding is Encoding.ZSTD else 0
+                        t.put_blob(f.digest, BlobRow(f.size, 0, now, flags, f.stored), inline=None)
 
                 tables.write(fn)
-            restored = restore(tables, RecordFiles(layout), self.records, dict(good))
+            restored = restore(tables, RecordFiles(layout), self.records, {f.digest: f for f in good})
         finally:
             index.release()
         return _report(str(dest), good, bad, restored)
 
 
-def _report(dest: str, good: list[tuple[str, int]], bad: list[str], restored: Restored) -> RebuildReport:
-    return RebuildReport(dest, len(good), sum(s for _, s in good), tuple(bad), entries=restored.entries,
+def _report(dest: str, good: list[BlobFile], bad: list[str], restored: Restored) -> RebuildReport:
+    return RebuildReport(dest, len(good), sum(f.stored for f in good), tuple(bad), entries=restored.entries,
                          manifests=restored.manifests, inline_blobs=restored.inline_blobs, pinned=restored.pinned,
                          skipped=tuple(restored.skipped))
 

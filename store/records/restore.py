@@ -27,6 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import CorruptRecord
 from ..lookup import lookup
@@ -34,10 +35,11 @@ from ..manifests import drop_entry
 from ..reasons import Reason
 from .files import Found, RecordFiles, RecordState
 from .format import BadRecord, Record
-from ..index.rows import FLAG_INLINE, BlobRow, Entry, pack_inline
+from ..codec import ZSTD_MAGIC, Damaged, Encoding, decode_chunks, frame_content_size
+from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
 from ..index.tables import Tables, Txn
 
-__all__ = ["Skipped", "Restored", "choose", "read_records", "restore", "reimport", "hash_blob_file"]
+__all__ = ["Skipped", "Restored", "BlobFile", "choose", "read_records", "restore", "reimport", "identify_blob_file"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,22 @@ _BATCH = 200  # keys per write transaction
 _CHUNK = 4 << 20
 
 
-def hash_blob_file(path: Path) -> tuple[str, int] | None:
-    """(SHA-256, size) of a regular blob file, read without following a symlink; None otherwise."""
+class BlobFile(NamedTuple):
+    """A blob file found intact: what it decodes to (digest, size), how it holds it, what it takes on disk."""
+
+    digest: str
+    size: int
+    encoding: Encoding
+    stored: int
+
+
+def identify_blob_file(path: Path) -> BlobFile | None:
+    """What the blob file ``path`` holds, read without following a symlink; None if it is no intact blob.
+
+    Its name is its digest: a raw file hashes to it, a zstd frame (``codec``)
+    decodes to bytes that do, bounded by the content size its header records
+    (a frame without one is not one the store wrote).
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -54,13 +70,27 @@ def hash_blob_file(path: Path) -> tuple[str, int] | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        h = hashlib.sha256()
-        n = 0
-        while chunk := os.read(fd, _CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-        return h.hexdigest(), n
-    except OSError:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            h, n = hashlib.sha256(), 0
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                n += len(chunk)
+            if h.hexdigest() == path.name:
+                return BlobFile(path.name, n, Encoding.RAW, n)
+            f.seek(0)
+            head = f.read(18)
+            if not head.startswith(ZSTD_MAGIC):
+                return None
+            limit = frame_content_size(head)
+            if limit < 0:
+                return None
+            f.seek(0)
+            h, size = hashlib.sha256(), 0
+            for chunk in decode_chunks(f, limit):
+                h.update(chunk)
+                size += len(chunk)
+            return BlobFile(path.name, size, Encoding.ZSTD, n) if h.hexdigest() == path.name else None
+    except (OSError, Damaged):
         return None
     finally:
         os.close(fd)
@@ -89,9 +119,9 @@ class Restored:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def read_records(files: RecordFiles, found: Iterable[Found], intact: Mapping[str, int]
+def read_records(files: RecordFiles, found: Iterable[Found], intact: Mapping[str, BlobFile]
                  ) -> tuple[dict[str, list[Record]], set[str], list[Skipped]]:
-    """The committed records whose blobs are all there (``intact``: digest -> size of good files), by key.
+    """The committed records whose blobs are all there (``intact``: the good blob files by digest), by key.
 
     Also the keys with a pin marker, and every record file skipped.
     Pending records (published, never committed) are not restored.
@@ -114,7 +144,7 @@ def read_records(files: RecordFiles, found: Iterable[Found], intact: Mapping[str
             skipped.append(Skipped(str(f.path), exc.reason, exc.detail))
             continue
         missing = [ref.digest for ref in record.artifacts.values()
-                   if intact.get(ref.digest) != ref.size and ref.digest not in record.inline]
+                   if _size(intact, ref.digest) != ref.size and ref.digest not in record.inline]
         if missing:
             skipped.append(Skipped(str(f.path), Reason.BLOB_MISSING,
                                    f"blob {missing[0]} of {record.key} rank {record.rank} is missing or corrupt"))
@@ -142,9 +172,14 @@ def choose(records: list[Record]) -> list[Record]:
     return [chosen[k] for k in sorted(chosen)]
 
 
-def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: Mapping[str, int], *,
+def _size(intact: Mapping[str, BlobFile], digest: str) -> int | None:
+    found = intact.get(digest)
+    return None if found is None else found.size
+
+
+def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: Mapping[str, BlobFile], *,
             replace_broken: bool = False) -> Restored:
-    """Write the chosen records of every key into ``tables``; ``intact``: digest -> size of good blob files.
+    """Write the chosen records of every key into ``tables``; ``intact``: the good blob files by digest.
 
     In a fresh index (a rebuild) every key is new.  With ``replace_broken``
     (``verify --fix`` after an in-place repair) a key whose entry is a hit
@@ -195,7 +230,7 @@ def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: 
     return out
 
 
-def _register_blobs(t: Txn, record: Record, intact: Mapping[str, int], now: float) -> int:
+def _register_blobs(t: Txn, record: Record, intact: Mapping[str, BlobFile], now: float) -> int:
     """Give each blob of ``record`` a usable row (keeping its references); returns inline blobs written."""
     written = 0
     for ref in record.artifacts.values():
@@ -208,15 +243,17 @@ def _register_blobs(t: Txn, record: Record, intact: Mapping[str, int], now: floa
             continue
         held = row.refs if row is not None else 0
         data = record.inline.get(digest)
+        found = intact.get(digest)
         if data is not None:
-            t.put_blob(digest, BlobRow(len(data), held, now, FLAG_INLINE), inline=pack_inline(data))
+            t.put_blob(digest, BlobRow(len(data), held, now, FLAG_INLINE, len(data)), inline=pack_inline(data))
             written += 1
-        elif intact.get(digest) == ref.size:
-            t.put_blob(digest, BlobRow(ref.size, held, now, 0), inline=None)
+        elif found is not None and found.size == ref.size:
+            flags = FLAG_ZSTD if found.encoding is Encoding.ZSTD else 0
+            t.put_blob(digest, BlobRow(ref.size, held, now, flags, found.stored), inline=None)
     return written
 
 
-def reimport(tables: Tables, files: RecordFiles, keys: Iterable[str], intact: Mapping[str, int]) -> Restored:
+def reimport(tables: Tables, files: RecordFiles, keys: Iterable[str], intact: Mapping[str, BlobFile]) -> Restored:
     """Restore ``keys`` from their records into a sound index whose rows for them ``verify --fix`` dropped.
 
     Blob files a record needs that ``intact`` does not list (a row that was
@@ -232,7 +269,7 @@ def reimport(tables: Tables, files: RecordFiles, keys: Iterable[str], intact: Ma
                 continue
     known = dict(intact)
     for digest in sorted(needed - set(known)):
-        got = hash_blob_file(tables.layout.blob_path(digest))
-        if got is not None and got[0] == digest:
-            known[digest] = got[1]
+        got = identify_blob_file(tables.layout.blob_path(digest))
+        if got is not None:
+            known[digest] = got
     return restore(tables, files, found, known, replace_broken=True)

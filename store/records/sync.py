@@ -18,8 +18,9 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from ..codec import Encoding
 from ..errors import CorruptRecord
 from ..layout import Layout
 from ..reasons import Reason
@@ -31,13 +32,22 @@ from .obsolete import obsolete_dropped, purge_obsolete_records
 from ..index.drops import Drops
 from ..index.tables import Tables, Txn
 
-__all__ = ["RecordWriter", "record_inputs", "components_changed", "RecordIssues", "check_records", "fix_records"]
+__all__ = ["RecordWriter", "RecordInputs", "record_inputs", "components_changed", "RecordIssues", "check_records",
+           "fix_records"]
 
 log = logging.getLogger(__name__)
 
 
-def record_inputs(t: Txn, manifest: Manifest) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The entry's components and the bytes of the manifest's inline blobs, as the index holds them.
+class RecordInputs(NamedTuple):
+    """What a record needs from the index besides the manifest."""
+
+    components: dict[str, Any]
+    inline: dict[str, bytes]  # the bytes of its inline blobs
+    stored: dict[str, tuple[Encoding, int]]  # its blobs kept as zstd frames, and their files' sizes
+
+
+def record_inputs(t: Txn, manifest: Manifest) -> RecordInputs:
+    """The entry's components, the manifest's inline blobs and how its file blobs are stored, as the index holds them.
 
     An inline blob whose bytes fail their checksum is left out: a rebuild
     then reports the record's blob as missing instead of restoring bad bytes.
@@ -47,13 +57,21 @@ def record_inputs(t: Txn, manifest: Manifest) -> tuple[dict[str, Any], dict[str,
     except CorruptRecord:
         components = {}
     inline: dict[str, bytes] = {}
+    stored: dict[str, tuple[Encoding, int]] = {}
     for digest in manifest.digests():
         value = t.inline_value(digest)
         if value is not None:
             data, intact = unpack_inline(value)
             if intact:
                 inline[digest] = data
-    return components, inline
+            continue
+        try:
+            row = t.blob_row(digest)
+        except CorruptRecord:
+            row = None
+        if row is not None and row.compressed:
+            stored[digest] = (Encoding.ZSTD, row.stored)
+    return RecordInputs(components, inline, stored)
 
 
 def components_changed(t: Txn, key: str, components: Mapping[str, Any] | None) -> bool:
@@ -73,9 +91,10 @@ class RecordWriter:
         self._tables = tables
         self.files = RecordFiles(tables.layout)
 
-    def published(self, manifest: Manifest, components: Mapping[str, Any], inline: Mapping[str, bytes]) -> None:
+    def published(self, manifest: Manifest, inputs: RecordInputs) -> None:
         """Write the pending record of a manifest the index just published (raises on failure)."""
-        self.files.write_pending(payload_of(manifest, components, local=True, inline=inline))
+        self.files.write_pending(payload_of(manifest, inputs.components, local=True, inline=inputs.inline,
+                                            stored=inputs.stored))
 
     def committed(self, key: str, rank: int, generation: int, *, rewrite: bool, drops: Drops | None) -> None:
         """After the index committed: move the pending record into place, then drop the superseded ones.
@@ -103,8 +122,9 @@ class RecordWriter:
             manifest = t.manifest(key, rank, generation)
             if manifest is None or not manifest.committed:
                 return False
-            components, inline = record_inputs(t, manifest)
-        self.files.write_committed(payload_of(manifest, components, local=True, inline=inline))
+            inputs = record_inputs(t, manifest)
+        self.files.write_committed(payload_of(manifest, inputs.components, local=True, inline=inputs.inline,
+                                              stored=inputs.stored))
         return True
 
     def pinned(self, key: str, pinned: bool) -> None:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterable
 from typing import BinaryIO
 
+from ..codec import Encoding
 from ..errors import StoreError, StoreFull
 from .addresses import Kind
 from .errors import NotSupported, RemoteChecksumMismatch, RemoteError, RemoteRejected, RemoteTimeout, RemoteUnavailable
@@ -133,6 +134,9 @@ class RemoteBackend(abc.ABC):
     #: The URL the backend was opened with, without credentials (for status and logs).
     url: str = ""
     conditional_writes: ConditionalWrites = ConditionalWrites.NONE
+    #: How blobs the store keeps compressed travel: as their zstd frames (``zcas/``), or raw (``cas/``:
+    #: what the Bazel HTTP protocol's clients expect there).
+    transfer: Encoding = Encoding.RAW
 
     @abc.abstractmethod
     def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..codec import Encoding
 from ..errors import AdstoreError, ConfigError
 from ..reasons import Reason
 from .addresses import Kind, object_name, record_address
@@ -219,14 +220,20 @@ class Remote:
         """Download a blob into the new file ``dest``, verified, within its deadline (:func:`transfer.fetch_blob`)."""
         return self._guard("fetch_blob", lambda: transfer.fetch_blob(self, digest, size, dest=Path(dest), fsync=fsync))
 
-    def push_blob(self, digest: str, size: int, source: str | Path | bytes) -> Outcome[int]:
-        """Upload a blob unless the remote has it (HEAD first); the bytes sent (0 if it had it)."""
-        return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source))
+    def push_blob(self, digest: str, size: int, source: str | Path | bytes, *,
+                  kind: Kind | str = Kind.CAS) -> Outcome[int]:
+        """Upload a blob (``zcas``: its zstd frame) unless the remote has it (HEAD first); the bytes sent."""
+        return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source, kind=Kind(kind)))
 
     def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink,
+                   stored: Mapping[str, tuple[Encoding, int]] | None = None,
                    deadline: Deadline | None = None) -> Outcome[int]:
-        """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome."""
-        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, deadline=deadline))
+        """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome.
+
+        ``stored``: the blobs that travel as zstd frames (a record's), and the frames' sizes.
+        """
+        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, stored=stored,
+                                                                   deadline=deadline))
 
     # -- records ---------------------------------------------------------
     def fetch_record(self, key: str, rank: int = 0) -> Outcome[Verified]:
@@ -307,6 +314,7 @@ class Remote:
             "url": self.url,
             "mode": self.mode.value,
             "conditional_writes": self.backend.conditional_writes.value,
+            "transfer": str(self.backend.transfer),
             "breaker": self.breaker.snapshot(),
             "signing_key": self.signer.key_id if self.signer else None,
             "trusted_keys": self.trusted.key_ids if self.trusted else [],

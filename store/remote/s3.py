@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ..codec import Encoding
 from ..errors import ConfigError
 from .addresses import Kind, object_name
 from .backend import (
@@ -85,6 +86,7 @@ class S3Backend(RemoteBackend):
     """Objects ``PREFIX/cas/<sha256>`` and ``PREFIX/ac/<sha256>`` in one bucket."""
 
     conditional_writes = ConditionalWrites.ATOMIC
+    transfer = Encoding.ZSTD  # objects are the store's own: compressed blobs travel as their frames
 
     def __init__(
         self,

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
+from ..codec import Encoding
 from ..errors import ChecksumMismatch
+from ..records.format import RECORD_FORMAT
 from ..index.rows import BlobRef
 from ..names import validate_digest
 from .addresses import Kind
@@ -43,6 +45,7 @@ from .errors import RemoteBlobMissing, RemoteChecksumMismatch
 from .outcomes import Outcome
 
 if TYPE_CHECKING:
+    from ..blobs import StoredBlob
     from ..blobwriter import BlobWriter
     from .client import Remote
 
@@ -58,15 +61,20 @@ class BlobSink(Protocol):
 
     def admit(self, nbytes: int) -> None: ...  # room for nbytes, or OverBudget / StoreFull before any byte
 
-    def blob_writer(self, ref: BlobRef, *, cancelled: threading.Event | None = None) -> BlobWriter: ...
+    def blob_writer(self, ref: BlobRef, *, source: Encoding = ..., frame_size: int | None = ...,
+                    cancelled: threading.Event | None = ...) -> BlobWriter: ...
 
 
 class BlobSource(Protocol):
     """Where pushed blobs come from: :class:`adstore.store.Store` has these methods."""
 
-    def blob_path(self, digest: str) -> Path | None: ...  # None for a blob kept inline in the index
+    def stored_blob(self, digest: str) -> StoredBlob | None: ...  # None for a blob kept inline in the index
 
     def get_bytes(self, digest: str) -> bytes: ...
+
+    def copy_blob_to(self, digest: str, dest: str | os.PathLike[str]) -> Path: ...
+
+    def temp_path(self, suffix: str = ...) -> Path: ...
 
 
 def _rejected(remote: Remote, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
@@ -136,33 +144,39 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
     return Outcome(value=dest, nbytes=n)
 
 
-def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, deadline: Deadline | None = None) -> int:
-    """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received."""
+def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, frame: int | None = None,
+              deadline: Deadline | None = None) -> int:
+    """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
+
+    ``frame``: the blob travels as a zstd frame of that many bytes (``zcas/``),
+    written into its file as it arrives and decoded at the commit; else its
+    raw ``size`` bytes come from ``cas/``.
+    """
     validate_digest(digest)
     cancelled = threading.Event()
-    received = [0]
+    kind, limit = (Kind.CAS, size) if frame is None else (Kind.ZCAS, frame)
 
     def run() -> int:
-        with sink.blob_writer(BlobRef(digest, size), cancelled=cancelled) as writer:
+        with sink.blob_writer(BlobRef(digest, size), source=Encoding.RAW if frame is None else Encoding.ZSTD,
+                              frame_size=frame, cancelled=cancelled) as writer:
             try:
-                n = remote.backend.get_to(Kind.CAS, digest, writer, size)  # type: ignore[arg-type]
+                n = remote.backend.get_to(kind, digest, writer, limit)  # type: ignore[arg-type]
             except ChecksumMismatch:  # the writer refused a byte past the declared size
-                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.size + 1,
+                raise RemoteChecksumMismatch(digest, expected_size=limit, got_size=writer.received + 1,
                                              got_digest=None) from None
             finally:
-                received[0] = writer.size
-                remote.count("bytes_down", writer.size)
+                remote.count("bytes_down", writer.received)
             if n is None:
                 raise RemoteBlobMissing(digest)
             try:
                 writer.commit()
             except ChecksumMismatch as exc:
-                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.size,
+                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.received,
                                              got_digest=exc.got) from None
             return n
 
     try:
-        n = remote._call("get", Kind.CAS, digest, run, deadline=remote.limits.start(size).sooner(deadline),
+        n = remote._call("get", kind, digest, run, deadline=remote.limits.start(limit).sooner(deadline),
                          on_expire=cancelled.set)
     except RemoteChecksumMismatch as exc:
         raise _rejected(remote, exc) from None
@@ -171,30 +185,38 @@ def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, deadlin
 
 
 def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSink,
+               stored: Mapping[str, tuple[Encoding, int]] | None = None,
                deadline: Deadline | None = None) -> Outcome[int]:
     """Stream every blob of ``refs`` that ``sink`` lacks into it: all, or the first failure.
 
-    The declared total is admitted first (``sink.admit``: budget and free
-    space), so a record that announces more than the store may hold costs
-    no download at all.  The whole pull has a deadline: ``deadline``, else
-    the remote's limit for that total.  Blobs stored before a failure are
-    unreferenced and left to the store's gc, never half-committed.
+    ``stored`` (a record's): the blobs that travel as zstd frames, and the
+    frames' sizes.  The declared total of what will be downloaded is
+    admitted first (``sink.admit``: budget and free space), so a record that
+    announces more than the store may hold costs no download at all.  The
+    whole pull has a deadline: ``deadline``, else the remote's limit for
+    that total.  Blobs stored before a failure are unreferenced and left to
+    the store's gc, never half-committed.
     """
+    frames = dict(stored or {})
     wanted = sorted({(validate_digest(d), int(s)) for d, s in refs})
-    missing = [(d, s) for d, s in wanted if not sink.has_blob(d)]
-    total = sum(s for _, s in missing)
+    missing = [(d, s, frames[d][1] if d in frames else None) for d, s in wanted if not sink.has_blob(d)]
+    total = sum(s if f is None else f for _, s, f in missing)
     sink.admit(total)
     whole = deadline if deadline is not None else remote.limits.start(total)
     received = 0
-    for digest, size in missing:
-        received += pull_blob(remote, digest, size, sink=sink, deadline=whole)
+    for digest, size, frame in missing:
+        received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
     return Outcome(value=received, nbytes=received)
 
 
-def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes) -> Outcome[int]:
-    """Upload a blob unless the remote holds it with this size; the bytes sent."""
+def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *,
+              kind: Kind = Kind.CAS) -> Outcome[int]:
+    """Upload a blob (``cas/``: its content; ``zcas/``: its frame) unless the remote holds it with this size.
+
+    The bytes sent (0 when it had it).
+    """
     validate_digest(digest)
-    have = remote._call("head", Kind.CAS, digest, lambda: remote.backend.head(Kind.CAS, digest))
+    have = remote._call("head", kind, digest, lambda: remote.backend.head(kind, digest))
     if have == size:
         remote.count("blobs_skipped")
         remote.count("bytes_skipped", size)
@@ -203,11 +225,11 @@ def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[
 
     def send() -> int:
         if isinstance(source, (bytes, bytearray, memoryview)):
-            return remote.backend.put(Kind.CAS, digest, source)
+            return remote.backend.put(kind, digest, source)
         with open(source, "rb") as f:
-            return remote.backend.put(Kind.CAS, digest, f)
+            return remote.backend.put(kind, digest, f)
 
-    sent = remote._call("put", Kind.CAS, digest, send, write=True, deadline=deadline)
+    sent = remote._call("put", kind, digest, send, write=True, deadline=deadline)
     remote.count("blobs_up")
     remote.count("bytes_up", sent)
     return Outcome(value=sent, nbytes=sent)
@@ -215,15 +237,43 @@ def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[
 
 def publish(remote: Remote, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
             *, source: BlobSource) -> Outcome[int]:
-    """Push the blobs the remote lacks, then this rank's signed record, last."""
+    """Push the blobs the remote lacks, then this rank's signed record, last.
+
+    A blob the store keeps as a zstd frame travels as that frame (``zcas/``)
+    where the remote takes frames (S3), and the record says so (``stored``,
+    format 2); elsewhere every blob travels raw (``cas/``, the Bazel HTTP
+    protocol's), decoded on the way when the store keeps it compressed.
+    """
     sent = 0
+    stored: dict[str, tuple[Encoding, int]] = {}
     for digest, size in refs:
-        path = source.blob_path(digest)
-        pushed = remote.push_blob(digest, size, path if path is not None else source.get_bytes(digest))
+        found = source.stored_blob(digest)
+        if found is None:  # inline in the index
+            pushed = remote.push_blob(digest, size, source.get_bytes(digest))
+        elif found.encoding is Encoding.RAW:
+            pushed = remote.push_blob(digest, size, found.path)
+        elif remote.backend.transfer is Encoding.ZSTD:
+            pushed = remote.push_blob(digest, found.stored, found.path, kind=Kind.ZCAS)
+            stored[digest] = (Encoding.ZSTD, found.stored)
+        else:
+            pushed = _push_decoded(remote, digest, size, source)
         if not pushed.ok:
             return pushed
         sent += pushed.nbytes
+    if stored:
+        payload = {**payload, "format": RECORD_FORMAT,
+                   "stored": {d: [str(enc), n] for d, (enc, n) in sorted(stored.items())}}
     record = remote.push_record(key, rank, payload)
     if not record.ok:
         return record
     return Outcome(value=sent, nbytes=sent + record.nbytes)
+
+
+def _push_decoded(remote: Remote, digest: str, size: int, source: BlobSource) -> Outcome[int]:
+    """Upload the raw content of a blob the store keeps compressed (decoded, verified, into a temp file)."""
+    tmp = source.temp_path(".push")
+    try:
+        source.copy_blob_to(digest, tmp)
+        return remote.push_blob(digest, size, tmp)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 import pytest
 from store_helpers import check_hit, payload, save
@@ -103,7 +105,7 @@ def test_hit_refreshes_last_access(store, clock):
 
 
 def test_stats_counters_and_totals(store):
-    shared = b"S" * 100_000
+    shared = os.urandom(100_000)  # stored raw: physical bytes are content bytes
     save(store, "a", shared=shared)
     save(store, "b", shared=shared)
     store.lookup("a")

@@ -12,15 +12,19 @@ upgraded when opened: the owed references are released and the table goes.
 from __future__ import annotations
 
 import os
+import struct
 
 import lmdb
 from store_helpers import save
 
 from adstore.store import Store
+from adstore.store.index.rows import BLOB_ROW
 from adstore.store.index.schema import SCHEMA_VERSION
 from adstore.store.index.schema import WRITES
 
 SHARED = [os.urandom(5000) for _ in range(3)]
+#: A blob row of schema 4 and earlier (size, refcount, last put, flags).
+OLD_ROW = struct.Struct("<QqdB")
 
 
 def _refs(store: Store, digest: str) -> int | None:
@@ -90,22 +94,40 @@ def test_a_foreign_write_between_batches_makes_every_later_batch_recheck(store_r
         assert store.lookup("k5").hit and store.verify().ok
 
 
+def _as_schema(txn, store: Store, version: int, extra: dict[str, int] | None = None) -> None:
+    """Rewrite an index as an adstore of schema ``version`` (3 or 4) left it: blob rows without their
+    stored size (every blob raw), ``extra`` references added to some."""
+    blobs = store.index.db["blobs"]
+    for k, v in list(txn.cursor(db=blobs)):
+        size, refs, touched, flags, _stored = BLOB_ROW.unpack(v)
+        refs += (extra or {}).get(bytes(k).hex(), 0)
+        txn.put(bytes(k), OLD_ROW.pack(size, refs, touched, flags), db=blobs)
+    txn.put(b"schema", str(version).encode(), db=store.index.db["meta"])
+
+
+def test_a_schema_4_index_is_upgraded_and_its_raw_blobs_read_as_they_are(store_root, clock):
+    with Store.open(store_root, grace_period=0.0, clock=clock) as store:
+        _fill(store, 3)
+        before = store.stats()
+        with store.index.env.begin(write=True) as txn:
+            _as_schema(txn, store, 4)
+    with Store.open(store_root, grace_period=0.0, clock=clock) as store:
+        assert store.verify().ok
+        assert all(store.lookup(f"e{i:02d}").hit for i in range(3))
+        after = store.stats()
+        assert (after.physical_bytes, after.logical_bytes) == (before.physical_bytes, before.logical_bytes)
+
+
 def test_an_index_that_owed_references_is_upgraded_when_opened(store_root, clock):
     """Schema 3: refcounts include references an eviction pass dropped and still owed in ``releases``."""
     with Store.open(store_root, grace_period=0.0, clock=clock) as store:
         _fill(store, 3)
         shared = [store.put_bytes(b).digest for b in SHARED]
         env = store.index.env
-        with env.begin(write=True) as txn:  # as schema 3 left it: two extra references, owed
+        with env.begin(write=True) as txn:  # as schema 3 left it: rows of its layout, two extra references, owed
             releases = env.open_db(b"releases", txn=txn)
             txn.put(os.urandom(16), bytes.fromhex(shared[0]) * 2 + bytes.fromhex(shared[1])[:7], db=releases)
-            blobs = store.index.db["blobs"]
-            for d, extra in ((shared[0], 2),):
-                from adstore.store.index.rows import BLOB_ROW
-
-                size, refs, touched, flags = BLOB_ROW.unpack(txn.get(bytes.fromhex(d), db=blobs))
-                txn.put(bytes.fromhex(d), BLOB_ROW.pack(size, refs + extra, touched, flags), db=blobs)
-            txn.put(b"schema", b"3", db=store.index.db["meta"])
+            _as_schema(txn, store, 3, extra={shared[0]: 2})
     index = lmdb.open(str(store_root / "index"), max_dbs=16, readonly=True, lock=False)
     with index.begin() as txn:
         assert txn.get(b"schema", db=index.open_db(b"meta", txn=txn)) == b"3"

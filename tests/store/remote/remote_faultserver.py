@@ -30,6 +30,7 @@ __all__ = ["FaultServer", "Fault"]
 class Fault:
     mode: str
     interval: float = 0.2
+    head: int = 0  # bytes of the body sent at once before the fault begins (drip)
 
 
 class FaultServer:
@@ -85,9 +86,9 @@ class FaultServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/{self.prefix}"
 
-    def fault(self, name: str, mode: str, interval: float = 0.2) -> None:
-        """Serve ``name`` (``cas/<digest>`` or ``ac/<digest>``) with a fault."""
-        self.faults[name] = Fault(mode, interval)
+    def fault(self, name: str, mode: str, interval: float = 0.2, head: int = 0) -> None:
+        """Serve ``name`` (``cas/<digest>`` or ``ac/<digest>``) with a fault (after ``head`` honest bytes)."""
+        self.faults[name] = Fault(mode, interval, head)
 
     def asked(self, kind: str, method: str = "GET") -> int:
         """How many ``method`` requests were made for ``kind`` (``cas`` or ``ac``) objects."""
@@ -125,7 +126,9 @@ class FaultServer:
             if not body:
                 return
             if mode == "drip":
-                self._drip(sock, data, fault.interval)  # type: ignore[union-attr]
+                assert fault is not None
+                sock.sendall(data[:fault.head])
+                self._drip(sock, data[fault.head:], fault.interval)
             elif mode == "endless":
                 zeros = bytes(1 << 16)
                 while not self._stop.is_set():

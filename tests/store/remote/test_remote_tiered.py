@@ -29,7 +29,8 @@ from adstore.store.remote import (
     open_remote,
     record_address,
 )
-from adstore.store.tiered import RECORD_FORMAT, record_payload, remote_restore, remote_save
+from adstore.store.records.format import RAW_FORMAT
+from adstore.store.tiered import record_payload, remote_restore, remote_save
 
 BACKENDS = ["s3", "http"]
 
@@ -79,7 +80,7 @@ def test_record_payload_is_versioned_and_complete(tmp_path):
     data = sample()
     gen = commit_entry(store, "key1", data)
     p = record_payload(store, "key1", 0)
-    assert p["format"] == RECORD_FORMAT and p["generation"] == gen and p["world_size"] == 1
+    assert p["format"] == RAW_FORMAT and p["generation"] == gen and p["world_size"] == 1
     assert p["components"] == {"k": "key1"} and p["namespace"] == "default"
     assert p["artifacts"] == {n: [hashlib.sha256(b).hexdigest(), len(b)] for n, b in sorted(data.items())}
     json.dumps(p)
@@ -245,7 +246,7 @@ def test_sigkill_during_a_streamed_restore_leaves_nothing_committed(keypair, tmp
             commit_entry(w, key, {"big.bin": data})
             assert remote_save(w, open_remote(server.url, mode="read-write",
                                               signer=Signer.from_pem(keypair.private_pem)), key).ok
-        server.fault(f"cas/{hashlib.sha256(data).hexdigest()}", "drip", interval=0.01)
+        server.fault(f"cas/{hashlib.sha256(data).hexdigest()}", "drip", interval=0.01, head=512 << 10)
         root = tmp_path / "reader"
         Store(root).close()
         child = multiprocessing.get_context("spawn").Process(
