@@ -158,6 +158,21 @@ class EngineIndex:
             return Reason.ABSENT, ""
         return (Reason.ABSENT, "") if found is None else (Reason.INCOMPATIBLE_ENV, found.message())
 
+    def entries_for(self, prefix_key: str) -> list[tuple[str, str | None]]:
+        """``(index key, engine hash or None)`` of every entry indexed under the cache point key ``prefix_key``."""
+        out: list[tuple[str, str | None]] = []
+        for listed in self.store.entries(namespace=self.NAMESPACE):
+            entry = self.store.entry(listed.key)
+            prefix = (entry.components or {}).get("prefix") if entry is not None else None
+            if not isinstance(prefix, Mapping) or prefix.get("key") != prefix_key:
+                continue
+            try:
+                found = self.lookup(CacheKey(listed.key, dict(entry.components)))  # type: ignore[union-attr]
+            except AdstoreError:
+                found = None
+            out.append((listed.key, found.engine if found is not None else None))
+        return out
+
     def save(self, key: CacheKey, engine: str, components: Mapping[str, Any], compile_seconds: float) -> None:
         """Point ``key`` at ``engine`` (whose record stores ``components``); replaces what was there."""
         store = self.store
