@@ -48,7 +48,9 @@ from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.pipeline.protocol import failure_reason
+from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.store.reasons import Reason
+from adstore.store.remote import Role, record_address
 
 __all__ = ["EngineModule", "EngineStage", "graph_example_inputs"]
 
@@ -121,6 +123,10 @@ class EngineStage:
     code: Sequence[type | Callable[..., Any]] = ()
     decompositions: Mapping[Any, Callable[..., Any]] | None = None
     backend: str = "aoti"
+    #: The cache point's single-flight build lease when this host leads it (handed over; released here).
+    flight: HeldFlight | None = None
+    #: The lease key a compile stage that found nothing leads or follows under (the cache point's key).
+    lease_key: str | None = None
     events: list[CacheEvent] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     _store: Any = field(default=None, repr=False)
@@ -158,18 +164,21 @@ class EngineStage:
         A collective under an initialised process group: every rank calls it.
         """
         t0 = time.perf_counter()
-        key: CacheKey | None = None
-        engine: CompiledEngine | None = None
-        reason: Reason | None = Reason.ABSENT
-        detail = ""
+        key, engine, reason, detail = self._lookup(module, example_inputs, topo)
+        held = self._flight(key, engine is None and reason == Reason.ABSENT, topo)
         try:
-            key = self.key(example_inputs, topo)
-            if key is None:
-                reason, detail = Reason.KEY_ERROR, "no cache point key: engines are found by their hash"
-            else:
-                engine, reason, detail = self._restore(module, key, example_inputs)
-        except Exception as exc:  # noqa: BLE001 - a cache problem is a miss, never a failed stage
-            reason, detail = failure_reason(exc), f"{type(exc).__name__}: {exc}"
+            if held is not None and held.role is Role.FOLLOWER:  # another host compiles this key: wait for it
+                engine, reason, detail = self._follow(held, module, example_inputs, key, engine, reason, detail)
+            return self._finish(module, example_inputs, topo, key, engine, reason, detail, t0,
+                                leading=held is not None and held.role is Role.LEADER)
+        finally:
+            if held is not None and held.role is Role.LEADER:
+                held.finish()  # every rank's engine and index entry are pushed (or failed): followers go on
+
+    def _finish(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology, key: CacheKey | None,
+                engine: CompiledEngine | None, reason: Reason | None, detail: str, t0: float, *,
+                leading: bool) -> nn.Module:
+        """Agree on the restored engines, else compile (every rank), else keep the eager module (every rank)."""
         self.timings["restore"] = time.perf_counter() - t0
         # agreement 1: every rank restores its engine, or every rank compiles
         if agree.all_true(engine is not None):
@@ -184,6 +193,8 @@ class EngineStage:
         t1 = time.perf_counter()
         failure: tuple[Reason, str] | None = None
         try:
+            if leading and self.flight is not None:
+                self.flight.renew()  # the prefix's build may have used much of the lease
             engine = self._compile(module, example_inputs, key)
         except Exception as exc:  # noqa: BLE001 - the eager module still runs
             logger.warning("compile stage: no engine (%s: %s); the eager module runs", type(exc).__name__, exc)
@@ -198,6 +209,50 @@ class EngineStage:
         assert engine is not None
         self._event(engine.event, topo)
         return EngineModule(engine)
+
+    def _lookup(self, module: nn.Module, example_inputs: Sequence[Any],
+                topo: Topology) -> tuple[CacheKey | None, CompiledEngine | None, Reason | None, str]:
+        try:
+            key = self.key(example_inputs, topo)
+            if key is None:
+                return None, None, Reason.KEY_ERROR, "no cache point key: engines are found by their hash"
+            return key, *self._restore(module, key, example_inputs)
+        except Exception as exc:  # noqa: BLE001 - a cache problem is a miss, never a failed stage
+            return None, None, failure_reason(exc), f"{type(exc).__name__}: {exc}"
+
+    # ----------------------------------------------------------------- single flight
+    def _flight(self, key: CacheKey | None, absent: bool, topo: Topology) -> HeldFlight | None:
+        """The prefix's build lease: handed over by the cache point, or taken here when nothing was found.
+
+        Collectives only when a remote is named (the same on every rank);
+        see :func:`~adstore.integration.pipeline.remote.stage_flight`.
+        """
+        if self.flight is not None:
+            return self.flight  # this host led the prefix's build: it compiles too
+        if not (self.remote or os.environ.get("ADSTORE_REMOTE", "").strip()):
+            return None
+        tier = None
+        try:
+            tier = self.store().tier
+        except Exception as exc:  # noqa: BLE001 - no store: no lease (the restore already missed)
+            logger.debug("no store for the single-flight lease: %s", exc)
+        lease = self.lease_key if key is not None else None
+        return stage_flight(lease, tier.remote if tier is not None else None, absent=absent, rank=topo.rank)
+
+    def _follow(self, held: HeldFlight, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None,
+                engine: CompiledEngine | None, reason: Reason | None,
+                detail: str) -> tuple[CompiledEngine | None, Reason | None, str]:
+        """Wait (bounded) until the leading host's index entry for this rank is on the remote, then restore."""
+        if engine is not None or key is None or held.flight is None:
+            return engine, reason, detail
+        remote = held.flights.remote
+        waited = held.flights.wait(held.flight, timeout=wait_seconds(), ready=lambda: remote.head(
+            "ac", record_address(key.key, 0)).value is not None)
+        if not waited.ready:
+            logger.info("single-flight wait for engine %s ended (%s): compiling here", key.key[:12], waited.reason)
+            return None, Reason(waited.reason) if waited.reason in Reason._value2member_map_ else Reason.ABSENT, \
+                f"waited {waited.seconds:.1f}s for the leading host's engine"
+        return self._restore(module, key, example_inputs)
 
     def close(self) -> None:
         if self._store is not None:

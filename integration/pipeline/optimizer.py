@@ -162,8 +162,9 @@ class InferenceOptimizer:
         cfg = self.cache.config
         later = [(name, config, type(t)) for t, (name, config) in
                  zip(self.transforms[idx + 1:], self._cache_key_config[idx + 1:]) if t.config.enabled]
+        continues = any(getattr(t, "caches_after_point", False) for t in self.transforms[idx + 1:] if t.config.enabled)
         return AfterPoint(key=key, snapshot=getattr(self.cache, "snapshot", None), root=getattr(cfg, "root", None),
-                          remote=getattr(cfg, "remote", None), transforms=later)
+                          remote=getattr(cfg, "remote", None), transforms=later, continues=continues)
 
     def cache_key(self) -> CacheKey | None:
         """This run's cache key (None without an enabled cache point); may raise."""
@@ -190,7 +191,7 @@ class InferenceOptimizer:
             module = self._run(module, start)
         finally:
             if self.ctx.point is not None and self.ctx.point.flight is not None:
-                self.ctx.point.flight.release()  # no later stage released the build lease: do it now
+                self.ctx.point.flight.release()  # the stage meant to release the build lease did not run
                 self.ctx.point.flight = None
         self.timings["total"] = time.perf_counter() - t_start
         if module is None:
