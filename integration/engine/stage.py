@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from adstore.integration.engine.hashing import input_specs
@@ -357,7 +358,8 @@ class EngineStage:
 def _check_inputs(meta: Mapping[str, Any], example_inputs: Sequence[Any]) -> None:
     """EngineMismatch unless the engine was compiled for these input shapes and dtypes."""
     stored = [(list(i.get("shape") or []), i.get("dtype")) for i in meta.get("inputs") or ()]
-    wanted = [([str(d) for d in t.shape], str(t.dtype)) for t in example_inputs if isinstance(t, torch.Tensor)]
+    leaves = pytree.tree_leaves(tuple(example_inputs))
+    wanted = [([str(d) for d in t.shape], str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor)]
     if stored != wanted:
         raise EngineMismatch("inputs", f"engine was compiled for inputs {stored}, the stage has {wanted}")
 
