@@ -38,7 +38,7 @@ from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerpr
 from adstore.store.errors import AdstoreError
 from adstore.store.reasons import Reason
 
-__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "component_digests", "index_key"]
+__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,20 +114,24 @@ class IndexEntry:
                    compile_seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
 
 
-class EngineIndex:
-    """Index entries in a store: :meth:`lookup` before a compile stage, :meth:`save` after a compile."""
+class StageEntries:
+    """Entries of one namespace that hold one artifact under a compile stage's key.
 
-    NAMESPACE = "engine_index"
-    ARTIFACT = "index.json"
+    The engine index (a small JSON record naming an engine) and the
+    ``torch_compile`` stage's Inductor files are both kept this way, with
+    the store's LRU, budget and remote tier.
+    """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, namespace: str, artifact: str) -> None:
         self.store = store
+        self.namespace = namespace
+        self.artifact = artifact
 
-    def lookup(self, key: CacheKey) -> IndexEntry | None:
-        """The entry under ``key``; None when there is none; an EngineCacheError with a reason when unusable.
+    def manifest(self, key: CacheKey) -> Any:
+        """The committed manifest under ``key``; None when there is none; an EngineCacheError when unusable.
 
-        With a remote tier on the store, a local absence asks the remote
-        (a signed record from a trusted key only; anything else is that reason).
+        With a remote tier on the store, a local absence asks the remote (a
+        signed record from a trusted key only; anything else is that reason).
         """
         store = self.store
         res = store.lookup(key.key, record=False)
@@ -136,27 +140,61 @@ class EngineIndex:
                 return None
             if store.tier is not None and (res.reason.startswith("remote_") or res.reason == Reason.UNTRUSTED_REMOTE):
                 raise RemoteEngineMiss(key.key, res.reason)
-            raise EngineUnavailable(key.key, f"index entry: {res.reason}")
+            raise EngineUnavailable(key.key, f"{self.namespace} entry: {res.reason}")
         manifest = res.manifest
-        if manifest is None or manifest.namespace != self.NAMESPACE or self.ARTIFACT not in manifest.artifacts:
-            raise EngineUnavailable(key.key, "not an engine index entry")
+        if manifest is None or manifest.namespace != self.namespace or self.artifact not in manifest.artifacts:
+            raise EngineUnavailable(key.key, f"not a {self.namespace} entry")
+        return manifest
+
+    def read(self, key: CacheKey, manifest: Any) -> tuple[bytes, int | None]:
+        """The verified artifact of ``manifest`` and what the remote tier sent for ``key`` (None: nothing)."""
         try:
-            raw = store.read_artifact(manifest, self.ARTIFACT)
+            raw = self.store.read_artifact(manifest, self.artifact)
         except AdstoreError as exc:
-            raise CorruptEngine(f"engine index entry unreadable: {exc}") from exc
-        entry = IndexEntry.from_json(raw)
-        transferred = store.tier.take_restored(key.key) if store.tier is not None else None
-        return IndexEntry(entry.engine, entry.digests, entry.compile_seconds, transferred)
+            raise CorruptEngine(f"{self.namespace} entry {key.key[:12]} unreadable: {exc}") from exc
+        return raw, self.store.tier.take_restored(key.key) if self.store.tier is not None else None
 
     def why_absent(self, key: CacheKey) -> tuple[Reason, str]:
-        """``incompatible_env`` naming the field when this request was indexed in another environment."""
+        """``incompatible_env`` naming the field when this request was stored in another environment."""
         try:
-            found = find_mismatch(store_candidates(self.store, self.NAMESPACE, exclude=key.key), key.components,
+            found = find_mismatch(store_candidates(self.store, self.namespace, exclude=key.key), key.components,
                                   env=("toolchain",))
         except Exception as exc:  # noqa: BLE001 - a diagnosis never fails the lookup
-            logger.debug("no environment diagnosis for index %s: %s", key.key[:12], exc)
+            logger.debug("no environment diagnosis for %s: %s", key.key[:12], exc)
             return Reason.ABSENT, ""
         return (Reason.ABSENT, "") if found is None else (Reason.INCOMPATIBLE_ENV, found.message())
+
+    def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any]) -> None:
+        """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier)."""
+        store = self.store
+        ref = store.put_bytes(data)
+        generation = store.new_generation()
+        store.publish(key.key, rank=0, world_size=1, generation=generation, artifacts={self.artifact: ref},
+                      namespace=self.namespace, components=key.components, meta={**meta, "created": time.time()})
+        try:
+            store.commit(key.key, rank=0, generation=generation)
+        except BaseException:
+            store.abort(key.key, rank=0, generation=generation)
+            raise
+
+
+class EngineIndex(StageEntries):
+    """Index entries in a store: :meth:`lookup` before a compile stage, :meth:`point` after a compile."""
+
+    NAMESPACE = "engine_index"
+    ARTIFACT = "index.json"
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store, self.NAMESPACE, self.ARTIFACT)
+
+    def lookup(self, key: CacheKey) -> IndexEntry | None:
+        """The entry under ``key``; None when there is none; an EngineCacheError with a reason when unusable."""
+        manifest = self.manifest(key)
+        if manifest is None:
+            return None
+        raw, transferred = self.read(key, manifest)
+        entry = IndexEntry.from_json(raw)
+        return IndexEntry(entry.engine, entry.digests, entry.compile_seconds, transferred)
 
     def entries_for(self, prefix_key: str) -> list[tuple[str, str | None]]:
         """``(index key, engine hash or None)`` of every entry indexed under the cache point key ``prefix_key``."""
@@ -173,17 +211,7 @@ class EngineIndex:
             out.append((listed.key, found.engine if found is not None else None))
         return out
 
-    def save(self, key: CacheKey, engine: str, components: Mapping[str, Any], compile_seconds: float) -> None:
+    def point(self, key: CacheKey, engine: str, components: Mapping[str, Any], compile_seconds: float) -> None:
         """Point ``key`` at ``engine`` (whose record stores ``components``); replaces what was there."""
-        store = self.store
         entry = IndexEntry(engine=engine, digests=component_digests(components), compile_seconds=compile_seconds)
-        ref = store.put_bytes(entry.to_json())
-        generation = store.new_generation()
-        store.publish(key.key, rank=0, world_size=1, generation=generation, artifacts={self.ARTIFACT: ref},
-                      namespace=self.NAMESPACE, components=key.components,
-                      meta={"engine": engine, "created": time.time()})
-        try:
-            store.commit(key.key, rank=0, generation=generation)
-        except BaseException:
-            store.abort(key.key, rank=0, generation=generation)
-            raise
+        self.save(key, entry.to_json(), {"engine": engine})

@@ -1,21 +1,22 @@
-"""The compile stage: the module after a cache point becomes an AOTInductor engine, found again on a restart.
+"""The compile stage after a cache point: compile once, find the result again from the pipeline's key.
 
-Cold (no index entry): the module is exported, hashed and compiled through
-the engine cache (or its engine found by hash: another checkpoint of the
-same layout compiled it), stored without weights, refit with this run's
-weights, and the index entry (:mod:`~adstore.integration.engine.index`)
-points the stage's key at it.
+A stage that runs after the cache point knows its graph without looking at
+it (:mod:`~adstore.integration.engine.index`): its key is the cache point's
+key, the digest of the snapshot restored or saved there, the configuration
+and source of every transform since, the example inputs, the Inductor
+settings, the toolchain and the rank.  The backend decides what is cached
+under it: ``aoti`` an AOTInductor engine (:mod:`~adstore.integration.engine.aoti`),
+``torch_compile`` what Inductor wrote while compiling
+(:mod:`~adstore.integration.engine.inductor`).
 
-Warm: the index entry names the engine; its record is checked against the
-entry's digests and this toolchain, the package is opened by torch's C++
-loader and the module's own tensors are refit into it.  Nothing is exported
-or hashed, and neither dynamo, Inductor nor transformers is imported.
-
-Ranks: each rank has its own entry and engine (a sharded graph with its
-collective ops inside).  Every rank restores or every rank compiles; if any
-rank cannot compile, every rank keeps its eager module.  Everything fails
-open: a cache problem is a miss with a reason and a compile; a compile that
-fails is a ``bypass`` and the eager module runs (README, "Engine cache").
+This module is the protocol both share.  Ranks: each rank has its own entry
+(a sharded graph, with its collective ops inside); every rank restores or
+every rank compiles, and if any rank cannot compile, every rank keeps its
+eager module.  Fleets: when several hosts start one cold key, the cache
+point's single-flight lease covers the stage, so one host compiles and the
+others restore what it pushed.  Everything fails open: a cache problem is a
+miss with a reason and a compile; a compile that fails is a ``bypass`` and
+the eager module runs (README, "Engine cache").
 """
 
 from __future__ import annotations
@@ -29,55 +30,26 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from adstore.integration.engine.hashing import input_specs
-from adstore.integration.engine.index import EngineIndex, IndexEntry, component_digests, index_key
-from adstore.integration.engine.runtime import (
-    CompiledEngine,
-    load_runner,
-    module_weights,
-    refit,
-    validate_record,
-    validate_runner,
-)
-from adstore.integration.engine.storage import StoreEngineStorage
-from adstore.integration.errors import EngineCacheError, EngineMismatch, EngineUnavailable, IntegrationError
+from adstore.integration.engine.index import index_key
+from adstore.integration.errors import ConfigError, IntegrationError
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
+from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.pipeline.protocol import failure_reason
 from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.store.reasons import Reason
 from adstore.store.remote import Role, record_address
 
-__all__ = ["EngineModule", "EngineStage", "graph_example_inputs"]
+__all__ = ["Built", "EngineStage", "graph_example_inputs"]
 
 logger = logging.getLogger(__name__)
 
-
-class EngineModule(nn.Module):
-    """What the compile stage returns: the engine, called like the module it replaced.
-
-    The weights live in the engine (a refit copies them in), so the module
-    the engine was made from can be dropped.
-    """
-
-    def __init__(self, engine: CompiledEngine) -> None:
-        super().__init__()
-        self.engine = engine
-
-    @property
-    def event(self) -> CacheEvent:
-        return self.engine.event
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return f"hash={self.engine.hash and self.engine.hash[:12]}, source={self.engine.source}"
+#: What a backend restores or compiles: the module to run and the event that says how it was had.
+Built = tuple[nn.Module, CacheEvent]
 
 
 def graph_example_inputs(module: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -106,10 +78,11 @@ def graph_example_inputs(module: nn.Module) -> tuple[torch.Tensor, ...]:
 
 @dataclass
 class EngineStage:
-    """One compile stage: its store, Inductor options and what keys its index entry.
+    """One compile stage: its backend, store, Inductor options and what keys its entry.
 
-    ``prefix``: the cache point's key and the digest of the snapshot restored
-    or saved there (None: no index, engines are found by their hash alone);
+    ``backend``: ``aoti`` or ``torch_compile``; ``prefix``: the cache point's
+    key and the digest of the snapshot restored or saved there (None: no
+    key; ``aoti`` engines are then found by their hash alone);
     ``suffix``/``code``: name + configuration and the classes of every
     transform from the point through this stage; ``decompositions``: custom
     ops lowered to ATen before compiling (None: they stay in the engine).
@@ -132,7 +105,7 @@ class EngineStage:
     timings: dict[str, float] = field(default_factory=dict)
     _store: Any = field(default=None, repr=False)
 
-    #: Modules whose source decides how an engine is made and found (part of the index key's ``code``).
+    #: Modules whose source decides how what is cached is made and found (part of the key's ``code``).
     code_modules: ClassVar[tuple[str, ...]] = ("adstore.integration.engine.cache", "adstore.integration.engine.index",
                                                "adstore.integration.engine.runtime")
 
@@ -153,41 +126,40 @@ class EngineStage:
     def key(self, example_inputs: Sequence[Any], topo: Topology) -> CacheKey | None:
         if self.prefix is None:
             return None
-        code = [*self.code, EngineStage]  # this module's own source decides how the engine is made
+        code = [*self.code, EngineStage, _builder(self.backend).restore]  # how it is made and found
         return index_key(prefix=dict(self.prefix), suffix=self.suffix, code=code,
                          inputs=input_specs(tuple(example_inputs)), settings=self.settings,
                          backend=self.backend + ("+lowered" if self.decompositions else ""),
                          rank=topo.rank, world_size=topo.world_size)
 
     def run(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology) -> nn.Module:
-        """The engine for ``module`` (restored or compiled), or ``module`` itself when no engine can be had.
+        """The compiled module (restored or compiled), or ``module`` itself when none can be had.
 
         A collective under an initialised process group: every rank calls it.
         """
         t0 = time.perf_counter()
-        key, engine, reason, detail = self._lookup(module, example_inputs, topo)
-        held = self._flight(key, engine is None and reason == Reason.ABSENT, topo)
+        key, built, reason, detail = self._lookup(module, example_inputs, topo)
+        held = self._flight(key, built is None and reason == Reason.ABSENT, topo)
         try:
             if held is not None and held.role is Role.FOLLOWER:  # another host compiles this key: wait for it
-                engine, reason, detail = self._follow(held, module, example_inputs, key, engine, reason, detail)
-            return self._finish(module, example_inputs, topo, key, engine, reason, detail, t0,
+                built, reason, detail = self._follow(held, module, example_inputs, key, built, reason, detail)
+            return self._finish(module, example_inputs, topo, key, built, reason, detail, t0,
                                 leading=held is not None and held.role is Role.LEADER)
         finally:
             if held is not None and held.role is Role.LEADER:
-                held.finish()  # every rank's engine and index entry are pushed (or failed): followers go on
+                held.finish()  # every rank's result is pushed (or failed): followers go on
 
     def _finish(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology, key: CacheKey | None,
-                engine: CompiledEngine | None, reason: Reason | None, detail: str, t0: float, *,
-                leading: bool) -> nn.Module:
-        """Agree on the restored engines, else compile (every rank), else keep the eager module (every rank)."""
+                built: Built | None, reason: Reason | None, detail: str, t0: float, *, leading: bool) -> nn.Module:
+        """Agree on the restored modules, else compile (every rank), else keep the eager module (every rank)."""
         self.timings["restore"] = time.perf_counter() - t0
-        # agreement 1: every rank restores its engine, or every rank compiles
-        if agree.all_true(engine is not None):
-            assert engine is not None
-            self._event(engine.event, topo)
-            return EngineModule(engine)
-        if engine is not None:
-            engine, reason, detail = None, Reason.PEER_MISS, "another rank found no engine"
+        # agreement 1: every rank restores, or every rank compiles
+        if agree.all_true(built is not None):
+            assert built is not None
+            self._event(built[1], topo)
+            return built[0]
+        if built is not None:
+            built, reason, detail = None, Reason.PEER_MISS, "another rank found nothing to restore"
         if key is not None or reason != Reason.KEY_ERROR:  # without an index the engine cache's own event says it
             self._event(CacheEvent(EventKind.MISS, reason=reason, key=key.key if key else None, detail=detail,
                                    seconds=time.perf_counter() - t0), topo)
@@ -196,23 +168,23 @@ class EngineStage:
         try:
             if leading and self.flight is not None:
                 self.flight.renew()  # the prefix's build may have used much of the lease
-            engine = self._compile(module, example_inputs, key)
+            built = self._compile(module, example_inputs, key)
         except Exception as exc:  # noqa: BLE001 - the eager module still runs
-            logger.warning("compile stage: no engine (%s: %s); the eager module runs", type(exc).__name__, exc)
+            logger.warning("compile stage: nothing compiled (%s: %s); the eager module runs", type(exc).__name__, exc)
             failure = (failure_reason(exc), f"{type(exc).__name__}: {exc}")
         self.timings["compile"] = time.perf_counter() - t1
-        # agreement 2: every rank has an engine, or every rank keeps its eager module
-        if not agree.all_true(engine is not None):
-            why = failure or (Reason.RANK_DISAGREEMENT, "another rank could not compile its engine")
+        # agreement 2: every rank compiled, or every rank keeps its eager module
+        if not agree.all_true(built is not None):
+            why = failure or (Reason.RANK_DISAGREEMENT, "another rank could not compile")
             self._event(CacheEvent(EventKind.BYPASS, reason=why[0], key=key.key if key else None, detail=why[1],
                                    seconds=time.perf_counter() - t1), topo)
             return module
-        assert engine is not None
-        self._event(engine.event, topo)
-        return EngineModule(engine)
+        assert built is not None
+        self._event(built[1], topo)
+        return built[0]
 
     def _lookup(self, module: nn.Module, example_inputs: Sequence[Any],
-                topo: Topology) -> tuple[CacheKey | None, CompiledEngine | None, Reason | None, str]:
+                topo: Topology) -> tuple[CacheKey | None, Built | None, Reason | None, str]:
         try:
             key = self.key(example_inputs, topo)
             if key is None:
@@ -241,11 +213,10 @@ class EngineStage:
         return stage_flight(lease, tier.remote if tier is not None else None, absent=absent, rank=topo.rank)
 
     def _follow(self, held: HeldFlight, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None,
-                engine: CompiledEngine | None, reason: Reason | None,
-                detail: str) -> tuple[CompiledEngine | None, Reason | None, str]:
-        """Wait (bounded) until the leading host's index entry for this rank is on the remote, then restore."""
-        if engine is not None or key is None or held.flight is None:
-            return engine, reason, detail
+                built: Built | None, reason: Reason | None, detail: str) -> tuple[Built | None, Reason | None, str]:
+        """Wait (bounded) until the leading host's entry for this rank's key is on the remote, then restore."""
+        if built is not None or key is None or held.flight is None:
+            return built, reason, detail
         remote = held.flights.remote
         waited = held.flights.wait(held.flight, timeout=wait_seconds(), ready=lambda: remote.head(
             "ac", record_address(key.key, 0)).value is not None)
@@ -260,93 +231,16 @@ class EngineStage:
             self._store.close()
             self._store = None
 
-    # ----------------------------------------------------------------- warm
+    # ----------------------------------------------------------------- the backend's half
     def _restore(self, module: nn.Module, key: CacheKey,
-                 example_inputs: Sequence[Any]) -> tuple[CompiledEngine | None, Reason | None, str]:
-        t0 = time.perf_counter()
-        index = EngineIndex(self.store())
-        try:
-            entry = index.lookup(key)
-        except EngineCacheError as exc:
-            return None, exc.reason, str(exc)
-        if entry is None:
-            return None, *index.why_absent(key)
-        backend = StoreEngineStorage(self.store())
-        try:
-            record = backend.load_record(entry.engine)
-        except EngineCacheError as exc:
-            return None, exc.reason, f"index names engine {entry.engine[:12]}: {exc}"
-        if record is None:
-            return None, Reason.ENGINE_UNAVAILABLE, (f"index names engine {entry.engine[:12]}, which the store "
-                                                     "no longer holds (evicted)")
-        timings = {"fetch": time.perf_counter() - t0}
-        try:
-            meta = record.meta
-            validate_record(meta, entry.engine)
-            stored = component_digests(meta.get("components") or {})
-            differ = sorted(k for k in stored if stored[k] != entry.digests.get(k))
-            if differ:
-                raise EngineMismatch(differ[0], f"engine {entry.engine[:12]} was built for other {', '.join(differ)} "
-                                                "than the index entry names")
-            _check_inputs(meta, example_inputs)
-            backend.check_loadable(record)  # native code: only from trusted writers
-            path = record.payload_path
-            if path is None:  # a back end that returned bytes: the loader needs a file
-                path = self.store().temp_path(".pt2")
-                path.write_bytes(record.payload_bytes())
-                record.payload_path, record.owns_path = path, True
-            t1 = time.perf_counter()
-            runner = load_runner(path)
-            timings["load"] = time.perf_counter() - t1
-            validate_runner(runner, meta)
-            spec = meta["constants"]
-            timings["refit"] = refit(runner, module_weights(module, spec), spec)
-        except EngineCacheError as exc:
-            return None, exc.reason, str(exc)
-        except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
-            return None, Reason.LOAD_FAILED, f"{type(exc).__name__}: {exc}"
-        finally:
-            record.release()
-        seconds = time.perf_counter() - t0
-        remote = entry.transferred is not None or record.transferred is not None
-        transferred = (entry.transferred or 0) + (record.transferred or 0)
-        saved = max(0.0, entry.compile_seconds - seconds)
-        backend.record_event(EventKind.HIT, seconds_saved=saved)
-        event = CacheEvent(EventKind.HIT, key=key.key, source=Source.REMOTE if remote else Source.LOCAL,
-                           seconds=seconds, seconds_saved=saved, transferred=transferred,
-                           detail=f"engine {entry.engine[:12]}")
-        engine = CompiledEngine(runner, hash=entry.engine, meta=meta, event=event, code_constants={},
-                                timings=timings)
-        return engine, None, ""
+                 example_inputs: Sequence[Any]) -> tuple[Built | None, Reason | None, str]:
+        """The backend's restore: the module it makes from what the store holds under ``key`` (and its
+        ``hit`` event), else None and why not."""
+        return _builder(self.backend).restore(self, module, key, example_inputs)
 
-    # ----------------------------------------------------------------- cold
-    def _compile(self, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None) -> CompiledEngine:
-        from adstore.integration.engine.cache import EngineCache
-
-        store = self.store()
-        model: Any = module
-        if self.decompositions:
-            model = torch.export.export(module, tuple(example_inputs)).run_decompositions(dict(self.decompositions))
-        cache = EngineCache(StoreEngineStorage(store), memory_entries=0)
-        try:
-            engine = cache.compile(model, tuple(example_inputs), **dict(self.settings))
-        finally:
-            cache.close()
-        if engine.hash is None or key is None:  # not cacheable (unhashable, unrefittable), or no index to write
-            return engine
-        try:
-            seconds = float(engine.meta.get("compile_seconds") or 0.0)
-            EngineIndex(store).save(key, engine.hash, engine.meta.get("components") or {}, seconds)
-            saved = True
-        except Exception as exc:  # noqa: BLE001 - the next restart compiles (or finds the engine by hash)
-            logger.warning("could not index engine %s: %s", engine.hash[:12], exc)
-            saved = False
-        kind = EventKind.SAVE if saved else EventKind.BYPASS
-        engine.event = CacheEvent(kind, reason=None if saved else Reason.SAVE_FAILED, key=key.key if key else None,
-                                  source=Source.COMPILED, seconds=engine.timings.get("total", 0.0),
-                                  saved=saved, detail=f"engine {engine.hash[:12]} ({engine.event.kind}"
-                                                      f"{' ' + str(engine.event.reason) if engine.event.reason else ''})")
-        return engine
+    def _compile(self, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None) -> Built:
+        """The backend's compile: the module and its event; what it made is saved under ``key`` if given."""
+        return _builder(self.backend).compile(self, module, example_inputs, key)
 
     def _event(self, event: CacheEvent, topo: Topology) -> None:
         event = dataclasses.replace(event, rank=topo.rank, world_size=topo.world_size)
@@ -355,11 +249,14 @@ class EngineStage:
                     topo.rank, topo.world_size, event.seconds, f": {event.detail}" if event.detail else "")
 
 
-def _check_inputs(meta: Mapping[str, Any], example_inputs: Sequence[Any]) -> None:
-    """EngineMismatch unless the engine was compiled for these input shapes and dtypes."""
-    stored = [(list(i.get("shape") or []), i.get("dtype")) for i in meta.get("inputs") or ()]
-    leaves = pytree.tree_leaves(tuple(example_inputs))
-    wanted = [([str(d) for d in t.shape], str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor)]
-    if stored != wanted:
-        raise EngineMismatch("inputs", f"engine was compiled for inputs {stored}, the stage has {wanted}")
+def _builder(backend: str) -> Any:
+    """The module that restores and compiles for ``backend`` (``restore``/``compile`` functions)."""
+    if backend == "aoti":
+        from adstore.integration.engine import aoti
 
+        return aoti
+    if backend == "torch_compile":
+        from adstore.integration.engine import inductor
+
+        return inductor
+    raise ConfigError("backend", f"the compile stage has no backend {backend!r} (aoti, torch_compile)")

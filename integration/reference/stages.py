@@ -312,10 +312,15 @@ class CompileConfig(TransformConfig):
 
 
 class Compile(Transform):
-    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` wraps it; ``aoti`` makes an engine.
+    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` and ``aoti`` compile it.
 
-    ``events`` holds what the engine cache did for ``aoti`` (hit, miss with
-    its reason, save, or the bypass that kept the eager module).
+    Both compiling backends run as a compile stage
+    (:mod:`adstore.integration.engine.stage`) keyed by the cache point:
+    ``aoti`` stores an AOTInductor engine, ``torch_compile`` the files
+    Inductor wrote (and compiles now, with one call on the graph's example
+    inputs under ``no_grad``, instead of at the first call).  ``events``
+    holds what the stage did (hit, miss with its reason, save, or the bypass
+    that kept the eager module).
     """
 
     name = "compile"
@@ -330,29 +335,27 @@ class Compile(Transform):
     @property
     def caches_after_point(self) -> bool:
         """Whether this stage caches what it makes (the cache point's build lease then covers it)."""
-        return self.config.backend == "aoti"  # type: ignore[attr-defined]
+        return self.config.backend != "eager"  # type: ignore[attr-defined]
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         cfg: CompileConfig = self.config  # type: ignore[assignment]
         if module is None:
             raise IntegrationError("compile needs a module")
-        if cfg.backend == "torch_compile":
-            return torch.compile(module, dynamic=False)  # type: ignore[return-value]
-        if cfg.backend == "aoti":
-            return self._aoti(module, ctx, cfg)
-        return module
+        if cfg.backend == "eager":
+            return module
+        return self._staged(module, ctx, cfg)
 
-    def _aoti(self, module: nn.Module, ctx: PipelineContext, cfg: CompileConfig) -> nn.Module:
+    def _staged(self, module: nn.Module, ctx: PipelineContext, cfg: CompileConfig) -> nn.Module:
         from adstore.integration.engine.stage import EngineStage, graph_example_inputs
         from adstore.integration.pipeline import dist as agree
         from adstore.integration.pipeline.dist import Topology
 
         point = ctx.point
-        topo = Topology(ctx.rank, ctx.world_size)
         through = point.through(self.name) if point is not None else []
         prefix = ({"key": point.key, "snapshot": point.snapshot}
                   if point is not None and point.key and point.snapshot else None)
         stage = EngineStage(
+            backend=cfg.backend,
             root=point.root if point is not None else None,
             remote=point.remote if point is not None else None,
             settings=cfg.options,
@@ -370,17 +373,21 @@ class Compile(Transform):
         except IntegrationError as exc:
             inputs, why = None, str(exc)
         try:
-            if not agree.all_true(inputs is not None):  # every rank compiles, or none
+            if not agree.all_true(inputs is not None):  # every rank compiles now, or none
+                fallback = "torch.compile at the first call" if cfg.backend == "torch_compile" else "eager"
                 self.events.append(CacheEvent(EventKind.BYPASS, reason=Reason.INTEGRATION_ERROR, rank=ctx.rank,
-                                              world_size=ctx.world_size, detail=why or "another rank cannot compile"))
+                                              world_size=ctx.world_size,
+                                              detail=f"{why or 'another rank cannot compile'}; {fallback}"))
+                if cfg.backend == "torch_compile":
+                    return torch.compile(module, dynamic=False)  # type: ignore[return-value]
                 return module
             assert inputs is not None
             if point is not None:
                 point.flight = None  # the stage releases it (else the optimizer does, after the pipeline)
-            out = stage.run(module, inputs, topo)
+            out = stage.run(module, inputs, Topology(ctx.rank, ctx.world_size))
         finally:
             stage.close()
-        ctx.info[self.name] = {"backend": "aoti", "events": [e.to_dict() for e in stage.events],
+        ctx.info[self.name] = {"backend": cfg.backend, "events": [e.to_dict() for e in stage.events],
                                "timings": dict(stage.timings)}
         return out
 

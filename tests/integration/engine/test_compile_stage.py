@@ -9,33 +9,16 @@ miss with its reason, a recompile, and is replaced.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from stage_child import MODEL, kinds, run_child
 
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.reference.checkpoint import write_random_checkpoint
 from adstore.integration.reference.models import ModelFactory
 from adstore.store import Store
-
-CHILD = Path(__file__).with_name("stage_child.py")
-MODEL = {"arch": "llama", "layers": 1, "hidden": 64}
-
-
-def run_child(job: dict, env: dict[str, str] | None = None) -> dict:
-    proc = subprocess.run([sys.executable, str(CHILD), json.dumps(job)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def kinds(report: dict) -> list[tuple[str, str | None]]:
-    return [(e["kind"], e["reason"]) for e in report["events"]]
 
 
 def as_array(report: dict) -> np.ndarray:

@@ -20,7 +20,8 @@ from engine_support import X, make_model
 
 from adstore.integration.engine.index import EngineIndex
 from adstore.integration.engine.record import EngineRecord
-from adstore.integration.engine.stage import EngineModule, EngineStage
+from adstore.integration.engine.aoti import EngineModule
+from adstore.integration.engine.stage import EngineStage
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.pipeline.dist import Topology
 from adstore.store import Store
@@ -124,12 +125,12 @@ def test_an_engine_for_other_input_shapes_is_never_used(root):
     assert [e[:2] for e in events] == [("miss", "absent"), ("save", None)]
     h8, components8 = out.engine.hash, out.engine.meta["components"]
     with Store.open(root) as store:  # the batch-4 entry names the batch-8 engine, with that engine's digests
-        EngineIndex(store).save(key_of(root), h8, components8, 1.0)
+        EngineIndex(store).point(key_of(root), h8, components8, 1.0)
     assert "inputs" in recovers(root, "engine_mismatch", hit_after=False)
     with Store.open(root) as store:  # ... or with the batch-4 engine's digests: they betray it
         record = StoreEngineStorage(store).load_record(h4)
         record.release()
-        EngineIndex(store).save(key_of(root), h8, record.meta["components"], 1.0)
+        EngineIndex(store).point(key_of(root), h8, record.meta["components"], 1.0)
     assert "than the index entry names" in recovers(root, "engine_mismatch", hit_after=False)
 
 
