@@ -18,10 +18,10 @@ import hashlib
 import json
 import os
 import re
-import struct
 from pathlib import Path
 
-from adstore.integration.errors import CorruptEngine, TruncatedEngine
+from adstore.integration.engine.record import frame, unframe
+from adstore.integration.errors import CorruptEngine
 
 __all__ = ["BUNDLE_VERSION", "MAX_FILES", "pack", "unpack"]
 
@@ -29,7 +29,6 @@ BUNDLE_VERSION = 1
 #: More files than any compile writes; a header claiming more is refused before anything is written.
 MAX_FILES = 100_000
 _MAGIC = b"ADSTREE1"
-_HEAD = struct.Struct(">8sQQ32s")
 _PART = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,254}")
 _MAX_DEPTH = 16
 
@@ -49,9 +48,7 @@ def pack(root: Path) -> bytes:
     header = json.dumps({"format": BUNDLE_VERSION, "files": [[rel, len(data), hashlib.sha256(data).hexdigest()]
                                                              for rel, data in files]},
                         separators=(",", ":")).encode()
-    payload = b"".join(data for _, data in files)
-    digest = hashlib.sha256(header + payload).digest()
-    return _HEAD.pack(_MAGIC, len(header), len(payload), digest) + header + payload
+    return frame(_MAGIC, header, b"".join(data for _, data in files))
 
 
 def unpack(blob: bytes, dest: Path) -> int:
@@ -61,25 +58,13 @@ def unpack(blob: bytes, dest: Path) -> int:
     (checksum, layout, a path that is absolute, climbs out, or uses other
     characters, sizes or digests that do not add up); nothing is written then.
     """
-    view = memoryview(blob)
-    if len(view) < _HEAD.size:
-        raise TruncatedEngine(f"Inductor bundle of {len(view)} bytes is shorter than its header")
-    magic, head_len, payload_len, digest = _HEAD.unpack_from(view)
-    if magic != _MAGIC:
-        raise CorruptEngine(f"Inductor bundle has magic {bytes(magic)!r}")
-    want = _HEAD.size + head_len + payload_len
-    if len(view) != want:
-        cls = TruncatedEngine if len(view) < want else CorruptEngine
-        raise cls(f"Inductor bundle has {len(view)} bytes, its header says {want}")
-    body = view[_HEAD.size:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CorruptEngine("Inductor bundle checksum mismatch")
+    head, body = unframe(blob, _MAGIC, "Inductor bundle")
     try:
-        header = json.loads(bytes(body[:head_len]))
+        header = json.loads(bytes(head))
     except ValueError as exc:
         raise CorruptEngine(f"Inductor bundle header is not JSON: {exc}") from exc
-    files = _check_header(header, payload_len)
-    offset = head_len
+    files = _check_header(header, len(body))
+    offset = 0
     plan: list[tuple[str, memoryview]] = []
     for rel, size, sha in files:
         data = body[offset:offset + size]

@@ -34,8 +34,23 @@ __all__ = ["RESERVED_COMPONENTS", "CachedCompile", "CachedPrefix", "cached_prefi
 RESERVED_COMPONENTS = ("env", "dist")
 
 
+class _Outcome:
+    """``hit`` and ``event`` of a result whose ``events`` say what a cache did, the deciding one last."""
+
+    events: tuple[CacheEvent, ...]
+
+    @property
+    def hit(self) -> bool:
+        """Whether the result was restored (nothing was built or compiled)."""
+        return bool(self.events) and self.events[0].kind == EventKind.HIT
+
+    @property
+    def event(self) -> CacheEvent:
+        return self.events[-1]
+
+
 @dataclass(frozen=True)
-class CachedPrefix:
+class CachedPrefix(_Outcome):
     """What :func:`cached_prefix` returns: the module and what the cache did.
 
     ``events`` are in order: on a hit one ``hit``; otherwise the ``miss`` or
@@ -51,15 +66,6 @@ class CachedPrefix:
     root: str | None = None
     #: Digest of the snapshot restored or saved (None when neither happened): what a compile step keys on.
     snapshot: str | None = None
-
-    @property
-    def hit(self) -> bool:
-        """Whether the module was restored (``build`` did not run)."""
-        return bool(self.events) and self.events[0].kind == EventKind.HIT
-
-    @property
-    def event(self) -> CacheEvent:
-        return self.events[-1]
 
     def compile(self, module: nn.Module, example_inputs: Sequence[Any], *, key: Mapping[str, Any] | None = None,
                 code: Sequence[type | Callable[..., Any]] = (), options: Mapping[str, Any] | None = None,
@@ -96,7 +102,7 @@ class CachedPrefix:
 
 
 @dataclass(frozen=True)
-class CachedCompile:
+class CachedCompile(_Outcome):
     """What :meth:`CachedPrefix.compile` returns: the engine (or the module it kept) and what the cache did.
 
     ``events``: on a hit one ``hit``; otherwise the ``miss`` with its reason,
@@ -106,15 +112,6 @@ class CachedCompile:
     module: nn.Module
     events: tuple[CacheEvent, ...]
     key: str | None
-
-    @property
-    def hit(self) -> bool:
-        """Whether the engine was restored (nothing was exported or compiled)."""
-        return bool(self.events) and self.events[0].kind == EventKind.HIT
-
-    @property
-    def event(self) -> CacheEvent:
-        return self.events[-1]
 
 
 def prefix_key(key: Mapping[str, Any], *, code: Sequence[type | Callable[..., Any]] = (),
