@@ -149,8 +149,8 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
         logger.warning("could not index engine %s: %s", engine.hash[:12], exc)
         saved = False
     how = f"{engine.event.kind}{' ' + str(engine.event.reason) if engine.event.reason else ''}"
-    engine.event = CacheEvent(EventKind.SAVE if saved else EventKind.BYPASS, reason=None if saved else Reason.SAVE_FAILED,
-                              key=key.key, source=Source.COMPILED, seconds=engine.timings.get("total", 0.0),
+    engine.event = CacheEvent(EventKind.SAVE if saved else EventKind.BYPASS,
+                              reason=None if saved else Reason.SAVE_FAILED, key=key.key, source=Source.COMPILED, seconds=engine.timings.get("total", 0.0),
                               saved=saved, detail=f"engine {engine.hash[:12]} ({how})")
     return EngineModule(engine), engine.event
 

@@ -102,7 +102,8 @@ class IndexEntry:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptEngine(f"engine index entry is not JSON: {exc}") from exc
         if not isinstance(body, dict) or body.get("format") != INDEX_VERSION:
-            raise EngineMismatch("index_format", f"index entry has format {body.get('format') if isinstance(body, dict) else None!r}")
+            found = body.get("format") if isinstance(body, dict) else None
+            raise EngineMismatch("index_format", f"index entry has format {found!r}, this adstore reads {INDEX_VERSION}")
         engine, digests = body.get("engine"), body.get("digests")
         if not (isinstance(engine, str) and len(engine) == 64 and all(c in "0123456789abcdef" for c in engine)):
             raise CorruptEngine(f"engine index entry names no engine hash: {engine!r}")
@@ -164,6 +165,17 @@ class StageEntries:
             return Reason.ABSENT, ""
         return (Reason.ABSENT, "") if found is None else (Reason.INCOMPATIBLE_ENV, found.message())
 
+    def keyed_by(self, prefix_key: str) -> list[tuple[str, dict[str, Any]]]:
+        """``(key, components)`` of this namespace's entries made under the cache point key ``prefix_key``."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for listed in self.store.entries(namespace=self.namespace):
+            entry = self.store.entry(listed.key)
+            components = dict(entry.components or {}) if entry is not None else {}
+            prefix = components.get("prefix")
+            if isinstance(prefix, Mapping) and prefix.get("key") == prefix_key:
+                out.append((listed.key, components))
+        return out
+
     def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any]) -> None:
         """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier)."""
         store = self.store
@@ -199,16 +211,12 @@ class EngineIndex(StageEntries):
     def entries_for(self, prefix_key: str) -> list[tuple[str, str | None]]:
         """``(index key, engine hash or None)`` of every entry indexed under the cache point key ``prefix_key``."""
         out: list[tuple[str, str | None]] = []
-        for listed in self.store.entries(namespace=self.NAMESPACE):
-            entry = self.store.entry(listed.key)
-            prefix = (entry.components or {}).get("prefix") if entry is not None else None
-            if not isinstance(prefix, Mapping) or prefix.get("key") != prefix_key:
-                continue
+        for key, components in self.keyed_by(prefix_key):
             try:
-                found = self.lookup(CacheKey(listed.key, dict(entry.components)))  # type: ignore[union-attr]
+                found = self.lookup(CacheKey(key, components))
             except AdstoreError:
                 found = None
-            out.append((listed.key, found.engine if found is not None else None))
+            out.append((key, found.engine if found is not None else None))
         return out
 
     def point(self, key: CacheKey, engine: str, components: Mapping[str, Any], compile_seconds: float) -> None:

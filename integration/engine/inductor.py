@@ -102,9 +102,12 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
 
 def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any]) -> tuple[nn.Module, str]:
     """``torch.compile(module)``, compiled now by one call under ``no_grad`` with ``workdir`` as Inductor's cache."""
+    t0 = time.perf_counter()
+    import torch._inductor.compile_fx  # noqa: F401 - timed apart: what every process pays before tracing
     from torch._dynamo.utils import counters
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+    t1 = time.perf_counter()
     before = {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
     compiled = torch.compile(module, dynamic=False)
     with temporary_cache_dir(str(workdir)), torch.no_grad():
@@ -113,7 +116,9 @@ def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any])
             for group, names in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
                                  ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss")))
             for name in names}
-    return compiled, ", ".join(f"{k} {v}" for k, v in seen.items())  # type: ignore[return-value]
+    stats = ", ".join(f"{k} {v}" for k, v in seen.items())
+    timing = f"imports {t1 - t0:.2f}s, trace + compile or load {time.perf_counter() - t1:.2f}s"
+    return compiled, f"{stats}; {timing}"  # type: ignore[return-value]
 
 
 def _entries(store: Any) -> StageEntries:

@@ -245,7 +245,8 @@ class EngineStage:
     def _event(self, event: CacheEvent, topo: Topology) -> None:
         event = dataclasses.replace(event, rank=topo.rank, world_size=topo.world_size)
         self.events.append(event)
-        logger.info("compile stage %s%s (rank %d/%d, %.3fs)%s", event.kind, f" [{event.reason}]" if event.reason else "",
+        logger.info("compile stage %s%s (rank %d/%d, %.3fs)%s", event.kind,
+                    f" [{event.reason}]" if event.reason else "",
                     topo.rank, topo.world_size, event.seconds, f": {event.detail}" if event.detail else "")
 
 

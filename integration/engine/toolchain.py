@@ -184,7 +184,7 @@ def _changed_config(skip: set[str]) -> dict[str, Any]:
             if value != base:
                 out[name] = value
         return json.loads(json.dumps(out, sort_keys=True, default=repr))
-    except Exception as exc:  # noqa: BLE001 - another torch's internals: the full digest stands in (a miss, never a stale hit)
+    except Exception as exc:  # noqa: BLE001 - another torch's internals: the full digest stands in (a miss at worst)
         return {"inductor_config": codegen_settings({}).get("inductor_config", f"error: {type(exc).__name__}")}
 
 
@@ -202,8 +202,8 @@ def _compiler_identity() -> dict[str, str]:
     imported, Inductor itself is asked (a caller may have changed the
     setting).
     """
-    inductor = sys.modules.get("torch._inductor.config") is not None or bool(os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"))
-    return _asked_compiler() if inductor else _default_compiler()
+    asked = "torch._inductor.config" in sys.modules or bool(os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"))
+    return _asked_compiler() if asked else _default_compiler()
 
 
 @functools.cache

@@ -131,8 +131,10 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
 
 
 def forget(store: Any, key: str | None) -> int:
-    """Remove the entry ``key`` and what its compile stage cached (index entries, their engines); bytes freed."""
-    from adstore.integration.engine.index import EngineIndex
+    """Remove the entry ``key`` and what its compile stage cached (index entries and their engines, Inductor
+    files); the number of entries removed."""
+    from adstore.integration.engine import inductor
+    from adstore.integration.engine.index import EngineIndex, StageEntries
 
     if key is None:
         return 0
@@ -141,6 +143,7 @@ def forget(store: Any, key: str | None) -> int:
         keys.append(index_key)
         if engine is not None and store.entry(engine) is not None:
             keys.append(engine)
+    keys += [k for k, _ in StageEntries(store, inductor.NAMESPACE, inductor.ARTIFACT).keyed_by(key)]
     if not keys:
         return 0
     plan = store.plan_remove(sorted(set(keys)))
@@ -327,5 +330,6 @@ def format_demo(result: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     head = (f"adstore demo: {result['arch']}, {result['layers']} layers, hidden {result['hidden']}, "
-            f"world size {result['world_size']}, compile {result['compile']}\nstore: {result['root']}  key {result['key'][:16]}")
+            f"world size {result['world_size']}, compile {result['compile']}\n"
+            f"store: {result['root']}  key {result['key'][:16]}")
     return head + "\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

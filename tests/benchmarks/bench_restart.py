@@ -66,7 +66,7 @@ def child_pipeline(args: argparse.Namespace) -> None:
         out = module(*factory.example_inputs(batch=2, seq=8))
     data = out.detach().contiguous().numpy().tobytes()
     first = {"event": opt.events[0].kind, "sum": float(out.double().sum()), "sha": hashlib.sha256(data).hexdigest(),
-             "events": [[str(e.kind), e.reason and str(e.reason), str(e.source)] for e in opt.events]}
+             "events": [[str(e.kind), e.reason and str(e.reason), str(e.source), e.detail] for e in opt.events]}
     print("FIRST " + json.dumps(first), flush=True)
     if args.out:
         Path(args.out).write_bytes(data)

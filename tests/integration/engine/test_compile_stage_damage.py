@@ -45,7 +45,8 @@ def run(root: Path, gm: torch.nn.Module, x: torch.Tensor = X) -> tuple[torch.nn.
 
 
 def key_of(root: Path, x: torch.Tensor = X) -> Any:
-    return EngineStage(root=str(root), prefix=PREFIX, suffix=[{"name": "compile", "config": {}}]).key((x,), Topology(0, 1))
+    stage = EngineStage(root=str(root), prefix=PREFIX, suffix=[{"name": "compile", "config": {}}])
+    return stage.key((x,), Topology(0, 1))
 
 
 @pytest.fixture(scope="module")
