@@ -67,12 +67,15 @@ def restore(stage: Any, module: nn.Module, key: CacheKey,
             files = bundle.unpack(blob, workdir)
         except EngineCacheError as exc:
             return None, exc.reason, str(exc)
+        shared = set(workdir.rglob("*.so"))
         compiled, stats = _compile_in(workdir, module, example_inputs)
+        built = len(set(workdir.rglob("*.so")) - shared)  # what the stored files lacked: compiled here
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     event = CacheEvent(EventKind.HIT, key=key.key, source=Source.REMOTE if transferred is not None else Source.LOCAL,
                        seconds=time.perf_counter() - t0, transferred=transferred or 0, bytes=len(blob),
-                       detail=f"{files} Inductor files ({fetched:.3f}s to fetch); {stats}")
+                       detail=f"{files} Inductor files ({fetched:.3f}s to fetch), {built} shared objects built; "
+                              f"{stats}")
     return (compiled, event), None, ""
 
 
@@ -82,7 +85,7 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
     t0 = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-"))
     try:
-        compiled, stats = _compile_in(workdir, module, example_inputs)
+        compiled, stats = _compile_in(workdir, module, example_inputs, probe=True)
         blob = bundle.pack(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -100,17 +103,52 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
                                 bytes=len(blob), detail=stats)
 
 
-def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any]) -> tuple[nn.Module, str]:
-    """``torch.compile(module)``, compiled now by one call under ``no_grad`` with ``workdir`` as Inductor's cache."""
+def _forget_isa_probe() -> None:
+    """Make Inductor probe the CPU's vector ISA again, so the probe's programs land in the new cache directory.
+
+    Inductor picks the ISA by compiling and loading small test programs in
+    its cache directory, once per process (functools caches).  A process
+    that probed before the stage would leave them out of the stored files,
+    and every restart from those files would compile them again (seconds).
+    Another torch without these caches: nothing to clear.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    for obj in list(vars(cpu_vec_isa).values()):
+        for fn in [obj, *(vars(obj).values() if isinstance(obj, type) else ())]:
+            clear = getattr(fn, "cache_clear", None)
+            if callable(clear):
+                clear()
+    # What an earlier probe learnt about extensions (bf16, AMX) changes the flags of the next one,
+    # and with them the programs' names: back to the state of a fresh process.
+    for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", ()):
+        for name in [n for n in vars(isa) if n.startswith("_is_")]:
+            delattr(isa, name)
+
+
+def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any], *,
+                probe: bool = False) -> tuple[nn.Module, str]:
+    """``torch.compile(module)``, compiled now by one call under ``no_grad`` with ``workdir`` as Inductor's cache.
+
+    ``probe``: probe the CPU's vector ISA again first (the compile whose files are stored).
+    """
     t0 = time.perf_counter()
     import torch._inductor.compile_fx  # noqa: F401 - timed apart: what every process pays before tracing
     from torch._dynamo.utils import counters
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+    if probe:
+        try:
+            _forget_isa_probe()
+        except Exception as exc:  # noqa: BLE001 - at worst a restart from these files probes again
+            logger.debug("Inductor's ISA probe not reset: %s", exc)
+
     t1 = time.perf_counter()
     before = {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
     compiled = torch.compile(module, dynamic=False)
-    with temporary_cache_dir(str(workdir)), torch.no_grad():
+    # Kernels compile in this process: a worker pool started earlier in the process (by an earlier
+    # compile) keeps the cache directory it started with, so its kernels would miss ``workdir``.
+    with temporary_cache_dir(str(workdir)), torch._inductor.config.patch(compile_threads=1), torch.no_grad():
         compiled(*example_inputs)
     seen = {name: counters[group].get(name, 0) - before.get(group, {}).get(name, 0)
             for group, names in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),

@@ -61,6 +61,7 @@ def test_a_restart_with_an_empty_inductor_cache_hits_every_inductor_lookup(job, 
     assert warm["events"][1]["source"] == "local"
     detail = warm["events"][1]["detail"]
     assert "fxgraph_cache_hit 1" in detail and "fxgraph_cache_miss 0" in detail and "autograd_cache_hit 1" in detail
+    assert "0 shared objects built" in detail
     assert warm["output"] == cold["output"] and warm["module"] == "OptimizedModule"
 
 
@@ -90,3 +91,25 @@ def test_a_bundle_written_by_another_user_is_never_unpacked(job, cold):
     foreign = run(job, "foreign")
     assert kinds(foreign)[1:] == [("miss", "untrusted_engine"), ("save", None)], kinds(foreign)
     assert "uid 54321" in foreign["events"][1]["detail"]
+
+
+
+def test_files_stored_by_a_process_that_compiled_before_are_complete(job, cold, tmp_path):
+    """Inductor probes the CPU's vector ISA once per process, compiling small programs into its cache;
+    a second compile in one process must still store them, or every restart from its files builds
+    them again (seconds)."""
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
+    from adstore.integration.reference.demo import forget
+    from adstore.integration.reference.pipeline import default_transforms
+
+    factory = ModelFactory.from_config(MODEL)
+    transforms = default_transforms(pipeline_cache={"root": job["root"]}, compile={"backend": "torch_compile"})
+    for _ in range(2):  # this process compiles twice; the second run's files are what is stored
+        with Store.open(job["root"]) as store:
+            forget(store, cold["events"][0]["key"])
+        opt = InferenceOptimizer(factory, job["checkpoint"], transforms)
+        opt()
+        assert opt.events[-1].kind == "save", opt.events
+    restart = run(job, "after-two")
+    assert kinds(restart) == [("hit", None), ("hit", None)]
+    assert "0 shared objects built" in restart["events"][1]["detail"], restart["events"][1]["detail"]
