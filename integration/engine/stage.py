@@ -106,8 +106,8 @@ class EngineStage:
     _store: Any = field(default=None, repr=False)
 
     #: Modules whose source decides how what is cached is made and found (part of the key's ``code``).
-    code_modules: ClassVar[tuple[str, ...]] = ("adstore.integration.engine.cache", "adstore.integration.engine.index",
-                                               "adstore.integration.engine.runtime")
+    code_modules: ClassVar[tuple[str, ...]] = ("adstore.integration.engine.bundle", "adstore.integration.engine.cache",
+                                               "adstore.integration.engine.index", "adstore.integration.engine.runtime")
 
     # ----------------------------------------------------------------- public
     def store(self) -> Any:
@@ -127,10 +127,10 @@ class EngineStage:
         if self.prefix is None:
             return None
         code = [*self.code, EngineStage, _builder(self.backend).restore]  # how it is made and found
+        lowered = "".join(f"+lowered:{op}" for op in sorted(map(str, self.decompositions or ())))
         return index_key(prefix=dict(self.prefix), suffix=self.suffix, code=code,
                          inputs=input_specs(tuple(example_inputs)), settings=self.settings,
-                         backend=self.backend + ("+lowered" if self.decompositions else ""),
-                         rank=topo.rank, world_size=topo.world_size)
+                         backend=self.backend + lowered, rank=topo.rank, world_size=topo.world_size)
 
     def run(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology) -> nn.Module:
         """The compiled module (restored or compiled), or ``module`` itself when none can be had.
