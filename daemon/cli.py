@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=_positive_int, default=256, metavar="N", help="hidden size (default: 256)")
     p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
                    help="ranks, one process each (default: 1)")
+    p.add_argument("--compile", choices=("eager", "aoti", "torch_compile"), default="eager",
+                   help="the compile stage's backend: the graph as is, an AOTInductor engine from the engine cache, "
+                        "or torch.compile (default: eager)")
     return parser
 
 

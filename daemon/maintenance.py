@@ -242,6 +242,7 @@ def cmd_demo(args: argparse.Namespace, ctx: Context) -> int:
         raise FeatureUnavailable("the demo (adstore.integration.reference.demo)",
                                  f"{type(exc).__name__}: {exc}") from None
     result = run_demo(arch=args.arch, layers=args.layers, hidden=args.hidden,
-                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None)
+                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None,
+                      compile=args.compile)
     ctx.emit(result, "" if ctx.json else format_demo(result))
     return 0

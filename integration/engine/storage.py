@@ -379,10 +379,13 @@ class StoreEngineStorage(EngineStorage):
         return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True, transferred=transferred)
 
     def check_loadable(self, record: EngineRecord) -> None:
-        self._check_writer(record.hash, record.meta["payload"]["sha256"])
+        self.check_writer(record.hash, record.meta["payload"]["sha256"])
 
-    def _check_writer(self, hash: str, digest: str) -> None:
-        """Load native code only from blob files a trusted user wrote.
+    def check_writer(self, hash: str, digest: str) -> None:
+        """Load native code only from blob files a trusted user wrote (UntrustedEngine otherwise).
+
+        Also what the compile stage checks before it extracts Inductor's files
+        (kernels, pickled cache entries) from a ``torch_compile`` entry.
 
         A user cannot create a file owned by someone else, and the copy that follows
         is verified against the digest, so a foreign file swapped in later cannot

@@ -112,6 +112,11 @@ class PipelineCache(Transform):
             )
         return self._key
 
+    @property
+    def snapshot(self) -> str | None:
+        """Digest of this rank's snapshot restored or saved by this run (None: neither happened)."""
+        return self._cache.snapshot
+
     def store(self) -> Any:
         """The store at ``root`` (opened on first use)."""
         return self._cache.store()
