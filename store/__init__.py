@@ -48,7 +48,7 @@ from .names import (
     validate_key,
     validate_namespace,
 )
-from .reasons import Reason
+from .reasons import REMOTE_REASONS, Reason
 from .stats import StoreStats
 from .store import DEFAULT_INLINE_THRESHOLD, Store
 from .tiered import Tier, open_tier, remote_restore, remote_save
@@ -82,6 +82,7 @@ __all__ = [
     "LeaseRecord",
     "LookupResult",
     "Reason",
+    "REMOTE_REASONS",
     "StoreStats",
     # names
     "validate_key",

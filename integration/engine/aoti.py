@@ -37,7 +37,7 @@ from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, EngineMismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
-from adstore.store.reasons import Reason
+from adstore.store import Reason
 
 __all__ = ["EngineModule", "compile", "restore"]
 

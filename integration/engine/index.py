@@ -35,8 +35,7 @@ from adstore.integration.engine.toolchain import index_settings, toolchain_ident
 from adstore.integration.errors import CorruptEngine, EngineMismatch, EngineUnavailable, RemoteEngineMiss
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
-from adstore.store.errors import AdstoreError
-from adstore.store.reasons import Reason
+from adstore.store import REMOTE_REASONS, AdstoreError, Reason
 
 __all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key"]
 
@@ -139,7 +138,7 @@ class StageEntries:
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
-            if store.tier is not None and (res.reason.startswith("remote_") or res.reason == Reason.UNTRUSTED_REMOTE):
+            if store.tier is not None and res.reason in REMOTE_REASONS:
                 raise RemoteEngineMiss(key.key, res.reason)
             raise EngineUnavailable(key.key, f"{self.namespace} entry: {res.reason}")
         manifest = res.manifest

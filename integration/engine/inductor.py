@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from adstore.integration.engine import bundle
@@ -38,8 +37,7 @@ from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
-from adstore.store.errors import AdstoreError
-from adstore.store.reasons import Reason
+from adstore.store import AdstoreError, Reason
 
 __all__ = ["ARTIFACT", "NAMESPACE", "compile", "restore"]
 

@@ -119,8 +119,9 @@ class EngineRecord:
         full = dict(meta)
         full["format_version"] = ENGINE_FORMAT_VERSION
         full["hash"] = hash
+        given = full.get("payload")  # extra fields a caller keeps beside the checksum; anything else is replaced
         full["payload"] = {
-            **dict(full.get("payload") or {}),
+            **(dict(given) if isinstance(given, Mapping) else {}),
             "sha256": hashlib.sha256(payload).hexdigest(),
             "size": len(payload),
         }

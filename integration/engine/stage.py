@@ -41,7 +41,7 @@ from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.pipeline.protocol import failure_reason
 from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
-from adstore.store.reasons import Reason
+from adstore.store import Reason
 from adstore.store.remote import Role, record_address
 
 __all__ = ["Built", "EngineStage", "graph_example_inputs"]

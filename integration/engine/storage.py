@@ -27,7 +27,7 @@ Three back ends ship here:
     from pathlib import Path
 
     from adstore.integration.engine.storage import EngineStorage
-    from adstore.store.fsutil import atomic_write
+    from adstore.store import atomic_write
 
 
     class DirectoryEngineStorage(EngineStorage):
@@ -80,8 +80,7 @@ from adstore.integration.errors import (
 )
 from adstore.integration.pipeline.envcheck import store_candidates
 from adstore.integration.pipeline.events import EventKind
-from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
-from adstore.store.reasons import Reason
+from adstore.store import REMOTE_REASONS, AdstoreError, BlobMissing, ChecksumMismatch, Reason
 
 __all__ = [
     "EngineStorage",
@@ -92,7 +91,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Misses only the remote tier gives (a store lookup that asked it); reported with their own reason.
-_REMOTE_REASONS = frozenset(r for r in Reason if r.startswith("remote_")) | {Reason.UNTRUSTED_REMOTE}
 
 
 class EngineStorage(abc.ABC):
@@ -345,7 +343,7 @@ class StoreEngineStorage(EngineStorage):
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
-            if store.tier is not None and res.reason in _REMOTE_REASONS:
+            if store.tier is not None and res.reason in REMOTE_REASONS:
                 raise RemoteEngineMiss(hash, res.reason)
             raise EngineUnavailable(hash, res.reason)
         manifest = res.manifest

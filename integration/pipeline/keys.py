@@ -22,8 +22,8 @@ import enum
 import hashlib
 import importlib
 import importlib.machinery
-import importlib.util
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
@@ -35,6 +35,7 @@ from pathlib import PurePath
 from typing import Any
 
 import torch
+
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.envcheck import apply_overrides
 

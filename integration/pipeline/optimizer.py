@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.pipeline.dist import topology
 from adstore.integration.pipeline.events import CacheEvent
 from adstore.integration.pipeline.keys import CacheKey
@@ -39,8 +41,7 @@ from adstore.integration.pipeline.transforms import (
     Transform,
     TransformRegistry,
 )
-from adstore.store.errors import ConfigError
-from torch import nn
+from adstore.store import ConfigError
 
 __all__ = ["InferenceOptimizer", "default_registry", "register_transform"]
 

@@ -21,12 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.dist import Topology, topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.keys import CacheKey, canonical, environment_fingerprint, json_digest
 from adstore.integration.pipeline.protocol import NAMESPACE, SnapshotCache
-from torch import nn
 
 __all__ = ["RESERVED_COMPONENTS", "CachedCompile", "CachedPrefix", "cached_prefix", "prefix_key"]
 

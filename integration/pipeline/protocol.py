@@ -32,14 +32,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey, json_digest
-from adstore.store.errors import AdstoreError
-from adstore.store.reasons import Reason
-from torch import nn
+from adstore.store import AdstoreError, Reason
 
 __all__ = ["NAMESPACE", "SnapshotCache", "failure_reason", "snapshot_digest"]
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from adstore.integration.pipeline.dist import all_true, barrier, broadcast_int
 from adstore.integration.pipeline.events import EventKind, Source
-from adstore.store.reasons import Reason
+from adstore.store import Reason, parse_duration, remote_restore, remote_save
 from adstore.store.remote import (
     BackgroundUploader,
     Flight,
@@ -50,8 +50,6 @@ from adstore.store.remote import (
     SingleFlight,
     record_address,
 )
-from adstore.store.units import parse_duration
-from adstore.store.tiered import remote_restore, remote_save
 
 __all__ = ["HeldFlight", "remote_for", "prefetch", "mark", "push", "stage_flight", "wait_seconds"]
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from adstore.store.errors import ConfigError
 from torch import nn
+
+from adstore.store import ConfigError
 
 __all__ = [
     "AfterPoint",

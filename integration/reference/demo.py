@@ -25,16 +25,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import statistics
 import socket
+import statistics
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from adstore.store.errors import ConfigError
-from adstore.store.units import human_size
+from adstore.store import ConfigError, human_size
 
 __all__ = ["forget", "format_demo", "free_port", "run_demo", "run_ranks"]
 
@@ -70,6 +69,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
     try:
         import torch
         import torch.distributed as dist
+
         from adstore.integration.pipeline.optimizer import InferenceOptimizer
         from adstore.integration.reference.models import ModelFactory
 
@@ -219,9 +219,9 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
     ``torch_compile``).  Every phase uses a private Inductor cache directory,
     empty for the cold run, as on a new host.
     """
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
     from adstore.integration.reference.checkpoint import write_random_checkpoint
     from adstore.integration.reference.models import ModelFactory, tiny_config
-    from adstore.integration.pipeline.optimizer import InferenceOptimizer
     from adstore.integration.reference.pipeline import default_transforms
     from adstore.integration.reference.stages import BACKENDS
     from adstore.store import Store

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from adstore.store.errors import ConfigError
 from torch import nn
+
+from adstore.store import ConfigError
 
 __all__ = [
     "ARCHITECTURES",

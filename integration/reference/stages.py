@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import fx, nn
+
 from adstore.integration.errors import IntegrationError
 from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.graphs import graph_modules, replace_devices
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from adstore.store.errors import ConfigError
-from adstore.store.reasons import Reason
-from torch import fx, nn
+from adstore.store import ConfigError, Reason
 
 __all__ = [
     "BACKENDS",
