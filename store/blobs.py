@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from .blobwriter import BlobWriter
-from .codec import Damaged, Encoding, decode_chunks
+from .codec import Damaged, Encoding, decode, decode_chunks
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
 from .names import validate_digest
@@ -308,10 +308,7 @@ class Blobs:
                 raise BlobMissing(digest, "inline data missing")
             try:
                 with self._layout.open_blob(digest) as f:
-                    if row.compressed:
-                        data = b"".join(decode_chunks(f, row.size))
-                    else:
-                        data = f.read()
+                    data = decode(f.read(), row.size) if row.compressed else f.read()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
             except Damaged as exc:
