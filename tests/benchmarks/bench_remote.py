@@ -267,7 +267,10 @@ def _store_counters(root: Path) -> dict:
     from adstore.store import Store
 
     with Store.open(root, create=False) as store:
-        return {k: v for k, v in store.stats().counters.items() if k.startswith("remote.") or k.startswith("hit")}
+        st = store.stats()
+        out = {k: v for k, v in st.counters.items() if k.startswith("remote.") or k.startswith("hit")}
+        out["logical_bytes"] = st.logical_bytes
+        return out
 
 
 def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: int) -> dict:
@@ -309,6 +312,7 @@ def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: i
         assert first["event"] == "hit" and counters.get("remote.hits") == 1, (first, counters)
         hits.append(s)
         sums.add(first["sum"])
+    moved, logical = counters.get("remote.bytes_down", 0), counters["logical_bytes"]
     warm_s, warm = run(reader, work / "reader-0")  # the same root again: an ordinary local hit
     sums.add(warm["sum"])
     cold, hit = statistics.median(s for s, _ in colds), statistics.median(hits)
@@ -316,7 +320,8 @@ def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: i
             "cold_push_s": push_s, "push_overhead_s": push_s - cold, "remote_hit_s": hit, "remote_hit_runs": hits,
             "local_hit_s": warm_s, "events": [pushed["event"], warm["event"]], "outputs_equal": len(sums) == 1,
             "speedup": cold / hit, "above_floor_ratio": (cold - floor) / (hit - floor) if hit > floor else None,
-            "meets_10x": cold / hit >= 10}
+            "meets_10x": cold / hit >= 10, "bytes_down": moved, "entry_logical_bytes": logical,
+            "transfer_ratio": logical / moved if moved else None, "meets_5x_fewer_bytes": moved * 5 <= logical}
 
 
 def race_rows(endpoint: str, work: Path, hosts: int, layers: int, hidden: int) -> dict:
@@ -439,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"+{p['push_overhead_s']:.2f} s"))
         rows.append(("  local hit afterwards", f"{p['local_hit_s']:.2f} s", f"floor {p['floor_s']:.2f} s",
                      f"outputs equal: {p['outputs_equal']}"))
+        rows.append(("  bytes moved by the remote hit (S3)", f"{p['bytes_down']:,} B",
+                     f"{p['entry_logical_bytes']:,} B in the entry", f"{p['transfer_ratio'] or 0:.1f}x fewer (target ≥ 5x)"))
     if "race" in res:
         r = res["race"]
         rows.append((f"{r['hosts']} cold starts of one key", f"{r['builds']} build(s), {r['remote_hits']} remote hits",

@@ -60,6 +60,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_pipeline": ["bench_pipeline.json", "pipeline.json"],
     "bench_restart": ["restart.json"],
     "bench_remote": ["remote.json"],
+    "bench_compression": ["compression.json"],
 }
 
 Row = dict[str, Any]
@@ -416,11 +417,53 @@ def rows_remote(d: dict) -> list[Row]:
         out.append(row("remote", "local hit after the remote hit", _s(p["local_hit_s"]),
                        f"remote hit {_s(p['remote_hit_s'])}", p["remote_hit_s"] / p["local_hit_s"], "outputs equal",
                        p["outputs_equal"]))
+    for name, x in d.get("restore", {}).items():
+        out.append(row("remote", f"{name} remote restore {x['size_mib']:.0f} MiB (download + verify + commit)",
+                       f"{x['restore_mib_s']:.0f} MiB/s", f"fetch_blob {x['fetch_blob_mib_s']:.0f} MiB/s",
+                       x["ratio_vs_fetch_blob"], "≥ 0.8×", x["meets_0_8x"],
+                       f"a durable fetch_blob (fsync): {x['fetch_blob_fsync_mib_s']:.0f} MiB/s"))
+    if "circuit_open" in d:
+        c = d["circuit_open"]
+        out.append(row("remote", "lookup of an absent key, circuit open, p50", _us(c["p50_us"]),
+                       f"local miss {_us(c['local_miss_p50_us'])}", None, "≤ 20 µs", c["meets_20us"]))
+    if "drip" in d:
+        x = d["drip"]
+        out.append(row("remote", "lookup against a server sending 1 byte/s", _s(x["lookup_s"]),
+                       f"deadline {_s(x['deadline_s'])}", None, "a miss within the deadline", x["meets_deadline"],
+                       f"reason {x['reason']}; unbounded it would take {x['unbounded_s']:.0f} s"))
+    if "pipeline" in d and d["pipeline"].get("bytes_down"):
+        p = d["pipeline"]
+        out.append(row("remote", "bytes a remote hit moves (S3, compressed blobs travel as frames)",
+                       f"{p['bytes_down']:,} B", f"entry {p['entry_logical_bytes']:,} B", p["transfer_ratio"],
+                       "≥ 5× fewer", p["meets_5x_fewer_bytes"]))
     if "race" in d:
         r = d["race"]
         out.append(row("remote", f"{r['hosts']} simultaneous cold starts of one key",
                        f"{r['builds']} build, {r['remote_hits']} remote hits", f"wall {_s(r['wall_s'])}", None,
                        f"1 build, {r['hosts'] - 1} remote hits", r["meets_one_build"]))
+    return out
+
+
+def rows_compression(d: dict) -> list[Row]:
+    out = []
+    for label, target, key in (("snapshot", "≥ 5× fewer", "meets_5x"), ("engine", "≥ 2× fewer", "meets_2x")):
+        if label in d.get("demo", {}):
+            x = d["demo"][label]
+            out.append(row("compression", f"the demo's {label} entries: bytes on disk", f"{x['stored_bytes']:,} B",
+                           f"content {x['content_bytes']:,} B", x["ratio"], target, x[key]))
+    for name in ("get_1mib", "get_big"):
+        if name in d:
+            x = d[name]
+            out.append(row("compression", f"verified get {x['size_mib']:.0f} MiB, compressed {x['ratio_on_disk']:.1f}×",
+                           f"{x['compressed_get_mib_s']:.0f} MiB/s", f"stored raw {x['raw_get_mib_s']:.0f} MiB/s",
+                           x["ratio_vs_raw"], "≥ 0.8×", x["meets_0_8x"]))
+    if "put_big" in d:
+        p = d["put_big"]
+        for kind, target, met in (("incompressible", "≥ 0.8×", p["meets_0_8x"]), ("snapshot_like", "", None)):
+            x = p[kind]
+            out.append(row("compression", f"put {p['size_mib']:.0f} MiB, {kind.replace('_', '-')}",
+                           f"{x['put_mib_s']:.0f} MiB/s", f"sha256 + write + fsync {x['floor_mib_s']:.0f} MiB/s",
+                           x["ratio_vs_floor"], target, met))
     return out
 
 
@@ -456,6 +499,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_pipeline": rows_pipeline,
     "bench_restart": rows_restart,
     "bench_remote": rows_remote,
+    "bench_compression": rows_compression,
 }
 
 
