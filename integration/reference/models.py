@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from adstore.integration.reference import experts
 from adstore.integration.reference.metabuild import build_on_meta
 from adstore.store.errors import ConfigError
 from torch import nn
@@ -197,9 +198,8 @@ class ModelFactory:
         # else the architecture's own eager attention.
         default = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
         hf._attn_implementation = self.model_kwargs.get("attn_implementation", default)
-        # Dense per-token expert matmuls trace the same on every device; the
-        # grouped kernels pick integer paths by the trace device (meta).
-        hf._experts_implementation = self.model_kwargs.get("experts_implementation", "batched_mm")
+        # A grouped GEMM over the routed tokens, bit-exact with transformers' eager loop (.experts).
+        hf._experts_implementation = self.model_kwargs.get("experts_implementation") or experts.register()
         return hf
 
     @property

@@ -31,6 +31,8 @@ class BuildModel(Transform):
 
     name = "build_model"
     stage = Stage.BUILD_MODEL
+    code_modules = ("adstore.integration.reference.models", "adstore.integration.reference.metabuild",
+                    "adstore.integration.reference.experts", "adstore.integration.reference.ops")
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         return ctx.factory.build(device="meta")
