@@ -28,6 +28,7 @@ SMALL = {
     "bench_engine": (["--hidden", "64", "--batch", "4"], "engine.json"),
     "bench_restart": (["--quick", "--repeat", "1"], "restart.json"),
     "bench_remote": (["--quick"], "remote.json"),
+    "bench_scale": (["--quick"], "scale.json"),
 }
 
 
