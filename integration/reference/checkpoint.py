@@ -121,7 +121,7 @@ _DTYPES: dict[torch.dtype, tuple[str, int]] = {
 }
 
 
-def _header(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[bytes, int]:
+def _safetensors_header(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[bytes, int]:
     """The safetensors header ``save`` would write for tensors of these dtypes and shapes, and the data size."""
     try:
         ranked = sorted(specs.items(), key=lambda kv: (-_DTYPES[kv[1][0]][1], kv[0]))
@@ -151,7 +151,7 @@ def write_header_checkpoint(model: nn.Module, directory: str | os.PathLike[str],
     sizes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
     files = _shard_files(directory, sizes, max_shard_bytes)
     for fname, names in files.items():
-        header, data = _header({k: specs[k] for k in names})
+        header, data = _safetensors_header({k: specs[k] for k in names})
         path = atomic_write(Path(directory) / fname, header)
         os.truncate(path, len(header) + data)
     return Path(directory)

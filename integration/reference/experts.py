@@ -44,7 +44,7 @@ def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     """The experts block's forward (``self`` is a module transformers' ``use_experts_implementation`` decorated)."""
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(f"{EXPERTS_IMPLEMENTATION} does not run expert-parallel experts")
-    tokens, top_k = top_k_index.shape
+    tokens = top_k_index.shape[0]
     # Pair p = slot * tokens + token, stably sorted by expert: within an expert the pairs keep
     # (slot, token) order, the order of ``torch.where(expert_mask[e])`` in the eager loop.
     expert_of_pair = top_k_index.t().reshape(-1)

@@ -2,7 +2,8 @@
 
 The model is constructed under ``torch.device("meta")``, the way
 ``from_pretrained`` constructs it: no parameter, however large, is ever
-allocated (DeepSeek-V3's fused experts are one 30 GB tensor each).  What the
+allocated (DeepSeek-V3's fused experts are one 30 GB tensor per layer in
+float32).  What the
 constructor computed into meta tensors and the graph needs as values are the
 non-persistent buffers (rotary ``inv_freq`` tables, embedding scales); those
 are rebuilt on the CPU by the model's own ``_init_weights``, which is how

@@ -35,6 +35,7 @@ def _cold(rank, world_size, port, job, queue):
         from adstore.integration.reference.pipeline import default_transforms
 
         transforms = default_transforms(pipeline_cache={"root": job["root"], "restore": False},
+                                        export_to_gm=job.get("export", {}),
                                         **{name: {"enabled": False} for name in _AFTER_CACHE})
         opt = InferenceOptimizer(ModelFactory.from_config(job["model"]), job["checkpoint"], transforms)
         opt()
@@ -47,10 +48,10 @@ def _cold(rank, world_size, port, job, queue):
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
 
-def _two_cold_runs(model, world_size, tmp_path, monkeypatch):
+def _two_cold_runs(model, world_size, tmp_path, monkeypatch, export=None):
     factory = ModelFactory.from_config(model)
     ckpt = write_random_checkpoint(factory.build(), tmp_path / "ckpt", seed=1)
-    job = {"model": model, "checkpoint": str(ckpt), "root": str(tmp_path / "store")}
+    job = {"model": model, "checkpoint": str(ckpt), "root": str(tmp_path / "store"), "export": export or {}}
     runs, blobs = [], []
     for seed in ("1", "2"):
         monkeypatch.setenv("PYTHONHASHSEED", seed)  # spawned ranks start with this environment
@@ -80,8 +81,9 @@ def test_two_cold_runs_save_identical_blobs_once(world_size, tmp_path, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_5_moe", "gemma4_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_5_moe", "gemma4_moe", "glm4_moe", "llama-dynamic"])
 def test_two_cold_runs_are_identical_on_more_architectures(arch, tmp_path, monkeypatch):
+    arch, _, dynamic = arch.partition("-")  # a dynamic export: symbolic batch and sequence
     runs, blobs = _two_cold_runs({"arch": arch, "layers": 2, "hidden": 128 if arch != "deepseek_v3" else 64},
-                                 2, tmp_path, monkeypatch)
+                                 2, tmp_path, monkeypatch, export={"dynamic": True} if dynamic else None)
     assert [r["digests"] for r in runs[0]] == [r["digests"] for r in runs[1]] and blobs[0] == blobs[1]
