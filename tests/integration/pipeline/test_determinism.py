@@ -2,7 +2,8 @@
 
 Each run is a fresh spawned process per rank (gloo between two ranks) with its
 own ``PYTHONHASHSEED``, so set or dict order that follows hashes or memory
-addresses shows up as different bytes.  The second cold run of a key (restore
+addresses (in the pipeline, or in the model's own forward, which export
+records as it runs) shows up as different bytes.  The second cold run of a key (restore
 off, so it runs the whole prefix again) saves into the same store: its blobs
 must be the first run's, so the store still holds one copy of each.
 """
@@ -65,10 +66,11 @@ def _two_cold_runs(model, world_size, tmp_path, monkeypatch, export=None):
     return runs, blobs
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_two_cold_runs_save_identical_blobs_once(world_size, tmp_path, monkeypatch):
-    # Mixtral: experts, and at two ranks the sharded attention with its inserted collectives.
-    runs, blobs = _two_cold_runs({"arch": "mixtral", "layers": 2, "hidden": 128}, world_size, tmp_path, monkeypatch)
+# Gemma-4 MoE: its forward computes the rotary tables in ``set(layer_types)`` order, which follows the
+# hash seed.  Mixtral at two ranks: experts, and the sharded attention with its inserted collectives.
+@pytest.mark.parametrize(("arch", "world_size"), [("gemma4_moe", 1), ("mixtral", 2)])
+def test_two_cold_runs_save_identical_blobs_once(arch, world_size, tmp_path, monkeypatch):
+    runs, blobs = _two_cold_runs({"arch": arch, "layers": 2, "hidden": 128}, world_size, tmp_path, monkeypatch)
     first, second = runs
     assert [r["key"] for r in first] == [r["key"] for r in second]
     assert [r["digests"] for r in first] == [r["digests"] for r in second]
