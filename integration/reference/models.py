@@ -199,7 +199,8 @@ class ModelFactory:
         default = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
         hf._attn_implementation = self.model_kwargs.get("attn_implementation", default)
         # A grouped GEMM over the routed tokens, bit-exact with transformers' eager loop (.experts).
-        hf._experts_implementation = self.model_kwargs.get("experts_implementation") or experts.register()
+        grouped = experts.register()  # registered whichever is asked for: a config may name it
+        hf._experts_implementation = self.model_kwargs.get("experts_implementation", grouped)
         return hf
 
     @property

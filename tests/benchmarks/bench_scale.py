@@ -122,7 +122,7 @@ def child_prefix(rank: int, world_size: int, port: int, job: dict[str, Any], que
 
 
 def child_moe(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
-    """A one-layer Mixtral-8x7B graph from the pipeline, random weights in place, one forward."""
+    """A one-layer Mixtral-8x7B graph from the pipeline, random weights in place, fused, one forward."""
     import traceback
 
     try:
@@ -130,6 +130,7 @@ def child_moe(rank: int, world_size: int, port: int, job: dict[str, Any], queue:
 
         from adstore.integration.pipeline.graphs import graph_modules
         from adstore.integration.pipeline.optimizer import InferenceOptimizer
+        from adstore.integration.reference.fusion import fuse_parallel_linears
         from adstore.integration.reference.pipeline import default_transforms
         from adstore.integration.reference.published import published_factory
 
@@ -152,8 +153,9 @@ def child_moe(rank: int, world_size: int, port: int, job: dict[str, Any], queue:
                 value.normal_(1.0, 0.1, generator=gen)
             state[name] = value
         gm.load_state_dict(state, strict=False, assign=True)
-        weights = sum(t.numel() * t.element_size() for t in gm.state_dict().values())
         del state
+        fuse_parallel_linears(gm)  # what load_weights is followed by: q/k/v become one linear
+        weights = sum(t.numel() * t.element_size() for t in gm.state_dict().values())
         rss_loaded = _status("VmRSS")
         try:  # restart the high-water mark, so the peak is the forward's
             Path("/proc/self/clear_refs").write_text("5")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from adstore.integration.pipeline.graphs import graph_modules
@@ -65,3 +68,11 @@ def test_other_implementations_stay_selectable_and_expert_parallel_is_refused():
     block._is_expert_parallel = True
     with pytest.raises(NotImplementedError, match="expert-parallel"):
         block(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
+
+
+def test_naming_the_grouped_implementation_in_a_fresh_process_works():
+    code = ("from adstore.integration.reference.models import ModelFactory\n"
+            "f = ModelFactory.from_config({'arch': 'mixtral', 'model_kwargs': {'experts_implementation': "
+            "'adstore_grouped'}})\n"
+            "assert f.build().config._experts_implementation == 'adstore_grouped'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
