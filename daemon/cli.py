@@ -19,9 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from adstore.daemon.commands import (
+    SORT_CHOICES,
+    Context,
+    cmd_inspect,
+    cmd_ls,
+    cmd_stats,
+)
 from adstore.daemon.config import SETTINGS
-from adstore.daemon.commands import SORT_CHOICES, Context, cmd_inspect, cmd_ls, cmd_stats
-from adstore.daemon.explain import cmd_explain
 from adstore.daemon.errors import (
     AlreadyRunning,
     AmbiguousKey,
@@ -31,6 +36,7 @@ from adstore.daemon.errors import (
     UnknownKey,
     UsageError,
 )
+from adstore.daemon.explain import cmd_explain
 from adstore.daemon.maintenance import (
     cmd_daemon,
     cmd_demo,
@@ -40,8 +46,15 @@ from adstore.daemon.maintenance import (
     cmd_unpin,
     cmd_verify,
 )
-from adstore.daemon.remote_cmds import add_remote_arguments, cmd_pull, cmd_push, cmd_remote
-from adstore.store.errors import (
+from adstore.daemon.remote_cmds import (
+    add_remote_arguments,
+    cmd_pull,
+    cmd_push,
+    cmd_remote,
+)
+from adstore.store import (
+    DURATION_HELP,
+    SIZE_HELP,
     AccessDenied,
     AdstoreError,
     BlobMissing,
@@ -52,14 +65,16 @@ from adstore.store.errors import (
     InvalidKey,
     NoStore,
     OverBudget,
+    Reason,
     StoreError,
     StoreFull,
     UnsafeRoot,
     UnsupportedFilesystem,
+    is_disk_full,
+    parse_duration,
+    parse_min_free,
+    parse_size,
 )
-from adstore.store.fsutil import is_disk_full
-from adstore.store.reasons import Reason
-from adstore.store.units import DURATION_HELP, SIZE_HELP, parse_duration, parse_min_free, parse_size
 
 __all__ = ["main", "build_parser", "EXIT_CODES", "exit_code_for", "report_error"]
 
@@ -327,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=_positive_int, default=256, metavar="N", help="hidden size (default: 256)")
     p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
                    help="ranks, one process each (default: 1)")
+    p.add_argument("--compile", choices=("eager", "aoti", "torch_compile"), default="eager",
+                   help="the compile stage's backend: the graph as is, an AOTInductor engine from the engine cache, "
+                        "or torch.compile (default: eager)")
     return parser
 
 

@@ -25,13 +25,13 @@ from adstore.daemon.format import (
     human_duration,
     human_size,
     kv_block,
+    remote_stats_rows,
     short_key,
     table,
 )
 from adstore.daemon.lock import read_status
 from adstore.daemon.metrics import store_metrics
-from adstore.store import Store
-from adstore.store.errors import AdstoreError
+from adstore.store import AdstoreError, Store
 
 __all__ = [
     "Context",
@@ -103,9 +103,12 @@ def _json_default(obj: Any) -> Any:
 def resolve_key(store: Store, text: str) -> str:
     """The full key for an exact key or an unambiguous prefix (like git).
 
-    The store raises :class:`UnknownKey` or :class:`AmbiguousKey` (with the candidates).
+    The store raises :class:`UnknownKey` or :class:`AmbiguousKey` (with the
+    candidates), and InvalidKey for text no key can start with: a key with a
+    stray newline or space is refused as typed, never quietly trimmed into
+    another key (``rm`` must act on exactly what it was given).
     """
-    return store.resolve_key(text.strip())
+    return store.resolve_key(text)
 
 
 def _scan(store: Store, namespace: str | None = None, *, label: str = "scanning") -> Iterator[Any]:
@@ -192,8 +195,8 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         ("Entries", st.entries),
         ("Blobs", f"{st.blobs} ({st.inline_blobs} inline)"),
         ("Logical size", human_size(st.logical_bytes)),
-        ("Physical size", human_size(st.physical_bytes)),
-        ("Dedup ratio", f"{st.dedup_ratio:.2f}x"),
+        ("Content size", f"{human_size(st.content_bytes)} (dedup {st.dedup_ratio:.2f}x)"),
+        ("Physical size", f"{human_size(st.physical_bytes)} (compression {st.compression_ratio:.2f}x)"),
         ("Pinned", human_size(st.pinned_bytes)),
         ("Leases", st.leases),
         ("Index size", human_size(st.index_bytes)),
@@ -208,8 +211,6 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     lines = [kv_block(rows), ""]
     counter_rows: list[tuple[str, Any]] = []
     ms_saved = counters.pop("ms_saved", 0)
-    from adstore.daemon.remote_cmds import remote_stats_rows  # the remote tier's rows (README, "Remote tier")
-
     remote_rows = remote_stats_rows(counters)
     counters = {k: v for k, v in counters.items() if not k.startswith("remote.")}
     for name, total, subs in _grouped_counters(counters):
@@ -278,7 +279,8 @@ def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
     total = len(selected)
     if args.limit is not None:
         selected = selected[: args.limit]
-    data = {"total": total, "entries": [entry_dict(e) for e in selected]}
+    stored = store.stored_bytes(e.key for e in selected)
+    data = {"total": total, "entries": [{**entry_dict(e), "stored_bytes": stored[e.key]} for e in selected]}
     if ctx.json:
         ctx.emit(data, "")
         return 0
@@ -288,11 +290,12 @@ def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
     rows = []
     for e in selected:
         committed = len(e.ranks)
+        ratio = f"{e.bytes / stored[e.key]:.1f}x" if stored[e.key] else "-"
         rows.append((short_key(e.key), e.namespace, f"{committed}/{e.world_size}", human_size(e.bytes),
-                     e.hits, human_age(e.last_access, now=now), human_age(e.created, now=now),
-                     "yes" if e.pinned else ""))
-    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "HITS", "LAST USED", "CREATED", "PINNED"),
-                 align="llrrrllll")
+                     human_size(stored[e.key]), ratio, e.hits, human_age(e.last_access, now=now),
+                     human_age(e.created, now=now), "yes" if e.pinned else ""))
+    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "STORED", "RATIO", "HITS", "LAST USED", "CREATED",
+                        "PINNED"), align="llrrrrrllll")
     footer = f"\n{len(selected)} of {total} entries" if len(selected) < total else f"\n{total} entries"
     ctx.emit(data, text + footer)
     return 0

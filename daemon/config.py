@@ -27,9 +27,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from adstore.store import DEFAULT_GRACE_PERIOD, Budget
-from adstore.store.errors import ConfigError
-from adstore.store.units import (
+from adstore.store import (
+    DEFAULT_GRACE_PERIOD,
+    Budget,
+    ConfigError,
     MinFree,
     format_duration,
     parse_duration,

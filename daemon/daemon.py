@@ -44,8 +44,7 @@ from adstore.daemon.enforce import Enforcer, PassResult
 from adstore.daemon.lock import InstanceLock, write_status
 from adstore.daemon.metrics import store_metrics, write_metrics
 from adstore.daemon.notify import Notifier, watchdog_interval
-from adstore.store import Store
-from adstore.store.errors import AdstoreError, ConfigError
+from adstore.store import AdstoreError, ConfigError, Store
 
 __all__ = ["Daemon", "configure_logging"]
 

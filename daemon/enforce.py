@@ -20,8 +20,7 @@ from typing import Any
 import psutil
 
 from adstore.daemon.config import DaemonConfig
-from adstore.store import EvictedBatch, Store
-from adstore.store.units import human_size
+from adstore.store import EvictedBatch, Store, human_size
 
 __all__ = ["Usage", "PassResult", "Enforcer"]
 

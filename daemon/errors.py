@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from adstore.store.errors import AdstoreError, AmbiguousKey, ConfigError
-from adstore.store.errors import KeyNotFound as UnknownKey  # the CLI's name; raised by the store
-from adstore.store.reasons import Reason
+from adstore.store import AdstoreError, AmbiguousKey, ConfigError, Reason
+from adstore.store import (
+    KeyNotFound as UnknownKey,  # the CLI's name; raised by the store
+)
 
 __all__ = [
     "DaemonError",
@@ -86,7 +87,7 @@ class StillOverBudget(DaemonError):
 
     def __init__(self, *, over: int, limit: str, blocked: dict[str, list[str]], store_bytes: int,
                  details: dict[str, Any] | None = None) -> None:
-        from adstore.store.units import human_size
+        from adstore.store import human_size
 
         self.over = over
         self.limit = limit

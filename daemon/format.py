@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
-from adstore.store.units import human_size
+from adstore.store import human_size
 
 __all__ = [
     "human_size",
@@ -24,6 +24,8 @@ __all__ = [
     "table",
     "kv_block",
     "Progress",
+    "remote_counters",
+    "remote_stats_rows",
 ]
 
 def human_duration(seconds: float | None) -> str:
@@ -143,3 +145,24 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def remote_counters(counters: dict[str, int]) -> dict[str, int]:
+    """The ``remote.*`` counters of a store, without their prefix."""
+    return {k[len("remote."):]: v for k, v in counters.items() if k.startswith("remote.")}
+
+
+def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
+    """Rows for ``adstore stats``: remote hits, misses by reason, bytes down and up (empty without any)."""
+    c = remote_counters(counters)
+    if not c:
+        return []
+    rows: list[tuple[str, Any]] = [("Remote hits", c.get("hits", 0)), ("Remote misses", c.get("misses", 0))]
+    misses = sorted(((k[len("misses."):], v) for k, v in c.items() if k.startswith("misses.")), key=lambda kv: -kv[1])
+    rows += [(f"  {reason}", n) for reason, n in misses]
+    rows += [("Remote downloaded", human_size(c.get("bytes_down", 0))),
+             ("Remote uploaded", human_size(c.get("bytes_up", 0)))]
+    errors = sum(v for k, v in c.items() if k.startswith("errors."))
+    if errors:
+        rows.append(("Remote errors", errors))
+    return rows

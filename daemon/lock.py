@@ -36,10 +36,7 @@ from typing import Any
 import psutil
 
 from adstore.daemon.errors import AlreadyRunning
-from adstore.store.errors import UnsafeRoot
-from adstore.store.fsutil import atomic_write
-from adstore.store.layout import Layout
-from adstore.store.leases import hostname, process_start_time
+from adstore.store import Layout, UnsafeRoot, atomic_write, hostname, process_start_time
 
 __all__ = ["InstanceLock", "LOCK_NAME", "STATUS_NAME", "open_regular", "write_status", "read_status"]
 

@@ -17,7 +17,14 @@ import psutil
 from adstore.daemon.commands import Context, entry_dict, resolve_key
 from adstore.daemon.config import SETTINGS, DaemonConfig
 from adstore.daemon.errors import FeatureUnavailable, StillOverBudget
-from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
+from adstore.daemon.format import (
+    Progress,
+    human_age,
+    human_size,
+    kv_block,
+    short_key,
+    table,
+)
 from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free
 
 __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
@@ -227,11 +234,15 @@ def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> int:
     try:
-        from adstore.integration.reference.demo import format_demo, run_demo  # lazy: imports torch
+        from adstore.integration.reference.demo import (  # lazy: imports torch
+            format_demo,
+            run_demo,
+        )
     except Exception as exc:
         raise FeatureUnavailable("the demo (adstore.integration.reference.demo)",
                                  f"{type(exc).__name__}: {exc}") from None
     result = run_demo(arch=args.arch, layers=args.layers, hidden=args.hidden,
-                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None)
+                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None,
+                      compile=args.compile)
     ctx.emit(result, "" if ctx.json else format_demo(result))
     return 0

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from adstore.store import Budget, Store, StoreStats
-from adstore.store.fsutil import atomic_write
+from adstore.store import Budget, Store, StoreStats, atomic_write
 
 __all__ = ["Family", "collect", "render", "store_metrics", "write_metrics", "COUNTERS", "GAUGES"]
 
@@ -66,6 +65,8 @@ BY_REASON: tuple[tuple[str, str, str], ...] = (
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("physical_bytes", "adstore_stored_bytes", "Bytes the store's blobs take (what the budget limits)."),
     ("logical_bytes", "adstore_logical_bytes", "Bytes the entries reference, before deduplication."),
+    ("content_bytes", "adstore_content_bytes",
+     "Bytes of distinct blob content: after deduplication, before compression."),
     ("pinned_bytes", "adstore_pinned_bytes", "Bytes of pinned entries (never evicted)."),
     ("entries", "adstore_entries", "Entries in the store."),
     ("blobs", "adstore_blobs", "Blobs in the store."),

@@ -21,12 +21,17 @@ from typing import Any
 from adstore.daemon.commands import Context
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.errors import RemoteFailed
-from adstore.daemon.format import human_size, kv_block, table
-from adstore.store.errors import ConfigError
+from adstore.daemon.format import (
+    human_size,
+    kv_block,
+    remote_counters,
+    remote_stats_rows,
+    table,
+)
+from adstore.store import ConfigError, remote_restore, remote_save
 from adstore.store.remote import Remote, RemoteConfig
-from adstore.store.tiered import remote_restore, remote_save
 
-__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments", "remote_counters", "remote_stats_rows"]
+__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments"]
 
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,27 +120,6 @@ def cmd_pull(args: argparse.Namespace, ctx: Context) -> int:
     return _finish(ctx, rows, remote, "received")
 
 
-def remote_counters(counters: dict[str, int]) -> dict[str, int]:
-    """The ``remote.*`` counters of a store, without their prefix."""
-    return {k[len("remote."):]: v for k, v in counters.items() if k.startswith("remote.")}
-
-
-def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
-    """Rows for ``adstore stats``: remote hits, misses by reason, bytes down and up (empty without any)."""
-    c = remote_counters(counters)
-    if not c:
-        return []
-    rows: list[tuple[str, Any]] = [("Remote hits", c.get("hits", 0)), ("Remote misses", c.get("misses", 0))]
-    misses = sorted(((k[len("misses."):], v) for k, v in c.items() if k.startswith("misses.")), key=lambda kv: -kv[1])
-    rows += [(f"  {reason}", n) for reason, n in misses]
-    rows += [("Remote downloaded", human_size(c.get("bytes_down", 0))),
-             ("Remote uploaded", human_size(c.get("bytes_up", 0)))]
-    errors = sum(v for k, v in c.items() if k.startswith("errors."))
-    if errors:
-        rows.append(("Remote errors", errors))
-    return rows
-
-
 def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
     """Show the remote's URL, mode, reachability, keys, breaker and counters."""
     cfg = _config(args)
@@ -164,9 +148,12 @@ def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
              f"yes ({1000 * data['round_trip_seconds']:.1f} ms)" if data["reachable"] else f"no ({data['probe_reason']})")
     rows = [("Remote", status["url"]), ("Mode", status["mode"]), ("Reachable", reach),
             ("Conditional writes", status["conditional_writes"]),
+            ("Blob transfer", "zstd frames as stored (zcas/), raw otherwise" if status["transfer"] == "zstd"
+             else "raw (cas/, as Bazel clients expect)"),
             ("Signing key", status["signing_key"] or "none"),
             ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
-            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s")]
+            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s"),
+            ("Deadline", f"{cfg.deadline:g}s a call, blobs + size at {human_size(int(cfg.min_throughput))}/s")]
     rows += remote_stats_rows({f"remote.{k}": v for k, v in stored.items()})
     ctx.emit(data, kv_block(rows))
     return 1 if data["reachable"] is False else 0  # like verify: a check that failed, not an error

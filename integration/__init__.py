@@ -10,7 +10,7 @@ use, so ``import adstore.integration`` does not import torch.
 from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
-    "pipeline.prefix": ("CachedPrefix", "cached_prefix"),
+    "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
     "pipeline.fingerprints": ("checkpoint_fingerprint",),
     "pipeline.keys": ("environment_fingerprint",),
     "pipeline.transforms": ("CachePoint", "PipelineContext"),

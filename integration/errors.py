@@ -6,8 +6,7 @@ cache reports when it catches the error (the cache fails open).
 
 from __future__ import annotations
 
-from adstore.store.errors import AdstoreError, ConfigError
-from adstore.store.reasons import Reason
+from adstore.store import AdstoreError, ConfigError, Reason
 
 __all__ = [
     "IntegrationError",

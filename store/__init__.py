@@ -1,10 +1,17 @@
 """adstore.store: a content-addressed blob store indexed by LMDB (no torch).
 
 Blobs are deduplicated by SHA-256; cache keys map to per-rank manifests that
-reference blobs; entries are evicted least-recently-used as whole keys.  The README's
-"Using the store" lists the layout and the invariants every operation keeps.
+reference blobs; entries are evicted least-recently-used as whole keys.  This
+module is the store's public API: the integration, the daemon and users
+import from here (and from :mod:`adstore.store.remote`, the remote tier's
+own public API), never from the modules behind it.  The layers behind it,
+bottom up: names, errors and files (``names``, ``errors``, ``fsutil``,
+``layout``), the LMDB index (``index/``), blobs and manifests, the on-disk
+records (``records/``), the maintenance passes (``maintenance/``), the remote
+tier (``remote/``), and the :class:`Store` facade.
 """
 
+from .clock import Clock, ManualClock, system_clock
 from .errors import (
     AccessDenied,
     AdstoreError,
@@ -24,17 +31,32 @@ from .errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from .fsutil import atomic_write
-from .budget import DEFAULT_GRACE_PERIOD, Budget
-from .eviction import EvictedBatch, EvictionPlan, PlanKind
+from .fsutil import atomic_write, is_disk_full
+from .index.rows import BlobRef, Entry, LeaseRecord, Manifest
+from .layout import Layout, default_root
+from .leases import hostname, process_start_time
 from .lookup import LookupResult
-from .reasons import Reason
-from .records import BlobRef, Entry, LeaseRecord, Manifest
+from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
+from .maintenance.eviction import EvictedBatch, EvictionPlan, PlanKind
+from .maintenance.sweep import SweepPlan
+from .maintenance.verify import Finding, VerifyReport
+from .names import (
+    is_digest,
+    is_key,
+    validate_artifact_name,
+    validate_digest,
+    validate_key,
+    validate_namespace,
+)
+from .reasons import REMOTE_REASONS, Reason
 from .stats import StoreStats
-from .store import DEFAULT_INLINE_THRESHOLD, Store, default_root
-from .sweep import SweepPlan
+from .store import DEFAULT_INLINE_THRESHOLD, Store
+from .tiered import Tier, open_tier, remote_restore, remote_save
 from .units import (
+    DURATION_HELP,
+    SIZE_HELP,
     MinFree,
+    format_duration,
     human_size,
     parse_duration,
     parse_fraction,
@@ -42,19 +64,34 @@ from .units import (
     parse_percent,
     parse_size,
 )
-from .verify import Finding, VerifyReport
 
 __all__ = [
+    # the store
     "Store",
     "default_root",
     "DEFAULT_GRACE_PERIOD",
     "DEFAULT_INLINE_THRESHOLD",
+    "Layout",
+    "Clock",
+    "ManualClock",
+    "system_clock",
+    # what it holds and answers
     "BlobRef",
     "Entry",
     "Manifest",
     "LeaseRecord",
     "LookupResult",
     "Reason",
+    "REMOTE_REASONS",
+    "StoreStats",
+    # names
+    "validate_key",
+    "validate_digest",
+    "validate_namespace",
+    "validate_artifact_name",
+    "is_key",
+    "is_digest",
+    # maintenance: plans, budget, verify
     "Budget",
     "PlanKind",
     "EvictionPlan",
@@ -62,15 +99,27 @@ __all__ = [
     "SweepPlan",
     "VerifyReport",
     "Finding",
-    "StoreStats",
+    # the remote tier behind a store (the remote itself: adstore.store.remote)
+    "Tier",
+    "open_tier",
+    "remote_restore",
+    "remote_save",
+    # files, processes, units
     "atomic_write",
+    "is_disk_full",
+    "hostname",
+    "process_start_time",
     "parse_size",
     "parse_min_free",
     "parse_percent",
     "parse_fraction",
     "parse_duration",
-    "MinFree",
+    "format_duration",
     "human_size",
+    "MinFree",
+    "SIZE_HELP",
+    "DURATION_HELP",
+    # errors
     "AdstoreError",
     "AccessDenied",
     "StoreError",

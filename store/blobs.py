@@ -17,16 +17,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
+from .blobwriter import BlobWriter
+from .codec import Damaged, Encoding, decode_chunks
 from .errors import BlobMissing, ChecksumMismatch, StoreError
-from .fsutil import atomic_write, discarding_on_error, fsync_dir, publish_temp, unique_temp, write_chunks
-from .records import FLAG_INLINE, BlobRef, BlobRow, pack_inline, unpack_inline, validate_digest
-from .tables import Tables, Txn
+from .fsutil import atomic_write, fsync_dir, publish_temp
+from .names import validate_digest
+from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
+from .index.tables import Tables, Txn
 
-__all__ = ["Blobs", "CHUNK_SIZE", "BLOB_MODE"]
+__all__ = ["Blobs", "StoredBlob", "Swept", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,18 @@ CHUNK_SIZE = 4 << 20
 BLOB_MODE = 0o444
 def _digest_of(ref_or_digest: BlobRef | str) -> str:
     return ref_or_digest.digest if isinstance(ref_or_digest, BlobRef) else validate_digest(ref_or_digest)
+
+
+class StoredBlob(NamedTuple):
+    """How a blob file holds its content (``Store.stored_blob``): what the remote tier uploads."""
+
+    path: Path
+    encoding: Encoding
+    stored: int  # the file's size
+
+
+class Swept(StoreError):
+    """A blob's temp file was swept (a zero grace period) before it was in place: write it again, if you can."""
 
 
 class _FileVanished(Exception):
@@ -59,8 +76,9 @@ class Blobs:
     ) -> None:
         self._tables = tables
         self._layout = tables.layout
+        self.layout = tables.layout
         self.file_ok = tables.layout.has_file
-        self._inline_threshold = inline_threshold
+        self.inline_threshold = inline_threshold
         self._grace = grace_period
         self._reserve = reserve
         self._on_dedup = on_dedup
@@ -71,8 +89,8 @@ class Blobs:
         ref = BlobRef(hashlib.sha256(view).hexdigest(), view.nbytes)
         if self._existing(ref):
             return ref
-        if ref.size < self._inline_threshold:
-            self._register(ref, inline_data=bytes(view))
+        if ref.size < self.inline_threshold:
+            self._register_inline(ref, bytes(view))
             return ref
         self._write_file(ref, lambda: (view,))
         return ref
@@ -92,48 +110,50 @@ class Blobs:
         ref = BlobRef(h.hexdigest(), size)
         if self._existing(ref):
             return ref
-        if size < self._inline_threshold:
+        if size < self.inline_threshold:
             data = src.read_bytes()
             if hashlib.sha256(data).hexdigest() != ref.digest:
                 raise StoreError(f"{src} changed while it was being stored")
-            self._register(ref, inline_data=data)
+            self._register_inline(ref, data)
             return ref
         self._write_file(ref, lambda: self._read_chunks(src))
         return ref
 
     def put_stream(self, chunks: Iterable[bytes]) -> BlobRef:
         """Store a stream of chunks, hashing while writing (one pass, bounded memory)."""
-        tmp = unique_temp(self._layout.tmp)
-        h = hashlib.sha256()
-
-        def hashed() -> Iterator[bytes]:
+        with self.writer(None) as w:
             for chunk in chunks:
-                h.update(chunk)
-                yield chunk
+                w.write(chunk)
+            return w.commit()
 
-        with discarding_on_error(tmp):
-            fd = self._layout.open_temp(tmp)
-            try:
-                size = write_chunks(fd, hashed())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            ref = BlobRef(h.hexdigest(), size)
-            if self._existing(ref):
-                tmp.unlink(missing_ok=True)
-                return ref
-            try:
-                if size < self._inline_threshold:
-                    data = tmp.read_bytes()
-                    tmp.unlink()
-                    self._register(ref, inline_data=data)
-                    return ref
-                self._reserve(size)
-                self._publish_and_register(ref, tmp)
-            except (FileNotFoundError, _FileVanished):  # a stream cannot be read twice
-                raise StoreError(f"blob {ref.digest}: its temp file was swept while being stored "
-                                 f"(grace period {self._grace:g}s)") from None
-            return ref
+    def writer(self, ref: BlobRef | None, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
+               cancelled: threading.Event | None = None) -> BlobWriter:
+        """A writer streaming a blob into place as its bytes arrive (``blobwriter``).
+
+        ``ref`` None: whatever the content hashes to.  ``source=ZSTD``: the
+        bytes are a zstd frame of ``frame_size`` bytes (a remote's object).
+        """
+        return BlobWriter(self, ref, source=source, frame_size=frame_size, cancelled=cancelled)
+
+    def register_inline(self, ref: BlobRef, data: bytes) -> None:
+        """Register a small blob whose bytes the caller has verified against ``ref`` (unless stored already)."""
+        if not self._existing(ref):
+            self._register_inline(ref, data)
+
+    def publish_verified(self, ref: BlobRef, tmp: Path, *, encoding: Encoding, stored: int) -> None:
+        """Rename a verified, fsynced temp file into place and register it; once only (a stream cannot be re-read).
+
+        A blob stored meanwhile (another writer of the same content) wins:
+        this file is dropped.
+        """
+        if self._existing(ref):
+            tmp.unlink(missing_ok=True)
+            return
+        try:
+            self._publish_and_register(ref, tmp, encoding, stored)
+        except _FileVanished:
+            raise Swept(f"blob {ref.digest}: its temp file was swept while being stored "
+                        f"(grace period {self._grace:g}s)") from None
 
     def _existing(self, ref: BlobRef) -> bool:
         """True when the blob is stored intact; refreshes its freshness if stale.
@@ -148,9 +168,9 @@ class Blobs:
             return False
         if row.quarantined or row.size != ref.size:
             return False
-        if not row.inline and not self.file_ok(ref.digest, ref.size):
+        if not row.inline and not self.file_ok(ref.digest, row.stored):
             return False
-        if time.time() - row.touched > self._grace / 4:
+        if self._tables.clock() - row.touched > self._grace / 4:
             if not self._touch(ref):
                 return False
         self._on_dedup(ref.size)
@@ -159,82 +179,78 @@ class Blobs:
     def _touch(self, ref: BlobRef) -> bool:
         def fn(t: Txn) -> bool:
             row = t.blob_row(ref.digest)
-            if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, ref.size)):
+            if row is None or row.quarantined or (not row.inline and not self.file_ok(ref.digest, row.stored)):
                 return False
-            row.touched = time.time()
+            row.touched = t.clock()
             t.touch_blob(ref.digest, row)
             return True
 
         return self._tables.write(fn)
 
     def _write_file(self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]]) -> None:
+        """Write a blob whose source can be read again (a swept temp file is written once more)."""
         self._reserve(ref.size)
         for _attempt in range(3):
-            tmp = unique_temp(self._layout.tmp)
-            try:
-                with discarding_on_error(tmp):
-                    h = hashlib.sha256()
-                    fd = self._layout.open_temp(tmp)
-                    try:
-                        for chunk in chunks():
-                            h.update(chunk)
-                            write_chunks(fd, (chunk,))
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    if h.hexdigest() != ref.digest:
-                        raise StoreError("source changed while it was being stored")
-                    self._publish_and_register(ref, tmp)
+            with self.writer(ref) as w:
+                for chunk in chunks():
+                    w.write(chunk)
+                try:
+                    w.commit()
+                except ChecksumMismatch:
+                    raise StoreError("source changed while it was being stored") from None
+                except Swept:
+                    continue  # this source can be read again
                 return
-            except _FileVanished:
-                continue
         raise StoreError(f"blob {ref.digest} kept disappearing while being stored")
 
-    def _publish_and_register(self, ref: BlobRef, tmp: Path) -> None:
+    def _publish_and_register(self, ref: BlobRef, tmp: Path, encoding: Encoding, stored: int) -> None:
         dest = self._layout.blob_path(ref.digest)
         self._layout.mkdir(dest.parent)
         try:
             publish_temp(tmp, dest, mode=BLOB_MODE)
         except FileNotFoundError:
             raise _FileVanished from None
-        self._register(ref, inline_data=None)
-
-    def _register(self, ref: BlobRef, *, inline_data: bytes | None) -> None:
-        value = pack_inline(inline_data) if inline_data is not None else None
+        flags = FLAG_ZSTD if encoding is Encoding.ZSTD else 0
 
         def fn(t: Txn) -> None:
-            if inline_data is None and not self.file_ok(ref.digest, ref.size):
+            if not self.file_ok(ref.digest, stored):  # gc took it between the rename and now
                 raise _FileVanished
             row = t.blob_row(ref.digest)
-            now = time.time()
-            if row is not None:
-                intact = not row.quarantined and row.size == ref.size and (
-                    row.inline or self.file_ok(ref.digest, ref.size))
-                if intact:
-                    row.touched = now
-                    t.touch_blob(ref.digest, row)
-                    return
-            flags = FLAG_INLINE if inline_data is not None else 0
-            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags), inline=value)
+            now = t.clock()
+            if row is not None and not row.quarantined and row.size == ref.size and not row.inline \
+                    and row.flags == flags and row.stored == stored:
+                row.touched = now  # the same file again
+                t.touch_blob(ref.digest, row)
+                return
+            # New, or repairing a damaged row (or one whose file a writer of the same content replaced).
+            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags, stored),
+                       inline=None)
+            t.count("bytes_written", ref.size)
+
+        self._tables.write(fn)
+
+    def _register_inline(self, ref: BlobRef, data: bytes) -> None:
+        value = pack_inline(data)
+
+        def fn(t: Txn) -> None:
+            row = t.blob_row(ref.digest)
+            now = t.clock()
+            if row is not None and not row.quarantined and row.size == ref.size and (
+                    row.inline or self.file_ok(ref.digest, row.stored)):
+                row.touched = now
+                t.touch_blob(ref.digest, row)
+                return
+            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, FLAG_INLINE, ref.size),
+                       inline=value)
             t.count("bytes_written", ref.size)
 
         self._tables.write(fn)
 
     # -- read ------------------------------------------------------------
-    def _read_chunks(self, path: Path, *, blob: str | None = None) -> Iterator[bytes]:
-        """Chunks of ``path``, or of the blob file of ``blob`` (opened without following a symlink)."""
-        # Sized reads: asking for a whole chunk of a smaller file allocates the
-        # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
-        with (open(path, "rb", buffering=0) if blob is None else self._layout.open_blob(blob)) as f:
-            left = os.fstat(f.fileno()).st_size
-            while left > 0:
-                chunk = f.read(min(CHUNK_SIZE, left))
-                if not chunk:
-                    return
-                left -= len(chunk)
-                yield chunk
-            while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
-                yield chunk
+    def _read_chunks(self, path: Path) -> Iterator[bytes]:
+        """Chunks of the file ``path`` (a source being stored)."""
+        with open(path, "rb", buffering=0) as f:
+            yield from _chunks(f)
 
     def row(self, digest: str) -> BlobRow | None:
         with self._tables.read() as t:
@@ -245,7 +261,16 @@ class Blobs:
         row = self.row(digest)
         if row is None or row.quarantined:
             return False
-        return row.inline or self.file_ok(digest, row.size)
+        return row.inline or self.file_ok(digest, row.stored)
+
+    def stored(self, ref_or_digest: BlobRef | str) -> StoredBlob | None:
+        """The file of a blob kept as a file: where, how it holds the content, its size; None if inline or absent."""
+        digest = _digest_of(ref_or_digest)
+        row = self.row(digest)
+        if row is None or row.inline or row.quarantined:
+            return None
+        return StoredBlob(self._layout.blob_path(digest), Encoding.ZSTD if row.compressed else Encoding.RAW,
+                          row.stored)
 
     def path(self, ref_or_digest: BlobRef | str) -> Path | None:
         digest = _digest_of(ref_or_digest)
@@ -255,7 +280,8 @@ class Blobs:
         return self._layout.blob_path(digest)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        """The blob's content, verified: SHA-256 for files, the inline checksum for inline blobs.
+        """The blob's content, verified: SHA-256 for files (decoded from their frame, bounded by the size), the
+        inline checksum for inline blobs.
 
         The hot path of small reads is one get: an inline blob's value in
         ``blobdata`` exists only while its row is inline and not quarantined,
@@ -282,9 +308,15 @@ class Blobs:
                 raise BlobMissing(digest, "inline data missing")
             try:
                 with self._layout.open_blob(digest) as f:
-                    data = f.read()
+                    if row.compressed:
+                        data = b"".join(decode_chunks(f, row.size))
+                    else:
+                        data = f.read()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except Damaged as exc:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", row.size) from None
             except OSError as exc:  # a directory or unreadable thing where the blob should be
                 self.quarantine(digest)
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
@@ -306,18 +338,20 @@ class Blobs:
             raise BlobMissing(digest, "not registered")
         if row.inline or row.quarantined:
             return atomic_write(dest, self.get_bytes(digest))
-        src = self._layout.blob_path(digest)
-
         def verified() -> Iterator[bytes]:
             h = hashlib.sha256()
             n = 0
             try:
-                for chunk in self._read_chunks(src, blob=digest):
-                    h.update(chunk)
-                    n += len(chunk)
-                    yield chunk
+                with self._layout.open_blob(digest) as f:
+                    for chunk in (decode_chunks(f, row.size) if row.compressed else _chunks(f)):
+                        h.update(chunk)
+                        n += len(chunk)
+                        yield chunk
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
+            except Damaged as exc:
+                self.quarantine(digest)
+                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", n) from None
             except OSError as exc:  # a symlink (ELOOP) or a directory where the blob should be
                 self.quarantine(digest)
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
@@ -345,8 +379,56 @@ class Blobs:
 
         def fn(t: Txn) -> None:
             row = t.blob_row(digest)
-            if row is None or (not row.inline and self.file_ok(digest, row.size)):
+            if row is None or (not row.inline and self.file_ok(digest, row.stored)):
                 return  # gone, or a writer repaired it meanwhile
             t.quarantine_blob(digest, row)
 
         self._tables.write(fn)
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    """Chunks of an open file, from its current position to its end."""
+    # Sized reads: asking for a whole chunk of a smaller file allocates the
+    # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
+    left = os.fstat(f.fileno()).st_size
+    while left > 0:
+        chunk = f.read(min(CHUNK_SIZE, left))
+        if not chunk:
+            return
+        left -= len(chunk)
+        yield chunk
+    while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
+        yield chunk
+
+
+#: Blob files unlinked per lock-only transaction.
+_UNLINK_BATCH = 1000
+
+
+def unlink_dropped(tables: Tables, digests: Sequence[str]) -> int:
+    """Unlink the blob files of ``digests`` whose rows a committed transaction dropped; returns bytes.
+
+    Files go only after the rows (invariant 4).  Each unlink runs under the
+    write lock (a lock-only transaction), after checking that no writer
+    registered the blob again meanwhile: a writer that sees its file inside
+    its registering transaction may rely on it.
+    """
+    layout, total = tables.layout, 0
+    for i in range(0, len(digests), _UNLINK_BATCH):
+        def fn(t: Txn, batch: Sequence[str] = digests[i:i + _UNLINK_BATCH]) -> int:
+            n = 0
+            for digest in batch:
+                row = t.blob_row(digest)
+                if row is not None and not row.inline and not row.quarantined:
+                    continue  # registered again
+                path = layout.blob_path(digest)
+                size = layout.file_size(path)
+                try:
+                    os.unlink(path)
+                    n += size
+                except FileNotFoundError:
+                    pass
+            return n
+
+        total += tables.locked(fn)
+    return total

@@ -12,13 +12,13 @@ import atexit
 import logging
 import os
 import threading
-import time
 import weakref
 from collections import Counter
+from pathlib import Path
 
-from .tables import Tables, Txn
+from .index.tables import Tables, Txn
 
-__all__ = ["Bookkeeping"]
+__all__ = ["Bookkeeping", "flush_root"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,15 @@ class Bookkeeping:
         _OPEN.add(self)
 
     def hit(self, key: str, *, record: bool) -> None:
-        """A lookup hit ``key``: refresh its last access (and count the hit if ``record``)."""
+        """A lookup hit ``key``: refresh its last access; count the hit (store and entry) only if ``record``.
+
+        Lookups the store makes for itself (a remote restore checking what it
+        committed, a push finding its entry) pass ``record=False``: they keep
+        the entry fresh but are not hits anyone asked for.
+        """
         with self._lock:
             hits = self._access.get(key, (0.0, 0))[1]
-            self._access[key] = (time.time(), hits + 1)
+            self._access[key] = (self._tables.clock(), hits + 1 if record else hits)
             if record:
                 self._counters["hits"] += 1
         self._ensure_flusher()
@@ -55,12 +60,9 @@ class Bookkeeping:
 
     def _ensure_flusher(self) -> None:
         """Make sure this process runs a flusher thread (started lazily, again after fork)."""
-        if self._started or self._closed.is_set():
+        if self._started or self._closed.is_set() or not self._claim_flusher():
             return
         with self._lock:
-            if self._started:
-                return
-            self._started = True
             ref = weakref.ref(self)
             closed = self._closed
             interval = self.flush_interval
@@ -75,6 +77,14 @@ class Bookkeeping:
 
             self._thread = threading.Thread(target=run, name="adstore-flush", daemon=True)
             self._thread.start()
+
+    def _claim_flusher(self) -> bool:
+        """Whether this caller starts the flusher (one caller does, under the lock)."""
+        with self._lock:
+            if self._started:
+                return False
+            self._started = True
+            return True
 
     def flush(self) -> None:
         """Write pending counters and access times; bookkeeping never fails a cache operation."""
@@ -122,6 +132,13 @@ class Bookkeeping:
         self._lock = threading.Lock()
         self._started = False  # threads do not survive fork
         self._thread = None
+
+
+def flush_root(root: Path) -> None:
+    """Write what every store of this process opened at ``root`` has pending (``Store.stats``)."""
+    for book in list(_OPEN):
+        if book._tables.layout.root == root:
+            book.flush()
 
 
 def _flush_all() -> None:

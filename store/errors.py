@@ -46,6 +46,12 @@ class StoreError(AdstoreError):
     reason: Reason = Reason.STORE_ERROR
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile name must not flood a log or a terminal."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class InvalidDigest(StoreError, ValueError):
     """A digest that is not 64 lowercase hex characters; never joined into a path."""
 
@@ -53,7 +59,7 @@ class InvalidDigest(StoreError, ValueError):
 
     def __init__(self, digest: object) -> None:
         self.digest = digest
-        super().__init__(f"invalid blob digest {digest!r}: expected 64 lowercase hex characters")
+        super().__init__(f"invalid blob digest {_shown(digest)}: expected 64 lowercase hex characters")
 
 
 class InvalidKey(StoreError, ValueError):
@@ -64,7 +70,7 @@ class InvalidKey(StoreError, ValueError):
     def __init__(self, key: object, why: str) -> None:
         self.key = key
         self.why = why
-        super().__init__(f"invalid key {key!r}: {why}")
+        super().__init__(f"invalid key {_shown(key)}: {why}")
 
 
 class KeyNotFound(InvalidKey, KeyError):

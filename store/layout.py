@@ -15,13 +15,14 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import BinaryIO
 
 from .errors import UnsafeRoot
 from .fsutil import atomic_write
-from .records import validate_digest
+from .names import validate_digest
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "default_root"]
 
 _CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
@@ -151,3 +152,12 @@ class Layout:
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():
             atomic_write(tag, _CACHEDIR_TAG, tmp_dir=self.tmp, mode=0o444)
+
+
+def default_root(environ: Mapping[str, str] | None = None) -> Path:
+    """``$ADSTORE_ROOT``, else ``${XDG_CACHE_HOME:-~/.cache}/adstore``."""
+    env = os.environ if environ is None else environ
+    if env.get("ADSTORE_ROOT"):
+        return Path(env["ADSTORE_ROOT"]).expanduser()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "adstore"

@@ -11,12 +11,11 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import time
 
 import psutil
 
-from .records import LeaseRecord
-from .tables import Txn
+from .index.rows import LeaseRecord
+from .index.tables import Txn
 
 __all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record", "live_leases"]
 
@@ -30,9 +29,8 @@ def process_start_time(pid: int | None = None) -> float:
     return psutil.Process(pid if pid is not None else os.getpid()).create_time()
 
 
-def lease_is_live(lease: LeaseRecord, *, now: float | None = None) -> bool:
-    """True while the holder process (same pid and start time) still runs."""
-    now = time.time() if now is None else now
+def lease_is_live(lease: LeaseRecord, *, now: float) -> bool:
+    """True while the holder process (same pid and start time) still runs, and ``now`` is before expiry."""
     if lease.expires and now > lease.expires:
         return False
     if lease.host != hostname():
@@ -46,8 +44,7 @@ def lease_is_live(lease: LeaseRecord, *, now: float | None = None) -> bool:
         return False
 
 
-def new_lease_record(key: str, ttl: float) -> LeaseRecord:
-    now = time.time()
+def new_lease_record(key: str, ttl: float, now: float) -> LeaseRecord:
     return LeaseRecord(
         key=key,
         pid=os.getpid(),

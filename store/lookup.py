@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptRecord
 from .reasons import Reason
-from .records import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
-from .tables import Txn
+from .index.rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
+from .index.tables import Txn
 
 __all__ = ["LookupResult", "LookupMemo", "lookup"]
 
@@ -79,9 +79,9 @@ def _check_blobs(
 ) -> Reason | None:
     """Invariant 5 for one manifest: every blob registered, not quarantined, of its size.
 
-    Rows are unpacked in place (no BlobRow per check); a file blob's size is
-    checked on disk by ``file_ok`` (and the blob added to ``files``), an
-    inline blob lives in the index itself.
+    Rows are unpacked in place (no BlobRow per check); a file blob's stored
+    size (its file's, compressed or not) is checked on disk by ``file_ok``
+    (and the blob added to ``files``), an inline blob lives in the index itself.
     """
     for row_key, size, digest in checks:
         raw = t.blob_row_raw(row_key)
@@ -89,13 +89,13 @@ def _check_blobs(
             return Reason.BLOB_MISSING
         if len(raw) != BLOB_ROW.size:
             raise CorruptRecord("blobs", digest, f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
-        row_size, _refs, _touched, flags = BLOB_ROW.unpack(raw)
+        row_size, _refs, _touched, flags, stored = BLOB_ROW.unpack(raw)
         if flags & FLAG_QUARANTINED or row_size != size:
             return Reason.BLOB_MISSING
         if not flags & FLAG_INLINE:
-            if not file_ok(digest, size):
+            if not file_ok(digest, stored):
                 return Reason.BLOB_MISSING
-            files.append((digest, size))
+            files.append((digest, stored))
     return None
 
 
@@ -106,7 +106,7 @@ class _Checked:
     entry_raw: bytes
     epoch: bytes | None
     manifests: tuple[tuple[bytes, bytes], ...]  # (manifest key, row bytes) per rank
-    files: tuple[tuple[str, int], ...]  # (digest, size) of blobs stored as files
+    files: tuple[tuple[str, int], ...]  # (digest, stored size) of blobs stored as files
     result: LookupResult
 
 

@@ -5,31 +5,30 @@ bumped in the same transaction (invariant 3), and commits it only when every
 rank saved.  Committing a generation replaces the rank's older generation and
 releases its blob references.  Dropping an entry takes every rank and every
 generation with it (invariant 4).  All of it runs inside one
-:class:`~adstore.store.tables.Txn` (README, "Using the store").
+:class:`~adstore.store.index.tables.Txn` (README, "Using the store").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import BlobMissing, CorruptRecord, InvalidKey, StoreError
 from .leases import hostname
-from .records import (
-    BlobRef,
-    Entry,
-    Manifest,
-    manifest_key,
+from .names import (
     validate_artifact_name,
-    validate_json,
+    validate_generation,
     validate_key,
     validate_namespace,
+    validate_rank,
+    validate_world_size,
 )
-from .shadows import PINNED, Head, to_entry
-from .tables import Txn
+from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
+from .index.shadows import PINNED, Head, to_entry
+from .index.entryrows import Removal
+from .index.tables import Txn
 
 __all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
 
@@ -51,12 +50,8 @@ def validate_publish(
     """Refuse a publish whose arguments could not be stored as given (:class:`InvalidKey`), before any write."""
     validate_key(key)
     validate_namespace(namespace)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidKey(world_size, "world_size must be a positive integer")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidKey(rank, f"rank must be within 0..{world_size - 1}")
-    if not isinstance(generation, int) or not 0 < generation < 1 << 63:
-        raise InvalidKey(generation, "generation must be a positive 63-bit integer")
+    validate_rank(rank, validate_world_size(world_size))
+    validate_generation(generation)
     validate_json(components or {}, "components")
     validate_json(meta or {}, "meta")
     for name, ref in artifacts.items():
@@ -83,14 +78,14 @@ def publish(
         row = t.blob_row(ref.digest)
         if row is None:
             raise BlobMissing(ref.digest, "not registered (put it before publishing)")
-        if row.size != ref.size or row.quarantined or not (row.inline or file_ok(ref.digest, ref.size)):
+        if row.size != ref.size or row.quarantined or not (row.inline or file_ok(ref.digest, row.stored)):
             raise BlobMissing(ref.digest, "absent, quarantined or of the wrong size")
     old = t.manifest(key, rank, generation)
     if old is not None:
         if old.committed:
             raise StoreError(f"{key} rank {rank} generation {generation} is already committed")
         t.release(old.digests())
-    now = time.time()
+    now = t.clock()
     manifest = Manifest(
         key=key,
         rank=rank,
@@ -124,7 +119,7 @@ def commit(t: Txn, *, key: str, rank: int, generation: int,
         raise StoreError(f"no manifest to commit for {key} rank {rank} generation {generation}")
     manifest.committed = True
     t.put_manifest(manifest)
-    now = time.time()
+    now = t.clock()
     entry = t.entry(key) or Entry(key, manifest.namespace, manifest.world_size, {}, now, now)
     zero: list[str] = []
     old_gen = entry.ranks.get(rank)
@@ -202,7 +197,7 @@ def drop_entry(
     if entry is None and shadow is not None:
         if not kept:  # the usual case: no objects needed
             head = shadow[1]
-            t.forget_entry(key.encode(), head[2], bool(head[3] & PINNED))
+            t.remove_entries([Removal(key.encode(), head[2], bool(head[3] & PINNED))])
             return taken
         entry = to_entry(key, *shadow)
     if entry is None:

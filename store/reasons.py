@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Reason"]
+__all__ = ["Reason", "REMOTE_REASONS"]
 
 
 class Reason(enum.StrEnum):
@@ -112,3 +112,12 @@ class Reason(enum.StrEnum):
     NEWER_RECORD = "newer_record"  # an on-disk record of a newer format than this adstore reads
     MISSING_RECORD = "missing_record"  # a committed manifest has no on-disk record (a rebuild would lose it)
     ORPHAN_RECORDS = "orphan_records"  # on-disk records whose manifest the index no longer has (gc sweeps them)
+
+
+#: The reasons that name something about the remote tier (its server, what it holds, single-flight
+#: builds): a miss for one of them is the remote's doing, not the local store's.
+REMOTE_REASONS = frozenset({
+    Reason.REMOTE_UNAVAILABLE, Reason.REMOTE_TIMEOUT, Reason.REMOTE_ERROR, Reason.REMOTE_READ_ONLY,
+    Reason.REMOTE_UNSUPPORTED, Reason.REMOTE_BLOB_MISSING, Reason.REMOTE_CHECKSUM, Reason.UNTRUSTED_REMOTE,
+    Reason.SINGLE_FLIGHT_TIMEOUT, Reason.BUILDER_GONE,
+})

@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .budget import Budget, read_budget
-from .tables import LOGICAL, PHYSICAL, PINNED, Tables
+from .maintenance.budget import Budget, read_budget
+from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
+from .index.tables import Tables
 
-__all__ = ["StoreStats", "event_counters", "read_stats"]
+__all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes"]
 
 _PLURAL = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
 
@@ -36,8 +37,9 @@ class StoreStats:
     entries: int = 0
     blobs: int = 0
     inline_blobs: int = 0
-    logical_bytes: int = 0
-    physical_bytes: int = 0
+    logical_bytes: int = 0  # what the entries reference (a blob counted once per entry that holds it)
+    content_bytes: int = 0  # every blob's content once (after deduplication, before compression)
+    physical_bytes: int = 0  # what the blobs take on disk (after compression): what budgets limit
     pinned_bytes: int = 0
     leases: int = 0
     index_bytes: int = 0
@@ -45,13 +47,19 @@ class StoreStats:
 
     @property
     def dedup_ratio(self) -> float:
-        """Logical bytes referenced by entries per physical byte stored."""
-        return self.logical_bytes / self.physical_bytes if self.physical_bytes else 1.0
+        """Logical bytes referenced by entries per byte of distinct content."""
+        return self.logical_bytes / self.content_bytes if self.content_bytes else 1.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Bytes of distinct content per byte on disk."""
+        return self.content_bytes / self.physical_bytes if self.physical_bytes else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["budget"] = self.budget.to_dict() if self.budget is not None else None
         d["dedup_ratio"] = self.dedup_ratio
+        d["compression_ratio"] = self.compression_ratio
         return d
 
 
@@ -64,10 +72,23 @@ def read_stats(tables: Tables) -> StoreStats:
             blobs=t.rows("blobs"),
             inline_blobs=t.rows("blobdata"),
             leases=t.rows("leases"),
-            physical_bytes=t.total(PHYSICAL),
-            logical_bytes=t.total(LOGICAL),
-            pinned_bytes=t.total(PINNED),
+            physical_bytes=t.total(PHYSICAL_BYTES),
+            content_bytes=t.total(CONTENT_BYTES),
+            logical_bytes=t.total(LOGICAL_BYTES),
+            pinned_bytes=t.total(PINNED_BYTES),
             budget=read_budget(t),
         )
     st.index_bytes = sum(f.stat().st_size for f in tables.layout.index.iterdir() if f.is_file())
     return st
+
+
+def entry_stored_bytes(tables: Tables, keys: Iterable[str]) -> dict[str, int]:
+    """What each entry's current blobs take on disk (``adstore ls``; a blob shared by entries counts in each)."""
+    out: dict[str, int] = {}
+    with tables.read() as t:
+        for key in keys:
+            entry = t.entry(key)
+            digests = {ref.digest for r, g in (entry.ranks.items() if entry else ())
+                       if (m := t.manifest(key, r, g)) is not None for ref in m.artifacts.values()}
+            out[key] = sum(row.stored for d in digests if (row := t.blob_row(d)) is not None)
+    return out

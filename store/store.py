@@ -12,58 +12,49 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .ballast import Ballast
-from .blobs import Blobs
-from .bookkeeping import Bookkeeping
-from .budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
+from .index.ballast import Ballast
+from .blobs import Blobs, StoredBlob
+from .blobwriter import BlobWriter
+from .codec import Encoding
+from .bookkeeping import Bookkeeping, flush_root
+from .clock import Clock, system_clock
+from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
-from .eviction import EvictionPlan, Evictor
+from .maintenance.eviction import EvictionPlan, Evictor
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
-from .index import Index
-from .indexfile import probe_index
-from .layout import Layout
+from .index.env import Index
+from .index.file import probe_index
+from .layout import Layout, default_root
 from .leases import new_lease_record
 from .lookup import LookupMemo, LookupResult, lookup
 from .manifests import abort, commit, publish, validate_publish
+from .records.obsolete import obsolete_dropped
 from .reasons import Reason
-from .rebuild import RebuildReport, plan_rebuild
-from .recordsync import RecordWriter, components_changed, record_inputs
-from .records import (
-    BlobRef,
-    Entry,
-    LeaseRecord,
-    Manifest,
-    validate_json,
-    validate_key,
-)
-from .stats import StoreStats, event_counters, read_stats
-from .sweep import Sweeper, SweepPlan
-from .inline import InlineEviction
-from .tables import PHYSICAL, PINNED, Tables, Txn
+from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
+from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
+from .names import validate_key
+from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
+from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
+from .maintenance.sweep import Sweeper, SweepPlan
+from .maintenance.inline import InlineEviction
+from .index.schema import PHYSICAL_BYTES
+from .index.tables import Tables, Txn
 from .units import MinFree, parse_duration, parse_size
-from .verify import Progress, VerifyReport, verify_store
+from .maintenance.verify import Progress, VerifyReport, verify_store
 
-__all__ = ["Store", "default_root", "DEFAULT_INLINE_THRESHOLD"]
+__all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 64 << 10
 DEFAULT_MAP_SIZE = 1 << 30
-
-
-def default_root(environ: Mapping[str, str] | None = None) -> Path:
-    """``$ADSTORE_ROOT``, else ``${XDG_CACHE_HOME:-~/.cache}/adstore``."""
-    env = os.environ if environ is None else environ
-    if env.get("ADSTORE_ROOT"):
-        return Path(env["ADSTORE_ROOT"]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adstore"
 
 
 class Store:
@@ -82,6 +73,7 @@ class Store:
         create: bool = True,
         memoize_lookups: bool = True,
         remote: Any = None,
+        clock: Clock = system_clock,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
@@ -101,6 +93,7 @@ class Store:
         self._map_size = map_size
         self._memoize = memoize_lookups
         self._flush_interval = flush_interval
+        self.clock = clock  #: wall-clock seconds for every time the store keeps (``clock``; tests inject one)
         from .tiered import open_tier  # imports this module
 
         self.tier = open_tier(remote)  # the second tier, see ``open``; a bad one raises before the index opens
@@ -113,8 +106,7 @@ class Store:
         if self._index.ballast is None:
             self._index.ballast = Ballast(layout.root)
             self._index.ballast.ensure()
-        self._tables = Tables(self._index, layout)
-        self._init_totals()
+        self._tables = Tables(self._index, layout, self.clock, after_commit=obsolete_dropped)
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
@@ -124,17 +116,6 @@ class Store:
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
-
-    def _init_totals(self) -> None:
-        """Count the pinned bytes once in an index written before they were kept as a total."""
-        def fn(t: Txn) -> None:
-            if not t.has_total(PINNED):
-                t.set_total(PINNED, sum(e.bytes for e, _ in t.entries() if e.pinned))
-
-        with self._tables.read() as t:
-            if t.has_total(PINNED):
-                return
-        self._tables.write(fn)
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -213,8 +194,31 @@ class Store:
     def has_blob(self, ref_or_digest: BlobRef | str) -> bool:
         return self._blobs.has(ref_or_digest)
 
+    def stored_blob(self, ref_or_digest: BlobRef | str) -> StoredBlob | None:
+        """A file blob's path, encoding (raw or a zstd frame of the content) and size on disk; None if inline."""
+        return self._blobs.stored(ref_or_digest)
+
     def blob_path(self, ref_or_digest: BlobRef | str) -> Path | None:
         return self._blobs.path(ref_or_digest)
+
+    def blob_writer(self, ref: BlobRef, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
+                    cancelled: threading.Event | None = None) -> BlobWriter:
+        """A writer that streams the blob ``ref`` into place as its bytes arrive, hashed once (``blobwriter``).
+
+        For bytes of a known digest from elsewhere (the remote tier): they are
+        registered only if they hash (or, ``source=ZSTD``, decode) to ``ref``;
+        call :meth:`admit` first.
+        """
+        return self._blobs.writer(ref, source=source, frame_size=frame_size, cancelled=cancelled)
+
+    def admit(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` about to be downloaded, or refuse them before the first byte.
+
+        :class:`OverBudget` past this writer's or the persisted budget's limit
+        (after a bounded inline eviction), :class:`StoreFull` past the free
+        space less the budget's ``min_free``.
+        """
+        self._inline.admit(nbytes)
 
     def temp_path(self, suffix: str = ".tmp") -> Path:
         """A unique path in the store's ``tmp/`` (same filesystem as the blobs; swept past the grace period)."""
@@ -248,15 +252,15 @@ class Store:
         validate_publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
                          namespace=namespace, components=components, meta=meta)
 
-        def fn(t: Txn) -> tuple[Manifest, dict[str, Any], dict[str, bytes]]:
+        def fn(t: Txn) -> tuple[Manifest, RecordInputs]:
             m = publish(t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
                         namespace=namespace, components=components or {}, meta=meta or {},
                         file_ok=self._blobs.file_ok)
-            return m, *record_inputs(t, m)
+            return m, record_inputs(t, m)
 
-        manifest, stored_components, inline = self._tables.write(fn)
+        manifest, inputs = self._tables.write(fn)
         try:
-            self._records.published(manifest, stored_components, inline)
+            self._records.published(manifest, inputs)
         except BaseException:  # no record, no commit: the save fails whole
             self.abort(key, rank=rank, generation=generation)
             raise
@@ -292,7 +296,7 @@ class Store:
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
-        if self.tier is not None and result.reason == Reason.ABSENT:
+        if self.tier is not None and not result.hit:
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:
             self._book.hit(key, record=record)
@@ -331,10 +335,7 @@ class Store:
         """
         if not isinstance(prefix, str) or not prefix:
             raise KeyNotFound(str(prefix))
-        try:
-            start = prefix.encode()
-        except UnicodeEncodeError:  # undecodable bytes from a command line: no key has them
-            raise InvalidKey(prefix, "not valid UTF-8 text; keys are ASCII") from None
+        start = validate_key(prefix).encode()  # a prefix of a key is a key: the same rule, the same error
         with self._tables.read() as t:
             if t.entry_row(start) is not None:
                 return prefix
@@ -348,6 +349,10 @@ class Store:
         if len(matches) > 1:
             raise AmbiguousKey(prefix, matches)
         return matches[0]
+
+    def stored_bytes(self, keys: Iterable[str]) -> dict[str, int]:
+        """What each entry's current blobs take on disk (a blob shared by entries counts in each)."""
+        return entry_stored_bytes(self._tables, [validate_key(k) for k in keys])
 
     def manifests(self, key: str) -> list[Manifest]:
         validate_key(key)
@@ -378,7 +383,7 @@ class Store:
     def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRecord]:
         """Pin ``key`` against gc while this process lives (or until ``ttl``)."""
         validate_key(key)
-        record = new_lease_record(key, ttl)
+        record = new_lease_record(key, ttl, self._tables.clock())
         lease_id = uuid.uuid4().bytes
         self._tables.write(lambda t: t.put_lease(lease_id, record))
         try:
@@ -402,10 +407,11 @@ class Store:
     def size(self) -> int:
         """Physical bytes of all registered blobs (files and inline)."""
         with self._tables.read() as t:
-            return t.total(PHYSICAL)
+            return t.total(PHYSICAL_BYTES)
 
     def stats(self) -> StoreStats:
-        self.flush()
+        """Counters and totals, including what every store of this process opened at this root counted."""
+        flush_root(self._tables.layout.root)
         return read_stats(self._tables)
 
     def set_budget(self, budget: Budget) -> None:
@@ -480,14 +486,7 @@ class Store:
         the store; None when the index is sound (or there is no store).  Returns
         why it was rebuilt and the report.
         """
-        layout = Layout(Path(default_root() if root is None else root).expanduser().absolute())
-        if not layout.exists():
-            return None
-        layout.check_no_symlinks()
-        probe = probe_index(layout.root)
-        if probe.ok:
-            return None
-        return probe.detail, plan_rebuild(layout, probe.detail).execute()
+        return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
 
     def reader_check(self) -> int:
         """Free LMDB reader slots left by killed processes."""

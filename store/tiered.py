@@ -26,14 +26,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
 from .reasons import Reason
-from .recordfmt import RECORD_FORMAT, payload_of, record_refs
-from .records import BlobRef, Manifest
+from .records.format import RECORD_FORMAT, BadRecord, parse_payload, payload_of
+from .index.rows import Manifest
 from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RECORD_FORMAT",
     "record_payload",
-    "record_refs",
     "remote_restore",
     "remote_save",
     "persist_counters",
@@ -63,15 +62,17 @@ def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
     format (``recordfmt``, also the store's own on-disk records), without the
     local-only fields (inline bytes, producer).
     """
+    return _committed_payload(store, key, rank)[0]
+
+
+def _committed_payload(store: Store, key: str, rank: int) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """The record payload of ``key``'s committed ``rank`` and its blobs, each once: (digest, size)."""
     found = store.lookup(key, rank=rank, record=False)
     if not found.hit or found.manifest is None:
         raise KeyNotFound(key)
     entry = store.entry(key)
-    return payload_of(found.manifest, entry.components if entry is not None else {})
-
-
-def _unique(refs: dict[str, BlobRef]) -> list[tuple[str, int]]:
-    return sorted({(r.digest, r.size) for r in refs.values()})
+    refs = sorted({(r.digest, r.size) for r in found.manifest.artifacts.values()})
+    return payload_of(found.manifest, entry.components if entry is not None else {}), refs
 
 
 # -- counters ------------------------------------------------------------------
@@ -88,8 +89,7 @@ def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
         seen.clear()
         seen.update(now)
     if delta:
-        store.count(delta)
-        store.flush()  # a remote call costs far more than this write; stats in other processes see it now
+        store.count(delta)  # written with the store's other counters, off the lookup path (``bookkeeping``)
     return delta
 
 
@@ -102,23 +102,29 @@ def _miss(store: Store, reason: str, start: float, *, nbytes: int = 0,
 # -- restore -------------------------------------------------------------------
 def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0,
                    world_size: int | None = 1) -> Outcome[Manifest]:
-    """On a local miss: fetch, verify, pull and commit ``key``'s ``rank`` locally; the committed manifest.
+    """On a local miss: fetch, check, pull and commit ``key``'s ``rank`` locally; the committed manifest.
 
-    ``world_size=None`` takes the record's (a store lookup does not know
-    it); the pipeline passes its own, so a record of another topology is a
-    miss there.  Never raises.  Reasons: ``absent`` (no record), ``untrusted_remote``,
-    ``remote_blob_missing``, ``remote_checksum``, ``topology_mismatch`` (a
-    record of another world size), ``remote_unsupported`` (a newer record
-    format), the transport reasons, and the store's own (``disk_full``...).
-    ``nbytes`` counts every byte downloaded, record included.
+    The record is checked in full (signature, then the one record parser,
+    ``recordfmt.parse_payload``), and the declared bytes of the blobs this
+    store lacks are admitted against its budget and free space, before any
+    blob is requested; blobs then stream into place, each within its
+    deadline.  ``world_size=None`` takes the record's (a store lookup does
+    not know it); the pipeline passes its own, so a record of another
+    topology is a miss there.  Never raises.  Reasons: ``absent`` (no
+    record), ``untrusted_remote``, ``corrupt_record`` (a signed record that
+    does not parse), ``remote_unsupported`` (a newer record format),
+    ``topology_mismatch``, ``over_budget``, ``disk_full``,
+    ``remote_blob_missing``, ``remote_checksum``, the transport reasons
+    (``remote_timeout``...).  ``nbytes`` counts every byte downloaded, record included.
     """
     start = time.perf_counter()
     try:
         return _restore(store, remote, key, rank, world_size, start)
     except AdstoreError as exc:
         return _miss(store, str(exc.reason), start, error=exc)
-    except Exception as exc:  # a bug must not fail a pipeline
-        log.exception("remote restore of %s rank %d failed unexpectedly", key, rank)
+    except Exception as exc:  # a bug must not fail a pipeline, nor print a traceback at a user
+        log.error("remote restore of %s rank %d failed unexpectedly: %s: %s", key, rank, type(exc).__name__, exc)
+        log.debug("remote restore failure", exc_info=True)
         return _miss(store, str(Reason.REMOTE_ERROR), start, error=AdstoreError(f"{type(exc).__name__}: {exc}"))
     finally:
         persist_counters(store, remote)
@@ -130,35 +136,48 @@ def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int 
     if not fetched.ok or fetched.value is None:
         return _miss(store, fetched.reason or str(Reason.ABSENT), start, nbytes=fetched.nbytes, error=fetched.error)
     nbytes = fetched.nbytes
-    payload = fetched.value.payload
-    if not isinstance(payload.get("format"), int) or payload["format"] > RECORD_FORMAT:
-        return _miss(store, str(Reason.REMOTE_UNSUPPORTED), start, nbytes=nbytes)
+    try:
+        record = parse_payload(fetched.value.payload, f"{remote.url} record of {key} rank {rank}")
+    except BadRecord as exc:
+        reason = Reason.REMOTE_UNSUPPORTED if exc.reason == Reason.NEWER_RECORD else Reason.CORRUPT_RECORD
+        log.warning("remote %s: %s", remote.url, exc)
+        return _miss(store, str(reason), start, nbytes=nbytes, error=exc)
     if world_size is None:
-        world_size = payload.get("world_size")
-        if not isinstance(world_size, int) or isinstance(world_size, bool):
-            return _miss(store, str(Reason.REMOTE_UNSUPPORTED), start, nbytes=nbytes)
-    if payload.get("world_size") != world_size:
+        world_size = record.world_size
+    if record.world_size != world_size:
         return _miss(store, str(Reason.TOPOLOGY_MISMATCH), start, nbytes=nbytes)
-    refs = record_refs(payload)
-    pulled = remote.pull_blobs(_unique(refs), sink=store)
+    local = _committed(store, key, rank, record.generation)
+    if local is not None:  # this generation is here already (another rank was the one missing)
+        return Outcome(value=local, nbytes=nbytes, seconds=time.perf_counter() - start)
+    pulled = remote.pull_blobs([(r.digest, r.size) for r in record.artifacts.values()], sink=store,
+                               stored=record.stored)
     nbytes += pulled.nbytes
     if not pulled.ok:
         return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)
-    generation = int(payload["generation"])
-    components = payload.get("components") or {}
-    store.publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=refs,
-                  namespace=str(payload.get("namespace", "default")), components=components,
-                  meta={**(payload.get("meta") or {}), "remote": remote.url, "signer": fetched.value.key_id})
+    store.publish(key, rank=rank, world_size=world_size, generation=record.generation, artifacts=record.artifacts,
+                  namespace=record.namespace, components=record.components,
+                  meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id})
     try:
-        store.commit(key, rank=rank, generation=generation, components=components)
+        store.commit(key, rank=rank, generation=record.generation, components=record.components)
     except BaseException:
-        store.abort(key, rank=rank, generation=generation)
+        store.abort(key, rank=rank, generation=record.generation)
         raise
     check = store.lookup(key, rank=rank, record=False)
     if not check.hit or check.manifest is None:
         return _miss(store, str(check.reason), start, nbytes=nbytes)
     store.count({"remote.hits": 1})
     return Outcome(value=check.manifest, nbytes=nbytes, seconds=time.perf_counter() - start)
+
+
+def _committed(store: Store, key: str, rank: int, generation: int) -> Manifest | None:
+    """This store's committed manifest of ``key`` ``rank`` at ``generation`` with every blob, if any.
+
+    Read from the index alone (a lookup could fall back to the remote again).
+    """
+    for m in store.manifests(key):
+        if m.rank == rank and m.generation == generation and m.committed:
+            return m if all(store.has_blob(ref) for ref in m.artifacts.values()) else None
+    return None
 
 
 # -- save ----------------------------------------------------------------------
@@ -175,8 +194,7 @@ def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, ran
     if not remote.writable:
         return Outcome(reason=str(Reason.REMOTE_READ_ONLY))
     try:
-        payload = record_payload(store, key, rank)
-        refs = _unique(record_refs(payload))
+        payload, refs = _committed_payload(store, key, rank)
     except AdstoreError as exc:
         store.count({f"remote.errors.{exc.reason}": 1})
         return Outcome(reason=str(exc.reason), error=exc, seconds=time.perf_counter() - start)
@@ -229,6 +247,10 @@ def open_tier(spec: str | RemoteConfig | Remote | Tier | None) -> Tier | None:
     return None if remote is None else Tier(remote, owned=True)
 
 
+#: Local misses a remote can mend: nothing here, ranks missing, ranks of different generations.
+_MENDABLE = frozenset({Reason.ABSENT, Reason.INCOMPLETE, Reason.GENERATION_MISMATCH})
+
+
 class Tier:
     """A store's second tier: a lookup that finds nothing restores from ``remote``; a commit pushes to it.
 
@@ -266,32 +288,63 @@ class Tier:
             self._local.busy = False
 
     def fallback(self, store: Store, key: str, rank: int | None, missed: LookupResult) -> LookupResult:
-        """After a local ``absent``: restore ``key`` (``rank``, or every rank of the record) and look again.
+        """After a local miss the remote can mend, restore what is missing from it and look again.
 
-        A miss keeps the remote's reason (``untrusted_remote``, ``remote_timeout``,
-        ...) unless the remote simply has no record, which stays ``absent``.
+        ``absent``: ``rank``, or every rank of the record (rank 0's record
+        names the world size).  ``incomplete``: the ranks this store lacks
+        (they may have reached the remote since an earlier restore).
+        ``generation_mismatch``: every rank, at the remote's generation.  Each
+        rank is restored whole or not at all, so a partial restore is never a
+        hit.  A miss keeps the remote's reason (``untrusted_remote``,
+        ``remote_timeout``, ...) unless the remote simply has no record, which
+        keeps the local reason.  With the circuit open this costs about what
+        the local miss did: no call, no lock held across anything slow.
         """
-        if self.busy:
+        if self.busy or missed.reason not in _MENDABLE:
             return missed
+        refused = self.remote.refusal()
+        if refused is not None:
+            store.count({"remote.fast_fails": 1, "remote.misses": 1, f"remote.misses.{refused}": 1})
+            return type(missed)(False, Reason(refused))
         with self._busy():
-            outs = [remote_restore(store, self.remote, key, 0 if rank is None else rank, None)]
-            if outs[0].ok and outs[0].value is not None and rank is None:
-                world_size = outs[0].value.world_size
-                for other in range(1, world_size):
-                    outs.append(remote_restore(store, self.remote, key, other, world_size))
-                    if not outs[-1].ok:
-                        break
-            failed = outs[-1]
-            if not failed.ok:
+            outs = self._restore_ranks(store, key, rank, missed)
+            failed = next((o for o in outs if not o.ok), None)
+            if failed is not None:
                 if failed.reason in (None, Reason.ABSENT):
                     return missed
                 known = failed.reason in Reason._value2member_map_
                 return type(missed)(False, Reason(failed.reason) if known else Reason.REMOTE_ERROR)
+            found = store.lookup(key, rank=rank, record=False)
+            if not found.hit and found.reason == Reason.GENERATION_MISMATCH and rank is None and found.entry:
+                outs += self._restore_ranks(store, key, None, found)  # restored ranks are newer than ours
+                found = store.lookup(key, rank=None, record=False)
+        if found.hit:
             with self._restored_lock:
                 self._restored[key] = self._restored.pop(key, 0) + sum(o.nbytes for o in outs)
                 while len(self._restored) > self.RESTORED_MAX:
                     del self._restored[next(iter(self._restored))]
-            return store.lookup(key, rank=rank, record=False)
+        return found
+
+    def _restore_ranks(self, store: Store, key: str, rank: int | None, missed: LookupResult) -> list[Outcome[Manifest]]:
+        """Restore the ranks ``missed`` calls for (see :meth:`fallback`), stopping at the first failure."""
+        entry = missed.entry
+        if rank is not None:
+            return [remote_restore(store, self.remote, key, rank, None if entry is None else entry.world_size)]
+        if entry is None or missed.reason == Reason.ABSENT:
+            first = remote_restore(store, self.remote, key, 0, None)
+            if not first.ok or first.value is None:
+                return [first]
+            world_size, outs = first.value.world_size, [first]
+            ranks: Sequence[int] = range(1, world_size)
+        else:
+            world_size, outs = entry.world_size, []
+            ranks = (range(world_size) if missed.reason == Reason.GENERATION_MISMATCH
+                     else [r for r in range(world_size) if r not in entry.ranks])
+        for other in ranks:
+            outs.append(remote_restore(store, self.remote, key, other, world_size))
+            if not outs[-1].ok:
+                break
+        return outs
 
     def take_restored(self, key: str) -> int | None:
         """Bytes downloaded when a lookup restored ``key`` (once; None if it did not): a hit's ``source=remote``."""

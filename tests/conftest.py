@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adstore.store import Store
+from adstore.store import ManualClock, Store
 
 
 @pytest.fixture
@@ -15,7 +15,13 @@ def store_root(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def store(store_root):
-    s = Store.open(store_root, grace_period=0.0)
+def clock():
+    """The store's clock, moved by the test (``clock.advance(seconds)``) instead of sleeping."""
+    return ManualClock()
+
+
+@pytest.fixture
+def store(store_root, clock):
+    s = Store.open(store_root, grace_period=0.0, clock=clock)
     yield s
     s.close()

@@ -57,8 +57,7 @@ from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheEr
 from adstore.integration.pipeline.envcheck import find_mismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import json_digest
-from adstore.store.errors import AdstoreError
-from adstore.store.reasons import Reason
+from adstore.store import AdstoreError, Reason
 
 __all__ = [
     "CompiledEngine",

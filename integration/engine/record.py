@@ -20,7 +20,7 @@ from typing import Any
 
 from adstore.integration.errors import CorruptEngine, EngineCacheError, EngineMismatch, TruncatedEngine
 
-__all__ = ["ENGINE_FORMAT_VERSION", "EngineRecord", "check_meta", "check_package_file"]
+__all__ = ["ENGINE_FORMAT_VERSION", "EngineRecord", "check_meta", "check_package_file", "frame", "unframe"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,32 @@ logger = logging.getLogger(__name__)
 ENGINE_FORMAT_VERSION = 1
 
 _MAGIC = b"ADSENGv1"
-_HEADER = struct.Struct(">8sQQ32s")  # magic, meta length, payload length, sha256(meta + payload)
+_HEADER = struct.Struct(">8sQQ32s")  # magic, first part's length, second part's length, sha256(first + second)
+
+
+def frame(magic: bytes, first: bytes, second: bytes) -> bytes:
+    """Two parts under one header and one SHA-256: the layout of engine records and Inductor bundles."""
+    digest = hashlib.sha256(first + second).digest()
+    return _HEADER.pack(magic, len(first), len(second), digest) + first + second
+
+
+def unframe(blob: bytes | memoryview, magic: bytes, what: str) -> tuple[memoryview, memoryview]:
+    """The two parts of a :func:`frame`; TruncatedEngine / CorruptEngine (naming ``what``) unless exact."""
+    view = memoryview(blob)
+    if len(view) < _HEADER.size:
+        raise TruncatedEngine(f"{what} of {len(view)} bytes is shorter than its header")
+    found, first_len, second_len, digest = _HEADER.unpack_from(view)
+    if found != magic:
+        raise CorruptEngine(f"{what} has magic {bytes(found)!r}, expected {magic!r}")
+    want = _HEADER.size + first_len + second_len
+    if len(view) < want:
+        raise TruncatedEngine(f"{what} has {len(view)} bytes, its header says {want}")
+    if len(view) > want:
+        raise CorruptEngine(f"{what} has {len(view) - want} trailing bytes")
+    body = view[_HEADER.size:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptEngine(f"{what} checksum mismatch")
+    return body[:first_len], body[first_len:]
 
 
 def check_meta(meta: Any, expected_hash: str) -> dict[str, Any]:
@@ -94,8 +119,9 @@ class EngineRecord:
         full = dict(meta)
         full["format_version"] = ENGINE_FORMAT_VERSION
         full["hash"] = hash
+        given = full.get("payload")  # extra fields a caller keeps beside the checksum; anything else is replaced
         full["payload"] = {
-            **dict(full.get("payload") or {}),
+            **(dict(given) if isinstance(given, Mapping) else {}),
             "sha256": hashlib.sha256(payload).hexdigest(),
             "size": len(payload),
         }
@@ -113,34 +139,18 @@ class EngineRecord:
 
     def to_bytes(self) -> bytes:
         """The backend blob: header, metadata JSON, package."""
-        meta = self.meta_bytes()
-        payload = self.payload_bytes()
-        digest = hashlib.sha256(meta + payload).digest()
-        return _HEADER.pack(_MAGIC, len(meta), len(payload), digest) + meta + payload
+        return frame(_MAGIC, self.meta_bytes(), self.payload_bytes())
 
     @classmethod
     def from_bytes(cls, blob: bytes, *, expected_hash: str) -> EngineRecord:
         """Parse and verify a backend blob; CorruptEngine / TruncatedEngine / EngineMismatch on trouble."""
-        view = memoryview(blob)
-        if len(view) < _HEADER.size:
-            raise TruncatedEngine(f"engine blob of {len(view)} bytes is shorter than its header")
-        magic, meta_len, payload_len, digest = _HEADER.unpack_from(view)
-        if magic != _MAGIC:
-            raise CorruptEngine(f"engine blob has magic {bytes(magic)!r}, expected {_MAGIC!r}")
-        want = _HEADER.size + meta_len + payload_len
-        if len(view) < want:
-            raise TruncatedEngine(f"engine blob has {len(view)} bytes, header says {want}")
-        if len(view) > want:
-            raise CorruptEngine(f"engine blob has {len(view) - want} trailing bytes")
-        body = view[_HEADER.size :]
-        if hashlib.sha256(body).digest() != digest:
-            raise CorruptEngine("engine blob checksum mismatch")
+        head, body = unframe(blob, _MAGIC, "engine blob")
         try:
-            meta = json.loads(bytes(body[:meta_len]).decode("utf-8"))
+            meta = json.loads(bytes(head).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptEngine(f"engine metadata is not JSON: {exc}") from exc
         meta = check_meta(meta, expected_hash)
-        payload = bytes(body[meta_len:])
+        payload = bytes(body)
         if meta["payload"]["size"] != len(payload) or meta["payload"]["sha256"] != hashlib.sha256(payload).hexdigest():
             raise CorruptEngine("engine payload does not match its metadata")
         return cls(hash=expected_hash, meta=meta, payload=payload)

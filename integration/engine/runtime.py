@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
 from adstore.integration.engine.hashing import call_spec
@@ -28,14 +29,17 @@ from adstore.integration.pipeline.keys import json_digest
 __all__ = [
     "ENGINE_KIND",
     "CompiledEngine",
+    "PackageRunner",
     "build_meta",
     "code_constant_names",
     "constants_as_buffers",
     "constants_spec",
     "load_runner",
+    "module_weights",
     "record_components",
     "refit",
     "validate_meta",
+    "validate_record",
     "validate_runner",
     "weights_of",
 ]
@@ -127,25 +131,80 @@ def refit(runner: Any, weights: Mapping[str, torch.Tensor], spec: list[dict[str,
     return time.perf_counter() - start
 
 
-def load_runner(path: Path) -> Any:
-    """Load an AOTInductor package, as ``torch._inductor.aoti_load_package`` does, minus its ISA probe.
+class PackageRunner:
+    """A loaded AOTInductor package: torch's C++ loader, called the way torch's own wrapper calls it.
 
-    torch's loader first asks Inductor for this host's device information,
-    which picks the CPU vector ISA by compiling and running test programs
-    (about 1.2 s of a next-process hit here), only to log a warning when the
-    package was built for another ISA.  The engine's key already pins the
+    torch's Python wrapper (``AOTICompiledModel``) lives in a module that
+    imports all of Inductor, and with it dynamo: most of a second of a
+    restart that only runs a finished engine.  This wrapper does what it
+    does (flatten the call's arguments with the package's input spec, run,
+    unflatten with its output spec) with ``torch.utils._pytree`` alone.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        in_spec, out_spec = loader.get_call_spec()
+        self._in_spec = pytree.treespec_loads(in_spec)
+        self._out_spec = pytree.treespec_loads(out_spec)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            from torch.export._tree_utils import reorder_kwargs
+
+            kwargs = reorder_kwargs(kwargs, self._in_spec)
+        flat = [x for x in pytree.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self._out_spec)
+
+    def get_metadata(self) -> dict[str, str]:
+        return dict(self.loader.get_metadata())
+
+    def get_constant_fqns(self) -> list[str]:
+        return list(self.loader.get_constant_fqns())
+
+    def load_constants(self, constants_map: dict[str, torch.Tensor], *, check_full_update: bool) -> None:
+        # (map, use_inactive, check_full_update, user_managed, allow_h2d_copy), as torch's wrapper passes them
+        self.loader.load_constants(constants_map, False, check_full_update, False, False)
+
+
+def load_runner(path: Path) -> Any:
+    """Load an AOTInductor package with torch's C++ loader, minus the Python wrapper's imports and ISA probe.
+
+    ``torch._inductor.aoti_load_package`` first asks Inductor for this host's
+    device information, which picks the CPU vector ISA by compiling and
+    running test programs (about 1.2 s of a next-process hit here), only to
+    log a warning when the package was built for another ISA; and its
+    wrapper imports Inductor and dynamo.  The engine's key already pins the
     CPU capability, platform and toolchain (``toolchain.py``), so a package
     built for another ISA is never looked up here: the package is opened by
-    torch's own C++ loader and wrapped as torch wraps it.  Another torch
-    without these internals takes the public path.
+    the C++ loader directly (:class:`PackageRunner`).  Another torch without
+    that loader takes the public path.
     """
-    try:
-        from torch.export.pt2_archive._package import AOTICompiledModel
-
-        loader_cls = torch._C._aoti.AOTIModelPackageLoader
-    except (ImportError, AttributeError):
+    loader_cls = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader_cls is None:
         return torch._inductor.aoti_load_package(str(path))
-    return AOTICompiledModel(loader_cls(str(path), "model", False, 1, -1))
+    return PackageRunner(loader_cls(str(path), "model", False, 1, -1))
+
+
+def module_weights(module: torch.nn.Module, spec: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """fqn -> tensor of ``module`` for every constant of ``spec``, found by attribute path.
+
+    An engine's constants are named by the fqns ``torch.export`` gave the
+    module's parameters, buffers (persistent or not) and tensor attributes,
+    which are their attribute paths; resolving them on the module needs no
+    export.  A name the module does not have is left out (the refit then
+    raises :class:`EngineMismatch` naming it).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for item in spec:
+        fqn = str(item.get("fqn", ""))
+        obj: Any = module
+        for part in fqn.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.Tensor):
+            out[fqn] = obj
+    return out
 
 
 # --------------------------------------------------------------------------- engine
@@ -250,6 +309,25 @@ def _json_roundtrip(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True))
 
 
+def validate_record(meta: Mapping[str, Any], h: str) -> None:
+    """The checks of a stored engine that need no request: kind, hash, no weights, this toolchain.
+
+    The hash covers the toolchain, so a record under this hash that names
+    another toolchain (the fields are named) was forged or relabelled.
+    """
+    if meta.get("kind") != ENGINE_KIND:
+        raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
+    if meta.get("hash") != h:
+        raise EngineMismatch("hash", f"record says {meta.get('hash')!r}")
+    if meta.get("payload", {}).get("weights_included"):
+        raise EngineMismatch("payload", "record carries weights; this cache stores architecture only")
+    here = {"toolchain": toolchain_identity()}
+    diffs = env_differences({"toolchain": meta.get("toolchain")}, here, env=("toolchain",))
+    if diffs:
+        raise EngineMismatch("toolchain", "record names another toolchain: "
+                                          + "; ".join(str(d) for d in diffs[:4]))
+
+
 def validate_meta(
     meta: Mapping[str, Any],
     h: str,
@@ -266,17 +344,7 @@ def validate_meta(
     engine from another environment has another hash (``incompatible_env``
     comes from the miss diagnosis, :mod:`~adstore.integration.pipeline.envcheck`).
     """
-    if meta.get("kind") != ENGINE_KIND:
-        raise EngineMismatch("kind", f"record holds {meta.get('kind')!r}")
-    if meta.get("hash") != h:
-        raise EngineMismatch("hash", f"record says {meta.get('hash')!r}")
-    if meta.get("payload", {}).get("weights_included"):
-        raise EngineMismatch("payload", "record carries weights; this cache stores architecture only")
-    here = {"toolchain": toolchain_identity()}
-    diffs = env_differences({"toolchain": meta.get("toolchain")}, here, env=("toolchain",))
-    if diffs:
-        raise EngineMismatch("toolchain", "record names another toolchain: "
-                                          + "; ".join(str(d) for d in diffs[:4]))
+    validate_record(meta, h)
     stored, wanted = meta.get("components"), record_components(components)
     if not isinstance(stored, Mapping):
         raise EngineMismatch("components", "record stores no hash components")

@@ -27,7 +27,7 @@ Three back ends ship here:
     from pathlib import Path
 
     from adstore.integration.engine.storage import EngineStorage
-    from adstore.store.fsutil import atomic_write
+    from adstore.store import atomic_write
 
 
     class DirectoryEngineStorage(EngineStorage):
@@ -80,8 +80,7 @@ from adstore.integration.errors import (
 )
 from adstore.integration.pipeline.envcheck import store_candidates
 from adstore.integration.pipeline.events import EventKind
-from adstore.store.errors import AdstoreError, BlobMissing, ChecksumMismatch
-from adstore.store.reasons import Reason
+from adstore.store import REMOTE_REASONS, AdstoreError, BlobMissing, ChecksumMismatch, Reason
 
 __all__ = [
     "EngineStorage",
@@ -92,7 +91,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Misses only the remote tier gives (a store lookup that asked it); reported with their own reason.
-_REMOTE_REASONS = frozenset(r for r in Reason if r.startswith("remote_")) | {Reason.UNTRUSTED_REMOTE}
 
 
 class EngineStorage(abc.ABC):
@@ -345,7 +343,7 @@ class StoreEngineStorage(EngineStorage):
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
-            if store.tier is not None and res.reason in _REMOTE_REASONS:
+            if store.tier is not None and res.reason in REMOTE_REASONS:
                 raise RemoteEngineMiss(hash, res.reason)
             raise EngineUnavailable(hash, res.reason)
         manifest = res.manifest
@@ -379,10 +377,13 @@ class StoreEngineStorage(EngineStorage):
         return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True, transferred=transferred)
 
     def check_loadable(self, record: EngineRecord) -> None:
-        self._check_writer(record.hash, record.meta["payload"]["sha256"])
+        self.check_writer(record.hash, record.meta["payload"]["sha256"])
 
-    def _check_writer(self, hash: str, digest: str) -> None:
-        """Load native code only from blob files a trusted user wrote.
+    def check_writer(self, hash: str, digest: str) -> None:
+        """Load native code only from blob files a trusted user wrote (UntrustedEngine otherwise).
+
+        Also what the compile stage checks before it extracts Inductor's files
+        (kernels, pickled cache entries) from a ``torch_compile`` entry.
 
         A user cannot create a file owned by someone else, and the copy that follows
         is verified against the digest, so a foreign file swapped in later cannot

@@ -41,6 +41,7 @@ __all__ = [
     "STORAGE_SETTINGS",
     "codegen_settings",
     "effective_inductor_configs",
+    "index_settings",
     "toolchain_identity",
 ]
 
@@ -128,17 +129,103 @@ def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
+#: Environment variables Inductor's configuration reads when it is imported.
+_CONFIG_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_")
+
+
+def index_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings an engine index key names, found without importing Inductor.
+
+    The engine hash covers the whole effective Inductor configuration
+    (:func:`codegen_settings`), which needs Inductor imported.  A restart
+    that only loads an engine must not import it, so the index key names
+    what decides that configuration instead: the options given (plus the
+    forced ones), the environment variables Inductor reads its defaults
+    from, and, when Inductor is already imported in this process, every
+    global setting whose value differs from that default.  A process that
+    never imported Inductor has no such change.
+    """
+    user = dict(settings or {})
+    for key, value in user.items():
+        try:
+            canonical_json(value)
+        except (TypeError, ValueError, CacheKeyError) as exc:
+            raise ConfigError(key, f"engine setting is not JSON-safe: {value!r}") from exc
+    options = {**user, **REQUIRED_SETTINGS, **STORAGE_SETTINGS}
+    # (paths are not code generation: importing Inductor sets TORCHINDUCTOR_CACHE_DIR itself)
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(_CONFIG_ENV_PREFIXES) and not k.endswith("_DIR")}
+    return {
+        "options": {k: options[k] for k in sorted(options)},
+        "env": env,
+        "changed": _changed_config(set(options)),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def _changed_config(skip: set[str]) -> dict[str, Any]:
+    """Global Inductor settings that differ from their (environment-applied) defaults; {} if not imported."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return {}
+    try:
+        from torch.utils._config_module import _UNSET_SENTINEL as unset
+
+        out: dict[str, Any] = {}
+        for name, entry in config._config.items():
+            if name in _CONFIG_IGNORED or name in skip or getattr(entry, "alias", None) is not None:
+                continue
+            base = entry.default
+            for env_value in (entry.env_value_default, entry.env_value_force):
+                if env_value is not unset:
+                    base = env_value
+            value = getattr(config, name)
+            if value != base:
+                out[name] = value
+        return json.loads(json.dumps(out, sort_keys=True, default=repr))
+    except Exception as exc:  # noqa: BLE001 - another torch's internals: the full digest stands in (a miss at worst)
+        return {"inductor_config": codegen_settings({}).get("inductor_config", f"error: {type(exc).__name__}")}
+
+
 # --------------------------------------------------------------------------- toolchain
 
 
-@functools.cache
 def _compiler_identity() -> dict[str, str]:
+    """The C++ compiler Inductor compiles engines with: its name and ``--version`` line.
+
+    Inductor's choice is ``config.cpp.cxx``, whose default is ``$CXX`` or
+    ``g++`` (``clang++`` on macOS).  While Inductor is not imported its
+    configuration is that default, so the compiler is found the same way
+    without importing it: importing Inductor imports dynamo, most of a
+    second of a restart that only loads a finished engine.  Once it is
+    imported, Inductor itself is asked (a caller may have changed the
+    setting).
+    """
+    asked = "torch._inductor.config" in sys.modules or bool(os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"))
+    return _asked_compiler() if asked else _default_compiler()
+
+
+@functools.cache
+def _asked_compiler() -> dict[str, str]:
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
         cxx = str(get_cpp_compiler())
     except Exception as exc:  # noqa: BLE001 - identity is best effort, recorded as such
         return {"cxx": "unknown", "version": f"error: {type(exc).__name__}"}
+    return _compiler_version(cxx)
+
+
+@functools.cache
+def _default_compiler() -> dict[str, str]:
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    found = _compiler_version(cxx)
+    return found if not found["version"].startswith("error:") else {"cxx": "unknown", "version": found["version"]}
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> dict[str, str]:
     try:
         proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
         version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""

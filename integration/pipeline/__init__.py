@@ -16,7 +16,7 @@ _EXPORTS = {
         "CachePoint", "PipelineContext", "Stage", "Transform", "TransformConfig", "TransformRegistry",
     ),
     "pipeline.cache": ("PipelineCache", "PipelineCacheConfig"),
-    "pipeline.prefix": ("CachedPrefix", "cached_prefix"),
+    "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
     "pipeline.protocol": ("SnapshotCache",),
     "pipeline.fingerprints": ("checkpoint_fingerprint",),
     "pipeline.events": ("CacheEvent", "EventKind", "Source"),

@@ -19,15 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adstore.integration.pipeline.dist import Topology
+from torch import nn
+
 from adstore.integration.pipeline import remote as remote_tier
+from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.events import CacheEvent
 from adstore.integration.pipeline.fingerprints import checkpoint_fingerprint
 from adstore.integration.pipeline.keys import CacheKey, build_key, environment_fingerprint
 from adstore.integration.pipeline.protocol import NAMESPACE, SnapshotCache
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from adstore.store.errors import ConfigError
-from torch import nn
+from adstore.store import ConfigError
 
 __all__ = ["NAMESPACE", "PipelineCache", "PipelineCacheConfig"]
 
@@ -111,6 +112,11 @@ class PipelineCache(Transform):
                 extra=self.cfg.extra,
             )
         return self._key
+
+    @property
+    def snapshot(self) -> str | None:
+        """Digest of this rank's snapshot restored or saved by this run (None: neither happened)."""
+        return self._cache.snapshot
 
     def store(self) -> Any:
         """The store at ``root`` (opened on first use)."""

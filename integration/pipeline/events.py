@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from adstore.store.reasons import Reason
+from adstore.store import Reason
 
 __all__ = ["CacheEvent", "EventKind", "Source"]
 

@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from adstore.store.errors import ConfigError
+from adstore.store import ConfigError
 
 __all__ = ["INDEX_NAME", "checkpoint_files", "checkpoint_fingerprint"]
 

@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
@@ -34,6 +35,7 @@ from pathlib import PurePath
 from typing import Any
 
 import torch
+
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.envcheck import apply_overrides
 
@@ -102,15 +104,27 @@ def json_digest(obj: Any) -> str:
 
 
 def _module_source(modname: str) -> bytes:
-    """The bytes of a module's source file (read, not parsed: this runs on every hit)."""
-    mod = sys.modules.get(modname) or importlib.import_module(modname)
-    path = getattr(mod, "__file__", None)
+    """The bytes of a module's source file (read, not parsed: this runs on every hit).
+
+    A module not imported yet is found, not imported: a restart that only
+    hashes code it will not run (the engine compiler on a hit) does not pay
+    for its imports.
+    """
+    mod = sys.modules.get(modname)
+    if mod is not None:
+        path = getattr(mod, "__file__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(modname)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
     if path and path.endswith(".py") and os.path.exists(path):
         with open(path, "rb") as fh:
             return fh.read()
     try:
-        return inspect.getsource(mod).encode()
-    except (OSError, TypeError):
+        return inspect.getsource(mod or importlib.import_module(modname)).encode()
+    except (ImportError, OSError, TypeError):
         return f"<no source for {modname}>".encode()
 
 

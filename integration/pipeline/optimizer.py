@@ -28,18 +28,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.pipeline.dist import topology
 from adstore.integration.pipeline.events import CacheEvent
 from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.pipeline.transforms import (
+    AfterPoint,
     CachePoint,
     ModelSource,
     PipelineContext,
     Transform,
     TransformRegistry,
 )
-from adstore.store.errors import ConfigError
-from torch import nn
+from adstore.store import ConfigError
 
 __all__ = ["InferenceOptimizer", "default_registry", "register_transform"]
 
@@ -122,7 +124,16 @@ class InferenceOptimizer:
 
     @property
     def events(self) -> list[CacheEvent]:
-        return list(self.cache.events) if self.cache is not None else []
+        """What the caches did, in pipeline order: the cache point's events, then those of later stages.
+
+        A transform reports events by holding an ``events`` list (the compile
+        stage: its engine's hit, miss, save or bypass).
+        """
+        out = list(self.cache.events) if self.cache is not None else []
+        for t in self.transforms:
+            if t is not self.cache:
+                out.extend(getattr(t, "events", None) or ())
+        return out
 
     @property
     def info(self) -> dict[str, Any]:
@@ -141,6 +152,21 @@ class InferenceOptimizer:
         names = {t.name for t in prefix}
         self.cache.bind([(n, c) for n, c in self._cache_key_config[:idx] if n in names], [type(t) for t in prefix])
 
+    def _after_point(self, idx: int) -> AfterPoint:
+        """What the transforms after the cache point may know of it."""
+        assert self.cache is not None
+        try:
+            key: str | None = self.cache.key(self.ctx).key
+        except Exception as exc:  # the cache point reports its own key errors
+            log.debug("no cache key for the stages after the point: %s", exc)
+            key = None
+        cfg = self.cache.config
+        later = [(name, config, type(t)) for t, (name, config) in
+                 zip(self.transforms[idx + 1:], self._cache_key_config[idx + 1:]) if t.config.enabled]
+        continues = any(getattr(t, "caches_after_point", False) for t in self.transforms[idx + 1:] if t.config.enabled)
+        return AfterPoint(key=key, snapshot=getattr(self.cache, "snapshot", None), root=getattr(cfg, "root", None),
+                          remote=getattr(cfg, "remote", None), transforms=later, continues=continues)
+
     def cache_key(self) -> CacheKey | None:
         """This run's cache key (None without an enabled cache point); may raise."""
         if self.cache is None:
@@ -158,9 +184,22 @@ class InferenceOptimizer:
             t0 = time.perf_counter()
             restored = self.cache.restore(self.ctx)
             self.timings["restore"] = time.perf_counter() - t0
+            self.ctx.point = self._after_point(idx)
             if restored is not None:
                 module, start = restored, idx + 1
                 self.resumed_at = self.transforms[start].name if start < len(self.transforms) else None
+        try:
+            module = self._run(module, start)
+        finally:
+            if self.ctx.point is not None and self.ctx.point.flight is not None:
+                self.ctx.point.flight.release()  # the stage meant to release the build lease did not run
+                self.ctx.point.flight = None
+        self.timings["total"] = time.perf_counter() - t_start
+        if module is None:
+            raise ConfigError("transforms", "the pipeline produced no module (is build_model missing?)")
+        return module
+
+    def _run(self, module: nn.Module | None, start: int) -> nn.Module | None:
         prefix_t0 = time.perf_counter()
         for i in range(start, len(self.transforms)):
             t = self.transforms[i]
@@ -169,10 +208,9 @@ class InferenceOptimizer:
             t0 = time.perf_counter()
             if t is self.cache:
                 module = self.cache.save(module, self.ctx, prefix_seconds=t0 - prefix_t0)  # type: ignore[arg-type]
+                if self.ctx.point is not None:
+                    self.ctx.point.snapshot = getattr(self.cache, "snapshot", None)
             else:
                 module = t.apply(module, self.ctx)
             self.timings[t.name] = time.perf_counter() - t0
-        self.timings["total"] = time.perf_counter() - t_start
-        if module is None:
-            raise ConfigError("transforms", "the pipeline produced no module (is build_model missing?)")
         return module

@@ -21,21 +21,37 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.dist import Topology, topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.keys import CacheKey, canonical, environment_fingerprint, json_digest
 from adstore.integration.pipeline.protocol import NAMESPACE, SnapshotCache
-from torch import nn
 
-__all__ = ["RESERVED_COMPONENTS", "CachedPrefix", "cached_prefix", "prefix_key"]
+__all__ = ["RESERVED_COMPONENTS", "CachedCompile", "CachedPrefix", "cached_prefix", "prefix_key"]
 
 #: Components the cache computes itself; a caller's key may not name them.
 RESERVED_COMPONENTS = ("env", "dist")
 
 
+class _Outcome:
+    """``hit`` and ``event`` of a result whose ``events`` say what a cache did, the deciding one last."""
+
+    events: tuple[CacheEvent, ...]
+
+    @property
+    def hit(self) -> bool:
+        """Whether the result was restored (nothing was built or compiled)."""
+        return bool(self.events) and self.events[0].kind == EventKind.HIT
+
+    @property
+    def event(self) -> CacheEvent:
+        return self.events[-1]
+
+
 @dataclass(frozen=True)
-class CachedPrefix:
+class CachedPrefix(_Outcome):
     """What :func:`cached_prefix` returns: the module and what the cache did.
 
     ``events`` are in order: on a hit one ``hit``; otherwise the ``miss`` or
@@ -47,15 +63,56 @@ class CachedPrefix:
     module: nn.Module
     events: tuple[CacheEvent, ...]
     key: str | None
+    #: The store root the entry lives in (None: the default root).
+    root: str | None = None
+    #: Digest of the snapshot restored or saved (None when neither happened): what a compile step keys on.
+    snapshot: str | None = None
 
-    @property
-    def hit(self) -> bool:
-        """Whether the module was restored (``build`` did not run)."""
-        return bool(self.events) and self.events[0].kind == EventKind.HIT
+    def compile(self, module: nn.Module, example_inputs: Sequence[Any], *, key: Mapping[str, Any] | None = None,
+                code: Sequence[type | Callable[..., Any]] = (), options: Mapping[str, Any] | None = None,
+                decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+                remote: str | None = None) -> CachedCompile:
+        """``module`` as an AOTInductor engine, found again on a restart from this prefix's key.
 
-    @property
-    def event(self) -> CacheEvent:
-        return self.events[-1]
+        ``module`` is this prefix's module after your own steps (weights
+        loaded, fused, ...), ``example_inputs`` what it is called with;
+        ``key`` names those steps' configuration and ``code`` their
+        functions or classes (source fingerprint), so editing either is a
+        miss.  A restart whose prefix hit finds the engine through an index
+        entry, refits this run's weights and neither exports nor compiles;
+        otherwise it compiles through the engine cache and indexes the
+        engine (README, "Engine cache").  ``options`` are Inductor options,
+        ``decompositions`` custom ops to lower to ATen first, ``remote`` the
+        remote tier (default ``ADSTORE_REMOTE``).  A cache problem is a miss
+        with a reason and a compile; a compile that fails keeps ``module``
+        (a ``bypass``).  A collective under an initialised process group.
+        """
+        from adstore.integration.engine.stage import EngineStage
+
+        topo = topology()
+        prefix = {"key": self.key, "snapshot": self.snapshot} if self.key and self.snapshot else None
+        stage = EngineStage(root=self.root, remote=remote, settings=dict(options or {}), prefix=prefix,
+                            suffix=[{"name": "compile", "config": dict(key or {})}], code=list(code),
+                            decompositions=decompositions, lease_key=self.key)
+        try:
+            out = stage.run(module, tuple(example_inputs), topo)
+        finally:
+            stage.close()
+        index_key = next((e.key for e in stage.events if e.key), None)
+        return CachedCompile(module=out, events=tuple(stage.events), key=index_key)
+
+
+@dataclass(frozen=True)
+class CachedCompile(_Outcome):
+    """What :meth:`CachedPrefix.compile` returns: the engine (or the module it kept) and what the cache did.
+
+    ``events``: on a hit one ``hit``; otherwise the ``miss`` with its reason,
+    then the ``save`` (or the ``bypass`` that kept the eager module).
+    """
+
+    module: nn.Module
+    events: tuple[CacheEvent, ...]
+    key: str | None
 
 
 def prefix_key(key: Mapping[str, Any], *, code: Sequence[type | Callable[..., Any]] = (),
@@ -131,4 +188,5 @@ def cached_prefix(
         if not isinstance(module, nn.Module):
             raise TypeError(f"build() returned {type(module).__name__}, not an nn.Module")
         cache.save(module, get_key, topo, prefix_seconds=seconds, meta={"build": _qualname(build)}, enabled=save)
-    return CachedPrefix(module=module, events=tuple(cache.events), key=fixed.key if fixed is not None else None)
+    return CachedPrefix(module=module, events=tuple(cache.events), key=fixed.key if fixed is not None else None,
+                        root=None if root is None else os.fspath(root), snapshot=cache.snapshot)

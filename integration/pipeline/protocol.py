@@ -32,21 +32,26 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
-from adstore.integration.pipeline.keys import CacheKey
-from adstore.store.errors import AdstoreError
-from adstore.store.reasons import Reason
-from torch import nn
+from adstore.integration.pipeline.keys import CacheKey, json_digest
+from adstore.store import AdstoreError, Reason
 
-__all__ = ["NAMESPACE", "SnapshotCache", "failure_reason"]
+__all__ = ["NAMESPACE", "SnapshotCache", "failure_reason", "snapshot_digest"]
 
 log = logging.getLogger(__name__)
 
 #: The store namespace pipeline prefixes are saved under unless the caller names another.
 NAMESPACE = "pipeline"
+
+
+def snapshot_digest(artifacts: Mapping[str, Any]) -> str:
+    """The identity of one rank's snapshot: a digest over its artifacts' names and content digests."""
+    return json_digest({str(name): ref.digest for name, ref in artifacts.items()})
 
 
 def failure_reason(exc: BaseException) -> Reason:
@@ -75,6 +80,9 @@ class SnapshotCache:
         self.namespace = namespace
         self.allowed_prefixes = tuple(allowed_prefixes)
         self.events: list[CacheEvent] = []
+        #: Digest of this rank's snapshot restored or saved last (its artifacts' digests); None before either.
+        #: Stages after the point key what they cache by it (the compile stage's engine index).
+        self.snapshot: str | None = None
         self._store: Any = None
         self._key: str | None = None
 
@@ -169,6 +177,7 @@ class SnapshotCache:
                         seconds=time.perf_counter() - t0, detail=detail)
             return None
         seconds = time.perf_counter() - t0
+        self.snapshot = snapshot_digest(manifest.artifacts)
         saved = float(manifest.meta.get("prefix_seconds", 0.0)) - seconds
         self._event(EventKind.HIT, topo, source=Source.STORE, seconds=seconds, seconds_saved=saved,
                     nbytes=sum(ref.size for ref in manifest.artifacts.values()))
@@ -236,6 +245,7 @@ class SnapshotCache:
             try:
                 store.commit(ck.key, rank=topo.rank, generation=gen)  # type: ignore[union-attr]
                 kind = EventKind.SAVE
+                self.snapshot = snapshot_digest(refs)
             except Exception as exc:
                 reason, detail = failure_reason(exc), str(exc)
                 self._abort(store, ck, topo, gen)  # leave nothing uncommitted behind

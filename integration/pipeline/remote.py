@@ -34,11 +34,12 @@ import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from adstore.integration.pipeline.dist import all_true, barrier, broadcast_int
 from adstore.integration.pipeline.events import EventKind, Source
-from adstore.store.reasons import Reason
+from adstore.store import Reason, parse_duration, remote_restore, remote_save
 from adstore.store.remote import (
     BackgroundUploader,
     Flight,
@@ -49,10 +50,8 @@ from adstore.store.remote import (
     SingleFlight,
     record_address,
 )
-from adstore.store.units import parse_duration
-from adstore.store.tiered import remote_restore, remote_save
 
-__all__ = ["remote_for", "prefetch", "mark", "push"]
+__all__ = ["HeldFlight", "remote_for", "prefetch", "mark", "push", "stage_flight", "wait_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,7 @@ def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | 
         return missed
     following = flight if flight is not None else Flight(key, Role.FOLLOWER)
     ranks = range(ctx.world_size)
-    waited = flights.wait(following, timeout=_wait_seconds(), ready=lambda: all(
+    waited = flights.wait(following, timeout=wait_seconds(), ready=lambda: all(
         remote.head("ac", record_address(key, r)).value is not None for r in ranks))
     if not waited.ready:
         log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
@@ -164,13 +163,78 @@ def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | 
     return remote_restore(cache.store(), remote, key, ctx.rank, ctx.world_size)
 
 
-def _wait_seconds() -> float:
+def wait_seconds() -> float:
     raw = os.environ.get("ADSTORE_REMOTE_WAIT", "").strip()
     try:
         return parse_duration(raw, field="ADSTORE_REMOTE_WAIT") if raw else DEFAULT_FLIGHT_WAIT
     except Exception as exc:
         log.warning("%s; waiting %.0fs", exc, DEFAULT_FLIGHT_WAIT)
         return DEFAULT_FLIGHT_WAIT
+
+
+@dataclass
+class HeldFlight:
+    """A single-flight lease this host takes part in: rank 0 holds ``flight``; the other ranks hold None.
+
+    A leading host's ranks meet at a barrier before rank 0 releases, so
+    followers never see the lease gone before every rank's record is up.
+    """
+
+    flights: SingleFlight
+    flight: Flight | None
+    role: Role = Role.LEADER
+
+    def renew(self) -> None:
+        """Push the lease's expiry out again (a long build after a long prefix)."""
+        if self.flight is not None and self.flight.leader:
+            self.flights.renew(self.flight)
+
+    def release(self) -> None:
+        """Rank 0 drops the lease (no collective; see :meth:`finish`)."""
+        if self.flight is not None and self.flight.leader:
+            self.flights.release(self.flight)
+            self.flight = None
+
+    def finish(self) -> None:
+        """Every rank of a leading host: meet at a barrier, then rank 0 releases (a collective)."""
+        try:
+            barrier()
+        except Exception:
+            log.exception("single-flight barrier failed; releasing the lease anyway")
+        self.release()
+
+
+def stage_flight(lease_key: str | None, remote: Remote | None, *, absent: bool, rank: int) -> HeldFlight | None:
+    """A stage after the cache point found nothing anywhere: lead, follow or build alone, on the prefix's lease.
+
+    The cache point's build lease (its key) covers the stages after it that
+    cache what they make (the compile stage's engine), so when several
+    hosts start one cold key, one compiles.  A collective at world size > 1:
+    call it on every rank whenever a remote is named, whatever happened on
+    this rank (``absent``: this rank found nothing, locally or remotely).
+    Returns the lease to lead under (``role`` leader: build, then
+    :meth:`HeldFlight.finish`) or to wait on (follower), or None (build alone).
+    """
+    if all_true(not absent) or not all_true(remote is not None and remote.writable and lease_key is not None):
+        return None
+    assert remote is not None and lease_key is not None
+    flights = SingleFlight(remote)
+    flight: Flight | None = None
+    role = Role.SOLO
+    if rank == 0:
+        try:
+            flight = flights.acquire(lease_key, heartbeat=_HEARTBEAT)
+            role = flight.role
+        except Exception:  # acquire never raises; build alone
+            log.exception("single-flight lease not taken")
+    role = _ROLES[broadcast_int(_ROLES.index(role))]
+    if role is Role.SOLO:
+        return None
+    return HeldFlight(flights, flight if flight is not None or role is Role.LEADER else Flight(lease_key, role), role)
+
+
+#: Seconds between renewals of a lease a compile stage leads under (compiles of large models run long).
+_HEARTBEAT = 60.0
 
 
 def mark(cache: Any, fetched: Outcome[Any] | None, module: Any) -> Any:
@@ -193,12 +257,12 @@ def push(cache: Any, ctx: Any) -> Outcome[int] | None:
         return _push(cache, ctx, cfg, events, leading=lead is not None)
     finally:
         if lead is not None:  # every rank's record went up (or the build failed): followers restore or build
-            try:
-                barrier()  # every rank of a leading host calls push() after its save
-            except Exception:
-                log.exception("single-flight barrier failed; releasing the lease anyway")
-            if lead[1] is not None:
-                lead[0].release(lead[1])
+            held = HeldFlight(lead[0], lead[1])
+            point = getattr(ctx, "point", None)
+            if point is not None and point.continues:
+                point.flight = held  # a later stage caches what it makes: the lease covers it too
+            else:
+                held.finish()  # every rank of a leading host calls push() after its save
 
 
 def _push(cache: Any, ctx: Any, cfg: Any, events: Any, *, leading: bool = False) -> Outcome[int] | None:
@@ -209,7 +273,7 @@ def _push(cache: Any, ctx: Any, cfg: Any, events: Any, *, leading: bool = False)
     try:
         out = remote_save(cache.store(), uploader or remote, cache.key(ctx).key, ctx.rank)
         if leading and uploader is not None:  # followers wait for the record: send it before the release
-            uploader.flush(_wait_seconds())
+            uploader.flush(wait_seconds())
     except Exception:  # remote_save never raises; a bug must not fail the pipeline either
         log.exception("remote push failed")
         return Outcome(reason="remote_error")

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from adstore.store.errors import ConfigError
 from torch import nn
 
+from adstore.store import ConfigError
+
 __all__ = [
+    "AfterPoint",
     "CachePoint",
     "ModelSource",
     "PipelineContext",
@@ -142,12 +144,47 @@ class ModelSource(Protocol):
 
 
 @dataclass
+class AfterPoint:
+    """What the transforms after a cache point know of it (``PipelineContext.point``).
+
+    A stage after the point that caches what it makes (the compile stage's
+    engine) keys it by the point's ``key``, the digest of the ``snapshot``
+    restored or saved there, and the configuration and code of the
+    ``transforms`` from the point through itself; ``root`` and ``remote``
+    are the point's store and remote tier.
+    """
+
+    key: str | None = None
+    snapshot: str | None = None
+    root: str | None = None
+    remote: str | None = None
+    #: Enabled transforms after the point in run order: name, config copy (taken before anything ran), class.
+    transforms: list[tuple[str, dict[str, Any], type]] = field(default_factory=list)
+    #: Whether a transform after the point caches what it makes (``caches_after_point``): then the
+    #: single-flight build lease of ``key`` covers it too.
+    continues: bool = False
+    #: The single-flight build lease this host leads under for ``key`` (the remote tier hands it over when
+    #: ``continues``; the stage that caches releases it, else the optimizer once the pipeline ran).
+    flight: Any = None
+
+    def through(self, name: str) -> list[tuple[str, dict[str, Any], type]]:
+        """The transforms after the point up to and including ``name``."""
+        out: list[tuple[str, dict[str, Any], type]] = []
+        for item in self.transforms:
+            out.append(item)
+            if item[0] == name:
+                break
+        return out
+
+
+@dataclass
 class PipelineContext:
     """What every transform may read: the factory, checkpoint and topology.
 
     ``info`` collects per-transform results (match counts, sharded layers).
     A restored module has no context from the prefix, so transforms after the
-    cache point read only the module and their own config.
+    cache point read only the module, their own config and ``point``
+    (what the optimizer tells them of the cache point; None without one).
     """
 
     factory: ModelSource
@@ -155,6 +192,7 @@ class PipelineContext:
     rank: int = 0
     world_size: int = 1
     info: dict[str, Any] = field(default_factory=dict)
+    point: AfterPoint | None = None
 
     def example_inputs(self, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
         return self.factory.example_inputs(batch=batch, seq=seq)

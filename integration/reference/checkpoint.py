@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from adstore.integration.pipeline.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint
-from adstore.store.errors import ConfigError
-from adstore.store.fsutil import atomic_write
 from torch import nn
+
+from adstore.integration.pipeline.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint
+from adstore.store import ConfigError, atomic_write
 
 __all__ = [
     "INDEX_NAME",

@@ -25,18 +25,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import statistics
 import socket
+import statistics
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from adstore.store.errors import ConfigError
-from adstore.store.units import human_size
+from adstore.store import ConfigError, human_size
 
-__all__ = ["format_demo", "free_port", "run_demo", "run_ranks"]
+__all__ = ["forget", "format_demo", "free_port", "run_demo", "run_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +65,11 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
     the entry first when ``job["again"] == "cold"``) and reports that call.
     """
     job_t0 = time.perf_counter()
+    os.environ.update(job.get("env") or {})  # before anything imports Inductor (its cache directory)
     try:
         import torch
         import torch.distributed as dist
+
         from adstore.integration.pipeline.optimizer import InferenceOptimizer
         from adstore.integration.reference.models import ModelFactory
 
@@ -104,7 +105,8 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
                 if rank == 0:
                     from adstore.store import Store
 
-                    Store.open(job["root"]).plan_remove([opt.events[0].key]).execute()
+                    with Store.open(job["root"]) as store:
+                        forget(store, opt.events[0].key)
                 if world_size > 1:
                     dist.barrier()
             opt, _, seconds = run()
@@ -126,6 +128,29 @@ def _rank_main(rank: int, world_size: int, port: int, job: dict[str, Any], queue
         queue.put(result)
     except BaseException:  # reported to the parent, which raises
         queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def forget(store: Any, key: str | None) -> int:
+    """Remove the entry ``key`` and what its compile stage cached (index entries and their engines, Inductor
+    files); the number of entries removed."""
+    from adstore.integration.engine import inductor
+    from adstore.integration.engine.index import EngineIndex, StageEntries
+
+    if key is None:
+        return 0
+    keys = [key] if store.entry(key) is not None else []
+    for index_key, engine in EngineIndex(store).entries_for(key):
+        keys.append(index_key)
+        if engine is not None and store.entry(engine) is not None:
+            keys.append(engine)
+    keys += [k for k, _ in StageEntries(store, inductor.NAMESPACE, inductor.ARTIFACT).keyed_by(key)]
+    if not keys:
+        return 0
+    plan = store.plan_remove(sorted(set(keys)))
+    log.info("removing %d earlier demo entr%s (%d bytes)", len(keys), "y" if len(keys) == 1 else "ies",
+             plan.bytes_to_free)
+    plan.execute()
+    return len(keys)
 
 
 def run_ranks(job: dict[str, Any], world_size: int, *, target: Any = _rank_main,
@@ -187,16 +212,24 @@ def _phase(job: dict[str, Any], world_size: int, *, target: Any = _rank_main) ->
 
 
 def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_size: int = 1,
-             root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Cold then warm run of the reference pipeline; a JSON-safe result dict."""
+             root: str | os.PathLike[str] | None = None, compile: str = "eager") -> dict[str, Any]:
+    """Cold then warm run of the reference pipeline; a JSON-safe result dict.
+
+    ``compile`` is the compile stage's backend (``eager``, ``aoti``,
+    ``torch_compile``).  Every phase uses a private Inductor cache directory,
+    empty for the cold run, as on a new host.
+    """
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
     from adstore.integration.reference.checkpoint import write_random_checkpoint
     from adstore.integration.reference.models import ModelFactory, tiny_config
-    from adstore.integration.pipeline.optimizer import InferenceOptimizer
     from adstore.integration.reference.pipeline import default_transforms
+    from adstore.integration.reference.stages import BACKENDS
     from adstore.store import Store
 
     if world_size < 1 or world_size > 8:
         raise ConfigError("world_size", f"must be 1..8, got {world_size}")
+    if compile not in BACKENDS:
+        raise ConfigError("compile", f"unknown backend {compile!r} ({', '.join(BACKENDS)})")
     tiny_config(arch, layers=layers, hidden=hidden)  # validates arch and sizes early
     store = Store.open(root)
     root_path = Path(store.root)
@@ -208,17 +241,12 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
     tmp = Path(tempfile.mkdtemp(prefix="adstore-demo-"))
     try:
         checkpoint = write_random_checkpoint(factory.build(), tmp / "checkpoint", seed=0)
-        transforms = default_transforms(pipeline_cache={"root": str(root_path)})
+        transforms = default_transforms(pipeline_cache={"root": str(root_path)}, compile={"backend": compile})
         probe = InferenceOptimizer(factory, checkpoint, transforms, rank=0, world_size=world_size)
         key = probe.cache_key().key  # type: ignore[union-attr]
-        replaced = False
-        if store.entry(key) is not None:
-            plan = store.plan_remove([key])
-            log.info("removing the previous demo entry %s (%d bytes)", key[:12], plan.bytes_to_free)
-            plan.execute()
-            replaced = True
+        replaced = forget(store, key) > 0
         job = {"model": model, "checkpoint": str(checkpoint), "transforms": transforms,
-               "root": str(root_path), "prepay": False}
+               "root": str(root_path), "prepay": False, "env": {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}}
         # three floor processes, the median: the warm restart is within a fraction of a second of the
         # floor, so one noisy floor would swing the above-the-floor ratio by orders of magnitude
         floors = [_phase({}, 1, target=_floor_main)[0]["restart_s"] for _ in range(3)]
@@ -243,6 +271,9 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
         "layers": layers,
         "hidden": hidden,
         "world_size": world_size,
+        "compile": compile,
+        "compile_cold_s": round(max(r["timings"].get("compile", 0.0) for r in cold), 4),
+        "compile_warm_s": round(max(r["timings"].get("compile", 0.0) for r in warm), 4),
         "root": str(root_path),
         "key": key,
         "replaced_previous_entry": replaced,
@@ -290,6 +321,8 @@ def format_demo(result: dict[str, Any]) -> str:
         ("in-process call, cold / warm", f"{result['cold_s']:.3f} s / {result['warm_s']:.3f} s"
          + (f" ({result['speedup']:.1f}x)" if result.get("speedup") else "")),
         ("cached prefix / restore", f"{result['prefix_s']:.3f} s / {result['restore_s']:.3f} s"),
+        (f"compile stage ({result['compile']}), cold / warm",
+         f"{result['compile_cold_s']:.3f} s / {result['compile_warm_s']:.3f} s"),
         ("bytes stored", human_size(int(result["bytes_stored"]))),
         ("store dedup ratio", f"{result['dedup_ratio']:.2f}"),
         ("outputs match", "yes (bit for bit)" if result["outputs_match"] else "NO"),
@@ -297,5 +330,6 @@ def format_demo(result: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     head = (f"adstore demo: {result['arch']}, {result['layers']} layers, hidden {result['hidden']}, "
-            f"world size {result['world_size']}\nstore: {result['root']}  key {result['key'][:16]}")
+            f"world size {result['world_size']}, compile {result['compile']}\n"
+            f"store: {result['root']}  key {result['key'][:16]}")
     return head + "\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

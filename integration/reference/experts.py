@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from adstore.integration.reference import ops
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "grouped_experts_forward", "register"]

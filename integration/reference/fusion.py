@@ -14,10 +14,11 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch import fx, nn
+
 from adstore.integration.errors import IntegrationError
 from adstore.integration.pipeline.graphs import graph_modules
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from torch import fx, nn
 
 __all__ = ["FuseLinears", "fuse_parallel_linears"]
 

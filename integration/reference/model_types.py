@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adstore.store.errors import ConfigError
+from adstore.store import ConfigError
 
 __all__ = ["lookup", "recipe", "small_config"]
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
 from adstore.integration.reference import experts
 from adstore.integration.reference.metabuild import build_on_meta
-from adstore.store.errors import ConfigError
-from torch import nn
+from adstore.store import ConfigError
 
 __all__ = [
     "ARCHITECTURES",

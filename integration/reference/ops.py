@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["OPS", "all_gather", "all_reduce", "grouped_linear", "rms_norm", "rope", "silu_mul"]
+__all__ = ["ATEN_DECOMPOSITIONS", "OPS", "all_gather", "all_reduce", "grouped_linear", "rms_norm", "rope", "silu_mul"]
 
 _LIB = torch.library.Library("adstore", "DEF")  # noqa: TOR901 - the ops' home; kept alive by this module
 
@@ -163,6 +163,9 @@ def _all_gather_fake(x: Tensor, dim: int, world_size: int) -> Tensor:
 
 
 all_gather = _define("all_gather(Tensor x, int dim, int world_size) -> Tensor", _all_gather, _all_gather_fake)
+
+#: The compute ops as their ATen arithmetic, for a compiler that lowers them first (collectives have none).
+ATEN_DECOMPOSITIONS = {rms_norm: _rms_norm, silu_mul: _silu_mul, rope: _rope}
 
 #: The op overloads this module registers, for code that needs to recognise them.
 OPS = {"rms_norm": rms_norm, "silu_mul": silu_mul, "rope": rope, "all_reduce": all_reduce, "all_gather": all_gather,

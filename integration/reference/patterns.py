@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from adstore.integration.reference import ops as _ops  # noqa: F401
+from torch import fx, nn
+
 from adstore.integration.errors import IntegrationError
 from adstore.integration.pipeline.graphs import graph_modules
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from torch import fx, nn
+from adstore.integration.reference import ops as _ops  # noqa: F401
 
 __all__ = ["MatchRMSNorm", "MatchRoPE", "MatchSwiGLU", "rewrite_rms_norm", "rewrite_rope", "rewrite_swiglu"]
 

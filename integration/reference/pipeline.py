@@ -24,7 +24,7 @@ from adstore.integration.reference.stages import (
     InitCache,
     LoadWeights,
 )
-from adstore.store.errors import ConfigError
+from adstore.store import ConfigError
 
 __all__ = ["DEFAULT_TRANSFORMS", "REFERENCE_TRANSFORMS", "default_transforms", "reference_registry"]
 

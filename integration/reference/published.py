@@ -15,7 +15,7 @@ import copy
 from typing import Any
 
 from adstore.integration.reference.models import ModelFactory
-from adstore.store.errors import ConfigError
+from adstore.store import ConfigError
 
 __all__ = ["PUBLISHED", "published_config", "published_factory"]
 

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from adstore.integration.reference import ops as _ops  # noqa: F401
+from torch import fx, nn
+
 from adstore.integration.errors import IntegrationError
-from adstore.store.reasons import Reason
-from adstore.integration.snapshot.hooks import TPShardHook
 from adstore.integration.pipeline.graphs import graph_modules, propagate_shapes
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from torch import fx, nn
+from adstore.integration.reference import ops as _ops  # noqa: F401
+from adstore.integration.snapshot.hooks import TPShardHook
+from adstore.store import Reason
 
 __all__ = ["ShardLinears", "ShardingError", "shard_graph"]
 

@@ -7,16 +7,20 @@ stage order (README, "The pipeline cache").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from adstore.integration.errors import IntegrationError
-from adstore.integration.pipeline.graphs import canonicalize, graph_modules, replace_devices
-from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
-from adstore.store.errors import ConfigError
 from torch import fx, nn
 
+from adstore.integration.errors import IntegrationError
+from adstore.integration.pipeline.events import CacheEvent, EventKind
+from adstore.integration.pipeline.graphs import canonicalize, graph_modules, replace_devices
+from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
+from adstore.store import ConfigError, Reason
+
 __all__ = [
+    "BACKENDS",
     "BuildModel",
     "CleanupExport",
     "Compile",
@@ -282,26 +286,118 @@ class InitCache(Transform):
         return module
 
 
+#: The compile stage's backends: the module as is, Inductor through ``torch.compile``, an AOTInductor engine.
+BACKENDS = ("eager", "torch_compile", "aoti")
+
+
 @dataclass(kw_only=True)
 class CompileConfig(TransformConfig):
+    """``backend``: one of :data:`BACKENDS`.
+
+    ``aoti`` compiles the module into an AOTInductor engine through the
+    engine cache and finds it again on a restart from the pipeline's key
+    (:mod:`adstore.integration.engine.stage`); ``options`` are Inductor
+    options (part of the engine's key); ``custom_ops``: ``keep`` the
+    reference custom ops as calls inside the engine, or ``lower`` them to
+    ATen first (the collectives stay calls either way).
+    """
+
     backend: str = "eager"
+    options: dict = field(default_factory=dict)
+    custom_ops: str = "keep"
 
     def validate(self, owner: str) -> None:
-        if self.backend not in ("eager", "torch_compile"):
-            raise ConfigError(f"{owner}.backend", f"unknown backend {self.backend!r} (eager, torch_compile)")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{owner}.backend", f"unknown backend {self.backend!r} ({', '.join(BACKENDS)})")
+        if self.custom_ops not in ("keep", "lower"):
+            raise ConfigError(f"{owner}.custom_ops", f"expected 'keep' or 'lower', got {self.custom_ops!r}")
+        if self.options and self.backend != "aoti":
+            raise ConfigError(f"{owner}.options", "Inductor options are taken by the aoti backend only")
 
 
 class Compile(Transform):
-    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` wraps it."""
+    """Final compilation: ``eager`` runs the GraphModule as is; ``torch_compile`` and ``aoti`` compile it.
+
+    Both compiling backends run as a compile stage
+    (:mod:`adstore.integration.engine.stage`) keyed by the cache point:
+    ``aoti`` stores an AOTInductor engine, ``torch_compile`` the files
+    Inductor wrote (and compiles now, with one call on the graph's example
+    inputs under ``no_grad``, instead of at the first call).  ``events``
+    holds what the stage did (hit, miss with its reason, save, or the bypass
+    that kept the eager module).
+    """
 
     name = "compile"
     stage = Stage.COMPILE
     config_cls = CompileConfig
+    code_modules = ("adstore.integration.reference.ops",)
+
+    def __init__(self, config: TransformConfig) -> None:
+        super().__init__(config)
+        self.events: list[CacheEvent] = []
+
+    @property
+    def caches_after_point(self) -> bool:
+        """Whether this stage caches what it makes (the cache point's build lease then covers it)."""
+        return self.config.backend != "eager"  # type: ignore[attr-defined]
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         cfg: CompileConfig = self.config  # type: ignore[assignment]
         if module is None:
             raise IntegrationError("compile needs a module")
-        if cfg.backend == "torch_compile":
-            return torch.compile(module, dynamic=False)  # type: ignore[return-value]
-        return module
+        if cfg.backend == "eager":
+            return module
+        return self._staged(module, ctx, cfg)
+
+    def _staged(self, module: nn.Module, ctx: PipelineContext, cfg: CompileConfig) -> nn.Module:
+        from adstore.integration.engine.stage import EngineStage, graph_example_inputs
+        from adstore.integration.pipeline import dist as agree
+        from adstore.integration.pipeline.dist import Topology
+
+        point = ctx.point
+        through = point.through(self.name) if point is not None else []
+        prefix = ({"key": point.key, "snapshot": point.snapshot}
+                  if point is not None and point.key and point.snapshot else None)
+        stage = EngineStage(
+            backend=cfg.backend,
+            root=point.root if point is not None else None,
+            remote=point.remote if point is not None else None,
+            settings=cfg.options,
+            prefix=prefix,
+            suffix=[{"name": n, "config": c} for n, c, _ in through],
+            code=[cls for _, _, cls in through] or [type(self)],
+            decompositions=_reference_decompositions() if cfg.custom_ops == "lower" else None,
+            flight=point.flight if point is not None else None,
+            lease_key=point.key if point is not None else None,
+            events=self.events,
+        )
+        try:
+            inputs: tuple[torch.Tensor, ...] | None = graph_example_inputs(module)
+            why = ""
+        except IntegrationError as exc:
+            inputs, why = None, str(exc)
+        try:
+            if not agree.all_true(inputs is not None):  # every rank compiles now, or none
+                fallback = "torch.compile at the first call" if cfg.backend == "torch_compile" else "eager"
+                self.events.append(CacheEvent(EventKind.BYPASS, reason=Reason.INTEGRATION_ERROR, rank=ctx.rank,
+                                              world_size=ctx.world_size,
+                                              detail=f"{why or 'another rank cannot compile'}; {fallback}"))
+                if cfg.backend == "torch_compile":
+                    return torch.compile(module, dynamic=False)  # type: ignore[return-value]
+                return module
+            assert inputs is not None
+            if point is not None:
+                point.flight = None  # the stage releases it (else the optimizer does, after the pipeline)
+            out = stage.run(module, inputs, Topology(ctx.rank, ctx.world_size))
+        finally:
+            stage.close()
+        ctx.info[self.name] = {"backend": cfg.backend, "events": [e.to_dict() for e in stage.events],
+                               "timings": dict(stage.timings)}
+        return out
+
+
+def _reference_decompositions() -> dict[Any, Any]:
+    """The reference custom ops as their ATen arithmetic (the collectives are calls either way)."""
+    from adstore.integration.reference.ops import ATEN_DECOMPOSITIONS
+
+    return dict(ATEN_DECOMPOSITIONS)

@@ -176,6 +176,7 @@ def _write(verdicts: list[dict[str, Any]]) -> None:
         "within 1e-4 of eager transformers) to its pattern-rewrite matches for two layers, in the order\n"
         "match_rms_norm, match_swiglu, match_rope.  REFUSED maps every other causal-LM model type to the\n"
         'first step that failed and why.\n"""\n\n'
+        '__all__ = ["TRANSFORMERS", "TORCH", "HANDLED", "REFUSED", "RECIPES"]\n\n'
         f"TRANSFORMERS = {transformers.__version__!r}\n"
         f"TORCH = {torch.__version__.split('+')[0]!r}\n\n"
         f"{_table('HANDLED', 'list[int]', handled)}\n\n"

@@ -6,6 +6,8 @@ match_rms_norm, match_swiglu, match_rope.  REFUSED maps every other causal-LM mo
 first step that failed and why.
 """
 
+__all__ = ["TRANSFORMERS", "TORCH", "HANDLED", "REFUSED", "RECIPES"]
+
 TRANSFORMERS = '5.24.0'
 TORCH = '2.13.0'
 

@@ -32,8 +32,14 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
-from adstore.integration.snapshot.export import (STATEFUL_GM, RestoredExportModule, RestoredGuards, bind_method,
-                                                 check_export_inputs, export_forward_hooks)
+from adstore.integration.snapshot.export import (
+    STATEFUL_GM,
+    RestoredExportModule,
+    RestoredGuards,
+    bind_method,
+    check_export_inputs,
+    export_forward_hooks,
+)
 from adstore.integration.snapshot.names import (
     attr_path,
     check_attribute_access,

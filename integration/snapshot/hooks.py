@@ -39,8 +39,8 @@ import torch
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedHook, UntrustedTarget
 from adstore.integration.snapshot.hook_builtins import AliasHook, DedupHook, TPShardHook
-from adstore.integration.snapshot.values import Unencodable, ValueDecoder, ValueEncoder
 from adstore.integration.snapshot.targets import check_prefix, qualname_of, resolve_target
+from adstore.integration.snapshot.values import Unencodable, ValueDecoder, ValueEncoder
 
 __all__ = [
     "HookType",

@@ -15,11 +15,9 @@ Expression trees only name functions from a fixed table (``Add``, ``FloorDiv``
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import functools
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 

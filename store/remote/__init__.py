@@ -13,10 +13,11 @@ README's "Remote tier" describes the protocol, the trust model and the
 defaults.
 """
 
-from .addresses import Kind, check_digest, lease_address, object_name, record_address
+from .addresses import Kind, lease_address, object_name, record_address
 from .backend import ConditionalWrites, RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
-from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_RECORD_BYTES, Remote
+from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
+from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
 from .config import RemoteConfig, open_remote, parse_mode, register_scheme
 from .errors import (
     NotSupported,
@@ -32,7 +33,6 @@ from .errors import (
 from .httpcache import HttpBackend
 from .memory import MemoryBackend
 from .outcomes import Mode, Outcome
-from .reasons import RemoteReason
 from .s3 import S3Backend
 from .signing import ENVELOPE_VERSION, KeyPair, Signer, TrustedKeys, Verified, generate_keypair, write_keypair
 from .singleflight import DEFAULT_TTL, Flight, Lease, Role, SingleFlight, WaitResult
@@ -49,7 +49,11 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_READ_TIMEOUT",
     "DEFAULT_COOLDOWN",
-    "MAX_RECORD_BYTES",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_MIN_THROUGHPUT",
+    "Deadline",
+    "Limits",
+    "MAX_ENVELOPE_BYTES",
     # the public layer
     "Remote",
     "Outcome",
@@ -80,12 +84,10 @@ __all__ = [
     "MemoryBackend",
     # addresses
     "Kind",
-    "check_digest",
     "object_name",
     "record_address",
     "lease_address",
     # reasons and errors
-    "RemoteReason",
     "RemoteError",
     "RemoteUnavailable",
     "RemoteTimeout",

@@ -2,8 +2,12 @@
 
 The layout is the Bazel remote-cache one (README, "Remote tier"): ``cas/<sha256>``
 holds blobs by the SHA-256 of their content, ``ac/<sha256>`` holds per-key
-records (and build leases) by the SHA-256 of a name.  A digest is validated
-here, in one place, before any backend joins it into a URL or an object key,
+records (and build leases) by the SHA-256 of a name.  On a remote that ships
+blobs compressed (S3), a blob the store keeps as a zstd frame travels as that
+frame under ``zcas/<sha256>`` (still named by its content's digest), and the
+record that lists it says so (``stored``): ``cas/`` always holds raw bytes,
+as Bazel clients expect.  A digest is validated
+(``names.validate_digest``) before any backend joins it into a URL or an object key,
 so a record naming ``../../x`` can never address another object.
 """
 
@@ -11,32 +15,23 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import re
 
-from ..errors import InvalidDigest
+from ..names import validate_digest
 
-__all__ = ["Kind", "check_digest", "object_name", "record_address", "lease_address"]
-
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+__all__ = ["Kind", "object_name", "record_address", "lease_address"]
 
 
 class Kind(enum.StrEnum):
     """The two namespaces of a remote."""
 
     CAS = "cas"  # blobs, addressed by the SHA-256 of their content
+    ZCAS = "zcas"  # blobs as one zstd frame, addressed by the SHA-256 of their content (S3 only; never Bazel's)
     AC = "ac"  # records and leases, addressed by the SHA-256 of their name
-
-
-def check_digest(digest: object) -> str:
-    """Return ``digest`` if it is 64 lowercase hex characters, else raise InvalidDigest."""
-    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
-        raise InvalidDigest(digest)
-    return digest
 
 
 def object_name(kind: Kind | str, digest: str) -> str:
     """``cas/<digest>`` or ``ac/<digest>``, after validating both parts."""
-    return f"{Kind(kind).value}/{check_digest(digest)}"
+    return f"{Kind(kind).value}/{validate_digest(digest)}"
 
 
 def _name_digest(name: str) -> str:

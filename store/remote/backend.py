@@ -18,9 +18,11 @@ import errno
 import io
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from typing import BinaryIO
 
+from ..codec import Encoding
 from ..errors import StoreError, StoreFull
 from .addresses import Kind
 from .errors import NotSupported, RemoteChecksumMismatch, RemoteError, RemoteRejected, RemoteTimeout, RemoteUnavailable
@@ -73,7 +75,7 @@ def body_size(data: Body) -> int:
         return end - pos
 
 
-def copy_limited(chunks: Iterable[bytes], fileobj: BinaryIO, *, max_bytes: int, digest: str) -> int:
+def copy_limited(chunks: Iterable[bytes | memoryview], fileobj: BinaryIO, *, max_bytes: int, digest: str) -> int:
     """Write ``chunks`` to ``fileobj``, refusing to write past ``max_bytes``.
 
     A server that sends more than the record says is cut off at the limit
@@ -132,6 +134,9 @@ class RemoteBackend(abc.ABC):
     #: The URL the backend was opened with, without credentials (for status and logs).
     url: str = ""
     conditional_writes: ConditionalWrites = ConditionalWrites.NONE
+    #: How blobs the store keeps compressed travel: as their zstd frames (``zcas/``), or raw (``cas/``:
+    #: what the Bazel HTTP protocol's clients expect there).
+    transfer: Encoding = Encoding.RAW
 
     @abc.abstractmethod
     def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
@@ -167,6 +172,14 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, kind: Kind, digest: str) -> None:
         """Remove the object if it exists (lease release; remote eviction is the server's job)."""
+
+    def interrupt(self, worker: threading.Thread) -> None:
+        """Cut short the call ``worker`` is running: its deadline passed (best effort, from another thread).
+
+        The caller has already given up; this only frees the worker and its
+        connection sooner.  The default does nothing: the worker then ends
+        when its own socket timeout or the server does.
+        """
 
     def close(self) -> None:
         """Release connections; the backend may not be used afterwards."""

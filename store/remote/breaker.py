@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..reasons import Reason
 from .errors import RemoteTimeout, RemoteUnavailable
 
 __all__ = ["BreakerState", "CircuitBreaker", "DEFAULT_COOLDOWN", "DEFAULT_MAX_COOLDOWN"]
@@ -77,6 +78,24 @@ class CircuitBreaker:
         cls = RemoteTimeout if isinstance(opener, RemoteTimeout) else RemoteUnavailable
         raise cls(f"circuit open after {opener.detail if opener else 'a failure'}; "
                   f"next try in {retry_after:.1f}s", op=op, target=target, retry_after=retry_after)
+
+    def refusal(self) -> Reason | None:
+        """Why a call now would fail at once (open, or a probe already in flight), else None; changes nothing.
+
+        The lookup path asks this before anything else: with the circuit
+        open, a local miss then costs what it cost without a remote.
+        """
+        if self._state is BreakerState.CLOSED:  # one attribute read: no lock on the common path
+            return None
+        return self._refusal_locked()
+
+    def _refusal_locked(self) -> Reason | None:
+        with self._lock:  # the state may have changed since the caller's unlocked look
+            if self._state is BreakerState.CLOSED:
+                return None
+            if self._state is BreakerState.OPEN and self._clock() >= self._open_until:
+                return None  # the next call is the probe
+            return Reason.REMOTE_TIMEOUT if isinstance(self._opener, RemoteTimeout) else Reason.REMOTE_UNAVAILABLE
 
     def success(self) -> None:
         with self._lock:

@@ -20,25 +20,28 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..codec import Encoding
 from ..errors import AdstoreError, ConfigError
 from ..reasons import Reason
 from .addresses import Kind, object_name, record_address
 from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend
 from .breaker import CircuitBreaker
+from .deadline import Deadline, Limits, run_bounded
 from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
 from .outcomes import Mode, Outcome
-from .reasons import RemoteReason
 from .signing import Signer, TrustedKeys, Verified
 from . import transfer
 
-__all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_RECORD_BYTES"]
+__all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_ENVELOPE_BYTES"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Largest record (ac object) a reader accepts: records list digests, not content.
-MAX_RECORD_BYTES = 16 << 20
+#: Largest signed envelope (an ``ac`` object) a reader downloads: a remote record lists digests,
+#: never blob bytes, so it is far smaller than a local record file (``recordfmt.MAX_RECORD_BYTES``,
+#: which also carries the inline blobs of its rank).
+MAX_ENVELOPE_BYTES = 16 << 20
 
 
 class Remote:
@@ -52,14 +55,16 @@ class Remote:
         signer: Signer | None = None,
         trusted: TrustedKeys | None = None,
         breaker: CircuitBreaker | None = None,
-        max_record_bytes: int = MAX_RECORD_BYTES,
+        max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+        limits: Limits | None = None,
     ) -> None:
         self.backend = backend
+        self.limits = limits if limits is not None else Limits()
         self.mode = Mode(mode)
         self.signer = signer
         self.trusted = trusted
         self.breaker = breaker if breaker is not None else CircuitBreaker()
-        self.max_record_bytes = max_record_bytes
+        self.max_envelope_bytes = max_envelope_bytes
         self._counters: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -89,8 +94,14 @@ class Remote:
             return dict(self._counters)
 
     # -- the one door ----------------------------------------------------
-    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False) -> T:
-        """Run one backend call: validate, enforce the mode, ask the breaker, count."""
+    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False,
+              deadline: Deadline | None = None, on_expire: Callable[[], None] | None = None) -> T:
+        """Run one backend call: validate, enforce the mode, ask the breaker, bound its time, count.
+
+        ``deadline`` defaults to the limit of one small call; past it the
+        call is :class:`RemoteTimeout` (it opens the circuit like any
+        timeout), ``on_expire`` runs and the backend is asked to interrupt it.
+        """
         target = object_name(kind, digest)
         if write and self.mode is not Mode.READ_WRITE:
             raise ReadOnlyRemote(op, target)
@@ -100,8 +111,15 @@ class Remote:
             self.count("fast_fails")
             raise
         self.count(f"calls.{op}")
+
+        def interrupt(worker: threading.Thread) -> None:
+            if on_expire is not None:
+                on_expire()
+            self.backend.interrupt(worker)
+
         try:
-            result = fn()
+            result = run_bounded(fn, deadline if deadline is not None else self.limits.start(), op=op,
+                                 target=target, interrupt=interrupt)
         except RemoteUnavailable as exc:
             if self.breaker.failure(exc):
                 self.count("breaker_opened")
@@ -113,6 +131,10 @@ class Remote:
             raise
         self.breaker.success()
         return result
+
+    def refusal(self) -> Reason | None:
+        """Why a call now would fail at once without reaching the server (the circuit is open), else None."""
+        return self.breaker.refusal()
 
     def _guard(self, op: str, fn: Callable[[], Outcome[T]]) -> Outcome[T]:
         """Turn every failure of ``fn`` into an outcome with a reason; time it."""
@@ -126,10 +148,11 @@ class Remote:
             log.log(level, "remote %s %s: %s", self.url, op, exc)
             return Outcome(reason=reason, error=exc, seconds=time.perf_counter() - start)
         except Exception as exc:  # a bug must not fail a pipeline either
-            self.count(f"errors.{RemoteReason.REMOTE_ERROR}")
-            log.exception("remote %s %s failed unexpectedly", self.url, op)
+            self.count(f"errors.{Reason.REMOTE_ERROR}")
+            log.error("remote %s %s failed unexpectedly: %s: %s", self.url, op, type(exc).__name__, exc)
+            log.debug("remote %s %s failure", self.url, op, exc_info=True)  # a bug: its traceback for whoever debugs
             error = RemoteError(f"{type(exc).__name__}: {exc}", op=op)
-            return Outcome(reason=str(RemoteReason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
+            return Outcome(reason=str(Reason.REMOTE_ERROR), error=error, seconds=time.perf_counter() - start)
         return dataclasses.replace(out, seconds=time.perf_counter() - start)
 
     # -- objects ---------------------------------------------------------
@@ -138,7 +161,7 @@ class Remote:
         k = Kind(kind)
 
         def run() -> Outcome[bytes]:
-            limit = self.max_record_bytes if k is Kind.AC else 1 << 62
+            limit = self.max_envelope_bytes if k is Kind.AC else 1 << 62
             buf = io.BytesIO()
             n = self._call("get", k, digest, lambda: self.backend.get_to(k, digest, buf, limit))
             if n is None:
@@ -194,16 +217,23 @@ class Remote:
 
     # -- blobs (transfer.py) ---------------------------------------------
     def fetch_blob(self, digest: str, size: int, *, dest: str | Path, fsync: bool = False) -> Outcome[Path]:
-        """Download a blob into the new file ``dest``, verified (see :func:`transfer.fetch_blob`)."""
+        """Download a blob into the new file ``dest``, verified, within its deadline (:func:`transfer.fetch_blob`)."""
         return self._guard("fetch_blob", lambda: transfer.fetch_blob(self, digest, size, dest=Path(dest), fsync=fsync))
 
-    def push_blob(self, digest: str, size: int, source: str | Path | bytes) -> Outcome[int]:
-        """Upload a blob unless the remote has it (HEAD first); the bytes sent (0 if it had it)."""
-        return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source))
+    def push_blob(self, digest: str, size: int, source: str | Path | bytes, *,
+                  kind: Kind | str = Kind.CAS) -> Outcome[int]:
+        """Upload a blob (``zcas``: its zstd frame) unless the remote has it (HEAD first); the bytes sent."""
+        return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source, kind=Kind(kind)))
 
-    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink) -> Outcome[int]:
-        """Fetch every blob ``sink`` lacks into it (a Store); all or a failed outcome."""
-        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink))
+    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink,
+                   stored: Mapping[str, tuple[Encoding, int]] | None = None,
+                   deadline: Deadline | None = None) -> Outcome[int]:
+        """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome.
+
+        ``stored``: the blobs that travel as zstd frames (a record's), and the frames' sizes.
+        """
+        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, stored=stored,
+                                                                   deadline=deadline))
 
     # -- records ---------------------------------------------------------
     def fetch_record(self, key: str, rank: int = 0) -> Outcome[Verified]:
@@ -215,9 +245,9 @@ class Remote:
         """
         def run() -> Outcome[Verified]:
             got = self.get(Kind.AC, record_address(key, rank))
-            if got.reason == RemoteReason.REMOTE_CHECKSUM:  # past max_record_bytes: not a record we wrote
+            if got.reason == Reason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
                 self.count("untrusted")
-                raise UntrustedRecord(f"larger than {self.max_record_bytes} bytes",
+                raise UntrustedRecord(f"larger than {self.max_envelope_bytes} bytes",
                                       target=f"ac/{record_address(key, rank)}")
             if not got.ok:
                 return got  # type: ignore[return-value]
@@ -275,7 +305,8 @@ class Remote:
     def probe(self) -> Outcome[float]:
         """Is the remote reachable? A HEAD of a fixed name; the value is the round trip in seconds."""
         out = self.head(Kind.AC, hashlib.sha256(b"adstore:probe").hexdigest())
-        return dataclasses.replace(out, value=out.seconds if out.ok else None)  # type: ignore[arg-type]
+        return Outcome(value=out.seconds if out.ok else None, reason=out.reason, error=out.error, nbytes=out.nbytes,
+                       seconds=out.seconds)
 
     def status(self) -> dict[str, Any]:
         """URL, mode, conditional writes, breaker, keys and counters (for ``adstore remote``)."""
@@ -283,6 +314,7 @@ class Remote:
             "url": self.url,
             "mode": self.mode.value,
             "conditional_writes": self.backend.conditional_writes.value,
+            "transfer": str(self.backend.transfer),
             "breaker": self.breaker.snapshot(),
             "signing_key": self.signer.key_id if self.signer else None,
             "trusted_keys": self.trusted.key_ids if self.trusted else [],

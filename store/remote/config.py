@@ -6,8 +6,10 @@
     ADSTORE_REMOTE_MODE             read (default) | read-write
     ADSTORE_SIGNING_KEY             PKCS#8 PEM private key file (writers)
     ADSTORE_TRUSTED_KEYS            PEM public keys: a file or a directory (readers)
-    ADSTORE_REMOTE_TIMEOUT          read timeout, a duration (default 10s)
+    ADSTORE_REMOTE_TIMEOUT          read timeout: how long one socket read may stall (default 10s)
     ADSTORE_REMOTE_CONNECT_TIMEOUT  connect timeout (default 2s)
+    ADSTORE_REMOTE_DEADLINE         how long one call may take in all, whatever the server sends (default 30s)
+    ADSTORE_REMOTE_MIN_THROUGHPUT   a blob also gets its size at this rate, a size per second (default 1M)
     ADSTORE_REMOTE_COOLDOWN         how long an open circuit stays open at first (default 30s)
 
 :func:`open_remote` maps a URL scheme to a backend; :func:`register_scheme`
@@ -24,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..units import parse_duration
+from ..units import parse_duration, parse_size
 from .backend import RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, CircuitBreaker
 from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, Remote
+from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Limits
 from .memory import MemoryBackend
 from .outcomes import Mode
 from .signing import Signer, TrustedKeys
@@ -82,6 +85,8 @@ def open_remote(
     timeout: float = DEFAULT_READ_TIMEOUT,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     cooldown: float = DEFAULT_COOLDOWN,
+    deadline: float = DEFAULT_DEADLINE,
+    min_throughput: float = DEFAULT_MIN_THROUGHPUT,
     signer: Signer | None = None,
     trusted: TrustedKeys | None = None,
     **backend_options: Any,
@@ -94,12 +99,17 @@ def open_remote(
                           f"{', '.join(sorted(s + '://' for s in _SCHEMES))})")
     if timeout <= 0 or connect_timeout <= 0:
         raise ConfigError("ADSTORE_REMOTE_TIMEOUT", "timeouts must be positive")
+    if deadline <= 0:
+        raise ConfigError("ADSTORE_REMOTE_DEADLINE", "the deadline must be positive")
+    if min_throughput <= 0:
+        raise ConfigError("ADSTORE_REMOTE_MIN_THROUGHPUT", "the minimum throughput must be positive")
     if scheme == "memory":
         backend = factory(url)
     else:
         backend = factory(url, connect_timeout=connect_timeout, read_timeout=timeout, **backend_options)
     return Remote(backend, mode=parse_mode(mode), signer=signer, trusted=trusted,
-                  breaker=CircuitBreaker(cooldown=cooldown, max_cooldown=max(cooldown, 10 * cooldown)))
+                  breaker=CircuitBreaker(cooldown=cooldown, max_cooldown=max(cooldown, 10 * cooldown)),
+                  limits=Limits(deadline=deadline, min_throughput=min_throughput))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +123,8 @@ class RemoteConfig:
     timeout: float = DEFAULT_READ_TIMEOUT
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     cooldown: float = DEFAULT_COOLDOWN
+    deadline: float = DEFAULT_DEADLINE
+    min_throughput: float = DEFAULT_MIN_THROUGHPUT
     backend_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -128,6 +140,10 @@ class RemoteConfig:
             raw = env.get(name, "").strip()
             return parse_duration(raw, field=name) if raw else default
 
+        def rate(name: str, default: float) -> float:
+            raw = env.get(name, "").strip()
+            return float(parse_size(raw.removesuffix("/s"), field=name)) if raw else default
+
         settings: dict[str, Any] = {
             "url": env.get("ADSTORE_REMOTE", "").strip() or None,
             "mode": parse_mode(env.get("ADSTORE_REMOTE_MODE", "").strip() or Mode.READ),
@@ -136,6 +152,8 @@ class RemoteConfig:
             "timeout": duration("ADSTORE_REMOTE_TIMEOUT", DEFAULT_READ_TIMEOUT),
             "connect_timeout": duration("ADSTORE_REMOTE_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT),
             "cooldown": duration("ADSTORE_REMOTE_COOLDOWN", DEFAULT_COOLDOWN),
+            "deadline": duration("ADSTORE_REMOTE_DEADLINE", DEFAULT_DEADLINE),
+            "min_throughput": rate("ADSTORE_REMOTE_MIN_THROUGHPUT", DEFAULT_MIN_THROUGHPUT),
         }
         settings.update(overrides)
         if "mode" in overrides:
@@ -153,7 +171,8 @@ class RemoteConfig:
         signer = Signer.from_file(self.signing_key) if self.signing_key else None
         trusted = TrustedKeys.load(self.trusted_keys) if self.trusted_keys else None
         return open_remote(self.url, mode=self.mode, timeout=self.timeout, connect_timeout=self.connect_timeout,
-                           cooldown=self.cooldown, signer=signer, trusted=trusted, **dict(self.backend_options))
+                           cooldown=self.cooldown, deadline=self.deadline, min_throughput=self.min_throughput,
+                           signer=signer, trusted=trusted, **dict(self.backend_options))
 
     def describe(self) -> dict[str, Any]:
         """The settings as JSON-able values (``adstore remote``)."""
@@ -165,4 +184,6 @@ class RemoteConfig:
             "timeout": self.timeout,
             "connect_timeout": self.connect_timeout,
             "cooldown": self.cooldown,
+            "deadline": self.deadline,
+            "min_throughput": self.min_throughput,
         }

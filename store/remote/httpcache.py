@@ -21,8 +21,10 @@ Single-flight confirms a lease by reading it back for that reason.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import logging
+import socket
 import threading
 import urllib.parse
 import weakref
@@ -110,6 +112,7 @@ class HttpBackend(RemoteBackend):
         self._local = threading.local()
         # Weak: a thread's connection goes (and its socket closes) with the thread.
         self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._by_thread: weakref.WeakValueDictionary[int, http.client.HTTPConnection] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     # -- connections -----------------------------------------------------
@@ -121,11 +124,21 @@ class HttpBackend(RemoteBackend):
                               context=self._ssl_context)
             else:
                 conn = _HTTP(self._host, self._port, timeout=self._connect_timeout, blocksize=CHUNK)
-            conn.read_timeout = self._read_timeout  # type: ignore[attr-defined]
+            conn.read_timeout = self._read_timeout
             self._local.conn = conn
             with self._lock:
                 self._all.add(conn)
+                self._by_thread[threading.get_ident()] = conn
         return conn
+
+    def interrupt(self, worker: threading.Thread) -> None:
+        """Shut down the socket of ``worker``'s connection: its blocked read returns at once."""
+        with self._lock:
+            conn = self._by_thread.get(worker.ident) if worker.ident is not None else None
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _drop(self) -> None:
         """Close this thread's connection (after an error or an unread body)."""
@@ -231,7 +244,9 @@ class HttpBackend(RemoteBackend):
             if length is not None and length.isdigit() and int(length) > max_bytes:
                 self._drop()
                 raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=int(length), got_digest=None)
-            read: Callable[[], bytes] = lambda: resp.read(CHUNK)  # noqa: E731
+            # read1: what the socket has now, up to a chunk (read() would wait for a whole chunk), so
+            # bytes reach the sink as they arrive and a cancelled sink stops the download at once.
+            read: Callable[[], bytes] = lambda: resp.read1(CHUNK)  # noqa: E731
             try:
                 n = copy_limited(iter(read, b""), fileobj, max_bytes=max_bytes, digest=digest)
                 if length is not None and length.isdigit() and n != int(length):  # read(amt) does not say

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import BinaryIO
 
+from ..codec import Encoding
 from .addresses import Kind, object_name
 from .backend import CHUNK, Body, ConditionalWrites, RemoteBackend, copy_limited
 from .errors import RemoteError
@@ -30,8 +31,9 @@ class MemoryBackend(RemoteBackend):
 
     conditional_writes = ConditionalWrites.ATOMIC
 
-    def __init__(self, *, url: str = "memory://") -> None:
+    def __init__(self, *, url: str = "memory://", transfer: Encoding = Encoding.ZSTD) -> None:
         self.url = url
+        self.transfer = transfer  # like S3 by default; RAW to stand in for a Bazel HTTP cache
         self.objects: dict[str, bytes] = {}
         self.ops: list[tuple[str, str]] = []
         #: When set, every call raises this error (a simulated outage).

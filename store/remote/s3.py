@@ -22,9 +22,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ..codec import Encoding
 from ..errors import ConfigError
 from .addresses import Kind, object_name
 from .backend import (
@@ -75,13 +78,15 @@ def _missing(exc: Any) -> bool:
 
 
 def _status(exc: Any) -> int | None:
-    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
 
 
 class S3Backend(RemoteBackend):
     """Objects ``PREFIX/cas/<sha256>`` and ``PREFIX/ac/<sha256>`` in one bucket."""
 
     conditional_writes = ConditionalWrites.ATOMIC
+    transfer = Encoding.ZSTD  # objects are the store's own: compressed blobs travel as their frames
 
     def __init__(
         self,
@@ -123,6 +128,8 @@ class S3Backend(RemoteBackend):
 
             client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
         self._client = client
+        self._lock = threading.Lock()
+        self._bodies: dict[int, Any] = {}  # thread -> the body it is reading (for interrupt)
 
     # -- helpers ---------------------------------------------------------
     def _key(self, kind: Kind, digest: str) -> str:
@@ -170,13 +177,29 @@ class S3Backend(RemoteBackend):
             if resp is None:
                 return None
             body = resp["Body"]
+            me = threading.get_ident()
+            with self._lock:
+                self._bodies[me] = body
             try:
                 length = resp.get("ContentLength")
                 if length is not None and length > max_bytes:
                     raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=length, got_digest=None)
                 return copy_limited(body.iter_chunks(CHUNK), fileobj, max_bytes=max_bytes, digest=digest)
             finally:
+                with self._lock:
+                    self._bodies.pop(me, None)
                 body.close()
+
+    def interrupt(self, worker: threading.Thread) -> None:
+        """Shut down the socket of the body ``worker`` is reading (a request still waiting for its
+        headers cannot be reached through botocore: it ends at the read timeout)."""
+        with self._lock:
+            body = self._bodies.get(worker.ident) if worker.ident is not None else None
+        conn = getattr(getattr(body, "_raw_stream", None), "connection", None)
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def put(self, kind: Kind, digest: str, data: Body) -> int:
         key = self._key(kind, digest)

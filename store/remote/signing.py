@@ -143,8 +143,9 @@ class Signer:
 
     def public_pem(self) -> bytes:
         _, serialization, _ = _crypto()
-        return self._key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+        pem: bytes = self._key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+        return pem
 
     def seal(self, payload: Mapping[str, Any]) -> bytes:
         """The signed envelope of ``payload`` (a JSON-able dict), as bytes to upload."""

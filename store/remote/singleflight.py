@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 
 import psutil
 
+from ..reasons import Reason
 from .addresses import Kind, lease_address
 from .backend import ConditionalWrites
 from .client import Remote
 from .outcomes import Outcome
-from .reasons import RemoteReason
 from .signing import canonical_json
 
 __all__ = ["Role", "Holder", "Lease", "Flight", "WaitResult", "SingleFlight", "DEFAULT_TTL"]
@@ -208,7 +208,7 @@ class SingleFlight:
         build runs long.
         """
         if not self.remote.writable:
-            return self._look(key) or self._flight(key, Role.SOLO, str(RemoteReason.REMOTE_READ_ONLY))
+            return self._look(key) or self._flight(key, Role.SOLO, str(Reason.REMOTE_READ_ONLY))
         # A server that may ignore If-None-Match (bazel-remote) would let every acquirer overwrite
         # a live lease: look first there.  Racing writers are then settled by _confirm.
         careful = self.remote.backend.conditional_writes is not ConditionalWrites.ATOMIC
@@ -217,7 +217,7 @@ class SingleFlight:
                 return seen
             mine = self._new_lease(key, ttl)
             put = self.remote.put_if_absent(Kind.AC, lease_address(key), mine.encode())
-            if put.reason == RemoteReason.REMOTE_UNSUPPORTED:  # best effort: a plain PUT, confirmed
+            if put.reason == Reason.REMOTE_UNSUPPORTED:  # best effort: a plain PUT, confirmed
                 if not careful and (seen := self._look(key)) is not None:
                     return seen
                 written = self.remote.put(Kind.AC, lease_address(key), mine.encode())
@@ -239,7 +239,7 @@ class SingleFlight:
                      "undecodable" if current is None else f"held by {current.holder.host}:{current.holder.pid}")
             self.remote.count("flight.takeovers")
             self.remote.delete(Kind.AC, lease_address(key))
-        return self._flight(key, Role.SOLO, str(RemoteReason.BUILDER_GONE))
+        return self._flight(key, Role.SOLO, str(Reason.BUILDER_GONE))
 
     def _look(self, key: str) -> Flight | None:
         """Follow a live lease (or go solo on a failing remote); None when there is no live lease."""
@@ -301,12 +301,12 @@ class SingleFlight:
                 return done(True, None)
             now = self._clock()
             if now >= deadline:
-                return done(False, str(RemoteReason.SINGLE_FLIGHT_TIMEOUT))
+                return done(False, str(Reason.SINGLE_FLIGHT_TIMEOUT))
             got, current = self._read(flight.key)
             if not got.ok:
                 return done(False, got.reason)
             if not self._live(current):  # released, expired or dead: one last look for its record
-                return done(True, None) if _safely(ready) else done(False, str(RemoteReason.BUILDER_GONE))
+                return done(True, None) if _safely(ready) else done(False, str(Reason.BUILDER_GONE))
             self._sleep(max(0.0, min(delay, deadline - now)))
             delay = min(delay * 2, self.poll_max)
 

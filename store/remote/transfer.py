@@ -1,12 +1,21 @@
-"""Blob transfer: verified downloads and deduplicated uploads.
+"""Blob transfer: bounded, verified downloads and deduplicated uploads.
 
-A download streams into a new file while hashing it; a blob that does not
-hash to its digest, or has another size than the record says, is deleted and
-rejected, so unverified bytes are never handed to the store (README, "Remote
-tier").  The download is bounded by the recorded size: a server sending more
-is cut off.  An upload asks the server first (HEAD): content addressing makes
-a blob another host already pushed cost nothing, and a re-push of a whole
-entry sends 0 blob bytes.
+A download streams into its destination while it is hashed, once: into a
+new file beside ``dest`` (:func:`fetch_blob`), or straight into the local
+store's blob file (:func:`pull_blob`, the store's ``BlobWriter``: temp,
+fsync, rename, register).  Bytes that do not hash to their digest, or have
+another size than the record declares, are dropped and rejected, never
+handed to the store (README, "Remote tier").  A download never reads past
+the declared size, and it has a deadline: the remote's limit for one call
+plus the size at the minimum throughput (``deadline.Limits``), within the
+deadline of the whole operation it belongs to.  The download itself runs in
+a worker thread (``deadline.run_bounded``) that owns what it writes: a
+caller that gave up at its deadline cancels it, and the worker removes its
+own temp file.
+
+An upload asks the server first (HEAD): content addressing makes a blob
+another host already pushed cost nothing, and a re-push of a whole entry
+sends 0 blob bytes.
 
 The functions take the :class:`~adstore.store.remote.client.Remote` whose
 guarded ``_call`` they go through and raise its errors; the ``Remote``
@@ -15,25 +24,32 @@ methods of the same names turn those into outcomes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import queue
 import threading
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import StoreError
-from .addresses import Kind, check_digest
+from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
+from ..codec import Encoding
+from ..errors import ChecksumMismatch
+from ..records.format import RECORD_FORMAT
+from ..index.rows import BlobRef
+from ..names import validate_digest
+from .addresses import Kind
 from .backend import local_write_error
+from .deadline import Deadline
 from .errors import RemoteBlobMissing, RemoteChecksumMismatch
 from .outcomes import Outcome
 
 if TYPE_CHECKING:
+    from ..blobs import StoredBlob
+    from ..blobwriter import BlobWriter
     from .client import Remote
 
-__all__ = ["BlobSink", "BlobSource", "HashingWriter", "BACKGROUND_HASH_BYTES", "fetch_blob", "push_blob", "pull_blobs", "publish"]
+__all__ = ["BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -43,177 +59,221 @@ class BlobSink(Protocol):
 
     def has_blob(self, digest: str) -> bool: ...
 
-    def temp_path(self, suffix: str = ".tmp") -> Path: ...
+    def admit(self, nbytes: int) -> None: ...  # room for nbytes, or OverBudget / StoreFull before any byte
 
-    def put_file(self, path: str | os.PathLike[str]) -> Any: ...  # a BlobRef (digest, size)
+    def blob_writer(self, ref: BlobRef, *, source: Encoding = ..., frame_size: int | None = ...,
+                    cancelled: threading.Event | None = ...) -> BlobWriter: ...
 
 
 class BlobSource(Protocol):
     """Where pushed blobs come from: :class:`adstore.store.Store` has these methods."""
 
-    def blob_path(self, digest: str) -> Path | None: ...  # None for a blob kept inline in the index
+    def stored_blob(self, digest: str) -> StoredBlob | None: ...  # None for a blob kept inline in the index
 
     def get_bytes(self, digest: str) -> bytes: ...
 
+    def copy_blob_to(self, digest: str, dest: str | os.PathLike[str]) -> Path: ...
 
-class HashingWriter:
-    """A write-only file that hashes (SHA-256) and counts what passes through it.
-
-    With ``background=True`` the hashing and writing run in a helper thread
-    fed through a small bounded queue, so they overlap with the network read
-    (both release the GIL): a large download then runs at the speed of the
-    slower of network and SHA-256, not of their sum.  :meth:`finish` must
-    be called; it returns the helper's error, if any.
-    """
-
-    def __init__(self, fd: int, name: str, *, background: bool = False) -> None:
-        self._fd = fd
-        self.name = name
-        self._sha = hashlib.sha256()
-        self.size = 0
-        self._error: BaseException | None = None
-        self._queue: queue.Queue[bytes | None] | None = None
-        self._thread: threading.Thread | None = None
-        if background:
-            self._queue = queue.Queue(maxsize=4)
-            self._thread = threading.Thread(target=self._drain, name="adstore-remote-hash", daemon=True)
-            self._thread.start()
-
-    def _consume(self, data: bytes) -> None:
-        self._sha.update(data)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-
-    def _drain(self) -> None:
-        assert self._queue is not None
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._consume(item)
-                except BaseException as exc:  # reported by write() or finish()
-                    self._error = exc
-
-    def write(self, data: bytes) -> int:
-        if self._error is not None:
-            raise self._error
-        if self._queue is None:
-            self._consume(data)
-        else:
-            self._queue.put(data)
-        self.size += len(data)
-        return len(data)
-
-    def finish(self) -> BaseException | None:
-        """Wait for the helper thread (if any); the error it failed with, if any."""
-        if self._queue is not None and self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._queue = None
-        return self._error
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+    def temp_path(self, suffix: str = ...) -> Path: ...
 
 
-#: Downloads at least this large hash and write in a helper thread (below it a thread costs more than it saves).
-BACKGROUND_HASH_BYTES = 8 << 20
+def _rejected(remote: Remote, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
+    remote.count("checksum_rejected")
+    log.warning("remote %s: %s", remote.url, exc)
+    return exc
 
 
-def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False) -> Outcome[Path]:
-    """Download blob ``digest`` into the new file ``dest`` (created exclusively, no symlink followed).
+def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False,
+               deadline: Deadline | None = None) -> Outcome[Path]:
+    """Download blob ``digest`` into the new file ``dest`` (never replacing or following anything there).
 
     Returns ``dest`` only if the content hashes to ``digest`` and is exactly
-    ``size`` bytes; on any failure ``dest`` is removed.
+    ``size`` bytes; on any failure nothing is left at ``dest``.
     """
-    check_digest(digest)
-    try:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise local_write_error(exc, dest) from exc
-    writer = HashingWriter(fd, str(dest), background=size >= BACKGROUND_HASH_BYTES)
-    try:
+    validate_digest(digest)
+    cancelled = threading.Event()
+    commit_lock = threading.Lock()
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.part")
+
+    def run() -> int:
         try:
-            n = remote._call("get", Kind.CAS, digest,
-                             lambda: remote.backend.get_to(Kind.CAS, digest, writer, size))  # type: ignore[arg-type]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise local_write_error(exc, dest) from exc
+        writer = HashingWriter(fd, str(dest), background=size >= BACKGROUND_HASH_BYTES, durable=fsync,
+                               cancelled=cancelled)
+        try:
+            try:
+                n = remote.backend.get_to(Kind.CAS, digest, writer, size)  # type: ignore[arg-type]
+            finally:
+                remote.count("bytes_down", writer.size)
+                failed = writer.finish()  # raised below only if the download itself succeeded
+            if isinstance(failed, OSError):
+                raise local_write_error(failed, dest) from failed
+            if failed is not None:
+                raise failed
+            if n is None:
+                raise RemoteBlobMissing(digest)
+            if writer.hexdigest() != digest or writer.size != size:
+                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.size,
+                                             got_digest=writer.hexdigest())
+            if fsync:
+                os.fsync(fd)
+            with commit_lock:
+                if cancelled.is_set():
+                    raise Cancelled(f"blob {digest}: the caller gave up at its deadline")
+                try:
+                    os.link(tmp, dest)  # fails on anything already at dest, follows no symlink there
+                except OSError as exc:
+                    raise local_write_error(exc, dest) from exc
+            return writer.size
         finally:
-            remote.count("bytes_down", writer.size)
-            failed = writer.finish()  # raised below only if the download itself succeeded
-        if isinstance(failed, OSError):
-            raise local_write_error(failed, dest) from failed
-        if failed is not None:
-            raise failed
-        if n is None:
-            raise RemoteBlobMissing(digest)
-        got = writer.hexdigest()
-        if got != digest or writer.size != size:
-            raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.size, got_digest=got)
-        if fsync:
-            os.fsync(fd)
-    except BaseException as exc:
-        os.close(fd)
-        dest.unlink(missing_ok=True)
-        if isinstance(exc, RemoteChecksumMismatch):
-            remote.count("checksum_rejected")
-            log.warning("remote %s: %s", remote.url, exc)
-        raise
-    os.close(fd)
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+
+    def expire() -> None:
+        with commit_lock:
+            cancelled.set()
+
+    try:
+        n = remote._call("get", Kind.CAS, digest, run, deadline=remote.limits.start(size).sooner(deadline),
+                         on_expire=expire)
+    except RemoteChecksumMismatch as exc:
+        raise _rejected(remote, exc) from None
     remote.count("blobs_down")
-    return Outcome(value=dest, nbytes=writer.size)
+    return Outcome(value=dest, nbytes=n)
 
 
-def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes) -> Outcome[int]:
-    """Upload a blob unless the remote holds it with this size; the bytes sent."""
-    check_digest(digest)
-    have = remote._call("head", Kind.CAS, digest, lambda: remote.backend.head(Kind.CAS, digest))
+def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, frame: int | None = None,
+              deadline: Deadline | None = None) -> int:
+    """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
+
+    ``frame``: the blob travels as a zstd frame of that many bytes (``zcas/``),
+    written into its file as it arrives and decoded at the commit; else its
+    raw ``size`` bytes come from ``cas/``.
+    """
+    validate_digest(digest)
+    cancelled = threading.Event()
+    kind, limit = (Kind.CAS, size) if frame is None else (Kind.ZCAS, frame)
+
+    def run() -> int:
+        with sink.blob_writer(BlobRef(digest, size), source=Encoding.RAW if frame is None else Encoding.ZSTD,
+                              frame_size=frame, cancelled=cancelled) as writer:
+            try:
+                n = remote.backend.get_to(kind, digest, writer, limit)  # type: ignore[arg-type]
+            except ChecksumMismatch:  # the writer refused a byte past the declared size
+                raise RemoteChecksumMismatch(digest, expected_size=limit, got_size=writer.received + 1,
+                                             got_digest=None) from None
+            finally:
+                remote.count("bytes_down", writer.received)
+            if n is None:
+                raise RemoteBlobMissing(digest)
+            try:
+                writer.commit()
+            except ChecksumMismatch as exc:
+                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.received,
+                                             got_digest=exc.got) from None
+            return n
+
+    try:
+        n = remote._call("get", kind, digest, run, deadline=remote.limits.start(limit).sooner(deadline),
+                         on_expire=cancelled.set)
+    except RemoteChecksumMismatch as exc:
+        raise _rejected(remote, exc) from None
+    remote.count("blobs_down")
+    return n
+
+
+def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSink,
+               stored: Mapping[str, tuple[Encoding, int]] | None = None,
+               deadline: Deadline | None = None) -> Outcome[int]:
+    """Stream every blob of ``refs`` that ``sink`` lacks into it: all, or the first failure.
+
+    ``stored`` (a record's): the blobs that travel as zstd frames, and the
+    frames' sizes.  The declared total of what will be downloaded is
+    admitted first (``sink.admit``: budget and free space), so a record that
+    announces more than the store may hold costs no download at all.  The
+    whole pull has a deadline: ``deadline``, else the remote's limit for
+    that total.  Blobs stored before a failure are unreferenced and left to
+    the store's gc, never half-committed.
+    """
+    frames = dict(stored or {})
+    wanted = sorted({(validate_digest(d), int(s)) for d, s in refs})
+    missing = [(d, s, frames[d][1] if d in frames else None) for d, s in wanted if not sink.has_blob(d)]
+    total = sum(s if f is None else f for _, s, f in missing)
+    sink.admit(total)
+    whole = deadline if deadline is not None else remote.limits.start(total)
+    received = 0
+    for digest, size, frame in missing:
+        received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
+    return Outcome(value=received, nbytes=received)
+
+
+def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *,
+              kind: Kind = Kind.CAS) -> Outcome[int]:
+    """Upload a blob (``cas/``: its content; ``zcas/``: its frame) unless the remote holds it with this size.
+
+    The bytes sent (0 when it had it).
+    """
+    validate_digest(digest)
+    have = remote._call("head", kind, digest, lambda: remote.backend.head(kind, digest))
     if have == size:
         remote.count("blobs_skipped")
         remote.count("bytes_skipped", size)
         return Outcome(value=0)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        sent = remote._call("put", Kind.CAS, digest, lambda: remote.backend.put(Kind.CAS, digest, source), write=True)
-    else:
+    deadline = remote.limits.start(size)
+
+    def send() -> int:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return remote.backend.put(kind, digest, source)
         with open(source, "rb") as f:
-            sent = remote._call("put", Kind.CAS, digest, lambda: remote.backend.put(Kind.CAS, digest, f), write=True)
+            return remote.backend.put(kind, digest, f)
+
+    sent = remote._call("put", kind, digest, send, write=True, deadline=deadline)
     remote.count("blobs_up")
     remote.count("bytes_up", sent)
     return Outcome(value=sent, nbytes=sent)
 
 
-def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSink) -> Outcome[int]:
-    """Fetch every blob of ``refs`` that ``sink`` lacks, verified, and store it there.
-
-    Stops at the first failure (its outcome is returned): blobs stored before
-    it are unreferenced and left to the store's gc, never half-committed.
-    """
-    total = 0
-    for digest, size in refs:
-        check_digest(digest)
-        if sink.has_blob(digest):
-            continue
-        dest = sink.temp_path(".remote")
-        got = fetch_blob(remote, digest, size, dest=dest)
-        total += got.nbytes
-        try:
-            ref = sink.put_file(dest)
-        finally:
-            dest.unlink(missing_ok=True)
-        if (getattr(ref, "digest", digest), getattr(ref, "size", size)) != (digest, size):
-            raise StoreError(f"blob {digest}: changed between verification and store")  # never expected
-    return Outcome(value=total, nbytes=total)
-
-
 def publish(remote: Remote, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
             *, source: BlobSource) -> Outcome[int]:
-    """Push the blobs the remote lacks, then this rank's signed record, last."""
+    """Push the blobs the remote lacks, then this rank's signed record, last.
+
+    A blob the store keeps as a zstd frame travels as that frame (``zcas/``)
+    where the remote takes frames (S3), and the record says so (``stored``,
+    format 2); elsewhere every blob travels raw (``cas/``, the Bazel HTTP
+    protocol's), decoded on the way when the store keeps it compressed.
+    """
     sent = 0
+    stored: dict[str, tuple[Encoding, int]] = {}
     for digest, size in refs:
-        path = source.blob_path(digest)
-        pushed = remote.push_blob(digest, size, path if path is not None else source.get_bytes(digest))
+        found = source.stored_blob(digest)
+        if found is None:  # inline in the index
+            pushed = remote.push_blob(digest, size, source.get_bytes(digest))
+        elif found.encoding is Encoding.RAW:
+            pushed = remote.push_blob(digest, size, found.path)
+        elif remote.backend.transfer is Encoding.ZSTD:
+            pushed = remote.push_blob(digest, found.stored, found.path, kind=Kind.ZCAS)
+            stored[digest] = (Encoding.ZSTD, found.stored)
+        else:
+            pushed = _push_decoded(remote, digest, size, source)
         if not pushed.ok:
             return pushed
         sent += pushed.nbytes
+    if stored:
+        payload = {**payload, "format": RECORD_FORMAT,
+                   "stored": {d: [str(enc), n] for d, (enc, n) in sorted(stored.items())}}
     record = remote.push_record(key, rank, payload)
     if not record.ok:
         return record
     return Outcome(value=sent, nbytes=sent + record.nbytes)
+
+
+def _push_decoded(remote: Remote, digest: str, size: int, source: BlobSource) -> Outcome[int]:
+    """Upload the raw content of a blob the store keeps compressed (decoded, verified, into a temp file)."""
+    tmp = source.temp_path(".push")
+    try:
+        source.copy_blob_to(digest, tmp)
+        return remote.push_blob(digest, size, tmp)
+    finally:
+        tmp.unlink(missing_ok=True)

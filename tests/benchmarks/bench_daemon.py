@@ -47,9 +47,9 @@ from adstore.daemon.enforce import Enforcer
 from adstore.daemon.lock import STATUS_NAME
 from adstore.store import Store
 from adstore.store.layout import Layout
-from adstore.store.recordsync import RecordWriter
+from adstore.store.records.sync import RecordWriter
 from adstore.store.manifests import commit, publish
-from adstore.store.tables import Tables
+from adstore.store.index.tables import Tables
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -53,7 +53,7 @@ from bench_results import write_results
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store" / "remote"))
 from remote_servers import BUCKET, S3_ENV, free_port, start_moto, start_webdav  # noqa: E402
 
-from adstore.store.remote import Kind, open_remote  # noqa: E402
+from adstore.store.remote import DEFAULT_DEADLINE, Kind, open_remote  # noqa: E402
 
 
 def mib_s(nbytes: int, seconds: float) -> float:
@@ -162,6 +162,102 @@ def down_latency(kind: str, endpoint: str, timeout: float, calls: int) -> dict:
     return {"timeout_s": timeout, "reason": first.reason, "first_call_s": first_s, "later_p50_us": p50 * 1e6,
             "later_max_us": max(later) * 1e6, "meets_first_within_timeout": first_s <= timeout + 0.2,
             "meets_later_under_1ms": p50 < 1e-3}
+
+
+def _entry_on_remote(url: str, work: Path, data: bytes, key: str, **kw) -> tuple[object, object]:
+    """Commit ``data`` as ``key`` in a writer's store and push it; (signer's trusted keys, the blob ref)."""
+    from adstore.store import Store
+    from adstore.store.remote import Signer, TrustedKeys, generate_keypair
+    from adstore.store.tiered import remote_save
+
+    pair = generate_keypair()
+    with Store.open(work / f"writer-{key}") as store:
+        ref = store.put_bytes(data)
+        gen = store.new_generation()
+        store.publish(key, generation=gen, artifacts={"blob": ref})
+        store.commit(key, generation=gen)
+        out = remote_save(store, open_remote(url, mode="read-write", signer=Signer.from_pem(pair.private_pem),
+                                             timeout=60, **kw), key)
+        assert out.ok, out
+    return TrustedKeys.from_pem(pair.public_pem), ref
+
+
+def restore_throughput(name: str, url: str, work: Path, size: int, repeat: int, **kw) -> dict:
+    """``remote_restore`` of a one-blob entry into an empty store vs ``fetch_blob`` of the same bytes.
+
+    The restore downloads, verifies, fsyncs, renames, registers and commits;
+    the raw baseline only downloads and verifies into a file.  The durable
+    baseline (``fetch_blob(fsync=True)``) is shown too.
+    """
+    from adstore.store import Store
+    from adstore.store.tiered import remote_restore
+
+    key = f"restore-{name}"
+    trusted, ref = _entry_on_remote(url, work, os.urandom(size), key, **kw)
+    remote = open_remote(url, trusted=trusted, timeout=60, **kw)
+    ours, raw, durable = [], [], []
+    for i in range(repeat):
+        with Store.open(work / f"restore-{name}-{i}") as store:
+            t = time.perf_counter()
+            out = remote_restore(store, remote, key, 0, 1)
+            ours.append(time.perf_counter() - t)
+            assert out.ok, out
+        for runs, fsync in ((raw, False), (durable, True)):
+            dest = work / f"fetch-{name}-{i}-{fsync}"
+            runs.append(timed(lambda: _ok(remote.fetch_blob(ref.digest, size, dest=dest, fsync=fsync), size)))
+            dest.unlink()
+    d = {"size_mib": size / (1 << 20), "restore_mib_s": mib_s(size, min(ours)),
+         "fetch_blob_mib_s": mib_s(size, min(raw)), "fetch_blob_fsync_mib_s": mib_s(size, min(durable))}
+    d["ratio_vs_fetch_blob"] = d["restore_mib_s"] / d["fetch_blob_mib_s"]
+    d["ratio_vs_fetch_blob_fsync"] = d["restore_mib_s"] / d["fetch_blob_fsync_mib_s"]
+    d["meets_0_8x"] = d["ratio_vs_fetch_blob"] >= 0.8
+    return d
+
+
+def circuit_open_lookups(work: Path, calls: int) -> dict:
+    """Lookups of absent keys with the remote's circuit open vs a store without a remote (local miss)."""
+    from adstore.store import Store
+
+    port = free_port()  # nothing listens: the first call is refused and opens the circuit
+    with Store.open(work / "open-circuit", remote=f"http://127.0.0.1:{port}/x") as tiered, \
+            Store.open(work / "local-only") as local:
+        assert tiered.lookup("warm-up").reason == "remote_unavailable"
+        times = {}
+        for label, store in (("circuit_open", tiered), ("local", local)):
+            runs = []
+            for i in range(calls):
+                key = f"absent-{i}"
+                t = time.perf_counter()
+                res = store.lookup(key)
+                runs.append(time.perf_counter() - t)
+                assert not res.hit
+            times[label] = runs
+    p50, base = statistics.median(times["circuit_open"]), statistics.median(times["local"])
+    return {"calls": calls, "p50_us": p50 * 1e6, "p99_us": sorted(times["circuit_open"])[calls * 99 // 100] * 1e6,
+            "local_miss_p50_us": base * 1e6, "ratio_vs_local_miss": p50 / base, "meets_20us": p50 <= 20e-6}
+
+
+def drip_deadline(work: Path, deadline: float) -> dict:
+    """A server sending a genuine record at 1 byte/s: the lookup is a miss within the deadline."""
+    from remote_faultserver import FaultServer
+
+    from adstore.store import Store
+    from adstore.store.remote import record_address
+
+    server = FaultServer()
+    try:
+        trusted, _ref = _entry_on_remote(server.url, work, b"x" * 1000, "drip")
+        record = server.objects[f"ac/{record_address('drip', 0)}"]
+        server.fault(f"ac/{record_address('drip', 0)}", "drip", interval=1.0)
+        remote = open_remote(server.url, trusted=trusted, deadline=deadline)
+        with Store.open(work / "drip", remote=remote) as store:
+            t = time.perf_counter()
+            res = store.lookup("drip")
+            took = time.perf_counter() - t
+    finally:
+        server.close()
+    return {"record_bytes": len(record), "unbounded_s": float(len(record)), "deadline_s": deadline,
+            "lookup_s": took, "reason": str(res.reason), "meets_deadline": not res.hit and took <= deadline + 1.0}
 
 
 RESTART = Path(__file__).resolve().parent / "bench_restart.py"
@@ -285,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             if "throughput" not in skip:
                 res["s3"] = s3_throughput(moto.endpoint, work, size, repeat)
                 res["http"] = http_throughput(dav.port, work, size, repeat)
+            if "throughput" not in skip:
+                res["restore"] = {
+                    "s3": restore_throughput("s3", f"s3://{BUCKET}/restore", work, size, repeat,
+                                             endpoint_url=moto.endpoint),
+                    "http": restore_throughput("http", f"{dav.endpoint}/restore", work, size, repeat)}
+            res["circuit_open"] = circuit_open_lookups(work, 2000 if args.quick else 20000)
+            res["drip"] = drip_deadline(work, 5.0 if args.quick else DEFAULT_DEADLINE)
             res["repush"] = repush(moto.endpoint, work)
             if "pipeline" not in skip:
                 res["pipeline"] = pipeline_rows(moto.endpoint, work, layers, hidden, 1 if args.quick else repeat)
@@ -309,6 +412,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{name} {way} {t['size_mib']:.0f} MiB", f"{d['adstore_mib_s']:.0f} MiB/s",
                          f"{d['baseline_mib_s']:.0f} MiB/s ({t['baseline']})",
                          f"{d['ratio_vs_baseline']:.2f}x (target ≥ 0.8x)"))
+    for name, d in res.get("restore", {}).items():
+        rows.append((f"{name} remote restore {d['size_mib']:.0f} MiB", f"{d['restore_mib_s']:.0f} MiB/s",
+                     f"{d['fetch_blob_mib_s']:.0f} MiB/s (fetch_blob)", f"{d['ratio_vs_fetch_blob']:.2f}x (target ≥ 0.8x)"))
+        rows.append(("  vs a durable fetch_blob (fsync)", f"{d['restore_mib_s']:.0f} MiB/s",
+                     f"{d['fetch_blob_fsync_mib_s']:.0f} MiB/s", f"{d['ratio_vs_fetch_blob_fsync']:.2f}x"))
+    c = res["circuit_open"]
+    rows.append(("lookup, circuit open", f"p50 {c['p50_us']:.1f} µs", f"local miss p50 {c['local_miss_p50_us']:.1f} µs",
+                 f"{c['ratio_vs_local_miss']:.2f}x (target ≤ 20 µs)"))
+    d = res["drip"]
+    rows.append(("lookup against a 1 byte/s server", f"{d['lookup_s']:.1f} s ({d['reason']})",
+                 f"deadline {d['deadline_s']:.0f} s; unbounded {d['unbounded_s']:.0f} s", "target ≤ deadline"))
     r = res["repush"]
     rows.append(("re-push an entry (blob bytes)", str(r["repush_blob_bytes"]),
                  f"{r['first_push_blob_bytes']} (first push)", "target 0"))

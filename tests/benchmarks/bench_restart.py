@@ -13,16 +13,30 @@ child's exit is not counted).  Measured, each in fresh processes, in one run:
 * the engine cache (an MLP compiled by AOTInductor): ``cold`` (empty store:
   compile and save) and ``warm`` (engine from the store, refit).
 
-Targets (issue "restart"): a warm pipeline restart within floor + 0.5 s, and
-at least 4x less time above the floor than the cold run.
+* the pipeline with its compile stage (``--backends``, default ``aoti`` and
+  ``torch_compile``), per model: ``cold`` (empty store and an empty
+  Inductor cache directory; the first cold run also pushes to an HTTP
+  remote, WebDAV on 127.0.0.1), ``warm`` (the same store and directory
+  again), and ``new host`` (an empty store and Inductor directory, every
+  entry pulled from the remote); outputs compared bit for bit across them
+  and against the eager backend.
 
-    python tests/benchmarks/bench_restart.py [--repeat 3] [--quick]
+Targets: a warm pipeline restart within floor + 0.5 s, and at least 4x less
+time above the floor than the cold run; with ``aoti``, a warm restart within
+floor + 0.5 s and at least 10x less time above the floor than cold, a new
+host within floor + 1.0 s, outputs bit-identical and within 1e-4 of eager;
+with ``torch_compile``, a new host within 1.3x the local warm restart.
+
+    python tests/benchmarks/bench_restart.py [--repeat 3] [--quick] [--backends aoti,torch_compile]
+                                             [--skip pipeline,engine]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_results import results_dir
+from bench_results import write_results
 
 #: (name, layers, hidden) of the pipeline models measured.
 MODELS = (("llama-4x256", 4, 256), ("llama-24x128", 24, 128))
@@ -45,15 +59,20 @@ def child_pipeline(args: argparse.Namespace) -> None:
     from adstore.integration.reference.pipeline import default_transforms
 
     factory = ModelFactory.from_config({"arch": "llama", "layers": args.layers, "hidden": args.hidden})
-    opt = InferenceOptimizer(factory, args.checkpoint, default_transforms(pipeline_cache={"root": args.root}))
+    transforms = default_transforms(pipeline_cache={"root": args.root}, compile={"backend": args.compile})
+    opt = InferenceOptimizer(factory, args.checkpoint, transforms)
     module = opt()
     with torch.no_grad():
         out = module(*factory.example_inputs(batch=2, seq=8))
-    first = {"event": opt.events[0].kind, "sum": float(out.double().sum())}
+    data = out.detach().contiguous().numpy().tobytes()
+    first = {"event": opt.events[0].kind, "sum": float(out.double().sum()), "sha": hashlib.sha256(data).hexdigest(),
+             "events": [[str(e.kind), e.reason and str(e.reason), str(e.source), e.detail] for e in opt.events]}
     print("FIRST " + json.dumps(first), flush=True)
+    if args.out:
+        Path(args.out).write_bytes(data)
     modules = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "torch"))
     print(json.dumps({"transformers": "transformers" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
-                      "modules": len(modules)}), flush=True)
+                      "inductor": "torch._inductor" in sys.modules, "modules": len(modules)}), flush=True)
 
 
 def _mlp() -> Any:
@@ -80,10 +99,10 @@ def child_engine(args: argparse.Namespace) -> None:
     print("FIRST " + json.dumps({"event": engine.event.kind, "sum": float(out.double().sum())}), flush=True)
 
 
-def timed(argv: list[str]) -> tuple[float, dict[str, Any]]:
-    """Seconds from starting ``argv`` to its ``FIRST`` line, and what that line says."""
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
+    """Seconds from starting ``argv`` (in ``env``, else this environment) to its ``FIRST`` line, and that line."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     first: dict[str, Any] | None = None
     seconds = 0.0
@@ -103,6 +122,75 @@ def me(*args: str) -> list[str]:
     return [sys.executable, __file__, *args]
 
 
+def _floats(path: Path) -> Any:
+    import numpy as np
+
+    return np.frombuffer(path.read_bytes(), dtype=np.float32)
+
+
+def compile_stage(backend: str, name: str, layers: int, hidden: int, ckpt: Path, work: Path, floor: float,
+                  repeat: int, remote: dict[str, dict[str, str]], eager_out: Path) -> dict[str, Any]:
+    """Restarts with the compile stage on ``backend``: cold, warm, and a new host served by the remote.
+
+    cold: empty store and empty Inductor cache directory (the first cold run also pushes to the remote);
+    warm: the same store and Inductor directory again; new host: an empty store and an empty Inductor
+    directory whose entries come from the HTTP remote.
+    """
+    base = me("--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers), "--hidden", str(hidden),
+              "--compile", backend)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ADSTORE_", "TORCHINDUCTOR_"))}
+    tag = f"{name}-{backend}"
+
+    def run(i: int, kind: str, root: Path, inductor: Path, extra: dict[str, str]) -> tuple[float, dict[str, Any]]:
+        out = work / f"{tag}-{kind}-{i}.bin"
+        s, first = timed([*base, "--root", str(root), "--out", str(out)],
+                         {**clean, "TORCHINDUCTOR_CACHE_DIR": str(inductor), **extra})
+        first["out"] = str(out)
+        return s, first
+
+    colds, warms, hosts = [], [], []
+    for i in range(repeat):
+        root, inductor = work / f"store-{tag}-{i}", work / f"inductor-{tag}-{i}"
+        colds.append(run(i, "cold", root, inductor, remote["writer"] if i == 0 else {}))
+        warms.append(run(i, "warm", root, inductor, {}))
+    for i in range(repeat):
+        hosts.append(run(i, "host", work / f"host-{tag}-{i}", work / f"host-inductor-{tag}-{i}", remote["reader"]))
+    cold, warm, host = (statistics.median(s for s, _ in runs) for runs in (colds, warms, hosts))
+    shas = {f["sha"] for _, f in colds + warms + hosts}
+    diff = float(abs(_floats(Path(colds[0][1]["out"])) - _floats(eager_out)).max())
+    result = {
+        "backend": backend, "layers": layers, "hidden": hidden, "floor_s": floor,
+        "cold_s": cold, "warm_s": warm, "new_host_s": host,
+        "cold_runs": [s for s, _ in colds], "warm_runs": [s for s, _ in warms], "new_host_runs": [s for s, _ in hosts],
+        "warm_above_floor_s": warm - floor, "new_host_above_floor_s": host - floor,
+        "above_floor_ratio": (cold - floor) / (warm - floor) if warm > floor else None,
+        "new_host_over_warm": host / warm,
+        "events": {"cold": colds[0][1]["events"], "warm": warms[0][1]["events"], "new_host": hosts[0][1]["events"]},
+        "warm_imports": {k: warms[0][1][k] for k in ("transformers", "dynamo", "inductor")},
+        "outputs_bit_identical": len(shas) == 1, "max_abs_diff_vs_eager": diff,
+    }
+    print(f"{tag}: cold {cold:.3f} s, warm {warm:.3f} s (floor + {warm - floor:.3f} s, "
+          f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less above the floor), new host {host:.3f} s "
+          f"(floor + {host - floor:.3f} s, {host / warm:.2f}x warm); outputs identical {len(shas) == 1}, "
+          f"vs eager {diff:.2e}; warm imports {result['warm_imports']}")
+    return result
+
+
+def http_remote(work: Path) -> tuple[Any, dict[str, dict[str, str]]]:
+    """A WebDAV server on 127.0.0.1 (the Bazel HTTP cache protocol) and the writer's and readers' environments."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store" / "remote"))
+    from remote_servers import start_webdav
+
+    from adstore.store.remote import write_keypair
+
+    server = start_webdav(work)
+    private, public = write_keypair(work / "keys")
+    url = f"{server.endpoint}/restart-{os.getpid()}"
+    return server, {"writer": {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write",
+                               "ADSTORE_SIGNING_KEY": str(private)},
+                    "reader": {"ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs of each warm figure (median reported)")
@@ -112,6 +200,11 @@ def main() -> int:
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--compile", default="eager", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--backends", default="aoti,torch_compile",
+                    help="compile-stage backends to measure (comma-separated; '' for none; --quick: aoti)")
+    ap.add_argument("--skip", default="", help="sections not to measure this time: pipeline,engine")
     args = ap.parse_args()
     if args.child == "pipeline":
         child_pipeline(args)
@@ -130,11 +223,15 @@ def main() -> int:
     floors = [timed(floor_argv)[0] for _ in range(repeat)]
     floor = statistics.median(floors)
     print(f"floor (python -c 'import torch'): {floor:.3f} s  {[round(f, 3) for f in floors]}")
-    results: dict[str, Any] = {"floor_s": floor, "floor_runs": floors, "models": {}}
-
+    results: dict[str, Any] = {"floor_s": floor, "floor_runs": floors}
+    skip = {x for x in args.skip.split(",") if x}
     for name, layers, hidden in models:
         factory = ModelFactory.from_config({"arch": "llama", "layers": layers, "hidden": hidden})
-        ckpt = write_random_checkpoint(factory.build(), work / f"ckpt-{name}", seed=0)
+        write_random_checkpoint(factory.build(), work / f"ckpt-{name}", seed=0)
+
+    for name, layers, hidden in models if "pipeline" not in skip else ():
+        results.setdefault("models", {})
+        ckpt = work / f"ckpt-{name}"
         base = ["--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers), "--hidden", str(hidden)]
         colds, warms, sums, events, info = [], [], set(), [], {}
         for i in range(repeat):
@@ -158,7 +255,23 @@ def main() -> int:
               f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less time above the floor; warm imports {info}; "
               f"events {events[0]}; outputs equal {len(sums) == 1}")
 
-    if not args.quick:
+    backends = [b for b in args.backends.split(",") if b] if not args.quick else ["aoti"]
+    if backends:
+        server, remote = http_remote(work)
+        results["compile"] = {}
+        try:
+            for name, layers, hidden in models:
+                ckpt = work / f"ckpt-{name}"
+                eager_out = work / f"{name}-eager.bin"
+                timed(me("--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers), "--hidden",
+                         str(hidden), "--root", str(work / f"store-{name}-eager"), "--out", str(eager_out)))
+                for backend in backends:
+                    results["compile"][f"{name}/{backend}"] = compile_stage(
+                        backend, name, layers, hidden, ckpt, work, floor, repeat, remote, eager_out)
+        finally:
+            server.stop()
+
+    if not args.quick and "engine" not in skip:
         root = str(work / "store-engine")
         cold_s, c = timed(me("--child", "engine", "--root", root))
         warm_runs = [timed(me("--child", "engine", "--root", root)) for _ in range(repeat)]
@@ -171,8 +284,7 @@ def main() -> int:
         }
         print(f"engine: cold {cold_s:.3f} s, warm {warm_s:.3f} s (floor + {warm_s - floor:.3f} s)")
 
-    out = results_dir() / "restart.json"
-    out.write_text(json.dumps(results, indent=2))
+    out = write_results("restart.json", results, partial=bool(skip) or not backends)
     print(f"wrote {out}")
     return 0
 

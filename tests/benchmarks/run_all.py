@@ -349,11 +349,33 @@ def rows_restart(d: dict) -> list[Row]:
         out.append(row("restart", f"pipeline time above the floor ({name})", _s(above),
                        f"cold {_s(cold_above)}", ratio, "≥ 4× less", ratio is not None and ratio >= 4,
                        "ratio = cold time above floor / warm time above floor"))
+    out.extend(_rows_compile_stage(d.get("compile", {})))
     if "engine" in d:
         e = d["engine"]
         out.append(row("restart", "engine cache warm restart (MLP), start to first output",
                        f"{_s(e['warm_s'])} (floor + {_s(e['warm_above_floor_s'])})",
                        f"cold restart (compile) {_s(e['cold_s'])}", e.get("speedup")))
+    return out
+
+
+def _rows_compile_stage(sections: dict) -> list[Row]:
+    """bench_restart's compile-stage rows: warm and new-host restarts per model and backend."""
+    out = []
+    for tag, c in sections.items():
+        floor, warm, host, ratio = c["floor_s"], c["warm_s"], c["new_host_s"], c.get("above_floor_ratio")
+        same = f"outputs bit-identical: {'yes' if c['outputs_bit_identical'] else 'NO'}; " \
+               f"vs eager {c['max_abs_diff_vs_eager']:.1e}"
+        if c["backend"] == "aoti":
+            out.append(row("restart", f"compile stage warm restart ({tag})", f"{_s(warm)} (floor + {_s(warm - floor)})",
+                           f"cold restart {_s(c['cold_s'])}", ratio, "≤ floor + 0.5 s, ≥ 10× less above the floor",
+                           warm - floor <= 0.5 and ratio is not None and ratio >= 10, same))
+            out.append(row("restart", f"compile stage new host from the HTTP remote ({tag})",
+                           f"{_s(host)} (floor + {_s(host - floor)})", f"cold restart {_s(c['cold_s'])}",
+                           c["cold_s"] / host, "≤ floor + 1.0 s", host - floor <= 1.0))
+        else:
+            out.append(row("restart", f"compile stage new host from the HTTP remote ({tag})", _s(host),
+                           f"local warm restart {_s(warm)}", c["new_host_over_warm"], "≤ 1.3× local warm",
+                           c["new_host_over_warm"] <= 1.3, f"cold restart {_s(c['cold_s'])}; {same}"))
     return out
 
 

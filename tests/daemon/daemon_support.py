@@ -186,10 +186,10 @@ def run_writer(root: Path, *, count: int, size: int, prefix: str, world_size: in
     return proc
 
 
-def populate(root: Path, *, count: int, size: int, prefix: str, world_size: int = 1) -> list[str]:
-    """Write entries in this process (faster than a subprocess for setup)."""
+def populate(root: Path, *, count: int, size: int, prefix: str, world_size: int = 1, age: float = 0.0) -> list[str]:
+    """Write entries in this process (faster than a subprocess for setup), ``age`` seconds in the past."""
     keys = []
-    with Store.open(root) as store:
+    with Store.open(root, clock=lambda: time.time() - age) as store:
         for i in range(count):
             key = key_for(prefix, i)
             gen = store.new_generation()

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -375,7 +374,6 @@ def test_console_script_exit_codes(populated, corrupted) -> None:
 
 
 def test_python_dash_m_is_the_same_cli(empty: Path) -> None:
-    t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "adstore.daemon", "stats", "--json", "--root", str(empty)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and json.loads(p.stdout)["entries"] == 0
@@ -386,7 +384,6 @@ def test_python_dash_m_is_the_same_cli(empty: Path) -> None:
                             "import adstore.daemon.daemon; print('torch' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip().endswith("False"), probe.stdout + probe.stderr
-    assert time.monotonic() - t0 < 30
 
 
 def test_inspect_summarizes_a_real_snapshot(capsys, tmp_path: Path) -> None:

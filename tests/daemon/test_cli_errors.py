@@ -23,7 +23,7 @@ from daemon_support import populate, write_config
 from adstore.daemon.cli import main
 from adstore.daemon.commands import _flatten, entry_dict
 from adstore.store import Entry, InvalidKey, KeyNotFound, Store
-from adstore.store.records import MAX_JSON_DEPTH
+from adstore.store.index.rows import MAX_JSON_DEPTH
 
 KIB = 1024
 READ_ONLY = (["stats"], ["ls"], ["inspect", "abc"], ["explain", "abc"], ["verify"], ["stats", "--prometheus"])
@@ -124,9 +124,9 @@ def test_deep_metadata_and_components_are_clear_errors_at_publish(tmp_path):
             store.publish("k", generation=1, artifacts={"a": ref}, meta={"x": {1, 2}})
         with pytest.raises(KeyNotFound):
             store.resolve_key("")
-        with pytest.raises(InvalidKey, match="UTF-8"):
+        with pytest.raises(InvalidKey, match="1-200 characters"):
             store.resolve_key(os.fsdecode(b"\xff"))
-        with pytest.raises(KeyNotFound):
+        with pytest.raises(InvalidKey, match=r"\(10002 characters\)"):
             store.resolve_key("a" * 10_000)
 
 

@@ -35,11 +35,9 @@ def test_notify_lifecycle_ready_watchdog_stopping(tmp_path: Path, notify_socket,
     assert int(ready["MAINPID"]) == d.pid  # ExecStart execs through to the daemon: systemd sees its pid
     assert "budget 10.0 MiB" in ready["STATUS"]
     # WATCHDOG=1 at half of WATCHDOG_USEC (0.15 s): several pings in well under a second each.
-    start = time.monotonic()
-    for _ in range(3):
+    for _ in range(3):  # each within 2 s, or wait_for fails the test
         notify_socket.wait_for(lambda m: m.get("WATCHDOG") == "1", timeout=2.0, proc=d.proc)
         notify_socket.messages.clear()
-    assert time.monotonic() - start < 6.0  # 3 pings at 0.15 s, generous for a loaded machine
     d.signal(signal.SIGTERM)
     assert d.wait() == 0, d.log()
     notify_socket.poll()
@@ -49,8 +47,7 @@ def test_notify_lifecycle_ready_watchdog_stopping(tmp_path: Path, notify_socket,
 def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
         tmp_path: Path, notify_socket, start_daemon) -> None:
     root = tmp_path / "store"
-    old = populate(root, count=12, size=100 * KIB, prefix="old")
-    time.sleep(1.1)  # the old entries are now past the 1 s grace period
+    old = populate(root, count=12, size=100 * KIB, prefix="old", age=10.0)  # past the 1 s grace period
     cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.6,
                        grace_period="1s", batch_size=3, fallback_interval="1h")
     d = start_daemon(cfg, root, notify=notify_socket)
@@ -183,8 +180,11 @@ def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notif
                        grace_period="0s", fallback_interval="500ms", watch="false")
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
-    populate(root, count=20, size=100 * KIB, prefix="f")  # 2 MB, no inotify watching
-    # Nothing but the 0.5 s timer can wake the daemon (generous bound for a loaded machine).
+    # 900 KiB: under the high watermark (921.6 KiB), so neither the daemon nor the writer evicts;
+    # then one more entry (1000 KiB, still under the writers' hard limit of 1 MiB) crosses it.
+    populate(root, count=9, size=100 * KIB, prefix="f")
+    populate(root, count=1, size=100 * KIB, prefix="g")
+    # Nothing but the 0.5 s timer can wake the daemon (no inotify watching).
     wait_until(lambda: store_size(root) <= 512 * KIB, timeout=30)
     assert "filesystem events disabled" in d.log()
     d.signal(signal.SIGTERM)

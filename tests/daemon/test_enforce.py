@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from daemon_support import PROCS, populate
@@ -66,8 +65,7 @@ def test_under_budget_does_nothing(tmp_path: Path) -> None:
 
 def test_max_age_evicts_unused_entries_only(tmp_path: Path) -> None:
     root = tmp_path / "s"
-    old = populate(root, count=3, size=KIB, prefix="old")
-    time.sleep(0.6)
+    old = populate(root, count=3, size=KIB, prefix="old", age=5.0)
     new = populate(root, count=2, size=KIB, prefix="new")
     with Store.open(root, grace_period=0) as store:
         result = Enforcer(store, _cfg(max_age=0.5)).run_pass()

@@ -61,14 +61,11 @@ def test_watchdog_interval() -> None:
 
 
 def test_a_full_notify_queue_never_blocks(tmp_path: Path) -> None:
-    import time
 
     path = tmp_path / "full.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(path))  # bound but never read, like a stalled supervisor
     n = Notifier(address=str(path))
-    start = time.monotonic()
-    results = [n.status("x" * 200) for _ in range(5000)]
-    assert time.monotonic() - start < 5
+    results = [n.status("x" * 200) for _ in range(5000)]  # a blocking send would hang here (pytest-timeout)
     assert results[0] and not all(results)  # the queue filled up and later sends were dropped
     sock.close()

@@ -35,20 +35,24 @@ from pathlib import Path
 
 import pytest
 from adstore.store import BlobMissing, ChecksumMismatch, OverBudget, Store, StoreError
-from adstore.store.records import ACCESS_ROW
+from adstore.store.index.rows import ACCESS_ROW
 from adstore.store.fsutil import atomic_write
 from daemon_support import wait_until, write_config
 
 CTX = mp.get_context("spawn")
 KIB = 1024
 MIB = 1024 * 1024
-BUDGET = 4 * MIB
+BUDGET = 2 * MIB  # below what the 24 keys hold, compressed blobs included
 N_KEYS = 24
 SNAPSHOT_WORKERS = 2
 
 
 def _payload(key: str, gen: int, rank: int, name: str, size: int) -> bytes:
+    """Self-describing content: rank 0's is pseudo-random (stored raw), the others' repeat (stored
+    compressed), so the budget bites and both kinds of blob file are evicted, swept and verified."""
     head = f"{key}|{gen}|{rank}|{name}|".encode()
+    if rank == 0:
+        return head + random.Random(head).randbytes(max(0, size - len(head)))
     body = hashlib.sha256(head).digest() * (size // 32 + 1)
     return (head + body)[:max(size, len(head))]
 
@@ -199,7 +203,7 @@ def _refcount_detail(store: Store, rep) -> str:
     The 90 s run once ended with a shared blob one reference short of its manifests (README, Known
     limits); this is what a next failure must show to be explained.
     """
-    from adstore.store.records import Manifest
+    from adstore.store.index.rows import Manifest
 
     lines = []
     with store._tables.read() as t:
@@ -418,7 +422,7 @@ def _save_payload(store: Store, key: str, size: int) -> None:
 
 def test_daemon_survives_a_poisoned_index_row(tmp_path, start_daemon, notify_socket):
     """One hostile row (deeply nested JSON in a manifest) must not kill the daemon or stop gc."""
-    from adstore.store.records import manifest_key
+    from adstore.store.index.rows import manifest_key
 
     root = tmp_path / "store"
     with Store.open(root, grace_period=0.0) as store:

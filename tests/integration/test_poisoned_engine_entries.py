@@ -27,7 +27,7 @@ import torch
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache
 from adstore.store import Store
-from adstore.store.records import manifest_key
+from adstore.store.index.rows import manifest_key
 from poison_support import Reduce, sentinel_fixture  # noqa: F401  (the sentinel fixture)
 
 

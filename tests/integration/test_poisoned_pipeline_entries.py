@@ -32,7 +32,7 @@ from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.snapshot import FORMAT, VERSION
 from adstore.store import Store
-from adstore.store.records import manifest_key
+from adstore.store.index.rows import manifest_key
 from poison_support import Reduce, publish, run_cli, sentinel_fixture  # noqa: F401  (the sentinel fixture)
 
 
@@ -266,7 +266,7 @@ def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
 def test_an_eviction_between_lookup_and_read_does_not_break_a_restore(pipeline, monkeypatch):
     """The daemon (here `adstore rm`, another process) evicts the entry right after the pipeline's
     lookup said hit.  A restore that holds a lease is skipped by eviction; one that does not, loses."""
-    from adstore.store.records import BlobRow
+    from adstore.store.index.rows import BlobRow
 
     with Store.open(pipeline["root"]) as store:  # the entry was saved an hour ago (past any grace period)
         with store.index.env.begin(write=True) as txn:

@@ -50,7 +50,7 @@ class Trap:
         self.n += 1
 
     def install(self) -> None:
-        from adstore.store.index import Index
+        from adstore.store.index.env import Index
 
         for name in _TRAPPED_OS:
             real = getattr(os, name)

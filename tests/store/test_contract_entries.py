@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import os
+
 
 import pytest
 from store_helpers import check_hit, payload, save
@@ -93,10 +94,10 @@ def test_abort_drops_uncommitted_manifest(store):
     assert store.verify().ok
 
 
-def test_hit_refreshes_last_access(store):
+def test_hit_refreshes_last_access(store, clock):
     save(store, "k")
     before = store.entry("k")
-    time.sleep(0.01)
+    clock.advance(1)
     assert store.lookup("k").hit
     store.flush()
     after = store.entry("k")
@@ -104,7 +105,7 @@ def test_hit_refreshes_last_access(store):
 
 
 def test_stats_counters_and_totals(store):
-    shared = b"S" * 100_000
+    shared = os.urandom(100_000)  # stored raw: physical bytes are content bytes
     save(store, "a", shared=shared)
     save(store, "b", shared=shared)
     store.lookup("a")
@@ -137,7 +138,7 @@ def test_commit_without_publish_is_an_error(store):
 
 def test_hits_are_recorded_beside_the_entry_row(store):
     """Recording hits rewrites a small access row, never the entry (lookups memoize it by its bytes)."""
-    from adstore.store.records import ACCESS_ROW
+    from adstore.store.index.rows import ACCESS_ROW
 
     save(store, "k")
     env, dbs = store.index.env, store.index.db

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 
 import pytest
 from store_helpers import check_hit, save
@@ -41,10 +40,10 @@ def test_undecodable_index_values_are_misses_and_fixable(store):
     assert store.verify().ok and check_hit(store, "ok")
 
 
-def test_eviction_is_lru_by_entry(store):
+def test_eviction_is_lru_by_entry(store, clock):
     for key in ("a", "b", "c"):
         save(store, key, sizes=(100, 100_000))
-        time.sleep(0.01)
+        clock.advance(1)
     store.lookup("a")  # a becomes most recently used
     store.flush()
     plan = store.plan_eviction(max_size=store.size() - 1)
@@ -69,7 +68,7 @@ def test_eviction_skips_leased_pinned_and_young(store_root):
         plan.execute()
     assert store.lookup("leased").hit and store.lookup("pinned").hit
     store.unpin("pinned")
-    young = Store.open(store_root, grace_period=3600.0)
+    young = Store.open(store_root, grace_period=3600.0, clock=store.clock)
     assert young.plan_eviction(max_size=0).victims == []  # younger than the grace period
     assert [e.key for e in store.plan_eviction(max_size=0).victims] == ["leased", "pinned"]
 
@@ -82,10 +81,10 @@ def test_eviction_plan_rechecks_at_execute(store):
     assert store.lookup("k").hit
 
 
-def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store):
+def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store, clock):
     for key in ("used", "pinned", "resaved", "idle"):
         save(store, key)
-    time.sleep(0.01)
+    clock.advance(1)
     plan = store.plan_eviction(max_size=0)
     assert {e.key for e in plan.victims} == {"used", "pinned", "resaved", "idle"}
     assert store.lookup("used").hit  # its entry row is unchanged; only its access row moves
@@ -98,10 +97,10 @@ def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store
     assert store.verify().ok
 
 
-def test_older_than_and_min_free(store):
+def test_older_than_and_min_free(store, clock):
     save(store, "old")
     assert store.plan_eviction(older_than=3600).victims == []
-    time.sleep(0.05)
+    clock.advance(1)
     assert [e.key for e in store.plan_eviction(older_than=0.01).victims] == ["old"]
     free = os.statvfs(store.root).f_bavail * os.statvfs(store.root).f_frsize
     assert store.plan_eviction(min_free="1%").victims == [] or free < 0.01 * os.statvfs(store.root).f_blocks

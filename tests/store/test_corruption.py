@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
-from adstore.store.records import manifest_key
+from adstore.store.index.rows import manifest_key
 from store_helpers import check_hit, save
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 from adstore.store import Store
-from adstore.store.indexfile import read_meta
+from adstore.store.index.file import read_meta
 from store_helpers import report_figures, run_cli, save
 from test_diskfull import small_fs  # noqa: F401  (the 8 MiB tmpfs fixture; root only)
 

@@ -16,8 +16,8 @@ import time
 import lmdb
 import pytest
 from adstore.store import CorruptRecord, Store, UnsafeRoot
-from adstore.store.ballast import Ballast
-from adstore.store.indexfile import check_data_file, check_free_list, read_meta
+from adstore.store.index.ballast import Ballast
+from adstore.store.index.file import check_data_file, check_free_list, read_meta
 from adstore.store.reasons import Reason
 from store_helpers import save, writer_forever
 
@@ -153,7 +153,7 @@ def test_lmdb_errors_in_reads_become_the_stores_own(tmp_path, monkeypatch):
     root = tmp_path / "store"
     with Store.open(root) as store:
         save(store, "k")
-        from adstore.store import tables
+        from adstore.store.index import tables
 
         def broken(self, *args, **kwargs):
             raise lmdb.CorruptedError("mdb_get: MDB_CORRUPTED: Located page was wrong type")

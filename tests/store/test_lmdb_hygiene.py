@@ -119,7 +119,7 @@ def _grow_map(root: str) -> None:
 
 def _open_while_another_process_grows(root: str, q) -> None:
     """Open the store; between lmdb.open and the first transaction another process grows the map."""
-    import adstore.store.index as index_mod
+    import adstore.store.index.env as index_mod
 
     real_open = index_mod.lmdb.open
 

@@ -12,8 +12,8 @@ import multiprocessing as mp
 from store_helpers import check_hit, damage_inline_and_read, save
 
 from adstore.store import Store
-from adstore.store.records import BLOB_ROW, FLAG_QUARANTINED
-from adstore.store.tables import BLOB_EPOCH
+from adstore.store.index.rows import BLOB_ROW, FLAG_QUARANTINED
+from adstore.store.index.schema import BLOB_EPOCH
 
 
 def _epoch(store: Store) -> bytes | None:
@@ -43,8 +43,8 @@ def test_memo_trusts_blob_rows_only_while_the_epoch_is_unchanged(store):
     row_key = bytes.fromhex(_small_digest(store, "k"))
     with store.index.env.begin(write=True) as txn:  # flag the row without the store
         db = store.index.db["blobs"]
-        size, refs, touched, flags = BLOB_ROW.unpack(txn.get(row_key, db=db))
-        txn.put(row_key, BLOB_ROW.pack(size, refs, touched, flags | FLAG_QUARANTINED), db=db)
+        size, refs, touched, flags, stored = BLOB_ROW.unpack(txn.get(row_key, db=db))
+        txn.put(row_key, BLOB_ROW.pack(size, refs, touched, flags | FLAG_QUARANTINED, stored), db=db)
     assert store.lookup("k").hit  # memoized: the row was not read again
     store.quarantine(_small_digest(store, "other"))  # any quarantine bumps the epoch
     res = store.lookup("k")

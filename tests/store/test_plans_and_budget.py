@@ -84,7 +84,7 @@ def test_eviction_log_counts_evicted_not_planned(store, caplog):
     save(store, "a")
     save(store, "b")
     plan = store.plan_eviction(max_size=0)
-    with caplog.at_level(logging.INFO, logger="adstore.store.eviction"), store.lease("a"):
+    with caplog.at_level(logging.INFO, logger="adstore.store.maintenance.eviction"), store.lease("a"):
         plan.execute()
     assert "1 of 2 planned" in caplog.text
     assert store.lookup("a").hit and not store.lookup("b").hit

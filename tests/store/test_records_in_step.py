@@ -15,8 +15,8 @@ from store_helpers import save
 
 from adstore.store import Reason
 from adstore.store.layout import Layout
-from adstore.store.recordfiles import RecordFiles, RecordState
-from adstore.store.recordfmt import RECORD_FORMAT
+from adstore.store.records.files import RecordFiles, RecordState
+from adstore.store.records.format import RAW_FORMAT
 
 
 def test_records_follow_every_change_of_the_index(store):
@@ -64,7 +64,7 @@ def test_the_remote_payload_is_the_record_format_without_local_fields(store):
 
     save(store, "k", sizes=(100, 70_000))
     payload = record_payload(store, "k", 0)
-    assert payload["format"] == RECORD_FORMAT and "inline" not in payload and "producer" not in payload
+    assert payload["format"] == RAW_FORMAT and "inline" not in payload and "producer" not in payload
     (found,) = [f for f in RecordFiles(Layout(store.root)).scan() if f.state is RecordState.COMMITTED]
     local = json.loads(found.path.read_bytes())["record"]
     assert {k: v for k, v in local.items() if k not in ("inline", "producer")} == payload
@@ -72,7 +72,7 @@ def test_the_remote_payload_is_the_record_format_without_local_fields(store):
 
 
 def test_a_save_whose_record_cannot_be_written_fails_whole(store, monkeypatch):
-    from adstore.store import recordfiles
+    from adstore.store.records import files as recordfiles
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

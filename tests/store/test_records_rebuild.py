@@ -20,7 +20,7 @@ from store_helpers import run_cli, save, served_digests
 
 from adstore.store import Reason, Store
 from adstore.store.layout import Layout
-from adstore.store.recordfiles import RecordFiles, RecordState
+from adstore.store.records.files import RecordFiles, RecordState
 
 
 KEPT = ("one", "two", "pinned", "tiny")  # what must come back
@@ -172,8 +172,8 @@ def test_a_host_that_holds_one_rank_of_two_gets_it_back(store_root):
 def test_choose_prefers_the_newest_complete_generation():
     """A crash between two ranks' commits: the older generation every rank has wins over a newer partial one."""
     from adstore.store import BlobRef
-    from adstore.store.fromrecords import choose
-    from adstore.store.recordfmt import Record
+    from adstore.store.records.restore import choose
+    from adstore.store.records.format import Record
 
     ref = BlobRef("0" * 64, 1)
 
@@ -192,7 +192,6 @@ def test_choose_prefers_the_newest_complete_generation():
 def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
     """A restore may publish a dropped generation again: the rewritten record is newer than the list
     naming it, so scans and rebuilds keep it and gc does not delete it."""
-    import time
 
     files = RecordFiles(Layout(store.root))
     arts = {"a": store.put_bytes(b"z" * 70_000)}
@@ -201,7 +200,8 @@ def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
     store.commit("k", generation=gen)
     store.plan_remove(["k"]).execute()
     assert [name for name in files.obsoleted() if name.endswith(f"k.0.{gen}")] and files.scan() == []
-    time.sleep(0.05)  # file times tick coarsely: the new record must be visibly newer than its list
+    for listed in files.obsolete_files():  # the new record must be visibly newer than its list
+        os.utime(listed, (listed.stat().st_atime - 10, listed.stat().st_mtime - 10))
     arts = {"a": store.put_bytes(b"z" * 70_000)}  # (the removal may have taken the blob too)
     store.publish("k", generation=gen, artifacts=arts)
     store.commit("k", generation=gen)

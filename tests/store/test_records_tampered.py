@@ -20,9 +20,9 @@ from store_helpers import run_cli, save, served_digests
 
 from adstore.store import Reason, Store, UnsafeRoot
 from adstore.store.layout import Layout
-from adstore.store.recordfiles import RecordFiles, RecordState
-from adstore.store.recordfmt import RECORD_FORMAT, BadRecord, decode_record, encode_record
-from adstore.store.records import MANIFEST_SUFFIX, manifest_key
+from adstore.store.records.files import RecordFiles, RecordState
+from adstore.store.records.format import RECORD_FORMAT, BadRecord, decode_record, encode_record
+from adstore.store.index.rows import MANIFEST_SUFFIX, manifest_key
 
 
 def _rewrite(path: Path, edit) -> None:
@@ -152,7 +152,7 @@ def test_a_damaged_record_of_a_sound_index_is_quarantined_and_written_again(stor
 
 def test_a_hostile_key_in_the_index_names_no_record_file(store, tmp_path):
     """Rows copied under a key that is a path: verify and --fix must not write or move anything outside."""
-    from adstore.store.records import manifest_key
+    from adstore.store.index.rows import manifest_key
 
     gen = save(store, "k")
     evil = "../../../evil"  # from records/<ab>/: beside the store root, in tmp_path

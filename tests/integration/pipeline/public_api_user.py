@@ -132,11 +132,28 @@ def run(checkpoint: Path, root: Path) -> tuple[torch.Tensor, list[dict[str, Any]
     return out, [e.to_dict() for e in result.events]
 
 
+def run_compiled(checkpoint: Path, root: Path) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """The cached prefix, the weights, then the compile step keyed by the prefix's key (an AOTInductor engine)."""
+    from adstore.integration import cached_prefix
+
+    result = cached_prefix(key(checkpoint), build, root=root, allowed_prefixes=[PREFIX], code=[fuse_swiglu])
+    module = load_weights(result.module, checkpoint)
+    compiled = result.compile(module, (example_ids(),), key={"weights": "model.safetensors"}, code=[load_weights])
+    with torch.no_grad():
+        out = compiled.module(example_ids())
+    return out, [e.to_dict() for e in result.events + compiled.events]
+
+
 def main(argv: list[str]) -> int:
-    checkpoint, root, out_path = map(Path, argv)
-    out, events = run(checkpoint, root)
+    """``CKPT ROOT OUT [compile]``: the pipeline once (with the compile step if asked); events and output to OUT."""
+    import sys
+
+    checkpoint, root, out_path = map(Path, argv[:3])
+    out, events = (run_compiled if argv[3:] == ["compile"] else run)(checkpoint, root)
     torch.save(out, out_path.with_suffix(".pt"))
+    imported = {name: name in sys.modules for name in ("torch._dynamo", "torch._inductor", "transformers")}
     out_path.write_text(json.dumps(events))
+    out_path.with_suffix(".imports").write_text(json.dumps(imported))
     return 0
 
 

@@ -42,12 +42,13 @@ def kinds(result: CachedPrefix) -> list[tuple[str, str | None]]:
     return [(e.kind, e.reason) for e in result.events]
 
 
-def fresh_process(checkpoint: Path, root: Path, out: Path) -> tuple[torch.Tensor, list[tuple[str, str | None]]]:
+def fresh_process(checkpoint: Path, root: Path, out: Path,
+                  *extra: str) -> tuple[torch.Tensor, list[tuple[str, str | None]]]:
     """Run the user's cached pipeline in a new interpreter; its output and events."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     code = "import sys, public_api_user as u; sys.exit(u.main(sys.argv[1:]))"
-    subprocess.run([sys.executable, "-c", code, str(checkpoint), str(root), str(out)], env=env, check=True,
-                   timeout=300)
+    subprocess.run([sys.executable, "-c", code, str(checkpoint), str(root), str(out), *extra], env=env, check=True,
+                   timeout=600)
     events = json.loads(out.read_text())
     return torch.load(out.with_suffix(".pt")), [(e["kind"], e["reason"]) for e in events]
 
@@ -65,6 +66,21 @@ def test_a_transformers_export_pipeline_restarts_from_the_cache(checkpoint, tmp_
     (listed,) = store.entries()
     entry = store.entry(listed.key)
     assert entry.namespace == "pipeline" and {"model", "checkpoint", "prefix", "env", "dist"} <= set(entry.components)
+
+
+@pytest.mark.slow
+def test_the_compile_step_of_a_cached_prefix_restores_its_engine_on_a_restart(checkpoint, tmp_path):
+    root = tmp_path / "store"
+    cold, cold_events = fresh_process(checkpoint, root, tmp_path / "cold.json", "compile")
+    warm, warm_events = fresh_process(checkpoint, root, tmp_path / "warm.json", "compile")
+    assert cold_events == [("miss", "absent"), ("save", None), ("miss", "absent"), ("save", None)]
+    assert warm_events == [("hit", None), ("hit", None)]
+    assert json.loads((tmp_path / "warm.imports").read_text()) == {
+        "torch._dynamo": False, "torch._inductor": False, "transformers": False}
+    assert torch.equal(cold, warm)
+    with torch.no_grad():
+        eager = user.load_weights(user.build(), checkpoint)(user.example_ids())
+    torch.testing.assert_close(warm, eager, rtol=0, atol=1e-4)
 
 
 def test_the_key_holds_checkpoint_and_environment(checkpoint):

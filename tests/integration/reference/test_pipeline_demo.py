@@ -46,10 +46,23 @@ def test_run_demo_again_replaces_its_entry_and_runs_two_ranks(tmp_path):
     assert again["replaced_previous_entry"] is True and again["key"] == first["key"]
 
 
+@pytest.mark.slow
+def test_run_demo_with_the_aoti_compile_stage(tmp_path):
+    result = run_demo(arch="llama", layers=1, hidden=64, root=tmp_path / "store", compile="aoti")
+    assert result["compile"] == "aoti" and result["cold_events"] == ["miss", "save"]
+    assert result["warm_events"] == ["hit"] and result["warm_hit"] and result["outputs_match"]
+    assert result["compile_cold_s"] > 0 and result["compile_warm_s"] > 0
+    assert "compile stage (aoti), cold / warm" in format_demo(result)
+    again = run_demo(arch="llama", layers=1, hidden=64, root=tmp_path / "store", compile="aoti")
+    assert again["replaced_previous_entry"] and again["cold_events"] == ["miss", "save"] and again["warm_hit"]
+
+
 def test_run_demo_rejects_bad_options(tmp_path):
     with pytest.raises(ConfigError):
         run_demo(arch="nope", root=tmp_path)
     with pytest.raises(ConfigError):
         run_demo(world_size=0, root=tmp_path)
+    with pytest.raises(ConfigError, match="backend"):
+        run_demo(compile="tensorrt", root=tmp_path)
     with pytest.raises(ConfigError, match="KV heads"):
         run_demo(layers=1, hidden=64, world_size=4, root=tmp_path)

@@ -8,7 +8,8 @@ the connections already open, so clients reconnect into the new mode):
 * ``stall`` — accept and read, never answer (a hung server: read timeouts);
 * ``503``   — answer every request ``503 Service Unavailable``;
 * ``cut``   — forward, but drop the connection after 64 KiB of answer (a body cut short);
-* ``flip``  — forward, but invert one byte of the answer at 64 KiB (a body damaged in transit, same length).
+* ``flip``  — forward, but invert one byte of the answer at 64 KiB (a body damaged in transit, same length);
+* ``drip``  — forward, but send the answer one byte every 50 ms (a server too slow for any deadline).
 
 Threads are daemons and every socket has a timeout, so a test cannot hang on it.
 """
@@ -19,6 +20,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 
 __all__ = ["FaultProxy"]
 
@@ -76,11 +78,12 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket, mode: str) -> None:
         try:
-            if mode in ("pass", "cut", "flip"):
+            if mode in ("pass", "cut", "flip", "drip"):
                 upstream = self._track(socket.create_connection(self.upstream, timeout=30))
                 limit = 64 << 10 if mode == "cut" else None
                 flip = 64 << 10 if mode == "flip" else None
-                threading.Thread(target=self._pump, args=(upstream, client, False, limit, flip), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, False, limit, flip, mode == "drip"),
+                                 daemon=True).start()
                 self._pump(client, upstream, True)
             elif mode == "reset":
                 client.recv(65536)
@@ -105,7 +108,7 @@ class FaultProxy:
             pass
 
     def _pump(self, src: socket.socket, dst: socket.socket, record: bool, limit: int | None = None,
-              flip: int | None = None) -> None:
+              flip: int | None = None, drip: bool = False) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
@@ -125,6 +128,13 @@ class FaultProxy:
                 if record:
                     with self._lock:
                         self.sent += data
+                if drip:
+                    for i in range(len(data)):
+                        if self._stop.is_set():
+                            return
+                        dst.sendall(data[i:i + 1])
+                        time.sleep(0.05)
+                    continue
                 dst.sendall(data)
         except OSError:
             pass

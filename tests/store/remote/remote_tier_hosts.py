@@ -69,8 +69,12 @@ def on_host(fn, *args: Any) -> Any:
 
 
 
-def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, Any]) -> dict[str, Any]:
-    """One host running the reference pipeline with a remote tier; its events and a digest of its outputs."""
+def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, Any],
+                  compile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One host running the reference pipeline with a remote tier; its events and a digest of its outputs.
+
+    ``compile``: the compile stage's options (default: the reference pipeline's, eager).
+    """
     os.environ.update(env)
     import torch
 
@@ -80,7 +84,8 @@ def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, An
     from adstore.store import Store
 
     factory = ModelFactory.from_config(model)
-    opt = InferenceOptimizer(factory, ckpt, default_transforms(pipeline_cache={"root": root}))
+    opt = InferenceOptimizer(factory, ckpt, default_transforms(pipeline_cache={"root": root},
+                                                               **({"compile": compile} if compile else {})))
     module = opt()
     with torch.no_grad():
         out = module(*factory.example_inputs())
@@ -126,7 +131,8 @@ def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], q
             pass
 
 
-def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, str], model: dict[str, Any]) -> None:
+def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, str], model: dict[str, Any],
+                 compile: dict[str, Any] | None = None) -> None:
     import traceback
 
     try:
@@ -134,16 +140,17 @@ def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, st
         from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
 
         barrier.wait(120)
-        out.put(pipeline_host(root, ckpt, {}, model))
+        out.put(pipeline_host(root, ckpt, {}, model, compile))
     except BaseException:
         out.put({"error": traceback.format_exc()})
 
 
-def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dict[str, Any]) -> list[dict[str, Any]]:
+def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dict[str, Any],
+                    compile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """``len(roots)`` spawned hosts start the same cold pipeline at once; each one's :func:`pipeline_host` result."""
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(len(roots)), ctx.Queue()
-    procs = [ctx.Process(target=_flight_host, args=(barrier, out, root, ckpt, env, model)) for root in roots]
+    procs = [ctx.Process(target=_flight_host, args=(barrier, out, root, ckpt, env, model, compile)) for root in roots]
     for p in procs:
         p.start()
     try:

@@ -159,7 +159,7 @@ def test_a_signed_record_moved_to_another_address_is_untrusted(pair):
 
 def test_oversized_records_are_refused(pair):
     memory, writer, reader = pair
-    memory.put(Kind.AC, record_address("k", 0), b" " * (reader.max_record_bytes + 1))
+    memory.put(Kind.AC, record_address("k", 0), b" " * (reader.max_envelope_bytes + 1))
     assert reader.fetch_record("k", 0).reason == "untrusted_remote"
 
 

@@ -29,7 +29,8 @@ from adstore.store.remote import (
     open_remote,
     record_address,
 )
-from adstore.store.tiered import RECORD_FORMAT, record_payload, remote_restore, remote_save
+from adstore.store.records.format import RAW_FORMAT
+from adstore.store.tiered import record_payload, remote_restore, remote_save
 
 BACKENDS = ["s3", "http"]
 
@@ -79,7 +80,7 @@ def test_record_payload_is_versioned_and_complete(tmp_path):
     data = sample()
     gen = commit_entry(store, "key1", data)
     p = record_payload(store, "key1", 0)
-    assert p["format"] == RECORD_FORMAT and p["generation"] == gen and p["world_size"] == 1
+    assert p["format"] == RAW_FORMAT and p["generation"] == gen and p["world_size"] == 1
     assert p["components"] == {"k": "key1"} and p["namespace"] == "default"
     assert p["artifacts"] == {n: [hashlib.sha256(b).hexdigest(), len(b)] for n, b in sorted(data.items())}
     json.dumps(p)
@@ -172,10 +173,8 @@ def test_a_down_remote_costs_the_timeout_once_then_the_circuit_answers(kind, req
             r = open_remote(f"s3://{BUCKET}/{prefix}", endpoint_url=proxy.endpoint, **opts)
         else:
             r = open_remote(f"{proxy.endpoint}/{prefix}", **opts)
-        t = time.perf_counter()
         first = remote_restore(store, r, "cold")
-        took = time.perf_counter() - t
-        assert first.reason == "remote_timeout" and took < 0.5 + 1.0, (first, took)
+        assert first.reason == "remote_timeout", first
         # The open circuit answers without asking the server (the latency itself is
         # measured in bench_remote.py, not asserted by a clock here).
         before = r.counters.get("fast_fails", 0)
@@ -187,3 +186,87 @@ def test_a_down_remote_costs_the_timeout_once_then_the_circuit_answers(kind, req
         assert store.stats().counters["remote.misses"] == 51
     finally:
         proxy.close()
+
+
+def commit_rank(store: Store, key: str, rank: int, generation: int, data: bytes) -> None:
+    ref = store.put_bytes(data)
+    store.publish(key, rank=rank, world_size=2, generation=generation, artifacts={"module.pt": ref})
+    store.commit(key, rank=rank, generation=generation)
+
+
+def test_ranks_arriving_one_by_one_are_restored_once_all_are_there(url, signer, trusted, tmp_path):
+    """A reader that looked while only rank 0 was up is mended by its next lookup once rank 1 arrives."""
+    key = f"k-{uuid.uuid4().hex[:8]}"
+    writer = open_remote(url, mode="read-write", signer=signer)
+    with Store(tmp_path / "writer") as w, Store(tmp_path / "reader", remote=open_remote(url, trusted=trusted)) as r:
+        gen = w.new_generation()
+        commit_rank(w, key, 0, gen, b"rank zero" * 10_000)
+        commit_rank(w, key, 1, gen, b"rank one" * 10_000)
+        assert remote_save(w, writer, key, 0).ok
+        first = r.lookup(key)
+        assert not first.hit and first.reason in ("absent", "incomplete")  # never a partial hit
+        assert r.lookup(key, record=False).reason == "incomplete"  # rank 0 came over, rank 1 is not there yet
+        assert remote_save(w, writer, key, 1).ok
+        res = r.lookup(key)
+        assert res.hit and res.generation == gen and sorted(res.manifests) == [0, 1]
+        assert r.read_artifact(res.manifests[1], "module.pt") == b"rank one" * 10_000
+        # a newer generation on the remote replaces both ranks of an older one held here
+        gen2 = w.new_generation()
+        commit_rank(w, key, 0, gen2, b"zero, again")
+        commit_rank(w, key, 1, gen2, b"one, again")
+        assert remote_save(w, writer, key, 1).ok
+        assert remote_save(w, writer, key, 0).ok
+        with Store(tmp_path / "other", remote=open_remote(url, trusted=trusted)) as other:
+            commit_rank(other, key, 0, gen, b"stale")  # rank 0 of the old generation only: incomplete
+            res = other.lookup(key)
+            assert res.hit and res.generation == gen2, res
+            assert other.read_artifact(res.manifests[0], "module.pt") == b"zero, again"
+    writer.close()
+
+
+def _restore_in_child(root: str, url: str, public_pem: bytes, key: str) -> None:
+    from adstore.store.remote import TrustedKeys
+
+    with Store(root) as store:
+        remote_restore(store, open_remote(url, trusted=TrustedKeys.from_pem(public_pem), deadline=600), key, 0, 1)
+
+
+def test_sigkill_during_a_streamed_restore_leaves_nothing_committed(keypair, tmp_path):
+    """The reader is killed while a blob streams in: no entry, no blob, only a temp file gc sweeps."""
+    import multiprocessing
+    import signal
+
+    from remote_faultserver import FaultServer
+
+    server = FaultServer()
+    key = "k-sigkill"
+    try:
+        with Store(tmp_path / "writer") as w:
+            data = os.urandom(1 << 20)
+            commit_entry(w, key, {"big.bin": data})
+            assert remote_save(w, open_remote(server.url, mode="read-write",
+                                              signer=Signer.from_pem(keypair.private_pem)), key).ok
+        server.fault(f"cas/{hashlib.sha256(data).hexdigest()}", "drip", interval=0.01, head=512 << 10)
+        root = tmp_path / "reader"
+        Store(root).close()
+        child = multiprocessing.get_context("spawn").Process(
+            target=_restore_in_child, args=(str(root), server.url, keypair.public_pem, key))
+        child.start()
+        tmp = root / "tmp"
+        for _ in range(6000):  # until the blob's temp file exists and has bytes in it
+            parts = [p for p in tmp.iterdir() if p.stat().st_size > 0]
+            if parts or not child.is_alive():
+                break
+            time.sleep(0.01)
+        assert parts, "the restore never started streaming"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        with Store(root, grace_period=0) as store:
+            nothing_committed(store, key)
+            assert not store.has_blob(hashlib.sha256(data).hexdigest())
+            plan = store.plan_sweep()
+            assert plan.execute() is not None
+            assert list(tmp.iterdir()) == []
+            assert store.verify().ok
+    finally:
+        server.close()

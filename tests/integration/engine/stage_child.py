@@ -1,0 +1,62 @@
+"""One restart of the reference pipeline in a fresh process: ``python stage_child.py JOB_JSON``.
+
+The job names the model, checkpoint, store root and the ``compile`` stage's
+options; the child runs the pipeline, calls the module once and prints one
+JSON line: the cache events, the output (hex of its bytes), and whether
+dynamo, Inductor or transformers were imported.  The compile-stage tests run
+it cold and warm (:func:`run_child`), the way a user restarts a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL", "kinds", "main", "run_child"]
+
+#: The model of the compile-stage restart tests.
+MODEL = {"arch": "llama", "layers": 1, "hidden": 64}
+
+
+def run_child(job: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run this script on ``job`` in a fresh interpreter (``env`` added to this one's); its report."""
+    proc = subprocess.run([sys.executable, str(Path(__file__)), json.dumps(job)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def kinds(report: dict[str, Any]) -> list[tuple[str, str | None]]:
+    return [(e["kind"], e["reason"]) for e in report["events"]]
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(argv[0])
+    import torch
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
+    from adstore.integration.reference.models import ModelFactory
+    from adstore.integration.reference.pipeline import default_transforms
+
+    factory = ModelFactory.from_config(job["model"])
+    transforms = default_transforms(pipeline_cache={"root": job["root"], **job.get("cache", {})},
+                                    compile=job.get("compile", {"backend": "aoti"}))
+    opt = InferenceOptimizer(factory, job["checkpoint"], transforms)
+    module = opt()
+    with torch.no_grad():
+        out = module(*factory.example_inputs(batch=2, seq=8))
+    report = {
+        "events": [e.to_dict() for e in opt.events],
+        "module": type(module).__name__,
+        "output": out.detach().contiguous().numpy().tobytes().hex(),
+        "imported": {name: name in sys.modules for name in ("torch._dynamo", "torch._inductor", "transformers")},
+    }
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

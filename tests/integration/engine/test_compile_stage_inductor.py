@@ -1,0 +1,115 @@
+"""The compile stage with ``backend="torch_compile"``: Inductor's files travel with the entry.
+
+A cold run compiles in a private Inductor cache directory and stores what
+Inductor wrote; a restart with an empty Inductor cache of its own (a new
+host) unpacks them and every Inductor cache lookup hits, with bit-identical
+outputs.  A damaged, missing or foreign bundle is a miss with its reason,
+a compile, and is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from stage_child import MODEL, kinds, run_child
+
+from adstore.integration.engine.inductor import ARTIFACT, NAMESPACE
+from adstore.integration.reference.checkpoint import write_random_checkpoint
+from adstore.integration.reference.models import ModelFactory
+from adstore.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("inductor-stage")
+    ckpt = write_random_checkpoint(ModelFactory.from_config(MODEL).build(), work / "ckpt", seed=0)
+    return {"model": MODEL, "checkpoint": str(ckpt), "root": str(work / "store"),
+            "compile": {"backend": "torch_compile"}, "work": str(work)}
+
+
+def run(job: dict, name: str) -> dict:
+    """A restart with an Inductor cache directory of its own, empty: as on a new host."""
+    return run_child(job, env={"TORCHINDUCTOR_CACHE_DIR": os.path.join(job["work"], f"inductor-{name}")})
+
+
+@pytest.fixture(scope="module")
+def cold(job) -> dict:
+    report = run(job, "cold")
+    assert kinds(report) == [("miss", "absent"), ("save", None), ("miss", "absent"), ("save", None)]
+    assert "fxgraph_cache_miss 1" in report["events"][3]["detail"]
+    return report
+
+
+def bundle_path(job: dict):
+    with Store.open(job["root"]) as store:
+        (key,) = [e.key for e in store.entries(namespace=NAMESPACE)]
+        return store.blob_path(store.manifests(key)[0].artifacts[ARTIFACT].digest)
+
+
+def hits_again(job: dict, cold: dict, name: str) -> None:
+    again = run(job, name)
+    assert kinds(again) == [("hit", None), ("hit", None)], kinds(again)
+    assert "fxgraph_cache_hit 1" in again["events"][1]["detail"] and again["output"] == cold["output"]
+
+
+def test_a_restart_with_an_empty_inductor_cache_hits_every_inductor_lookup(job, cold):
+    warm = run(job, "warm")
+    assert kinds(warm) == [("hit", None), ("hit", None)], kinds(warm)
+    assert warm["events"][1]["source"] == "local"
+    detail = warm["events"][1]["detail"]
+    assert "fxgraph_cache_hit 1" in detail and "fxgraph_cache_miss 0" in detail and "autograd_cache_hit 1" in detail
+    assert "0 shared objects built" in detail
+    assert warm["output"] == cold["output"] and warm["module"] == "OptimizedModule"
+
+
+def test_a_corrupted_bundle_is_a_miss_and_is_replaced(job, cold):
+    path = bundle_path(job)
+    os.chmod(path, 0o600)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x20
+    path.write_bytes(bytes(data))
+    damaged = run(job, "corrupt")
+    assert kinds(damaged)[1:] == [("miss", "corrupt_engine"), ("save", None)], kinds(damaged)
+    assert damaged["output"] == cold["output"]
+    hits_again(job, cold, "corrupt-again")
+
+
+def test_a_missing_bundle_is_a_miss_and_is_replaced(job, cold):
+    bundle_path(job).unlink()
+    missing = run(job, "missing")
+    assert kinds(missing)[1:] == [("miss", "engine_unavailable"), ("save", None)], kinds(missing)
+    hits_again(job, cold, "missing-again")
+
+
+def test_a_bundle_written_by_another_user_is_never_unpacked(job, cold):
+    if os.geteuid() != 0:
+        pytest.xfail("needs root to create a blob owned by another uid")  # CI runs as root
+    os.chown(bundle_path(job), 54321, -1)
+    foreign = run(job, "foreign")
+    assert kinds(foreign)[1:] == [("miss", "untrusted_engine"), ("save", None)], kinds(foreign)
+    assert "uid 54321" in foreign["events"][1]["detail"]
+
+
+
+def test_files_stored_by_a_process_that_compiled_before_are_complete(job, cold, tmp_path):
+    """Inductor probes the CPU's vector ISA once per process, compiling small programs into its cache;
+    a second compile in one process must still store them, or every restart from its files builds
+    them again (seconds)."""
+    from adstore.integration.pipeline.optimizer import InferenceOptimizer
+    from adstore.integration.reference.demo import forget
+    from adstore.integration.reference.pipeline import default_transforms
+
+    factory = ModelFactory.from_config(MODEL)
+    transforms = default_transforms(pipeline_cache={"root": job["root"]}, compile={"backend": "torch_compile"})
+    for _ in range(2):  # this process compiles twice; the second run's files are what is stored
+        with Store.open(job["root"]) as store:
+            forget(store, cold["events"][0]["key"])
+        opt = InferenceOptimizer(factory, job["checkpoint"], transforms)
+        opt()
+        assert opt.events[-1].kind == "save", opt.events
+    restart = run(job, "after-two")
+    assert kinds(restart) == [("hit", None), ("hit", None)]
+    assert "0 shared objects built" in restart["events"][1]["detail"], restart["events"][1]["detail"]
