@@ -9,24 +9,24 @@ architecture, the full config dict after defaults and the construction kwargs.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from adstore.integration.reference import experts
+from adstore.integration.reference.metabuild import build_on_meta
 from adstore.store import ConfigError
 
 __all__ = [
     "ARCHITECTURES",
     "MODEL_TYPES",
     "ModelFactory",
-    "meta_parameters",
     "tiny_config",
 ]
 
@@ -151,27 +151,6 @@ def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, surve
     return model_types.small_config(arch, layers=layers, hidden=hidden)
 
 
-@contextlib.contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Register every new parameter on the meta device (buffers stay real).
-
-    Buffers that models compute at construction (rotary ``inv_freq``) keep their
-    real values this way, while parameters never allocate memory.
-    """
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
 @dataclass(frozen=True)
 class ModelFactory:
     """Builds one ``transformers`` causal LM from a config dict.
@@ -220,9 +199,9 @@ class ModelFactory:
         # else the architecture's own eager attention.
         default = "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
         hf._attn_implementation = self.model_kwargs.get("attn_implementation", default)
-        # Dense per-token expert matmuls trace the same on every device; the
-        # grouped kernels pick integer paths by the trace device (meta).
-        hf._experts_implementation = self.model_kwargs.get("experts_implementation", "batched_mm")
+        # A grouped GEMM over the routed tokens, bit-exact with transformers' eager loop (.experts).
+        grouped = experts.register()  # registered whichever is asked for: a config may name it
+        hf._experts_implementation = self.model_kwargs.get("experts_implementation", grouped)
         return hf
 
     @property
@@ -278,20 +257,19 @@ class ModelFactory:
             raise ConfigError("model.config", f"no causal LM for {type(hf).__name__}") from None
 
     def build(self, *, device: str = "meta") -> nn.Module:
-        """Build the model: meta parameters (``device="meta"``) or real random ones."""
+        """Build the model: on the meta device (no parameter allocated; :mod:`.metabuild`) or with real random weights."""
         hf = self.hf_config()
         cls = self._model_class(hf)
         if not isinstance(hf, cls.config_class):
             hf = hf.get_text_config(decoder=True)  # a composite type whose causal LM is its language model alone (qwen3_5)
-        ctx = meta_parameters() if device == "meta" else contextlib.nullcontext()
-        with ctx:
-            model = cls(copy.deepcopy(hf))
-        model = model.to(self.dtype) if device != "meta" else model
         if device == "meta":
+            model = build_on_meta(cls, hf)
             for mod in model.modules():
                 for name, p in list(mod._parameters.items()):
                     if p is not None and p.dtype.is_floating_point and p.dtype != self.dtype:
                         mod._parameters[name] = nn.Parameter(p.to(self.dtype), requires_grad=False)
+        else:
+            model = cls(copy.deepcopy(hf)).to(self.dtype)
         model.eval()
         log.debug("built %s on %s", cls.__name__, device)
         return model

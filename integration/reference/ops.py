@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ATEN_DECOMPOSITIONS", "OPS", "all_gather", "all_reduce", "rms_norm", "rope", "silu_mul"]
+__all__ = ["ATEN_DECOMPOSITIONS", "OPS", "all_gather", "all_reduce", "grouped_linear", "rms_norm", "rope", "silu_mul"]
 
 _LIB = torch.library.Library("adstore", "DEF")  # noqa: TOR901 - the ops' home; kept alive by this module
 
@@ -79,6 +79,48 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 rope = _define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope, _rope)
 
 
+def _check_grouped(x: Tensor, weight: Tensor, offsets: Tensor) -> None:
+    torch._check(x.dim() == 2 and weight.dim() == 3 and offsets.dim() == 1,
+                 lambda: f"grouped_linear needs x (rows, in), weight (groups, out, in), offsets (groups,); got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(offsets.shape)}")
+    torch._check(offsets.shape[0] == weight.shape[0] and x.shape[1] == weight.shape[2],
+                 lambda: f"grouped_linear: {offsets.shape[0]} offsets for {weight.shape[0]} groups, "
+                         f"input width {x.shape[1]} for weights of width {weight.shape[2]}")
+    torch._check(not offsets.is_floating_point(), lambda: "grouped_linear: offsets must be integers")
+
+
+def _grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Rows ``offsets[g-1]:offsets[g]`` of ``x`` through ``linear(., weight[g])``, for each group ``g``.
+
+    Each group is one ``torch.nn.functional.linear`` on exactly the rows routed
+    to it, the call transformers' own per-expert loop makes, so the results are
+    the same bits; nothing is gathered per row (``batched_mm`` copies a whole
+    expert matrix for every routed token).  Rows past the last offset are zero.
+    """
+    _check_grouped(x, weight, offsets)
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    start = 0
+    for group, end in enumerate(offsets.tolist()):  # one host sync for the whole op
+        if not start <= end <= x.shape[0]:
+            raise ValueError(f"grouped_linear: offsets must rise within 0..{x.shape[0]}, got {offsets.tolist()}")
+        if end > start:
+            out[start:end] = torch.nn.functional.linear(x[start:end], weight[group])
+        start = end
+    out[start:].zero_()
+    return out
+
+
+def _grouped_linear_fake(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    _check_grouped(x, weight, offsets)
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+#: Grouped GEMM (mixture-of-experts): ``x`` is sorted by group, ``offsets`` are the cumulative row
+#: counts per group, ``weight`` is ``(groups, out, in)`` like transformers' fused expert weights.
+grouped_linear = _define("grouped_linear(Tensor x, Tensor weight, Tensor offsets) -> Tensor",
+                         _grouped_linear, _grouped_linear_fake)
+
+
 def _group_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -126,4 +168,5 @@ all_gather = _define("all_gather(Tensor x, int dim, int world_size) -> Tensor", 
 ATEN_DECOMPOSITIONS = {rms_norm: _rms_norm, silu_mul: _silu_mul, rope: _rope}
 
 #: The op overloads this module registers, for code that needs to recognise them.
-OPS = {"rms_norm": rms_norm, "silu_mul": silu_mul, "rope": rope, "all_reduce": all_reduce, "all_gather": all_gather}
+OPS = {"rms_norm": rms_norm, "silu_mul": silu_mul, "rope": rope, "all_reduce": all_reduce, "all_gather": all_gather,
+       "grouped_linear": grouped_linear}

@@ -186,9 +186,10 @@ def _group_of(node: fx.Node) -> str:
     return node.args[1].target.rsplit(".", 2)[0]
 
 
-def _track_region(col: list[fx.Node], row: set[fx.Node], world_size: int,
+def _track_region(col: list[fx.Node], rows: list[fx.Node], world_size: int,
                   order: dict[fx.Node, int]) -> dict[fx.Node, tuple[Any, ...]]:
-    """Follow the sharded dim from ``col`` to ``row``; the shape-arg rewrites it needs."""
+    """Follow the sharded dim from ``col`` to ``rows``; the shape-arg rewrites it needs."""
+    row = set(rows)
     tracker = _Tracker(world_size)
     pending: set[fx.Node] = set()
     for node in col:
@@ -217,11 +218,17 @@ def _track_region(col: list[fx.Node], row: set[fx.Node], world_size: int,
 
 
 def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size: int) -> dict[str, int]:
-    """Shard ``gm`` in place for ``rank`` of ``world_size``; returns counts per style."""
+    """Shard ``gm`` in place for ``rank`` of ``world_size``; returns counts per style.
+
+    Deterministic: every list here is in graph order (never a set's iteration
+    order, which follows memory addresses), so the inserted collectives get the
+    same names, and the load hooks the same order, in every process and on every
+    rank: equal inputs give a byte-identical snapshot.
+    """
     regex = _plan_regex(plan)
     col: list[fx.Node] = []
     gather: list[fx.Node] = []
-    row: set[fx.Node] = set()
+    row: list[fx.Node] = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
@@ -234,19 +241,19 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
         elif style == "colwise_gather_output":
             gather.append(node)
         elif style == "rowwise":
-            row.add(node)
+            row.append(node)
 
     # Regions are the plan's owner modules (``...self_attn``, ``...mlp``): each is
     # tracked on its own, and one the tracker cannot follow stays replicated.
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    groups: dict[str, tuple[list[fx.Node], set[fx.Node]]] = {}
+    groups: dict[str, tuple[list[fx.Node], list[fx.Node]]] = {}
     for node in col:
-        groups.setdefault(_group_of(node), ([], set()))[0].append(node)
+        groups.setdefault(_group_of(node), ([], []))[0].append(node)
     for node in row:
-        groups.setdefault(_group_of(node), ([], set()))[1].add(node)
+        groups.setdefault(_group_of(node), ([], []))[1].append(node)
     new_args: dict[fx.Node, tuple[Any, ...]] = {}
     sharded_col: list[fx.Node] = []
-    sharded_row: set[fx.Node] = set()
+    sharded_row: list[fx.Node] = []
     replicated: list[str] = []
     for name, (g_col, g_row) in groups.items():
         try:
@@ -258,8 +265,9 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
             log.info("tp_sharding: %s stays replicated: %s", name, exc)
             continue
         sharded_col.extend(g_col)
-        sharded_row.update(g_row)
-    col, row = sharded_col, sharded_row
+        sharded_row.extend(g_row)
+    col = sorted(sharded_col, key=order.__getitem__)
+    row = sorted(sharded_row, key=order.__getitem__)
 
     # ---- apply: parameters, hooks, shape args, collectives
     def shard_param(target: str, dim: int) -> None:

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from adstore.integration.errors import IntegrationError
 from adstore.integration.pipeline.events import CacheEvent, EventKind
-from adstore.integration.pipeline.graphs import graph_modules, replace_devices
+from adstore.integration.pipeline.graphs import canonicalize, graph_modules, replace_devices
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from adstore.store import ConfigError, Reason
 
@@ -35,6 +35,8 @@ class BuildModel(Transform):
 
     name = "build_model"
     stage = Stage.BUILD_MODEL
+    code_modules = ("adstore.integration.reference.models", "adstore.integration.reference.metabuild",
+                    "adstore.integration.reference.experts", "adstore.integration.reference.ops")
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         return ctx.factory.build(device="meta")
@@ -133,7 +135,8 @@ class CleanupExport(Transform):
     Removes export's runtime guards (forward pre-hooks, the ``_guards_fn``
     call and tensor-metadata asserts, all of which pin the trace device),
     points baked device arguments at the target device, returns the logits
-    tensor instead of the model-output dataclass, and drops dead code.
+    tensor instead of the model-output dataclass, drops dead code, and puts
+    the nodes in their canonical order (the same graph, the same bytes).
     """
 
     name = "cleanup_export"
@@ -172,6 +175,7 @@ class CleanupExport(Transform):
         if cfg.logits_only:
             _logits_only(gm)
         gm.graph.eliminate_dead_code()
+        canonicalize(gm)  # export's node order follows the model's Python, sets included
         gm.graph.lint()
         gm.recompile()
         return removed, moved

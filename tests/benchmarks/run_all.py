@@ -61,6 +61,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_restart": ["restart.json"],
     "bench_remote": ["remote.json"],
     "bench_compression": ["compression.json"],
+    "bench_scale": ["scale.json"],
 }
 
 Row = dict[str, Any]
@@ -467,6 +468,26 @@ def rows_compression(d: dict) -> list[Row]:
     return out
 
 
+def rows_scale(d: dict) -> list[Row]:
+    gib = lambda n: f"{n / (1 << 30):.2f} GiB"  # noqa: E731
+    out = []
+    for name, c in d.get("cases", {}).items():
+        label = f"{name} ({c['parameters_billion']}B params, {c['nodes']} nodes, {c['snapshot_bytes']:,} B snapshot)"
+        out.append(row("scale", f"restore vs the prefix it replaces, {label}", _s(c["restore_s"]),
+                       f"prefix {_s(c['prefix_s'])}", c["prefix_over_restore"]))
+        out.append(row("scale", f"{name}: restart time above the floor", _s(c["warm_above_floor_s"]),
+                       f"cold {_s(c['cold_above_floor_s'])}", c.get("above_floor_ratio"), "", None,
+                       f"floor (import torch) {_s(c['floor_s'])}"))
+        out.append(row("scale", f"{name}: cold run peak RSS", gib(c["cold_peak_rss"]), f"warm {gib(c['warm_peak_rss'])}",
+                       None, "< 4 GiB", c["meets_cold_rss_under_4gib"]))
+    if "moe_forward" in d:
+        m = d["moe_forward"]
+        out.append(row("scale", "1-layer Mixtral-8x7B forward on 2x8 tokens: peak RSS", gib(m["forward_peak_rss"]),
+                       f"weights {gib(m['weights_bytes'])}", m["peak_over_weights"], "≤ 1.5× the weights",
+                       m["meets_within_1_5x_weights"], "ratio = peak RSS / weight bytes"))
+    return out
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -500,6 +521,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_restart": rows_restart,
     "bench_remote": rows_remote,
     "bench_compression": rows_compression,
+    "bench_scale": rows_scale,
 }
 
 

@@ -29,6 +29,7 @@ SMALL = {
     "bench_restart": (["--quick", "--repeat", "1"], "restart.json"),
     "bench_remote": (["--quick"], "remote.json"),
     "bench_compression": (["--quick", "--big-mib", "8"], "compression.json"),
+    "bench_scale": (["--quick"], "scale.json"),
 }
 
 

@@ -10,6 +10,7 @@ from adstore.integration.reference.checkpoint import (
     INDEX_NAME,
     checkpoint_fingerprint,
     read_checkpoint,
+    write_header_checkpoint,
     write_random_checkpoint,
 )
 from adstore.integration.reference.models import ModelFactory
@@ -75,3 +76,40 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     (bad / "model.safetensors").write_bytes(b"\x01")
     with pytest.raises(ConfigError, match="too short"):
         checkpoint_fingerprint(bad)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1 << 30, 64 * 1024], ids=["one_file", "sharded"])
+def test_header_checkpoint_has_the_real_checkpoints_fingerprint(max_shard_bytes, tmp_path):
+    # bfloat16 parameters beside float32 and int64 buffers: safetensors orders tensors by dtype, then name.
+    model = ModelFactory.from_config({"arch": "deepseek_v3", "model_kwargs": {"torch_dtype": "bfloat16"}}).build()
+    model.register_buffer("steps", torch.zeros(3, dtype=torch.int64, device="meta"))
+    real = write_random_checkpoint(model, tmp_path / "real", max_shard_bytes=max_shard_bytes)
+    empty = write_header_checkpoint(model, tmp_path / "empty", max_shard_bytes=max_shard_bytes)
+    assert checkpoint_fingerprint(empty) == checkpoint_fingerprint(real)
+    zeros = read_checkpoint(empty)  # a hole reads as zeros: a valid checkpoint, without weights
+    assert set(zeros) == set(model.state_dict()) and all(not t.any() for t in zeros.values())
+    assert not list(empty.glob("*.tmp*")) and not list(empty.glob(".*"))
+
+
+def test_header_checkpoint_takes_no_disk_for_its_data(tmp_path):
+    from adstore.integration.reference.published import published_factory
+
+    model = published_factory("llama-3-70b", layers=2).build()  # 3.8 billion parameters, 7.6 GB in bfloat16
+    files = list(write_header_checkpoint(model, tmp_path / "ckpt").iterdir())
+    assert sum(f.stat().st_size for f in files) > 7 << 30
+    assert sum(f.stat().st_blocks * 512 for f in files) < 1 << 20
+
+
+def test_header_checkpoint_and_published_configs_refuse_bad_input(tmp_path):
+    from adstore.integration.reference.published import published_config
+
+    odd = torch.nn.Module()
+    odd.register_buffer("z", torch.zeros(2, dtype=torch.complex32, device="meta"))
+    with pytest.raises(ConfigError, match="no dtype"):
+        write_header_checkpoint(odd, tmp_path / "odd")
+    with pytest.raises(ConfigError, match="no published config"):
+        published_config("llama-9")
+    for layers in (0, -1, 2.5, "2"):
+        with pytest.raises(ConfigError, match="positive layer count"):
+            published_config("deepseek-v3", layers=layers)
+    assert published_config("deepseek-v3", layers=1)["first_k_dense_replace"] == 0  # still one MoE layer

@@ -72,5 +72,51 @@ def test_collective_fakes_match_real_without_a_process_group(x):
     _check(torch.ops.adstore.all_gather.default, (x, 2, 1))
 
 
+def _offsets(*counts: int) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0)
+
+
+GROUPED_CASES = {
+    "contiguous": lambda: (torch.randn(10, 32), torch.randn(4, 48, 32), _offsets(3, 0, 5, 2)),
+    "transposed_weight": lambda: (torch.randn(10, 32), torch.randn(4, 32, 48).transpose(-2, -1), _offsets(1, 4, 4, 1)),
+    "int32_offsets": lambda: (torch.randn(6, 32), torch.randn(3, 16, 32), _offsets(2, 2, 2).int()),
+    "bf16": lambda: (torch.randn(7, 32).bfloat16(), torch.randn(2, 16, 32).bfloat16(), _offsets(0, 7)),
+    "no_rows": lambda: (torch.randn(0, 32), torch.randn(2, 16, 32), _offsets(0, 0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_CASES))
+def test_grouped_linear_fake_matches_real(case):
+    _check(torch.ops.adstore.grouped_linear.default, GROUPED_CASES[case]())
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_CASES))
+def test_grouped_linear_is_one_linear_per_group_bit_for_bit(case):
+    x, w, offsets = GROUPED_CASES[case]()
+    out = ops.grouped_linear(x, w, offsets)
+    bounds = [0, *offsets.tolist()]
+    for g in range(w.shape[0]):
+        rows = slice(bounds[g], bounds[g + 1])
+        assert torch.equal(out[rows], torch.nn.functional.linear(x[rows], w[g]))
+
+
+def test_grouped_linear_rejects_bad_offsets_and_shapes():
+    x, w = torch.randn(6, 32), torch.randn(3, 16, 32)
+    for offsets in (_offsets(4, -1, 3), _offsets(2, 2, 3), torch.tensor([2, 1, 6])):
+        with pytest.raises(ValueError, match="offsets must rise"):
+            ops.grouped_linear(x, w, offsets)
+    with pytest.raises(RuntimeError, match="3 offsets for 2 groups"):
+        ops.grouped_linear(x, w[:2], _offsets(2, 2, 2))
+    with pytest.raises(RuntimeError, match="width"):
+        ops.grouped_linear(torch.randn(6, 8), w, _offsets(2, 2, 2))
+    with pytest.raises(RuntimeError, match="integers"):
+        ops.grouped_linear(x, w, _offsets(2, 2, 2).float())
+    with pytest.raises(RuntimeError, match="needs x"):
+        ops.grouped_linear(x[None], w, _offsets(2, 2, 2))
+    # Rows past the last offset (no group claims them) are zero, never uninitialised memory.
+    out = ops.grouped_linear(x, w, _offsets(2, 1, 1))
+    assert torch.equal(out[4:], torch.zeros(2, 16))
+
+
 def test_every_op_is_checked():
-    assert set(ops.OPS) == {"rms_norm", "silu_mul", "rope", "all_reduce", "all_gather"}
+    assert set(ops.OPS) == {"rms_norm", "silu_mul", "rope", "all_reduce", "all_gather", "grouped_linear"}
