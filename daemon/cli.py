@@ -19,13 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adstore.daemon.commands import (
-    SORT_CHOICES,
-    Context,
-    cmd_inspect,
-    cmd_ls,
-    cmd_stats,
-)
+from adstore.daemon.commands import SORT_CHOICES, Context, cmd_inspect, cmd_ls, cmd_stats
 from adstore.daemon.config import SETTINGS
 from adstore.daemon.errors import (
     AlreadyRunning,
@@ -37,21 +31,8 @@ from adstore.daemon.errors import (
     UsageError,
 )
 from adstore.daemon.explain import cmd_explain
-from adstore.daemon.maintenance import (
-    cmd_daemon,
-    cmd_demo,
-    cmd_gc,
-    cmd_pin,
-    cmd_rm,
-    cmd_unpin,
-    cmd_verify,
-)
-from adstore.daemon.remote_cmds import (
-    add_remote_arguments,
-    cmd_pull,
-    cmd_push,
-    cmd_remote,
-)
+from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
+from adstore.daemon.remote_cmds import add_remote_arguments, cmd_pull, cmd_push, cmd_remote
 from adstore.store import (
     DURATION_HELP,
     SIZE_HELP,
@@ -135,7 +116,7 @@ def _message(exc: BaseException) -> str:
         text = f"internal error: {type(exc).__name__}: {exc} (run with -v for details)"
     text = " ".join(text.split())
     if len(text) > _MAX_MESSAGE:
-        text = f"{text[:_MAX_MESSAGE // 2]} … {text[-_MAX_MESSAGE // 4:]}"
+        text = f"{text[: _MAX_MESSAGE // 2]} … {text[-_MAX_MESSAGE // 4 :]}"
     return text
 
 
@@ -208,8 +189,13 @@ def _at_most(limit: int) -> type[argparse.Action]:
     """``nargs="+"`` with an upper bound: more values is a usage error (exit 2)."""
 
     class AtMost(argparse.Action):
-        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                     values: Any, option_string: str | None = None) -> None:
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: Any,
+            option_string: str | None = None,
+        ) -> None:
             if len(values) > limit:
                 raise argparse.ArgumentError(self, f"takes at most {limit} values, got {len(values)}")
             setattr(namespace, self.dest, values)
@@ -238,18 +224,30 @@ _KEYS = "cache key or unambiguous prefix"
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a value given after the subcommand must not be reset by the default.
-    common.add_argument("--root", type=Path, default=argparse.SUPPRESS, metavar="DIR",
-                        help="store root (default: $ADSTORE_ROOT or ~/.cache/adstore)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output")
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="debug logging")
-    parser = _Parser(prog="adstore", parents=[common], epilog=_UNITS,
-                     description="Content-addressed artifact store for model-compilation pipelines.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
-                        help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
-                                help="one of the commands below; `adstore COMMAND --help` for its flags")
+    common.add_argument(
+        "--root",
+        type=Path,
+        default=argparse.SUPPRESS,
+        metavar="DIR",
+        help="store root (default: $ADSTORE_ROOT or ~/.cache/adstore)",
+    )
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    parser = _Parser(
+        prog="adstore",
+        parents=[common],
+        epilog=_UNITS,
+        description="Content-addressed artifact store for model-compilation pipelines.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version and exit"
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        parser_class=_Parser,
+        help="one of the commands below; `adstore COMMAND --help` for its flags",
+    )
     sub.required = True
 
     def add(name: str, func: Callable[..., int], help_: str) -> argparse.ArgumentParser:
@@ -258,31 +256,31 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("stats", cmd_stats, "summary of the store, like `ccache -s`")
-    p.add_argument("--config", type=Path, metavar="FILE",
-                   help="daemon config: its root (unless --root) and its budget")
-    p.add_argument("--prometheus", action="store_true",
-                   help="print Prometheus metrics (the daemon's metrics_path file) instead")
+    p.add_argument("--config", type=Path, metavar="FILE", help="daemon config: its root (unless --root) and its budget")
+    p.add_argument(
+        "--prometheus", action="store_true", help="print Prometheus metrics (the daemon's metrics_path file) instead"
+    )
 
     p = add("ls", cmd_ls, "list entries")
-    p.add_argument("--sort", choices=SORT_CHOICES, default="last_access",
-                   help="sort key (default: last_access, most recent first)")
+    p.add_argument(
+        "--sort", choices=SORT_CHOICES, default="last_access", help="sort key (default: last_access, most recent first)"
+    )
     p.add_argument("--reverse", "-r", action="store_true", help="reverse the sort order")
     p.add_argument("--namespace", "-n", help="only this namespace (pipeline, engine, …)")
     p.add_argument("--match", metavar="PREFIX", help="only keys starting with PREFIX")
     p.add_argument("--pinned", action="store_true", help="only pinned entries")
-    p.add_argument("--unused-for", type=_duration, metavar="DURATION",
-                   help="only entries not used for DURATION (e.g. 7d)")
+    p.add_argument(
+        "--unused-for", type=_duration, metavar="DURATION", help="only entries not used for DURATION (e.g. 7d)"
+    )
     p.add_argument("--min-size", type=_size, metavar="SIZE", help="only entries of at least SIZE")
     p.add_argument("--limit", "-l", type=_positive_int, metavar="N", help="show at most N entries")
 
     p = add("inspect", cmd_inspect, "show an entry: per-rank manifests, artifacts, snapshot summary")
     p.add_argument("key", help=_KEYS)
-    p.add_argument("--no-summary", action="store_true",
-                   help="do not summarize snapshots (avoids importing torch)")
+    p.add_argument("--no-summary", action="store_true", help="do not summarize snapshots (avoids importing torch)")
 
     p = add("explain", cmd_explain, "show an entry's key components, or which differ between two")
-    p.add_argument("keys", nargs="+", action=_at_most(2), metavar="KEY",
-                   help=f"one or two keys: {_KEYS}")
+    p.add_argument("keys", nargs="+", action=_at_most(2), metavar="KEY", help=f"one or two keys: {_KEYS}")
 
     p = add("verify", cmd_verify, "rehash blobs and check every invariant")
     p.add_argument("--fix", action="store_true", help="repair what can be repaired")
@@ -290,20 +288,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", cmd_gc, "evict entries over a budget and sweep orphans (plan first)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--max-size", type=_size, metavar="SIZE", help="evict LRU entries down to SIZE")
-    p.add_argument("--min-free", type=_min_free, metavar="SIZE|PCT",
-                   help="evict until the filesystem has this much free (bytes or e.g. 10%%)")
+    p.add_argument(
+        "--min-free",
+        type=_min_free,
+        metavar="SIZE|PCT",
+        help="evict until the filesystem has this much free (bytes or e.g. 10%%)",
+    )
     p.add_argument("--older-than", type=_duration, metavar="DURATION", help="evict entries unused for DURATION")
-    p.add_argument("--grace-period", type=_duration, metavar="DURATION",
-                   help="spare entries and blobs younger than this (default: the config's, else the store's)")
+    p.add_argument(
+        "--grace-period",
+        type=_duration,
+        metavar="DURATION",
+        help="spare entries and blobs younger than this (default: the config's, else the store's)",
+    )
     p.add_argument("--no-sweep", action="store_true", help="do not sweep orphans")
-    p.add_argument("--batch-size", type=_positive_int, default=1000, metavar="N",
-                   help="entries evicted per write transaction (default 1000)")
-    p.add_argument("--config", type=Path, metavar="FILE",
-                   help="daemon config: its root (unless --root), and the limits not given as flags")
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="entries evicted per write transaction (default 1000)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="daemon config: its root (unless --root), and the limits not given as flags",
+    )
 
-    for name, func, help_ in (("rm", cmd_rm, "remove entries (all ranks)"),
-                              ("pin", cmd_pin, "keep entries whatever the budget"),
-                              ("unpin", cmd_unpin, "let entries be evicted again")):
+    for name, func, help_ in (
+        ("rm", cmd_rm, "remove entries (all ranks)"),
+        ("pin", cmd_pin, "keep entries whatever the budget"),
+        ("unpin", cmd_unpin, "let entries be evicted again"),
+    ):
         p = add(name, func, help_)
         p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
         if name == "rm":
@@ -316,8 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         if row.name == "root":  # --root is common to every command
             continue
         # Strings, parsed and checked by DaemonConfig: flags and the file give the same errors.
-        p.add_argument(row.flag, dest=row.name, metavar=row.kind.metavar,
-                       help=f"{row.help} (default: {row.default_text()})".replace("%", "%%"))
+        p.add_argument(
+            row.flag,
+            dest=row.name,
+            metavar=row.kind.metavar,
+            help=f"{row.help} (default: {row.default_text()})".replace("%", "%%"),
+        )
 
     p = add("push", cmd_push, "upload committed entries to the remote tier (blobs it lacks, then signed records)")
     p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
@@ -325,8 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("pull", cmd_pull, "prefetch entries from the remote tier into the local store")
     p.add_argument("keys", nargs="+", metavar="KEY", help="full cache key (the local store may not have it)")
-    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
-                   help="the entry's world size; every rank is pulled unless --rank (default: 1)")
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="the entry's world size; every rank is pulled unless --rank (default: 1)",
+    )
     p.add_argument("--rank", type=int, metavar="N", help="pull only this rank")
     add_remote_arguments(p)
 
@@ -335,16 +361,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_remote_arguments(p)
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
-    p.add_argument("--arch", default="llama",
-                   help="a tuned architecture (llama, qwen3_5_moe, gemma4, glm4_moe_lite, ...) or any transformers "
-                        "model type the survey handles (default: llama)")
+    p.add_argument(
+        "--arch",
+        default="llama",
+        help="a tuned architecture (llama, qwen3_5_moe, gemma4, glm4_moe_lite, ...) or any transformers "
+        "model type the survey handles (default: llama)",
+    )
     p.add_argument("--layers", type=_positive_int, default=4, metavar="N", help="decoder layers (default: 4)")
     p.add_argument("--hidden", type=_positive_int, default=256, metavar="N", help="hidden size (default: 256)")
-    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
-                   help="ranks, one process each (default: 1)")
-    p.add_argument("--compile", choices=("eager", "aoti", "torch_compile"), default="eager",
-                   help="the compile stage's backend: the graph as is, an AOTInductor engine from the engine cache, "
-                        "or torch.compile (default: eager)")
+    p.add_argument(
+        "--world-size", type=_positive_int, default=1, metavar="N", help="ranks, one process each (default: 1)"
+    )
+    p.add_argument(
+        "--compile",
+        choices=("eager", "aoti", "torch_compile"),
+        default="eager",
+        help="the compile stage's backend: the graph as is, an AOTInductor engine from the engine cache, "
+        "or torch.compile (default: eager)",
+    )
     return parser
 
 
@@ -377,11 +411,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False)
     if args.command != "daemon":  # the daemon configures its own logging
         # The store reports what it tolerated (skipped records, quarantines) as warnings.
-        logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                            format="adstore: %(levelname)s: %(message)s" if not verbose
-                            else "%(levelname)s %(name)s: %(message)s")
-    ctx = Context(root=getattr(args, "root", None), json=getattr(args, "json", False),
-                  grace_period=getattr(args, "grace_period", None))
+        logging.basicConfig(
+            level=logging.DEBUG if verbose else logging.WARNING,
+            format="adstore: %(levelname)s: %(message)s" if not verbose else "%(levelname)s %(name)s: %(message)s",
+        )
+    ctx = Context(
+        root=getattr(args, "root", None),
+        json=getattr(args, "json", False),
+        grace_period=getattr(args, "grace_period", None),
+    )
     try:
         return int(args.func(args, ctx))
     except BrokenPipeError:  # `adstore ls | head`: quiet, and no flush error at exit

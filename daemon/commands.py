@@ -206,8 +206,7 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         rows.append(("Daemon", "not running"))
     else:
         state = "running" if daemon.get("running") else "not running (stale status)"
-        rows.append(("Daemon", f"{state}, pid {daemon.get('pid')}, status from "
-                               f"{human_age(daemon.get('updated'))}"))
+        rows.append(("Daemon", f"{state}, pid {daemon.get('pid')}, status from {human_age(daemon.get('updated'))}"))
     lines = [kv_block(rows), ""]
     counter_rows: list[tuple[str, Any]] = []
     ms_saved = counters.pop("ms_saved", 0)
@@ -291,11 +290,25 @@ def cmd_ls(args: argparse.Namespace, ctx: Context) -> int:
     for e in selected:
         committed = len(e.ranks)
         ratio = f"{e.bytes / stored[e.key]:.1f}x" if stored[e.key] else "-"
-        rows.append((short_key(e.key), e.namespace, f"{committed}/{e.world_size}", human_size(e.bytes),
-                     human_size(stored[e.key]), ratio, e.hits, human_age(e.last_access, now=now),
-                     human_age(e.created, now=now), "yes" if e.pinned else ""))
-    text = table(rows, ("KEY", "NAMESPACE", "RANKS", "SIZE", "STORED", "RATIO", "HITS", "LAST USED", "CREATED",
-                        "PINNED"), align="llrrrrrllll")
+        rows.append(
+            (
+                short_key(e.key),
+                e.namespace,
+                f"{committed}/{e.world_size}",
+                human_size(e.bytes),
+                human_size(stored[e.key]),
+                ratio,
+                e.hits,
+                human_age(e.last_access, now=now),
+                human_age(e.created, now=now),
+                "yes" if e.pinned else "",
+            )
+        )
+    text = table(
+        rows,
+        ("KEY", "NAMESPACE", "RANKS", "SIZE", "STORED", "RATIO", "HITS", "LAST USED", "CREATED", "PINNED"),
+        align="llrrrrrllll",
+    )
     footer = f"\n{len(selected)} of {total} entries" if len(selected) < total else f"\n{total} entries"
     ctx.emit(data, text + footer)
     return 0
@@ -375,25 +388,31 @@ def cmd_inspect(args: argparse.Namespace, ctx: Context) -> int:
         return 0
     lines = [f"key {key}"]
     if entry is not None:
-        lines.append(kv_block([
-            ("namespace", entry.namespace),
-            ("world size", entry.world_size),
-            ("committed ranks", f"{len(entry.ranks)}/{entry.world_size}"),
-            ("size", human_size(entry.bytes)),
-            ("hits", entry.hits),
-            ("created", human_age(entry.created)),
-            ("last used", human_age(entry.last_access)),
-            ("pinned", "yes" if entry.pinned else "no"),
-        ], indent=2))
+        lines.append(
+            kv_block(
+                [
+                    ("namespace", entry.namespace),
+                    ("world size", entry.world_size),
+                    ("committed ranks", f"{len(entry.ranks)}/{entry.world_size}"),
+                    ("size", human_size(entry.bytes)),
+                    ("hits", entry.hits),
+                    ("created", human_age(entry.created)),
+                    ("last used", human_age(entry.last_access)),
+                    ("pinned", "yes" if entry.pinned else "no"),
+                ],
+                indent=2,
+            )
+        )
     for m in manifests:
         state = "committed" if m.committed else "UNCOMMITTED"
         producer = ", ".join(f"{k}={v}" for k, v in sorted(m.producer.items()))
         lines.append("")
-        lines.append(f"rank {m.rank}/{m.world_size}  generation {m.generation}  {state}  "
-                     f"{human_size(sum(r.size for r in m.artifacts.values()))}  "
-                     f"created {human_age(m.created)}" + (f"  ({producer})" if producer else ""))
-        rows = [(f"  {name}", human_size(ref.size), ref.digest[:16])
-                for name, ref in sorted(m.artifacts.items())]
+        lines.append(
+            f"rank {m.rank}/{m.world_size}  generation {m.generation}  {state}  "
+            f"{human_size(sum(r.size for r in m.artifacts.values()))}  "
+            f"created {human_age(m.created)}" + (f"  ({producer})" if producer else "")
+        )
+        rows = [(f"  {name}", human_size(ref.size), ref.digest[:16]) for name, ref in sorted(m.artifacts.items())]
         if rows:
             lines.append(table(rows, ("  ARTIFACT", "SIZE", "DIGEST"), align="lrl"))
         summary = summaries.get(f"{m.rank}:{m.generation}")
@@ -414,8 +433,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     while stack:
         path, item = stack.pop()
         if isinstance(item, dict) and item:
-            stack.extend((f"{path}.{k}" if path else str(k), item[k])
-                         for k in sorted(item, key=str, reverse=True))
+            stack.extend((f"{path}.{k}" if path else str(k), item[k]) for k in sorted(item, key=str, reverse=True))
         elif isinstance(item, list) and item:
             stack.extend((f"{path}[{i}]", item[i]) for i in reversed(range(len(item))))
         else:

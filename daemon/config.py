@@ -39,16 +39,7 @@ from adstore.store import (
     parse_size,
 )
 
-__all__ = [
-    "DaemonConfig",
-    "Kind",
-    "Setting",
-    "SETTINGS",
-    "LOG_LEVELS",
-    "setting",
-    "settings_table",
-    "ConfigError",
-]
+__all__ = ["DaemonConfig", "Kind", "Setting", "SETTINGS", "LOG_LEVELS", "setting", "settings_table", "ConfigError"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _NONE_WORDS = ("", "none")
@@ -60,9 +51,9 @@ class Kind:
     """How one kind of value is read (TOML value or flag text) and written back."""
 
     metavar: str
-    parse: Callable[[object, str], Any]            # raw value, field name -> typed value
+    parse: Callable[[object, str], Any]  # raw value, field name -> typed value
     show: Callable[[Any], str] = lambda v: str(v)  # typed value -> TOML text (README, --help)
-    dump: Callable[[Any], Any] = lambda v: v       # typed value -> JSON-safe value
+    dump: Callable[[Any], Any] = lambda v: v  # typed value -> JSON-safe value
 
 
 def _none_or(kind: Kind, *, zero_is_none: bool) -> Kind:
@@ -74,8 +65,12 @@ def _none_or(kind: Kind, *, zero_is_none: bool) -> Kind:
         parsed = kind.parse(value, field)
         return None if zero_is_none and parsed == 0 else parsed
 
-    return Kind(kind.metavar, parse, lambda v: "none" if v is None else kind.show(v),
-                lambda v: None if v is None else kind.dump(v))
+    return Kind(
+        kind.metavar,
+        parse,
+        lambda v: "none" if v is None else kind.show(v),
+        lambda v: None if v is None else kind.dump(v),
+    )
 
 
 def _path_parser(what: str) -> Callable[[object, str], Path]:
@@ -110,7 +105,9 @@ def _parse_bool(value: object, field: str) -> bool:
 def _parse_url(value: object, field: str) -> str:
     text = str(value).strip() if isinstance(value, str) else ""
     scheme, sep, rest = text.partition("://")
-    if not (sep and scheme.isascii() and scheme[:1].isalpha() and scheme.isalnum() and rest) or any(c.isspace() or c == "\0" for c in text):
+    if not (sep and scheme.isascii() and scheme[:1].isalpha() and scheme.isalnum() and rest) or any(
+        c.isspace() or c == "\0" for c in text
+    ):
         raise ConfigError(field, f"expected a URL such as s3://BUCKET/PREFIX or http://HOST:PORT/PREFIX, got {value!r}")
     return text
 
@@ -118,7 +115,7 @@ def _parse_url(value: object, field: str) -> str:
 def _parse_remote_mode(value: object, field: str) -> str:
     text = str(value).strip().lower().replace("_", "-")
     if text not in ("read", "read-write"):
-        raise ConfigError(field, f"expected \"read\" or \"read-write\", got {value!r}")
+        raise ConfigError(field, f'expected "read" or "read-write", got {value!r}')
     return text
 
 
@@ -129,9 +126,15 @@ def _show_min_free(v: MinFree) -> str:
 PATH = Kind("DIR", _path_parser("a directory path"), lambda v: f'"{v}"', str)
 FILE = _none_or(Kind("FILE", _path_parser("a file path"), lambda v: f'"{v}"', str), zero_is_none=False)
 SIZE = _none_or(Kind("SIZE", lambda v, f: parse_size(v, field=f)), zero_is_none=True)
-MIN_FREE = _none_or(Kind("SIZE|PCT", lambda v, f: parse_min_free(v, field=f), _show_min_free,
-                         lambda v: f"{v.percent:g}%" if v.percent is not None else v.bytes),
-                    zero_is_none=False)
+MIN_FREE = _none_or(
+    Kind(
+        "SIZE|PCT",
+        lambda v, f: parse_min_free(v, field=f),
+        _show_min_free,
+        lambda v: f"{v.percent:g}%" if v.percent is not None else v.bytes,
+    ),
+    zero_is_none=False,
+)
 FRACTION = Kind("FRACTION", lambda v, f: parse_fraction(v, field=f), lambda v: f"{v:g}")
 DURATION = Kind("DURATION", lambda v, f: parse_duration(v, field=f), lambda v: f'"{format_duration(v)}"')
 AGE = _none_or(DURATION, zero_is_none=True)
@@ -152,7 +155,7 @@ class Setting:
     default: Any
     help: str
     check: Callable[[Any], str | None] | None = None  # a problem with a typed value, or None
-    shown_default: str | None = None                  # README text when the default is not a value
+    shown_default: str | None = None  # README text when the default is not a value
 
     @property
     def flag(self) -> str:
@@ -172,8 +175,14 @@ class Setting:
         return value
 
 
-def setting(kind: Kind, default: Any, help: str, *, check: Callable[[Any], str | None] | None = None,
-            shown_default: str | None = None) -> Any:
+def setting(
+    kind: Kind,
+    default: Any,
+    help: str,
+    *,
+    check: Callable[[Any], str | None] | None = None,
+    shown_default: str | None = None,
+) -> Any:
     """A :class:`DaemonConfig` attribute that is also a row of :data:`SETTINGS`."""
     row = {"kind": kind, "help": help, "check": check, "shown_default": shown_default}
     return dataclasses.field(default=default, metadata={"setting": row})
@@ -200,50 +209,80 @@ class DaemonConfig:
     """
 
     root: Path | None = setting(
-        PATH, None, "store root; a relative path is relative to the configuration file",
-        shown_default="`$ADSTORE_ROOT`, else `~/.cache/adstore`")
-    max_size: int | None = setting(
-        SIZE, None, "most bytes the store may use (0 or \"none\": no limit)", check=_positive)
+        PATH,
+        None,
+        "store root; a relative path is relative to the configuration file",
+        shown_default="`$ADSTORE_ROOT`, else `~/.cache/adstore`",
+    )
+    max_size: int | None = setting(SIZE, None, 'most bytes the store may use (0 or "none": no limit)', check=_positive)
     min_free: MinFree | None = setting(
-        MIN_FREE, None, "free space to keep on the store's filesystem: a size or a percentage of "
-        "the filesystem (\"10%\"); with max_size, the smaller limit wins")
+        MIN_FREE,
+        None,
+        "free space to keep on the store's filesystem: a size or a percentage of "
+        'the filesystem ("10%"); with max_size, the smaller limit wins',
+    )
     high_watermark: float = setting(
-        FRACTION, 0.95, "eviction starts above this fraction of the budget (0.95 or \"95%\")", check=_fraction)
+        FRACTION, 0.95, 'eviction starts above this fraction of the budget (0.95 or "95%")', check=_fraction
+    )
     low_watermark: float = setting(
-        FRACTION, 0.85, "eviction stops at or below this fraction of the budget (below high_watermark)",
-        check=_fraction)
+        FRACTION, 0.85, "eviction stops at or below this fraction of the budget (below high_watermark)", check=_fraction
+    )
     grace_period: float = setting(
-        DURATION, DEFAULT_GRACE_PERIOD, "entries and unreferenced blobs younger than this are never "
-        "evicted or swept (the store's default)")
+        DURATION,
+        DEFAULT_GRACE_PERIOD,
+        "entries and unreferenced blobs younger than this are never evicted or swept (the store's default)",
+    )
     max_age: float | None = setting(
-        AGE, None, "also evict entries unused for this long, whatever the size (0 or \"none\": never)")
+        AGE, None, 'also evict entries unused for this long, whatever the size (0 or "none": never)'
+    )
     batch_size: int = setting(
-        COUNT, 1000, "entries evicted per write transaction; SIGTERM waits for the current batch",
-        check=lambda v: None if 1 <= v <= 1_000_000 else "must be between 1 and 1000000")
+        COUNT,
+        1000,
+        "entries evicted per write transaction; SIGTERM waits for the current batch",
+        check=lambda v: None if 1 <= v <= 1_000_000 else "must be between 1 and 1000000",
+    )
     debounce: float = setting(
-        DURATION, 0.2, "filesystem events are coalesced: a check runs once the store was quiet this long")
+        DURATION, 0.2, "filesystem events are coalesced: a check runs once the store was quiet this long"
+    )
     max_delay: float = setting(
-        DURATION, 1.0, "a check runs at the latest this long after the first event (at least debounce)")
+        DURATION, 1.0, "a check runs at the latest this long after the first event (at least debounce)"
+    )
     fallback_interval: float = setting(
-        DURATION, 300.0, "a budget check also runs this often, in case filesystem events were missed",
-        check=_positive)
+        DURATION, 300.0, "a budget check also runs this often, in case filesystem events were missed", check=_positive
+    )
     sweep_interval: float = setting(
-        DURATION, 3600.0, "orphan sweep (files without rows, stale temp files, abandoned uncommitted "
-        "manifests, leases of dead processes) runs this often", check=_positive)
+        DURATION,
+        3600.0,
+        "orphan sweep (files without rows, stale temp files, abandoned uncommitted "
+        "manifests, leases of dead processes) runs this often",
+        check=_positive,
+    )
     log_level: str = setting(
-        LEVEL, "info", "one of " + ", ".join(LOG_LEVELS),
-        check=lambda v: None if v in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}")
+        LEVEL,
+        "info",
+        "one of " + ", ".join(LOG_LEVELS),
+        check=lambda v: None if v in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}",
+    )
     watch: bool = setting(BOOL, True, "false: no inotify, the fallback timer only")
     metrics_path: Path | None = setting(
-        FILE, None, "write Prometheus metrics here after every pass (node-exporter textfile format, e.g. "
-        "/var/lib/prometheus/node-exporter/adstore.prom); relative to the configuration file")
+        FILE,
+        None,
+        "write Prometheus metrics here after every pass (node-exporter textfile format, e.g. "
+        "/var/lib/prometheus/node-exporter/adstore.prom); relative to the configuration file",
+    )
     remote: str | None = setting(
-        URL, None, "the remote tier for `adstore push`, `pull` and `remote` with this file (`--config`, "
+        URL,
+        None,
+        "the remote tier for `adstore push`, `pull` and `remote` with this file (`--config`, "
         "`$ADSTORE_CONFIG`): s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX; `$ADSTORE_REMOTE` and "
-        "`--remote` win", shown_default="none (`$ADSTORE_REMOTE`)")
+        "`--remote` win",
+        shown_default="none (`$ADSTORE_REMOTE`)",
+    )
     remote_mode: str = setting(
-        REMOTE_MODE, "read", "\"read\" or \"read-write\" (builders) for that remote; `$ADSTORE_REMOTE_MODE` "
-        "and `--mode` win")
+        REMOTE_MODE,
+        "read",
+        '"read" or "read-write" (builders) for that remote; `$ADSTORE_REMOTE_MODE` and `--mode` win',
+    )
     # Where the settings came from (not settings): reload() reads them again.
     source: Path | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
@@ -255,8 +294,7 @@ class DaemonConfig:
             row.validate(getattr(self, row.name))
         if not self.low_watermark < self.high_watermark:
             raise ConfigError(
-                "low_watermark",
-                f"must be below high_watermark ({self.low_watermark} >= {self.high_watermark})",
+                "low_watermark", f"must be below high_watermark ({self.low_watermark} >= {self.high_watermark})"
             )
         if self.max_delay < self.debounce:
             raise ConfigError("max_delay", f"must be at least debounce ({self.debounce}s)")
@@ -283,8 +321,9 @@ class DaemonConfig:
         return parsed
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, source: Path | None = None,
-                     overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+    def from_mapping(
+        cls, data: Mapping[str, Any], *, source: Path | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> DaemonConfig:
         """Parse raw settings (TOML values or flag strings); overrides win over ``data``.
 
         Each is checked on its own first: a bad value in ``data`` is an error
@@ -344,8 +383,13 @@ class DaemonConfig:
 
     def store_budget(self) -> Budget:
         """This budget as the store persists it (``Store.set_budget``) for writers and ``adstore stats``."""
-        return Budget(max_size=self.max_size, min_free=self.min_free, high_watermark=self.high_watermark,
-                      low_watermark=self.low_watermark, grace_period=self.grace_period)
+        return Budget(
+            max_size=self.max_size,
+            min_free=self.min_free,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+            grace_period=self.grace_period,
+        )
 
     def budget(self, *, size: int, fs_total: int, fs_free: int) -> int | None:
         """Bytes the store may use now: ``max_size`` capped so the filesystem keeps ``min_free``."""
@@ -361,7 +405,8 @@ class DaemonConfig:
 #: The configuration table, in declaration order.
 SETTINGS: tuple[Setting, ...] = tuple(
     Setting(name=f.name, default=f.default, **f.metadata["setting"])
-    for f in dataclasses.fields(DaemonConfig) if "setting" in f.metadata
+    for f in dataclasses.fields(DaemonConfig)
+    if "setting" in f.metadata
 )
 DaemonConfig.KEYS = tuple(row.name for row in SETTINGS)
 

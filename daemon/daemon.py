@@ -50,9 +50,7 @@ __all__ = ["Daemon", "configure_logging"]
 
 log = logging.getLogger(__name__)
 
-_WATCHED_EVENTS: list[type[FileSystemEvent]] = [
-    FileCreatedEvent, FileModifiedEvent, FileMovedEvent, FileClosedEvent,
-]
+_WATCHED_EVENTS: list[type[FileSystemEvent]] = [FileCreatedEvent, FileModifiedEvent, FileMovedEvent, FileClosedEvent]
 # A blocked store (over budget, nothing evictable) is re-swept at most this often.
 _STUCK_SWEEP_INTERVAL = 60.0
 
@@ -60,8 +58,11 @@ _STUCK_SWEEP_INTERVAL = 60.0
 def configure_logging(level: str, environ: Mapping[str, str] | None = None) -> None:
     """Log to stderr; under journald (``$JOURNAL_STREAM``) without our own timestamps."""
     env = os.environ if environ is None else environ
-    fmt = ("%(levelname)s %(name)s: %(message)s" if env.get("JOURNAL_STREAM")
-           else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fmt = (
+        "%(levelname)s %(name)s: %(message)s"
+        if env.get("JOURNAL_STREAM")
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     root = logging.getLogger()
     if not root.handlers:
         handler = logging.StreamHandler()
@@ -87,8 +88,9 @@ class Daemon:
     exit code.  ``once=True`` runs a single pass with a sweep and returns.
     """
 
-    def __init__(self, config: DaemonConfig, *, notifier: Notifier | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, *, notifier: Notifier | None = None, environ: Mapping[str, str] | None = None
+    ) -> None:
         self.config = config
         self._env = dict(os.environ if environ is None else environ)
         self.notifier = notifier if notifier is not None else Notifier.from_env(self._env)
@@ -186,8 +188,7 @@ class Daemon:
     def _start_observer(self) -> None:
         assert self._store is not None
         if not self.config.watch:
-            log.info("filesystem events disabled (watch = false): checking every %ss",
-                     self.config.fallback_interval)
+            log.info("filesystem events disabled (watch = false): checking every %ss", self.config.fallback_interval)
             return
         observer = Observer(timeout=30)
         handler = _Poke(self)
@@ -200,15 +201,19 @@ class Daemon:
                 observer.schedule(handler, str(path), recursive=True, event_filter=_WATCHED_EVENTS)
                 watched += 1
             except OSError as exc:  # e.g. inotify watch limit: the fallback timer still runs
-                log.warning("cannot watch %s (%s); relying on the %ss fallback timer",
-                            path, exc, self.config.fallback_interval)
+                log.warning(
+                    "cannot watch %s (%s); relying on the %ss fallback timer", path, exc, self.config.fallback_interval
+                )
         if watched:
             observer.daemon = True
             try:
                 observer.start()
             except OSError as exc:  # inotify instance/watch limits hit when the emitters start
-                log.warning("cannot start the inotify observer (%s); relying on the %ss fallback timer",
-                            exc, self.config.fallback_interval)
+                log.warning(
+                    "cannot start the inotify observer (%s); relying on the %ss fallback timer",
+                    exc,
+                    self.config.fallback_interval,
+                )
                 return
             self._observer = observer
 
@@ -220,8 +225,7 @@ class Daemon:
 
     def _enforcer(self) -> Enforcer:
         assert self._store is not None
-        return Enforcer(self._store, self.config, should_stop=lambda: self._stop,
-                        on_batch=self._maybe_ping)
+        return Enforcer(self._store, self.config, should_stop=lambda: self._stop, on_batch=self._maybe_ping)
 
     def _maybe_ping(self) -> None:
         if time.monotonic() >= self._next_watchdog:
@@ -238,8 +242,9 @@ class Daemon:
             self.notifier.ready(status=f"reload failed: {exc}")
             return
         if new.root != self.config.root:
-            log.warning("store root changed from %s to %s: a restart is needed; root unchanged",
-                        self.config.root, new.root)
+            log.warning(
+                "store root changed from %s to %s: a restart is needed; root unchanged", self.config.root, new.root
+            )
             new = dataclasses.replace(new, root=self.config.root)
         configure_logging(new.log_level, self._env)
         assert self._store is not None
@@ -260,8 +265,10 @@ class Daemon:
         text = result.after.describe()
         last = self._last_eviction
         if last is not None:
-            text += (f"; last eviction {human_age(last.finished)}: "
-                     f"{last.evicted_entries + last.aged_entries} entries, {human_size(last.bytes_freed)}")
+            text += (
+                f"; last eviction {human_age(last.finished)}: "
+                f"{last.evicted_entries + last.aged_entries} entries, {human_size(last.bytes_freed)}"
+            )
         if result.blocked:
             text += "; BLOCKED: remaining entries are leased, pinned or too young"
         return text
@@ -279,19 +286,22 @@ class Daemon:
         if not (acted or once or time.monotonic() - self._status_written >= 30.0):
             return
         self._status_written = time.monotonic()
-        write_status(self._store.root, {
-            "started": self._started,
-            "updated": time.time(),
-            "passes": self._passes,
-            "once": once,
-            "config": self.config.describe(),
-            "size": result.after.size,
-            "budget": result.after.limit,
-            "high": result.after.high,
-            "low": result.after.low,
-            "last_pass": result.to_dict(),
-            "last_eviction": self._last_eviction.to_dict() if self._last_eviction else None,
-        })
+        write_status(
+            self._store.root,
+            {
+                "started": self._started,
+                "updated": time.time(),
+                "passes": self._passes,
+                "once": once,
+                "config": self.config.describe(),
+                "size": result.after.size,
+                "budget": result.after.limit,
+                "high": result.after.high,
+                "low": result.after.low,
+                "last_pass": result.to_dict(),
+                "last_eviction": self._last_eviction.to_dict() if self._last_eviction else None,
+            },
+        )
 
     def run(self, *, once: bool = False) -> int:
         configure_logging(self.config.log_level, self._env)
@@ -336,17 +346,15 @@ class Daemon:
         budget = self._enforcer().measure()
         self.notifier.ready(status=budget.describe())
         log.info("adstore daemon %d managing %s: %s", os.getpid(), self._store.root, budget.describe())
-        next_fallback = now            # first pass (with a sweep) right away
+        next_fallback = now  # first pass (with a sweep) right away
         next_sweep = now
         last_stuck_sweep = -float("inf")
         while not self._stop:
             now = time.monotonic()
             with self._mutex:
                 first, last = self._first_event, self._last_event
-            event_due = (None if first is None else
-                         min(last + self.config.debounce, first + self.config.max_delay))
-            deadline = min(next_fallback, self._next_watchdog,
-                           event_due if event_due is not None else float("inf"))
+            event_due = None if first is None else min(last + self.config.debounce, first + self.config.max_delay)
+            deadline = min(next_fallback, self._next_watchdog, event_due if event_due is not None else float("inf"))
             if deadline > now:
                 self._sleep(min(deadline - now, 3600.0))
             if self._stop:
@@ -387,4 +395,3 @@ class Daemon:
         log.info("stopping (signal received); current batch finished")
         self.notifier.stopping(status="stopping")
         return 0
-

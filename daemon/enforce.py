@@ -46,8 +46,10 @@ class Usage:
         if self.limit is None:
             return f"size {human_size(self.size)}, no size budget"
         pct = 100.0 * self.size / self.limit if self.limit else float("inf")
-        return (f"size {human_size(self.size)} / budget {human_size(self.limit)} ({pct:.0f}%), "
-                f"evicts above {human_size(self.high)} down to {human_size(self.low)}")
+        return (
+            f"size {human_size(self.size)} / budget {human_size(self.limit)} ({pct:.0f}%), "
+            f"evicts above {human_size(self.high)} down to {human_size(self.low)}"
+        )
 
 
 @dataclasses.dataclass
@@ -62,10 +64,10 @@ class PassResult:
     batches: int = 0
     swept_items: int = 0
     swept_bytes: int = 0
-    blocked: bool = False        # over budget but nothing more may be evicted (leases, pins, grace)
-    interrupted: bool = False    # stopped between batches (SIGTERM)
+    blocked: bool = False  # over budget but nothing more may be evicted (leases, pins, grace)
+    interrupted: bool = False  # stopped between batches (SIGTERM)
     swept: bool = False
-    finished: float = 0.0        # wall-clock time the pass ended
+    finished: float = 0.0  # wall-clock time the pass ended
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,9 +78,14 @@ class PassResult:
 class Enforcer:
     """Runs passes of the budget policy in ``config`` against ``store``."""
 
-    def __init__(self, store: Store, config: DaemonConfig, *,
-                 should_stop: Callable[[], bool] = lambda: False,
-                 on_batch: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        config: DaemonConfig,
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_batch: Callable[[], None] = lambda: None,
+    ) -> None:
         self.store = store
         self.config = config
         self.should_stop = should_stop
@@ -90,8 +97,14 @@ class Enforcer:
         limit = self.config.budget(size=size, fs_total=disk.total, fs_free=disk.free)
         if limit is None:
             return Usage(size, None, None, None, disk.total, disk.free)
-        return Usage(size, limit, int(limit * self.config.high_watermark),
-                     int(limit * self.config.low_watermark), disk.total, disk.free)
+        return Usage(
+            size,
+            limit,
+            int(limit * self.config.high_watermark),
+            int(limit * self.config.low_watermark),
+            disk.total,
+            disk.free,
+        )
 
     def _evict(self, result: PassResult, **plan_args: Any) -> int:
         """Plan once (one LRU scan), execute in batches of ``batch_size``; returns entries evicted.
@@ -162,8 +175,10 @@ class Enforcer:
         result.after = self.measure()
         if result.after.low is not None and result.after.size > result.after.high and not result.interrupted:
             result.blocked = True
-            log.warning("still over budget after eviction (%s): the rest is leased, pinned or "
-                        "younger than the grace period", result.after.describe())
+            log.warning(
+                "still over budget after eviction (%s): the rest is leased, pinned or younger than the grace period",
+                result.after.describe(),
+            )
         result.seconds = time.monotonic() - start
         result.finished = time.time()
         return result

@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from adstore.store import AdstoreError, AmbiguousKey, ConfigError, Reason
-from adstore.store import (
-    KeyNotFound as UnknownKey,  # the CLI's name; raised by the store
-)
+from adstore.store import KeyNotFound as UnknownKey  # the CLI's name; raised by the store
 
 __all__ = [
     "DaemonError",
@@ -44,8 +42,7 @@ class AlreadyRunning(DaemonError):
         self.pid = pid
         holder = f"pid {pid}" if pid else "another process"
         super().__init__(
-            f"another adstore daemon ({holder}) already manages this store "
-            f"(lock {lock_path} is held); stop it first"
+            f"another adstore daemon ({holder}) already manages this store (lock {lock_path} is held); stop it first"
         )
 
 
@@ -85,19 +82,34 @@ class StillOverBudget(DaemonError):
     reason = Reason.OVER_BUDGET
     _LABELS = {"pinned": "pinned", "leased": "leased", "grace_period": "inside the grace period"}
 
-    def __init__(self, *, over: int, limit: str, blocked: dict[str, list[str]], store_bytes: int,
-                 details: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        over: int,
+        limit: str,
+        blocked: dict[str, list[str]],
+        store_bytes: int,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         from adstore.store import human_size
 
         self.over = over
         self.limit = limit
         self.blocked = blocked
         self.store_bytes = store_bytes
-        self.details = {"over_bytes": over, "limit": limit, "blocked": blocked, "store_bytes": store_bytes,
-                        **(details or {})}
-        parts = [f"{len(keys)} {'entry' if len(keys) == 1 else 'entries'} {self._LABELS.get(what, what)}"
-                 f" ({', '.join(k[:12] for k in keys[:3])}{', …' if len(keys) > 3 else ''})"
-                 for what, keys in blocked.items() if keys]
+        self.details = {
+            "over_bytes": over,
+            "limit": limit,
+            "blocked": blocked,
+            "store_bytes": store_bytes,
+            **(details or {}),
+        }
+        parts = [
+            f"{len(keys)} {'entry' if len(keys) == 1 else 'entries'} {self._LABELS.get(what, what)}"
+            f" ({', '.join(k[:12] for k in keys[:3])}{', …' if len(keys) > 3 else ''})"
+            for what, keys in blocked.items()
+            if keys
+        ]
         reasons = []
         if over > store_bytes:
             reasons.append(f"the whole store is {human_size(store_bytes)}, other files fill the filesystem")

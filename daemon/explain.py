@@ -33,8 +33,11 @@ def compare_components(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             result[name] = {"same": False, "only_in": "a" if name in a else "b", "differences": []}
             continue
         fa, fb = _flatten(a[name]), _flatten(b[name])
-        diffs = [{"path": f"{name}.{p}" if p else name, "a": fa.get(p, "<absent>"), "b": fb.get(p, "<absent>")}
-                 for p in sorted(set(fa) | set(fb)) if fa.get(p, _MISSING) != fb.get(p, _MISSING)]
+        diffs = [
+            {"path": f"{name}.{p}" if p else name, "a": fa.get(p, "<absent>"), "b": fb.get(p, "<absent>")}
+            for p in sorted(set(fa) | set(fb))
+            if fa.get(p, _MISSING) != fb.get(p, _MISSING)
+        ]
         result[name] = {"same": not diffs, "differences": diffs}
     return result
 
@@ -75,8 +78,14 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
     cmp = compare_components(a.components, b.components)
     differing = [name for name, c in cmp.items() if not c["same"]]
     env = environment_differences(a.components, b.components, cmp)
-    data = {"a": a.key, "b": b.key, "components": cmp, "differing": differing,
-            "identical": a.key == b.key, "environment": env}
+    data = {
+        "a": a.key,
+        "b": b.key,
+        "components": cmp,
+        "differing": differing,
+        "identical": a.key == b.key,
+        "environment": env,
+    }
     lines = [f"A {a.key}", f"B {b.key}", ""]
     rows = []
     for name, c in cmp.items():
@@ -90,11 +99,19 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
         if extra > 0:
             lines.append(f"  … {extra} more differences in {name}")
     if env["recorded"]:
-        lines.append("\nenvironment: " + ("same" if env["same"] else "built in different environments: "
-                                          + ", ".join(d["path"] for d in env["differences"])))
+        lines.append(
+            "\nenvironment: "
+            + (
+                "same"
+                if env["same"]
+                else "built in different environments: " + ", ".join(d["path"] for d in env["differences"])
+            )
+        )
     if not differing:
-        lines.append("\nall stored components are equal" + (
-            "" if a.key == b.key else " (the keys differ by something not stored as a component)"))
+        lines.append(
+            "\nall stored components are equal"
+            + ("" if a.key == b.key else " (the keys differ by something not stored as a component)")
+        )
     else:
         lines.append(f"\ndiffering: {', '.join(differing)}")
     ctx.emit(data, "\n".join(lines))

@@ -28,6 +28,7 @@ __all__ = [
     "remote_stats_rows",
 ]
 
+
 def human_duration(seconds: float | None) -> str:
     """``5400`` → ``"1h30m"``; two most significant units."""
     if seconds is None:
@@ -62,8 +63,7 @@ def short_key(key: str, width: int = 12) -> str:
     return key if len(key) <= width else key[:width]
 
 
-def table(rows: Iterable[Sequence[Any]], headers: Sequence[str], *,
-          align: str | None = None) -> str:
+def table(rows: Iterable[Sequence[Any]], headers: Sequence[str], *, align: str | None = None) -> str:
     """A plain text table; ``align`` has one ``l``/``r`` per column (default: left)."""
     body = [[("" if cell is None else str(cell)) for cell in row] for row in rows]
     cols = len(headers)
@@ -102,8 +102,15 @@ class Progress:
     pipes never fill with carriage returns.
     """
 
-    def __init__(self, label: str, *, stream: TextIO | None = None, force: bool = False,
-                 min_interval: float = 0.1, delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        label: str,
+        *,
+        stream: TextIO | None = None,
+        force: bool = False,
+        min_interval: float = 0.1,
+        delay: float = 0.0,
+    ) -> None:
         self.label = label
         self.stream = sys.stderr if stream is None else stream
         isatty = getattr(self.stream, "isatty", lambda: False)
@@ -149,7 +156,7 @@ class Progress:
 
 def remote_counters(counters: dict[str, int]) -> dict[str, int]:
     """The ``remote.*`` counters of a store, without their prefix."""
-    return {k[len("remote."):]: v for k, v in counters.items() if k.startswith("remote.")}
+    return {k[len("remote.") :]: v for k, v in counters.items() if k.startswith("remote.")}
 
 
 def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
@@ -158,10 +165,12 @@ def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
     if not c:
         return []
     rows: list[tuple[str, Any]] = [("Remote hits", c.get("hits", 0)), ("Remote misses", c.get("misses", 0))]
-    misses = sorted(((k[len("misses."):], v) for k, v in c.items() if k.startswith("misses.")), key=lambda kv: -kv[1])
+    misses = sorted(((k[len("misses.") :], v) for k, v in c.items() if k.startswith("misses.")), key=lambda kv: -kv[1])
     rows += [(f"  {reason}", n) for reason, n in misses]
-    rows += [("Remote downloaded", human_size(c.get("bytes_down", 0))),
-             ("Remote uploaded", human_size(c.get("bytes_up", 0)))]
+    rows += [
+        ("Remote downloaded", human_size(c.get("bytes_down", 0))),
+        ("Remote uploaded", human_size(c.get("bytes_up", 0))),
+    ]
     errors = sum(v for k, v in c.items() if k.startswith("errors."))
     if errors:
         rows.append(("Remote errors", errors))

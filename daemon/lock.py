@@ -89,9 +89,11 @@ def _check_regular(fd: int, path: Path, root: Path) -> None:
     except OSError:
         return
     if st.st_uid not in (os.geteuid(), owner.st_uid, 0) and not (
-            owner.st_mode & stat.S_ISGID and st.st_gid == owner.st_gid):
-        raise UnsafeRoot(str(root), f"{path} belongs to uid {st.st_uid}, outside the store's owner "
-                                    "and group; remove it")
+        owner.st_mode & stat.S_ISGID and st.st_gid == owner.st_gid
+    ):
+        raise UnsafeRoot(
+            str(root), f"{path} belongs to uid {st.st_uid}, outside the store's owner and group; remove it"
+        )
 
 
 class InstanceLock:
@@ -185,8 +187,9 @@ def _record_pid(fd: int, path: Path) -> None:
             os.ftruncate(fd, 0)  # no stale pid for a second daemon's message; needs no space
         except OSError:
             pass
-        log.warning("cannot record the daemon's pid in %s (%s); the lock is held all the same",
-                    path, exc.strerror or exc)
+        log.warning(
+            "cannot record the daemon's pid in %s (%s); the lock is held all the same", path, exc.strerror or exc
+        )
 
 
 def write_status(root: Path, status: dict[str, Any]) -> None:
@@ -229,5 +232,5 @@ def read_status(root: Path) -> dict[str, Any] | None:
         return None
     alive = _started(pid)
     # A one-shot pass (`adstore daemon --once`) leaves a status but no running daemon.
-    data["running"] = (not data.get("once") and alive is not None and abs(alive - float(started)) < 1.0)
+    data["running"] = not data.get("once") and alive is not None and abs(alive - float(started)) < 1.0
     return data

@@ -17,14 +17,7 @@ import psutil
 from adstore.daemon.commands import Context, entry_dict, resolve_key
 from adstore.daemon.config import SETTINGS, DaemonConfig
 from adstore.daemon.errors import FeatureUnavailable, StillOverBudget
-from adstore.daemon.format import (
-    Progress,
-    human_age,
-    human_size,
-    kv_block,
-    short_key,
-    table,
-)
+from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
 from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free
 
 __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
@@ -40,15 +33,19 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
     if rebuilt is not None:
         report.add_rebuild(*rebuilt)
     data = report.to_dict()
-    lines = [kv_block([
-        ("Blobs checked", f"{report.blobs_checked} ({human_size(getattr(report, 'bytes_checked', 0))})"),
-        ("Manifests checked", report.manifests_checked),
-        ("Entries checked", getattr(report, "entries_checked", "-")),
-        ("Records checked", getattr(report, "records_checked", "-")),
-        ("Problems", len(report.problems)),
-        ("Warnings", len(report.warnings)),
-        ("Fixed", len(report.fixed)),
-    ])]
+    lines = [
+        kv_block(
+            [
+                ("Blobs checked", f"{report.blobs_checked} ({human_size(getattr(report, 'bytes_checked', 0))})"),
+                ("Manifests checked", report.manifests_checked),
+                ("Entries checked", getattr(report, "entries_checked", "-")),
+                ("Records checked", getattr(report, "records_checked", "-")),
+                ("Problems", len(report.problems)),
+                ("Warnings", len(report.warnings)),
+                ("Fixed", len(report.fixed)),
+            ]
+        )
+    ]
     for title, items in (("problem", report.problems), ("warning", report.warnings), ("fixed", report.fixed)):
         shown = items[:50]
         lines.extend(f"  {title}: {item}" for item in shown)
@@ -66,8 +63,9 @@ def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
 def _plan_text(plan: EvictionPlan, *, verb: str) -> list[str]:
     lines = []
     if plan.victims:
-        rows = [(short_key(e.key), e.namespace, human_size(e.bytes), human_age(e.last_access))
-                for e in plan.victims[:50]]
+        rows = [
+            (short_key(e.key), e.namespace, human_size(e.bytes), human_age(e.last_access)) for e in plan.victims[:50]
+        ]
         lines.append(table(rows, ("KEY", "NAMESPACE", "SIZE", "LAST USED"), align="llrl"))
         if len(plan.victims) > 50:
             lines.append(f"… {len(plan.victims) - 50} more entries")
@@ -75,10 +73,11 @@ def _plan_text(plan: EvictionPlan, *, verb: str) -> list[str]:
     if skipped:
         shown = ", ".join(short_key(s) for s in skipped[:10])
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
-        lines.append(f"skipped {len(skipped)} entries (leased, pinned or younger than the grace "
-                     f"period): {shown}{more}")
-    lines.append(f"{verb}: {len(plan.victims)} entries, {len(plan.blobs)} blobs, "
-                 f"{human_size(plan.bytes_to_free)} to free ({plan.why})")
+        lines.append(f"skipped {len(skipped)} entries (leased, pinned or younger than the grace period): {shown}{more}")
+    lines.append(
+        f"{verb}: {len(plan.victims)} entries, {len(plan.blobs)} blobs, "
+        f"{human_size(plan.bytes_to_free)} to free ({plan.why})"
+    )
     if plan.victims and len(plan.blobs) == 0:
         lines.append("(their blobs are shared or younger than the grace period; the sweep frees them later)")
     return lines
@@ -110,8 +109,7 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
     if evict is not None:
         lines.extend(_plan_text(evict, verb="evict"))
     else:
-        lines.append("no size or age limit given (--max-size, --min-free, --older-than): "
-                     "only sweeping orphans")
+        lines.append("no size or age limit given (--max-size, --min-free, --older-than): only sweeping orphans")
     if sweep is not None:
         sd = sweep.to_dict()
         parts = [f"{v} {k.replace('_', ' ')}" for k, v in sd.items() if k != "bytes_to_free" and v]
@@ -127,8 +125,16 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
         data["bytes_freed"] = freed
         lines.append(f"freed {human_size(freed)}")
     if evict is not None:
-        _check_budget(store, evict, max_size=max_size, min_free=min_free,
-                      pending=data["bytes_to_free"] if args.dry_run else 0, data=data, ctx=ctx, lines=lines)
+        _check_budget(
+            store,
+            evict,
+            max_size=max_size,
+            min_free=min_free,
+            pending=data["bytes_to_free"] if args.dry_run else 0,
+            data=data,
+            ctx=ctx,
+            lines=lines,
+        )
     ctx.emit(data, "\n".join(lines))
     return 0
 
@@ -159,13 +165,25 @@ def _blockers(store: Store, skipped: list[str]) -> dict[str, list[str]]:
         leased = set(store.plan_remove(free).skipped) if free else set()
     except KeyNotFound:  # removed in between: count nothing as leased rather than fail
         leased = set()
-    blocked = {"pinned": [k for k in keys if pinned[k]], "leased": [k for k in free if k in leased],
-               "grace_period": [k for k in free if k not in leased]}
+    blocked = {
+        "pinned": [k for k in keys if pinned[k]],
+        "leased": [k for k in free if k in leased],
+        "grace_period": [k for k in free if k not in leased],
+    }
     return {why: ks for why, ks in blocked.items() if ks}
 
 
-def _check_budget(store: Store, plan: EvictionPlan, *, max_size: int | None, min_free: str | int | None,
-                  pending: int, data: dict[str, Any], ctx: Context, lines: list[str]) -> None:
+def _check_budget(
+    store: Store,
+    plan: EvictionPlan,
+    *,
+    max_size: int | None,
+    min_free: str | int | None,
+    pending: int,
+    data: dict[str, Any],
+    ctx: Context,
+    lines: list[str],
+) -> None:
     """Raise :class:`StillOverBudget` (exit 8) when gc did not (or, dry, would not) meet its limit.
 
     ``pending`` is what a dry run would have freed.  The human output is
@@ -177,8 +195,9 @@ def _check_budget(store: Store, plan: EvictionPlan, *, max_size: int | None, min
         return
     # Eviction stopped for a reason the plan names: the entries it had to skip.
     skipped = plan.skipped if pending else store.plan_eviction(max_size=max_size, min_free=min_free).skipped
-    exc = StillOverBudget(over=over, limit=limit, blocked=_blockers(store, skipped), store_bytes=store.size(),
-                          details=data)
+    exc = StillOverBudget(
+        over=over, limit=limit, blocked=_blockers(store, skipped), store_bytes=store.size(), details=data
+    )
     if not ctx.json:
         ctx.emit(data, "\n".join(lines))
     raise exc
@@ -209,8 +228,10 @@ def _set_pin(args: argparse.Namespace, ctx: Context, pinned: bool) -> int:
         (store.pin if pinned else store.unpin)(key)
     entries = [store.entry(k) for k in keys]
     verb = "pinned" if pinned else "unpinned"
-    ctx.emit({verb: keys, "entries": [entry_dict(e) for e in entries if e is not None]},
-             "\n".join(f"{verb} {k}" for k in keys))
+    ctx.emit(
+        {verb: keys, "entries": [entry_dict(e) for e in entries if e is not None]},
+        "\n".join(f"{verb} {k}" for k in keys),
+    )
     return 0
 
 
@@ -234,15 +255,18 @@ def cmd_daemon(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_demo(args: argparse.Namespace, ctx: Context) -> int:
     try:
-        from adstore.integration.reference.demo import (  # lazy: imports torch
-            format_demo,
-            run_demo,
-        )
+        from adstore.integration.reference.demo import format_demo, run_demo  # lazy: imports torch
     except Exception as exc:
-        raise FeatureUnavailable("the demo (adstore.integration.reference.demo)",
-                                 f"{type(exc).__name__}: {exc}") from None
-    result = run_demo(arch=args.arch, layers=args.layers, hidden=args.hidden,
-                      world_size=args.world_size, root=str(ctx.root) if ctx.root is not None else None,
-                      compile=args.compile)
+        raise FeatureUnavailable(
+            "the demo (adstore.integration.reference.demo)", f"{type(exc).__name__}: {exc}"
+        ) from None
+    result = run_demo(
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        world_size=args.world_size,
+        root=str(ctx.root) if ctx.root is not None else None,
+        compile=args.compile,
+    )
     ctx.emit(result, "" if ctx.json else format_demo(result))
     return 0

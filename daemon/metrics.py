@@ -40,16 +40,23 @@ COUNTERS: tuple[tuple[str, str, str, float], ...] = (
     ("saves", "adstore_saves_total", "Entries saved.", 1),
     ("evictions", "adstore_evictions_total", "Entries evicted (budget, age or adstore rm).", 1),
     ("bytes_evicted", "adstore_evicted_bytes_total", "Blob bytes freed by eviction.", 1),
-    ("ms_saved", "adstore_time_saved_seconds_total",
-     "Pipeline time that hits saved, as the caches measured it.", 1e-3),
+    ("ms_saved", "adstore_time_saved_seconds_total", "Pipeline time that hits saved, as the caches measured it.", 1e-3),
     ("bytes_written", "adstore_written_bytes_total", "Blob bytes written (new content only).", 1),
-    ("bytes_deduplicated", "adstore_deduplicated_bytes_total",
-     "Blob bytes not written because the content was stored already.", 1),
+    (
+        "bytes_deduplicated",
+        "adstore_deduplicated_bytes_total",
+        "Blob bytes not written because the content was stored already.",
+        1,
+    ),
     ("remote.bytes_down", "adstore_remote_downloaded_bytes_total", "Blob bytes fetched from the remote tier.", 1),
     ("remote.bytes_up", "adstore_remote_uploaded_bytes_total", "Blob bytes uploaded to the remote tier.", 1),
     ("remote.blobs_down", "adstore_remote_downloaded_blobs_total", "Blobs fetched from the remote tier.", 1),
-    ("remote.records_down", "adstore_remote_downloaded_records_total",
-     "Entry records fetched from the remote tier.", 1),
+    (
+        "remote.records_down",
+        "adstore_remote_downloaded_records_total",
+        "Entry records fetched from the remote tier.",
+        1,
+    ),
     ("remote.records_up", "adstore_remote_uploaded_records_total", "Entry records uploaded to the remote tier.", 1),
 )
 _ALWAYS = 5  # hits, saves, evictions, bytes evicted, time saved: shown even before the first event
@@ -65,8 +72,11 @@ BY_REASON: tuple[tuple[str, str, str], ...] = (
 GAUGES: tuple[tuple[str, str, str], ...] = (
     ("physical_bytes", "adstore_stored_bytes", "Bytes the store's blobs take (what the budget limits)."),
     ("logical_bytes", "adstore_logical_bytes", "Bytes the entries reference, before deduplication."),
-    ("content_bytes", "adstore_content_bytes",
-     "Bytes of distinct blob content: after deduplication, before compression."),
+    (
+        "content_bytes",
+        "adstore_content_bytes",
+        "Bytes of distinct blob content: after deduplication, before compression.",
+    ),
     ("pinned_bytes", "adstore_pinned_bytes", "Bytes of pinned entries (never evicted)."),
     ("entries", "adstore_entries", "Entries in the store."),
     ("blobs", "adstore_blobs", "Blobs in the store."),
@@ -89,8 +99,11 @@ class Family:
 def _by_reason(counters: Mapping[str, int], prefix: str) -> list[tuple[tuple[tuple[str, str], ...], float]]:
     """``misses.absent`` … as ``(("reason", "absent"),)`` samples; a total above their sum is ``unspecified``."""
     head = prefix + "."
-    reasons = {name[len(head):]: value for name, value in counters.items()
-               if name.startswith(head) and "." not in name[len(head):]}
+    reasons = {
+        name[len(head) :]: value
+        for name, value in counters.items()
+        if name.startswith(head) and "." not in name[len(head) :]
+    }
     rest = counters.get(prefix, 0) - sum(reasons.values())
     if rest > 0:
         reasons[_UNSPECIFIED] = reasons.get(_UNSPECIFIED, 0) + rest
@@ -111,9 +124,14 @@ def collect(stats: StoreStats, *, budget_bytes: int | None) -> list[Family]:
     for attr, name, help_ in GAUGES:
         families.append(Family(name, "gauge", help_, (((), float(getattr(stats, attr))),)))
     if budget_bytes is not None:
-        families.append(Family("adstore_budget_bytes", "gauge",
-                               "Bytes the store may use now: max_size, capped so the filesystem keeps min_free.",
-                               (((), float(budget_bytes)),)))
+        families.append(
+            Family(
+                "adstore_budget_bytes",
+                "gauge",
+                "Bytes the store may use now: max_size, capped so the filesystem keeps min_free.",
+                (((), float(budget_bytes)),),
+            )
+        )
     return families
 
 

@@ -21,13 +21,7 @@ from typing import Any
 from adstore.daemon.commands import Context
 from adstore.daemon.config import DaemonConfig
 from adstore.daemon.errors import RemoteFailed
-from adstore.daemon.format import (
-    human_size,
-    kv_block,
-    remote_counters,
-    remote_stats_rows,
-    table,
-)
+from adstore.daemon.format import human_size, kv_block, remote_counters, remote_stats_rows, table
 from adstore.store import ConfigError, remote_restore, remote_save
 from adstore.store.remote import Remote, RemoteConfig
 
@@ -36,13 +30,21 @@ __all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments"]
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """The flags every remote command takes."""
-    p.add_argument("--remote", metavar="URL",
-                   help="s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX (default: $ADSTORE_REMOTE)")
-    p.add_argument("--mode", choices=["read", "read-write"],
-                   help="read or read-write (default: $ADSTORE_REMOTE_MODE, else the config's remote_mode, else read)")
-    p.add_argument("--config", type=Path, metavar="FILE",
-                   help="TOML configuration whose remote and remote_mode apply when neither the flags nor "
-                        "$ADSTORE_REMOTE* give them (default: $ADSTORE_CONFIG)")
+    p.add_argument(
+        "--remote", metavar="URL", help="s3://BUCKET/PREFIX or http(s)://HOST:PORT/PREFIX (default: $ADSTORE_REMOTE)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=["read", "read-write"],
+        help="read or read-write (default: $ADSTORE_REMOTE_MODE, else the config's remote_mode, else read)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML configuration whose remote and remote_mode apply when neither the flags nor "
+        "$ADSTORE_REMOTE* give them (default: $ADSTORE_CONFIG)",
+    )
 
 
 def _config(args: argparse.Namespace) -> RemoteConfig:
@@ -73,8 +75,10 @@ def _open(args: argparse.Namespace) -> tuple[RemoteConfig, Remote]:
 def _finish(ctx: Context, rows: list[dict[str, Any]], remote: Remote, verb: str) -> int:
     data = {"remote": remote.url, "results": rows, "counters": remote.counters}
     failed = [r for r in rows if r["reason"] is not None]
-    text = table(([r["key"][:16], r["rank"], human_size(r["bytes"]), r["reason"] or "ok"] for r in rows),
-                 ["KEY", "RANK", verb.upper(), "RESULT"])
+    text = table(
+        ([r["key"][:16], r["rank"], human_size(r["bytes"]), r["reason"] or "ok"] for r in rows),
+        ["KEY", "RANK", verb.upper(), "RESULT"],
+    )
     if failed:
         raise RemoteFailed(verb, failed, details=data)
     ctx.emit(data, text)
@@ -144,16 +148,29 @@ def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
     finally:
         remote.close()
     status = data["status"]
-    reach = ("not probed" if data["reachable"] is None else
-             f"yes ({1000 * data['round_trip_seconds']:.1f} ms)" if data["reachable"] else f"no ({data['probe_reason']})")
-    rows = [("Remote", status["url"]), ("Mode", status["mode"]), ("Reachable", reach),
-            ("Conditional writes", status["conditional_writes"]),
-            ("Blob transfer", "zstd frames as stored (zcas/), raw otherwise" if status["transfer"] == "zstd"
-             else "raw (cas/, as Bazel clients expect)"),
-            ("Signing key", status["signing_key"] or "none"),
-            ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
-            ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s"),
-            ("Deadline", f"{cfg.deadline:g}s a call, blobs + size at {human_size(int(cfg.min_throughput))}/s")]
+    reach = (
+        "not probed"
+        if data["reachable"] is None
+        else f"yes ({1000 * data['round_trip_seconds']:.1f} ms)"
+        if data["reachable"]
+        else f"no ({data['probe_reason']})"
+    )
+    rows = [
+        ("Remote", status["url"]),
+        ("Mode", status["mode"]),
+        ("Reachable", reach),
+        ("Conditional writes", status["conditional_writes"]),
+        (
+            "Blob transfer",
+            "zstd frames as stored (zcas/), raw otherwise"
+            if status["transfer"] == "zstd"
+            else "raw (cas/, as Bazel clients expect)",
+        ),
+        ("Signing key", status["signing_key"] or "none"),
+        ("Trusted keys", ", ".join(status["trusted_keys"]) or "none"),
+        ("Timeouts", f"connect {cfg.connect_timeout:g}s, read {cfg.timeout:g}s, cool-down {cfg.cooldown:g}s"),
+        ("Deadline", f"{cfg.deadline:g}s a call, blobs + size at {human_size(int(cfg.min_throughput))}/s"),
+    ]
     rows += remote_stats_rows({f"remote.{k}": v for k, v in stored.items()})
     ctx.emit(data, kv_block(rows))
     return 1 if data["reachable"] is False else 0  # like verify: a check that failed, not an error

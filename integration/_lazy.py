@@ -15,8 +15,9 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: Mapping[str, Sequence[str]]) -> tuple[Callable[[str], Any],
-                                                                             Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, Sequence[str]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module ``__getattr__`` and ``__dir__`` for ``package``.
 
     ``exports`` maps a module (relative to ``adstore.integration``) to the

@@ -40,14 +40,7 @@ from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
 from .maintenance.eviction import EvictedBatch, EvictionPlan, PlanKind
 from .maintenance.sweep import SweepPlan
 from .maintenance.verify import Finding, VerifyReport
-from .names import (
-    is_digest,
-    is_key,
-    validate_artifact_name,
-    validate_digest,
-    validate_key,
-    validate_namespace,
-)
+from .names import is_digest, is_key, validate_artifact_name, validate_digest, validate_key, validate_namespace
 from .reasons import REMOTE_REASONS, Reason
 from .stats import StoreStats
 from .store import DEFAULT_INLINE_THRESHOLD, Store

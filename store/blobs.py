@@ -27,9 +27,9 @@ from .blobwriter import BlobWriter
 from .codec import Damaged, Encoding, decode, decode_chunks
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
-from .names import validate_digest
 from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
 from .index.tables import Tables, Txn
+from .names import validate_digest
 
 __all__ = ["Blobs", "StoredBlob", "Swept", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 4 << 20
 BLOB_MODE = 0o444
+
+
 def _digest_of(ref_or_digest: BlobRef | str) -> str:
     return ref_or_digest.digest if isinstance(ref_or_digest, BlobRef) else validate_digest(ref_or_digest)
 
@@ -126,8 +128,14 @@ class Blobs:
                 w.write(chunk)
             return w.commit()
 
-    def writer(self, ref: BlobRef | None, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
-               cancelled: threading.Event | None = None) -> BlobWriter:
+    def writer(
+        self,
+        ref: BlobRef | None,
+        *,
+        source: Encoding = Encoding.RAW,
+        frame_size: int | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> BlobWriter:
         """A writer streaming a blob into place as its bytes arrive (``blobwriter``).
 
         ``ref`` None: whatever the content hashes to.  ``source=ZSTD``: the
@@ -152,8 +160,9 @@ class Blobs:
         try:
             self._publish_and_register(ref, tmp, encoding, stored)
         except _FileVanished:
-            raise Swept(f"blob {ref.digest}: its temp file was swept while being stored "
-                        f"(grace period {self._grace:g}s)") from None
+            raise Swept(
+                f"blob {ref.digest}: its temp file was swept while being stored (grace period {self._grace:g}s)"
+            ) from None
 
     def _existing(self, ref: BlobRef) -> bool:
         """True when the blob is stored intact; refreshes its freshness if stale.
@@ -217,14 +226,21 @@ class Blobs:
                 raise _FileVanished
             row = t.blob_row(ref.digest)
             now = t.clock()
-            if row is not None and not row.quarantined and row.size == ref.size and not row.inline \
-                    and row.flags == flags and row.stored == stored:
+            if (
+                row is not None
+                and not row.quarantined
+                and row.size == ref.size
+                and not row.inline
+                and row.flags == flags
+                and row.stored == stored
+            ):
                 row.touched = now  # the same file again
                 t.touch_blob(ref.digest, row)
                 return
             # New, or repairing a damaged row (or one whose file a writer of the same content replaced).
-            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags, stored),
-                       inline=None)
+            t.put_blob(
+                ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, flags, stored), inline=None
+            )
             t.count("bytes_written", ref.size)
 
         self._tables.write(fn)
@@ -235,13 +251,20 @@ class Blobs:
         def fn(t: Txn) -> None:
             row = t.blob_row(ref.digest)
             now = t.clock()
-            if row is not None and not row.quarantined and row.size == ref.size and (
-                    row.inline or self.file_ok(ref.digest, row.stored)):
+            if (
+                row is not None
+                and not row.quarantined
+                and row.size == ref.size
+                and (row.inline or self.file_ok(ref.digest, row.stored))
+            ):
                 row.touched = now
                 t.touch_blob(ref.digest, row)
                 return
-            t.put_blob(ref.digest, BlobRow(ref.size, row.refs if row is not None else 0, now, FLAG_INLINE, ref.size),
-                       inline=value)
+            t.put_blob(
+                ref.digest,
+                BlobRow(ref.size, row.refs if row is not None else 0, now, FLAG_INLINE, ref.size),
+                inline=value,
+            )
             t.count("bytes_written", ref.size)
 
         self._tables.write(fn)
@@ -269,8 +292,7 @@ class Blobs:
         row = self.row(digest)
         if row is None or row.inline or row.quarantined:
             return None
-        return StoredBlob(self._layout.blob_path(digest), Encoding.ZSTD if row.compressed else Encoding.RAW,
-                          row.stored)
+        return StoredBlob(self._layout.blob_path(digest), Encoding.ZSTD if row.compressed else Encoding.RAW, row.stored)
 
     def path(self, ref_or_digest: BlobRef | str) -> Path | None:
         digest = _digest_of(ref_or_digest)
@@ -335,12 +357,13 @@ class Blobs:
             raise BlobMissing(digest, "not registered")
         if row.inline or row.quarantined:
             return atomic_write(dest, self.get_bytes(digest))
+
         def verified() -> Iterator[bytes]:
             h = hashlib.sha256()
             n = 0
             try:
                 with self._layout.open_blob(digest) as f:
-                    for chunk in (decode_chunks(f, row.size) if row.compressed else _chunks(f)):
+                    for chunk in decode_chunks(f, row.size) if row.compressed else _chunks(f):
                         h.update(chunk)
                         n += len(chunk)
                         yield chunk
@@ -412,7 +435,8 @@ def unlink_dropped(tables: Tables, digests: Sequence[str]) -> int:
     """
     layout, total = tables.layout, 0
     for i in range(0, len(digests), _UNLINK_BATCH):
-        def fn(t: Txn, batch: Sequence[str] = digests[i:i + _UNLINK_BATCH]) -> int:
+
+        def fn(t: Txn, batch: Sequence[str] = digests[i : i + _UNLINK_BATCH]) -> int:
             n = 0
             for digest in batch:
                 row = t.blob_row(digest)

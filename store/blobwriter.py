@@ -63,7 +63,7 @@ class _Fd:
         view = memoryview(data)
         n = view.nbytes
         while view:
-            view = view[os.write(self.fd, view):]
+            view = view[os.write(self.fd, view) :]
         self.written += n
         return n
 
@@ -79,9 +79,17 @@ class HashingWriter:
     must be called; it returns the helper's error, if any.
     """
 
-    def __init__(self, fd: int, name: str, *, encoding: Encoding = Encoding.RAW, size: int | None = None,
-                 background: bool = False, durable: bool = False,
-                 cancelled: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        name: str,
+        *,
+        encoding: Encoding = Encoding.RAW,
+        size: int | None = None,
+        background: bool = False,
+        durable: bool = False,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         self.name = name
         self._out = _Fd(fd)
         self._frame = FrameWriter(self._out, size) if encoding is Encoding.ZSTD else None  # type: ignore[arg-type]
@@ -165,9 +173,16 @@ class BlobWriter:
     written.
     """
 
-    def __init__(self, blobs: Blobs, ref: BlobRef | None, *, encoding: Encoding | None = None,
-                 source: Encoding = Encoding.RAW, frame_size: int | None = None,
-                 cancelled: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        blobs: Blobs,
+        ref: BlobRef | None,
+        *,
+        encoding: Encoding | None = None,
+        source: Encoding = Encoding.RAW,
+        frame_size: int | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         if source is Encoding.ZSTD and (ref is None or frame_size is None):
             raise ValueError("a frame from elsewhere needs the digest and sizes it must decode to")
         self.ref = ref
@@ -228,9 +243,15 @@ class BlobWriter:
         self._tmp = tmp
         size = self.ref.size if self.ref is not None else None
         big = size is None or size >= BACKGROUND_HASH_BYTES
-        self._hasher = HashingWriter(self._fd, str(tmp), encoding=self._encoding if self._source is Encoding.RAW
-                                     else Encoding.RAW, size=size, background=big, durable=True,
-                                     cancelled=self._cancelled)
+        self._hasher = HashingWriter(
+            self._fd,
+            str(tmp),
+            encoding=self._encoding if self._source is Encoding.RAW else Encoding.RAW,
+            size=size,
+            background=big,
+            durable=True,
+            cancelled=self._cancelled,
+        )
         if head:
             try:
                 self._hasher.write(head)
@@ -334,7 +355,8 @@ class BlobWriter:
     def __enter__(self) -> BlobWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if not self._done:
             self.discard()

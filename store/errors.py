@@ -172,8 +172,9 @@ class NoStore(StoreError):
 
     def __init__(self, root: str) -> None:
         self.root = root
-        super().__init__(f"no adstore store at {root} (set --root or ADSTORE_ROOT; a store is created by "
-                         "its first writer)")
+        super().__init__(
+            f"no adstore store at {root} (set --root or ADSTORE_ROOT; a store is created by its first writer)"
+        )
 
 
 class IncompatibleStore(StoreError):
@@ -200,9 +201,7 @@ class OverBudget(StoreError):
         self.needed = needed
         self.limit = limit
         self.size = size
-        super().__init__(
-            f"store over budget: {size} bytes stored + {needed} needed > hard limit {limit}"
-        )
+        super().__init__(f"store over budget: {size} bytes stored + {needed} needed > hard limit {limit}")
 
 
 class StoreFull(StoreError):

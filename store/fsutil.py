@@ -41,10 +41,36 @@ log = logging.getLogger(__name__)
 #: Filesystem types on which LMDB's locking (fcntl + shared memory map) is unsafe.
 NETWORK_FILESYSTEMS = frozenset(
     {
-        "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "ncpfs", "afs",
-        "fuse.sshfs", "sshfs", "9p", "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs",
-        "lustre", "gpfs", "beegfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "davfs",
-        "fuse.davfs2", "ocfs2", "gfs2", "panfs", "pvfs2", "orangefs", "fuse.juicefs",
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb",
+        "smb2",
+        "smb3",
+        "smbfs",
+        "ncpfs",
+        "afs",
+        "fuse.sshfs",
+        "sshfs",
+        "9p",
+        "ceph",
+        "fuse.ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.rclone",
+        "davfs",
+        "fuse.davfs2",
+        "ocfs2",
+        "gfs2",
+        "panfs",
+        "pvfs2",
+        "orangefs",
+        "fuse.juicefs",
     }
 )
 
@@ -155,7 +181,8 @@ def atomic_write(
     dest = Path(path)
     tmp = unique_temp(Path(tmp_dir) if tmp_dir is not None else dest.parent)
     chunks: Iterable[bytes | bytearray | memoryview] = (
-        (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data)
+        (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    )
     with discarding_on_error(tmp, name=str(dest)):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

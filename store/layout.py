@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import BinaryIO
 
 from .errors import UnsafeRoot
@@ -141,13 +141,23 @@ class Layout:
         """
         for d in (self.index, self.blobs, self.records, self.tmp, self.quarantine):
             if d.is_symlink():
-                raise UnsafeRoot(str(self.root), f"{d.name}/ is a symlink (to {os.readlink(d)!r}); "
-                                 "a store's directories must be real directories inside its root")
+                raise UnsafeRoot(
+                    str(self.root),
+                    f"{d.name}/ is a symlink (to {os.readlink(d)!r}); "
+                    "a store's directories must be real directories inside its root",
+                )
 
     def create(self) -> None:
         """Create the layout (call after the root passed its permission checks)."""
-        for d in (self.index, self.blobs, self.records, self.records / "pending", self.records / "obsolete",
-                  self.tmp, self.quarantine):
+        for d in (
+            self.index,
+            self.blobs,
+            self.records,
+            self.records / "pending",
+            self.records / "obsolete",
+            self.tmp,
+            self.quarantine,
+        ):
             self.mkdir(d)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():

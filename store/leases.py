@@ -46,12 +46,7 @@ def lease_is_live(lease: LeaseRecord, *, now: float) -> bool:
 
 def new_lease_record(key: str, ttl: float, now: float) -> LeaseRecord:
     return LeaseRecord(
-        key=key,
-        pid=os.getpid(),
-        start_time=process_start_time(),
-        host=hostname(),
-        created=now,
-        expires=now + ttl,
+        key=key, pid=os.getpid(), start_time=process_start_time(), host=hostname(), created=now, expires=now + ttl
     )
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import CorruptRecord
-from .reasons import Reason
+from .errors import AmbiguousKey, CorruptRecord, KeyNotFound
 from .index.rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
-from .index.tables import Txn
+from .index.tables import Tables, Txn
+from .names import validate_key
+from .reasons import Reason
 
-__all__ = ["LookupResult", "LookupMemo", "lookup"]
+__all__ = ["LookupResult", "LookupMemo", "lookup", "resolve_key"]
 
 #: ``file_ok(digest, size)``: is the blob file of that digest on disk with that size?
 FileCheck = Callable[[str, int], bool]
@@ -72,10 +73,7 @@ def _decode_manifest(raw_key: bytes, raw: bytes) -> tuple[Manifest, tuple[tuple[
 
 
 def _check_blobs(
-    t: Txn,
-    checks: tuple[tuple[bytes, int, str], ...],
-    file_ok: FileCheck,
-    files: list[tuple[str, int]],
+    t: Txn, checks: tuple[tuple[bytes, int, str], ...], file_ok: FileCheck, files: list[tuple[str, int]]
 ) -> Reason | None:
     """Invariant 5 for one manifest: every blob registered, not quarantined, of its size.
 
@@ -206,3 +204,23 @@ def lookup(t: Txn, key: str, rank: int | None, file_ok: FileCheck, memo: LookupM
     if memo is not None:
         memo.put(key, rank, _Checked(raw, t.epoch(), tuple(rows), tuple(files), result))
     return result
+
+
+def resolve_key(tables: Tables, prefix: str) -> str:
+    """The one entry key equal to or starting with ``prefix`` (``Store.resolve_key``)."""
+    if not isinstance(prefix, str) or not prefix:
+        raise KeyNotFound(str(prefix))
+    start = validate_key(prefix).encode()  # a prefix of a key is a key: the same rule, the same error
+    with tables.read() as t:
+        if t.entry_row(start) is not None:
+            return prefix
+        matches: list[str] = []
+        for k, _ in t.entry_rows(start):
+            if not k.startswith(start):
+                break
+            matches.append(k.decode(errors="replace"))
+    if not matches:
+        raise KeyNotFound(prefix)
+    if len(matches) > 1:
+        raise AmbiguousKey(prefix, matches)
+    return matches[0]

@@ -15,7 +15,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BlobMissing, CorruptRecord, InvalidKey, StoreError
+from .errors import BlobMissing, CorruptRecord, InvalidKey, KeyNotFound, StoreError
+from .index.entryrows import Removal
+from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
+from .index.shadows import PINNED, Head, to_entry
+from .index.tables import Txn
 from .leases import hostname
 from .names import (
     validate_artifact_name,
@@ -25,12 +29,8 @@ from .names import (
     validate_rank,
     validate_world_size,
 )
-from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
-from .index.shadows import PINNED, Head, to_entry
-from .index.entryrows import Removal
-from .index.tables import Txn
 
-__all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty"]
+__all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty", "set_pinned"]
 
 #: ``file_ok(digest, size)``: is the blob file of that digest on disk with that size?
 FileCheck = Callable[[str, int], bool]
@@ -107,8 +107,9 @@ def publish(
     return manifest
 
 
-def commit(t: Txn, *, key: str, rank: int, generation: int,
-           components: Mapping[str, Any] | None = None) -> tuple[Manifest, list[str]]:
+def commit(
+    t: Txn, *, key: str, rank: int, generation: int, components: Mapping[str, Any] | None = None
+) -> tuple[Manifest, list[str]]:
     """Mark a manifest committed and make it the rank's current generation.
 
     Returns the manifest and the digests whose refcount dropped to zero
@@ -210,3 +211,12 @@ def drop_entry(
     else:
         t.drop_entry(key, entry)
     return taken
+
+
+def set_pinned(t: Txn, key: str, pinned: bool) -> None:
+    """Pin (exclude from eviction) or unpin ``key``'s entry; :class:`KeyNotFound` when there is none."""
+    entry = t.entry(key)
+    if entry is None:
+        raise KeyNotFound(key)
+    entry.pinned = pinned
+    t.put_entry(entry)

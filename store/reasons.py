@@ -25,7 +25,9 @@ class Reason(enum.StrEnum):
     BLOB_MISSING = "blob_missing"  # a referenced blob has no row, no file, the wrong size, or is quarantined
     CHECKSUM = "checksum"  # blob content does not hash to its digest (quarantined)
     CORRUPT_INDEX = "corrupt_index"  # an index row or the index itself does not decode
-    INCOMPATIBLE_ENV = "incompatible_env"  # an entry for this request was built in another environment (torch, ABI, CPU, GPU)
+    INCOMPATIBLE_ENV = (
+        "incompatible_env"  # an entry for this request was built in another environment (torch, ABI, CPU, GPU)
+    )
 
     # -- store errors ------------------------------------------------------
     ERROR = "error"  # an adstore error without a more precise reason
@@ -37,7 +39,9 @@ class Reason(enum.StrEnum):
     UNSAFE_ROOT = "unsafe_root"  # the root is world-writable, or a file the store or daemon writes is a symlink
     NO_STORE = "no_store"  # a read-only command found no store at the root (and created none)
     INCOMPATIBLE_STORE = "incompatible_store"  # the index has another schema version
-    OVER_BUDGET = "over_budget"  # a write would pass the hard limit and inline eviction cannot help; gc cannot get under it
+    OVER_BUDGET = (
+        "over_budget"  # a write would pass the hard limit and inline eviction cannot help; gc cannot get under it
+    )
     DISK_FULL = "disk_full"  # the filesystem under the store is full (ENOSPC, EDQUOT)
     PERMISSION_DENIED = "permission_denied"  # this user may not open or write the store
     CONFIG = "config"  # an invalid setting
@@ -116,8 +120,17 @@ class Reason(enum.StrEnum):
 
 #: The reasons that name something about the remote tier (its server, what it holds, single-flight
 #: builds): a miss for one of them is the remote's doing, not the local store's.
-REMOTE_REASONS = frozenset({
-    Reason.REMOTE_UNAVAILABLE, Reason.REMOTE_TIMEOUT, Reason.REMOTE_ERROR, Reason.REMOTE_READ_ONLY,
-    Reason.REMOTE_UNSUPPORTED, Reason.REMOTE_BLOB_MISSING, Reason.REMOTE_CHECKSUM, Reason.UNTRUSTED_REMOTE,
-    Reason.SINGLE_FLIGHT_TIMEOUT, Reason.BUILDER_GONE,
-})
+REMOTE_REASONS = frozenset(
+    {
+        Reason.REMOTE_UNAVAILABLE,
+        Reason.REMOTE_TIMEOUT,
+        Reason.REMOTE_ERROR,
+        Reason.REMOTE_READ_ONLY,
+        Reason.REMOTE_UNSUPPORTED,
+        Reason.REMOTE_BLOB_MISSING,
+        Reason.REMOTE_CHECKSUM,
+        Reason.UNTRUSTED_REMOTE,
+        Reason.SINGLE_FLIGHT_TIMEOUT,
+        Reason.BUILDER_GONE,
+    }
+)

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .maintenance.budget import Budget, read_budget
 from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
 from .index.tables import Tables
+from .maintenance.budget import Budget, read_budget
 
 __all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes"]
 
@@ -88,7 +88,11 @@ def entry_stored_bytes(tables: Tables, keys: Iterable[str]) -> dict[str, int]:
     with tables.read() as t:
         for key in keys:
             entry = t.entry(key)
-            digests = {ref.digest for r, g in (entry.ranks.items() if entry else ())
-                       if (m := t.manifest(key, r, g)) is not None for ref in m.artifacts.values()}
+            digests = {
+                ref.digest
+                for r, g in (entry.ranks.items() if entry else ())
+                if (m := t.manifest(key, r, g)) is not None
+                for ref in m.artifacts.values()
+            }
             out[key] = sum(row.stored for d in digests if (row := t.blob_row(d)) is not None)
     return out

@@ -19,35 +19,35 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .index.ballast import Ballast
 from .blobs import Blobs, StoredBlob
 from .blobwriter import BlobWriter
-from .codec import Encoding
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
-from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
-from .errors import AmbiguousKey, CorruptRecord, InvalidKey, KeyNotFound, NoStore, StoreError
-from .maintenance.eviction import EvictionPlan, Evictor
+from .codec import Encoding
+from .errors import CorruptRecord, InvalidKey, NoStore, StoreError
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
+from .index.ballast import Ballast
 from .index.env import Index
 from .index.file import probe_index
-from .layout import Layout, default_root
-from .leases import new_lease_record
-from .lookup import LookupMemo, LookupResult, lookup
-from .manifests import abort, commit, publish, validate_publish
-from .records.obsolete import obsolete_dropped
-from .reasons import Reason
-from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
-from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
-from .names import validate_key
 from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
-from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
-from .maintenance.sweep import Sweeper, SweepPlan
-from .maintenance.inline import InlineEviction
 from .index.schema import PHYSICAL_BYTES
 from .index.tables import Tables, Txn
-from .units import MinFree, parse_duration, parse_size
+from .layout import Layout, default_root
+from .leases import new_lease_record
+from .lookup import LookupMemo, LookupResult, lookup, resolve_key
+from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
+from .maintenance.eviction import EvictionPlan, Evictor
+from .maintenance.inline import InlineEviction
+from .maintenance.sweep import Sweeper, SweepPlan
 from .maintenance.verify import Progress, VerifyReport, verify_store
+from .manifests import abort, commit, publish, set_pinned, validate_publish
+from .names import validate_key
+from .reasons import Reason
+from .records.obsolete import obsolete_dropped
+from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
+from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
+from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
+from .units import MinFree, parse_duration, parse_size
 
 __all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
 
@@ -111,8 +111,13 @@ class Store:
         # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
         self._inline = InlineEviction(self._tables, max_size=self.max_size, grace_period=self.grace_period)
-        self._blobs = Blobs(self._tables, inline_threshold=self.inline_threshold, grace_period=self.grace_period,
-                            reserve=self._inline.reserve, on_dedup=self._count_dedup)
+        self._blobs = Blobs(
+            self._tables,
+            inline_threshold=self.inline_threshold,
+            grace_period=self.grace_period,
+            reserve=self._inline.reserve,
+            on_dedup=self._count_dedup,
+        )
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
@@ -201,23 +206,23 @@ class Store:
     def blob_path(self, ref_or_digest: BlobRef | str) -> Path | None:
         return self._blobs.path(ref_or_digest)
 
-    def blob_writer(self, ref: BlobRef, *, source: Encoding = Encoding.RAW, frame_size: int | None = None,
-                    cancelled: threading.Event | None = None) -> BlobWriter:
-        """A writer that streams the blob ``ref`` into place as its bytes arrive, hashed once (``blobwriter``).
+    def blob_writer(
+        self,
+        ref: BlobRef,
+        *,
+        source: Encoding = Encoding.RAW,
+        frame_size: int | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> BlobWriter:
+        """A writer streaming the blob ``ref`` into place as its bytes arrive, hashed once (``blobwriter``).
 
-        For bytes of a known digest from elsewhere (the remote tier): they are
-        registered only if they hash (or, ``source=ZSTD``, decode) to ``ref``;
-        call :meth:`admit` first.
+        Bytes from elsewhere (the remote tier; :meth:`admit` them first) are
+        registered only if they hash (``source=ZSTD``: decode) to ``ref``.
         """
         return self._blobs.writer(ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
     def admit(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` about to be downloaded, or refuse them before the first byte.
-
-        :class:`OverBudget` past this writer's or the persisted budget's limit
-        (after a bounded inline eviction), :class:`StoreFull` past the free
-        space less the budget's ``min_free``.
-        """
+        """Make room for ``nbytes`` about to be downloaded, or refuse them (OverBudget, StoreFull) before any byte."""
         self._inline.admit(nbytes)
 
     def temp_path(self, suffix: str = ".tmp") -> Path:
@@ -249,13 +254,30 @@ class Store:
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
         """Record this rank's manifest, uncommitted; blobs must be stored already."""
-        validate_publish(key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
-                         namespace=namespace, components=components, meta=meta)
+        validate_publish(
+            key,
+            rank=rank,
+            world_size=world_size,
+            generation=generation,
+            artifacts=artifacts,
+            namespace=namespace,
+            components=components,
+            meta=meta,
+        )
 
         def fn(t: Txn) -> tuple[Manifest, RecordInputs]:
-            m = publish(t, key=key, rank=rank, world_size=world_size, generation=generation, artifacts=artifacts,
-                        namespace=namespace, components=components or {}, meta=meta or {},
-                        file_ok=self._blobs.file_ok)
+            m = publish(
+                t,
+                key=key,
+                rank=rank,
+                world_size=world_size,
+                generation=generation,
+                artifacts=artifacts,
+                namespace=namespace,
+                components=components or {},
+                meta=meta or {},
+                file_ok=self._blobs.file_ok,
+            )
             return m, record_inputs(t, m)
 
         manifest, inputs = self._tables.write(fn)
@@ -266,11 +288,13 @@ class Store:
             raise
         return manifest
 
-    def commit(self, key: str, *, rank: int = 0, generation: int,
-               components: Mapping[str, Any] | None = None) -> Manifest:
+    def commit(
+        self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
+    ) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
         validate_key(key)
         validate_json(components or {}, "components")
+
         def fn(t: Txn) -> tuple[Manifest, bool]:
             changed = components_changed(t, key, components)
             return commit(t, key=key, rank=rank, generation=generation, components=components)[0], changed
@@ -333,22 +357,7 @@ class Store:
         :class:`KeyNotFound` when none matches, :class:`AmbiguousKey` (with
         every candidate) when several do.
         """
-        if not isinstance(prefix, str) or not prefix:
-            raise KeyNotFound(str(prefix))
-        start = validate_key(prefix).encode()  # a prefix of a key is a key: the same rule, the same error
-        with self._tables.read() as t:
-            if t.entry_row(start) is not None:
-                return prefix
-            matches: list[str] = []
-            for k, _ in t.entry_rows(start):
-                if not k.startswith(start):
-                    break
-                matches.append(k.decode(errors="replace"))
-        if not matches:
-            raise KeyNotFound(prefix)
-        if len(matches) > 1:
-            raise AmbiguousKey(prefix, matches)
-        return matches[0]
+        return resolve_key(self._tables, prefix)
 
     def stored_bytes(self, keys: Iterable[str]) -> dict[str, int]:
         """What each entry's current blobs take on disk (a blob shared by entries counts in each)."""
@@ -361,15 +370,7 @@ class Store:
 
     def _set_pinned(self, key: str, pinned: bool) -> None:
         validate_key(key)
-
-        def fn(t: Txn) -> None:
-            entry = t.entry(key)
-            if entry is None:
-                raise KeyNotFound(key)
-            entry.pinned = pinned
-            t.put_entry(entry)
-
-        self._tables.write(fn)
+        self._tables.write(lambda t: set_pinned(t, key, pinned))
         self._records.pinned(key, pinned)
 
     def pin(self, key: str) -> None:
@@ -471,8 +472,9 @@ class Store:
                 rebuilt = plan_rebuild(self._tables.layout, probe.detail).execute()
             finally:
                 self._attach(self._tables.layout)
-        report = verify_store(self._tables, fix=fix, grace_period=self.grace_period,
-                              quarantine=self._blobs.quarantine, progress=progress)
+        report = verify_store(
+            self._tables, fix=fix, grace_period=self.grace_period, quarantine=self._blobs.quarantine, progress=progress
+        )
         if rebuilt is not None:
             report.add_rebuild(probe.detail, rebuilt)
         return report

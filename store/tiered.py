@@ -31,9 +31,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import AdstoreError, KeyNotFound
+from .index.rows import Manifest
 from .reasons import Reason
 from .records.format import RECORD_FORMAT, BadRecord, parse_payload, payload_of
-from .index.rows import Manifest
 from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
 
 if TYPE_CHECKING:
@@ -93,15 +93,17 @@ def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
     return delta
 
 
-def _miss(store: Store, reason: str, start: float, *, nbytes: int = 0,
-          error: AdstoreError | None = None) -> Outcome[Manifest]:
+def _miss(
+    store: Store, reason: str, start: float, *, nbytes: int = 0, error: AdstoreError | None = None
+) -> Outcome[Manifest]:
     store.count({"remote.misses": 1, f"remote.misses.{reason}": 1})
     return Outcome(reason=reason, error=error, nbytes=nbytes, seconds=time.perf_counter() - start)
 
 
 # -- restore -------------------------------------------------------------------
-def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0,
-                   world_size: int | None = 1) -> Outcome[Manifest]:
+def remote_restore(
+    store: Store, remote: Remote, key: str, rank: int = 0, world_size: int | None = 1
+) -> Outcome[Manifest]:
     """On a local miss: fetch, check, pull and commit ``key``'s ``rank`` locally; the committed manifest.
 
     The record is checked in full (signature, then the one record parser,
@@ -130,8 +132,9 @@ def remote_restore(store: Store, remote: Remote, key: str, rank: int = 0,
         persist_counters(store, remote)
 
 
-def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int | None,
-             start: float) -> Outcome[Manifest]:
+def _restore(
+    store: Store, remote: Remote, key: str, rank: int, world_size: int | None, start: float
+) -> Outcome[Manifest]:
     fetched = remote.fetch_record(key, rank)
     if not fetched.ok or fetched.value is None:
         return _miss(store, fetched.reason or str(Reason.ABSENT), start, nbytes=fetched.nbytes, error=fetched.error)
@@ -149,14 +152,22 @@ def _restore(store: Store, remote: Remote, key: str, rank: int, world_size: int 
     local = _committed(store, key, rank, record.generation)
     if local is not None:  # this generation is here already (another rank was the one missing)
         return Outcome(value=local, nbytes=nbytes, seconds=time.perf_counter() - start)
-    pulled = remote.pull_blobs([(r.digest, r.size) for r in record.artifacts.values()], sink=store,
-                               stored=record.stored)
+    pulled = remote.pull_blobs(
+        [(r.digest, r.size) for r in record.artifacts.values()], sink=store, stored=record.stored
+    )
     nbytes += pulled.nbytes
     if not pulled.ok:
         return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)
-    store.publish(key, rank=rank, world_size=world_size, generation=record.generation, artifacts=record.artifacts,
-                  namespace=record.namespace, components=record.components,
-                  meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id})
+    store.publish(
+        key,
+        rank=rank,
+        world_size=world_size,
+        generation=record.generation,
+        artifacts=record.artifacts,
+        namespace=record.namespace,
+        components=record.components,
+        meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id},
+    )
     try:
         store.commit(key, rank=rank, generation=record.generation, components=record.components)
     except BaseException:
@@ -211,8 +222,9 @@ def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, ran
         persist_counters(store, remote)
         return Outcome(reason=str(Reason.REMOTE_UNAVAILABLE), seconds=time.perf_counter() - start)
     out = push()
-    return Outcome(value=out.value, reason=out.reason, error=out.error, nbytes=out.nbytes,
-                   seconds=time.perf_counter() - start)
+    return Outcome(
+        value=out.value, reason=out.reason, error=out.error, nbytes=out.nbytes, seconds=time.perf_counter() - start
+    )
 
 
 # -- the tier a store is opened with ---------------------------------------------
@@ -338,8 +350,11 @@ class Tier:
             ranks: Sequence[int] = range(1, world_size)
         else:
             world_size, outs = entry.world_size, []
-            ranks = (range(world_size) if missed.reason == Reason.GENERATION_MISMATCH
-                     else [r for r in range(world_size) if r not in entry.ranks])
+            ranks = (
+                range(world_size)
+                if missed.reason == Reason.GENERATION_MISMATCH
+                else [r for r in range(world_size) if r not in entry.ranks]
+            )
         for other in ranks:
             outs.append(remote_restore(store, self.remote, key, other, world_size))
             if not outs[-1].ok:

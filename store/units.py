@@ -93,7 +93,7 @@ def parse_percent(value: object, *, field: str) -> float:
     """``"10%"`` → ``10.0``; refuses anything outside 0%..100%."""
     text = str(value).strip()
     if not text.endswith("%"):
-        raise ConfigError(field, f"expected a percentage such as \"10%\", got {value!r}")
+        raise ConfigError(field, f'expected a percentage such as "10%", got {value!r}')
     try:
         pct = float(text[:-1])
     except ValueError:
@@ -113,7 +113,7 @@ def parse_fraction(value: object, *, field: str) -> float:
                 raise ValueError
             frac = float(value)
         except ValueError:
-            raise ConfigError(field, f"expected a fraction such as 0.9 or \"90%\", got {value!r}") from None
+            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}') from None
     if not 0.0 < frac <= 1.0:
         raise ConfigError(field, f"must be in (0, 1] (or (0%, 100%]), got {value!r}")
     return frac

@@ -66,8 +66,9 @@ class EngineModule(nn.Module):
         return f"hash={self.engine.hash and self.engine.hash[:12]}, source={self.engine.source}"
 
 
-def restore(stage: Any, module: nn.Module, key: CacheKey,
-            example_inputs: Sequence[Any]) -> tuple[tuple[nn.Module, CacheEvent] | None, Reason | None, str]:
+def restore(
+    stage: Any, module: nn.Module, key: CacheKey, example_inputs: Sequence[Any]
+) -> tuple[tuple[nn.Module, CacheEvent] | None, Reason | None, str]:
     """The indexed engine for ``key``, loaded and refit with ``module``'s tensors; else None and why not."""
     t0 = time.perf_counter()
     index = EngineIndex(stage.store())
@@ -83,8 +84,11 @@ def restore(stage: Any, module: nn.Module, key: CacheKey,
     except EngineCacheError as exc:
         return None, exc.reason, f"index names engine {entry.engine[:12]}: {exc}"
     if record is None:
-        return None, Reason.ENGINE_UNAVAILABLE, (f"index names engine {entry.engine[:12]}, which the store "
-                                                 "no longer holds (evicted)")
+        return (
+            None,
+            Reason.ENGINE_UNAVAILABLE,
+            (f"index names engine {entry.engine[:12]}, which the store no longer holds (evicted)"),
+        )
     timings = {"fetch": time.perf_counter() - t0}
     try:
         meta = record.meta
@@ -92,8 +96,10 @@ def restore(stage: Any, module: nn.Module, key: CacheKey,
         stored = component_digests(meta.get("components") or {})
         differ = sorted(k for k in stored if stored[k] != entry.digests.get(k))
         if differ:
-            raise EngineMismatch(differ[0], f"engine {entry.engine[:12]} was built for other {', '.join(differ)} "
-                                            "than the index entry names")
+            raise EngineMismatch(
+                differ[0],
+                f"engine {entry.engine[:12]} was built for other {', '.join(differ)} than the index entry names",
+            )
         check_inputs(meta, example_inputs)
         backend.check_loadable(record)  # native code: only from trusted writers
         path = record.payload_path
@@ -117,16 +123,22 @@ def restore(stage: Any, module: nn.Module, key: CacheKey,
     remote = entry.transferred is not None or record.transferred is not None
     saved = max(0.0, entry.compile_seconds - seconds)
     backend.record_event(EventKind.HIT, seconds_saved=saved)
-    event = CacheEvent(EventKind.HIT, key=key.key, source=Source.REMOTE if remote else Source.LOCAL,
-                       seconds=seconds, seconds_saved=saved,
-                       transferred=(entry.transferred or 0) + (record.transferred or 0),
-                       detail=f"engine {entry.engine[:12]}")
+    event = CacheEvent(
+        EventKind.HIT,
+        key=key.key,
+        source=Source.REMOTE if remote else Source.LOCAL,
+        seconds=seconds,
+        seconds_saved=saved,
+        transferred=(entry.transferred or 0) + (record.transferred or 0),
+        detail=f"engine {entry.engine[:12]}",
+    )
     engine = CompiledEngine(runner, hash=entry.engine, meta=meta, event=event, code_constants={}, timings=timings)
     return (EngineModule(engine), event), None, ""
 
 
-def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
-            key: CacheKey | None) -> tuple[nn.Module, CacheEvent]:
+def compile(
+    stage: Any, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None
+) -> tuple[nn.Module, CacheEvent]:
     """Compile ``module`` through the engine cache (``stage.settings``, ``stage.decompositions``); index it."""
     from adstore.integration.engine.cache import EngineCache
 
@@ -149,9 +161,15 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
         logger.warning("could not index engine %s: %s", engine.hash[:12], exc)
         saved = False
     how = f"{engine.event.kind}{' ' + str(engine.event.reason) if engine.event.reason else ''}"
-    engine.event = CacheEvent(EventKind.SAVE if saved else EventKind.BYPASS,
-                              reason=None if saved else Reason.SAVE_FAILED, key=key.key, source=Source.COMPILED, seconds=engine.timings.get("total", 0.0),
-                              saved=saved, detail=f"engine {engine.hash[:12]} ({how})")
+    engine.event = CacheEvent(
+        EventKind.SAVE if saved else EventKind.BYPASS,
+        reason=None if saved else Reason.SAVE_FAILED,
+        key=key.key,
+        source=Source.COMPILED,
+        seconds=engine.timings.get("total", 0.0),
+        saved=saved,
+        detail=f"engine {engine.hash[:12]} ({how})",
+    )
     return EngineModule(engine), engine.event
 
 

@@ -45,9 +45,13 @@ def pack(root: Path) -> bytes:
             rel = path.relative_to(root).as_posix()
             _check_path(rel)
             files.append((rel, path.read_bytes()))
-    header = json.dumps({"format": BUNDLE_VERSION, "files": [[rel, len(data), hashlib.sha256(data).hexdigest()]
-                                                             for rel, data in files]},
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {
+            "format": BUNDLE_VERSION,
+            "files": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in files],
+        },
+        separators=(",", ":"),
+    ).encode()
     return frame(_MAGIC, header, b"".join(data for _, data in files))
 
 
@@ -67,7 +71,7 @@ def unpack(blob: bytes, dest: Path) -> int:
     offset = 0
     plan: list[tuple[str, memoryview]] = []
     for rel, size, sha in files:
-        data = body[offset:offset + size]
+        data = body[offset : offset + size]
         offset += size
         if hashlib.sha256(data).hexdigest() != sha:
             raise CorruptEngine(f"Inductor bundle file {rel} does not match its digest")
@@ -78,8 +82,11 @@ def unpack(blob: bytes, dest: Path) -> int:
 
 
 def _check_header(header: object, payload_len: int) -> list[tuple[str, int, str]]:
-    if not isinstance(header, dict) or header.get("format") != BUNDLE_VERSION or not isinstance(header.get("files"),
-                                                                                                list):
+    if (
+        not isinstance(header, dict)
+        or header.get("format") != BUNDLE_VERSION
+        or not isinstance(header.get("files"), list)
+    ):
         raise CorruptEngine("Inductor bundle header has another format")
     entries = header["files"]
     if len(entries) > MAX_FILES:
@@ -88,8 +95,15 @@ def _check_header(header: object, payload_len: int) -> list[tuple[str, int, str]
     seen: set[str] = set()
     total = 0
     for item in entries:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and type(item[1]) is int
-                and isinstance(item[2], str) and item[1] >= 0 and re.fullmatch(r"[0-9a-f]{64}", item[2])):
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and type(item[1]) is int
+            and isinstance(item[2], str)
+            and item[1] >= 0
+            and re.fullmatch(r"[0-9a-f]{64}", item[2])
+        ):
             raise CorruptEngine(f"Inductor bundle has a malformed file entry: {str(item)[:80]}")
         _check_path(item[0])
         if item[0] in seen:

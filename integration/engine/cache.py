@@ -59,13 +59,7 @@ from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import json_digest
 from adstore.store import AdstoreError, Reason
 
-__all__ = [
-    "CompiledEngine",
-    "EngineCache",
-    "compile",
-    "default_engine_cache",
-    "set_default_engine_cache",
-]
+__all__ = ["CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +269,14 @@ class EngineCache:
         saved = max(0.0, float(meta.get("compile_seconds") or 0.0) - elapsed)
         self._count(f"hits.{source}")
         backend.record_event(EventKind.HIT, seconds_saved=saved)
-        event = CacheEvent(EventKind.HIT, key=h, source=source, seconds=elapsed, seconds_saved=saved,
-                           transferred=(record.transferred or 0) if record is not None else 0)
+        event = CacheEvent(
+            EventKind.HIT,
+            key=h,
+            source=source,
+            seconds=elapsed,
+            seconds_saved=saved,
+            transferred=(record.transferred or 0) if record is not None else 0,
+        )
         logger.info("engine cache hit %s from %s (%.3fs, ~%.1fs saved)", h[:12], source, elapsed, saved)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         return engine, None, ""
@@ -288,8 +288,12 @@ class EngineCache:
         names the reason (README, "Environment checks").
         """
         try:
-            found = find_mismatch(self.backend.stored_components(exclude=req.hash), record_components(req.components),
-                                  env=("toolchain",), derived=("settings.inductor_config",))
+            found = find_mismatch(
+                self.backend.stored_components(exclude=req.hash),
+                record_components(req.components),
+                env=("toolchain",),
+                derived=("settings.inductor_config",),
+            )
         except Exception as exc:  # noqa: BLE001 - a diagnosis never fails the lookup
             logger.debug("no environment diagnosis for %s: %s", req.hash, exc)
             return Reason.ABSENT, ""
@@ -301,8 +305,9 @@ class EngineCache:
         return None, reason, detail
 
     # -- miss --------------------------------------------------------------
-    def _compile_and_load(self, ep: Any, path: Path, inductor_configs: dict[str, Any],
-                          timings: dict[str, float]) -> Any:
+    def _compile_and_load(
+        self, ep: Any, path: Path, inductor_configs: dict[str, Any], timings: dict[str, float]
+    ) -> Any:
         """AOTInductor-compile ``ep`` into ``path`` and load it, compiling once more if it is unreadable.
 
         Processes compiling the same graph share Inductor's on-disk cache, and
@@ -313,7 +318,9 @@ class EngineCache:
         for attempt in (1, 2):
             t0 = time.perf_counter()
             # A copy: the compiler writes into the dict it is given.
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=dict(inductor_configs))
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(path), inductor_configs=dict(inductor_configs)
+            )
             timings["compile"] = time.perf_counter() - t0
             self._count("compiles")
             t1 = time.perf_counter()
@@ -367,8 +374,9 @@ class EngineCache:
             path.unlink(missing_ok=True)  # the runner has extracted what it needs
             self._count(f"bypasses.{reason}")
             kind = EventKind.BYPASS
-        event = CacheEvent(kind, reason=reason, key=h, source=Source.COMPILED, detail=detail, seconds=compile_seconds,
-                           saved=saved)
+        event = CacheEvent(
+            kind, reason=reason, key=h, source=Source.COMPILED, detail=detail, seconds=compile_seconds, saved=saved
+        )
         logger.info("engine cache %s (%s): compiled %s in %.1fs", kind, reason, h and h[:12], compile_seconds)
         engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
         engine.timings["total"] = time.perf_counter() - req.start
@@ -390,11 +398,23 @@ class EngineCache:
             runner = load_runner(pkg)
         self._count("bypasses.unrefittable")
         self.backend.record_event(EventKind.BYPASS, Reason.UNREFITTABLE)
-        event = CacheEvent(EventKind.BYPASS, reason=Reason.UNREFITTABLE, key=req.hash, source=Source.COMPILED,
-                           detail=str(why), seconds=seconds)
+        event = CacheEvent(
+            EventKind.BYPASS,
+            reason=Reason.UNREFITTABLE,
+            key=req.hash,
+            source=Source.COMPILED,
+            detail=str(why),
+            seconds=seconds,
+        )
         meta = {"constants": req.spec, "payload": {"weights_included": True}}
-        return CompiledEngine(runner, hash=None, meta=meta, event=event, code_constants=req.code_consts,
-                              timings={**req.timings, "compile": seconds})
+        return CompiledEngine(
+            runner,
+            hash=None,
+            meta=meta,
+            event=event,
+            code_constants=req.code_consts,
+            timings={**req.timings, "compile": seconds},
+        )
 
 
 # --------------------------------------------------------------------------- module API

@@ -234,15 +234,7 @@ def _graph_payload(gm: torch.fx.GraphModule, descriptors: Mapping[str, Any], can
             sub_mod = _get_attr(gm, str(node.target))
             extra = sub_mod.extra_repr() if isinstance(sub_mod, torch.nn.Module) else ""
             target = [str(node.target), _qualname(type(sub_mod)), extra]
-        nodes.append(
-            [
-                node.op,
-                target,
-                canon.arg(tuple(node.args)),
-                canon.arg(dict(node.kwargs)),
-                meta,
-            ]
-        )
+        nodes.append([node.op, target, canon.arg(tuple(node.args)), canon.arg(dict(node.kwargs)), meta])
     return nodes
 
 
@@ -341,11 +333,7 @@ def input_specs(example_inputs: Any, dynamic_shapes: Any = None, *, shapes: bool
 
 
 def hash_components(
-    program: Any,
-    example_inputs: Any = (),
-    *,
-    settings: Mapping[str, Any] | None = None,
-    dynamic_shapes: Any = None,
+    program: Any, example_inputs: Any = (), *, settings: Mapping[str, Any] | None = None, dynamic_shapes: Any = None
 ) -> dict[str, Any]:
     """The named, JSON-safe components of an engine hash (stored for ``adstore explain``)."""
     if isinstance(program, torch.nn.Module) and not isinstance(program, torch.fx.GraphModule):
@@ -377,11 +365,7 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
 
 
 def get_hash(
-    program: Any,
-    example_inputs: Any = (),
-    *,
-    settings: Mapping[str, Any] | None = None,
-    dynamic_shapes: Any = None,
+    program: Any, example_inputs: Any = (), *, settings: Mapping[str, Any] | None = None, dynamic_shapes: Any = None
 ) -> str:
     """SHA-256 hex of the engine's architecture (see module docstring); never mutates weights."""
     return json_digest(hash_components(program, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes))

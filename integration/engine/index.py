@@ -53,9 +53,17 @@ def component_digests(components: Mapping[str, Any]) -> dict[str, str]:
     return {name: json_digest(components.get(name)) for name in DIGESTED}
 
 
-def index_key(*, prefix: str, suffix: Sequence[Mapping[str, Any]], code: Sequence[type | Callable[..., Any]],
-              inputs: Mapping[str, Any], settings: Mapping[str, Any] | None, backend: str, rank: int,
-              world_size: int) -> CacheKey:
+def index_key(
+    *,
+    prefix: str,
+    suffix: Sequence[Mapping[str, Any]],
+    code: Sequence[type | Callable[..., Any]],
+    inputs: Mapping[str, Any],
+    settings: Mapping[str, Any] | None,
+    backend: str,
+    rank: int,
+    world_size: int,
+) -> CacheKey:
     """The index key of one compile stage (module docstring); cheap, no Inductor, no export.
 
     ``prefix``: the cache point's key; ``suffix``: name and configuration of
@@ -64,17 +72,19 @@ def index_key(*, prefix: str, suffix: Sequence[Mapping[str, Any]], code: Sequenc
     :func:`~adstore.integration.engine.hashing.input_specs` of the example
     inputs; ``settings``: Inductor options.  Every rank has its own entry.
     """
-    components = canonical({
-        "version": [INDEX_VERSION, HASH_VERSION],
-        "backend": backend,
-        "prefix": prefix,
-        "suffix": list(suffix),
-        "code": code_fingerprint(code),
-        "inputs": inputs,
-        "settings": index_settings(settings),
-        "toolchain": toolchain_identity(),
-        "rank": {"rank": rank, "world_size": world_size},
-    })
+    components = canonical(
+        {
+            "version": [INDEX_VERSION, HASH_VERSION],
+            "backend": backend,
+            "prefix": prefix,
+            "suffix": list(suffix),
+            "code": code_fingerprint(code),
+            "inputs": inputs,
+            "settings": index_settings(settings),
+            "toolchain": toolchain_identity(),
+            "rank": {"rank": rank, "world_size": world_size},
+        }
+    )
     return CacheKey(key=json_digest(components), components=components)
 
 
@@ -89,8 +99,12 @@ class IndexEntry:
     transferred: int | None = None
 
     def to_json(self) -> bytes:
-        body = {"format": INDEX_VERSION, "engine": self.engine, "digests": self.digests,
-                "compile_seconds": self.compile_seconds}
+        body = {
+            "format": INDEX_VERSION,
+            "engine": self.engine,
+            "digests": self.digests,
+            "compile_seconds": self.compile_seconds,
+        }
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -102,16 +116,24 @@ class IndexEntry:
             raise CorruptEngine(f"engine index entry is not JSON: {exc}") from exc
         if not isinstance(body, dict) or body.get("format") != INDEX_VERSION:
             found = body.get("format") if isinstance(body, dict) else None
-            raise EngineMismatch("index_format", f"index entry has format {found!r}, this adstore reads {INDEX_VERSION}")
+            raise EngineMismatch(
+                "index_format", f"index entry has format {found!r}, this adstore reads {INDEX_VERSION}"
+            )
         engine, digests = body.get("engine"), body.get("digests")
         if not (isinstance(engine, str) and len(engine) == 64 and all(c in "0123456789abcdef" for c in engine)):
             raise CorruptEngine(f"engine index entry names no engine hash: {engine!r}")
-        if not (isinstance(digests, dict) and set(digests) == set(DIGESTED)
-                and all(isinstance(v, str) for v in digests.values())):
+        if not (
+            isinstance(digests, dict)
+            and set(digests) == set(DIGESTED)
+            and all(isinstance(v, str) for v in digests.values())
+        ):
             raise CorruptEngine("engine index entry has no component digests")
         seconds = body.get("compile_seconds")
-        return cls(engine=engine, digests=dict(digests),
-                   compile_seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
+        return cls(
+            engine=engine,
+            digests=dict(digests),
+            compile_seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0,
+        )
 
 
 class StageEntries:
@@ -157,8 +179,9 @@ class StageEntries:
     def why_absent(self, key: CacheKey) -> tuple[Reason, str]:
         """``incompatible_env`` naming the field when this request was stored in another environment."""
         try:
-            found = find_mismatch(store_candidates(self.store, self.namespace, exclude=key.key), key.components,
-                                  env=("toolchain",))
+            found = find_mismatch(
+                store_candidates(self.store, self.namespace, exclude=key.key), key.components, env=("toolchain",)
+            )
         except Exception as exc:  # noqa: BLE001 - a diagnosis never fails the lookup
             logger.debug("no environment diagnosis for %s: %s", key.key[:12], exc)
             return Reason.ABSENT, ""
@@ -180,8 +203,16 @@ class StageEntries:
         store = self.store
         ref = store.put_bytes(data)
         generation = store.new_generation()
-        store.publish(key.key, rank=0, world_size=1, generation=generation, artifacts={self.artifact: ref},
-                      namespace=self.namespace, components=key.components, meta={**meta, "created": time.time()})
+        store.publish(
+            key.key,
+            rank=0,
+            world_size=1,
+            generation=generation,
+            artifacts={self.artifact: ref},
+            namespace=self.namespace,
+            components=key.components,
+            meta={**meta, "created": time.time()},
+        )
         try:
             store.commit(key.key, rank=0, generation=generation)
         except BaseException:

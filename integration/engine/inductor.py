@@ -47,8 +47,9 @@ NAMESPACE = "inductor"
 ARTIFACT = "inductor.bundle"
 
 
-def restore(stage: Any, module: nn.Module, key: CacheKey,
-            example_inputs: Sequence[Any]) -> tuple[tuple[nn.Module, CacheEvent] | None, Reason | None, str]:
+def restore(
+    stage: Any, module: nn.Module, key: CacheKey, example_inputs: Sequence[Any]
+) -> tuple[tuple[nn.Module, CacheEvent] | None, Reason | None, str]:
     """``module`` compiled with the Inductor files stored under ``key``; else None and why not."""
     t0 = time.perf_counter()
     store = stage.store()
@@ -70,15 +71,21 @@ def restore(stage: Any, module: nn.Module, key: CacheKey,
         built = len(set(workdir.rglob("*.so")) - shared)  # what the stored files lacked: compiled here
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    event = CacheEvent(EventKind.HIT, key=key.key, source=Source.REMOTE if transferred is not None else Source.LOCAL,
-                       seconds=time.perf_counter() - t0, transferred=transferred or 0, bytes=len(blob),
-                       detail=f"{files} Inductor files ({fetched:.3f}s to fetch), {built} shared objects built; "
-                              f"{stats}")
+    event = CacheEvent(
+        EventKind.HIT,
+        key=key.key,
+        source=Source.REMOTE if transferred is not None else Source.LOCAL,
+        seconds=time.perf_counter() - t0,
+        transferred=transferred or 0,
+        bytes=len(blob),
+        detail=f"{files} Inductor files ({fetched:.3f}s to fetch), {built} shared objects built; {stats}",
+    )
     return (compiled, event), None, ""
 
 
-def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
-            key: CacheKey | None) -> tuple[nn.Module, CacheEvent]:
+def compile(
+    stage: Any, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None
+) -> tuple[nn.Module, CacheEvent]:
     """Compile ``module`` in a fresh Inductor cache directory, then store what Inductor wrote under ``key``."""
     t0 = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-"))
@@ -89,16 +96,28 @@ def compile(stage: Any, module: nn.Module, example_inputs: Sequence[Any],
         shutil.rmtree(workdir, ignore_errors=True)
     seconds = time.perf_counter() - t0
     if key is None:
-        return compiled, CacheEvent(EventKind.BYPASS, reason=Reason.KEY_ERROR, source=Source.COMPILED,
-                                    seconds=seconds, detail=f"compiled, nothing stored (no cache point key); {stats}")
+        return compiled, CacheEvent(
+            EventKind.BYPASS,
+            reason=Reason.KEY_ERROR,
+            source=Source.COMPILED,
+            seconds=seconds,
+            detail=f"compiled, nothing stored (no cache point key); {stats}",
+        )
     try:
         _entries(stage.store()).save(key, blob, {"compile_seconds": seconds})
     except Exception as exc:  # noqa: BLE001 - the next restart compiles again, nothing else
         logger.warning("could not store the Inductor files of %s: %s", key.key[:12], exc)
-        return compiled, CacheEvent(EventKind.BYPASS, reason=Reason.SAVE_FAILED, key=key.key, source=Source.COMPILED,
-                                    seconds=seconds, detail=f"{type(exc).__name__}: {exc}")
-    return compiled, CacheEvent(EventKind.SAVE, key=key.key, source=Source.COMPILED, seconds=seconds, saved=True,
-                                bytes=len(blob), detail=stats)
+        return compiled, CacheEvent(
+            EventKind.BYPASS,
+            reason=Reason.SAVE_FAILED,
+            key=key.key,
+            source=Source.COMPILED,
+            seconds=seconds,
+            detail=f"{type(exc).__name__}: {exc}",
+        )
+    return compiled, CacheEvent(
+        EventKind.SAVE, key=key.key, source=Source.COMPILED, seconds=seconds, saved=True, bytes=len(blob), detail=stats
+    )
 
 
 def _forget_isa_probe() -> None:
@@ -124,8 +143,9 @@ def _forget_isa_probe() -> None:
             delattr(isa, name)
 
 
-def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any], *,
-                probe: bool = False) -> tuple[nn.Module, str]:
+def _compile_in(
+    workdir: Path, module: nn.Module, example_inputs: Sequence[Any], *, probe: bool = False
+) -> tuple[nn.Module, str]:
     """``torch.compile(module)``, compiled now by one call under ``no_grad`` with ``workdir`` as Inductor's cache.
 
     ``probe``: probe the CPU's vector ISA again first (the compile whose files are stored).
@@ -148,10 +168,14 @@ def _compile_in(workdir: Path, module: nn.Module, example_inputs: Sequence[Any],
     # compile) keeps the cache directory it started with, so its kernels would miss ``workdir``.
     with temporary_cache_dir(str(workdir)), torch._inductor.config.patch(compile_threads=1), torch.no_grad():
         compiled(*example_inputs)
-    seen = {name: counters[group].get(name, 0) - before.get(group, {}).get(name, 0)
-            for group, names in (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
-                                 ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss")))
-            for name in names}
+    seen = {
+        name: counters[group].get(name, 0) - before.get(group, {}).get(name, 0)
+        for group, names in (
+            ("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
+            ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss")),
+        )
+        for name in names
+    }
     stats = ", ".join(f"{k} {v}" for k, v in seen.items())
     timing = f"imports {t1 - t0:.2f}s, trace + compile or load {time.perf_counter() - t1:.2f}s"
     return compiled, f"{stats}; {timing}"  # type: ignore[return-value]

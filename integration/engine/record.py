@@ -50,7 +50,7 @@ def unframe(blob: bytes | memoryview, magic: bytes, what: str) -> tuple[memoryvi
         raise TruncatedEngine(f"{what} has {len(view)} bytes, its header says {want}")
     if len(view) > want:
         raise CorruptEngine(f"{what} has {len(view) - want} trailing bytes")
-    body = view[_HEADER.size:]
+    body = view[_HEADER.size :]
     if hashlib.sha256(body).digest() != digest:
         raise CorruptEngine(f"{what} checksum mismatch")
     return body[:first_len], body[first_len:]
@@ -65,8 +65,10 @@ def check_meta(meta: Any, expected_hash: str) -> dict[str, Any]:
     if meta.get("hash") != expected_hash:
         raise EngineMismatch("hash", f"record was written for {meta.get('hash')!r}, asked for {expected_hash!r}")
     payload = meta.get("payload")
-    if not isinstance(payload, dict) or not isinstance(payload.get("sha256"), str) or not isinstance(
-        payload.get("size"), int
+    if (
+        not isinstance(payload, dict)
+        or not isinstance(payload.get("sha256"), str)
+        or not isinstance(payload.get("size"), int)
     ):
         raise CorruptEngine("engine metadata has no payload checksum")
     return meta
@@ -87,8 +89,10 @@ def check_package_file(path: Path, meta: Mapping[str, Any]) -> None:
     except OSError as exc:
         raise CorruptEngine(f"engine package copy {path.name} cannot be read: {exc}") from exc
     if size != payload.get("size") or digest != payload.get("sha256"):
-        raise CorruptEngine(f"engine package copy {path.name} changed: sha256 {digest[:16]} ({size} bytes), "
-                            f"the record says {str(payload.get('sha256'))[:16]} ({payload.get('size')} bytes)")
+        raise CorruptEngine(
+            f"engine package copy {path.name} changed: sha256 {digest[:16]} ({size} bytes), "
+            f"the record says {str(payload.get('sha256'))[:16]} ({payload.get('size')} bytes)"
+        )
 
 
 @dataclass

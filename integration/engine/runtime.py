@@ -118,8 +118,7 @@ def refit(runner: Any, weights: Mapping[str, torch.Tensor], spec: list[dict[str,
             t = t.detach()
             if list(t.shape) != want["shape"] or str(t.dtype) != want["dtype"]:
                 raise EngineMismatch(
-                    "constants",
-                    f"{fqn}: engine expects {want['dtype']}{want['shape']}, got {t.dtype}{list(t.shape)}",
+                    "constants", f"{fqn}: engine expects {want['dtype']}{want['shape']}, got {t.dtype}{list(t.shape)}"
                 )
             if list(t.stride()) != want["stride"]:
                 # The kernels index constants with the compiled strides; load_constants
@@ -324,8 +323,7 @@ def validate_record(meta: Mapping[str, Any], h: str) -> None:
     here = {"toolchain": toolchain_identity()}
     diffs = env_differences({"toolchain": meta.get("toolchain")}, here, env=("toolchain",))
     if diffs:
-        raise EngineMismatch("toolchain", "record names another toolchain: "
-                                          + "; ".join(str(d) for d in diffs[:4]))
+        raise EngineMismatch("toolchain", "record names another toolchain: " + "; ".join(str(d) for d in diffs[:4]))
 
 
 def validate_meta(
@@ -350,13 +348,12 @@ def validate_meta(
         raise EngineMismatch("components", "record stores no hash components")
     for name in sorted(set(stored) | set(wanted)):
         if _json_roundtrip(stored.get(name)) != wanted.get(name):
-            raise EngineMismatch(name, f"record was built for another {name} "
-                                       f"({str(stored.get(name))[:16]}, asked for {str(wanted.get(name))[:16]})")
-    checks = {
-        "constants": spec,
-        "call_spec": call_spec(ep),
-        "settings": inductor_configs,
-    }
+            raise EngineMismatch(
+                name,
+                f"record was built for another {name} "
+                f"({str(stored.get(name))[:16]}, asked for {str(wanted.get(name))[:16]})",
+            )
+    checks = {"constants": spec, "call_spec": call_spec(ep), "settings": inductor_configs}
     for what, want in checks.items():
         if _json_roundtrip(meta.get(what)) != _json_roundtrip(want):
             raise EngineMismatch(what, "stored engine was built for different " + what)

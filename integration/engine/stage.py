@@ -70,8 +70,10 @@ def graph_example_inputs(module: nn.Module) -> tuple[torch.Tensor, ...]:
         if not isinstance(val, torch.Tensor):
             raise IntegrationError(f"graph input {node.name!r} has no tensor metadata")
         if not all(isinstance(d, int) for d in val.shape):
-            raise IntegrationError(f"graph input {node.name!r} has symbolic sizes {list(val.shape)}: "
-                                   "the compile stage builds static engines")
+            raise IntegrationError(
+                f"graph input {node.name!r} has symbolic sizes {list(val.shape)}: "
+                "the compile stage builds static engines"
+            )
         out.append(torch.zeros(tuple(int(d) for d in val.shape), dtype=val.dtype, device=val.device.type))
     return tuple(out)
 
@@ -106,8 +108,12 @@ class EngineStage:
     _store: Any = field(default=None, repr=False)
 
     #: Modules whose source decides how what is cached is made and found (part of the key's ``code``).
-    code_modules: ClassVar[tuple[str, ...]] = ("adstore.integration.engine.bundle", "adstore.integration.engine.cache",
-                                               "adstore.integration.engine.index", "adstore.integration.engine.runtime")
+    code_modules: ClassVar[tuple[str, ...]] = (
+        "adstore.integration.engine.bundle",
+        "adstore.integration.engine.cache",
+        "adstore.integration.engine.index",
+        "adstore.integration.engine.runtime",
+    )
 
     # ----------------------------------------------------------------- public
     def store(self) -> Any:
@@ -128,9 +134,16 @@ class EngineStage:
             return None
         code = [*self.code, EngineStage, _builder(self.backend).restore]  # how it is made and found
         lowered = "".join(f"+lowered:{op}" for op in sorted(map(str, self.decompositions or ())))
-        return index_key(prefix=dict(self.prefix), suffix=self.suffix, code=code,
-                         inputs=input_specs(tuple(example_inputs)), settings=self.settings,
-                         backend=self.backend + lowered, rank=topo.rank, world_size=topo.world_size)
+        return index_key(
+            prefix=dict(self.prefix),
+            suffix=self.suffix,
+            code=code,
+            inputs=input_specs(tuple(example_inputs)),
+            settings=self.settings,
+            backend=self.backend + lowered,
+            rank=topo.rank,
+            world_size=topo.world_size,
+        )
 
     def run(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology) -> nn.Module:
         """The compiled module (restored or compiled), or ``module`` itself when none can be had.
@@ -143,14 +156,34 @@ class EngineStage:
         try:
             if held is not None and held.role is Role.FOLLOWER:  # another host compiles this key: wait for it
                 built, reason, detail = self._follow(held, module, example_inputs, key, built, reason, detail)
-            return self._finish(module, example_inputs, topo, key, built, reason, detail, t0,
-                                leading=held is not None and held.role is Role.LEADER)
+            return self._finish(
+                module,
+                example_inputs,
+                topo,
+                key,
+                built,
+                reason,
+                detail,
+                t0,
+                leading=held is not None and held.role is Role.LEADER,
+            )
         finally:
             if held is not None and held.role is Role.LEADER:
                 held.finish()  # every rank's result is pushed (or failed): followers go on
 
-    def _finish(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology, key: CacheKey | None,
-                built: Built | None, reason: Reason | None, detail: str, t0: float, *, leading: bool) -> nn.Module:
+    def _finish(
+        self,
+        module: nn.Module,
+        example_inputs: Sequence[Any],
+        topo: Topology,
+        key: CacheKey | None,
+        built: Built | None,
+        reason: Reason | None,
+        detail: str,
+        t0: float,
+        *,
+        leading: bool,
+    ) -> nn.Module:
         """Agree on the restored modules, else compile (every rank), else keep the eager module (every rank)."""
         self.timings["restore"] = time.perf_counter() - t0
         # agreement 1: every rank restores, or every rank compiles
@@ -161,8 +194,16 @@ class EngineStage:
         if built is not None:
             built, reason, detail = None, Reason.PEER_MISS, "another rank found nothing to restore"
         if key is not None or reason != Reason.KEY_ERROR:  # without an index the engine cache's own event says it
-            self._event(CacheEvent(EventKind.MISS, reason=reason, key=key.key if key else None, detail=detail,
-                                   seconds=time.perf_counter() - t0), topo)
+            self._event(
+                CacheEvent(
+                    EventKind.MISS,
+                    reason=reason,
+                    key=key.key if key else None,
+                    detail=detail,
+                    seconds=time.perf_counter() - t0,
+                ),
+                topo,
+            )
         t1 = time.perf_counter()
         failure: tuple[Reason, str] | None = None
         try:
@@ -176,15 +217,24 @@ class EngineStage:
         # agreement 2: every rank compiled, or every rank keeps its eager module
         if not agree.all_true(built is not None):
             why = failure or (Reason.RANK_DISAGREEMENT, "another rank could not compile")
-            self._event(CacheEvent(EventKind.BYPASS, reason=why[0], key=key.key if key else None, detail=why[1],
-                                   seconds=time.perf_counter() - t1), topo)
+            self._event(
+                CacheEvent(
+                    EventKind.BYPASS,
+                    reason=why[0],
+                    key=key.key if key else None,
+                    detail=why[1],
+                    seconds=time.perf_counter() - t1,
+                ),
+                topo,
+            )
             return module
         assert built is not None
         self._event(built[1], topo)
         return built[0]
 
-    def _lookup(self, module: nn.Module, example_inputs: Sequence[Any],
-                topo: Topology) -> tuple[CacheKey | None, Built | None, Reason | None, str]:
+    def _lookup(
+        self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology
+    ) -> tuple[CacheKey | None, Built | None, Reason | None, str]:
         try:
             key = self.key(example_inputs, topo)
             if key is None:
@@ -212,18 +262,32 @@ class EngineStage:
         lease = self.lease_key if key is not None else None
         return stage_flight(lease, tier.remote if tier is not None else None, absent=absent, rank=topo.rank)
 
-    def _follow(self, held: HeldFlight, module: nn.Module, example_inputs: Sequence[Any], key: CacheKey | None,
-                built: Built | None, reason: Reason | None, detail: str) -> tuple[Built | None, Reason | None, str]:
+    def _follow(
+        self,
+        held: HeldFlight,
+        module: nn.Module,
+        example_inputs: Sequence[Any],
+        key: CacheKey | None,
+        built: Built | None,
+        reason: Reason | None,
+        detail: str,
+    ) -> tuple[Built | None, Reason | None, str]:
         """Wait (bounded) until the leading host's entry for this rank's key is on the remote, then restore."""
         if built is not None or key is None or held.flight is None:
             return built, reason, detail
         remote = held.flights.remote
-        waited = held.flights.wait(held.flight, timeout=wait_seconds(), ready=lambda: remote.head(
-            "ac", record_address(key.key, 0)).value is not None)
+        waited = held.flights.wait(
+            held.flight,
+            timeout=wait_seconds(),
+            ready=lambda: remote.head("ac", record_address(key.key, 0)).value is not None,
+        )
         if not waited.ready:
             logger.info("single-flight wait for engine %s ended (%s): compiling here", key.key[:12], waited.reason)
-            return None, Reason(waited.reason) if waited.reason in Reason._value2member_map_ else Reason.ABSENT, \
-                f"waited {waited.seconds:.1f}s for the leading host's engine"
+            return (
+                None,
+                Reason(waited.reason) if waited.reason in Reason._value2member_map_ else Reason.ABSENT,
+                f"waited {waited.seconds:.1f}s for the leading host's engine",
+            )
         return self._restore(module, key, example_inputs)
 
     def close(self) -> None:
@@ -232,8 +296,9 @@ class EngineStage:
             self._store = None
 
     # ----------------------------------------------------------------- the backend's half
-    def _restore(self, module: nn.Module, key: CacheKey,
-                 example_inputs: Sequence[Any]) -> tuple[Built | None, Reason | None, str]:
+    def _restore(
+        self, module: nn.Module, key: CacheKey, example_inputs: Sequence[Any]
+    ) -> tuple[Built | None, Reason | None, str]:
         """The backend's restore: the module it makes from what the store holds under ``key`` (and its
         ``hit`` event), else None and why not."""
         return _builder(self.backend).restore(self, module, key, example_inputs)
@@ -245,9 +310,15 @@ class EngineStage:
     def _event(self, event: CacheEvent, topo: Topology) -> None:
         event = dataclasses.replace(event, rank=topo.rank, world_size=topo.world_size)
         self.events.append(event)
-        logger.info("compile stage %s%s (rank %d/%d, %.3fs)%s", event.kind,
-                    f" [{event.reason}]" if event.reason else "",
-                    topo.rank, topo.world_size, event.seconds, f": {event.detail}" if event.detail else "")
+        logger.info(
+            "compile stage %s%s (rank %d/%d, %.3fs)%s",
+            event.kind,
+            f" [{event.reason}]" if event.reason else "",
+            topo.rank,
+            topo.world_size,
+            event.seconds,
+            f": {event.detail}" if event.detail else "",
+        )
 
 
 def _builder(backend: str) -> Any:

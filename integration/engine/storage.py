@@ -82,11 +82,7 @@ from adstore.integration.pipeline.envcheck import store_candidates
 from adstore.integration.pipeline.events import EventKind
 from adstore.store import REMOTE_REASONS, AdstoreError, BlobMissing, ChecksumMismatch, Reason
 
-__all__ = [
-    "EngineStorage",
-    "MemoryEngineStorage",
-    "StoreEngineStorage",
-]
+__all__ = ["EngineStorage", "MemoryEngineStorage", "StoreEngineStorage"]
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +263,12 @@ class StoreEngineStorage(EngineStorage):
         unknown = set(config) - {"root", "max_size", "trusted_uids", "remote"}
         if unknown:
             raise ConfigError(",".join(sorted(unknown)), "unknown engine cache option")
-        return cls(root=config.get("root"), max_size=config.get("max_size"),
-                   trusted_uids=config.get("trusted_uids") or (), remote=config.get("remote"))
+        return cls(
+            root=config.get("root"),
+            max_size=config.get("max_size"),
+            trusted_uids=config.get("trusted_uids") or (),
+            remote=config.get("remote"),
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreEngineStorage:
@@ -285,11 +285,7 @@ class StoreEngineStorage(EngineStorage):
             uids = [int(u) for u in raw.replace(" ", "").split(",") if u]
         except ValueError as exc:
             raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
-        cache = cls(
-            store=Store.from_env(env),
-            max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None,
-            trusted_uids=uids,
-        )
+        cache = cls(store=Store.from_env(env), max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None, trusted_uids=uids)
         cache._owns_store = True
         return cache
 

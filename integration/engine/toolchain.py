@@ -153,8 +153,7 @@ def index_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ConfigError(key, f"engine setting is not JSON-safe: {value!r}") from exc
     options = {**user, **REQUIRED_SETTINGS, **STORAGE_SETTINGS}
     # (paths are not code generation: importing Inductor sets TORCHINDUCTOR_CACHE_DIR itself)
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith(_CONFIG_ENV_PREFIXES) and not k.endswith("_DIR")}
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_CONFIG_ENV_PREFIXES) and not k.endswith("_DIR")}
     return {
         "options": {k: options[k] for k in sorted(options)},
         "env": env,

@@ -13,7 +13,12 @@ from adstore.integration._lazy import lazy_exports
 _EXPORTS = {
     "pipeline.optimizer": ("InferenceOptimizer", "default_registry", "register_transform"),
     "pipeline.transforms": (
-        "CachePoint", "PipelineContext", "Stage", "Transform", "TransformConfig", "TransformRegistry",
+        "CachePoint",
+        "PipelineContext",
+        "Stage",
+        "Transform",
+        "TransformConfig",
+        "TransformRegistry",
     ),
     "pipeline.cache": ("PipelineCache", "PipelineCacheConfig"),
     "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),

@@ -77,8 +77,9 @@ class PipelineCache(Transform):
     def __init__(self, config: TransformConfig) -> None:
         super().__init__(config)
         cfg: PipelineCacheConfig = config  # type: ignore[assignment]
-        self._cache = SnapshotCache(label=self.name, root=cfg.root, namespace=cfg.namespace,
-                                    allowed_prefixes=cfg.allowed_prefixes)
+        self._cache = SnapshotCache(
+            label=self.name, root=cfg.root, namespace=cfg.namespace, allowed_prefixes=cfg.allowed_prefixes
+        )
         self.events: list[CacheEvent] = self._cache.events
         self._prefix: list[dict[str, Any]] = []
         self._prefix_classes: list[type] = []
@@ -125,8 +126,11 @@ class PipelineCache(Transform):
     def restore(self, ctx: PipelineContext) -> nn.Module | None:
         """The restored module on a hit on every rank, else None (run the full pipeline)."""
         fetched = remote_tier.prefetch(self, ctx)  # a local miss restored from the remote tier
-        return remote_tier.mark(self, fetched, self._cache.restore(lambda: self.key(ctx), _topology(ctx),
-                                   enabled=self.cfg.enabled and self.cfg.restore))
+        return remote_tier.mark(
+            self,
+            fetched,
+            self._cache.restore(lambda: self.key(ctx), _topology(ctx), enabled=self.cfg.enabled and self.cfg.restore),
+        )
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         """Run as a plain transform: :meth:`save` without a prefix time."""
@@ -140,8 +144,14 @@ class PipelineCache(Transform):
         """
         if module is None:
             return module  # type: ignore[return-value]
-        self._cache.save(module, lambda: self.key(ctx), _topology(ctx), prefix_seconds=prefix_seconds,
-                         meta={"transforms": [p["name"] for p in self._prefix]}, enabled=self.cfg.save)
+        self._cache.save(
+            module,
+            lambda: self.key(ctx),
+            _topology(ctx),
+            prefix_seconds=prefix_seconds,
+            meta={"transforms": [p["name"] for p in self._prefix]},
+            enabled=self.cfg.save,
+        )
         remote_tier.push(self, ctx)
         return module
 

@@ -78,8 +78,10 @@ def agreement_group() -> object | None:
         return None
     group = _side_groups.get(default)
     if group is None:
-        log.debug("default process group backend %s takes no CPU tensors: creating a gloo agreement group",
-                  dist.get_backend(default))
+        log.debug(
+            "default process group backend %s takes no CPU tensors: creating a gloo agreement group",
+            dist.get_backend(default),
+        )
         _side_groups.clear()  # a group of an earlier (destroyed) default group is dead
         group = _side_groups[default] = dist.new_group(backend="gloo")
     return group

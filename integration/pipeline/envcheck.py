@@ -83,12 +83,15 @@ def _overrides(environ: Mapping[str, str] | None) -> dict[str, Any]:
         raise CacheKeyError(f"{OVERRIDES_VAR} must be a JSON object of field names to values")
     for name in parsed:
         if name.partition(".")[0] not in ENV_COMPONENTS or not name.partition(".")[2]:
-            raise CacheKeyError(f"{OVERRIDES_VAR}: {name!r} is not an environment field ({', '.join(ENV_COMPONENTS)}.*)")
+            raise CacheKeyError(
+                f"{OVERRIDES_VAR}: {name!r} is not an environment field ({', '.join(ENV_COMPONENTS)}.*)"
+            )
     return parsed
 
 
-def apply_overrides(record: Mapping[str, Any], component: str,
-                    environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def apply_overrides(
+    record: Mapping[str, Any], component: str, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """``record`` (the ``component`` environment record) with :data:`OVERRIDES_VAR`'s fields replaced.
 
     Only fields the record has may be overridden (a typo must not silently
@@ -143,8 +146,9 @@ class EnvMismatch:
     def message(self) -> str:
         shown = "; ".join(str(d) for d in self.differences[:6])
         more = len(self.differences) - 6
-        return (f"entry {self.key[:16]} was built for this request in another environment: {shown}"
-                + (f"; {more} more" if more > 0 else ""))
+        return f"entry {self.key[:16]} was built for this request in another environment: {shown}" + (
+            f"; {more} more" if more > 0 else ""
+        )
 
     def error(self) -> IncompatibleEnv:
         return IncompatibleEnv(self.fields, self.message())
@@ -169,8 +173,9 @@ def _under(path: str, prefixes: Collection[str]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
-def _split(components: Mapping[str, Any], env: Collection[str], request: Collection[str],
-           derived: Collection[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(
+    components: Mapping[str, Any], env: Collection[str], request: Collection[str], derived: Collection[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(request leaves, environment leaves) of a components mapping; derived leaves dropped."""
     req: dict[str, Any] = {}
     envs: dict[str, Any] = {}
@@ -189,8 +194,14 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def env_differences(stored: Mapping[str, Any], current: Mapping[str, Any], *, env: Collection[str] = ENV_COMPONENTS,
-                    request: Collection[str] = (), derived: Collection[str] = ()) -> list[EnvDifference]:
+def env_differences(
+    stored: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    env: Collection[str] = ENV_COMPONENTS,
+    request: Collection[str] = (),
+    derived: Collection[str] = (),
+) -> list[EnvDifference]:
     """The environment fields in which ``stored`` (an entry's components) and ``current`` differ.
 
     The :data:`SIMULATED` marker comes last, so the first field named is a real one.
@@ -198,13 +209,21 @@ def env_differences(stored: Mapping[str, Any], current: Mapping[str, Any], *, en
     _, a = _split(stored, env, request, derived)
     _, b = _split(current, env, request, derived)
     paths = sorted(set(a) | set(b), key=lambda p: (p.rsplit(".", 1)[-1] == SIMULATED, p))
-    return [EnvDifference(p, a.get(p, _ABSENT), b.get(p, _ABSENT))
-            for p in paths if _canon(a.get(p, _ABSENT)) != _canon(b.get(p, _ABSENT))]
+    return [
+        EnvDifference(p, a.get(p, _ABSENT), b.get(p, _ABSENT))
+        for p in paths
+        if _canon(a.get(p, _ABSENT)) != _canon(b.get(p, _ABSENT))
+    ]
 
 
-def find_mismatch(candidates: Iterable[tuple[str, Mapping[str, Any]]], wanted: Mapping[str, Any], *,
-                  env: Collection[str] = ENV_COMPONENTS, request: Collection[str] = (),
-                  derived: Collection[str] = ()) -> EnvMismatch | None:
+def find_mismatch(
+    candidates: Iterable[tuple[str, Mapping[str, Any]]],
+    wanted: Mapping[str, Any],
+    *,
+    env: Collection[str] = ENV_COMPONENTS,
+    request: Collection[str] = (),
+    derived: Collection[str] = (),
+) -> EnvMismatch | None:
     """The first candidate ``(key, components)`` that is ``wanted``'s request in another environment.
 
     ``request``: dotted fields inside an environment component that belong to
@@ -223,11 +242,13 @@ def find_mismatch(candidates: Iterable[tuple[str, Mapping[str, Any]]], wanted: M
     return None
 
 
-def store_candidates(store: Any, namespace: str, *, exclude: str | None = None,
-                     limit: int = SCAN_LIMIT) -> Iterator[tuple[str, dict[str, Any]]]:
+def store_candidates(
+    store: Any, namespace: str, *, exclude: str | None = None, limit: int = SCAN_LIMIT
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(key, components)`` of the namespace's entries, most recently used first, at most ``limit``."""
-    entries = sorted((e for e in store.entries(namespace=namespace) if e.key != exclude),
-                     key=lambda e: e.last_access, reverse=True)
+    entries = sorted(
+        (e for e in store.entries(namespace=namespace) if e.key != exclude), key=lambda e: e.last_access, reverse=True
+    )
     for listed in entries[:limit]:
         entry = store.entry(listed.key)
         if entry is not None and entry.components:

@@ -62,11 +62,9 @@ def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> dict[str, Any]:
     files = checkpoint_files(directory)
     entries: list[dict[str, Any]] = []
     for f in files:
-        entries.append({
-            "name": f.name,
-            "size": f.stat().st_size,
-            "header_sha256": hashlib.sha256(_header(f)).hexdigest(),
-        })
+        entries.append(
+            {"name": f.name, "size": f.stat().st_size, "header_sha256": hashlib.sha256(_header(f)).hexdigest()}
+        )
     index = Path(directory) / INDEX_NAME
     if Path(directory).is_dir() and index.is_file():
         with open(index, "rb") as fh:

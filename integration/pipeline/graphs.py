@@ -63,6 +63,7 @@ def propagate_shapes(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], devic
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
+
         def fake(t: torch.Tensor) -> torch.Tensor:
             return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
@@ -146,8 +147,9 @@ def canonicalize(gm: fx.GraphModule) -> bool:
             copied.meta["torch_fn"] = (fn_names(fn[0], _COUNTER.sub("", fn[0])), fn[1])
         stack = copied.meta.get("nn_module_stack")
         if isinstance(stack, dict):  # a module called again is ``path@N``, N counting calls in trace order
-            copied.meta["nn_module_stack"] = {calls(k, k.split("@")[0]) if isinstance(k, str) else k: v
-                                              for k, v in stack.items()}
+            copied.meta["nn_module_stack"] = {
+                calls(k, k.split("@")[0]) if isinstance(k, str) else k: v for k, v in stack.items()
+            }
         env[node] = copied
     gm.graph = new
     return True

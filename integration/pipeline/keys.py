@@ -201,14 +201,9 @@ def build_key(
     env: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
 ) -> CacheKey:
-    components = canonical({
-        "model": model,
-        "checkpoint": checkpoint,
-        "prefix": prefix,
-        "dist": dist,
-        "env": env,
-        "extra": extra or {},
-    })
+    components = canonical(
+        {"model": model, "checkpoint": checkpoint, "prefix": prefix, "dist": dist, "env": env, "extra": extra or {}}
+    )
     return CacheKey(key=json_digest(components), components=components)
 
 

@@ -80,8 +80,9 @@ class InferenceOptimizer:
     ) -> None:
         topo = topology(rank, world_size)
         self.factory = factory
-        self.ctx = PipelineContext(factory=factory, checkpoint=Path(checkpoint), rank=topo.rank,
-                                   world_size=topo.world_size)
+        self.ctx = PipelineContext(
+            factory=factory, checkpoint=Path(checkpoint), rank=topo.rank, world_size=topo.world_size
+        )
         if transforms is None:
             from adstore.integration.reference.pipeline import DEFAULT_TRANSFORMS
 
@@ -119,8 +120,9 @@ class InferenceOptimizer:
             raise ConfigError("checkpoint", "required")
         from adstore.integration.reference.models import ModelFactory
 
-        return cls(ModelFactory.from_config(config.get("model", {})), config["checkpoint"],
-                   config.get("transforms"), **kwargs)
+        return cls(
+            ModelFactory.from_config(config.get("model", {})), config["checkpoint"], config.get("transforms"), **kwargs
+        )
 
     @property
     def events(self) -> list[CacheEvent]:
@@ -161,11 +163,20 @@ class InferenceOptimizer:
             log.debug("no cache key for the stages after the point: %s", exc)
             key = None
         cfg = self.cache.config
-        later = [(name, config, type(t)) for t, (name, config) in
-                 zip(self.transforms[idx + 1:], self._cache_key_config[idx + 1:]) if t.config.enabled]
-        continues = any(getattr(t, "caches_after_point", False) for t in self.transforms[idx + 1:] if t.config.enabled)
-        return AfterPoint(key=key, snapshot=getattr(self.cache, "snapshot", None), root=getattr(cfg, "root", None),
-                          remote=getattr(cfg, "remote", None), transforms=later, continues=continues)
+        later = [
+            (name, config, type(t))
+            for t, (name, config) in zip(self.transforms[idx + 1 :], self._cache_key_config[idx + 1 :], strict=True)
+            if t.config.enabled
+        ]
+        continues = any(getattr(t, "caches_after_point", False) for t in self.transforms[idx + 1 :] if t.config.enabled)
+        return AfterPoint(
+            key=key,
+            snapshot=getattr(self.cache, "snapshot", None),
+            root=getattr(cfg, "root", None),
+            remote=getattr(cfg, "remote", None),
+            transforms=later,
+            continues=continues,
+        )
 
     def cache_key(self) -> CacheKey | None:
         """This run's cache key (None without an enabled cache point); may raise."""

@@ -68,10 +68,17 @@ class CachedPrefix(_Outcome):
     #: Digest of the snapshot restored or saved (None when neither happened): what a compile step keys on.
     snapshot: str | None = None
 
-    def compile(self, module: nn.Module, example_inputs: Sequence[Any], *, key: Mapping[str, Any] | None = None,
-                code: Sequence[type | Callable[..., Any]] = (), options: Mapping[str, Any] | None = None,
-                decompositions: Mapping[Any, Callable[..., Any]] | None = None,
-                remote: str | None = None) -> CachedCompile:
+    def compile(
+        self,
+        module: nn.Module,
+        example_inputs: Sequence[Any],
+        *,
+        key: Mapping[str, Any] | None = None,
+        code: Sequence[type | Callable[..., Any]] = (),
+        options: Mapping[str, Any] | None = None,
+        decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+        remote: str | None = None,
+    ) -> CachedCompile:
         """``module`` as an AOTInductor engine, found again on a restart from this prefix's key.
 
         ``module`` is this prefix's module after your own steps (weights
@@ -91,9 +98,16 @@ class CachedPrefix(_Outcome):
 
         topo = topology()
         prefix = {"key": self.key, "snapshot": self.snapshot} if self.key and self.snapshot else None
-        stage = EngineStage(root=self.root, remote=remote, settings=dict(options or {}), prefix=prefix,
-                            suffix=[{"name": "compile", "config": dict(key or {})}], code=list(code),
-                            decompositions=decompositions, lease_key=self.key)
+        stage = EngineStage(
+            root=self.root,
+            remote=remote,
+            settings=dict(options or {}),
+            prefix=prefix,
+            suffix=[{"name": "compile", "config": dict(key or {})}],
+            code=list(code),
+            decompositions=decompositions,
+            lease_key=self.key,
+        )
         try:
             out = stage.run(module, tuple(example_inputs), topo)
         finally:
@@ -115,8 +129,9 @@ class CachedCompile(_Outcome):
     key: str | None
 
 
-def prefix_key(key: Mapping[str, Any], *, code: Sequence[type | Callable[..., Any]] = (),
-               topo: Topology | None = None) -> CacheKey:
+def prefix_key(
+    key: Mapping[str, Any], *, code: Sequence[type | Callable[..., Any]] = (), topo: Topology | None = None
+) -> CacheKey:
     """The cache key of ``key``'s components plus ``env`` (versions, ``code``) and ``dist`` (world size).
 
     Raises :class:`~adstore.integration.errors.CacheKeyError` when a component
@@ -132,8 +147,9 @@ def prefix_key(key: Mapping[str, Any], *, code: Sequence[type | Callable[..., An
     return CacheKey(key=json_digest(components), components=components)
 
 
-def _fixed_key(key: Mapping[str, Any], code: Sequence[Any], topo: Topology) -> tuple[CacheKey | None,
-                                                                                    Callable[[], CacheKey]]:
+def _fixed_key(
+    key: Mapping[str, Any], code: Sequence[Any], topo: Topology
+) -> tuple[CacheKey | None, Callable[[], CacheKey]]:
     """The key computed now, before ``build`` can mutate what it hashes, and a getter that raises its error."""
     try:
         value: CacheKey | None = prefix_key(key, code=code, topo=topo)
@@ -188,5 +204,10 @@ def cached_prefix(
         if not isinstance(module, nn.Module):
             raise TypeError(f"build() returned {type(module).__name__}, not an nn.Module")
         cache.save(module, get_key, topo, prefix_seconds=seconds, meta={"build": _qualname(build)}, enabled=save)
-    return CachedPrefix(module=module, events=tuple(cache.events), key=fixed.key if fixed is not None else None,
-                        root=None if root is None else os.fspath(root), snapshot=cache.snapshot)
+    return CachedPrefix(
+        module=module,
+        events=tuple(cache.events),
+        key=fixed.key if fixed is not None else None,
+        root=None if root is None else os.fspath(root),
+        snapshot=cache.snapshot,
+    )

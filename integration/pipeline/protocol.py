@@ -73,8 +73,14 @@ class SnapshotCache:
     run on every rank.  ``events`` collects what happened, in order.
     """
 
-    def __init__(self, *, label: str, root: str | os.PathLike[str] | None = None, namespace: str = NAMESPACE,
-                 allowed_prefixes: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        label: str,
+        root: str | os.PathLike[str] | None = None,
+        namespace: str = NAMESPACE,
+        allowed_prefixes: Sequence[str] = (),
+    ) -> None:
         self.label = label
         self.root = root
         self.namespace = namespace
@@ -99,15 +105,41 @@ class SnapshotCache:
         self._key = ck.key
         return ck
 
-    def _event(self, kind: EventKind, topo: Topology, *, reason: Reason | None = None,
-               source: Source = Source.NONE, seconds: float = 0.0, seconds_saved: float = 0.0, nbytes: int = 0,
-               detail: str = "") -> CacheEvent:
-        ev = CacheEvent(kind, reason=reason, key=self._key, source=source, rank=topo.rank,
-                        world_size=topo.world_size, seconds=seconds, seconds_saved=seconds_saved, bytes=nbytes,
-                        detail=detail)
+    def _event(
+        self,
+        kind: EventKind,
+        topo: Topology,
+        *,
+        reason: Reason | None = None,
+        source: Source = Source.NONE,
+        seconds: float = 0.0,
+        seconds_saved: float = 0.0,
+        nbytes: int = 0,
+        detail: str = "",
+    ) -> CacheEvent:
+        ev = CacheEvent(
+            kind,
+            reason=reason,
+            key=self._key,
+            source=source,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            seconds=seconds,
+            seconds_saved=seconds_saved,
+            bytes=nbytes,
+            detail=detail,
+        )
         self.events.append(ev)
-        log.info("%s %s%s (rank %d/%d, %.3fs)%s", self.label, kind, f" [{reason}]" if reason else "",
-                 topo.rank, topo.world_size, seconds, f": {detail}" if detail else "")
+        log.info(
+            "%s %s%s (rank %d/%d, %.3fs)%s",
+            self.label,
+            kind,
+            f" [{reason}]" if reason else "",
+            topo.rank,
+            topo.world_size,
+            seconds,
+            f": {detail}" if detail else "",
+        )
         if self._store is not None:
             try:
                 self._store.record(kind, reason, seconds_saved=max(0.0, seconds_saved))
@@ -130,8 +162,7 @@ class SnapshotCache:
         with contextlib.ExitStack() as leases:
             return self._restore(key, topo, leases)
 
-    def _restore(self, key: Callable[[], CacheKey], topo: Topology,
-                 leases: contextlib.ExitStack) -> nn.Module | None:
+    def _restore(self, key: Callable[[], CacheKey], topo: Topology, leases: contextlib.ExitStack) -> nn.Module | None:
         t0 = time.perf_counter()
         ok, reason, gen, manifest, detail = False, None, None, None, ""
         try:
@@ -173,14 +204,25 @@ class SnapshotCache:
             module = None
         # agreement 2: every rank loaded and reattached its hooks
         if not agree.all_true(module is not None):
-            self._event(EventKind.MISS, topo, reason=reason or Reason.PEER_RESTORE_FAILED,
-                        seconds=time.perf_counter() - t0, detail=detail)
+            self._event(
+                EventKind.MISS,
+                topo,
+                reason=reason or Reason.PEER_RESTORE_FAILED,
+                seconds=time.perf_counter() - t0,
+                detail=detail,
+            )
             return None
         seconds = time.perf_counter() - t0
         self.snapshot = snapshot_digest(manifest.artifacts)
         saved = float(manifest.meta.get("prefix_seconds", 0.0)) - seconds
-        self._event(EventKind.HIT, topo, source=Source.STORE, seconds=seconds, seconds_saved=saved,
-                    nbytes=sum(ref.size for ref in manifest.artifacts.values()))
+        self._event(
+            EventKind.HIT,
+            topo,
+            source=Source.STORE,
+            seconds=seconds,
+            seconds_saved=saved,
+            nbytes=sum(ref.size for ref in manifest.artifacts.values()),
+        )
         return module
 
     def _why_absent(self, ck: CacheKey) -> tuple[Reason, str]:
@@ -189,8 +231,12 @@ class SnapshotCache:
         Only names the reason: the entry found has another key and is never loaded.
         """
         try:
-            found = find_mismatch(store_candidates(self.store(), self.namespace, exclude=ck.key), ck.components,
-                                  env=("env",), request=("env.code",))  # edited prefix code: another request
+            found = find_mismatch(
+                store_candidates(self.store(), self.namespace, exclude=ck.key),
+                ck.components,
+                env=("env",),
+                request=("env.code",),
+            )  # edited prefix code: another request
         except Exception as exc:  # the diagnosis must never fail the lookup
             log.debug("no environment diagnosis for %s: %s", ck.key, exc)
             return Reason.ABSENT, ""
@@ -199,8 +245,16 @@ class SnapshotCache:
         return Reason.INCOMPATIBLE_ENV, found.message()
 
     # ----------------------------------------------------------------- save
-    def save(self, module: nn.Module, key: Callable[[], CacheKey], topo: Topology, *, prefix_seconds: float,
-             meta: Mapping[str, Any] | None = None, enabled: bool = True) -> bool:
+    def save(
+        self,
+        module: nn.Module,
+        key: Callable[[], CacheKey],
+        topo: Topology,
+        *,
+        prefix_seconds: float,
+        meta: Mapping[str, Any] | None = None,
+        enabled: bool = True,
+    ) -> bool:
         """Save ``module`` on every rank (a collective); True when every rank committed.
 
         ``prefix_seconds`` (what producing the module took) is stored with the
@@ -232,10 +286,19 @@ class SnapshotCache:
                     refs = {name: store.put_bytes(data) for name, data in artifacts.items()}
                     nbytes = sum(r.size for r in refs.values())
                     store.publish(
-                        ck.key, rank=topo.rank, world_size=topo.world_size, generation=gen,
-                        artifacts=refs, namespace=self.namespace, components=ck.components,
-                        meta={"prefix_seconds": prefix_seconds, **(meta or {}),
-                              "host": socket.gethostname(), "pid": os.getpid()},
+                        ck.key,
+                        rank=topo.rank,
+                        world_size=topo.world_size,
+                        generation=gen,
+                        artifacts=refs,
+                        namespace=self.namespace,
+                        components=ck.components,
+                        meta={
+                            "prefix_seconds": prefix_seconds,
+                            **(meta or {}),
+                            "host": socket.gethostname(),
+                            "pid": os.getpid(),
+                        },
                     )
                     published, ok = True, True
                 except Exception as exc:
@@ -256,8 +319,14 @@ class SnapshotCache:
         # agreement 2: every rank committed (a lone commit is never restorable anyway)
         if not agree.all_true(kind == EventKind.SAVE) and kind == EventKind.SAVE:
             kind, reason = EventKind.BYPASS, Reason.PEER_COMMIT_FAILED
-        self._event(kind, topo, reason=reason if kind != EventKind.SAVE else None, seconds=time.perf_counter() - t0,
-                    nbytes=nbytes, detail=detail)
+        self._event(
+            kind,
+            topo,
+            reason=reason if kind != EventKind.SAVE else None,
+            seconds=time.perf_counter() - t0,
+            nbytes=nbytes,
+            detail=detail,
+        )
         return kind == EventKind.SAVE
 
     @staticmethod

@@ -155,8 +155,11 @@ def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | 
         return missed
     following = flight if flight is not None else Flight(key, Role.FOLLOWER)
     ranks = range(ctx.world_size)
-    waited = flights.wait(following, timeout=wait_seconds(), ready=lambda: all(
-        remote.head("ac", record_address(key, r)).value is not None for r in ranks))
+    waited = flights.wait(
+        following,
+        timeout=wait_seconds(),
+        ready=lambda: all(remote.head("ac", record_address(key, r)).value is not None for r in ranks),
+    )
     if not waited.ready:
         log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
         return missed

@@ -220,7 +220,6 @@ class Transform:
         return f"{type(self).__name__}({self.config})"
 
 
-
 class TransformRegistry:
     """Transform classes by name, built from an explicit list (README, "The pipeline cache").
 

@@ -9,8 +9,12 @@ from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
     "reference.models": ("ModelFactory",),
-    "reference.checkpoint": ("checkpoint_fingerprint", "read_checkpoint", "write_header_checkpoint",
-                             "write_random_checkpoint"),
+    "reference.checkpoint": (
+        "checkpoint_fingerprint",
+        "read_checkpoint",
+        "write_header_checkpoint",
+        "write_random_checkpoint",
+    ),
     "reference.pipeline": ("DEFAULT_TRANSFORMS", "REFERENCE_TRANSFORMS", "default_transforms", "reference_registry"),
     "reference.demo": ("format_demo", "run_demo"),
 }

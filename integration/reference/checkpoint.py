@@ -67,11 +67,7 @@ def random_state_dict(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Ten
 
 
 def write_random_checkpoint(
-    model: nn.Module,
-    directory: str | os.PathLike[str],
-    *,
-    seed: int = 0,
-    max_shard_bytes: int = 1 << 30,
+    model: nn.Module, directory: str | os.PathLike[str], *, seed: int = 0, max_shard_bytes: int = 1 << 30
 ) -> Path:
     """Write deterministic random weights for ``model`` as safetensors shards.
 
@@ -88,8 +84,9 @@ def write_random_checkpoint(
     return Path(directory)
 
 
-def _shard_files(directory: str | os.PathLike[str], sizes: Mapping[str, int],
-                 max_shard_bytes: int) -> dict[str, list[str]]:
+def _shard_files(
+    directory: str | os.PathLike[str], sizes: Mapping[str, int], max_shard_bytes: int
+) -> dict[str, list[str]]:
     """File name -> tensor names, in order; writes the index when there is more than one file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -104,8 +101,10 @@ def _shard_files(directory: str | os.PathLike[str], sizes: Mapping[str, int],
     if len(shards) == 1:
         return {"model.safetensors": shards[0]}
     files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
-    index = {"metadata": {"total_size": sum(sizes.values())},
-             "weight_map": {name: fname for fname, names in files.items() for name in names}}
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": {name: fname for fname, names in files.items() for name in names},
+    }
     atomic_write(directory / INDEX_NAME, json.dumps(index, indent=1, sort_keys=True).encode())
     return files
 
@@ -113,11 +112,21 @@ def _shard_files(directory: str | os.PathLike[str], sizes: Mapping[str, int],
 #: safetensors' dtype names, ranked as its ``Dtype`` enum orders them (a file lists tensors by
 #: descending rank, then by name).
 _DTYPES: dict[torch.dtype, tuple[str, int]] = {
-    torch.bool: ("BOOL", 0), torch.uint8: ("U8", 4), torch.int8: ("I8", 5),
-    torch.float8_e5m2: ("F8_E5M2", 6), torch.float8_e4m3fn: ("F8_E4M3", 7), torch.int16: ("I16", 9),
-    torch.uint16: ("U16", 10), torch.float16: ("F16", 11), torch.bfloat16: ("BF16", 12),
-    torch.int32: ("I32", 13), torch.uint32: ("U32", 14), torch.float32: ("F32", 15),
-    torch.float64: ("F64", 17), torch.int64: ("I64", 18), torch.uint64: ("U64", 19),
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 4),
+    torch.int8: ("I8", 5),
+    torch.float8_e5m2: ("F8_E5M2", 6),
+    torch.float8_e4m3fn: ("F8_E4M3", 7),
+    torch.int16: ("I16", 9),
+    torch.uint16: ("U16", 10),
+    torch.float16: ("F16", 11),
+    torch.bfloat16: ("BF16", 12),
+    torch.int32: ("I32", 13),
+    torch.uint32: ("U32", 14),
+    torch.float32: ("F32", 15),
+    torch.float64: ("F64", 17),
+    torch.int64: ("I64", 18),
+    torch.uint64: ("U64", 19),
 }
 
 
@@ -137,8 +146,9 @@ def _safetensors_header(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
     return struct.pack("<Q", len(text)) + text, offset
 
 
-def write_header_checkpoint(model: nn.Module, directory: str | os.PathLike[str], *,
-                            max_shard_bytes: int = 5 << 30) -> Path:
+def write_header_checkpoint(
+    model: nn.Module, directory: str | os.PathLike[str], *, max_shard_bytes: int = 5 << 30
+) -> Path:
     """Write a checkpoint of ``model``'s real layout whose tensor data is a hole (no weights).
 
     Works on a meta model of any size.  The headers and file sizes are those

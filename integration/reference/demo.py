@@ -147,14 +147,21 @@ def forget(store: Any, key: str | None) -> int:
     if not keys:
         return 0
     plan = store.plan_remove(sorted(set(keys)))
-    log.info("removing %d earlier demo entr%s (%d bytes)", len(keys), "y" if len(keys) == 1 else "ies",
-             plan.bytes_to_free)
+    log.info(
+        "removing %d earlier demo entr%s (%d bytes)", len(keys), "y" if len(keys) == 1 else "ies", plan.bytes_to_free
+    )
     plan.execute()
     return len(keys)
 
 
-def run_ranks(job: dict[str, Any], world_size: int, *, target: Any = _rank_main,
-              timeout: float = _PHASE_TIMEOUT, allow_dead: bool = False) -> list[dict[str, Any]]:
+def run_ranks(
+    job: dict[str, Any],
+    world_size: int,
+    *,
+    target: Any = _rank_main,
+    timeout: float = _PHASE_TIMEOUT,
+    allow_dead: bool = False,
+) -> list[dict[str, Any]]:
     """Run ``target(rank, world_size, port, job, queue)`` in ``world_size`` spawned processes.
 
     Each rank puts one result dict (with its ``rank``) on the queue.  A rank
@@ -168,8 +175,9 @@ def run_ranks(job: dict[str, Any], world_size: int, *, target: Any = _rank_main,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, job, queue), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=target, args=(r, world_size, port, job, queue), daemon=False) for r in range(world_size)
+    ]
     started = time.monotonic()
     for p in procs:
         p.start()
@@ -211,8 +219,15 @@ def _phase(job: dict[str, Any], world_size: int, *, target: Any = _rank_main) ->
     return results
 
 
-def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_size: int = 1,
-             root: str | os.PathLike[str] | None = None, compile: str = "eager") -> dict[str, Any]:
+def run_demo(
+    *,
+    arch: str = "llama",
+    layers: int = 4,
+    hidden: int = 256,
+    world_size: int = 1,
+    root: str | os.PathLike[str] | None = None,
+    compile: str = "eager",
+) -> dict[str, Any]:
     """Cold then warm run of the reference pipeline; a JSON-safe result dict.
 
     ``compile`` is the compile stage's backend (``eager``, ``aoti``,
@@ -245,8 +260,14 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
         probe = InferenceOptimizer(factory, checkpoint, transforms, rank=0, world_size=world_size)
         key = probe.cache_key().key  # type: ignore[union-attr]
         replaced = forget(store, key) > 0
-        job = {"model": model, "checkpoint": str(checkpoint), "transforms": transforms,
-               "root": str(root_path), "prepay": False, "env": {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}}
+        job = {
+            "model": model,
+            "checkpoint": str(checkpoint),
+            "transforms": transforms,
+            "root": str(root_path),
+            "prepay": False,
+            "env": {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")},
+        }
         # three floor processes, the median: the warm restart is within a fraction of a second of the
         # floor, so one noisy floor would swing the above-the-floor ratio by orders of magnitude
         floors = [_phase({}, 1, target=_floor_main)[0]["restart_s"] for _ in range(3)]
@@ -281,8 +302,9 @@ def run_demo(*, arch: str = "llama", layers: int = 4, hidden: int = 256, world_s
         "restart_warm_s": round(restart_warm, 4),
         "restart_floor_s": round(floor_s, 4),
         "restart_speedup": round(restart_cold / restart_warm, 2) if restart_warm > 0 else None,
-        "restart_above_floor_ratio": (round((restart_cold - floor_s) / (restart_warm - floor_s), 2)
-                                      if restart_warm > floor_s else None),
+        "restart_above_floor_ratio": (
+            round((restart_cold - floor_s) / (restart_warm - floor_s), 2) if restart_warm > floor_s else None
+        ),
         "cold_s": round(cold_s, 4),
         "warm_s": round(warm_s, 4),
         "speedup": round(cold_s / warm_s, 2) if warm_s > 0 else None,
@@ -316,20 +338,29 @@ def format_demo(result: dict[str, Any]) -> str:
         ("restart, cold (miss + save)", f"{result['restart_cold_s']:.3f} s"),
         ("restart, warm (hit)", f"{result['restart_warm_s']:.3f} s"),
         ("restart floor (import torch)", f"{result['restart_floor_s']:.3f} s"),
-        ("restart speedup", f"{result['restart_speedup']:.2f}x"
-         + (f" ({above:.1f}x less time above the floor)" if above else "")),
-        ("in-process call, cold / warm", f"{result['cold_s']:.3f} s / {result['warm_s']:.3f} s"
-         + (f" ({result['speedup']:.1f}x)" if result.get("speedup") else "")),
+        (
+            "restart speedup",
+            f"{result['restart_speedup']:.2f}x" + (f" ({above:.1f}x less time above the floor)" if above else ""),
+        ),
+        (
+            "in-process call, cold / warm",
+            f"{result['cold_s']:.3f} s / {result['warm_s']:.3f} s"
+            + (f" ({result['speedup']:.1f}x)" if result.get("speedup") else ""),
+        ),
         ("cached prefix / restore", f"{result['prefix_s']:.3f} s / {result['restore_s']:.3f} s"),
-        (f"compile stage ({result['compile']}), cold / warm",
-         f"{result['compile_cold_s']:.3f} s / {result['compile_warm_s']:.3f} s"),
+        (
+            f"compile stage ({result['compile']}), cold / warm",
+            f"{result['compile_cold_s']:.3f} s / {result['compile_warm_s']:.3f} s",
+        ),
         ("bytes stored", human_size(int(result["bytes_stored"]))),
         ("store dedup ratio", f"{result['dedup_ratio']:.2f}"),
         ("outputs match", "yes (bit for bit)" if result["outputs_match"] else "NO"),
         ("warm run was a hit", "yes" if result["warm_hit"] else f"no ({', '.join(result['warm_events'])})"),
     ]
     width = max(len(k) for k, _ in rows)
-    head = (f"adstore demo: {result['arch']}, {result['layers']} layers, hidden {result['hidden']}, "
-            f"world size {result['world_size']}, compile {result['compile']}\n"
-            f"store: {result['root']}  key {result['key'][:16]}")
+    head = (
+        f"adstore demo: {result['arch']}, {result['layers']} layers, hidden {result['hidden']}, "
+        f"world size {result['world_size']}, compile {result['compile']}\n"
+        f"store: {result['root']}  key {result['key'][:16]}"
+    )
     return head + "\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

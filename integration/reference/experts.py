@@ -40,8 +40,9 @@ __all__ = ["EXPERTS_IMPLEMENTATION", "grouped_experts_forward", "register"]
 EXPERTS_IMPLEMENTATION = "adstore_grouped"
 
 
-def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_experts_forward(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The experts block's forward (``self`` is a module transformers' ``use_experts_implementation`` decorated)."""
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(f"{EXPERTS_IMPLEMENTATION} does not run expert-parallel experts")

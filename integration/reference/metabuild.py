@@ -80,12 +80,18 @@ def rebuild_buffers(model: nn.Module) -> list[str]:
     without values.
     """
     owners = _init_owners(model)
-    todo = [(path, mod, name) for path, mod in model.named_modules()
-            for name, buf in mod._buffers.items()
-            if buf is not None and buf.device.type == "meta" and name in mod._non_persistent_buffers_set]
-    lost = [f"{path}.{name}" if path else name for path, mod in model.named_modules()
-            for name, value in vars(mod).items()
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta]
+    todo = [
+        (path, mod, name)
+        for path, mod in model.named_modules()
+        for name, buf in mod._buffers.items()
+        if buf is not None and buf.device.type == "meta" and name in mod._non_persistent_buffers_set
+    ]
+    lost = [
+        f"{path}.{name}" if path else name
+        for path, mod in model.named_modules()
+        for name, value in vars(mod).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta
+    ]
     if not todo:
         return lost
     shapes = {(path, name): (mod._buffers[name].shape, mod._buffers[name].dtype) for path, mod, name in todo}
@@ -100,9 +106,11 @@ def rebuild_buffers(model: nn.Module) -> list[str]:
                 owners[path]._init_weights(mod)
         rebuilt.append({(path, name): mod._buffers[name] for path, mod, name in todo})
     first, second = rebuilt
-    lost += [f"{path}.{name}" if path else name for (path, name), value in second.items()
-             if value is None or first[(path, name)] is None or value.is_meta
-             or not _same(first[(path, name)], value)]
+    lost += [
+        f"{path}.{name}" if path else name
+        for (path, name), value in second.items()
+        if value is None or first[(path, name)] is None or value.is_meta or not _same(first[(path, name)], value)
+    ]
     return lost
 
 

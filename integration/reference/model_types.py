@@ -23,8 +23,7 @@ __all__ = ["lookup", "recipe", "small_config"]
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "n_embed", "dim")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 _N_HEADS = 4  # attention heads of every small config (head dim ``hidden // 4``), half as many KV heads
-_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
-          "encoder_attention_heads")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads")
 
 
 def _rules(layers: int, hidden: int) -> dict[tuple[str, ...], Any]:
@@ -41,10 +40,21 @@ def _rules(layers: int, hidden: int) -> dict[tuple[str, ...], Any]:
         _HEADS: heads,
         ("num_key_value_heads", "multi_query_group_num", "n_kv_heads", "num_kv_heads"): heads // 2,
         ("head_dim", "attention_head_dim", "rotary_dim"): hidden // heads,
-        ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "decoder_ffn_dim",
-         "encoder_ffn_dim"): hidden * 2,
-        ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
-         "moe_ffn_hidden_size"): hidden // 2,
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "ffn_hidden_size",
+            "d_ff",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+        ): hidden * 2,
+        (
+            "moe_intermediate_size",
+            "expert_intermediate_size",
+            "shared_expert_intermediate_size",
+            "moe_ffn_hidden_size",
+        ): hidden // 2,
         ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"): 4,
         ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k"): 2,
         ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"): 1,
@@ -72,7 +82,7 @@ def _per_layer(value: list[Any], layers: int) -> list[Any]:
         kinds = list(dict.fromkeys(value))
     except TypeError:  # unhashable entries: plain truncation
         return value[:layers]
-    return kinds[:layers] + value[len(kinds):][: max(0, layers - len(kinds))]
+    return kinds[:layers] + value[len(kinds) :][: max(0, layers - len(kinds))]
 
 
 def _shrink(defaults: dict[str, Any], layers: int, hidden: int) -> dict[str, Any]:
@@ -97,8 +107,13 @@ def _shrink(defaults: dict[str, Any], layers: int, hidden: int) -> dict[str, Any
     spare = (vocab or 512) - 1
     for key in sorted(defaults):
         v = defaults[key]
-        if (key.endswith(("token_id", "token_index")) and isinstance(v, int) and not isinstance(v, bool)
-                and vocab and v >= vocab):
+        if (
+            key.endswith(("token_id", "token_index"))
+            and isinstance(v, int)
+            and not isinstance(v, bool)
+            and vocab
+            and v >= vocab
+        ):
             out[key], spare = (0, spare) if key == "pad_token_id" else (spare, spare - 1)
     return out
 
@@ -107,9 +122,14 @@ def recipe(defaults: dict[str, Any]) -> dict[str, Any]:
     """The part of a config's defaults that :func:`_shrink` reads (so the survey can record it)."""
     names = {n for names in _rules(2, 64) for n in names} | {"kv_lora_rank", "sliding_window"}
     n = next((defaults[k] for k in _LAYERS if isinstance(defaults.get(k), int)), None)
-    return {k: v for k, v in defaults.items()
-            if k in names or k.endswith(("token_id", "token_index"))
-            or (isinstance(v, list) and n and len(v) == n) or (isinstance(v, dict) and "model_type" in v)}
+    return {
+        k: v
+        for k, v in defaults.items()
+        if k in names
+        or k.endswith(("token_id", "token_index"))
+        or (isinstance(v, list) and n and len(v) == n)
+        or (isinstance(v, dict) and "model_type" in v)
+    }
 
 
 def small_config(model_type: str, *, layers: int = 2, hidden: int = 64) -> dict[str, Any]:
@@ -140,5 +160,7 @@ def lookup(model_type: str) -> tuple[bool, str]:
     why = surveyed.REFUSED.get(model_type)
     if why is not None:
         return False, f"the reference pipeline does not handle {model_type!r}: {why}"
-    return False, (f"{model_type!r} was not surveyed (transformers {surveyed.TRANSFORMERS}); "
-                   "`python -m adstore.integration.reference.survey " + model_type + "` checks it")
+    return False, (
+        f"{model_type!r} was not surveyed (transformers {surveyed.TRANSFORMERS}); "
+        "`python -m adstore.integration.reference.survey " + model_type + "` checks it"
+    )

@@ -23,12 +23,7 @@ from adstore.integration.reference import experts
 from adstore.integration.reference.metabuild import build_on_meta
 from adstore.store import ConfigError
 
-__all__ = [
-    "ARCHITECTURES",
-    "MODEL_TYPES",
-    "ModelFactory",
-    "tiny_config",
-]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "ModelFactory", "tiny_config"]
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +91,15 @@ ARCHITECTURES: dict[str, Any] = {
     ),
     # Multi-head latent attention (low-rank q/kv, interleaved RoPE) with routed + shared experts.
     "glm4_moe_lite": lambda n, h: {
-        **_moe("glm4_moe_lite", n, h, n_group=1, topk_group=1, n_shared_experts=1,
-               mlp_layer_types=["dense"] + ["sparse"] * (n - 1)),
+        **_moe(
+            "glm4_moe_lite",
+            n,
+            h,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+        ),
         **_mla(h),
     },
     "deepseek_v3": lambda n, h: {
@@ -107,23 +109,28 @@ ARCHITECTURES: dict[str, Any] = {
 }
 
 #: ``model_type`` spellings that name an architecture above.
-MODEL_TYPES: dict[str, str] = {
-    "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4",
-}
+MODEL_TYPES: dict[str, str] = {"qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
 
 
 def _gemma4(layers: int, hidden: int, **extra: Any) -> dict[str, Any]:
     """A small Gemma-4 text config: sliding-window layers, the last one full attention."""
     types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
-    return _llama_like("gemma4_text", layers, hidden, sliding_window=16, hidden_size_per_layer_input=0,
-                       layer_types=types, **extra)
+    return _llama_like(
+        "gemma4_text", layers, hidden, sliding_window=16, hidden_size_per_layer_input=0, layer_types=types, **extra
+    )
 
 
 def _mla(hidden: int) -> dict[str, Any]:
     """Low-rank attention sizes for a small DeepSeek-V3 / GLM-4.7-lite config."""
     rope = hidden // 4
-    return {"kv_lora_rank": hidden // 2, "q_lora_rank": hidden * 3 // 4, "qk_rope_head_dim": rope,
-            "qk_nope_head_dim": hidden // 2, "v_head_dim": hidden // 2, "head_dim": rope}
+    return {
+        "kv_lora_rank": hidden // 2,
+        "q_lora_rank": hidden * 3 // 4,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": hidden // 2,
+        "v_head_dim": hidden // 2,
+        "head_dim": rope,
+    }
 
 
 def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, surveyed: bool = True) -> dict[str, Any]:
@@ -146,8 +153,11 @@ def tiny_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, surve
     if surveyed:
         handled, why = model_types.lookup(arch)
         if not handled:
-            raise ConfigError("arch", f"{why}. Tuned architectures: {sorted(ARCHITECTURES)}; another model "
-                              "may still run as ModelFactory(config={'model_type': ..., ...}) with its full config")
+            raise ConfigError(
+                "arch",
+                f"{why}. Tuned architectures: {sorted(ARCHITECTURES)}; another model "
+                "may still run as ModelFactory(config={'model_type': ..., ...}) with its full config",
+            )
     return model_types.small_config(arch, layers=layers, hidden=hidden)
 
 
@@ -257,11 +267,13 @@ class ModelFactory:
             raise ConfigError("model.config", f"no causal LM for {type(hf).__name__}") from None
 
     def build(self, *, device: str = "meta") -> nn.Module:
-        """Build the model: on the meta device (no parameter allocated; :mod:`.metabuild`) or with real random weights."""
+        """Build the model: on the meta device (no parameter allocated; :mod:`.metabuild`), or with random weights."""
         hf = self.hf_config()
         cls = self._model_class(hf)
         if not isinstance(hf, cls.config_class):
-            hf = hf.get_text_config(decoder=True)  # a composite type whose causal LM is its language model alone (qwen3_5)
+            hf = hf.get_text_config(
+                decoder=True
+            )  # a composite type whose causal LM is its language model alone (qwen3_5)
         if device == "meta":
             model = build_on_meta(cls, hf)
             for mod in model.modules():

@@ -56,8 +56,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, weight_offset: float) -> Te
 #: RMSNorm in float32, scaled by ``weight + weight_offset`` (Gemma uses offset 1).  The arithmetic
 #: follows the order of the transformers reference modules (variance of the float32 input, rsqrt,
 #: cast back, then scale) so that the rewritten graph stays within float rounding of the eager model.
-rms_norm = _define("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor",
-                   _rms_norm, _rms_norm)
+rms_norm = _define("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor", _rms_norm, _rms_norm)
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -80,12 +79,20 @@ rope = _define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope, _rope)
 
 
 def _check_grouped(x: Tensor, weight: Tensor, offsets: Tensor) -> None:
-    torch._check(x.dim() == 2 and weight.dim() == 3 and offsets.dim() == 1,
-                 lambda: f"grouped_linear needs x (rows, in), weight (groups, out, in), offsets (groups,); got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(offsets.shape)}")
-    torch._check(offsets.shape[0] == weight.shape[0] and x.shape[1] == weight.shape[2],
-                 lambda: f"grouped_linear: {offsets.shape[0]} offsets for {weight.shape[0]} groups, "
-                         f"input width {x.shape[1]} for weights of width {weight.shape[2]}")
+    torch._check(
+        x.dim() == 2 and weight.dim() == 3 and offsets.dim() == 1,
+        lambda: (
+            f"grouped_linear needs x (rows, in), weight (groups, out, in), offsets (groups,); got "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(offsets.shape)}"
+        ),
+    )
+    torch._check(
+        offsets.shape[0] == weight.shape[0] and x.shape[1] == weight.shape[2],
+        lambda: (
+            f"grouped_linear: {offsets.shape[0]} offsets for {weight.shape[0]} groups, "
+            f"input width {x.shape[1]} for weights of width {weight.shape[2]}"
+        ),
+    )
     torch._check(not offsets.is_floating_point(), lambda: "grouped_linear: offsets must be integers")
 
 
@@ -117,8 +124,9 @@ def _grouped_linear_fake(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 
 #: Grouped GEMM (mixture-of-experts): ``x`` is sorted by group, ``offsets`` are the cumulative row
 #: counts per group, ``weight`` is ``(groups, out, in)`` like transformers' fused expert weights.
-grouped_linear = _define("grouped_linear(Tensor x, Tensor weight, Tensor offsets) -> Tensor",
-                         _grouped_linear, _grouped_linear_fake)
+grouped_linear = _define(
+    "grouped_linear(Tensor x, Tensor weight, Tensor offsets) -> Tensor", _grouped_linear, _grouped_linear_fake
+)
 
 
 def _group_size() -> int:
@@ -168,5 +176,11 @@ all_gather = _define("all_gather(Tensor x, int dim, int world_size) -> Tensor", 
 ATEN_DECOMPOSITIONS = {rms_norm: _rms_norm, silu_mul: _silu_mul, rope: _rope}
 
 #: The op overloads this module registers, for code that needs to recognise them.
-OPS = {"rms_norm": rms_norm, "silu_mul": silu_mul, "rope": rope, "all_reduce": all_reduce, "all_gather": all_gather,
-       "grouped_linear": grouped_linear}
+OPS = {
+    "rms_norm": rms_norm,
+    "silu_mul": silu_mul,
+    "rope": rope,
+    "all_reduce": all_reduce,
+    "all_gather": all_gather,
+    "grouped_linear": grouped_linear,
+}

@@ -231,9 +231,12 @@ class _Rewrite(Transform):
             log.debug("%s: %d matches", self.name, total)
         else:
             # Said out loud: a user must not assume a rewrite applied that did not.
-            log.warning("%s matched nothing in %s: this architecture's variant is not one the rewrite "
-                        "reproduces bit for bit; the graph is left as exported",
-                        self.name, ctx.factory.config.get("model_type", "the model"))
+            log.warning(
+                "%s matched nothing in %s: this architecture's variant is not one the rewrite "
+                "reproduces bit for bit; the graph is left as exported",
+                self.name,
+                ctx.factory.config.get("model_type", "the model"),
+            )
         return module
 
 

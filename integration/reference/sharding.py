@@ -81,11 +81,25 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 _ELEMENTWISE_OK = {
-    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
-    aten.silu.default, aten.gelu.default, aten.contiguous.default, aten.clone.default,
-    aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.alias.default,
-    aten.sigmoid.default, aten.tanh.default, aten.pow.Tensor_Scalar,
-    torch.ops.adstore.silu_mul.default, torch.ops.adstore.rms_norm.default, torch.ops.adstore.rope.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.type_as.default,
+    aten.alias.default,
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.pow.Tensor_Scalar,
+    torch.ops.adstore.silu_mul.default,
+    torch.ops.adstore.rms_norm.default,
+    torch.ops.adstore.rope.default,
 }
 
 
@@ -186,8 +200,9 @@ def _group_of(node: fx.Node) -> str:
     return node.args[1].target.rsplit(".", 2)[0]
 
 
-def _track_region(col: list[fx.Node], rows: list[fx.Node], world_size: int,
-                  order: dict[fx.Node, int]) -> dict[fx.Node, tuple[Any, ...]]:
+def _track_region(
+    col: list[fx.Node], rows: list[fx.Node], world_size: int, order: dict[fx.Node, int]
+) -> dict[fx.Node, tuple[Any, ...]]:
     """Follow the sharded dim from ``col`` to ``rows``; the shape-arg rewrites it needs."""
     row = set(rows)
     tracker = _Tracker(world_size)
@@ -300,8 +315,13 @@ def shard_graph(gm: fx.GraphModule, plan: dict[str, str], rank: int, world_size:
         node.replace_all_uses_with(gat, delete_user_cb=lambda u, gat=gat: u is not gat)
     gm.graph.lint()
     gm.recompile()
-    return {"colwise": len(col), "rowwise": len(row), "gathered": len(gather), "reshapes": len(new_args),
-            "replicated_regions": len(replicated)}
+    return {
+        "colwise": len(col),
+        "rowwise": len(row),
+        "gathered": len(gather),
+        "reshapes": len(new_args),
+        "replicated_regions": len(replicated),
+    }
 
 
 @dataclass(kw_only=True)
@@ -335,7 +355,8 @@ class ShardLinears(Transform):
             stats = {k: stats.get(k, 0) + v for k, v in got.items()}
             inputs = tuple(
                 torch.zeros(tuple(_hint(d) for d in n.meta["val"].shape), dtype=n.meta["val"].dtype)
-                for n in gm.graph.nodes if n.op == "placeholder"
+                for n in gm.graph.nodes
+                if n.op == "placeholder"
             )
             propagate_shapes(gm, inputs)
         ctx.info[self.name] = {"world_size": ctx.world_size, **stats}

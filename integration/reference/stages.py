@@ -19,15 +19,7 @@ from adstore.integration.pipeline.graphs import canonicalize, graph_modules, rep
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from adstore.store import ConfigError, Reason
 
-__all__ = [
-    "BACKENDS",
-    "BuildModel",
-    "CleanupExport",
-    "Compile",
-    "ExportToGraph",
-    "InitCache",
-    "LoadWeights",
-]
+__all__ = ["BACKENDS", "BuildModel", "CleanupExport", "Compile", "ExportToGraph", "InitCache", "LoadWeights"]
 
 
 class BuildModel(Transform):
@@ -35,8 +27,12 @@ class BuildModel(Transform):
 
     name = "build_model"
     stage = Stage.BUILD_MODEL
-    code_modules = ("adstore.integration.reference.models", "adstore.integration.reference.metabuild",
-                    "adstore.integration.reference.experts", "adstore.integration.reference.ops")
+    code_modules = (
+        "adstore.integration.reference.models",
+        "adstore.integration.reference.metabuild",
+        "adstore.integration.reference.experts",
+        "adstore.integration.reference.ops",
+    )
 
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         return ctx.factory.build(device="meta")
@@ -62,8 +58,10 @@ class ExportConfig(TransformConfig):
         if self.batch < 1 or self.seq < 1:
             raise ConfigError(f"{owner}.seq", "batch and seq must be positive")
         if self.dynamic and (self.batch < 2 or self.seq < 2):
-            raise ConfigError(f"{owner}.seq", "a dynamic export needs an example batch and seq >= 2 "
-                              "(export specialises sizes 0 and 1)")
+            raise ConfigError(
+                f"{owner}.seq",
+                "a dynamic export needs an example batch and seq >= 2 (export specialises sizes 0 and 1)",
+            )
         if self.dynamic and (self.max_batch < self.batch or self.max_seq < self.seq):
             raise ConfigError(f"{owner}.max_seq", "max_batch/max_seq must cover the example shape")
 
@@ -106,10 +104,12 @@ class ExportToGraph(Transform):
             # A tensor made from Python values inside forward on the parameters' device (falcon's
             # ``fused_qkv[..., [-2], :]``) is a meta constant here: its values are gone, and the
             # graph would index with uninitialised memory once the weights are loaded.
-            raise IntegrationError(f"export made {len(lost)} tensor constant(s) on the meta device, whose "
-                                   f"values are lost (e.g. {lost[:2]}): the model creates tensors on its "
-                                   "parameters' device inside forward, so it cannot be exported before its "
-                                   "weights exist")
+            raise IntegrationError(
+                f"export made {len(lost)} tensor constant(s) on the meta device, whose "
+                f"values are lost (e.g. {lost[:2]}): the model creates tensors on its "
+                "parameters' device inside forward, so it cannot be exported before its "
+                "weights exist"
+            )
         gm = ep.module()
         for qual, value in real.items():
             owner, _, leaf = qual.rpartition(".")
@@ -356,8 +356,11 @@ class Compile(Transform):
 
         point = ctx.point
         through = point.through(self.name) if point is not None else []
-        prefix = ({"key": point.key, "snapshot": point.snapshot}
-                  if point is not None and point.key and point.snapshot else None)
+        prefix = (
+            {"key": point.key, "snapshot": point.snapshot}
+            if point is not None and point.key and point.snapshot
+            else None
+        )
         stage = EngineStage(
             backend=cfg.backend,
             root=point.root if point is not None else None,
@@ -379,9 +382,15 @@ class Compile(Transform):
         try:
             if not agree.all_true(inputs is not None):  # every rank compiles now, or none
                 fallback = "torch.compile at the first call" if cfg.backend == "torch_compile" else "eager"
-                self.events.append(CacheEvent(EventKind.BYPASS, reason=Reason.INTEGRATION_ERROR, rank=ctx.rank,
-                                              world_size=ctx.world_size,
-                                              detail=f"{why or 'another rank cannot compile'}; {fallback}"))
+                self.events.append(
+                    CacheEvent(
+                        EventKind.BYPASS,
+                        reason=Reason.INTEGRATION_ERROR,
+                        rank=ctx.rank,
+                        world_size=ctx.world_size,
+                        detail=f"{why or 'another rank cannot compile'}; {fallback}",
+                    )
+                )
                 if cfg.backend == "torch_compile":
                     return torch.compile(module, dynamic=False)  # type: ignore[return-value]
                 return module
@@ -391,8 +400,11 @@ class Compile(Transform):
             out = stage.run(module, inputs, Topology(ctx.rank, ctx.world_size))
         finally:
             stage.close()
-        ctx.info[self.name] = {"backend": cfg.backend, "events": [e.to_dict() for e in stage.events],
-                               "timings": dict(stage.timings)}
+        ctx.info[self.name] = {
+            "backend": cfg.backend,
+            "events": [e.to_dict() for e in stage.events],
+            "timings": dict(stage.timings),
+        }
         return out
 
 

@@ -52,8 +52,9 @@ class _Refused(Exception):
         super().__init__(f"{step}: {why}")
 
 
-def _run_twice(factory: Any, checkpoint: Any, transforms: dict, inputs: tuple, expected: Any, step: str,
-               ) -> dict[str, Any]:
+def _run_twice(
+    factory: Any, checkpoint: Any, transforms: dict, inputs: tuple, expected: Any, step: str
+) -> dict[str, Any]:
     """Cold then warm through one store; returns the cold run's info."""
     import torch
 
@@ -107,15 +108,22 @@ def check(model_type: str, *, compile: bool = True) -> dict[str, Any]:
             if not torch.isfinite(expected).all():
                 raise _Refused(step, "eager transformers gives non-finite logits with random weights")
             step = "pipeline"
-            info = _run_twice(factory, checkpoint, default_transforms(pipeline_cache={"root": f"{tmp}/eager"}),
-                              inputs, expected, step)
+            info = _run_twice(
+                factory, checkpoint, default_transforms(pipeline_cache={"root": f"{tmp}/eager"}), inputs, expected, step
+            )
             verdict["matches"] = [info.get(name, {}).get("matches", 0) for name in REWRITES]
             if compile:
                 step = "torch_compile"
-                _run_twice(factory, checkpoint,
-                           default_transforms(pipeline_cache={"root": f"{tmp}/compiled"},
-                                              compile={"backend": "torch_compile"}),
-                           inputs, expected, step)
+                _run_twice(
+                    factory,
+                    checkpoint,
+                    default_transforms(
+                        pipeline_cache={"root": f"{tmp}/compiled"}, compile={"backend": "torch_compile"}
+                    ),
+                    inputs,
+                    expected,
+                    step,
+                )
         verdict["handled"] = True
     except _Refused as exc:
         verdict["why"] = str(exc)
@@ -188,7 +196,9 @@ def _write(verdicts: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m adstore.integration.reference.survey", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m adstore.integration.reference.survey", description=__doc__.split("\n")[0]
+    )
     p.add_argument("types", nargs="*", help="model types (default: every causal-LM type of transformers)")
     p.add_argument("--write", action="store_true", help="regenerate survey_results.py with these verdicts")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch_compile runs")

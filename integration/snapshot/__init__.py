@@ -10,7 +10,13 @@ from adstore.integration._lazy import lazy_exports
 
 _EXPORTS = {
     "snapshot.codec": (
-        "FORMAT", "HOOKS_ARTIFACT", "MODULE_ARTIFACT", "VERSION", "dump_module", "load_module", "summarize",
+        "FORMAT",
+        "HOOKS_ARTIFACT",
+        "MODULE_ARTIFACT",
+        "VERSION",
+        "dump_module",
+        "load_module",
+        "summarize",
     ),
     "snapshot.targets": ("allow_prefix", "snapshot_safe"),
     "snapshot.hooks": ("TPShardHook", "register_hook_type"),

@@ -29,7 +29,8 @@ import logging
 import pickle
 import re
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -71,8 +72,13 @@ def dump_module(module: torch.nn.Module) -> dict[str, bytes]:
     try:
         enc = TreeEncoder()
         tree = enc.encode(module)
-        structure = new_structure(torch_version=torch.__version__, graph_modules=enc.graph_count,
-                                  symbols=enc.values.symbols.symbols, meta_table=enc.meta_table.values, tree=tree)
+        structure = new_structure(
+            torch_version=torch.__version__,
+            graph_modules=enc.graph_count,
+            symbols=enc.values.symbols.symbols,
+            meta_table=enc.meta_table.values,
+            tree=tree,
+        )
         text = json.dumps(structure, allow_nan=False, separators=(",", ":"))
         buf = io.BytesIO()
         torch.save({"format": FORMAT, "version": VERSION, "structure": text, "tensors": enc.values.tensors}, buf)
@@ -83,8 +89,13 @@ def dump_module(module: torch.nn.Module) -> dict[str, bytes]:
     finally:
         restore_load_hooks(saved)
     hooks = json.dumps(specs, allow_nan=False, separators=(",", ":")).encode("utf-8")
-    logger.debug("snapshot: %d graph modules, %d tensors, %d hook specs, %d bytes",
-                 enc.graph_count, len(enc.values.tensors), len(specs), buf.getbuffer().nbytes)
+    logger.debug(
+        "snapshot: %d graph modules, %d tensors, %d hook specs, %d bytes",
+        enc.graph_count,
+        len(enc.values.tensors),
+        len(specs),
+        buf.getbuffer().nbytes,
+    )
     return {MODULE_ARTIFACT: buf.getvalue(), HOOKS_ARTIFACT: hooks}
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -22,8 +23,15 @@ from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, Untru
 from adstore.integration.snapshot.names import identifier
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 
-__all__ = ["STATEFUL_GM", "RestoredExportModule", "RestoredGuards", "bind_method", "check_export_inputs",
-           "encode_bound_method", "export_forward_hooks"]
+__all__ = [
+    "STATEFUL_GM",
+    "RestoredExportModule",
+    "RestoredGuards",
+    "bind_method",
+    "check_export_inputs",
+    "encode_bound_method",
+    "export_forward_hooks",
+]
 
 STATEFUL_GM = "torch.export._unlift._StatefulGraphModule"
 

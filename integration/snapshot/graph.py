@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -47,6 +46,7 @@ from adstore.integration.snapshot.names import (
     identifier,
     placeholder_target,
 )
+from adstore.integration.snapshot.opmodules import op_modules
 from adstore.integration.snapshot.targets import qualname_of, resolve_target
 from adstore.integration.snapshot.values import MEMORY_FORMATS, Unencodable, ValueDecoder, ValueEncoder
 from adstore.integration.snapshot.wire import pack_node, unpack_node
@@ -75,12 +75,26 @@ _DROPPED = object()
 #: GraphModule classes a snapshot may name, and therefore rebuild.
 GM_CLASSES = ("torch.fx.graph_module.GraphModule", STATEFUL_GM)
 #: GraphModule instance attributes handled here (everything else goes to generic attrs).
-GM_KEYS = frozenset({
-    "_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls", "_tracer_extras", "meta",
-    "_replace_hooks", "_create_node_hooks", "_erase_node_hooks", "_deepcopy_hooks", "_in_spec", "_out_spec",
-    "shape_env", "range_constraints", "validate_inputs",
-})
-
+GM_KEYS = frozenset(
+    {
+        "_graph",
+        "_code",
+        "_lineno_map",
+        "_prologue_start",
+        "_tracer_cls",
+        "_tracer_extras",
+        "meta",
+        "_replace_hooks",
+        "_create_node_hooks",
+        "_erase_node_hooks",
+        "_deepcopy_hooks",
+        "_in_spec",
+        "_out_spec",
+        "shape_env",
+        "range_constraints",
+        "validate_inputs",
+    }
+)
 
 
 def is_shape_stale(node: torch.fx.Node) -> bool:
@@ -145,8 +159,11 @@ def _encode_meta(meta: dict[str, Any], enc: ValueEncoder, plain: ValueEncoder, t
     if isinstance(tm, TensorMetadata) and not tm.is_quantized:
         # Only the memory format is not derivable cheaply from ``val``; the rest is rebuilt from it.
         # (``requires_grad`` is recorded too: export computes it under a different grad mode than ``val``.)
-        out["tensor_meta"] = ["tm", None if tm.memory_format is None else str(tm.memory_format).removeprefix("torch."),
-                              bool(tm.requires_grad)]
+        out["tensor_meta"] = [
+            "tm",
+            None if tm.memory_format is None else str(tm.memory_format).removeprefix("torch."),
+            bool(tm.requires_grad),
+        ]
     return out
 
 
@@ -166,54 +183,7 @@ def _encode_codegen(graph: torch.fx.Graph) -> dict[str, Any]:
     raise UnsupportedModule(f"graph codegen {type(cg).__qualname__} is not supported")
 
 
-_BUILTIN_OP_NAMESPACES = frozenset({"aten", "prims", "prim", "higher_order", "_c10d_functional", "c10d_functional",
-                                    "_c10d_functional_autograd", "quantized", "rngprims", "inductor"})
-
-
-def _op_modules(graph: torch.fx.Graph) -> list[str]:
-    """Python modules that define the graph's custom ops.
-
-    A fresh process only knows ``torch.ops.<ns>.<op>`` once that module has been
-    imported, so restore imports these first (each still under the allow-list).
-    An op made with ``torch.library.custom_op`` names its function; one defined
-    through ``torch.library.Library`` is known by the module of its fake kernel.
-    """
-    from torch._library.custom_ops import OPDEFS
-    from torch._library.simple_registry import singleton
-
-    mods: list[str] = []
-    seen: set[str] = set()
-    for n in graph.nodes:
-        t = n.target
-        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace not in _BUILTIN_OP_NAMESPACES:
-            qualname = f"{t.namespace}::{t._opname}"
-            if qualname in seen:
-                continue
-            seen.add(qualname)
-            opdef = OPDEFS.get(qualname)
-            mod = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
-            if mod is None:
-                fake = singleton.find(qualname).fake_impl.kernel
-                mod = _module_of_source(getattr(fake, "source", None))
-            if isinstance(mod, str) and mod not in mods and mod != "__main__":
-                mods.append(mod)
-    return mods
-
-
-def _module_of_source(source: object) -> str | None:
-    """The imported module whose file is ``source`` (torch's ``"<file>:<line>"`` of a registration)."""
-    if not isinstance(source, str) or ":" not in source:
-        return None
-    path = os.path.realpath(source.rsplit(":", 1)[0])
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if isinstance(file, str) and os.path.realpath(file) == path:
-            return name
-    return None
-
-
-def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
-                        table: MetaTable) -> dict[str, Any]:
+def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str, table: MetaTable) -> dict[str, Any]:
     """Encode the graph and GraphModule-only state of ``gm`` (submodules/params are the tree's job)."""
     cls_name = _real_class_name(gm)
     if cls_name not in GM_CLASSES:
@@ -260,7 +230,7 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
     out: dict[str, Any] = {
         "gm_class": cls_name,
         "class_name": type(gm).__name__,
-        "op_modules": _op_modules(graph),
+        "op_modules": op_modules(graph),
         "targets": targets,
         "nodes": nodes,
         "codegen": _encode_codegen(graph),
@@ -299,8 +269,14 @@ def encode_graph_module(gm: torch.fx.GraphModule, enc: ValueEncoder, path: str,
 class GraphDecoder:
     """Rebuilds graphs of one snapshot; shares the symbol/fake-tensor context between graphs."""
 
-    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str],
-                 meta_table: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        tensors: Sequence[torch.Tensor],
+        syms: Any,
+        extra_prefixes: Sequence[str],
+        meta_table: Sequence[Any] = (),
+    ) -> None:
         self.tensors = tensors
         self.meta_table = meta_table
         self._meta_cache: dict[int, Any] = {}
@@ -374,8 +350,9 @@ class GraphDecoder:
                 raise UntrustedTarget(repr(t))
         graph = torch.fx.Graph()
         nodes: list[torch.fx.Node] = []
-        self._values = values = ValueDecoder(nodes=nodes, tensors=self.tensors, sym=self.syms.sym,
-                                             spec=self._spec, extra_prefixes=self.extra)
+        self._values = values = ValueDecoder(
+            nodes=nodes, tensors=self.tensors, sym=self.syms.sym, spec=self._spec, extra_prefixes=self.extra
+        )
         decode = values.decode
         create = graph.create_node
         ntargets = len(targets)
@@ -477,8 +454,9 @@ class GraphDecoder:
             raise UntrustedTarget(str(cls_name))
         return gm
 
-    def finish(self, gm: torch.fx.GraphModule, enc: dict[str, Any], graph: torch.fx.Graph,
-               methods: list[list[str]]) -> None:
+    def finish(
+        self, gm: torch.fx.GraphModule, enc: dict[str, Any], graph: torch.fx.Graph, methods: list[list[str]]
+    ) -> None:
         """Attach the graph (one recompile) and the GraphModule-only state."""
         gm.graph = graph
         gm.meta.update(self.plain(["d", *sum(([k, v] for k, v in enc.get("meta", {}).items()), [])]))

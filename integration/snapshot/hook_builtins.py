@@ -10,7 +10,8 @@ and rebuilds an equal hook; ``__eq__`` compares that state.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -58,8 +59,16 @@ class TPShardHook(_SpecHook):
     the divisibility is checked when the hook is built, with a clear error.
     """
 
-    def __init__(self, param_key: str, shape: Sequence[int], dim: int, rank: int, world_size: int,
-                 min_local_shape: int = 1, fused_dims: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        param_key: str,
+        shape: Sequence[int],
+        dim: int,
+        rank: int,
+        world_size: int,
+        min_local_shape: int = 1,
+        fused_dims: Sequence[int] | None = None,
+    ) -> None:
         self.param_key = _key(param_key, "param_key")
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
             raise ConfigError("shape", f"expected a sequence of ints, got {shape!r}")
@@ -83,11 +92,16 @@ class TPShardHook(_SpecHook):
                 raise ConfigError("fused_dims", f"blocks {blocks} sum to {sum(blocks)}, not dim {self.dim} size {full}")
         for b in blocks:
             if b % self.world_size:
-                raise ConfigError("shape", f"{self.param_key}: size {b} along dim {self.dim} is not divisible "
-                                  f"by world size {self.world_size}")
+                raise ConfigError(
+                    "shape",
+                    f"{self.param_key}: size {b} along dim {self.dim} is not divisible by world size {self.world_size}",
+                )
             if (b // self.world_size) % self.min_local_shape:
-                raise ConfigError("min_local_shape", f"{self.param_key}: local size {b // self.world_size} along dim "
-                                  f"{self.dim} is not a multiple of {self.min_local_shape}")
+                raise ConfigError(
+                    "min_local_shape",
+                    f"{self.param_key}: local size {b // self.world_size} along dim "
+                    f"{self.dim} is not a multiple of {self.min_local_shape}",
+                )
         self._blocks = blocks
 
     @property
@@ -112,22 +126,43 @@ class TPShardHook(_SpecHook):
             return pieces[0].clone(memory_format=torch.contiguous_format)
         return torch.cat(pieces, dim=self.dim)
 
-    def __call__(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    def __call__(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         key = prefix + self.param_key
         tensor = state_dict.get(key)
         if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == self.shape:
             state_dict[key] = self.shard(tensor)
 
     def to_spec(self) -> dict[str, Any]:
-        return {"param_key": self.param_key, "shape": list(self.shape), "dim": self.dim, "rank": self.rank,
-                "world_size": self.world_size, "min_local_shape": self.min_local_shape,
-                "fused_dims": None if self.fused_dims is None else list(self.fused_dims)}
+        return {
+            "param_key": self.param_key,
+            "shape": list(self.shape),
+            "dim": self.dim,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "min_local_shape": self.min_local_shape,
+            "fused_dims": None if self.fused_dims is None else list(self.fused_dims),
+        }
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "TPShardHook":
-        return cls(spec["param_key"], spec["shape"], spec["dim"], spec["rank"], spec["world_size"],
-                   spec.get("min_local_shape", 1), spec.get("fused_dims"))
+    def from_spec(cls, spec: Mapping[str, Any]) -> TPShardHook:
+        return cls(
+            spec["param_key"],
+            spec["shape"],
+            spec["dim"],
+            spec["rank"],
+            spec["world_size"],
+            spec.get("min_local_shape", 1),
+            spec.get("fused_dims"),
+        )
 
 
 class DedupHook(_SpecHook):
@@ -150,8 +185,16 @@ class DedupHook(_SpecHook):
             raise ConfigError("mode", f"expected 'drop' or 'copy', got {mode!r}")
         self.mode = mode
 
-    def __call__(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    def __call__(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         kept = prefix + self.kept_key
         if kept not in state_dict:
             for r in self.removed_keys:
@@ -168,7 +211,7 @@ class DedupHook(_SpecHook):
         return {"kept_key": self.kept_key, "removed_keys": list(self.removed_keys), "mode": self.mode}
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "DedupHook":
+    def from_spec(cls, spec: Mapping[str, Any]) -> DedupHook:
         return cls(spec["kept_key"], spec["removed_keys"], spec.get("mode", "drop"))
 
 
@@ -185,8 +228,16 @@ class AliasHook(_SpecHook):
             raise ConfigError("aliases", "expected at least one old -> new key alias")
         self.aliases = {_key(o, "aliases"): _key(n, "aliases") for o, n in merged.items()}
 
-    def __call__(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    def __call__(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         for old, new in self.aliases.items():
             if prefix + old in state_dict:
                 value = state_dict.pop(prefix + old)
@@ -196,7 +247,7 @@ class AliasHook(_SpecHook):
         return {"aliases": dict(self.aliases)}
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "AliasHook":
+    def from_spec(cls, spec: Mapping[str, Any]) -> AliasHook:
         aliases = spec["aliases"]
         if not isinstance(aliases, dict):
             raise ConfigError("aliases", "expected a mapping")

@@ -32,8 +32,9 @@ import functools
 import json
 import logging
 import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -85,11 +86,16 @@ _builtin_types: dict[str, HookType] = {}
 _user_types: dict[str, HookType] = {}
 
 
-def register_hook_type(name: str, *, match: Callable[[object], bool],
-                       encode: Callable[[object, torch.nn.Module], dict],
-                       rebuild: Callable[[dict, torch.nn.Module], Callable],
-                       phases: Sequence[str] = _PHASES, with_module: Sequence[bool] = (False, True),
-                       replace: bool = False) -> HookType:
+def register_hook_type(
+    name: str,
+    *,
+    match: Callable[[object], bool],
+    encode: Callable[[object, torch.nn.Module], dict],
+    rebuild: Callable[[dict, torch.nn.Module], Callable],
+    phases: Sequence[str] = _PHASES,
+    with_module: Sequence[bool] = (False, True),
+    replace: bool = False,
+) -> HookType:
     """Add a hook type (process-wide).  User types are tried before the built-in ones."""
     if not isinstance(name, str) or not name.replace("_", "").isalnum():
         raise ValueError(f"hook type name {name!r} must be alphanumeric/underscore")
@@ -113,14 +119,16 @@ def _builtin(ht: HookType) -> None:
 
 # ----------------------------------------------------------------------------- spec-state built-ins
 for _name, _cls in (("shard_tp", TPShardHook), ("dedup", DedupHook), ("alias", AliasHook)):
-    _builtin(HookType(
-        _name,
-        match=functools.partial(lambda cls, h: type(h) is cls, _cls),
-        encode=lambda h, m: h.to_spec(),
-        rebuild=functools.partial(lambda cls, params, m: cls.from_spec(params), _cls),
-        phases=("pre",),
-        with_module=(False,),
-    ))
+    _builtin(
+        HookType(
+            _name,
+            match=functools.partial(lambda cls, h: type(h) is cls, _cls),
+            encode=lambda h, m: h.to_spec(),
+            rebuild=functools.partial(lambda cls, params, m: cls.from_spec(params), _cls),
+            phases=("pre",),
+            with_module=(False,),
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- importable
@@ -138,8 +146,12 @@ def _plain_state(obj: object) -> dict[str, Any] | None:
 
 
 def _owner_class_ok(cls: type) -> bool:
-    return (isinstance(cls, type) and cls.__new__ is object.__new__ and not issubclass(cls, torch.nn.Module)
-            and "__slots__" not in cls.__dict__)
+    return (
+        isinstance(cls, type)
+        and cls.__new__ is object.__new__
+        and not issubclass(cls, torch.nn.Module)
+        and "__slots__" not in cls.__dict__
+    )
 
 
 def _encode_callable(fn: object, module: torch.nn.Module) -> dict[str, Any] | None:
@@ -222,19 +234,23 @@ def _rebuild_callable(params: Mapping[str, Any], module: torch.nn.Module) -> Cal
 
 _NO_MODULE = torch.nn.Module()  # stands in for "no scope module" while matching
 
-_builtin(HookType(
-    "importable",
-    # Methods always match so that one with an unrepresentable owner is reported by name.
-    match=lambda h: isinstance(h, types.MethodType) or _encode_callable(h, _NO_MODULE) is not None,
-    encode=lambda h, m: _require(_encode_callable(h, m), h),
-    rebuild=_rebuild_callable,
-))
+_builtin(
+    HookType(
+        "importable",
+        # Methods always match so that one with an unrepresentable owner is reported by name.
+        match=lambda h: isinstance(h, types.MethodType) or _encode_callable(h, _NO_MODULE) is not None,
+        encode=lambda h, m: _require(_encode_callable(h, m), h),
+        rebuild=_rebuild_callable,
+    )
+)
 
 
 def _require(params: dict[str, Any] | None, hook: object) -> dict[str, Any]:
     if params is None:
-        raise UnsupportedHook(f"hook {hook!r} is not an importable function, keyword-only partial or "
-                              "method with a plain-data owner", detail=repr(hook))
+        raise UnsupportedHook(
+            f"hook {hook!r} is not an importable function, keyword-only partial or method with a plain-data owner",
+            detail=repr(hook),
+        )
     return params
 
 
@@ -245,8 +261,7 @@ def _iter_load_hooks(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Mo
             fn = getattr(wrapped, "hook", wrapped)
             with_module = bool(getattr(wrapped, "with_module", False))
             if with_module and wrapped.module() is not m:
-                raise UnsupportedHook(f"{scope or '<root>'}: with_module hook bound to another module",
-                                      detail=scope)
+                raise UnsupportedHook(f"{scope or '<root>'}: with_module hook bound to another module", detail=scope)
             yield scope, m, "pre", with_module, fn
         for fn in m._load_state_dict_post_hooks.values():
             yield scope, m, "post", True, fn
@@ -264,21 +279,28 @@ def collect_hook_specs(module: torch.nn.Module) -> list[dict[str, Any]]:
             if not ht.match(fn):
                 continue
             if phase not in ht.phases or with_module not in ht.with_module:
-                raise UnsupportedHook(f"{where}: {ht.name} hook {fn!r} registered as {phase} "
-                                      f"hook with_module={with_module}, which that type does not support",
-                                      detail=scope)
+                raise UnsupportedHook(
+                    f"{where}: {ht.name} hook {fn!r} registered as {phase} "
+                    f"hook with_module={with_module}, which that type does not support",
+                    detail=scope,
+                )
             params = ht.encode(fn, m)
             try:
                 json.dumps(params, allow_nan=False)
             except (TypeError, ValueError) as exc:
-                raise UnsupportedHook(f"{where}: {ht.name} encoder returned non-JSON params: {exc}",
-                                      detail=scope) from exc
-            specs.append({"type": ht.name, "scope": scope, "phase": phase, "with_module": with_module,
-                          "params": params})
+                raise UnsupportedHook(
+                    f"{where}: {ht.name} encoder returned non-JSON params: {exc}", detail=scope
+                ) from exc
+            specs.append(
+                {"type": ht.name, "scope": scope, "phase": phase, "with_module": with_module, "params": params}
+            )
             break
         else:
-            raise UnsupportedHook(f"{where}: load-state-dict {phase}-hook {fn!r} has no spec type "
-                                  "(closures and unknown objects are not cached)", detail=scope)
+            raise UnsupportedHook(
+                f"{where}: load-state-dict {phase}-hook {fn!r} has no spec type "
+                "(closures and unknown objects are not cached)",
+                detail=scope,
+            )
     return specs
 
 
@@ -320,8 +342,9 @@ def _scope_module(root: torch.nn.Module, scope: Any) -> torch.nn.Module:
     return m
 
 
-def reattach_hooks(module: torch.nn.Module, specs: Sequence[Mapping[str, Any]], *,
-                   allowed_prefixes: Sequence[str] = ()) -> int:
+def reattach_hooks(
+    module: torch.nn.Module, specs: Sequence[Mapping[str, Any]], *, allowed_prefixes: Sequence[str] = ()
+) -> int:
     """Rebuild and register hooks from ``specs`` (all validated before any is registered).
 
     Returns the number registered.  Unknown types raise :class:`UnsupportedHook`;

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import keyword
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from adstore.integration.errors import CorruptSnapshot, UntrustedTarget
 from adstore.integration.snapshot.targets import resolve_target
@@ -25,10 +26,18 @@ __all__ = [
     "placeholder_target",
 ]
 
-_PYTREE_BUILTIN_TYPES = frozenset({
-    None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
-    "collections.defaultdict", "collections.deque", "torch.Size",
-})
+_PYTREE_BUILTIN_TYPES = frozenset(
+    {
+        None,
+        "builtins.tuple",
+        "builtins.list",
+        "builtins.dict",
+        "collections.OrderedDict",
+        "collections.defaultdict",
+        "collections.deque",
+        "torch.Size",
+    }
+)
 
 
 def identifier(name: Any, what: str) -> str:

@@ -42,11 +42,22 @@ import logging
 import sys
 import threading
 import types
-from typing import Iterable, Sequence, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 
 from adstore.integration.errors import UntrustedTarget
+from adstore.integration.snapshot.reviewed import (
+    C_HOME_OBJECTS,
+    DENIED_OPERATOR,
+    DENIED_TORCH_BUILTINS,
+    REVIEWED_CLASSES,
+    REVIEWED_FUNCTIONS,
+    SAFE_BUILTINS,
+    TORCH_C_HOMES,
+    UNSAFE_ROOTS,
+)
 
 __all__ = [
     "DENIED_TORCH_BUILTINS",
@@ -65,89 +76,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Where torch's builtin (C) tensor functions live: ``torch.add`` is a method of
-#: ``torch._C._VariableFunctionsClass``, ``F.linear`` lives in ``torch._C._nn``,
-#: tensor methods are descriptors of ``torch._C.TensorBase``.
-TORCH_C_HOMES: frozenset[str] = frozenset({
-    "torch._C._VariableFunctionsClass", "torch._C._nn", "torch._C._fft", "torch._C._linalg",
-    "torch._C._special", "torch._C._nested", "torch._C._sparse", "torch._C.TensorBase",
-})
-
-_C_HOME_OBJECTS: tuple[object, ...] = (
-    torch._C._VariableFunctions, torch._C._nn, torch._C._fft, torch._C._linalg, torch._C._special,
-    torch._C._nested, torch._C._sparse, torch._C.TensorBase,
-)
-
-#: Builtin torch functions that touch files, devices or process-wide state rather
-#: than compute on their arguments (names as they appear in the homes above).
-DENIED_TORCH_BUILTINS: frozenset[str] = frozenset({
-    "from_file", "_print", "_cufft_set_plan_cache_max_size", "_cufft_clear_plan_cache",
-    "untyped_storage", "storage", "_typed_storage", "record_stream", "set_", "share_memory_",
-    "_share_memory_", "pin_memory", "_pin_memory", "data_ptr", "_make_subclass",
-})
-
-# Reviewed Python-level functions, by module.  Each is tensor math or a shape
-# check: none reads files, imports, compiles or evaluates text.
-_NN_FUNCTIONAL = (
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "adaptive_max_pool3d", "batch_norm", "celu", "dropout", "dropout1d", "dropout2d", "dropout3d",
-    "alpha_dropout", "elu", "embedding", "embedding_bag", "glu", "group_norm", "hardsigmoid",
-    "hardswish", "hardtanh", "instance_norm", "interpolate", "layer_norm", "leaky_relu",
-    "local_response_norm", "log_softmax", "max_pool1d", "max_pool2d", "max_pool3d", "mish",
-    "normalize", "pad", "relu", "relu6", "rms_norm", "selu", "sigmoid", "silu", "softmax",
-    "softmin", "softsign", "tanh", "tanhshrink", "threshold", "unfold", "fold",
-)
-_TORCH_FUNCTIONAL = (
-    "atleast_1d", "atleast_2d", "atleast_3d", "block_diag", "broadcast_shapes", "broadcast_tensors",
-    "cartesian_prod", "cdist", "einsum", "meshgrid", "norm", "split", "tensordot", "unique",
-    "unique_consecutive", "unravel_index",
-)
-_TORCH_SYM = (
-    "_assert", "_check", "_check_is_size", "_sym_sqrt", "sym_constrain_range",
-    "sym_constrain_range_for_size", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min",
-    "sym_not", "sym_sqrt", "sym_sum",
-)
-
-#: Python-level functions graphs really contain, by the module that defines them.
-REVIEWED_FUNCTIONS: frozenset[str] = frozenset(
-    [f"torch.nn.functional.{n}" for n in _NN_FUNCTIONAL]
-    + [f"torch.functional.{n}" for n in _TORCH_FUNCTIONAL]
-    + [f"torch.{n}" for n in _TORCH_SYM]
-    + [f"torch._tensor.Tensor.{n}" for n in ("split", "unflatten", "norm", "unique", "stft")]
-    + [
-        "torch._C._set_grad_enabled",  # pre-dispatch exports wrap no_grad regions in it
-        "torch.autograd.grad_mode._enter_inference_mode",
-        "torch.autograd.grad_mode._exit_inference_mode",
-        "torch.amp.autocast_mode._enter_autocast",
-        "torch.amp.autocast_mode._exit_autocast",
-        "torch.fx._symbolic_trace._assert_is_none",
-        "torch.export._unlift._check_input_constraints_pre_hook",
-    ]
-)
-
-#: Value and annotation types a snapshot may name (pytree nodes, ``node.type``).
-REVIEWED_CLASSES: frozenset[str] = frozenset({
-    "torch.Tensor", "torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer", "torch.Size",
-    "torch.SymInt", "torch.SymFloat", "torch.SymBool", "torch.dtype", "torch.device",
-    "torch.layout", "torch.memory_format",
-})
-
 #: Modules whose module classes (``torch.nn.Module`` subclasses) a snapshot may rebuild.
 _MODULE_CLASS_HOMES: tuple[str, ...] = ("torch.nn.modules.", "torch.fx.graph_module", "torch.export.")
 #: Modules whose FX tracer classes a GraphModule may record as its ``_tracer_cls``.
 _TRACER_HOMES: tuple[str, ...] = ("torch.fx.",)
-
-#: The side-effect-free builtins a graph may name (``builtins.getattr`` etc.).
-SAFE_BUILTINS: frozenset[str] = frozenset(
-    {
-        "abs", "all", "any", "bool", "complex", "dict", "divmod", "float", "frozenset",
-        "getattr", "hasattr", "int", "isinstance", "issubclass", "len", "list", "max",
-        "min", "pow", "range", "reversed", "round", "set", "slice", "sorted", "str",
-        "sum", "tuple", "zip", "enumerate", "map", "filter", "Ellipsis", "NotImplemented",
-    }
-)
-#: ``operator`` functions that would let a graph reach names it does not spell out.
-_DENIED_OPERATOR: frozenset[str] = frozenset({"attrgetter", "methodcaller", "call"})
 
 #: Name prefixes a qualified name must start with before anything is imported or walked.
 _NAME_PREFIXES: tuple[str, ...] = ("torch.", "operator.", "_operator.", "math.", "builtins.", "adstore.integration.")
@@ -161,10 +93,6 @@ _MODULE_ALIASES = {"_operator": "operator"}
 _user_prefixes: list[str] = []
 _lock = threading.Lock()
 _cache: dict[tuple[str, tuple[str, ...]], object] = {}
-
-_UNSAFE_ROOTS = frozenset({"builtins", "os", "posix", "nt", "subprocess", "sys", "importlib", "pickle",
-                           "marshal", "ctypes", "shutil", "runpy", "code", "codeop", "pty", "socket",
-                           "torch", "operator", "_operator", ""})
 
 _T = TypeVar("_T")
 
@@ -188,7 +116,7 @@ def check_prefix(prefix: str) -> str:
     """
     if not isinstance(prefix, str) or not prefix.strip(".") or "__" in prefix or " " in prefix:
         raise ValueError(f"invalid allow-list prefix {prefix!r}")
-    if prefix.split(".")[0] in _UNSAFE_ROOTS:
+    if prefix.split(".")[0] in UNSAFE_ROOTS:
         raise ValueError(f"refusing to allow-list {prefix!r}: it grants arbitrary code execution")
     return prefix
 
@@ -231,8 +159,8 @@ def is_allowed(qualname: str, extra_prefixes: Iterable[str] = ()) -> bool:
     if not isinstance(qualname, str) or not qualname:
         return False
     if qualname.startswith("builtins."):
-        return qualname[len("builtins."):] in SAFE_BUILTINS
-    if qualname.split(".", 1)[0] in ("operator", "_operator") and qualname.rsplit(".", 1)[-1] in _DENIED_OPERATOR:
+        return qualname[len("builtins.") :] in SAFE_BUILTINS
+    if qualname.split(".", 1)[0] in ("operator", "_operator") and qualname.rsplit(".", 1)[-1] in DENIED_OPERATOR:
         return False
     return qualname.startswith(_NAME_PREFIXES) or _user_allowed(qualname, extra_prefixes)
 
@@ -252,7 +180,7 @@ def _home_of_builtin(obj: object) -> str | None:
 
 def _is_torch_builtin(obj: object, name: str) -> bool:
     """Whether ``obj`` *is* one of torch's C tensor functions (by identity, not by name)."""
-    return any(getattr(home, name, None) is obj for home in _C_HOME_OBJECTS)
+    return any(getattr(home, name, None) is obj for home in C_HOME_OBJECTS)
 
 
 def _defined_name(obj: object) -> str | None:
@@ -277,7 +205,7 @@ def _is_reviewed(obj: object) -> bool:
             return name not in DENIED_TORCH_BUILTINS
         home = _home_of_builtin(obj)
         if home in ("_operator", "operator"):
-            return name not in _DENIED_OPERATOR
+            return name not in DENIED_OPERATOR
         if home == "math":
             return True
         if home == "builtins":
@@ -367,7 +295,10 @@ def resolve_target(qualname: str, extra_prefixes: Sequence[str] = ()) -> object:
         raise UntrustedTarget(qualname)
     for part in parts[index:]:
         in_ops = isinstance(obj, (torch._ops._OpNamespace, torch._ops.OpOverloadPacket)) or type(obj).__name__ in (
-            "_Ops", "_HigherOrderNamespace", "_PyOpNamespace")
+            "_Ops",
+            "_HigherOrderNamespace",
+            "_PyOpNamespace",
+        )
         if not (in_ops or isinstance(obj, (types.ModuleType, type))):
             raise UntrustedTarget(qualname)
         if part.startswith("__") and part.endswith("__") and not in_ops:
@@ -406,8 +337,14 @@ def qualname_of(obj: object) -> str | None:
             return None
         if mod is None:
             short = getattr(obj, "__name__", qn)
-            candidates = [f"torch.{short}", f"torch._C._nn.{short}", f"torch.nn.functional.{short}",
-                          f"torch.Tensor.{short}", f"torch.special.{short}", f"torch.linalg.{short}"]
+            candidates = [
+                f"torch.{short}",
+                f"torch._C._nn.{short}",
+                f"torch.nn.functional.{short}",
+                f"torch.Tensor.{short}",
+                f"torch.special.{short}",
+                f"torch.linalg.{short}",
+            ]
         else:
             candidates = [f"{_MODULE_ALIASES.get(mod, mod)}.{qn}"]
             short = getattr(obj, "__name__", qn)

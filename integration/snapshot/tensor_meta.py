@@ -43,13 +43,43 @@ def _funcs() -> dict[str, Any]:
     import torch.utils._sympy.functions as symfn
 
     funcs: dict[str, Any] = {
-        "Add": sympy.Add, "Mul": sympy.Mul, "Pow": sympy.Pow, "Max": symfn.Max, "Min": symfn.Min,
-        "Eq": sympy.Eq, "Ne": sympy.Ne, "Lt": sympy.Lt, "Le": sympy.Le, "Gt": sympy.Gt, "Ge": sympy.Ge,
-        "And": sympy.And, "Or": sympy.Or, "Not": sympy.Not,
+        "Add": sympy.Add,
+        "Mul": sympy.Mul,
+        "Pow": sympy.Pow,
+        "Max": symfn.Max,
+        "Min": symfn.Min,
+        "Eq": sympy.Eq,
+        "Ne": sympy.Ne,
+        "Lt": sympy.Lt,
+        "Le": sympy.Le,
+        "Gt": sympy.Gt,
+        "Ge": sympy.Ge,
+        "And": sympy.And,
+        "Or": sympy.Or,
+        "Not": sympy.Not,
     }
-    for name in ("FloorDiv", "CleanDiv", "CeilDiv", "ModularIndexing", "Mod", "PythonMod", "IntTrueDiv",
-                 "FloatTrueDiv", "TruncToInt", "CeilToInt", "FloorToInt", "PowByNatural", "FloatPow",
-                 "ToFloat", "Where", "Identity", "LShift", "RShift", "RoundToInt", "TruncToFloat"):
+    for name in (
+        "FloorDiv",
+        "CleanDiv",
+        "CeilDiv",
+        "ModularIndexing",
+        "Mod",
+        "PythonMod",
+        "IntTrueDiv",
+        "FloatTrueDiv",
+        "TruncToInt",
+        "CeilToInt",
+        "FloorToInt",
+        "PowByNatural",
+        "FloatPow",
+        "ToFloat",
+        "Where",
+        "Identity",
+        "LShift",
+        "RShift",
+        "RoundToInt",
+        "TruncToFloat",
+    ):
         if hasattr(symfn, name):
             funcs[name] = getattr(symfn, name)
     return funcs

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -87,8 +88,10 @@ class TreeEncoder:
         for name in _OTHER_HOOK_DICTS:
             hooks = getattr(m, name, None)
             if hooks:
-                raise UnsupportedHook(f"{path or '<root>'} has {name.strip('_').replace('_', ' ')}: "
-                                      f"{list(hooks.values())[0]!r}", detail=path)
+                raise UnsupportedHook(
+                    f"{path or '<root>'} has {name.strip('_').replace('_', ' ')}: {list(hooks.values())[0]!r}",
+                    detail=path,
+                )
         return bool(export_hooks)
 
     def module(self, m: torch.nn.Module, path: str) -> dict[str, Any]:
@@ -152,8 +155,9 @@ class TreeEncoder:
             except Unencodable as exc:
                 raise UnsupportedModule(f"{where}: attribute {k!r}: {exc}") from exc
         node["attrs"] = attrs
-        node["children"] = [[name, None if c is None else self.module(c, _join(path, name))]
-                            for name, c in m._modules.items()]
+        node["children"] = [
+            [name, None if c is None else self.module(c, _join(path, name))] for name, c in m._modules.items()
+        ]
         if is_gm:
             self.graph_count += 1
             node["graph"] = encode_graph_module(m, self.values, path, self.meta_table)
@@ -164,8 +168,14 @@ class TreeEncoder:
 class TreeDecoder:
     """Load side of the module tree; resolves every class under the allow-list."""
 
-    def __init__(self, *, tensors: Sequence[torch.Tensor], syms: Any, extra_prefixes: Sequence[str],
-                 meta_table: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        tensors: Sequence[torch.Tensor],
+        syms: Any,
+        extra_prefixes: Sequence[str],
+        meta_table: Sequence[Any] = (),
+    ) -> None:
         self.tensors = tensors
         self.extra = tuple(extra_prefixes)
         self.graphs = GraphDecoder(tensors=tensors, syms=syms, extra_prefixes=self.extra, meta_table=meta_table)
@@ -174,8 +184,13 @@ class TreeDecoder:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _tensor(self, ref: Any) -> torch.Tensor:
-        if not (isinstance(ref, list) and len(ref) == 2 and ref[0] == "T" and type(ref[1]) is int
-                and 0 <= ref[1] < len(self.tensors)):
+        if not (
+            isinstance(ref, list)
+            and len(ref) == 2
+            and ref[0] == "T"
+            and type(ref[1]) is int
+            and 0 <= ref[1] < len(self.tensors)
+        ):
             raise CorruptSnapshot(f"bad tensor reference {ref!r}")
         return self.tensors[ref[1]]
 
@@ -216,7 +231,9 @@ class TreeDecoder:
             target = self.graphs.make_module(enc["graph"])
         else:
             cls = resolve_target(q, self.extra)
-            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) or issubclass(cls, torch.fx.GraphModule):
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) or issubclass(
+                cls, torch.fx.GraphModule
+            ):
                 raise UntrustedTarget(str(q))
             if cls.__new__ is not object.__new__:
                 raise UntrustedTarget(str(q))

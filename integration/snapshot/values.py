@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -58,8 +59,13 @@ def _device_str(d: torch.device) -> str:
 class ValueEncoder:
     """Save side.  ``tensors_as_specs`` selects meta mode (fake-tensor specs) or arg mode (real tensors)."""
 
-    def __init__(self, *, node_index: dict[torch.fx.Node, int] | None = None,
-                 tensors: list[torch.Tensor] | None = None, symbols: SymbolTable | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node_index: dict[torch.fx.Node, int] | None = None,
+        tensors: list[torch.Tensor] | None = None,
+        symbols: SymbolTable | None = None,
+    ) -> None:
         self.node_index = node_index if node_index is not None else {}
         self.tensors = tensors if tensors is not None else []
         self.symbols = symbols if symbols is not None else SymbolTable()
@@ -77,8 +83,15 @@ class ValueEncoder:
         if t.layout is not torch.strided or t.is_quantized or t.is_nested:
             raise Unencodable(f"tensor metadata with layout {t.layout} is not encodable")
         enc = self.encode
-        return ["FT", [enc(s) for s in t.shape], [enc(s) for s in t.stride()], enc(t.storage_offset()),
-                dtype_name(t.dtype), _device_str(t.device), bool(t.requires_grad)]
+        return [
+            "FT",
+            [enc(s) for s in t.shape],
+            [enc(s) for s in t.stride()],
+            enc(t.storage_offset()),
+            dtype_name(t.dtype),
+            _device_str(t.device),
+            bool(t.requires_grad),
+        ]
 
     def encode(self, v: Any, *, specs: bool | None = False) -> Any:
         """Encode ``v``: tensors become specs (``specs=True``), references to real tensors
@@ -142,10 +155,15 @@ class ValueEncoder:
 class ValueDecoder:
     """Load side: decodes what :class:`ValueEncoder` wrote, without calling anything it names."""
 
-    def __init__(self, *, nodes: Sequence[torch.fx.Node] = (), tensors: Sequence[torch.Tensor] = (),
-                 sym: Callable[[list[Any]], Any] | None = None,
-                 spec: Callable[[list[Any]], Any] | None = None,
-                 extra_prefixes: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        nodes: Sequence[torch.fx.Node] = (),
+        tensors: Sequence[torch.Tensor] = (),
+        sym: Callable[[list[Any]], Any] | None = None,
+        spec: Callable[[list[Any]], Any] | None = None,
+        extra_prefixes: Sequence[str] = (),
+    ) -> None:
         self.nodes = nodes
         self.tensors = tensors
         self._sym = sym

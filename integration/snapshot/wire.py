@@ -60,8 +60,9 @@ _ALIAS_TAG = "alias"
 
 
 # ----------------------------------------------------------------- envelope
-def new_structure(*, torch_version: str, graph_modules: int, symbols: Any, meta_table: list[Any],
-                  tree: dict[str, Any]) -> dict[str, Any]:
+def new_structure(
+    *, torch_version: str, graph_modules: int, symbols: Any, meta_table: list[Any], tree: dict[str, Any]
+) -> dict[str, Any]:
     """The structure dict of one snapshot (serialised as one JSON string)."""
     return {
         "format": FORMAT,
@@ -76,8 +77,12 @@ def new_structure(*, torch_version: str, graph_modules: int, symbols: Any, meta_
 
 def check_structure(structure: Any) -> dict[str, Any]:
     """``structure`` if it is a snapshot structure of this format and version, else CorruptSnapshot."""
-    if (not isinstance(structure, dict) or structure.get("format") != FORMAT
-            or structure.get("version") != VERSION or not isinstance(structure.get("tree"), dict)):
+    if (
+        not isinstance(structure, dict)
+        or structure.get("format") != FORMAT
+        or structure.get("version") != VERSION
+        or not isinstance(structure.get("tree"), dict)
+    ):
         raise CorruptSnapshot("snapshot structure is malformed or of another version")
     return structure
 
@@ -95,8 +100,9 @@ class NodeRecord(NamedTuple):
     meta: Any
 
 
-def pack_node(name: str, op: str, target: Any, args: Any, kwargs: Any, type_: str | None,
-              meta: dict[str, Any]) -> list[Any]:
+def pack_node(
+    name: str, op: str, target: Any, args: Any, kwargs: Any, type_: str | None, meta: dict[str, Any]
+) -> list[Any]:
     return [name, op, target, args, kwargs, type_, meta]
 
 

@@ -20,7 +20,6 @@ from .schema import CONTENT_BYTES, PHYSICAL_BYTES
 __all__ = ["BlobRows"]
 
 
-
 class BlobRows:
     """Blob-row methods of :class:`~adstore.store.index.tables.Txn` (a mixin: no state of its own)."""
 

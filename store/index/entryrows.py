@@ -35,7 +35,6 @@ class Removal(NamedTuple):
     manifests: Sequence[bytes] = ()  # keys of manifest rows removed with it (current, committed ones)
 
 
-
 class EntryRows:
     """Entry-row methods of :class:`~adstore.store.index.tables.Txn` (a mixin: no state of its own)."""
 
@@ -79,11 +78,11 @@ class EntryRows:
         cur = self.raw.cursor(db=self._db["entries"])
         if start and not cur.set_range(start):
             return
-        for k, v in cur:  # from the current position (the first row if none)
-            yield k, v
+        yield from cur
 
-    def entry_scan(self) -> Iterator[tuple[bytes, bytes, bytes | None, bytes | None, tuple[bytes, ...],
-                                           tuple[bytes, ...]]]:
+    def entry_scan(
+        self,
+    ) -> Iterator[tuple[bytes, bytes, bytes | None, bytes | None, tuple[bytes, ...], tuple[bytes, ...]]]:
         """Every entry: (key, row, shadow, access row, its manifests' keys, their rows), in key order.
 
         One forward pass of four cursors instead of lookups per entry (half
@@ -110,8 +109,14 @@ class EntryRows:
                 keys.append(m_key)
                 rows.append(manifests.value())
                 m_key = manifests.key() if manifests.next() else None
-            yield (k, raw, shadows.value() if s_key == k else None, accesses.value() if a_key == k else None,
-                   tuple(keys), tuple(rows))
+            yield (
+                k,
+                raw,
+                shadows.value() if s_key == k else None,
+                accesses.value() if a_key == k else None,
+                tuple(keys),
+                tuple(rows),
+            )
 
     def entries(self) -> Iterator[tuple[Entry, bytes]]:
         """Every decodable entry (with its row); undecodable rows are logged and skipped."""
@@ -139,8 +144,9 @@ class EntryRows:
         """Remove one entry's rows (:meth:`remove_entries`); ``entry`` is its decoded row when the caller has it."""
         raw_key = key.encode()
         entry = entry if entry is not None else self._entry_or_none(raw_key)
-        self.remove_entries([Removal(raw_key, entry.bytes, entry.pinned) if entry is not None
-                             else Removal(raw_key, 0, False)])
+        self.remove_entries(
+            [Removal(raw_key, entry.bytes, entry.pinned) if entry is not None else Removal(raw_key, 0, False)]
+        )
 
     def remove_entries(self, removals: Sequence[Removal]) -> None:
         """The one way an entry leaves the index: its row in every :data:`ENTRY_TABLES` table goes, with
@@ -204,9 +210,14 @@ class EntryRows:
     def strays(self) -> dict[str, list[bytes]]:
         """Keys of rows whose entry is gone (access rows, shadows), by table."""
         owners = {"access": "entries", "entry_shadow": "entries"}
-        return {table: [k for k in self.raw.cursor(db=self._db[table]).iternext(values=False)
-                        if self.raw.get(k, None, self._db[owner]) is None]
-                for table, owner in owners.items()}
+        return {
+            table: [
+                k
+                for k in self.raw.cursor(db=self._db[table]).iternext(values=False)
+                if self.raw.get(k, None, self._db[owner]) is None
+            ]
+            for table, owner in owners.items()
+        }
 
     def drop_row(self, table: str, key: bytes) -> None:
         """Delete one row of ``table`` (for ``verify --fix``: strays)."""

@@ -37,8 +37,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from .ballast import Ballast, may_spend
 from ..errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
+from .ballast import Ballast, may_spend
 from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
 from .schema import DATABASES, SCHEMA_VERSION
@@ -144,9 +144,7 @@ class _ForkGate:
 
 _GATE = _ForkGate()
 os.register_at_fork(
-    before=_GATE.before_fork,
-    after_in_parent=_GATE.after_fork_in_parent,
-    after_in_child=_GATE.after_fork_in_child,
+    before=_GATE.before_fork, after_in_parent=_GATE.after_fork_in_parent, after_in_child=_GATE.after_fork_in_child
 )
 
 
@@ -209,8 +207,9 @@ class _Read:
 class Index:
     """An LMDB environment with the store's named databases."""
 
-    def __init__(self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024,
-                 group_shared: bool = False) -> None:
+    def __init__(
+        self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024, group_shared: bool = False
+    ) -> None:
         self.path = path
         self._group_shared = group_shared
         self._initial_map_size = map_size

@@ -38,8 +38,16 @@ from pathlib import Path
 from ..errors import CorruptRecord
 from .schema import DATABASES
 
-__all__ = ["MetaPage", "read_meta", "check_data_file", "check_free_list", "probe_index", "ProbeResult",
-           "FRESH_INDEX_BYTES", "needs_creating"]
+__all__ = [
+    "MetaPage",
+    "read_meta",
+    "check_data_file",
+    "check_free_list",
+    "probe_index",
+    "ProbeResult",
+    "FRESH_INDEX_BYTES",
+    "needs_creating",
+]
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +170,12 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
         if missing is None:
             return meta  # only never-written free pages lie past the end: sound
         if now is None or now.txnid == meta.txnid:
-            raise CorruptRecord("index", str(data_file),
-                                f"truncated: {size} bytes, but the index reaches page {missing} "
-                                f"(needs {(missing + 1) * meta.page_size} bytes)")
+            raise CorruptRecord(
+                "index",
+                str(data_file),
+                f"truncated: {size} bytes, but the index reaches page {missing} "
+                f"(needs {(missing + 1) * meta.page_size} bytes)",
+            )
         meta = now  # a writer committed during the walk: walk the new tree
     raise CorruptRecord("index", str(data_file), "truncated, and the index kept changing while it was checked")
 
@@ -272,8 +283,11 @@ def _free_list_damage(fd: int, meta: MetaPage) -> str | None:
         if not 2 <= pgno <= last:
             return None
         page = read(pgno)
-        if len(page) < _PAGE_HEADER or struct.unpack_from("<Q", page, 0)[0] != pgno \
-                or not struct.unpack_from("<H", page, 10)[0] & _P_OVERFLOW:
+        if (
+            len(page) < _PAGE_HEADER
+            or struct.unpack_from("<Q", page, 0)[0] != pgno
+            or not struct.unpack_from("<H", page, 10)[0] & _P_OVERFLOW
+        ):
             return None
         pages = struct.unpack_from("<I", page, 12)[0]
         return pages if 1 <= pages <= last - pgno + 1 else None
@@ -323,7 +337,7 @@ def _free_list_damage(fd: int, meta: MetaPage) -> str | None:
                 tree.update(range(start, start + run))
                 ids = os.pread(fd, size, start * psize + _PAGE_HEADER)
             else:
-                ids = page[data:data + size] if ksize == 8 and data + size <= psize else b""
+                ids = page[data : data + size] if ksize == 8 and data + size <= psize else b""
             count = struct.unpack_from("<Q", ids, 0)[0] if len(ids) >= 8 else -1
             if count < 0 or 8 + 8 * count > len(ids):
                 return f"free-page record at page {pgno} is malformed"
@@ -392,8 +406,13 @@ def probe_index(root: Path) -> ProbeResult:
     if why is not None:
         return ProbeResult(False, why)
     try:
-        res = subprocess.run([sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES], check=False,
-                             capture_output=True, text=True, timeout=_PROBE_TIMEOUT)
+        res = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT,
+        )
     except subprocess.TimeoutExpired:
         return ProbeResult(False, f"reading the index took more than {_PROBE_TIMEOUT:g}s")
     except OSError as exc:  # this user may not run the interpreter (another user's venv): cannot probe

@@ -66,7 +66,7 @@ def _release_owed(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str,
     owed: Counter[bytes] = Counter()
     for _, value in txn.cursor(db=releases):
         row = bytes(value)
-        owed.update(row[i:i + 32] for i in range(0, len(row) - len(row) % 32, 32))
+        owed.update(row[i : i + 32] for i in range(0, len(row) - len(row) % 32, 32))
     blobs = db["blobs"]
     for key, n in sorted(owed.items()):
         raw = txn.get(key, db=blobs)

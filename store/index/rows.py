@@ -131,7 +131,7 @@ def unpack_inline(value: bytes) -> tuple[bytes, bool]:
     """The content of a ``blobdata`` value and whether its checksum holds."""
     if len(value) < _INLINE_HEAD.size:
         return value, False
-    data = value[_INLINE_HEAD.size:]
+    data = value[_INLINE_HEAD.size :]
     return data, xxh3_64_intdigest(data) == _INLINE_HEAD.unpack_from(value)[0]
 
 
@@ -369,10 +369,18 @@ class Entry:
             if world_size < 1:
                 raise ValueError("world size below 1")
             # Positional, in field order: eviction planning decodes every entry.
-            return cls(raw_key.decode(), str(obj["ns"]), world_size, {}, created,
-                       created,  # last access, until the access row is read
-                       0, int(obj.get("b", 0)), {int(r): int(g) for r, g in obj.get("r", {}).items()},
-                       bool(obj.get("pin", False)))
+            return cls(
+                raw_key.decode(),
+                str(obj["ns"]),
+                world_size,
+                {},
+                created,
+                created,  # last access, until the access row is read
+                0,
+                int(obj.get("b", 0)),
+                {int(r): int(g) for r, g in obj.get("r", {}).items()},
+                bool(obj.get("pin", False)),
+            )
         except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as exc:
             raise CorruptRecord("entries", raw_key, f"bad entry fields ({exc})") from None
 

@@ -11,15 +11,33 @@ upgraded when a migration leads here (``migrations``), else refused.
 
 from __future__ import annotations
 
-__all__ = ["SCHEMA_VERSION", "DATABASES", "ENTRY_TABLES", "PHYSICAL_BYTES", "CONTENT_BYTES", "LOGICAL_BYTES",
-           "PINNED_BYTES",
-           "BLOB_EPOCH", "WRITES"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "DATABASES",
+    "ENTRY_TABLES",
+    "PHYSICAL_BYTES",
+    "CONTENT_BYTES",
+    "LOGICAL_BYTES",
+    "PINNED_BYTES",
+    "BLOB_EPOCH",
+    "WRITES",
+]
 
 SCHEMA_VERSION = 5
 
 #: The named databases of the index (``entry_shadow``: see ``shadows``).
-DATABASES = ("blobs", "blobdata", "entries", "entry_shadow", "access", "components", "manifests", "leases",
-             "stats", "meta")
+DATABASES = (
+    "blobs",
+    "blobdata",
+    "entries",
+    "entry_shadow",
+    "access",
+    "components",
+    "manifests",
+    "leases",
+    "stats",
+    "meta",
+)
 
 #: The tables whose row under an entry's key belongs to the entry: written with it, removed with it.
 ENTRY_TABLES = ("entries", "entry_shadow", "access", "components")

@@ -52,8 +52,17 @@ def entry_shadow(raw: bytes, entry: Entry, manifests: Sequence[bytes] | None, re
     ns = entry.namespace.encode()
     body = b"".join(refs) if manifests is not None else b""
     flags = (PINNED if entry.pinned else 0) | (_REFS if manifests is not None else 0)
-    head = HEAD.pack(xxh3_64_intdigest(raw), entry.created, entry.bytes, flags, entry.world_size, len(ns),
-                     len(entry.ranks), rows_check(manifests or ()), len(body) // 32)
+    head = HEAD.pack(
+        xxh3_64_intdigest(raw),
+        entry.created,
+        entry.bytes,
+        flags,
+        entry.world_size,
+        len(ns),
+        len(entry.ranks),
+        rows_check(manifests or ()),
+        len(body) // 32,
+    )
     return head + ns + b"".join(_RANK.pack(r, g) for r, g in sorted(entry.ranks.items())) + body
 
 
@@ -70,7 +79,7 @@ def head_of(raw: bytes, shadow: bytes | None) -> Head | None:
 def ranks_of(shadow: bytes, head: Head) -> list[tuple[int, int]]:
     """(rank, generation) of each current manifest, in rank order."""
     at = HEAD.size + head[5]
-    return list(_RANK.iter_unpack(shadow[at:at + head[6] * _RANK.size]))
+    return list(_RANK.iter_unpack(shadow[at : at + head[6] * _RANK.size]))
 
 
 def refs_of(shadow: bytes, head: Head, manifests: Sequence[bytes | None]) -> tuple[bytes, ...] | None:
@@ -80,11 +89,21 @@ def refs_of(shadow: bytes, head: Head, manifests: Sequence[bytes | None]) -> tup
     at = HEAD.size + head[5] + head[6] * _RANK.size
     if head[8] == 1:  # the usual manifest of one blob
         return (shadow[at:],)
-    return tuple([shadow[i:i + 32] for i in range(at, len(shadow), 32)])  # a tuple: not tracked by the GC
+    return tuple([shadow[i : i + 32] for i in range(at, len(shadow), 32)])  # a tuple: not tracked by the GC
 
 
 def to_entry(key: str, shadow: bytes, head: Head) -> Entry:
     """The entry a shadow describes (last access and hits as in :meth:`Entry.decode`: filled in later)."""
     at = HEAD.size + head[5]
-    return Entry(key, shadow[HEAD.size:at].decode(), head[4], {}, head[1], head[1], 0, head[2],
-                 dict(ranks_of(shadow, head)), bool(head[3] & PINNED))
+    return Entry(
+        key,
+        shadow[HEAD.size : at].decode(),
+        head[4],
+        {},
+        head[1],
+        head[1],
+        0,
+        head[2],
+        dict(ranks_of(shadow, head)),
+        bool(head[3] & PINNED),
+    )

@@ -21,26 +21,20 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lmdb
 
-from .blobrows import BlobRows
 from ..clock import Clock, system_clock
 from ..errors import CorruptRecord
-from .rows import (
-    LeaseRecord,
-    Manifest,
-    manifest_key,
-    manifest_prefix,
-    manifest_refs,
-)
-from .env import index_error
+from .blobrows import BlobRows
 from .drops import BOTH_RECORDS, COMMITTED_RECORD, Drops
 from .entryrows import EntryRows
+from .env import index_error
 from .lmdbio import RawCursor, RawTxn
+from .rows import LeaseRecord, Manifest, manifest_key, manifest_prefix, manifest_refs
 from .schema import BLOB_EPOCH, WRITES
 from .shadows import Head, refs_of
 
 if TYPE_CHECKING:
-    from .env import Index
     from ..layout import Layout
+    from .env import Index
 
 __all__ = ["AfterCommit", "Tables", "Txn"]
 
@@ -71,8 +65,9 @@ class Txn(EntryRows, BlobRows):
 
     __slots__ = ("raw", "_db", "_deltas", "_epoch_moved", "_cursor", "drops", "clock", "lock_only")
 
-    def __init__(self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock, *,
-                 lock_only: bool = False) -> None:
+    def __init__(
+        self, raw: lmdb.Transaction, db: Mapping[str, Any], clock: Clock = system_clock, *, lock_only: bool = False
+    ) -> None:
         self.raw = cast(RawTxn, raw)  # values are bytes: no transaction of the store uses buffers=True
         self._db = db
         self.clock = clock  # the store's (``Tables.clock``): rows stamped in this transaction use it
@@ -136,8 +131,11 @@ class Txn(EntryRows, BlobRows):
         self._add_to("stats", name.encode(), delta)
 
     def counters(self) -> dict[str, int]:
-        return {bytes(k).decode(errors="replace"): _I64.unpack(v)[0]
-                for k, v in self.raw.cursor(db=self._db["stats"]) if len(v) == 8}
+        return {
+            bytes(k).decode(errors="replace"): _I64.unpack(v)[0]
+            for k, v in self.raw.cursor(db=self._db["stats"])
+            if len(v) == 8
+        }
 
     def meta(self, name: bytes) -> bytes | None:
         return self.raw.get(name, None, self._db["meta"])
@@ -191,7 +189,7 @@ class Txn(EntryRows, BlobRows):
             self._drops().manifests.append((mk, BOTH_RECORDS))
 
     def take_manifests_of(
-        self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None,
+        self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None
     ) -> tuple[Sequence[bytes], bool]:
         """Delete every manifest row of ``key``; returns the references they held and whether one was kept.
 
@@ -213,7 +211,7 @@ class Txn(EntryRows, BlobRows):
             return shadowed, False
         taken: list[bytes] = []
         kept = False
-        for mk, raw in zip(keys, rows):
+        for mk, raw in zip(keys, rows, strict=True):
             digests, committed, created = manifest_refs(raw)
             if keep_pending_since is not None and not committed and created >= keep_pending_since:
                 kept = True
@@ -282,8 +280,9 @@ class Tables:
 
     __slots__ = ("index", "layout", "clock", "after_commit")
 
-    def __init__(self, index: Index, layout: Layout, clock: Clock = system_clock, *,
-                 after_commit: AfterCommit | None = None) -> None:
+    def __init__(
+        self, index: Index, layout: Layout, clock: Clock = system_clock, *, after_commit: AfterCommit | None = None
+    ) -> None:
         self.index = index
         self.layout = layout
         self.clock = clock  #: where every part of the store gets "now" (``clock``)
@@ -301,6 +300,7 @@ class Tables:
         a bug) and is not counted in :data:`WRITES`: it must not make an
         eviction pass believe that someone else wrote.
         """
+
         def run(raw: lmdb.Transaction) -> T:
             t = Txn(raw, self.index.db, self.clock, lock_only=True)
             result = fn(t)

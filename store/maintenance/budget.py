@@ -73,8 +73,9 @@ class Budget:
             b, pct = obj["min_free_bytes"], obj["min_free_percent"]
             return cls(
                 max_size=None if obj["max_size"] is None else int(obj["max_size"]),
-                min_free=None if b is None and pct is None else MinFree(
-                    None if b is None else int(b), None if pct is None else float(pct)),
+                min_free=None
+                if b is None and pct is None
+                else MinFree(None if b is None else int(b), None if pct is None else float(pct)),
                 high_watermark=float(obj["high_watermark"]),
                 low_watermark=float(obj["low_watermark"]),
                 grace_period=float(obj["grace_period"]),

@@ -23,19 +23,19 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from ..blobs import unlink_dropped
-from ..records.obsolete import obsolete_dropped, write_obsolete_list
-from ..index.ballast import spending_allowed
 from ..errors import CorruptRecord, KeyNotFound
-from ..leases import live_leases
-from ..manifests import drop_entry
-from ..records.files import RecordFiles
-from ..names import validate_key
-from ..index.rows import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
-from ..index.shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
+from ..index.ballast import spending_allowed
 from ..index.drops import Drops
 from ..index.entryrows import Removal
+from ..index.rows import ACCESS_ROW, BLOB_ROW, BlobRef, BlobRow, Entry, manifest_refs
 from ..index.schema import PHYSICAL_BYTES
+from ..index.shadows import HEAD, PINNED, Head, head_of, ranks_of, refs_of, to_entry
 from ..index.tables import Tables, Txn
+from ..leases import live_leases
+from ..manifests import drop_entry
+from ..names import validate_key
+from ..records.files import RecordFiles
+from ..records.obsolete import obsolete_dropped, write_obsolete_list
 from ..units import MinFree, parse_min_free
 
 __all__ = ["PlanKind", "EvictedBatch", "EvictionPlan", "Evictor", "Victim", "drop_unreferenced"]
@@ -144,8 +144,9 @@ class EvictionPlan:
             for start in range(0, total, size):
                 if should_stop is not None and should_stop():
                     break
-                batch, expected = self._evictor.execute(self.kind, self._victims[start:start + size],
-                                                        expected=expected, carried=carried)
+                batch, expected = self._evictor.execute(
+                    self.kind, self._victims[start : start + size], expected=expected, carried=carried
+                )
                 freed += batch.bytes_freed
                 evicted += len(batch.keys)
                 if on_batch is not None and on_batch(batch):
@@ -253,8 +254,9 @@ class Evictor:
                 sim.drop(v)
         return EvictionPlan(PlanKind.EVICT, sim.blobs, sim.freed, "; ".join(why), skipped, victims, self, writes)
 
-    def _candidates(self, t: Txn, leased: set[str], namespace: str | None,
-                    now: float) -> tuple[list[Victim], list[str]]:
+    def _candidates(
+        self, t: Txn, leased: set[str], namespace: str | None, now: float
+    ) -> tuple[list[Victim], list[str]]:
         """Every entry eviction may take, least recently used first; and the keys it must skip.
 
         One pass over the tables (``Txn.entry_scan``), from the shadows where
@@ -271,7 +273,7 @@ class Evictor:
                 key = k.decode()
                 if head is not None and shadow is not None:
                     pinned, created = head[3] & PINNED, head[1]
-                    if ns is not None and shadow[HEAD.size:HEAD.size + head[5]] != ns:
+                    if ns is not None and shadow[HEAD.size : HEAD.size + head[5]] != ns:
                         continue
                 else:
                     entry = Entry.decode(k, raw)
@@ -284,8 +286,9 @@ class Evictor:
             if pinned or key in leased or now - created < grace:
                 skip(key)
                 continue
-            last, hits = access_row.unpack(access) if access is not None and len(access) == access_row.size \
-                else (created, 0)
+            last, hits = (
+                access_row.unpack(access) if access is not None and len(access) == access_row.size else (created, 0)
+            )
             add(_victim(last, key, k, raw, shadow, head, entry, hits, mks, rows))
         candidates.sort(key=attrgetter("last_access"))
         return candidates, skipped
@@ -320,12 +323,12 @@ class Evictor:
                 v = _victim(last, key, k, raw, shadow, head, entry, hits, *t.manifests_listed(key))
                 victims.append(v)
                 sim.drop(v)
-        return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self,
-                            writes)
+        return EvictionPlan(PlanKind.REMOVE, sim.blobs, sim.freed, "removal requested", skipped, victims, self, writes)
 
     # -- execution --------------------------------------------------------------
-    def execute(self, kind: PlanKind, victims: Sequence[Victim], *, expected: int | None,
-                carried: Drops) -> tuple[EvictedBatch, int | None]:
+    def execute(
+        self, kind: PlanKind, victims: Sequence[Victim], *, expected: int | None, carried: Drops
+    ) -> tuple[EvictedBatch, int | None]:
         """One batch: re-check and drop ``victims`` in one write transaction, then unlink.
 
         ``expected`` is the write count (``tables.WRITES``) if nobody but
@@ -362,8 +365,13 @@ class Evictor:
                 leased: set[str] = set()
             else:
                 planned, rest, leased = [], list(victims), live_leases(t, now)[0]
-            t.remove_entries([Removal(v.raw_key, v.head[2], bool(v.head[3] & PINNED), v.manifests or ())
-                              for v in planned if v.head is not None])
+            t.remove_entries(
+                [
+                    Removal(v.raw_key, v.head[2], bool(v.head[3] & PINNED), v.manifests or ())
+                    for v in planned
+                    if v.head is not None
+                ]
+            )
             taken: list[Sequence[bytes]] = [v.refs for v in planned]
             done = [v.key for v in planned]
             for v in rest:
@@ -383,8 +391,7 @@ class Evictor:
         unlink_dropped(self._tables, [d for d, row in dropped if not row.inline])
         return EvictedBatch(tuple(done), sum(row.stored for _, row in dropped)), next_expected
 
-    def _drop_rechecked(self, t: Txn, v: Victim, evict: bool, leased: set[str],
-                        now: float) -> Sequence[bytes] | None:
+    def _drop_rechecked(self, t: Txn, v: Victim, evict: bool, leased: set[str], now: float) -> Sequence[bytes] | None:
         """Drop a victim after checking it still qualifies; None if it does not (or is gone)."""
         key, k = v.key, v.raw_key
         raw = t.entry_row(k)
@@ -416,8 +423,18 @@ def _ranks(v: Victim) -> dict[int, int]:
     return v.entry.ranks
 
 
-def _victim(last: float, key: str, k: bytes, raw: bytes, shadow: bytes | None, head: Head | None,
-            entry: Entry | None, hits: int, mks: tuple[bytes, ...], rows: tuple[bytes, ...]) -> Victim:
+def _victim(
+    last: float,
+    key: str,
+    k: bytes,
+    raw: bytes,
+    shadow: bytes | None,
+    head: Head | None,
+    entry: Entry | None,
+    hits: int,
+    mks: tuple[bytes, ...],
+    rows: tuple[bytes, ...],
+) -> Victim:
     """A planned victim with its manifests (keys ``mks``, ``rows``) read: references from the shadow
     when it describes exactly these rows, else decoded (every manifest, pending ones too)."""
     refs = refs_of(shadow, head, rows) if head is not None and shadow is not None else None

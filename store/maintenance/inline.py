@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import shutil
 
-from .budget import Budget, read_budget
 from ..errors import OverBudget, StoreFull
-from .eviction import Evictor
-from .sweep import Sweeper
 from ..index.schema import PHYSICAL_BYTES
 from ..index.tables import Tables
+from .budget import Budget, read_budget
+from .eviction import Evictor
+from .sweep import Sweeper
 
 __all__ = ["InlineEviction", "INLINE_EVICTION_BATCH"]
 
@@ -57,8 +57,9 @@ class InlineEviction:
         if self._size() + nbytes <= limit:
             return self._size()
         if limit - nbytes >= 0:
-            plan = Evictor(self._tables, grace_period=grace).plan(max_size=limit - nbytes,
-                                                                  max_entries=INLINE_EVICTION_BATCH)
+            plan = Evictor(self._tables, grace_period=grace).plan(
+                max_size=limit - nbytes, max_entries=INLINE_EVICTION_BATCH
+            )
             if plan.count:
                 log.info("over the hard limit: evicting up to %d entr(ies) inline", plan.count)
                 plan.execute()
@@ -96,5 +97,7 @@ class InlineEviction:
         du = shutil.disk_usage(self._tables.layout.root)
         floor = budget.min_free.of(du.total) if budget is not None and budget.min_free is not None else 0
         if du.free - floor < nbytes:
-            raise StoreFull(str(self._tables.layout.root),
-                            f"{nbytes} bytes to download, {du.free} free" + (f" less min_free {floor}" if floor else ""))
+            raise StoreFull(
+                str(self._tables.layout.root),
+                f"{nbytes} bytes to download, {du.free} free" + (f" less min_free {floor}" if floor else ""),
+            )

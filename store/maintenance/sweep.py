@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..index.ballast import spending_allowed
 from ..blobs import unlink_dropped
 from ..errors import CorruptRecord
-from .eviction import drop_unreferenced
-from ..leases import live_leases
-from ..manifests import drop_if_empty
-from ..records.obsolete import purge_obsolete_records
-from ..records.files import RecordFiles, mtime_of
-from ..records.sync import RecordIssues, check_records, fix_records
-from ..names import is_digest
+from ..index.ballast import spending_allowed
 from ..index.rows import BlobRef, BlobRow, Manifest, manifest_key
 from ..index.tables import Tables, Txn
+from ..leases import live_leases
+from ..manifests import drop_if_empty
+from ..names import is_digest
+from ..records.files import RecordFiles, mtime_of
+from ..records.obsolete import purge_obsolete_records
+from ..records.sync import RecordIssues, check_records, fix_records
+from .eviction import drop_unreferenced
 
 __all__ = ["SweepPlan", "Sweeper"]
 
@@ -56,15 +56,29 @@ class SweepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.orphan_files or self.stale_temps or self.stale_manifests
-                    or self.zero_ref_blobs or self.dead_leases or not self.records.empty or self.obsolete_records)
+        return not (
+            self.orphan_files
+            or self.stale_temps
+            or self.stale_manifests
+            or self.zero_ref_blobs
+            or self.dead_leases
+            or not self.records.empty
+            or self.obsolete_records
+        )
 
     @property
     def items(self) -> int:
         """How many things the sweep will remove (or, for unfinished record commits, finish)."""
-        return (len(self.orphan_files) + len(self.stale_temps) + len(self.stale_manifests)
-                + len(self.zero_ref_blobs) + len(self.dead_leases) + len(self.records.orphans)
-                + len(self.records.unfinished) + len(self.obsolete_records))
+        return (
+            len(self.orphan_files)
+            + len(self.stale_temps)
+            + len(self.stale_manifests)
+            + len(self.zero_ref_blobs)
+            + len(self.dead_leases)
+            + len(self.records.orphans)
+            + len(self.records.unfinished)
+            + len(self.obsolete_records)
+        )
 
     def execute(self) -> int:
         """Carry the sweep out; returns bytes freed."""
@@ -98,8 +112,10 @@ class Sweeper:
         old = now - self.grace
         layout = self._tables.layout
         found = check_records(self._tables, read=False)  # names only: gc never reads record content
-        records = RecordIssues(orphans=[f for f in found.orphans if mtime_of(f) <= old],
-                               unfinished=[f for f in found.unfinished if mtime_of(f) <= old])
+        records = RecordIssues(
+            orphans=[f for f in found.orphans if mtime_of(f) <= old],
+            unfinished=[f for f in found.unfinished if mtime_of(f) <= old],
+        )
         registered: set[str] = set()
         zero_ref: list[BlobRef] = []
         stale: list[Manifest] = []
@@ -125,8 +141,17 @@ class Sweeper:
                 orphans += [f for f in sub.iterdir() if f.name not in registered]
         orphans, orphan_bytes = _older(orphans, old)
         temps, temp_bytes = _older(list(layout.tmp.iterdir()) if layout.tmp.exists() else [], old)
-        return SweepPlan(orphans, temps, stale, zero_ref, dead, nbytes + orphan_bytes + temp_bytes, records,
-                         RecordFiles(layout).obsolete_files(), _sweeper=self)
+        return SweepPlan(
+            orphans,
+            temps,
+            stale,
+            zero_ref,
+            dead,
+            nbytes + orphan_bytes + temp_bytes,
+            records,
+            RecordFiles(layout).obsolete_files(),
+            _sweeper=self,
+        )
 
     def execute(self, plan: SweepPlan) -> int:
         now = self._tables.clock()

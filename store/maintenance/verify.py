@@ -23,17 +23,17 @@ from typing import Any
 from ..blobs import CHUNK_SIZE, unlink_dropped
 from ..codec import Damaged, Encoding, decode_chunks
 from ..errors import CorruptRecord
-from ..layout import Layout
-from ..reasons import Reason
-from ..records.rebuild import RebuildReport
-from ..records.restore import BlobFile, reimport
-from ..records.files import RecordFiles
-from ..names import validate_key
-from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
-from ..records.sync import check_records, fix_records
 from ..index.entryrows import Removal
+from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from ..index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
 from ..index.tables import Tables, Txn
+from ..layout import Layout
+from ..names import validate_key
+from ..reasons import Reason
+from ..records.files import RecordFiles
+from ..records.rebuild import RebuildReport
+from ..records.restore import BlobFile, reimport
+from ..records.sync import check_records, fix_records
 
 __all__ = ["Finding", "VerifyReport", "verify_store", "Progress"]
 
@@ -56,8 +56,12 @@ class Finding:
         return self.detail
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": str(self.kind), "subject": self.subject, "detail": self.detail,
-                "severity": "problem" if self.problem else "warning"}
+        return {
+            "kind": str(self.kind),
+            "subject": self.subject,
+            "detail": self.detail,
+            "severity": "problem" if self.problem else "warning",
+        }
 
 
 @dataclass
@@ -91,17 +95,24 @@ class VerifyReport:
     def damaged_index(cls, why: str) -> VerifyReport:
         """The report for an index that cannot be scanned safely (README, "Damage and repair")."""
         rep = cls()
-        rep.add(Reason.CORRUPT_INDEX, "", f"the index is damaged ({why}); `adstore verify --fix` moves it to "
-                "quarantine/ and rebuilds it from the blob files and records")
+        rep.add(
+            Reason.CORRUPT_INDEX,
+            "",
+            f"the index is damaged ({why}); `adstore verify --fix` moves it to "
+            "quarantine/ and rebuilds it from the blob files and records",
+        )
         return rep
 
     def add_rebuild(self, why: str, rebuilt: RebuildReport) -> None:
         """Record a rebuild of a damaged index (``rebuild``): the damage, what came back, what is lost."""
         self.findings.insert(0, Finding(Reason.CORRUPT_INDEX, "", f"the index was damaged ({why})"))
-        self.fixed.insert(0, f"moved the damaged index to {rebuilt.damaged_index} and created a fresh one; "
-                          f"re-registered {rebuilt.registered} intact blob file(s) ({rebuilt.registered_bytes} bytes); "
-                          f"restored {rebuilt.entries} entr(ies), {rebuilt.manifests} manifest(s), "
-                          f"{rebuilt.inline_blobs} inline blob(s) and {rebuilt.pinned} pin(s) from their records")
+        self.fixed.insert(
+            0,
+            f"moved the damaged index to {rebuilt.damaged_index} and created a fresh one; "
+            f"re-registered {rebuilt.registered} intact blob file(s) ({rebuilt.registered_bytes} bytes); "
+            f"restored {rebuilt.entries} entr(ies), {rebuilt.manifests} manifest(s), "
+            f"{rebuilt.inline_blobs} inline blob(s) and {rebuilt.pinned} pin(s) from their records",
+        )
         self.fixed[1:1] = [f"quarantined blob file {p} (not intact or not a regular file)" for p in rebuilt.quarantined]
         for skipped in rebuilt.skipped:
             self.findings.append(Finding(skipped.reason, "", f"record not restored: {skipped}", problem=False))
@@ -227,8 +238,11 @@ def verify_store(
         else:
             res = _hash_file(layout, digest, row)
             if res is None:
-                what = "is a symlink (never followed)" if layout.blob_path(digest).is_symlink() else \
-                    "missing or unreadable"
+                what = (
+                    "is a symlink (never followed)"
+                    if layout.blob_path(digest).is_symlink()
+                    else "missing or unreadable"
+                )
                 rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: file {what}")
                 bad_blobs.add(digest)
                 continue
@@ -236,8 +250,7 @@ def verify_store(
         rep.blobs_checked += 1
         rep.bytes_checked += n
         if got != digest or n != row.size:
-            rep.add(Reason.CHECKSUM, digest,
-                    f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
+            rep.add(Reason.CHECKSUM, digest, f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
             bad_blobs.add(digest)
     if progress is not None:
         progress(total, total)
@@ -251,17 +264,27 @@ def verify_store(
         refs.update(m.digests())
         missing = [d for d in m.digests() if d not in s.rows or d in bad_blobs]
         if missing:
-            rep.add(Reason.DANGLING_MANIFEST, m.key,
-                    f"manifest {m.key} rank {m.rank}: references missing or corrupt blob(s) {missing[0]}")
+            rep.add(
+                Reason.DANGLING_MANIFEST,
+                m.key,
+                f"manifest {m.key} rank {m.rank}: references missing or corrupt blob(s) {missing[0]}",
+            )
             doomed.append(m)
         entry = s.entries.get(m.key)
         if m.committed and not (entry is not None and entry.ranks.get(m.rank) == m.generation):
-            rep.add(Reason.NOT_CURRENT, m.key,
-                    f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current")
+            rep.add(
+                Reason.NOT_CURRENT,
+                m.key,
+                f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current",
+            )
             doomed.append(m)
         if not m.committed and now - m.created > grace_period:
-            rep.add(Reason.STALE_MANIFEST, m.key, f"manifest {m.key} rank {m.rank}: uncommitted past the "
-                    "grace period (gc sweeps it)", problem=False)
+            rep.add(
+                Reason.STALE_MANIFEST,
+                m.key,
+                f"manifest {m.key} rank {m.rank}: uncommitted past the grace period (gc sweeps it)",
+                problem=False,
+            )
     by_key = {(m.key, m.rank, m.generation): m for m in s.manifests}
     for e in s.entries.values():
         rep.entries_checked += 1
@@ -271,36 +294,64 @@ def verify_store(
                 rep.add(Reason.INCOMPLETE, e.key, f"entry {e.key} rank {r}: current manifest is missing or uncommitted")
     for digest, row in s.rows.items():
         if row.refs != refs.get(digest, 0):
-            rep.add(Reason.REFCOUNT, digest,
-                    f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)")
-    actual = {PHYSICAL_BYTES: sum(r.stored for r in s.rows.values()),
-              CONTENT_BYTES: sum(r.size for r in s.rows.values()),
-              LOGICAL_BYTES: sum(e.bytes for e in s.entries.values()),
-              PINNED_BYTES: sum(e.bytes for e in s.entries.values() if e.pinned)}
+            rep.add(
+                Reason.REFCOUNT,
+                digest,
+                f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)",
+            )
+    actual = {
+        PHYSICAL_BYTES: sum(r.stored for r in s.rows.values()),
+        CONTENT_BYTES: sum(r.size for r in s.rows.values()),
+        LOGICAL_BYTES: sum(e.bytes for e in s.entries.values()),
+        PINNED_BYTES: sum(e.bytes for e in s.entries.values() if e.pinned),
+    }
     drift = actual != s.totals
     if drift:
-        rep.add(Reason.TOTALS_DRIFT, "", "totals drifted: " + ", ".join(
-            f"{name.decode().replace('_bytes', '')} {s.totals[name]} (actual {actual[name]})" for name in actual),
-            problem=False)
+        rep.add(
+            Reason.TOTALS_DRIFT,
+            "",
+            "totals drifted: "
+            + ", ".join(
+                f"{name.decode().replace('_bytes', '')} {s.totals[name]} (actual {actual[name]})" for name in actual
+            ),
+            problem=False,
+        )
     if s.strays["access"]:
-        rep.add(Reason.STRAY_ROWS, "", f"{len(s.strays['access'])} access row(s) without an entry "
-                "(verify --fix drops them)", problem=False)
+        rep.add(
+            Reason.STRAY_ROWS,
+            "",
+            f"{len(s.strays['access'])} access row(s) without an entry (verify --fix drops them)",
+            problem=False,
+        )
     if s.strays["entry_shadow"]:
-        rep.add(Reason.STRAY_ROWS, "", f"{len(s.strays['entry_shadow'])} shadow row(s) without an entry "
-                "(verify --fix drops them)", problem=False)
+        rep.add(
+            Reason.STRAY_ROWS,
+            "",
+            f"{len(s.strays['entry_shadow'])} shadow row(s) without an entry (verify --fix drops them)",
+            problem=False,
+        )
 
     # 3. files without rows, leftovers
     registered = {d for d, r in s.rows.items() if not r.inline}
     if layout.blobs.exists():
-        orphans = [f for sub in layout.blobs.iterdir() if sub.is_dir() for f in sub.iterdir()
-                   if f.name not in registered]
+        orphans = [
+            f for sub in layout.blobs.iterdir() if sub.is_dir() for f in sub.iterdir() if f.name not in registered
+        ]
         if orphans:
-            rep.add(Reason.ORPHAN_FILES, "", f"{len(orphans)} blob file(s) without an index row (gc sweeps them)",
-                    problem=False)
+            rep.add(
+                Reason.ORPHAN_FILES,
+                "",
+                f"{len(orphans)} blob file(s) without an index row (gc sweeps them)",
+                problem=False,
+            )
     temps = list(layout.tmp.iterdir()) if layout.tmp.exists() else []
     if temps:
-        rep.add(Reason.STALE_TEMPS, "", f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
-                problem=False)
+        rep.add(
+            Reason.STALE_TEMPS,
+            "",
+            f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
+            problem=False,
+        )
 
     # 4. the on-disk records against the index (invariant 9)
     issues = check_records(tables)
@@ -311,12 +362,17 @@ def verify_store(
     if fix and (rep.problems or any(s.strays.values()) or drift):
         touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
         if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
-            files = {d: BlobFile(d, r.size, Encoding.ZSTD if r.compressed else Encoding.RAW, r.stored)
-                     for d, r in s.rows.items() if d not in bad_blobs and not r.inline and not r.quarantined}
+            files = {
+                d: BlobFile(d, r.size, Encoding.ZSTD if r.compressed else Encoding.RAW, r.stored)
+                for d, r in s.rows.items()
+                if d not in bad_blobs and not r.inline and not r.quarantined
+            }
             restored = reimport(tables, RecordFiles(layout), touched, files)
             if restored.entries:
-                rep.fixed.append(f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
-                                 "from their on-disk records")
+                rep.fixed.append(
+                    f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
+                    "from their on-disk records"
+                )
     if fix and not issues.empty:
         rep.fixed += fix_records(tables, check_records(tables))  # again: the repair may have dropped manifests
         rep.repaired = True
@@ -334,8 +390,14 @@ def _keys_of(raw_keys: list[bytes], *, manifests: bool) -> set[str]:
     return out
 
 
-def _repair(tables: Tables, rep: VerifyReport, s: _Scan, bad_blobs: set[str], doomed: list[Manifest],
-            quarantine: Callable[[str], None]) -> set[str]:
+def _repair(
+    tables: Tables,
+    rep: VerifyReport,
+    s: _Scan,
+    bad_blobs: set[str],
+    doomed: list[Manifest],
+    quarantine: Callable[[str], None],
+) -> set[str]:
     """Repair in place; returns the keys whose entries it dropped or cut (``reimport`` restores them)."""
     for digest in sorted(bad_blobs):
         if not s.rows[digest].quarantined:

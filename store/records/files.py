@@ -66,13 +66,24 @@ from typing import Any
 
 from ..errors import UnsafeRoot
 from ..fsutil import discarding_on_error, publish_temp, unique_temp, write_chunks
-from ..layout import Layout
-from .format import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
-from ..names import is_key, validate_key
 from ..index.rows import MANIFEST_SUFFIX
+from ..layout import Layout
+from ..names import is_key, validate_key
+from .format import MAX_RECORD_BYTES, BadRecord, Record, decode_record, encode_record
 
-__all__ = ["RecordFiles", "RecordState", "Found", "mtime_of", "obsolete_names", "shard_of", "PENDING", "OBSOLETE", "PIN_SUFFIX", "RECORD_MODE",
-           "LIST_SUFFIX"]
+__all__ = [
+    "RecordFiles",
+    "RecordState",
+    "Found",
+    "mtime_of",
+    "obsolete_names",
+    "shard_of",
+    "PENDING",
+    "OBSOLETE",
+    "PIN_SUFFIX",
+    "RECORD_MODE",
+    "LIST_SUFFIX",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +136,7 @@ def _list_items(data: bytes) -> Iterator[tuple[bytes, int]]:
         at += size
         if at + n > end:
             return
-        yield data[at:at + n], which
+        yield data[at : at + n], which
         at += n
 
 
@@ -239,8 +250,9 @@ class RecordFiles:
         """Obsolete a manifest's records: move them into ``obsolete/`` (a name that is not there is fine)."""
         name, root = f"{validate_key(key)}.{int(rank)}.{int(generation)}", self._root_s
         dest = f"{root}/{OBSOLETE}/{name}"
-        paths = ([f"{root}/{shard_of(key)}/{name}"] if committed else []) + \
-            ([f"{root}/{PENDING}/{name}"] if pending else [])
+        paths = ([f"{root}/{shard_of(key)}/{name}"] if committed else []) + (
+            [f"{root}/{PENDING}/{name}"] if pending else []
+        )
         for path in paths:
             try:
                 os.rename(path, dest)
@@ -391,8 +403,10 @@ class RecordFiles:
         """:meth:`read`, and the record must be the one its name and shard say (no record takes another's place)."""
         record = self.read(found.path)
         if (record.key, record.rank, record.generation) != (found.key, found.rank, found.generation):
-            raise BadRecord(str(found.path), f"holds {record.key} rank {record.rank} generation "
-                            f"{record.generation}, not what its name says")
+            raise BadRecord(
+                str(found.path),
+                f"holds {record.key} rank {record.rank} generation {record.generation}, not what its name says",
+            )
         if found.state is RecordState.COMMITTED and found.path.parent.name != shard_of(record.key):
             raise BadRecord(str(found.path), "is in another key's shard")
         return record
@@ -417,7 +431,11 @@ class RecordFiles:
             if sub.name == OBSOLETE and sub.is_dir() and not sub.is_symlink():
                 continue
             is_pending = sub.name == PENDING
-            if sub.is_symlink() or not sub.is_dir() or not (is_pending or (len(sub.name) == 2 and set(sub.name) <= _HEX)):
+            if (
+                sub.is_symlink()
+                or not sub.is_dir()
+                or not (is_pending or (len(sub.name) == 2 and set(sub.name) <= _HEX))
+            ):
                 found.append(Found(sub, RecordState.UNKNOWN))
                 continue
             found += _scan_dir(sub, pending=is_pending)
@@ -450,7 +468,7 @@ def _classify(path: Path, regular: bool, *, pending: bool) -> Found:
         return Found(path, RecordState.UNKNOWN)
     name = path.name
     if not pending and name.endswith(PIN_SUFFIX):
-        key = name[:-len(PIN_SUFFIX)]
+        key = name[: -len(PIN_SUFFIX)]
         try:
             validate_key(key)
         except ValueError:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..codec import Encoding
 from ..errors import AdstoreError, CorruptRecord, InvalidKey
-from ..reasons import Reason
+from ..index.rows import BlobRef, Manifest, encode_json, validate_json
 from ..names import (
     validate_artifact_name,
     validate_generation,
@@ -51,7 +51,7 @@ from ..names import (
     validate_size,
     validate_world_size,
 )
-from ..index.rows import BlobRef, Manifest, encode_json, validate_json
+from ..reasons import Reason
 
 __all__ = [
     "RECORD_FORMAT",
@@ -104,14 +104,28 @@ class Record:
 
     def manifest(self) -> Manifest:
         """The committed manifest this record restores."""
-        return Manifest(key=self.key, rank=self.rank, world_size=self.world_size, generation=self.generation,
-                        artifacts=dict(self.artifacts), committed=True, namespace=self.namespace,
-                        producer=dict(self.producer), created=self.created, meta=dict(self.meta))
+        return Manifest(
+            key=self.key,
+            rank=self.rank,
+            world_size=self.world_size,
+            generation=self.generation,
+            artifacts=dict(self.artifacts),
+            committed=True,
+            namespace=self.namespace,
+            producer=dict(self.producer),
+            created=self.created,
+            meta=dict(self.meta),
+        )
 
 
-def payload_of(manifest: Manifest, components: Mapping[str, Any], *, local: bool = False,
-               inline: Mapping[str, bytes] | None = None,
-               stored: Mapping[str, tuple[Encoding, int]] | None = None) -> dict[str, Any]:
+def payload_of(
+    manifest: Manifest,
+    components: Mapping[str, Any],
+    *,
+    local: bool = False,
+    inline: Mapping[str, bytes] | None = None,
+    stored: Mapping[str, tuple[Encoding, int]] | None = None,
+) -> dict[str, Any]:
     """The record payload of ``manifest`` (with its entry's ``components``).
 
     ``local``: a record file of this store, which also keeps the producer
@@ -155,8 +169,11 @@ def decode_record(raw: bytes, where: str) -> Record:
         outer = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRecord(where, f"not a record file ({type(exc).__name__})") from None
-    if not isinstance(outer, dict) or not isinstance(outer.get("record"), dict) \
-            or not isinstance(outer.get("sha256"), str):
+    if (
+        not isinstance(outer, dict)
+        or not isinstance(outer.get("record"), dict)
+        or not isinstance(outer.get("sha256"), str)
+    ):
         raise BadRecord(where, "not a record file (no record and checksum)")
     payload = outer["record"]
     try:
@@ -174,8 +191,9 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
     if type(fmt) is not int or fmt < 1:
         raise BadRecord(where, f"no record format version ({fmt!r})")
     if fmt > RECORD_FORMAT:
-        raise BadRecord(where, f"record format {fmt} is newer than this adstore reads ({RECORD_FORMAT})",
-                        Reason.NEWER_RECORD)
+        raise BadRecord(
+            where, f"record format {fmt} is newer than this adstore reads ({RECORD_FORMAT})", Reason.NEWER_RECORD
+        )
     try:
         key = validate_key(payload.get("key"))
         namespace = validate_namespace(payload.get("namespace"))
@@ -203,8 +221,20 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
     except (AdstoreError, ValueError, TypeError) as exc:
         detail = exc.why if isinstance(exc, InvalidKey) else str(exc)
         raise BadRecord(where, f"invalid field: {detail[:200]}") from None
-    return Record(key, rank, world_size, generation, namespace, components, artifacts, meta, float(created),
-                  producer, inline, stored)
+    return Record(
+        key,
+        rank,
+        world_size,
+        generation,
+        namespace,
+        components,
+        artifacts,
+        meta,
+        float(created),
+        producer,
+        inline,
+        stored,
+    )
 
 
 def _stored(raw: object, digests: set[str]) -> dict[str, tuple[Encoding, int]]:
@@ -214,7 +244,7 @@ def _stored(raw: object, digests: set[str]) -> dict[str, tuple[Encoding, int]]:
     out: dict[str, tuple[Encoding, int]] = {}
     for digest, how in raw.items():
         if digest not in digests or not isinstance(how, list) or len(how) != 2 or how[0] != Encoding.ZSTD:
-            raise ValueError(f"stored blob {str(digest)[:80]!r} is no artifact of the record, or not [\"zstd\", size]")
+            raise ValueError(f'stored blob {str(digest)[:80]!r} is no artifact of the record, or not ["zstd", size]')
         out[digest] = (Encoding.ZSTD, validate_size(how[1]))
     return out
 

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..index.drops import Drops
+from ..index.rows import manifest_key
 from ..names import validate_key
 from .files import RecordFiles
-from ..index.rows import manifest_key
 
 if TYPE_CHECKING:
     from ..index.tables import Tables, Txn
@@ -39,7 +39,8 @@ def obsolete_dropped(tables: Tables, drops: Drops) -> None:
     files = RecordFiles(tables.layout)
     for i in range(0, max(len(drops.manifests), len(drops.pins)), _BATCH):
         chunk = Drops()
-        chunk.manifests, chunk.pins = drops.manifests[i:i + _BATCH], drops.pins[i:i + _BATCH]
+        chunk.manifests, chunk.pins = drops.manifests[i : i + _BATCH], drops.pins[i : i + _BATCH]
+
         def listed(t: Txn, chunk: Drops = chunk) -> None:
             write_obsolete_list(t, files, chunk, unchanged=False)
 
@@ -80,7 +81,8 @@ def purge_obsolete_records(tables: Tables) -> int:
     dead = sorted(files.obsoleted().items())
     deleted = 0
     for i in range(0, len(dead), _BATCH):
-        def fn(t: Txn, batch: Sequence[tuple[str, float]] = dead[i:i + _BATCH]) -> int:
+
+        def fn(t: Txn, batch: Sequence[tuple[str, float]] = dead[i : i + _BATCH]) -> int:
             n = 0
             for name, listed_at in batch:
                 ident = files.listed_identity(name)

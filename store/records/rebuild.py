@@ -30,18 +30,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..index.ballast import Ballast
+from ..codec import Encoding
 from ..errors import StoreError
-from .restore import BlobFile, Restored, Skipped, identify_blob_file, restore
 from ..fsutil import fsync_dir
+from ..index.ballast import Ballast
 from ..index.env import Index
 from ..index.file import FRESH_INDEX_BYTES, probe_index
-from ..layout import Layout
-from .obsolete import obsolete_dropped
-from .files import Found, RecordFiles, RecordState
-from ..codec import Encoding
 from ..index.rows import FLAG_ZSTD, BlobRow
 from ..index.tables import Tables, Txn
+from ..layout import Layout
+from .files import Found, RecordFiles, RecordState
+from .obsolete import obsolete_dropped
+from .restore import BlobFile, Restored, Skipped, identify_blob_file, restore
 
 __all__ = ["RebuildPlan", "RebuildReport", "plan_rebuild", "repair_unopenable", "LOST_WITH_THE_INDEX"]
 
@@ -121,7 +121,8 @@ class RebuildPlan:
             tables = Tables(index, layout, after_commit=obsolete_dropped)
             now = tables.clock()
             for i in range(0, len(good), _BATCH):
-                def fn(t: Txn, batch: list[BlobFile] = good[i:i + _BATCH]) -> None:
+
+                def fn(t: Txn, batch: list[BlobFile] = good[i : i + _BATCH]) -> None:
                     for f in batch:
                         flags = FLAG_ZSTD if f.encoding is Encoding.ZSTD else 0
                         t.put_blob(f.digest, BlobRow(f.size, 0, now, flags, f.stored), inline=None)
@@ -134,9 +135,17 @@ class RebuildPlan:
 
 
 def _report(dest: str, good: list[BlobFile], bad: list[str], restored: Restored) -> RebuildReport:
-    return RebuildReport(dest, len(good), sum(f.stored for f in good), tuple(bad), entries=restored.entries,
-                         manifests=restored.manifests, inline_blobs=restored.inline_blobs, pinned=restored.pinned,
-                         skipped=tuple(restored.skipped))
+    return RebuildReport(
+        dest,
+        len(good),
+        sum(f.stored for f in good),
+        tuple(bad),
+        entries=restored.entries,
+        manifests=restored.manifests,
+        inline_blobs=restored.inline_blobs,
+        pinned=restored.pinned,
+        skipped=tuple(restored.skipped),
+    )
 
 
 def plan_rebuild(layout: Layout, why: str) -> RebuildPlan:

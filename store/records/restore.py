@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from ..codec import ZSTD_MAGIC, Damaged, Encoding, decode_chunks, frame_content_size
 from ..errors import CorruptRecord
+from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
+from ..index.tables import Tables, Txn
 from ..lookup import lookup
 from ..manifests import drop_entry
 from ..reasons import Reason
 from .files import Found, RecordFiles, RecordState
 from .format import BadRecord, Record
-from ..codec import ZSTD_MAGIC, Damaged, Encoding, decode_chunks, frame_content_size
-from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
-from ..index.tables import Tables, Txn
 
 __all__ = ["Skipped", "Restored", "BlobFile", "choose", "read_records", "restore", "reimport", "identify_blob_file"]
 
@@ -119,8 +119,9 @@ class Restored:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def read_records(files: RecordFiles, found: Iterable[Found], intact: Mapping[str, BlobFile]
-                 ) -> tuple[dict[str, list[Record]], set[str], list[Skipped]]:
+def read_records(
+    files: RecordFiles, found: Iterable[Found], intact: Mapping[str, BlobFile]
+) -> tuple[dict[str, list[Record]], set[str], list[Skipped]]:
     """The committed records whose blobs are all there (``intact``: the good blob files by digest), by key.
 
     Also the keys with a pin marker, and every record file skipped.
@@ -143,11 +144,19 @@ def read_records(files: RecordFiles, found: Iterable[Found], intact: Mapping[str
         except BadRecord as exc:
             skipped.append(Skipped(str(f.path), exc.reason, exc.detail))
             continue
-        missing = [ref.digest for ref in record.artifacts.values()
-                   if _size(intact, ref.digest) != ref.size and ref.digest not in record.inline]
+        missing = [
+            ref.digest
+            for ref in record.artifacts.values()
+            if _size(intact, ref.digest) != ref.size and ref.digest not in record.inline
+        ]
         if missing:
-            skipped.append(Skipped(str(f.path), Reason.BLOB_MISSING,
-                                   f"blob {missing[0]} of {record.key} rank {record.rank} is missing or corrupt"))
+            skipped.append(
+                Skipped(
+                    str(f.path),
+                    Reason.BLOB_MISSING,
+                    f"blob {missing[0]} of {record.key} rank {record.rank} is missing or corrupt",
+                )
+            )
             continue
         by_key[record.key].append(record)
     return by_key, pins, skipped
@@ -177,8 +186,14 @@ def _size(intact: Mapping[str, BlobFile], digest: str) -> int | None:
     return None if found is None else found.size
 
 
-def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: Mapping[str, BlobFile], *,
-            replace_broken: bool = False) -> Restored:
+def restore(
+    tables: Tables,
+    files: RecordFiles,
+    found: Iterable[Found],
+    intact: Mapping[str, BlobFile],
+    *,
+    replace_broken: bool = False,
+) -> Restored:
     """Write the chosen records of every key into ``tables``; ``intact``: the good blob files by digest.
 
     In a fresh index (a rebuild) every key is new.  With ``replace_broken``
@@ -193,7 +208,8 @@ def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: 
     now = tables.clock()
     file_ok = tables.layout.has_file
     for i in range(0, len(keys), _BATCH):
-        def fn(t: Txn, batch: list[str] = keys[i:i + _BATCH]) -> tuple[int, int, int, int]:
+
+        def fn(t: Txn, batch: list[str] = keys[i : i + _BATCH]) -> tuple[int, int, int, int]:
             counts = [0, 0, 0, 0]
             for key in batch:
                 if replace_broken and t.entry_row(key.encode()) is not None:
@@ -210,9 +226,18 @@ def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: 
                 first = chosen[0]
                 created = min(r.created for r in chosen)
                 last = max(r.created for r in chosen)
-                entry = Entry(key, first.namespace, first.world_size, {}, created, last, 0,
-                              sum(r.manifest().bytes for r in chosen),
-                              {r.rank: r.generation for r in chosen}, key in pins)
+                entry = Entry(
+                    key,
+                    first.namespace,
+                    first.world_size,
+                    {},
+                    created,
+                    last,
+                    0,
+                    sum(r.manifest().bytes for r in chosen),
+                    {r.rank: r.generation for r in chosen},
+                    key in pins,
+                )
                 t.put_entry(entry)
                 t.put_access(key, last, 0)
                 t.put_components(key, first.components)
@@ -225,8 +250,12 @@ def restore(tables: Tables, files: RecordFiles, found: Iterable[Found], intact: 
         out.manifests += manifests
         out.inline_blobs += inline
         out.pinned += pinned
-    log.info("restored %d entr(ies), %d manifest(s) from records; skipped %d record file(s)",
-             out.entries, out.manifests, len(skipped))
+    log.info(
+        "restored %d entr(ies), %d manifest(s) from records; skipped %d record file(s)",
+        out.entries,
+        out.manifests,
+        len(skipped),
+    )
     return out
 
 

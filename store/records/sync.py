@@ -22,18 +22,25 @@ from typing import Any, NamedTuple
 
 from ..codec import Encoding
 from ..errors import CorruptRecord
+from ..index.drops import Drops
+from ..index.rows import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
+from ..index.tables import Tables, Txn
 from ..layout import Layout
+from ..names import validate_key
 from ..reasons import Reason
 from .files import Found, RecordFiles, RecordState, mtime_of
 from .format import BadRecord, payload_of
-from ..names import validate_key
-from ..index.rows import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
 from .obsolete import obsolete_dropped, purge_obsolete_records
-from ..index.drops import Drops
-from ..index.tables import Tables, Txn
 
-__all__ = ["RecordWriter", "RecordInputs", "record_inputs", "components_changed", "RecordIssues", "check_records",
-           "fix_records"]
+__all__ = [
+    "RecordWriter",
+    "RecordInputs",
+    "record_inputs",
+    "components_changed",
+    "RecordIssues",
+    "check_records",
+    "fix_records",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +100,9 @@ class RecordWriter:
 
     def published(self, manifest: Manifest, inputs: RecordInputs) -> None:
         """Write the pending record of a manifest the index just published (raises on failure)."""
-        self.files.write_pending(payload_of(manifest, inputs.components, local=True, inline=inputs.inline,
-                                            stored=inputs.stored))
+        self.files.write_pending(
+            payload_of(manifest, inputs.components, local=True, inline=inputs.inline, stored=inputs.stored)
+        )
 
     def committed(self, key: str, rank: int, generation: int, *, rewrite: bool, drops: Drops | None) -> None:
         """After the index committed: move the pending record into place, then drop the superseded ones.
@@ -123,16 +131,18 @@ class RecordWriter:
             if manifest is None or not manifest.committed:
                 return False
             inputs = record_inputs(t, manifest)
-        self.files.write_committed(payload_of(manifest, inputs.components, local=True, inline=inputs.inline,
-                                              stored=inputs.stored))
+        self.files.write_committed(
+            payload_of(manifest, inputs.components, local=True, inline=inputs.inline, stored=inputs.stored)
+        )
         return True
 
     def pinned(self, key: str, pinned: bool) -> None:
         try:
             self.files.set_pinned(key, pinned)
         except OSError as exc:
-            log.warning("pin marker of %s not %s (verify --fix settles it): %s", key,
-                        "written" if pinned else "removed", exc)
+            log.warning(
+                "pin marker of %s not %s (verify --fix settles it): %s", key, "written" if pinned else "removed", exc
+            )
 
 
 # -- verify and gc ----------------------------------------------------------------
@@ -151,19 +161,47 @@ class RecordIssues:
         """(reason, subject, sentence, is a problem) for ``verify``'s report."""
         out: list[tuple[Reason, str, str, bool]] = []
         for key, rank, gen in self.missing:
-            out.append((Reason.MISSING_RECORD, key, f"manifest {key} rank {rank} gen {gen}: committed but no "
-                        "on-disk record (a rebuild would lose it; verify --fix writes it)", False))
+            out.append(
+                (
+                    Reason.MISSING_RECORD,
+                    key,
+                    f"manifest {key} rank {rank} gen {gen}: committed but no "
+                    "on-disk record (a rebuild would lose it; verify --fix writes it)",
+                    False,
+                )
+            )
         for f in self.unfinished:
-            out.append((Reason.MISSING_RECORD, f.key, f"record {f.key} rank {f.rank}: committed in the index, "
-                        "still pending on disk (a commit was cut short; gc finishes it)", False))
+            out.append(
+                (
+                    Reason.MISSING_RECORD,
+                    f.key,
+                    f"record {f.key} rank {f.rank}: committed in the index, "
+                    "still pending on disk (a commit was cut short; gc finishes it)",
+                    False,
+                )
+            )
         for f, why in self.corrupt:
             out.append((Reason.CORRUPT_RECORD, f.key, f"record file {f.path}: {why}", True))
         if self.orphans:
-            out.append((Reason.ORPHAN_RECORDS, "", f"{len(self.orphans)} record file(s) whose manifest or entry "
-                        "the index no longer has (gc sweeps them)", False))
+            out.append(
+                (
+                    Reason.ORPHAN_RECORDS,
+                    "",
+                    f"{len(self.orphans)} record file(s) whose manifest or entry "
+                    "the index no longer has (gc sweeps them)",
+                    False,
+                )
+            )
         for key, pinned in self.pins:
-            out.append((Reason.ORPHAN_RECORDS, key, f"entry {key} is {'' if pinned else 'not '}pinned but its pin "
-                        "marker says otherwise (verify --fix settles it)", False))
+            out.append(
+                (
+                    Reason.ORPHAN_RECORDS,
+                    key,
+                    f"entry {key} is {'' if pinned else 'not '}pinned but its pin "
+                    "marker says otherwise (verify --fix settles it)",
+                    False,
+                )
+            )
         return out
 
     @property
@@ -293,8 +331,9 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
             done.append(f"quarantined record file {f.path} ({why})")
         except OSError as exc:
             log.warning("could not quarantine %s: %s", f.path, exc)
-    rewrite = list(issues.missing) + [(f.key, f.rank, f.generation) for f, _ in issues.corrupt
-                                      if f.state is RecordState.COMMITTED]
+    rewrite = list(issues.missing) + [
+        (f.key, f.rank, f.generation) for f, _ in issues.corrupt if f.state is RecordState.COMMITTED
+    ]
     for key, rank, gen in rewrite:
         try:
             if writer.write_from_index(key, rank, gen):

@@ -17,8 +17,8 @@ from .addresses import Kind, lease_address, object_name, record_address
 from .backend import ConditionalWrites, RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
 from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
-from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
 from .config import RemoteConfig, open_remote, parse_mode, register_scheme
+from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
 from .errors import (
     NotSupported,
     ReadOnlyRemote,

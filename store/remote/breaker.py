@@ -76,8 +76,12 @@ class CircuitBreaker:
             opener = self._opener
             retry_after = max(0.0, self._open_until - now)
         cls = RemoteTimeout if isinstance(opener, RemoteTimeout) else RemoteUnavailable
-        raise cls(f"circuit open after {opener.detail if opener else 'a failure'}; "
-                  f"next try in {retry_after:.1f}s", op=op, target=target, retry_after=retry_after)
+        raise cls(
+            f"circuit open after {opener.detail if opener else 'a failure'}; next try in {retry_after:.1f}s",
+            op=op,
+            target=target,
+            retry_after=retry_after,
+        )
 
     def refusal(self) -> Reason | None:
         """Why a call now would fail at once (open, or a probe already in flight), else None; changes nothing.

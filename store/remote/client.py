@@ -23,14 +23,14 @@ from typing import Any, TypeVar
 from ..codec import Encoding
 from ..errors import AdstoreError, ConfigError
 from ..reasons import Reason
+from . import transfer
 from .addresses import Kind, object_name, record_address
 from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend
 from .breaker import CircuitBreaker
 from .deadline import Deadline, Limits, run_bounded
-from .errors import RemoteChecksumMismatch, RemoteError, RemoteUnavailable, ReadOnlyRemote, UntrustedRecord
+from .errors import ReadOnlyRemote, RemoteChecksumMismatch, RemoteError, RemoteUnavailable, UntrustedRecord
 from .outcomes import Mode, Outcome
 from .signing import Signer, TrustedKeys, Verified
-from . import transfer
 
 __all__ = ["Remote", "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_ENVELOPE_BYTES"]
 
@@ -94,8 +94,17 @@ class Remote:
             return dict(self._counters)
 
     # -- the one door ----------------------------------------------------
-    def _call(self, op: str, kind: Kind, digest: str, fn: Callable[[], T], *, write: bool = False,
-              deadline: Deadline | None = None, on_expire: Callable[[], None] | None = None) -> T:
+    def _call(
+        self,
+        op: str,
+        kind: Kind,
+        digest: str,
+        fn: Callable[[], T],
+        *,
+        write: bool = False,
+        deadline: Deadline | None = None,
+        on_expire: Callable[[], None] | None = None,
+    ) -> T:
         """Run one backend call: validate, enforce the mode, ask the breaker, bound its time, count.
 
         ``deadline`` defaults to the limit of one small call; past it the
@@ -118,13 +127,18 @@ class Remote:
             self.backend.interrupt(worker)
 
         try:
-            result = run_bounded(fn, deadline if deadline is not None else self.limits.start(), op=op,
-                                 target=target, interrupt=interrupt)
+            result = run_bounded(
+                fn, deadline if deadline is not None else self.limits.start(), op=op, target=target, interrupt=interrupt
+            )
         except RemoteUnavailable as exc:
             if self.breaker.failure(exc):
                 self.count("breaker_opened")
-                log.warning("remote %s unavailable (%s); not asking it again for %.1fs",
-                            self.url, exc, self.breaker.snapshot()["retry_after"])
+                log.warning(
+                    "remote %s unavailable (%s); not asking it again for %.1fs",
+                    self.url,
+                    exc,
+                    self.breaker.snapshot()["retry_after"],
+                )
             raise
         except BaseException:
             self.breaker.success()  # the server answered (or the failure was ours)
@@ -180,8 +194,9 @@ class Remote:
     def head(self, kind: Kind | str, digest: str) -> Outcome[int]:
         """The object's size (None if absent)."""
         k = Kind(kind)
-        return self._guard("head", lambda: Outcome(value=self._call("head", k, digest,
-                                                                   lambda: self.backend.head(k, digest))))
+        return self._guard(
+            "head", lambda: Outcome(value=self._call("head", k, digest, lambda: self.backend.head(k, digest)))
+        )
 
     def put(self, kind: Kind | str, digest: str, data: bytes) -> Outcome[int]:
         """Store (or replace) an object; the bytes sent."""
@@ -200,8 +215,9 @@ class Remote:
         k = Kind(kind)
 
         def run() -> Outcome[bool]:
-            created = self._call("put_if_absent", k, digest, lambda: self.backend.put_if_absent(k, digest, data),
-                                 write=True)
+            created = self._call(
+                "put_if_absent", k, digest, lambda: self.backend.put_if_absent(k, digest, data), write=True
+            )
             return Outcome(value=created, nbytes=len(data) if created else 0)
 
         return self._guard("put_if_absent", run)
@@ -220,20 +236,27 @@ class Remote:
         """Download a blob into the new file ``dest``, verified, within its deadline (:func:`transfer.fetch_blob`)."""
         return self._guard("fetch_blob", lambda: transfer.fetch_blob(self, digest, size, dest=Path(dest), fsync=fsync))
 
-    def push_blob(self, digest: str, size: int, source: str | Path | bytes, *,
-                  kind: Kind | str = Kind.CAS) -> Outcome[int]:
+    def push_blob(
+        self, digest: str, size: int, source: str | Path | bytes, *, kind: Kind | str = Kind.CAS
+    ) -> Outcome[int]:
         """Upload a blob (``zcas``: its zstd frame) unless the remote has it (HEAD first); the bytes sent."""
         return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source, kind=Kind(kind)))
 
-    def pull_blobs(self, refs: Iterable[tuple[str, int]], *, sink: transfer.BlobSink,
-                   stored: Mapping[str, tuple[Encoding, int]] | None = None,
-                   deadline: Deadline | None = None) -> Outcome[int]:
+    def pull_blobs(
+        self,
+        refs: Iterable[tuple[str, int]],
+        *,
+        sink: transfer.BlobSink,
+        stored: Mapping[str, tuple[Encoding, int]] | None = None,
+        deadline: Deadline | None = None,
+    ) -> Outcome[int]:
         """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome.
 
         ``stored``: the blobs that travel as zstd frames (a record's), and the frames' sizes.
         """
-        return self._guard("pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, stored=stored,
-                                                                   deadline=deadline))
+        return self._guard(
+            "pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, stored=stored, deadline=deadline)
+        )
 
     # -- records ---------------------------------------------------------
     def fetch_record(self, key: str, rank: int = 0) -> Outcome[Verified]:
@@ -243,12 +266,14 @@ class Remote:
         :meth:`TrustedKeys.open`, or a signed record copied to another key's
         address), and the transport reasons.
         """
+
         def run() -> Outcome[Verified]:
             got = self.get(Kind.AC, record_address(key, rank))
             if got.reason == Reason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
                 self.count("untrusted")
-                raise UntrustedRecord(f"larger than {self.max_envelope_bytes} bytes",
-                                      target=f"ac/{record_address(key, rank)}")
+                raise UntrustedRecord(
+                    f"larger than {self.max_envelope_bytes} bytes", target=f"ac/{record_address(key, rank)}"
+                )
             if not got.ok:
                 return got  # type: ignore[return-value]
             if got.value is None:
@@ -267,9 +292,13 @@ class Remote:
                 raise UntrustedRecord("no trusted keys are configured (ADSTORE_TRUSTED_KEYS)", target=target)
             verified = self.trusted.open(raw, target=target)
             if verified.payload.get("key") != key or verified.payload.get("rank") != rank:
-                raise UntrustedRecord(f"signed for key {verified.payload.get('key')!r} rank "
-                                      f"{verified.payload.get('rank')!r}, found at the address of "
-                                      f"{key!r} rank {rank}", key_id=verified.key_id, target=target)
+                raise UntrustedRecord(
+                    f"signed for key {verified.payload.get('key')!r} rank "
+                    f"{verified.payload.get('rank')!r}, found at the address of "
+                    f"{key!r} rank {rank}",
+                    key_id=verified.key_id,
+                    target=target,
+                )
         except UntrustedRecord as exc:
             self.count("untrusted")
             log.warning("remote %s: %s", self.url, exc)
@@ -278,6 +307,7 @@ class Remote:
 
     def push_record(self, key: str, rank: int, payload: Mapping[str, Any]) -> Outcome[int]:
         """Sign and upload this rank's record (``key`` and ``rank`` are added to the payload)."""
+
         def run() -> Outcome[int]:
             if self.signer is None:
                 raise ConfigError("ADSTORE_SIGNING_KEY", "a writer needs a signing key to publish records")
@@ -292,8 +322,15 @@ class Remote:
 
         return self._guard("push_record", run)
 
-    def publish(self, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
-                *, source: transfer.BlobSource) -> Outcome[int]:
+    def publish(
+        self,
+        key: str,
+        rank: int,
+        payload: Mapping[str, Any],
+        refs: Iterable[tuple[str, int]],
+        *,
+        source: transfer.BlobSource,
+    ) -> Outcome[int]:
         """Upload the blobs the remote lacks, then the record last; the bytes sent.
 
         The record goes up only after every blob did, so a reader never sees
@@ -305,8 +342,13 @@ class Remote:
     def probe(self) -> Outcome[float]:
         """Is the remote reachable? A HEAD of a fixed name; the value is the round trip in seconds."""
         out = self.head(Kind.AC, hashlib.sha256(b"adstore:probe").hexdigest())
-        return Outcome(value=out.seconds if out.ok else None, reason=out.reason, error=out.error, nbytes=out.nbytes,
-                       seconds=out.seconds)
+        return Outcome(
+            value=out.seconds if out.ok else None,
+            reason=out.reason,
+            error=out.error,
+            nbytes=out.nbytes,
+            seconds=out.seconds,
+        )
 
     def status(self) -> dict[str, Any]:
         """URL, mode, conditional writes, breaker, keys and counters (for ``adstore remote``)."""

@@ -95,8 +95,9 @@ def open_remote(
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     factory = _SCHEMES.get(scheme)
     if factory is None:
-        raise ConfigError("ADSTORE_REMOTE", f"{url!r}: unknown scheme (use one of "
-                          f"{', '.join(sorted(s + '://' for s in _SCHEMES))})")
+        raise ConfigError(
+            "ADSTORE_REMOTE", f"{url!r}: unknown scheme (use one of {', '.join(sorted(s + '://' for s in _SCHEMES))})"
+        )
     if timeout <= 0 or connect_timeout <= 0:
         raise ConfigError("ADSTORE_REMOTE_TIMEOUT", "timeouts must be positive")
     if deadline <= 0:
@@ -107,9 +108,14 @@ def open_remote(
         backend = factory(url)
     else:
         backend = factory(url, connect_timeout=connect_timeout, read_timeout=timeout, **backend_options)
-    return Remote(backend, mode=parse_mode(mode), signer=signer, trusted=trusted,
-                  breaker=CircuitBreaker(cooldown=cooldown, max_cooldown=max(cooldown, 10 * cooldown)),
-                  limits=Limits(deadline=deadline, min_throughput=min_throughput))
+    return Remote(
+        backend,
+        mode=parse_mode(mode),
+        signer=signer,
+        trusted=trusted,
+        breaker=CircuitBreaker(cooldown=cooldown, max_cooldown=max(cooldown, 10 * cooldown)),
+        limits=Limits(deadline=deadline, min_throughput=min_throughput),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,9 +176,18 @@ class RemoteConfig:
             return None
         signer = Signer.from_file(self.signing_key) if self.signing_key else None
         trusted = TrustedKeys.load(self.trusted_keys) if self.trusted_keys else None
-        return open_remote(self.url, mode=self.mode, timeout=self.timeout, connect_timeout=self.connect_timeout,
-                           cooldown=self.cooldown, deadline=self.deadline, min_throughput=self.min_throughput,
-                           signer=signer, trusted=trusted, **dict(self.backend_options))
+        return open_remote(
+            self.url,
+            mode=self.mode,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+            cooldown=self.cooldown,
+            deadline=self.deadline,
+            min_throughput=self.min_throughput,
+            signer=signer,
+            trusted=trusted,
+            **dict(self.backend_options),
+        )
 
     def describe(self) -> dict[str, Any]:
         """The settings as JSON-able values (``adstore remote``)."""

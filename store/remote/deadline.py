@@ -29,14 +29,7 @@ from typing import Any, TypeVar
 
 from .errors import RemoteTimeout
 
-__all__ = [
-    "Clock",
-    "Deadline",
-    "Limits",
-    "run_bounded",
-    "DEFAULT_DEADLINE",
-    "DEFAULT_MIN_THROUGHPUT",
-]
+__all__ = ["Clock", "Deadline", "Limits", "run_bounded", "DEFAULT_DEADLINE", "DEFAULT_MIN_THROUGHPUT"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +110,8 @@ class _Pool:
             with self._lock:
                 if self._executor is None or self._pid != pid:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=_MAX_WORKERS, thread_name_prefix="adstore-remote")
+                        max_workers=_MAX_WORKERS, thread_name_prefix="adstore-remote"
+                    )
                     self._pid = pid
         return self._executor
 
@@ -131,8 +125,14 @@ def _log_late(future: concurrent.futures.Future[Any]) -> None:
         log.debug("remote call abandoned at its deadline ended with %s: %s", type(exc).__name__, exc)
 
 
-def run_bounded(fn: Callable[[], T], deadline: Deadline | None, *, op: str, target: str = "",
-                interrupt: Callable[[threading.Thread], None] | None = None) -> T:
+def run_bounded(
+    fn: Callable[[], T],
+    deadline: Deadline | None,
+    *,
+    op: str,
+    target: str = "",
+    interrupt: Callable[[threading.Thread], None] | None = None,
+) -> T:
     """``fn()``'s result, or :class:`RemoteTimeout` as soon as ``deadline`` passes.
 
     ``fn`` runs in a worker thread; at the deadline ``interrupt(worker)`` is

@@ -48,8 +48,15 @@ class RemoteUnavailable(RemoteError):
 
     reason: Reason = Reason.REMOTE_UNAVAILABLE
 
-    def __init__(self, detail: str, *, op: str = "", target: str = "", status: int | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        detail: str,
+        *,
+        op: str = "",
+        target: str = "",
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         self.retry_after = retry_after
         super().__init__(detail, op=op, target=target, status=status)
 
@@ -72,8 +79,7 @@ class ReadOnlyRemote(RemoteError):
     reason: Reason = Reason.REMOTE_READ_ONLY
 
     def __init__(self, op: str, target: str = "") -> None:
-        super().__init__("the remote is read-only (set ADSTORE_REMOTE_MODE=read-write to write)",
-                         op=op, target=target)
+        super().__init__("the remote is read-only (set ADSTORE_REMOTE_MODE=read-write to write)", op=op, target=target)
 
 
 class NotSupported(RemoteError):
@@ -105,8 +111,7 @@ class RemoteChecksumMismatch(RemoteError):
 
     reason: Reason = Reason.REMOTE_CHECKSUM
 
-    def __init__(self, digest: str, *, expected_size: int | None, got_size: int,
-                 got_digest: str | None) -> None:
+    def __init__(self, digest: str, *, expected_size: int | None, got_size: int, got_digest: str | None) -> None:
         self.digest = digest
         self.expected_size = expected_size
         self.got_size = got_size

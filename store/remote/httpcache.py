@@ -120,8 +120,9 @@ class HttpBackend(RemoteBackend):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             if self._scheme == "https":
-                conn = _HTTPS(self._host, self._port, timeout=self._connect_timeout, blocksize=CHUNK,
-                              context=self._ssl_context)
+                conn = _HTTPS(
+                    self._host, self._port, timeout=self._connect_timeout, blocksize=CHUNK, context=self._ssl_context
+                )
             else:
                 conn = _HTTP(self._host, self._port, timeout=self._connect_timeout, blocksize=CHUNK)
             conn.read_timeout = self._read_timeout
@@ -149,8 +150,9 @@ class HttpBackend(RemoteBackend):
     def _path(self, kind: Kind, digest: str) -> str:
         return f"{self._prefix}/{object_name(kind, digest)}"
 
-    def _request(self, method: str, path: str, *, body: Body | None = None,
-                 headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+    def _request(
+        self, method: str, path: str, *, body: Body | None = None, headers: dict[str, str] | None = None
+    ) -> http.client.HTTPResponse:
         """Send one request; a keep-alive connection the server had closed is retried once."""
         hdrs = {**self._headers, **(headers or {})}
         start = None if body is None or isinstance(body, (bytes, bytearray, memoryview)) else body.tell()
@@ -186,8 +188,7 @@ class HttpBackend(RemoteBackend):
             self._drop()
         return data
 
-    def _call(self, method: str, path: str, *, body: Body | None = None,
-              headers: dict[str, str] | None = None) -> int:
+    def _call(self, method: str, path: str, *, body: Body | None = None, headers: dict[str, str] | None = None) -> int:
         """A request whose answer is only a status."""
         resp = self._request(method, path, body=body, headers=headers)
         try:

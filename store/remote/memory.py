@@ -55,8 +55,9 @@ class MemoryBackend(RemoteBackend):
         if data is None:
             return None
         view = memoryview(data)
-        return copy_limited((view[i:i + CHUNK] for i in range(0, len(view), CHUNK)),
-                            fileobj, max_bytes=max_bytes, digest=digest)
+        return copy_limited(
+            (view[i : i + CHUNK] for i in range(0, len(view), CHUNK)), fileobj, max_bytes=max_bytes, digest=digest
+        )
 
     def put(self, kind: Kind, digest: str, data: Body) -> int:
         name = self._enter("put", kind, digest)

@@ -56,7 +56,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` → ``("bucket", "some/prefix")``."""
     if not url.startswith("s3://"):
         raise ConfigError("ADSTORE_REMOTE", f"{url!r} is not an s3:// URL")
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     if not bucket:
         raise ConfigError("ADSTORE_REMOTE", f"{url!r} names no bucket (s3://BUCKET/PREFIX)")
     return bucket, prefix.strip("/")
@@ -144,8 +144,9 @@ class S3Backend(RemoteBackend):
             yield
         except exc_mod.ClientError as exc:
             err = exc.response.get("Error", {})
-            raise status_error(_status(exc) or 0, f"{err.get('Code', '')} {err.get('Message', '')}".strip(),
-                               op=op, target=key) from exc
+            raise status_error(
+                _status(exc) or 0, f"{err.get('Code', '')} {err.get('Message', '')}".strip(), op=op, target=key
+            ) from exc
         except (exc_mod.ConnectTimeoutError, exc_mod.ReadTimeoutError) as exc:
             raise RemoteTimeout(str(exc), op=op, target=key) from exc
         except (exc_mod.ConnectionError, exc_mod.HTTPClientError, exc_mod.IncompleteReadError) as exc:
@@ -208,12 +209,14 @@ class S3Backend(RemoteBackend):
             if size > self.multipart_threshold and not isinstance(data, (bytes, bytearray, memoryview)):
                 from boto3.s3.transfer import TransferConfig
 
-                self._client.upload_fileobj(data, self.bucket, key,
-                                            Config=TransferConfig(multipart_threshold=self.multipart_threshold))
+                self._client.upload_fileobj(
+                    data, self.bucket, key, Config=TransferConfig(multipart_threshold=self.multipart_threshold)
+                )
             else:
                 body = bytes(data) if isinstance(data, (bytearray, memoryview)) else data
-                self._client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentLength=size,
-                                        **self._checksum(kind, digest))
+                self._client.put_object(
+                    Bucket=self.bucket, Key=key, Body=body, ContentLength=size, **self._checksum(kind, digest)
+                )
         return size
 
     def head(self, kind: Kind, digest: str) -> int | None:
@@ -227,8 +230,14 @@ class S3Backend(RemoteBackend):
         size = body_size(data)
         with self._translated("put_if_absent", key):
             try:
-                self._client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentLength=size,
-                                        IfNoneMatch="*", **self._checksum(kind, digest))
+                self._client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    ContentLength=size,
+                    IfNoneMatch="*",
+                    **self._checksum(kind, digest),
+                )
             except self._exc.ClientError as exc:
                 status = _status(exc)
                 if status in (409, 412):  # exists, or a concurrent conditional write won

@@ -68,8 +68,9 @@ def _crypto() -> Any:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError as exc:
-        raise ConfigError("ADSTORE_SIGNING_KEY", "signed records need cryptography: "
-                          "pip install 'adstore[remote]'") from exc
+        raise ConfigError(
+            "ADSTORE_SIGNING_KEY", "signed records need cryptography: pip install 'adstore[remote]'"
+        ) from exc
     return exceptions, serialization, ed25519
 
 
@@ -94,8 +95,9 @@ def generate_keypair() -> KeyPair:
     private = ed25519.Ed25519PrivateKey.generate()
     public = private.public_key()
     return KeyPair(
-        private_pem=private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()),
+        private_pem=private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
         public_pem=public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
         key_id=_key_id(public),
     )
@@ -117,7 +119,9 @@ class Signer:
     def __init__(self, private_key: Any) -> None:
         _, _, ed25519 = _crypto()
         if not isinstance(private_key, ed25519.Ed25519PrivateKey):
-            raise ConfigError("ADSTORE_SIGNING_KEY", f"expected an Ed25519 private key, got {type(private_key).__name__}")
+            raise ConfigError(
+                "ADSTORE_SIGNING_KEY", f"expected an Ed25519 private key, got {type(private_key).__name__}"
+            )
         self._key = private_key
         self.key_id = _key_id(private_key.public_key())
 
@@ -143,14 +147,19 @@ class Signer:
 
     def public_pem(self) -> bytes:
         _, serialization, _ = _crypto()
-        pem: bytes = self._key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+        pem: bytes = self._key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
         return pem
 
     def seal(self, payload: Mapping[str, Any]) -> bytes:
         """The signed envelope of ``payload`` (a JSON-able dict), as bytes to upload."""
-        signed = {"format": ENVELOPE_FORMAT, "version": ENVELOPE_VERSION, "key_id": self.key_id,
-                  "payload": dict(payload)}
+        signed = {
+            "format": ENVELOPE_FORMAT,
+            "version": ENVELOPE_VERSION,
+            "key_id": self.key_id,
+            "payload": dict(payload),
+        }
         signature = self._key.sign(canonical_json(signed))
         return canonical_json({**signed, "signature": base64.b64encode(signature).decode()})
 
@@ -225,6 +234,7 @@ class TrustedKeys:
         undecodable, another format or version, unsigned, an unknown key, a
         bad signature (forged, tampered or re-signed by an untrusted key).
         """
+
         def refuse(why: str, key_id: str | None = None) -> UntrustedRecord:
             return UntrustedRecord(why, key_id=key_id, target=target)
 

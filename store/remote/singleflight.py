@@ -93,8 +93,18 @@ class Lease:
 
     def encode(self) -> bytes:
         h = self.holder
-        return canonical_json({"v": 1, "key": self.key, "host": h.host, "pid": h.pid, "start_time": h.start_time,
-                               "nonce": h.nonce, "created": self.created, "expires": self.expires})
+        return canonical_json(
+            {
+                "v": 1,
+                "key": self.key,
+                "host": h.host,
+                "pid": h.pid,
+                "start_time": h.start_time,
+                "nonce": h.nonce,
+                "created": self.created,
+                "expires": self.expires,
+            }
+        )
 
     @classmethod
     def decode(cls, raw: bytes) -> Lease | None:
@@ -235,8 +245,11 @@ class SingleFlight:
                 continue  # released between our write and our read: try again
             if self._live(current):
                 return self._flight(key, Role.FOLLOWER, lease=current)
-            log.info("remote build lease of %s is stale (%s); taking it over", key,
-                     "undecodable" if current is None else f"held by {current.holder.host}:{current.holder.pid}")
+            log.info(
+                "remote build lease of %s is stale (%s); taking it over",
+                key,
+                "undecodable" if current is None else f"held by {current.holder.host}:{current.holder.pid}",
+            )
             self.remote.count("flight.takeovers")
             self.remote.delete(Kind.AC, lease_address(key))
         return self._flight(key, Role.SOLO, str(Reason.BUILDER_GONE))
@@ -253,8 +266,9 @@ class SingleFlight:
     def _start(self, flight: Flight, heartbeat: float | None) -> Flight:
         if flight.leader and heartbeat:
             flight._stop = threading.Event()
-            threading.Thread(target=self._beat, args=(flight, heartbeat), daemon=True,
-                             name=f"adstore-lease-{flight.key[:12]}").start()
+            threading.Thread(
+                target=self._beat, args=(flight, heartbeat), daemon=True, name=f"adstore-lease-{flight.key[:12]}"
+            ).start()
         return flight
 
     def _beat(self, flight: Flight, interval: float) -> None:

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
 from ..codec import Encoding
 from ..errors import ChecksumMismatch
-from ..records.format import RECORD_FORMAT
 from ..index.rows import BlobRef
 from ..names import validate_digest
+from ..records.format import RECORD_FORMAT
 from .addresses import Kind
 from .backend import local_write_error
 from .deadline import Deadline
@@ -61,8 +61,14 @@ class BlobSink(Protocol):
 
     def admit(self, nbytes: int) -> None: ...  # room for nbytes, or OverBudget / StoreFull before any byte
 
-    def blob_writer(self, ref: BlobRef, *, source: Encoding = ..., frame_size: int | None = ...,
-                    cancelled: threading.Event | None = ...) -> BlobWriter: ...
+    def blob_writer(
+        self,
+        ref: BlobRef,
+        *,
+        source: Encoding = ...,
+        frame_size: int | None = ...,
+        cancelled: threading.Event | None = ...,
+    ) -> BlobWriter: ...
 
 
 class BlobSource(Protocol):
@@ -83,8 +89,9 @@ def _rejected(remote: Remote, exc: RemoteChecksumMismatch) -> RemoteChecksumMism
     return exc
 
 
-def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False,
-               deadline: Deadline | None = None) -> Outcome[Path]:
+def fetch_blob(
+    remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False, deadline: Deadline | None = None
+) -> Outcome[Path]:
     """Download blob ``digest`` into the new file ``dest`` (never replacing or following anything there).
 
     Returns ``dest`` only if the content hashes to ``digest`` and is exactly
@@ -100,8 +107,9 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise local_write_error(exc, dest) from exc
-        writer = HashingWriter(fd, str(dest), background=size >= BACKGROUND_HASH_BYTES, durable=fsync,
-                               cancelled=cancelled)
+        writer = HashingWriter(
+            fd, str(dest), background=size >= BACKGROUND_HASH_BYTES, durable=fsync, cancelled=cancelled
+        )
         try:
             try:
                 n = remote.backend.get_to(Kind.CAS, digest, writer, size)  # type: ignore[arg-type]
@@ -115,8 +123,9 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
             if n is None:
                 raise RemoteBlobMissing(digest)
             if writer.hexdigest() != digest or writer.size != size:
-                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.size,
-                                             got_digest=writer.hexdigest())
+                raise RemoteChecksumMismatch(
+                    digest, expected_size=size, got_size=writer.size, got_digest=writer.hexdigest()
+                )
             if fsync:
                 os.fsync(fd)
             with commit_lock:
@@ -136,16 +145,24 @@ def fetch_blob(remote: Remote, digest: str, size: int, *, dest: Path, fsync: boo
             cancelled.set()
 
     try:
-        n = remote._call("get", Kind.CAS, digest, run, deadline=remote.limits.start(size).sooner(deadline),
-                         on_expire=expire)
+        n = remote._call(
+            "get", Kind.CAS, digest, run, deadline=remote.limits.start(size).sooner(deadline), on_expire=expire
+        )
     except RemoteChecksumMismatch as exc:
         raise _rejected(remote, exc) from None
     remote.count("blobs_down")
     return Outcome(value=dest, nbytes=n)
 
 
-def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, frame: int | None = None,
-              deadline: Deadline | None = None) -> int:
+def pull_blob(
+    remote: Remote,
+    digest: str,
+    size: int,
+    *,
+    sink: BlobSink,
+    frame: int | None = None,
+    deadline: Deadline | None = None,
+) -> int:
     """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
 
     ``frame``: the blob travels as a zstd frame of that many bytes (``zcas/``),
@@ -157,13 +174,18 @@ def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, frame: 
     kind, limit = (Kind.CAS, size) if frame is None else (Kind.ZCAS, frame)
 
     def run() -> int:
-        with sink.blob_writer(BlobRef(digest, size), source=Encoding.RAW if frame is None else Encoding.ZSTD,
-                              frame_size=frame, cancelled=cancelled) as writer:
+        with sink.blob_writer(
+            BlobRef(digest, size),
+            source=Encoding.RAW if frame is None else Encoding.ZSTD,
+            frame_size=frame,
+            cancelled=cancelled,
+        ) as writer:
             try:
                 n = remote.backend.get_to(kind, digest, writer, limit)  # type: ignore[arg-type]
             except ChecksumMismatch:  # the writer refused a byte past the declared size
-                raise RemoteChecksumMismatch(digest, expected_size=limit, got_size=writer.received + 1,
-                                             got_digest=None) from None
+                raise RemoteChecksumMismatch(
+                    digest, expected_size=limit, got_size=writer.received + 1, got_digest=None
+                ) from None
             finally:
                 remote.count("bytes_down", writer.received)
             if n is None:
@@ -171,22 +193,29 @@ def pull_blob(remote: Remote, digest: str, size: int, *, sink: BlobSink, frame: 
             try:
                 writer.commit()
             except ChecksumMismatch as exc:
-                raise RemoteChecksumMismatch(digest, expected_size=size, got_size=writer.received,
-                                             got_digest=exc.got) from None
+                raise RemoteChecksumMismatch(
+                    digest, expected_size=size, got_size=writer.received, got_digest=exc.got
+                ) from None
             return n
 
     try:
-        n = remote._call("get", kind, digest, run, deadline=remote.limits.start(limit).sooner(deadline),
-                         on_expire=cancelled.set)
+        n = remote._call(
+            "get", kind, digest, run, deadline=remote.limits.start(limit).sooner(deadline), on_expire=cancelled.set
+        )
     except RemoteChecksumMismatch as exc:
         raise _rejected(remote, exc) from None
     remote.count("blobs_down")
     return n
 
 
-def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSink,
-               stored: Mapping[str, tuple[Encoding, int]] | None = None,
-               deadline: Deadline | None = None) -> Outcome[int]:
+def pull_blobs(
+    remote: Remote,
+    refs: Iterable[tuple[str, int]],
+    *,
+    sink: BlobSink,
+    stored: Mapping[str, tuple[Encoding, int]] | None = None,
+    deadline: Deadline | None = None,
+) -> Outcome[int]:
     """Stream every blob of ``refs`` that ``sink`` lacks into it: all, or the first failure.
 
     ``stored`` (a record's): the blobs that travel as zstd frames, and the
@@ -209,8 +238,9 @@ def pull_blobs(remote: Remote, refs: Iterable[tuple[str, int]], *, sink: BlobSin
     return Outcome(value=received, nbytes=received)
 
 
-def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *,
-              kind: Kind = Kind.CAS) -> Outcome[int]:
+def push_blob(
+    remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
+) -> Outcome[int]:
     """Upload a blob (``cas/``: its content; ``zcas/``: its frame) unless the remote holds it with this size.
 
     The bytes sent (0 when it had it).
@@ -235,8 +265,15 @@ def push_blob(remote: Remote, digest: str, size: int, source: str | os.PathLike[
     return Outcome(value=sent, nbytes=sent)
 
 
-def publish(remote: Remote, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
-            *, source: BlobSource) -> Outcome[int]:
+def publish(
+    remote: Remote,
+    key: str,
+    rank: int,
+    payload: Mapping[str, Any],
+    refs: Iterable[tuple[str, int]],
+    *,
+    source: BlobSource,
+) -> Outcome[int]:
     """Push the blobs the remote lacks, then this rank's signed record, last.
 
     A blob the store keeps as a zstd frame travels as that frame (``zcas/``)
@@ -261,8 +298,11 @@ def publish(remote: Remote, key: str, rank: int, payload: Mapping[str, Any], ref
             return pushed
         sent += pushed.nbytes
     if stored:
-        payload = {**payload, "format": RECORD_FORMAT,
-                   "stored": {d: [str(enc), n] for d, (enc, n) in sorted(stored.items())}}
+        payload = {
+            **payload,
+            "format": RECORD_FORMAT,
+            "stored": {d: [str(enc), n] for d, (enc, n) in sorted(stored.items())},
+        }
     record = remote.push_record(key, rank, payload)
     if not record.ok:
         return record

@@ -37,8 +37,9 @@ _STOP = object()
 class BackgroundUploader:
     """One daemon thread running upload jobs from a bounded queue; counters on the Remote."""
 
-    def __init__(self, remote: Remote, *, max_queue: int = DEFAULT_QUEUE,
-                 exit_flush: float | None = DEFAULT_EXIT_FLUSH) -> None:
+    def __init__(
+        self, remote: Remote, *, max_queue: int = DEFAULT_QUEUE, exit_flush: float | None = DEFAULT_EXIT_FLUSH
+    ) -> None:
         self.remote = remote
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._cond = threading.Condition()
@@ -77,12 +78,14 @@ class BackgroundUploader:
             self.remote.count("uploads.queued")
         return accepted
 
-    def publish(self, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]],
-                *, source: BlobSource) -> bool:
+    def publish(
+        self, key: str, rank: int, payload: Mapping[str, Any], refs: Iterable[tuple[str, int]], *, source: BlobSource
+    ) -> bool:
         """Queue :meth:`Remote.publish` of one rank's entry (blobs, then the record)."""
         refs = list(refs)
-        return self.submit(lambda: self.remote.publish(key, rank, payload, refs, source=source),
-                           label=f"{key} rank {rank}")
+        return self.submit(
+            lambda: self.remote.publish(key, rank, payload, refs, source=source), label=f"{key} rank {rank}"
+        )
 
     def _run(self) -> None:
         while True:

@@ -36,11 +36,22 @@ from adstore.store import Store
 def snapshot_like(size: int, seed: int = 0) -> bytes:
     """Bytes that compress about as the demo's snapshot does (graph nodes as text and pickled structure)."""
     rnd = random.Random(seed)
-    names = [f"{p}_{i}".encode() for p in (b"linear", b"rms_norm", b"rope", b"add", b"mul", b"view") for i in range(400)]
-    lines = [b'\x80\x04\x95%s(op=call_function, target=torch.ops.aten.%s.default, args=(%s, %d), meta={val: '
-             b'TensorSpec(shape=[2, %d, 256], dtype=float32, stride=[%d, 256, 1])})\n'
-             % (bytes([rnd.randint(0, 255)]) * 2, rnd.choice(names), rnd.choice(names), rnd.randint(0, 99),
-                rnd.randint(1, 64), rnd.randint(256, 65536)) for _ in range(20000)]
+    names = [
+        f"{p}_{i}".encode() for p in (b"linear", b"rms_norm", b"rope", b"add", b"mul", b"view") for i in range(400)
+    ]
+    lines = [
+        b"\x80\x04\x95%s(op=call_function, target=torch.ops.aten.%s.default, args=(%s, %d), meta={val: "
+        b"TensorSpec(shape=[2, %d, 256], dtype=float32, stride=[%d, 256, 1])})\n"
+        % (
+            bytes([rnd.randint(0, 255)]) * 2,
+            rnd.choice(names),
+            rnd.choice(names),
+            rnd.randint(0, 99),
+            rnd.randint(1, 64),
+            rnd.randint(256, 65536),
+        )
+        for _ in range(20000)
+    ]
     out = b"".join(rnd.choices(lines, k=size // 150 + 1))
     return out[:size]
 
@@ -60,7 +71,7 @@ def durable_floor(data: bytes, path: Path) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -88,8 +99,14 @@ def reads(work: Path, size: int, reps: int) -> dict:
     compressed.close()
     raw_store.close()
     mib = size / (1 << 20)
-    return {"size_mib": mib, "ratio_on_disk": size / stored.stored, "compressed_get_mib_s": mib / z,
-            "raw_get_mib_s": mib / r, "ratio_vs_raw": r / z, "meets_0_8x": r / z >= 0.8}
+    return {
+        "size_mib": mib,
+        "ratio_on_disk": size / stored.stored,
+        "compressed_get_mib_s": mib / z,
+        "raw_get_mib_s": mib / r,
+        "ratio_vs_raw": r / z,
+        "meets_0_8x": r / z >= 0.8,
+    }
 
 
 def writes(work: Path, size: int, reps: int) -> dict:
@@ -120,8 +137,9 @@ def demo_entries(work: Path) -> dict:
     factory = ModelFactory.from_config({"arch": "llama", "layers": 4, "hidden": 256})
     ckpt = write_random_checkpoint(factory.build(), work / "demo-ckpt", seed=0)
     os.environ["ADSTORE_ROOT"] = str(root)
-    opt = InferenceOptimizer(factory, ckpt, default_transforms(pipeline_cache={"root": str(root)},
-                                                               compile={"backend": "aoti"}))
+    opt = InferenceOptimizer(
+        factory, ckpt, default_transforms(pipeline_cache={"root": str(root)}, compile={"backend": "aoti"})
+    )
     opt()
     out = {}
     with Store.open(root) as store:
@@ -160,18 +178,35 @@ def main(argv: list[str] | None = None) -> int:
     if "demo" in res:
         for label, target in (("snapshot", "5x"), ("engine", "2x")):
             d = res["demo"][label]
-            rows.append((f"demo {label} entries on disk", f"{d['stored_bytes']:,} B", f"{d['content_bytes']:,} B content",
-                         f"{d['ratio']:.1f}x fewer (target ≥ {target})"))
+            rows.append(
+                (
+                    f"demo {label} entries on disk",
+                    f"{d['stored_bytes']:,} B",
+                    f"{d['content_bytes']:,} B content",
+                    f"{d['ratio']:.1f}x fewer (target ≥ {target})",
+                )
+            )
     for name in ("get_1mib", "get_big"):
         d = res[name]
-        rows.append((f"verified get {d['size_mib']:.0f} MiB, compressed ({d['ratio_on_disk']:.1f}x)",
-                     f"{d['compressed_get_mib_s']:.0f} MiB/s", f"{d['raw_get_mib_s']:.0f} MiB/s stored raw",
-                     f"{d['ratio_vs_raw']:.2f}x (target ≥ 0.8x)"))
+        rows.append(
+            (
+                f"verified get {d['size_mib']:.0f} MiB, compressed ({d['ratio_on_disk']:.1f}x)",
+                f"{d['compressed_get_mib_s']:.0f} MiB/s",
+                f"{d['raw_get_mib_s']:.0f} MiB/s stored raw",
+                f"{d['ratio_vs_raw']:.2f}x (target ≥ 0.8x)",
+            )
+        )
     p = res["put_big"]
     for kind, note in (("incompressible", "(target ≥ 0.8x)"), ("snapshot_like", "(reported)")):
         d = p[kind]
-        rows.append((f"put {p['size_mib']:.0f} MiB, {kind.replace('_', '-')}", f"{d['put_mib_s']:.0f} MiB/s",
-                     f"{d['floor_mib_s']:.0f} MiB/s (sha256 + write + fsync)", f"{d['ratio_vs_floor']:.2f}x {note}"))
+        rows.append(
+            (
+                f"put {p['size_mib']:.0f} MiB, {kind.replace('_', '-')}",
+                f"{d['put_mib_s']:.0f} MiB/s",
+                f"{d['floor_mib_s']:.0f} MiB/s (sha256 + write + fsync)",
+                f"{d['ratio_vs_floor']:.2f}x {note}",
+            )
+        )
     print(f"{'benchmark':48} {'adstore':16} {'baseline':38} ratio")
     for r in rows:
         print(f"{r[0]:48} {r[1]:16} {r[2]:38} {r[3]}")

@@ -46,10 +46,10 @@ from adstore.daemon.config import DaemonConfig
 from adstore.daemon.enforce import Enforcer
 from adstore.daemon.lock import STATUS_NAME
 from adstore.store import Store
-from adstore.store.layout import Layout
-from adstore.store.records.sync import RecordWriter
-from adstore.store.manifests import commit, publish
 from adstore.store.index.tables import Tables
+from adstore.store.layout import Layout
+from adstore.store.manifests import commit, publish
+from adstore.store.records.sync import RecordWriter
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -79,8 +79,12 @@ STARTUPS: list[float] = []  # seconds from exec to READY=1, every daemon start
 def start_daemon(root: Path, config: Path, notify: Notify) -> subprocess.Popen:
     env = {**os.environ, "NOTIFY_SOCKET": notify.address}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*_adstore_cmd(), "daemon", "--config", str(config), "--root", str(root)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*_adstore_cmd(), "daemon", "--config", str(config), "--root", str(root)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     notify.wait_ready()
     STARTUPS.append(time.perf_counter() - t0)
     return proc
@@ -101,8 +105,7 @@ def write_entries(store: Store, prefix: str, count: int, size: int) -> list[str]
         key = f"{prefix}-{i}-{uuid.uuid4().hex}"
         ref = store.put_bytes(os.urandom(size))
         gen = store.new_generation()
-        store.publish(key, rank=0, world_size=1, generation=gen, artifacts={"module.pt": ref},
-                      namespace="pipeline")
+        store.publish(key, rank=0, world_size=1, generation=gen, artifacts={"module.pt": ref}, namespace="pipeline")
         store.commit(key, rank=0, generation=gen)
         keys.append(key)
     return keys
@@ -112,8 +115,9 @@ def write_entries(store: Store, prefix: str, count: int, size: int) -> list[str]
 def bench_crossing(work: Path, trials: int) -> dict[str, Any]:
     root = work / "crossing"
     cfg = work / "crossing.toml"
-    cfg.write_text('max_size = "4M"\nhigh_watermark = 0.9\nlow_watermark = 0.7\n'
-                   'grace_period = "200ms"\nfallback_interval = "1h"\n')
+    cfg.write_text(
+        'max_size = "4M"\nhigh_watermark = 0.9\nlow_watermark = 0.7\ngrace_period = "200ms"\nfallback_interval = "1h"\n'
+    )
     budget, entry = 4 * MIB, 66 * KIB
     high, low = int(budget * 0.9), int(budget * 0.7)
     latencies, work_seconds = [], []
@@ -139,9 +143,16 @@ def bench_crossing(work: Path, trials: int) -> dict[str, Any]:
         finally:
             stop(daemon)
     med, base = statistics.median(latencies), statistics.median(work_seconds)
-    return {"trials": trials, "latency_s": latencies, "latency_median_s": med, "latency_max_s": max(latencies),
-            "baseline_eviction_work_s": base, "ratio_latency_to_work": med / base if base else None,
-            "target_s": 2.0, "meets_target": max(latencies) < 2.0}
+    return {
+        "trials": trials,
+        "latency_s": latencies,
+        "latency_median_s": med,
+        "latency_max_s": max(latencies),
+        "baseline_eviction_work_s": base,
+        "ratio_latency_to_work": med / base if base else None,
+        "target_s": 2.0,
+        "meets_target": max(latencies) < 2.0,
+    }
 
 
 # ---------------------------------------------------------------- 2. idle CPU
@@ -187,12 +198,16 @@ def bench_idle(work: Path, seconds: float) -> dict[str, Any]:
     wall = t1 - t0
     daemon_pct, poll_pct = 100 * (d1 - d0) / wall, 100 * (p1 - p0) / wall
     tick = 1.0 / os.sysconf("SC_CLK_TCK")  # cpu_times resolution: report an upper bound too
-    return {"seconds": wall, "daemon_cpu_percent": daemon_pct,
-            "daemon_cpu_percent_upper_bound": max(daemon_pct, 100 * tick / wall),
-            "daemon_rss_mib": rss / MIB,
-            "baseline_polling_cpu_percent": poll_pct,
-            "ratio_daemon_to_polling": daemon_pct / poll_pct if poll_pct else None,
-            "target_percent": 0.1, "meets_target": max(daemon_pct, 100 * tick / wall) < 0.1}
+    return {
+        "seconds": wall,
+        "daemon_cpu_percent": daemon_pct,
+        "daemon_cpu_percent_upper_bound": max(daemon_pct, 100 * tick / wall),
+        "daemon_rss_mib": rss / MIB,
+        "baseline_polling_cpu_percent": poll_pct,
+        "ratio_daemon_to_polling": daemon_pct / poll_pct if poll_pct else None,
+        "target_percent": 0.1,
+        "meets_target": max(daemon_pct, 100 * tick / wall) < 0.1,
+    }
 
 
 # ---------------------------------------------------------------- 3 + 4. 100k entries
@@ -211,14 +226,25 @@ def populate_bulk(store: Store, n: int, size: int, unique: int) -> float:
     refs = [store.put_bytes(i.to_bytes(8, "little") + os.urandom(size - 8)) for i in range(unique)]
     tables = Tables(store.index, Layout(store.root))
     for start in range(0, n, 1000):
+
         def fn(t: Any, start: int = start) -> None:
             for i in range(start, min(n, start + 1000)):
                 key = f"bulk{i:08d}"
                 gen = i + 1
-                publish(t, key=key, rank=0, world_size=1, generation=gen,
-                        artifacts={"module.pt": refs[i % unique]}, namespace="pipeline",
-                        components={"i": i}, meta={}, file_ok=lambda digest, size: True)
+                publish(
+                    t,
+                    key=key,
+                    rank=0,
+                    world_size=1,
+                    generation=gen,
+                    artifacts={"module.pt": refs[i % unique]},
+                    namespace="pipeline",
+                    components={"i": i},
+                    meta={},
+                    file_ok=lambda digest, size: True,
+                )
                 commit(t, key=key, rank=0, generation=gen)
+
         tables.write(fn)
     writer = RecordWriter(tables)
     for i in range(n):
@@ -246,8 +272,9 @@ def bench_bulk(work: Path, n: int, batch_size: int, unique: int) -> dict[str, An
     python_s = _time_cmd([sys.executable, "-c", "pass"])
 
     with Store.open(root, grace_period=0) as store:
-        cfg = DaemonConfig.from_mapping({"max_size": 1, "high_watermark": 1.0, "low_watermark": 0.5,
-                                         "grace_period": 0, "batch_size": batch_size})
+        cfg = DaemonConfig.from_mapping(
+            {"max_size": 1, "high_watermark": 1.0, "low_watermark": 0.5, "grace_period": 0, "batch_size": batch_size}
+        )
         t0 = time.perf_counter()
         result = Enforcer(store, cfg).run_pass()
         evict_s = time.perf_counter() - t0
@@ -257,8 +284,7 @@ def bench_bulk(work: Path, n: int, batch_size: int, unique: int) -> dict[str, An
     import diskcache
 
     dc_dir = work / "diskcache"
-    cache = diskcache.Cache(str(dc_dir), eviction_policy="least-recently-used", size_limit=2**40,
-                            cull_limit=0)
+    cache = diskcache.Cache(str(dc_dir), eviction_policy="least-recently-used", size_limit=2**40, cull_limit=0)
     with cache.transact():
         for i in range(n):
             cache.set(f"bulk{i:08d}", os.urandom(size))
@@ -275,14 +301,25 @@ def bench_bulk(work: Path, n: int, batch_size: int, unique: int) -> dict[str, An
     dc_s = time.perf_counter() - t0
     cache.close()
     return {
-        "entries": n, "unique_blobs": min(unique, n), "entry_bytes": size, "populate_s": populate_s,
-        "stats_s": stats_s, "stats_json_s": stats_json_s, "baseline_python_startup_s": python_s,
+        "entries": n,
+        "unique_blobs": min(unique, n),
+        "entry_bytes": size,
+        "populate_s": populate_s,
+        "stats_s": stats_s,
+        "stats_json_s": stats_json_s,
+        "baseline_python_startup_s": python_s,
         "ratio_stats_to_python_startup": stats_s / python_s,
-        "evicted": evicted, "left": left, "batches": result.batches, "batch_size": batch_size,
-        "evict_s": evict_s, "evict_entries_per_s": evicted / evict_s if evict_s else None,
-        "baseline_diskcache_cull_s": dc_s, "baseline_diskcache_culled": culled,
+        "evicted": evicted,
+        "left": left,
+        "batches": result.batches,
+        "batch_size": batch_size,
+        "evict_s": evict_s,
+        "evict_entries_per_s": evicted / evict_s if evict_s else None,
+        "baseline_diskcache_cull_s": dc_s,
+        "baseline_diskcache_culled": culled,
         "ratio_evict_to_diskcache": evict_s / dc_s if dc_s else None,
-        "target_s": 10.0, "meets_target": evict_s < 10.0 and left == 0,
+        "target_s": 10.0,
+        "meets_target": evict_s < 10.0 and left == 0,
     }
 
 
@@ -292,8 +329,12 @@ def main() -> int:
     p.add_argument("--idle-seconds", type=float, default=60.0)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--unique-blobs", type=int, default=10_000,
-                   help="distinct blobs behind the bulk entries (each put is one fsynced transaction)")
+    p.add_argument(
+        "--unique-blobs",
+        type=int,
+        default=10_000,
+        help="distinct blobs behind the bulk entries (each put is one fsynced transaction)",
+    )
     p.add_argument("--skip", action="append", default=[], choices=["crossing", "idle", "bulk"])
     args = p.parse_args()
     results: dict[str, Any] = {"host_cpus": os.cpu_count(), "python": sys.version.split()[0]}
@@ -301,30 +342,42 @@ def main() -> int:
         work = Path(tmp)
         if "crossing" not in args.skip:
             results["crossing"] = r = bench_crossing(work, args.trials)
-            print(f"crossing -> under low watermark: median {r['latency_median_s']:.3f}s, "
-                  f"max {r['latency_max_s']:.3f}s (target < 2s); eviction work {r['baseline_eviction_work_s']:.4f}s, "
-                  f"ratio {r['ratio_latency_to_work']:.1f}x", flush=True)
+            print(
+                f"crossing -> under low watermark: median {r['latency_median_s']:.3f}s, "
+                f"max {r['latency_max_s']:.3f}s (target < 2s); eviction work {r['baseline_eviction_work_s']:.4f}s, "
+                f"ratio {r['ratio_latency_to_work']:.1f}x",
+                flush=True,
+            )
         if "idle" not in args.skip:
             results["idle"] = r = bench_idle(work, args.idle_seconds)
             ratio = r["ratio_daemon_to_polling"]
-            print(f"idle CPU over {r['seconds']:.0f}s: daemon {r['daemon_cpu_percent']:.4f}% "
-                  f"(<= {r['daemon_cpu_percent_upper_bound']:.4f}% at clock-tick resolution) "
-                  f"(target < 0.1%), RSS {r['daemon_rss_mib']:.0f} MiB; polling baseline "
-                  f"{r['baseline_polling_cpu_percent']:.3f}%, ratio {ratio if ratio is None else round(ratio, 4)}",
-                  flush=True)
+            print(
+                f"idle CPU over {r['seconds']:.0f}s: daemon {r['daemon_cpu_percent']:.4f}% "
+                f"(<= {r['daemon_cpu_percent_upper_bound']:.4f}% at clock-tick resolution) "
+                f"(target < 0.1%), RSS {r['daemon_rss_mib']:.0f} MiB; polling baseline "
+                f"{r['baseline_polling_cpu_percent']:.3f}%, ratio {ratio if ratio is None else round(ratio, 4)}",
+                flush=True,
+            )
         if "bulk" not in args.skip:
             results["bulk"] = r = bench_bulk(work, args.entries, args.batch_size, args.unique_blobs)
-            print(f"{r['entries']} entries: populate {r['populate_s']:.1f}s; evicted {r['evicted']} in "
-                  f"{r['batches']} batches in {r['evict_s']:.2f}s ({r['evict_entries_per_s']:.0f}/s, target < 10s); "
-                  f"diskcache cull {r['baseline_diskcache_cull_s']:.2f}s, ratio {r['ratio_evict_to_diskcache']:.2f}x",
-                  flush=True)
-            print(f"adstore stats on {r['entries']} entries: {r['stats_s']:.3f}s (--json {r['stats_json_s']:.3f}s); "
-                  f"python start-up {r['baseline_python_startup_s']:.3f}s, ratio "
-                  f"{r['ratio_stats_to_python_startup']:.1f}x", flush=True)
+            print(
+                f"{r['entries']} entries: populate {r['populate_s']:.1f}s; evicted {r['evicted']} in "
+                f"{r['batches']} batches in {r['evict_s']:.2f}s ({r['evict_entries_per_s']:.0f}/s, target < 10s); "
+                f"diskcache cull {r['baseline_diskcache_cull_s']:.2f}s, ratio {r['ratio_evict_to_diskcache']:.2f}x",
+                flush=True,
+            )
+            print(
+                f"adstore stats on {r['entries']} entries: {r['stats_s']:.3f}s (--json {r['stats_json_s']:.3f}s); "
+                f"python start-up {r['baseline_python_startup_s']:.3f}s, ratio "
+                f"{r['ratio_stats_to_python_startup']:.1f}x",
+                flush=True,
+            )
     if STARTUPS:
         results["startup_to_ready_s"] = STARTUPS
-        print(f"daemon start-up to READY=1: {', '.join(f'{s:.2f}s' for s in STARTUPS)} "
-              f"(python start-up {_time_cmd([sys.executable, '-c', 'pass']):.2f}s)")
+        print(
+            f"daemon start-up to READY=1: {', '.join(f'{s:.2f}s' for s in STARTUPS)} "
+            f"(python start-up {_time_cmd([sys.executable, '-c', 'pass']):.2f}s)"
+        )
     print(f"wrote {write_results('daemon.json', results, partial=bool(args.skip))}")
     return 0
 

@@ -60,8 +60,8 @@ def child(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     import torch
 
-    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.integration.engine.cache import EngineCache
+    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.store import Store
 
     model = build(args.hidden, 5)
@@ -87,7 +87,10 @@ def run_child(extra: list[str], hidden: int, batch: int) -> tuple[float, dict[st
     t = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, "--hidden", str(hidden), "--batch", str(batch), *extra],
-        capture_output=True, text=True, check=True, timeout=900,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
     )
     wall = time.perf_counter() - t
     return wall, json.loads(proc.stdout.strip().splitlines()[-1])
@@ -109,8 +112,8 @@ def main() -> int:
 
     import torch
 
-    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.integration.engine.cache import EngineCache
+    from adstore.integration.engine.storage import StoreEngineStorage
     from adstore.store import Store
 
     def model(seed: int) -> Any:
@@ -141,10 +144,7 @@ def main() -> int:
     assert from_memory.event.source == "memory", from_memory.event
 
     with torch.no_grad():
-        err = max(
-            (from_store(x) - m2(x)).abs().max().item(),
-            (from_memory(x) - m3(x)).abs().max().item(),
-        )
+        err = max((from_store(x) - m2(x)).abs().max().item(), (from_memory(x) - m3(x)).abs().max().item())
 
     t = time.perf_counter()  # same graph again, inductor's own caches now warm
     warm = EngineCache(backend).compile(model(4), (x,), ignore_engine_cache=True)
@@ -219,16 +219,24 @@ def main() -> int:
     print(f"model: {results['model']}, weights {weight_bytes / 1e6:.1f} MB")
     print(f"compile (miss, cold):        {t_compile:8.3f} s")
     print(f"compile (miss, warm):        {t_warm:8.3f} s   (plain AOTI with weights, warm: {t_plain:.3f} s)")
-    print(f"hit from store + refit:      {t_store:8.3f} s   -> {r['cold_compile_over_store_hit']}x faster "
-          f"than cold, {r['warm_compile_over_store_hit']}x than warm")
+    print(
+        f"hit from store + refit:      {t_store:8.3f} s   -> {r['cold_compile_over_store_hit']}x faster "
+        f"than cold, {r['warm_compile_over_store_hit']}x than warm"
+    )
     print(f"hit from memory + refit:     {t_memory:8.3f} s   -> {r['cold_compile_over_memory_hit']}x faster")
-    print(f"next process, compile() hit: {nxt['compile_call']:8.3f} s   vs recompile {nxt_miss['compile_call']:.3f} s "
-          f"-> {r['next_process_recompile_over_hit_call']}x faster (first export + inductor import included)")
-    print(f"next process, whole run:     {nxt['total']:8.3f} s   vs {nxt_miss['total']:.3f} s recompiling "
-          f"({r['next_process_total_without_over_with_cache']}x); {base['total']:.3f} s with no engine at all")
+    print(
+        f"next process, compile() hit: {nxt['compile_call']:8.3f} s   vs recompile {nxt_miss['compile_call']:.3f} s "
+        f"-> {r['next_process_recompile_over_hit_call']}x faster (first export + inductor import included)"
+    )
+    print(
+        f"next process, whole run:     {nxt['total']:8.3f} s   vs {nxt_miss['total']:.3f} s recompiling "
+        f"({r['next_process_total_without_over_with_cache']}x); {base['total']:.3f} s with no engine at all"
+    )
     print(f"package with weights:        {b['package_with_weights']:10d} B")
-    print(f"package without weights:     {b['package_without_weights']:10d} B   -> "
-          f"{r['bytes_with_weights_over_without']}x smaller (+{meta_bytes} B metadata)")
+    print(
+        f"package without weights:     {b['package_without_weights']:10d} B   -> "
+        f"{r['bytes_with_weights_over_without']}x smaller (+{meta_bytes} B metadata)"
+    )
     print(f"max |engine - eager|:        {err:.2e}")
     print(f"wrote {results_dir() / 'engine.json'}")
     return 0

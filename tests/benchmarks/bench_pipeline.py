@@ -63,8 +63,9 @@ def main() -> int:
         root = Path(tmp) / "store"
 
         def phase(cache: bool) -> dict:
-            tr = default_transforms(pipeline_cache={"root": str(root), "enabled": cache},
-                                    export_to_gm={"dynamic": args.dynamic})
+            tr = default_transforms(
+                pipeline_cache={"root": str(root), "enabled": cache}, export_to_gm={"dynamic": args.dynamic}
+            )
             ranks = run_ranks({"model": model, "checkpoint": str(ckpt), "transforms": tr}, args.world_size)
             for res in ranks:
                 if "error" in res:
@@ -117,21 +118,27 @@ def main() -> int:
         "bench_wall_s": round(wall, 1),
         "cpu_count": os.cpu_count(),
     }
-    figures["targets_met"] = (figures["ratios"]["restore_speedup_vs_prefix"] >= 20
-                              and figures["ratios"]["save_overhead_fraction_of_cold"] < 0.10)
+    figures["targets_met"] = (
+        figures["ratios"]["restore_speedup_vs_prefix"] >= 20
+        and figures["ratios"]["save_overhead_fraction_of_cold"] < 0.10
+    )
     out = Path(args.out) if args.out else results_dir() / "bench_pipeline.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2))
     r = figures["ratios"]
-    print(f"pipeline cache, {args.arch} {args.layers} layers hidden {args.hidden}, world size {args.world_size}"
-          f"{', dynamic shapes' if args.dynamic else ''} ({stored} bytes stored per entry)")
+    print(
+        f"pipeline cache, {args.arch} {args.layers} layers hidden {args.hidden}, world size {args.world_size}"
+        f"{', dynamic shapes' if args.dynamic else ''} ({stored} bytes stored per entry)"
+    )
     print(f"  no-cache baseline  {bt['total']:8.3f} s")
     print(f"  cold (miss+save)   {ct['total']:8.3f} s   x{r['cold_vs_nocache_baseline']:.3f} of baseline")
     print(f"  warm (hit)         {wt['total']:8.3f} s   {r['warm_speedup_vs_cold']:.1f}x faster than cold")
     print(f"  cached prefix      {prefix_s:8.3f} s")
     print(f"  restore            {restore_s:8.3f} s   {r['restore_speedup_vs_prefix']:.1f}x faster (target >= 20x)")
-    print(f"  miss lookup + save {overhead_s:8.3f} s   {100 * r['save_overhead_fraction_of_cold']:.2f}% of cold "
-          "(target < 10%)")
+    print(
+        f"  miss lookup + save {overhead_s:8.3f} s   {100 * r['save_overhead_fraction_of_cold']:.2f}% of cold "
+        "(target < 10%)"
+    )
     print(f"  outputs match: {figures['outputs_match']}; targets met: {figures['targets_met']}; -> {out}")
     return 0
 

@@ -71,7 +71,7 @@ def throughput(remote, work: Path, data: bytes, repeat: int, *, plain_put, plain
         up_a.append(timed(lambda: _ok(remote.push_blob(digest, size, src), size)))
         up_b.append(timed(lambda: plain_put(digest, data)))
         dest = work / f"down-{i}"
-        down_a.append(timed(lambda: _ok(remote.fetch_blob(digest, size, dest=dest), size)))
+        down_a.append(timed(lambda dest=dest: _ok(remote.fetch_blob(digest, size, dest=dest), size)))
         dest.unlink()
         down_b.append(timed(lambda: _check_len(plain_get(digest), size)))
     rates = {}
@@ -103,9 +103,14 @@ def s3_throughput(endpoint: str, work: Path, size: int, repeat: int) -> dict:
     client = boto3.session.Session().client("s3", endpoint_url=endpoint)
     remote = open_remote(f"s3://{BUCKET}/bench", endpoint_url=endpoint, mode="read-write", timeout=60)
     return throughput(
-        remote, work, os.urandom(size), repeat, baseline="boto3",
+        remote,
+        work,
+        os.urandom(size),
+        repeat,
+        baseline="boto3",
         plain_put=lambda d, data: client.put_object(Bucket=BUCKET, Key=f"bench/cas/{d}", Body=data),
-        plain_get=lambda d: client.get_object(Bucket=BUCKET, Key=f"bench/cas/{d}")["Body"].read())
+        plain_get=lambda d: client.get_object(Bucket=BUCKET, Key=f"bench/cas/{d}")["Body"].read(),
+    )
 
 
 def http_throughput(port: int, work: Path, size: int, repeat: int) -> dict:
@@ -116,8 +121,15 @@ def http_throughput(port: int, work: Path, size: int, repeat: int) -> dict:
         conn.request(method, f"/bench/cas/{digest}", body=body)
         return conn.getresponse().read()
 
-    return throughput(remote, work, os.urandom(size), repeat, baseline="http.client",
-                      plain_put=lambda d, data: plain("PUT", d, data), plain_get=lambda d: plain("GET", d))
+    return throughput(
+        remote,
+        work,
+        os.urandom(size),
+        repeat,
+        baseline="http.client",
+        plain_put=lambda d, data: plain("PUT", d, data),
+        plain_get=lambda d: plain("GET", d),
+    )
 
 
 def repush(endpoint: str, work: Path) -> dict:
@@ -126,8 +138,9 @@ def repush(endpoint: str, work: Path) -> dict:
     from adstore.store.remote import Signer, generate_keypair
 
     signer = Signer.from_pem(generate_keypair().private_pem)
-    remote = open_remote(f"s3://{BUCKET}/repush-{os.getpid()}", endpoint_url=endpoint, mode="read-write",
-                         timeout=60, signer=signer)
+    remote = open_remote(
+        f"s3://{BUCKET}/repush-{os.getpid()}", endpoint_url=endpoint, mode="read-write", timeout=60, signer=signer
+    )
     with Store.open(work / "store", grace_period=0.0) as store:
         refs = [store.put_bytes(os.urandom(n)) for n in (1 << 20, 4 << 20, 300, 70_000)]
         pairs = [(r.digest, r.size) for r in refs]
@@ -138,8 +151,13 @@ def repush(endpoint: str, work: Path) -> dict:
         second = remote.publish("k", 0, {"blobs": pairs}, pairs, source=store)
         t2 = time.perf_counter() - t
     assert first.ok and second.ok
-    return {"first_push_blob_bytes": first.value, "repush_blob_bytes": second.value, "first_push_s": t1,
-            "repush_s": t2, "meets_zero_bytes": second.value == 0}
+    return {
+        "first_push_blob_bytes": first.value,
+        "repush_blob_bytes": second.value,
+        "first_push_s": t1,
+        "repush_s": t2,
+        "meets_zero_bytes": second.value == 0,
+    }
 
 
 def down_latency(kind: str, endpoint: str, timeout: float, calls: int) -> dict:
@@ -159,9 +177,15 @@ def down_latency(kind: str, endpoint: str, timeout: float, calls: int) -> dict:
         later.append(time.perf_counter() - t)
         assert not out.ok
     p50 = statistics.median(later)
-    return {"timeout_s": timeout, "reason": first.reason, "first_call_s": first_s, "later_p50_us": p50 * 1e6,
-            "later_max_us": max(later) * 1e6, "meets_first_within_timeout": first_s <= timeout + 0.2,
-            "meets_later_under_1ms": p50 < 1e-3}
+    return {
+        "timeout_s": timeout,
+        "reason": first.reason,
+        "first_call_s": first_s,
+        "later_p50_us": p50 * 1e6,
+        "later_max_us": max(later) * 1e6,
+        "meets_first_within_timeout": first_s <= timeout + 0.2,
+        "meets_later_under_1ms": p50 < 1e-3,
+    }
 
 
 def _entry_on_remote(url: str, work: Path, data: bytes, key: str, **kw) -> tuple[object, object]:
@@ -176,8 +200,9 @@ def _entry_on_remote(url: str, work: Path, data: bytes, key: str, **kw) -> tuple
         gen = store.new_generation()
         store.publish(key, generation=gen, artifacts={"blob": ref})
         store.commit(key, generation=gen)
-        out = remote_save(store, open_remote(url, mode="read-write", signer=Signer.from_pem(pair.private_pem),
-                                             timeout=60, **kw), key)
+        out = remote_save(
+            store, open_remote(url, mode="read-write", signer=Signer.from_pem(pair.private_pem), timeout=60, **kw), key
+        )
         assert out.ok, out
     return TrustedKeys.from_pem(pair.public_pem), ref
 
@@ -204,10 +229,20 @@ def restore_throughput(name: str, url: str, work: Path, size: int, repeat: int, 
             assert out.ok, out
         for runs, fsync in ((raw, False), (durable, True)):
             dest = work / f"fetch-{name}-{i}-{fsync}"
-            runs.append(timed(lambda: _ok(remote.fetch_blob(ref.digest, size, dest=dest, fsync=fsync), size)))
+            runs.append(
+                timed(
+                    lambda dest=dest, fsync=fsync: _ok(
+                        remote.fetch_blob(ref.digest, size, dest=dest, fsync=fsync), size
+                    )
+                )
+            )
             dest.unlink()
-    d = {"size_mib": size / (1 << 20), "restore_mib_s": mib_s(size, min(ours)),
-         "fetch_blob_mib_s": mib_s(size, min(raw)), "fetch_blob_fsync_mib_s": mib_s(size, min(durable))}
+    d = {
+        "size_mib": size / (1 << 20),
+        "restore_mib_s": mib_s(size, min(ours)),
+        "fetch_blob_mib_s": mib_s(size, min(raw)),
+        "fetch_blob_fsync_mib_s": mib_s(size, min(durable)),
+    }
     d["ratio_vs_fetch_blob"] = d["restore_mib_s"] / d["fetch_blob_mib_s"]
     d["ratio_vs_fetch_blob_fsync"] = d["restore_mib_s"] / d["fetch_blob_fsync_mib_s"]
     d["meets_0_8x"] = d["ratio_vs_fetch_blob"] >= 0.8
@@ -219,8 +254,10 @@ def circuit_open_lookups(work: Path, calls: int) -> dict:
     from adstore.store import Store
 
     port = free_port()  # nothing listens: the first call is refused and opens the circuit
-    with Store.open(work / "open-circuit", remote=f"http://127.0.0.1:{port}/x") as tiered, \
-            Store.open(work / "local-only") as local:
+    with (
+        Store.open(work / "open-circuit", remote=f"http://127.0.0.1:{port}/x") as tiered,
+        Store.open(work / "local-only") as local,
+    ):
         assert tiered.lookup("warm-up").reason == "remote_unavailable"
         times = {}
         for label, store in (("circuit_open", tiered), ("local", local)):
@@ -233,8 +270,14 @@ def circuit_open_lookups(work: Path, calls: int) -> dict:
                 assert not res.hit
             times[label] = runs
     p50, base = statistics.median(times["circuit_open"]), statistics.median(times["local"])
-    return {"calls": calls, "p50_us": p50 * 1e6, "p99_us": sorted(times["circuit_open"])[calls * 99 // 100] * 1e6,
-            "local_miss_p50_us": base * 1e6, "ratio_vs_local_miss": p50 / base, "meets_20us": p50 <= 20e-6}
+    return {
+        "calls": calls,
+        "p50_us": p50 * 1e6,
+        "p99_us": sorted(times["circuit_open"])[calls * 99 // 100] * 1e6,
+        "local_miss_p50_us": base * 1e6,
+        "ratio_vs_local_miss": p50 / base,
+        "meets_20us": p50 <= 20e-6,
+    }
 
 
 def drip_deadline(work: Path, deadline: float) -> dict:
@@ -256,8 +299,14 @@ def drip_deadline(work: Path, deadline: float) -> dict:
             took = time.perf_counter() - t
     finally:
         server.close()
-    return {"record_bytes": len(record), "unbounded_s": float(len(record)), "deadline_s": deadline,
-            "lookup_s": took, "reason": str(res.reason), "meets_deadline": not res.hit and took <= deadline + 1.0}
+    return {
+        "record_bytes": len(record),
+        "unbounded_s": float(len(record)),
+        "deadline_s": deadline,
+        "lookup_s": took,
+        "reason": str(res.reason),
+        "meets_deadline": not res.hit and took <= deadline + 1.0,
+    }
 
 
 RESTART = Path(__file__).resolve().parent / "bench_restart.py"
@@ -283,11 +332,26 @@ def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: i
     ckpt = write_random_checkpoint(factory.build(), work / "ckpt", seed=0)
     private, public = write_keypair(work / "keys")
     url = f"s3://{BUCKET}/pipeline-{os.getpid()}"
-    child = [sys.executable, str(RESTART), "--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers),
-             "--hidden", str(hidden)]
+    child = [
+        sys.executable,
+        str(RESTART),
+        "--child",
+        "pipeline",
+        "--checkpoint",
+        str(ckpt),
+        "--layers",
+        str(layers),
+        "--hidden",
+        str(hidden),
+    ]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ADSTORE_")}
-    writer = {**clean, "AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write",
-              "ADSTORE_SIGNING_KEY": str(private)}
+    writer = {
+        **clean,
+        "AWS_ENDPOINT_URL": endpoint,
+        "ADSTORE_REMOTE": url,
+        "ADSTORE_REMOTE_MODE": "read-write",
+        "ADSTORE_SIGNING_KEY": str(private),
+    }
     reader = {**clean, "AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)}
 
     def run(env: dict, root: Path) -> tuple[float, dict]:
@@ -300,8 +364,9 @@ def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: i
             os.environ.clear()
             os.environ.update(saved)
 
-    floor = statistics.median(timed_process([sys.executable, "-c", "import torch; print('FIRST {}', flush=True)"])[0]
-                              for _ in range(repeat))
+    floor = statistics.median(
+        timed_process([sys.executable, "-c", "import torch; print('FIRST {}', flush=True)"])[0] for _ in range(repeat)
+    )
     colds = [run(clean, work / f"cold-{i}") for i in range(repeat)]
     push_s, pushed = run(writer, work / "writer")
     hits, sums = [], {c["sum"] for _, c in colds} | {pushed["sum"]}
@@ -316,12 +381,27 @@ def pipeline_rows(endpoint: str, work: Path, layers: int, hidden: int, repeat: i
     warm_s, warm = run(reader, work / "reader-0")  # the same root again: an ordinary local hit
     sums.add(warm["sum"])
     cold, hit = statistics.median(s for s, _ in colds), statistics.median(hits)
-    return {"layers": layers, "hidden": hidden, "floor_s": floor, "cold_s": cold, "cold_runs": [s for s, _ in colds],
-            "cold_push_s": push_s, "push_overhead_s": push_s - cold, "remote_hit_s": hit, "remote_hit_runs": hits,
-            "local_hit_s": warm_s, "events": [pushed["event"], warm["event"]], "outputs_equal": len(sums) == 1,
-            "speedup": cold / hit, "above_floor_ratio": (cold - floor) / (hit - floor) if hit > floor else None,
-            "meets_10x": cold / hit >= 10, "bytes_down": moved, "entry_logical_bytes": logical,
-            "transfer_ratio": logical / moved if moved else None, "meets_5x_fewer_bytes": moved * 5 <= logical}
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "floor_s": floor,
+        "cold_s": cold,
+        "cold_runs": [s for s, _ in colds],
+        "cold_push_s": push_s,
+        "push_overhead_s": push_s - cold,
+        "remote_hit_s": hit,
+        "remote_hit_runs": hits,
+        "local_hit_s": warm_s,
+        "events": [pushed["event"], warm["event"]],
+        "outputs_equal": len(sums) == 1,
+        "speedup": cold / hit,
+        "above_floor_ratio": (cold - floor) / (hit - floor) if hit > floor else None,
+        "meets_10x": cold / hit >= 10,
+        "bytes_down": moved,
+        "entry_logical_bytes": logical,
+        "transfer_ratio": logical / moved if moved else None,
+        "meets_5x_fewer_bytes": moved * 5 <= logical,
+    }
 
 
 def race_rows(endpoint: str, work: Path, hosts: int, layers: int, hidden: int) -> dict:
@@ -335,22 +415,37 @@ def race_rows(endpoint: str, work: Path, hosts: int, layers: int, hidden: int) -
     model = {"arch": "llama", "layers": layers, "hidden": hidden}
     ckpt = write_random_checkpoint(ModelFactory.from_config(model).build(), work / "race-ckpt", seed=1)
     private, public = write_keypair(work / "race-keys")
-    env = {"AWS_ENDPOINT_URL": endpoint, "ADSTORE_REMOTE": f"s3://{BUCKET}/race-{os.getpid()}",
-           "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private),
-           "ADSTORE_TRUSTED_KEYS": str(public), "ADSTORE_REMOTE_WAIT": "600s"}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "ADSTORE_REMOTE": f"s3://{BUCKET}/race-{os.getpid()}",
+        "ADSTORE_REMOTE_MODE": "read-write",
+        "ADSTORE_SIGNING_KEY": str(private),
+        "ADSTORE_TRUSTED_KEYS": str(public),
+        "ADSTORE_REMOTE_WAIT": "600s",
+    }
     t = time.perf_counter()
     results = cold_start_race([str(work / f"race-{i}") for i in range(hosts)], str(ckpt), env, model)
     wall = time.perf_counter() - t
     errors = [r["error"][-500:] for r in results if "error" in r]
-    kinds = [tuple(e["kind"] for e in r.get("events", []) if e["kind"] in ("hit", "miss", "save", "bypass"))
-             for r in results]
+    kinds = [
+        tuple(e["kind"] for e in r.get("events", []) if e["kind"] in ("hit", "miss", "save", "bypass")) for r in results
+    ]
     builds = sum(1 for k in kinds if k == ("miss", "save"))
-    remote_hits = sum(1 for r in results for e in r.get("events", []) if e["kind"] == "hit"
-                      and e.get("source") == "remote")
-    return {"hosts": hosts, "layers": layers, "hidden": hidden, "wall_s": wall, "builds": builds,
-            "remote_hits": remote_hits, "other": [list(k) for k in kinds if k not in (("miss", "save"), ("hit",))],
-            "errors": errors, "outputs_equal": len({r.get("output") for r in results}) == 1,
-            "meets_one_build": builds == 1 and remote_hits == hosts - 1}
+    remote_hits = sum(
+        1 for r in results for e in r.get("events", []) if e["kind"] == "hit" and e.get("source") == "remote"
+    )
+    return {
+        "hosts": hosts,
+        "layers": layers,
+        "hidden": hidden,
+        "wall_s": wall,
+        "builds": builds,
+        "remote_hits": remote_hits,
+        "other": [list(k) for k in kinds if k not in (("miss", "save"), ("hit",))],
+        "errors": errors,
+        "outputs_equal": len({r.get("output") for r in results}) == 1,
+        "meets_one_build": builds == 1 and remote_hits == hosts - 1,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,10 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     os.environ.update(S3_ENV)
     # The servers run on this machine: a busy machine moves the throughput ratios, so the load is kept.
-    res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
-                             "loadavg_before": os.getloadavg()[0]},
-                 "settings": {"blob_mib": size >> 20, "repeat": repeat, "timeout_s": args.timeout,
-                              "layers": layers, "hidden": hidden, "hosts": hosts, "quick": args.quick}}
+    res: dict = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "loadavg_before": os.getloadavg()[0]},
+        "settings": {
+            "blob_mib": size >> 20,
+            "repeat": repeat,
+            "timeout_s": args.timeout,
+            "layers": layers,
+            "hidden": hidden,
+            "hosts": hosts,
+            "quick": args.quick,
+        },
+    }
     with tempfile.TemporaryDirectory(dir=os.environ.get("ADSTORE_BENCH_DIR")) as tmp:
         work = Path(tmp)
         moto = start_moto(work)
@@ -388,9 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                 res["http"] = http_throughput(dav.port, work, size, repeat)
             if "throughput" not in skip:
                 res["restore"] = {
-                    "s3": restore_throughput("s3", f"s3://{BUCKET}/restore", work, size, repeat,
-                                             endpoint_url=moto.endpoint),
-                    "http": restore_throughput("http", f"{dav.endpoint}/restore", work, size, repeat)}
+                    "s3": restore_throughput(
+                        "s3", f"s3://{BUCKET}/restore", work, size, repeat, endpoint_url=moto.endpoint
+                    ),
+                    "http": restore_throughput("http", f"{dav.endpoint}/restore", work, size, repeat),
+                }
             res["circuit_open"] = circuit_open_lookups(work, 2000 if args.quick else 20000)
             res["drip"] = drip_deadline(work, 5.0 if args.quick else DEFAULT_DEADLINE)
             res["repush"] = repush(moto.endpoint, work)
@@ -414,42 +519,119 @@ def main(argv: list[str] | None = None) -> int:
         t = res[name]
         for way in ("download", "upload"):
             d = t[way]
-            rows.append((f"{name} {way} {t['size_mib']:.0f} MiB", f"{d['adstore_mib_s']:.0f} MiB/s",
-                         f"{d['baseline_mib_s']:.0f} MiB/s ({t['baseline']})",
-                         f"{d['ratio_vs_baseline']:.2f}x (target ≥ 0.8x)"))
+            rows.append(
+                (
+                    f"{name} {way} {t['size_mib']:.0f} MiB",
+                    f"{d['adstore_mib_s']:.0f} MiB/s",
+                    f"{d['baseline_mib_s']:.0f} MiB/s ({t['baseline']})",
+                    f"{d['ratio_vs_baseline']:.2f}x (target ≥ 0.8x)",
+                )
+            )
     for name, d in res.get("restore", {}).items():
-        rows.append((f"{name} remote restore {d['size_mib']:.0f} MiB", f"{d['restore_mib_s']:.0f} MiB/s",
-                     f"{d['fetch_blob_mib_s']:.0f} MiB/s (fetch_blob)", f"{d['ratio_vs_fetch_blob']:.2f}x (target ≥ 0.8x)"))
-        rows.append(("  vs a durable fetch_blob (fsync)", f"{d['restore_mib_s']:.0f} MiB/s",
-                     f"{d['fetch_blob_fsync_mib_s']:.0f} MiB/s", f"{d['ratio_vs_fetch_blob_fsync']:.2f}x"))
+        rows.append(
+            (
+                f"{name} remote restore {d['size_mib']:.0f} MiB",
+                f"{d['restore_mib_s']:.0f} MiB/s",
+                f"{d['fetch_blob_mib_s']:.0f} MiB/s (fetch_blob)",
+                f"{d['ratio_vs_fetch_blob']:.2f}x (target ≥ 0.8x)",
+            )
+        )
+        rows.append(
+            (
+                "  vs a durable fetch_blob (fsync)",
+                f"{d['restore_mib_s']:.0f} MiB/s",
+                f"{d['fetch_blob_fsync_mib_s']:.0f} MiB/s",
+                f"{d['ratio_vs_fetch_blob_fsync']:.2f}x",
+            )
+        )
     c = res["circuit_open"]
-    rows.append(("lookup, circuit open", f"p50 {c['p50_us']:.1f} µs", f"local miss p50 {c['local_miss_p50_us']:.1f} µs",
-                 f"{c['ratio_vs_local_miss']:.2f}x (target ≤ 20 µs)"))
+    rows.append(
+        (
+            "lookup, circuit open",
+            f"p50 {c['p50_us']:.1f} µs",
+            f"local miss p50 {c['local_miss_p50_us']:.1f} µs",
+            f"{c['ratio_vs_local_miss']:.2f}x (target ≤ 20 µs)",
+        )
+    )
     d = res["drip"]
-    rows.append(("lookup against a 1 byte/s server", f"{d['lookup_s']:.1f} s ({d['reason']})",
-                 f"deadline {d['deadline_s']:.0f} s; unbounded {d['unbounded_s']:.0f} s", "target ≤ deadline"))
+    rows.append(
+        (
+            "lookup against a 1 byte/s server",
+            f"{d['lookup_s']:.1f} s ({d['reason']})",
+            f"deadline {d['deadline_s']:.0f} s; unbounded {d['unbounded_s']:.0f} s",
+            "target ≤ deadline",
+        )
+    )
     r = res["repush"]
-    rows.append(("re-push an entry (blob bytes)", str(r["repush_blob_bytes"]),
-                 f"{r['first_push_blob_bytes']} (first push)", "target 0"))
+    rows.append(
+        (
+            "re-push an entry (blob bytes)",
+            str(r["repush_blob_bytes"]),
+            f"{r['first_push_blob_bytes']} (first push)",
+            "target 0",
+        )
+    )
     for name, d in res["down"].items():
-        rows.append((f"remote down ({name}): first call", f"{d['first_call_s'] * 1e3:.0f} ms ({d['reason']})",
-                     f"timeout {d['timeout_s'] * 1e3:.0f} ms", "target ≤ timeout"))
-        rows.append((f"remote down ({name}): later calls", f"p50 {d['later_p50_us']:.1f} µs",
-                     f"max {d['later_max_us']:.1f} µs", "target < 1 ms"))
+        rows.append(
+            (
+                f"remote down ({name}): first call",
+                f"{d['first_call_s'] * 1e3:.0f} ms ({d['reason']})",
+                f"timeout {d['timeout_s'] * 1e3:.0f} ms",
+                "target ≤ timeout",
+            )
+        )
+        rows.append(
+            (
+                f"remote down ({name}): later calls",
+                f"p50 {d['later_p50_us']:.1f} µs",
+                f"max {d['later_max_us']:.1f} µs",
+                "target < 1 ms",
+            )
+        )
     if "pipeline" in res:
         p = res["pipeline"]
-        rows.append((f"remote hit, empty store ({p['layers']}x{p['hidden']})", f"{p['remote_hit_s']:.2f} s",
-                     f"cold pipeline {p['cold_s']:.2f} s", f"{p['speedup']:.1f}x (target ≥ 10x)"))
-        rows.append(("  cold run that pushes", f"{p['cold_push_s']:.2f} s", f"cold {p['cold_s']:.2f} s",
-                     f"+{p['push_overhead_s']:.2f} s"))
-        rows.append(("  local hit afterwards", f"{p['local_hit_s']:.2f} s", f"floor {p['floor_s']:.2f} s",
-                     f"outputs equal: {p['outputs_equal']}"))
-        rows.append(("  bytes moved by the remote hit (S3)", f"{p['bytes_down']:,} B",
-                     f"{p['entry_logical_bytes']:,} B in the entry", f"{p['transfer_ratio'] or 0:.1f}x fewer (target ≥ 5x)"))
+        rows.append(
+            (
+                f"remote hit, empty store ({p['layers']}x{p['hidden']})",
+                f"{p['remote_hit_s']:.2f} s",
+                f"cold pipeline {p['cold_s']:.2f} s",
+                f"{p['speedup']:.1f}x (target ≥ 10x)",
+            )
+        )
+        rows.append(
+            (
+                "  cold run that pushes",
+                f"{p['cold_push_s']:.2f} s",
+                f"cold {p['cold_s']:.2f} s",
+                f"+{p['push_overhead_s']:.2f} s",
+            )
+        )
+        rows.append(
+            (
+                "  local hit afterwards",
+                f"{p['local_hit_s']:.2f} s",
+                f"floor {p['floor_s']:.2f} s",
+                f"outputs equal: {p['outputs_equal']}",
+            )
+        )
+        rows.append(
+            (
+                "  bytes moved by the remote hit (S3)",
+                f"{p['bytes_down']:,} B",
+                f"{p['entry_logical_bytes']:,} B in the entry",
+                f"{p['transfer_ratio'] or 0:.1f}x fewer (target ≥ 5x)",
+            )
+        )
     if "race" in res:
         r = res["race"]
-        rows.append((f"{r['hosts']} cold starts of one key", f"{r['builds']} build(s), {r['remote_hits']} remote hits",
-                     f"wall {r['wall_s']:.1f} s", f"target 1 build, {r['hosts'] - 1} remote hits"))
+        rows.append(
+            (
+                f"{r['hosts']} cold starts of one key",
+                f"{r['builds']} build(s), {r['remote_hits']} remote hits",
+                f"wall {r['wall_s']:.1f} s",
+                f"target 1 build, {r['hosts'] - 1} remote hits",
+            )
+        )
     print(f"{'benchmark':40} {'adstore':24} {'baseline':30} ratio")
     for row in rows:
         print(f"{row[0]:40} {row[1]:24} {row[2]:30} {row[3]}")

@@ -65,22 +65,36 @@ def child_pipeline(args: argparse.Namespace) -> None:
     with torch.no_grad():
         out = module(*factory.example_inputs(batch=2, seq=8))
     data = out.detach().contiguous().numpy().tobytes()
-    first = {"event": opt.events[0].kind, "sum": float(out.double().sum()), "sha": hashlib.sha256(data).hexdigest(),
-             "events": [[str(e.kind), e.reason and str(e.reason), str(e.source), e.detail] for e in opt.events]}
+    first = {
+        "event": opt.events[0].kind,
+        "sum": float(out.double().sum()),
+        "sha": hashlib.sha256(data).hexdigest(),
+        "events": [[str(e.kind), e.reason and str(e.reason), str(e.source), e.detail] for e in opt.events],
+    }
     print("FIRST " + json.dumps(first), flush=True)
     if args.out:
         Path(args.out).write_bytes(data)
     modules = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "torch"))
-    print(json.dumps({"transformers": "transformers" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
-                      "inductor": "torch._inductor" in sys.modules, "modules": len(modules)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "transformers": "transformers" in sys.modules,
+                "dynamo": "torch._dynamo" in sys.modules,
+                "inductor": "torch._inductor" in sys.modules,
+                "modules": len(modules),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _mlp() -> Any:
     import torch
 
     torch.manual_seed(5)
-    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
-                               torch.nn.Linear(512, 10)).eval()
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512), torch.nn.Linear(512, 10)
+    ).eval()
 
 
 def child_engine(args: argparse.Namespace) -> None:
@@ -109,7 +123,7 @@ def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, di
     for line in proc.stdout:
         if line.startswith("FIRST"):
             seconds = time.perf_counter() - t0
-            first = json.loads(line[len("FIRST"):])
+            first = json.loads(line[len("FIRST") :])
         elif first is not None and line.startswith("{"):
             first.update(json.loads(line))
     err = proc.stderr.read() if proc.stderr else ""
@@ -128,23 +142,45 @@ def _floats(path: Path) -> Any:
     return np.frombuffer(path.read_bytes(), dtype=np.float32)
 
 
-def compile_stage(backend: str, name: str, layers: int, hidden: int, ckpt: Path, work: Path, floor: float,
-                  repeat: int, remote: dict[str, dict[str, str]], eager_out: Path) -> dict[str, Any]:
+def compile_stage(
+    backend: str,
+    name: str,
+    layers: int,
+    hidden: int,
+    ckpt: Path,
+    work: Path,
+    floor: float,
+    repeat: int,
+    remote: dict[str, dict[str, str]],
+    eager_out: Path,
+) -> dict[str, Any]:
     """Restarts with the compile stage on ``backend``: cold, warm, and a new host served by the remote.
 
     cold: empty store and empty Inductor cache directory (the first cold run also pushes to the remote);
     warm: the same store and Inductor directory again; new host: an empty store and an empty Inductor
     directory whose entries come from the HTTP remote.
     """
-    base = me("--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers), "--hidden", str(hidden),
-              "--compile", backend)
+    base = me(
+        "--child",
+        "pipeline",
+        "--checkpoint",
+        str(ckpt),
+        "--layers",
+        str(layers),
+        "--hidden",
+        str(hidden),
+        "--compile",
+        backend,
+    )
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("ADSTORE_", "TORCHINDUCTOR_"))}
     tag = f"{name}-{backend}"
 
     def run(i: int, kind: str, root: Path, inductor: Path, extra: dict[str, str]) -> tuple[float, dict[str, Any]]:
         out = work / f"{tag}-{kind}-{i}.bin"
-        s, first = timed([*base, "--root", str(root), "--out", str(out)],
-                         {**clean, "TORCHINDUCTOR_CACHE_DIR": str(inductor), **extra})
+        s, first = timed(
+            [*base, "--root", str(root), "--out", str(out)],
+            {**clean, "TORCHINDUCTOR_CACHE_DIR": str(inductor), **extra},
+        )
         first["out"] = str(out)
         return s, first
 
@@ -159,20 +195,31 @@ def compile_stage(backend: str, name: str, layers: int, hidden: int, ckpt: Path,
     shas = {f["sha"] for _, f in colds + warms + hosts}
     diff = float(abs(_floats(Path(colds[0][1]["out"])) - _floats(eager_out)).max())
     result = {
-        "backend": backend, "layers": layers, "hidden": hidden, "floor_s": floor,
-        "cold_s": cold, "warm_s": warm, "new_host_s": host,
-        "cold_runs": [s for s, _ in colds], "warm_runs": [s for s, _ in warms], "new_host_runs": [s for s, _ in hosts],
-        "warm_above_floor_s": warm - floor, "new_host_above_floor_s": host - floor,
+        "backend": backend,
+        "layers": layers,
+        "hidden": hidden,
+        "floor_s": floor,
+        "cold_s": cold,
+        "warm_s": warm,
+        "new_host_s": host,
+        "cold_runs": [s for s, _ in colds],
+        "warm_runs": [s for s, _ in warms],
+        "new_host_runs": [s for s, _ in hosts],
+        "warm_above_floor_s": warm - floor,
+        "new_host_above_floor_s": host - floor,
         "above_floor_ratio": (cold - floor) / (warm - floor) if warm > floor else None,
         "new_host_over_warm": host / warm,
         "events": {"cold": colds[0][1]["events"], "warm": warms[0][1]["events"], "new_host": hosts[0][1]["events"]},
         "warm_imports": {k: warms[0][1][k] for k in ("transformers", "dynamo", "inductor")},
-        "outputs_bit_identical": len(shas) == 1, "max_abs_diff_vs_eager": diff,
+        "outputs_bit_identical": len(shas) == 1,
+        "max_abs_diff_vs_eager": diff,
     }
-    print(f"{tag}: cold {cold:.3f} s, warm {warm:.3f} s (floor + {warm - floor:.3f} s, "
-          f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less above the floor), new host {host:.3f} s "
-          f"(floor + {host - floor:.3f} s, {host / warm:.2f}x warm); outputs identical {len(shas) == 1}, "
-          f"vs eager {diff:.2e}; warm imports {result['warm_imports']}")
+    print(
+        f"{tag}: cold {cold:.3f} s, warm {warm:.3f} s (floor + {warm - floor:.3f} s, "
+        f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less above the floor), new host {host:.3f} s "
+        f"(floor + {host - floor:.3f} s, {host / warm:.2f}x warm); outputs identical {len(shas) == 1}, "
+        f"vs eager {diff:.2e}; warm imports {result['warm_imports']}"
+    )
     return result
 
 
@@ -186,9 +233,10 @@ def http_remote(work: Path) -> tuple[Any, dict[str, dict[str, str]]]:
     server = start_webdav(work)
     private, public = write_keypair(work / "keys")
     url = f"{server.endpoint}/restart-{os.getpid()}"
-    return server, {"writer": {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write",
-                               "ADSTORE_SIGNING_KEY": str(private)},
-                    "reader": {"ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)}}
+    return server, {
+        "writer": {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)},
+        "reader": {"ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)},
+    }
 
 
 def main() -> int:
@@ -202,8 +250,11 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--compile", default="eager", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--backends", default="aoti,torch_compile",
-                    help="compile-stage backends to measure (comma-separated; '' for none; --quick: aoti)")
+    ap.add_argument(
+        "--backends",
+        default="aoti,torch_compile",
+        help="compile-stage backends to measure (comma-separated; '' for none; --quick: aoti)",
+    )
     ap.add_argument("--skip", default="", help="sections not to measure this time: pipeline,engine")
     args = ap.parse_args()
     if args.child == "pipeline":
@@ -245,15 +296,25 @@ def main() -> int:
             info = {k: w[k] for k in ("transformers", "dynamo", "modules")}
         cold, warm = statistics.median(colds), statistics.median(warms)
         results["models"][name] = {
-            "layers": layers, "hidden": hidden, "cold_s": cold, "warm_s": warm, "cold_runs": colds,
-            "warm_runs": warms, "events": events, "outputs_equal": len(sums) == 1, "warm_imports": info,
-            "warm_above_floor_s": warm - floor, "cold_above_floor_s": cold - floor,
+            "layers": layers,
+            "hidden": hidden,
+            "cold_s": cold,
+            "warm_s": warm,
+            "cold_runs": colds,
+            "warm_runs": warms,
+            "events": events,
+            "outputs_equal": len(sums) == 1,
+            "warm_imports": info,
+            "warm_above_floor_s": warm - floor,
+            "cold_above_floor_s": cold - floor,
             "above_floor_ratio": (cold - floor) / (warm - floor) if warm > floor else None,
             "speedup": cold / warm,
         }
-        print(f"{name}: cold {cold:.3f} s, warm {warm:.3f} s (floor + {warm - floor:.3f} s), "
-              f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less time above the floor; warm imports {info}; "
-              f"events {events[0]}; outputs equal {len(sums) == 1}")
+        print(
+            f"{name}: cold {cold:.3f} s, warm {warm:.3f} s (floor + {warm - floor:.3f} s), "
+            f"{(cold - floor) / max(warm - floor, 1e-9):.1f}x less time above the floor; warm imports {info}; "
+            f"events {events[0]}; outputs equal {len(sums) == 1}"
+        )
 
     backends = [b for b in args.backends.split(",") if b] if not args.quick else ["aoti"]
     if backends:
@@ -263,11 +324,26 @@ def main() -> int:
             for name, layers, hidden in models:
                 ckpt = work / f"ckpt-{name}"
                 eager_out = work / f"{name}-eager.bin"
-                timed(me("--child", "pipeline", "--checkpoint", str(ckpt), "--layers", str(layers), "--hidden",
-                         str(hidden), "--root", str(work / f"store-{name}-eager"), "--out", str(eager_out)))
+                timed(
+                    me(
+                        "--child",
+                        "pipeline",
+                        "--checkpoint",
+                        str(ckpt),
+                        "--layers",
+                        str(layers),
+                        "--hidden",
+                        str(hidden),
+                        "--root",
+                        str(work / f"store-{name}-eager"),
+                        "--out",
+                        str(eager_out),
+                    )
+                )
                 for backend in backends:
                     results["compile"][f"{name}/{backend}"] = compile_stage(
-                        backend, name, layers, hidden, ckpt, work, floor, repeat, remote, eager_out)
+                        backend, name, layers, hidden, ckpt, work, floor, repeat, remote, eager_out
+                    )
         finally:
             server.stop()
 
@@ -277,10 +353,13 @@ def main() -> int:
         warm_runs = [timed(me("--child", "engine", "--root", root)) for _ in range(repeat)]
         warm_s = statistics.median(s for s, _ in warm_runs)
         results["engine"] = {
-            "cold_s": cold_s, "warm_s": warm_s, "warm_runs": [s for s, _ in warm_runs],
+            "cold_s": cold_s,
+            "warm_s": warm_s,
+            "warm_runs": [s for s, _ in warm_runs],
             "events": [c["event"]] + [w["event"] for _, w in warm_runs],
             "outputs_equal": len({c["sum"], *(w["sum"] for _, w in warm_runs)}) == 1,
-            "warm_above_floor_s": warm_s - floor, "speedup": cold_s / warm_s,
+            "warm_above_floor_s": warm_s - floor,
+            "speedup": cold_s / warm_s,
         }
         print(f"engine: cold {cold_s:.3f} s, warm {warm_s:.3f} s (floor + {warm_s - floor:.3f} s)")
 

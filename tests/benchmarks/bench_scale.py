@@ -27,7 +27,6 @@ with transformers' ``batched_mm`` experts (memory: about 3x the weights more).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -48,8 +47,11 @@ CASES = (
     ("deepseek-v3", "deepseek-v3", 1),
 )
 #: ``--quick``: two cases cut to two layers of the real shapes, and a small MoE forward.
-QUICK = {"layers": 2, "cases": ("llama-3-8b", "llama-3-70b-ws2"),
-         "moe": {"intermediate_size": 1024, "vocab_size": 4096}}
+QUICK = {
+    "layers": 2,
+    "cases": ("llama-3-8b", "llama-3-70b-ws2"),
+    "moe": {"intermediate_size": 1024, "vocab_size": 4096},
+}
 _AFTER_CACHE = ("load_weights", "fuse_linears", "init_cache", "compile")
 
 
@@ -97,8 +99,9 @@ def child_prefix(rank: int, world_size: int, port: int, job: dict[str, Any], que
         from adstore.store import Store
 
         factory = published_factory(job["config"], layers=job.get("layers"))
-        transforms = default_transforms(pipeline_cache={"root": job["root"]},
-                                        **{name: {"enabled": False} for name in _AFTER_CACHE})
+        transforms = default_transforms(
+            pipeline_cache={"root": job["root"]}, **{name: {"enabled": False} for name in _AFTER_CACHE}
+        )
         opt = InferenceOptimizer(factory, job["checkpoint"], transforms)
         module = opt()
         first_output_at = time.monotonic()
@@ -107,16 +110,21 @@ def child_prefix(rank: int, world_size: int, port: int, job: dict[str, Any], que
         manifests = Store.open(job["root"]).manifests(key) if key else []
         mine = [m for m in manifests if m.rank == rank]
         prefix = [name for name in opt.timings if name not in ("restore", "total", "pipeline_cache")]
-        queue.put({
-            "rank": rank, "first_output_at": first_output_at, "events": [(e["kind"], e["reason"]) for e in events],
-            "nodes": sum(len(gm.graph.nodes) for _, gm in graph_modules(module)),
-            "prefix_s": sum(opt.timings[n] for n in prefix) if events[0]["kind"] == "miss" else None,
-            "save_s": opt.timings.get("pipeline_cache"), "restore_s": opt.timings.get("restore"),
-            "snapshot_bytes": sum(r.size for m in mine for r in m.artifacts.values()),
-            "digests": {n: r.digest for m in mine for n, r in m.artifacts.items()},
-            "peak_rss": _peak_rss(),
-            "imports": {"transformers": "transformers" in sys.modules, "dynamo": "torch._dynamo" in sys.modules},
-        })
+        queue.put(
+            {
+                "rank": rank,
+                "first_output_at": first_output_at,
+                "events": [(e["kind"], e["reason"]) for e in events],
+                "nodes": sum(len(gm.graph.nodes) for _, gm in graph_modules(module)),
+                "prefix_s": sum(opt.timings[n] for n in prefix) if events[0]["kind"] == "miss" else None,
+                "save_s": opt.timings.get("pipeline_cache"),
+                "restore_s": opt.timings.get("restore"),
+                "snapshot_bytes": sum(r.size for m in mine for r in m.artifacts.values()),
+                "digests": {n: r.digest for m in mine for n, r in m.artifacts.items()},
+                "peak_rss": _peak_rss(),
+                "imports": {"transformers": "transformers" in sys.modules, "dynamo": "torch._dynamo" in sys.modules},
+            }
+        )
     except BaseException:
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
@@ -134,12 +142,14 @@ def child_moe(rank: int, world_size: int, port: int, job: dict[str, Any], queue:
         from adstore.integration.reference.pipeline import default_transforms
         from adstore.integration.reference.published import published_factory
 
-        factory = published_factory("mixtral-8x7b", layers=1, experts_implementation=job.get("experts"),
-                                    **job.get("overrides", {}))
-        transforms = default_transforms(pipeline_cache={"enabled": False},
-                                        **{name: {"enabled": False} for name in _AFTER_CACHE})
+        factory = published_factory(
+            "mixtral-8x7b", layers=1, experts_implementation=job.get("experts"), **job.get("overrides", {})
+        )
+        transforms = default_transforms(
+            pipeline_cache={"enabled": False}, **{name: {"enabled": False} for name in _AFTER_CACHE}
+        )
         module = InferenceOptimizer(factory, job["checkpoint"], transforms)()
-        (_, gm), = graph_modules(module)
+        ((_, gm),) = graph_modules(module)
         rss_graph = _status("VmRSS")
         gen = torch.Generator().manual_seed(0)
         state: dict[str, torch.Tensor] = {}
@@ -168,9 +178,19 @@ def child_moe(rank: int, world_size: int, port: int, job: dict[str, Any], queue:
             out = gm(*x)
         seconds = time.perf_counter() - t0
         peak = _status("VmHWM") if reset else _peak_rss()
-        queue.put({"rank": rank, "weights_bytes": weights, "rss_graph": rss_graph, "rss_loaded": rss_loaded,
-                   "forward_peak_rss": peak, "peak_reset": reset, "process_peak_rss": _peak_rss(),
-                   "forward_s": seconds, "finite": bool(torch.isfinite(out.float()).all())})
+        queue.put(
+            {
+                "rank": rank,
+                "weights_bytes": weights,
+                "rss_graph": rss_graph,
+                "rss_loaded": rss_loaded,
+                "forward_peak_rss": peak,
+                "peak_reset": reset,
+                "process_peak_rss": _peak_rss(),
+                "forward_s": seconds,
+                "finite": bool(torch.isfinite(out.float()).all()),
+            }
+        )
     except BaseException:
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
@@ -224,26 +244,42 @@ def measure_case(label: str, config: str, world_size: int, work: Path, layers: i
     digests = {d for r in cold for d in r["digests"].values()}
     cold_above, warm_above = slow_cold["restart_s"] - floor, slow_warm["restart_s"] - floor
     out = {
-        "config": config, "world_size": world_size, "layers": layers or factory.config["num_hidden_layers"],
+        "config": config,
+        "world_size": world_size,
+        "layers": layers or factory.config["num_hidden_layers"],
         "parameters_billion": round(sum(p.numel() for p in factory.build().parameters()) / 1e9, 1),
-        "checkpoint_bytes": ckpt_bytes, "checkpoint_disk_bytes": ckpt_disk, "checkpoint_write_s": ckpt_s,
-        "nodes": cold[0]["nodes"], "nodes_equal_warm": [r["nodes"] for r in cold] == [r["nodes"] for r in warm],
-        "snapshot_bytes": sum(r["snapshot_bytes"] for r in cold), "distinct_blobs": len(digests),
-        "prefix_s": prefix, "save_s": max(r["save_s"] for r in cold), "restore_s": restore,
+        "checkpoint_bytes": ckpt_bytes,
+        "checkpoint_disk_bytes": ckpt_disk,
+        "checkpoint_write_s": ckpt_s,
+        "nodes": cold[0]["nodes"],
+        "nodes_equal_warm": [r["nodes"] for r in cold] == [r["nodes"] for r in warm],
+        "snapshot_bytes": sum(r["snapshot_bytes"] for r in cold),
+        "distinct_blobs": len(digests),
+        "prefix_s": prefix,
+        "save_s": max(r["save_s"] for r in cold),
+        "restore_s": restore,
         "prefix_over_restore": prefix / restore,
-        "floor_s": floor, "floor_runs": floors, "cold_s": slow_cold["restart_s"], "warm_s": slow_warm["restart_s"],
-        "cold_above_floor_s": cold_above, "warm_above_floor_s": warm_above,
+        "floor_s": floor,
+        "floor_runs": floors,
+        "cold_s": slow_cold["restart_s"],
+        "warm_s": slow_warm["restart_s"],
+        "cold_above_floor_s": cold_above,
+        "warm_above_floor_s": warm_above,
         "above_floor_ratio": cold_above / warm_above if warm_above > 0 else None,
-        "cold_peak_rss": max(r["peak_rss"] for r in cold), "warm_peak_rss": max(r["peak_rss"] for r in warm),
+        "cold_peak_rss": max(r["peak_rss"] for r in cold),
+        "warm_peak_rss": max(r["peak_rss"] for r in warm),
         "warm_imports": slow_warm["imports"],
     }
     out["meets_cold_rss_under_4gib"] = out["cold_peak_rss"] < 4 << 30
-    print(f"{label}: {out['parameters_billion']}B params, {out['nodes']} nodes, snapshot {out['snapshot_bytes']:,} B "
-          f"in {len(digests)} blobs; prefix {prefix:.2f} s vs restore {restore:.3f} s "
-          f"({out['prefix_over_restore']:.0f}x); restart cold {out['cold_s']:.2f} s, warm {out['warm_s']:.2f} s, "
-          f"floor {floor:.2f} s "
-          f"(above floor {_ratio(out['above_floor_ratio'])} less); peak RSS cold {_gib(out['cold_peak_rss'])}, "
-          f"warm {_gib(out['warm_peak_rss'])}; warm imports {out['warm_imports']}", flush=True)
+    print(
+        f"{label}: {out['parameters_billion']}B params, {out['nodes']} nodes, snapshot {out['snapshot_bytes']:,} B "
+        f"in {len(digests)} blobs; prefix {prefix:.2f} s vs restore {restore:.3f} s "
+        f"({out['prefix_over_restore']:.0f}x); restart cold {out['cold_s']:.2f} s, warm {out['warm_s']:.2f} s, "
+        f"floor {floor:.2f} s "
+        f"(above floor {_ratio(out['above_floor_ratio'])} less); peak RSS cold {_gib(out['cold_peak_rss'])}, "
+        f"warm {_gib(out['warm_peak_rss'])}; warm imports {out['warm_imports']}",
+        flush=True,
+    )
     return out
 
 
@@ -257,9 +293,12 @@ def measure_moe(work: Path, experts: str | None, overrides: dict[str, Any]) -> d
     (r,) = _ranks(child_moe, job, 1)
     r["peak_over_weights"] = r["forward_peak_rss"] / r["weights_bytes"]
     r["meets_within_1_5x_weights"] = r["peak_over_weights"] <= 1.5 and r["finite"]
-    print(f"mixtral-8x7b 1 layer, 2x8 tokens, experts {experts or 'adstore_grouped'}: weights "
-          f"{_gib(r['weights_bytes'])}, forward peak RSS {_gib(r['forward_peak_rss'])} "
-          f"({r['peak_over_weights']:.2f}x the weights), forward {r['forward_s']:.2f} s", flush=True)
+    print(
+        f"mixtral-8x7b 1 layer, 2x8 tokens, experts {experts or 'adstore_grouped'}: weights "
+        f"{_gib(r['weights_bytes'])}, forward peak RSS {_gib(r['forward_peak_rss'])} "
+        f"({r['peak_over_weights']:.2f}x the weights), forward {r['forward_s']:.2f} s",
+        flush=True,
+    )
     return r
 
 
@@ -268,8 +307,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated case labels (default: all)")
     ap.add_argument("--quick", action="store_true", help="two cases at two layers, a small MoE forward")
     ap.add_argument("--no-moe", action="store_true", help="skip the Mixtral forward")
-    ap.add_argument("--moe-baseline", action="store_true",
-                    help="also run the forward with transformers' batched_mm experts (about 4x the weights in RSS)")
+    ap.add_argument(
+        "--moe-baseline",
+        action="store_true",
+        help="also run the forward with transformers' batched_mm experts (about 4x the weights in RSS)",
+    )
     args = ap.parse_args()
     layers = QUICK["layers"] if args.quick else None
     only = {x.strip() for x in args.only.split(",") if x.strip()} or (set(QUICK["cases"]) if args.quick else None)
@@ -277,8 +319,7 @@ def main() -> int:
     if only and len(cases) != len(only):
         raise SystemExit(f"unknown case(s) {sorted(only - {c[0] for c in CASES})}; known: {[c[0] for c in CASES]}")
 
-    results: dict[str, Any] = {"load_average": [round(x, 2) for x in os.getloadavg()], "quick": args.quick,
-                               "cases": {}}
+    results: dict[str, Any] = {"load_average": [round(x, 2) for x in os.getloadavg()], "quick": args.quick, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="adstore-bench-scale-") as tmp:
         work = Path(tmp)
         for label, config, world_size in cases:
@@ -290,7 +331,8 @@ def main() -> int:
                 base = measure_moe(work, "batched_mm", overrides)
                 results["moe_forward_batched_mm"] = base
                 results["moe_forward"]["batched_mm_over_grouped_peak"] = (
-                    base["forward_peak_rss"] / results["moe_forward"]["forward_peak_rss"])
+                    base["forward_peak_rss"] / results["moe_forward"]["forward_peak_rss"]
+                )
     path = write_results("scale.json", results, partial=bool(args.only) or args.no_moe)
     print(f"wrote {path}")
     return 0

@@ -40,9 +40,16 @@ warnings.filterwarnings("ignore")
 def build(layers: int, hidden: int):
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, use_cache=False)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 256, (1, 16))
@@ -113,16 +120,24 @@ def _prepare_floor(gm: torch.fx.GraphModule):
         spec = None
         if isinstance(val, torch.Tensor):
             tm = n.meta.get("tensor_meta")
-            spec = (tuple(val.shape), tuple(val.stride()), val.dtype, val.device, val.requires_grad,
-                    tm is not None, getattr(tm, "memory_format", None), getattr(tm, "requires_grad", False))
-        nodes.append((n.op, n.name, n.target, map_aggregate(n.args, ref), map_aggregate(n.kwargs, ref),
-                      n.type, meta, spec))
+            spec = (
+                tuple(val.shape),
+                tuple(val.stride()),
+                val.dtype,
+                val.device,
+                val.requires_grad,
+                tm is not None,
+                getattr(tm, "memory_format", None),
+                getattr(tm, "requires_grad", False),
+            )
+        nodes.append(
+            (n.op, n.name, n.target, map_aggregate(n.args, ref), map_aggregate(n.kwargs, ref), n.type, meta, spec)
+        )
     tree = []
     for path, m in gm.named_modules():
         if m is gm:
             continue
-        tree.append((path, [(k, tuple(p.shape), p.dtype) for k, p in m._parameters.items()],
-                     list(m._buffers.items())))
+        tree.append((path, [(k, tuple(p.shape), p.dtype) for k, p in m._parameters.items()], list(m._buffers.items())))
     return nodes, tree, gm.graph._codegen, [(k, b) for k, b in gm._buffers.items()]
 
 
@@ -150,8 +165,9 @@ def _floor_rebuild(prepared):
     built: list[torch.fx.Node] = []
     deref = lambda a: built[a.i] if isinstance(a, _Ref) else a  # noqa: E731
     for op, name, target, args, kwargs, type_, meta, spec in nodes:
-        node = graph.create_node(op, target, map_aggregate(args, deref), map_aggregate(kwargs, deref),
-                                 name=name, type_expr=type_)
+        node = graph.create_node(
+            op, target, map_aggregate(args, deref), map_aggregate(kwargs, deref), name=name, type_expr=type_
+        )
         node.meta = dict(meta)
         if spec is not None:
             shape, stride, dtype, device, grad, has_tm, memory_format, tm_grad = spec
@@ -160,8 +176,9 @@ def _floor_rebuild(prepared):
                 val.requires_grad_(True)
             node.meta["val"] = val
             if has_tm:  # built directly, like the restore does (memory format known)
-                node.meta["tensor_meta"] = TensorMetadata(val.shape, val.dtype, tm_grad, val.stride(),
-                                                          memory_format, False, {})
+                node.meta["tensor_meta"] = TensorMetadata(
+                    val.shape, val.dtype, tm_grad, val.stride(), memory_format, False, {}
+                )
         built.append(node)
     graph._codegen = codegen
     gm.graph = graph  # recompile()
@@ -184,8 +201,13 @@ def main(argv: list[str] | None = None) -> dict:
     to_meta(gm)
     n_nodes = len(gm.graph.nodes)
     prefixes = ("transformers.",)
-    results: dict = {"layers": args.layers, "hidden": args.hidden, "nodes": n_nodes, "export_s": export_s,
-                     "repeat": args.repeat}
+    results: dict = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "nodes": n_nodes,
+        "export_s": export_s,
+        "repeat": args.repeat,
+    }
 
     # adstore
     load_module(dump_module(gm), allowed_prefixes=prefixes)  # warm imports / caches for every contender
@@ -193,19 +215,25 @@ def main(argv: list[str] | None = None) -> dict:
     # floor, prepared from a restored module (same graph, same meta)
     prepared = _prepare_floor(load_module(art, allowed_prefixes=prefixes))
     _floor_rebuild(prepared)
-    raced = race({"adstore": lambda: load_module(art, allowed_prefixes=prefixes),
-                  "floor": lambda: _floor_rebuild(prepared)}, args.repeat)
+    raced = race(
+        {"adstore": lambda: load_module(art, allowed_prefixes=prefixes), "floor": lambda: _floor_rebuild(prepared)},
+        args.repeat,
+    )
     samples = race.last_times  # type: ignore[attr-defined]
     # each decode sample divided by the floor sample run right after it: contention on a shared
     # machine comes and goes, and adjacent runs see the same neighbours
-    paired = statistics.median(a / f for a, f in zip(samples["adstore"], samples["floor"]))
+    paired = statistics.median(a / f for a, f in zip(samples["adstore"], samples["floor"], strict=True))
     dec_s, dec_min, restored = raced["adstore"]
     floor_s, floor_min, floor_gm = raced["floor"]
     assert restored.code == ref_code and floor_gm.code == ref_code
     restored.load_state_dict(weights, assign=True)
     assert torch.equal(restored(input_ids=ids).logits, ref_out)
-    results["adstore"] = {"encode_s": enc_s, "decode_s": dec_s, "decode_min_s": dec_min,
-                          "bytes": sum(len(v) for v in art.values())}
+    results["adstore"] = {
+        "encode_s": enc_s,
+        "decode_s": dec_s,
+        "decode_min_s": dec_min,
+        "bytes": sum(len(v) for v in art.values()),
+    }
     results["floor"] = {"decode_s": floor_s, "decode_min_s": floor_min}
     results["samples_ms"] = {k: [round(t * 1e3, 1) for t in v] for k, v in samples.items()}
 
@@ -219,9 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
         esave_s, _, blob = timed(export_save, args.repeat)
         eload_s, _, ep2 = timed(lambda: torch.export.load(io.BytesIO(blob)), args.repeat)
         emod_s, _, _ = timed(lambda: torch.export.load(io.BytesIO(blob)).module(), args.repeat)
-        results["export"] = {"encode_s": esave_s, "decode_s": eload_s, "decode_module_s": emod_s,
-                             "bytes": len(blob), "weight_bytes": sum(v.numel() * v.element_size()
-                                                                     for v in weights.values())}
+        results["export"] = {
+            "encode_s": esave_s,
+            "decode_s": eload_s,
+            "decode_module_s": emod_s,
+            "bytes": len(blob),
+            "weight_bytes": sum(v.numel() * v.element_size() for v in weights.values()),
+        }
     except Exception as exc:  # report, do not hide
         results["export"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
@@ -233,17 +265,19 @@ def main(argv: list[str] | None = None) -> dict:
     for label, target in (("pickler_module", gm), ("pickler_graph_module", ep.graph_module)):
         try:
             pmode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-            penc_s, _, pblob = timed(lambda: GraphPickler.dumps(target), args.repeat)
-            pdec_s, _, _ = timed(lambda: GraphPickler.loads(pblob, pmode), args.repeat)
+            penc_s, _, pblob = timed(lambda target=target: GraphPickler.dumps(target), args.repeat)
+            pdec_s, _, _ = timed(lambda pblob=pblob, pmode=pmode: GraphPickler.loads(pblob, pmode), args.repeat)
             results[label] = {"encode_s": penc_s, "decode_s": pdec_s, "bytes": len(pblob)}
         except Exception as exc:
             results[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     # report
     a, f = results["adstore"], results["floor"]
-    ratios = {"decode_vs_floor": a["decode_s"] / f["decode_s"],
-              "decode_vs_floor_min": a["decode_min_s"] / f["decode_min_s"],
-              "decode_vs_floor_paired": paired}
+    ratios = {
+        "decode_vs_floor": a["decode_s"] / f["decode_s"],
+        "decode_vs_floor_min": a["decode_min_s"] / f["decode_min_s"],
+        "decode_vs_floor_paired": paired,
+    }
     for name in ("export", "pickler_module", "pickler_graph_module"):
         other = results.get(name, {})
         if "decode_s" in other:

@@ -34,6 +34,7 @@ from bench_results import results_dir
 
 from adstore.store import Store
 
+
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -60,11 +61,15 @@ def small_blobs(store: Store, dc: diskcache.Cache, n: int) -> dict:
     get_a = timed(lambda i: store.get_bytes(refs[i]), n)
     get_d = timed(lambda i: dc.get(f"b{i}"), n)
     return {
-        "put_p50_us": pct(put_a, .5) * 1e6, "put_p99_us": pct(put_a, .99) * 1e6,
-        "dc_put_p50_us": pct(put_d, .5) * 1e6, "dc_put_p99_us": pct(put_d, .99) * 1e6,
-        "get_p50_us": pct(get_a, .5) * 1e6, "get_p99_us": pct(get_a, .99) * 1e6,
-        "dc_get_p50_us": pct(get_d, .5) * 1e6, "dc_get_p99_us": pct(get_d, .99) * 1e6,
-        "get_speedup_vs_diskcache": pct(get_d, .5) / pct(get_a, .5),
+        "put_p50_us": pct(put_a, 0.5) * 1e6,
+        "put_p99_us": pct(put_a, 0.99) * 1e6,
+        "dc_put_p50_us": pct(put_d, 0.5) * 1e6,
+        "dc_put_p99_us": pct(put_d, 0.99) * 1e6,
+        "get_p50_us": pct(get_a, 0.5) * 1e6,
+        "get_p99_us": pct(get_a, 0.99) * 1e6,
+        "dc_get_p50_us": pct(get_d, 0.5) * 1e6,
+        "dc_get_p99_us": pct(get_d, 0.99) * 1e6,
+        "get_speedup_vs_diskcache": pct(get_d, 0.5) / pct(get_a, 0.5),
     }
 
 
@@ -98,11 +103,17 @@ def saves(store: Store, n: int) -> dict:
         t2 = time.perf_counter()
         store.commit(key, generation=gen)
         t3 = time.perf_counter()
-        put_t.append(t1 - t0); pub_t.append(t2 - t1); com_t.append(t3 - t2); total_t.append(t3 - t0)
+        put_t.append(t1 - t0)
+        pub_t.append(t2 - t1)
+        com_t.append(t3 - t2)
+        total_t.append(t3 - t0)
     return {
-        "save_p50_us": pct(total_t, .5) * 1e6, "save_p99_us": pct(total_t, .99) * 1e6,
-        "put_p50_us": pct(put_t, .5) * 1e6, "publish_p50_us": pct(pub_t, .5) * 1e6,
-        "commit_p50_us": pct(com_t, .5) * 1e6, "commit_p99_us": pct(com_t, .99) * 1e6,
+        "save_p50_us": pct(total_t, 0.5) * 1e6,
+        "save_p99_us": pct(total_t, 0.99) * 1e6,
+        "put_p50_us": pct(put_t, 0.5) * 1e6,
+        "publish_p50_us": pct(pub_t, 0.5) * 1e6,
+        "commit_p50_us": pct(com_t, 0.5) * 1e6,
+        "commit_p99_us": pct(com_t, 0.99) * 1e6,
     }
 
 
@@ -122,9 +133,12 @@ def lookups(store: Store, dc: diskcache.Cache, keys: list[str], n: int) -> dict:
     ld = timed(lambda i: dc.get(keys[i % len(keys)]), n)
     bare.close()
     return {
-        "lookup_p50_us": pct(la, .5) * 1e6, "lookup_p99_us": pct(la, .99) * 1e6,
-        "lookup_no_memo_p50_us": pct(lb, .5) * 1e6, "lookup_no_memo_p99_us": pct(lb, .99) * 1e6,
-        "dc_lookup_p50_us": pct(ld, .5) * 1e6, "dc_lookup_p99_us": pct(ld, .99) * 1e6,
+        "lookup_p50_us": pct(la, 0.5) * 1e6,
+        "lookup_p99_us": pct(la, 0.99) * 1e6,
+        "lookup_no_memo_p50_us": pct(lb, 0.5) * 1e6,
+        "lookup_no_memo_p99_us": pct(lb, 0.99) * 1e6,
+        "dc_lookup_p50_us": pct(ld, 0.5) * 1e6,
+        "dc_lookup_p99_us": pct(ld, 0.99) * 1e6,
     }
 
 
@@ -146,22 +160,38 @@ def throughput(store: Store, work: Path, size: int, reps: int) -> dict:
     for r in range(reps):
         src = work / f"src{r}"
         src.write_bytes(os.urandom(size))
-        t = time.perf_counter(); floor_copy(src, work / f"copy{r}"); put_f.append(time.perf_counter() - t)
-        t = time.perf_counter(); ref = store.put_file(src); put_a.append(time.perf_counter() - t)
-        t = time.perf_counter(); floor_read_hash(work / f"copy{r}"); get_f.append(time.perf_counter() - t)
-        t = time.perf_counter(); store.get_bytes(ref); get_a.append(time.perf_counter() - t)
-        t = time.perf_counter(); hashlib.sha256(src.read_bytes()).hexdigest(); hash_only.append(time.perf_counter() - t)
-        t = time.perf_counter(); store.put_file(src); reput.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        floor_copy(src, work / f"copy{r}")
+        put_f.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ref = store.put_file(src)
+        put_a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        floor_read_hash(work / f"copy{r}")
+        get_f.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        store.get_bytes(ref)
+        get_a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        hashlib.sha256(src.read_bytes()).hexdigest()
+        hash_only.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        store.put_file(src)
+        reput.append(time.perf_counter() - t)
         for p in (src, work / f"copy{r}"):
             p.unlink()
     m = statistics.median
     return {
         "size_mib": mib,
-        "put_mib_s": mib / m(put_a), "floor_copy_mib_s": mib / m(put_f),
+        "put_mib_s": mib / m(put_a),
+        "floor_copy_mib_s": mib / m(put_f),
         "put_vs_floor": m(put_a) / m(put_f),
-        "get_verified_mib_s": mib / m(get_a), "floor_read_hash_mib_s": mib / m(get_f),
+        "get_verified_mib_s": mib / m(get_a),
+        "floor_read_hash_mib_s": mib / m(get_f),
         "get_vs_floor": m(get_a) / m(get_f),
-        "reput_s": m(reput), "hash_only_s": m(hash_only), "reput_vs_hash": m(reput) / m(hash_only),
+        "reput_s": m(reput),
+        "hash_only_s": m(hash_only),
+        "reput_vs_hash": m(reput) / m(hash_only),
     }
 
 
@@ -179,7 +209,7 @@ def _reader(kind: str, root: str, keys: list[str], seconds: float, q) -> None:
         fn(keys[i % len(keys)])
         lat.append(time.perf_counter() - t)
         i += 1
-    q.put((len(lat), pct(lat, .5), pct(lat, .99)))
+    q.put((len(lat), pct(lat, 0.5), pct(lat, 0.99)))
 
 
 def concurrent(root: str, dc_root: str, keys: list[str], procs: int, seconds: float) -> dict:
@@ -203,9 +233,11 @@ def concurrent(root: str, dc_root: str, keys: list[str], procs: int, seconds: fl
 
 
 def _print_saves(sv: dict) -> None:
-    print(f"save (1 rank, 2 small blobs) p50 {us(sv['save_p50_us'] / 1e6)} p99 {us(sv['save_p99_us'] / 1e6)}: "
-          f"puts {us(sv['put_p50_us'] / 1e6)}, publish {us(sv['publish_p50_us'] / 1e6)}, "
-          f"commit {us(sv['commit_p50_us'] / 1e6)} (p99 {us(sv['commit_p99_us'] / 1e6)})")
+    print(
+        f"save (1 rank, 2 small blobs) p50 {us(sv['save_p50_us'] / 1e6)} p99 {us(sv['save_p99_us'] / 1e6)}: "
+        f"puts {us(sv['put_p50_us'] / 1e6)}, publish {us(sv['publish_p50_us'] / 1e6)}, "
+        f"commit {us(sv['commit_p50_us'] / 1e6)} (p99 {us(sv['commit_p99_us'] / 1e6)})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,37 +268,67 @@ def main(argv: list[str] | None = None) -> int:
         res["1mib"] = throughput(store, work, 1 << 20, 5 if args.quick else 20)
         res["big"] = throughput(store, work, big << 20, 2 if args.quick else 3)
         store.flush()
-        res["concurrent"] = concurrent(str(work / "adstore"), str(work / "diskcache"), keys, args.procs,
-                                       2.0 if args.quick else 5.0)
+        res["concurrent"] = concurrent(
+            str(work / "adstore"), str(work / "diskcache"), keys, args.procs, 2.0 if args.quick else 5.0
+        )
         store.close()
         dc.close()
     s, lk, c = res["small"], res["lookup"], res["concurrent"]
     _print_saves(res["save"])
     rows = [
-        ("small put p50 (4 KiB)", us(s["put_p50_us"] / 1e6), us(s["dc_put_p50_us"] / 1e6),
-         f"{s['dc_put_p50_us'] / s['put_p50_us']:.2f}x faster"),
-        ("small get p50 (4 KiB)", us(s["get_p50_us"] / 1e6), us(s["dc_get_p50_us"] / 1e6),
-         f"{s['get_speedup_vs_diskcache']:.2f}x faster (target ≥ 3x)"),
+        (
+            "small put p50 (4 KiB)",
+            us(s["put_p50_us"] / 1e6),
+            us(s["dc_put_p50_us"] / 1e6),
+            f"{s['dc_put_p50_us'] / s['put_p50_us']:.2f}x faster",
+        ),
+        (
+            "small get p50 (4 KiB)",
+            us(s["get_p50_us"] / 1e6),
+            us(s["dc_get_p50_us"] / 1e6),
+            f"{s['get_speedup_vs_diskcache']:.2f}x faster (target ≥ 3x)",
+        ),
         ("small get p99", us(s["get_p99_us"] / 1e6), us(s["dc_get_p99_us"] / 1e6), ""),
         ("lookup p50", us(lk["lookup_p50_us"] / 1e6), us(lk["dc_lookup_p50_us"] / 1e6), "target < 20 µs"),
         ("lookup p99", us(lk["lookup_p99_us"] / 1e6), us(lk["dc_lookup_p99_us"] / 1e6), ""),
-        ("lookup p50 without the memo", us(lk["lookup_no_memo_p50_us"] / 1e6), us(lk["lookup_p50_us"] / 1e6)
-         + " (with)", f"{lk['lookup_no_memo_p50_us'] / lk['lookup_p50_us']:.2f}x the memo's time"),
+        (
+            "lookup p50 without the memo",
+            us(lk["lookup_no_memo_p50_us"] / 1e6),
+            us(lk["lookup_p50_us"] / 1e6) + " (with)",
+            f"{lk['lookup_no_memo_p50_us'] / lk['lookup_p50_us']:.2f}x the memo's time",
+        ),
     ]
     for name in ("1mib", "big"):
         t = res[name]
         label = f"{t['size_mib']:.0f} MiB"
         rows += [
-            (f"put {label}", f"{t['put_mib_s']:.0f} MiB/s", f"{t['floor_copy_mib_s']:.0f} MiB/s (file copy)",
-             f"{t['put_vs_floor']:.2f}x floor time"),
-            (f"verified get {label}", f"{t['get_verified_mib_s']:.0f} MiB/s",
-             f"{t['floor_read_hash_mib_s']:.0f} MiB/s (read+sha256)", f"{t['get_vs_floor']:.2f}x (target ≤ 1.5x)"),
-            (f"re-put {label}", f"{t['reput_s'] * 1e3:.1f} ms", f"{t['hash_only_s'] * 1e3:.1f} ms (hash only)",
-             f"{t['reput_vs_hash']:.2f}x (target ≤ 1.2x)"),
+            (
+                f"put {label}",
+                f"{t['put_mib_s']:.0f} MiB/s",
+                f"{t['floor_copy_mib_s']:.0f} MiB/s (file copy)",
+                f"{t['put_vs_floor']:.2f}x floor time",
+            ),
+            (
+                f"verified get {label}",
+                f"{t['get_verified_mib_s']:.0f} MiB/s",
+                f"{t['floor_read_hash_mib_s']:.0f} MiB/s (read+sha256)",
+                f"{t['get_vs_floor']:.2f}x (target ≤ 1.5x)",
+            ),
+            (
+                f"re-put {label}",
+                f"{t['reput_s'] * 1e3:.1f} ms",
+                f"{t['hash_only_s'] * 1e3:.1f} ms (hash only)",
+                f"{t['reput_vs_hash']:.2f}x (target ≤ 1.2x)",
+            ),
         ]
-    rows.append((f"lookups, {args.procs} reader processes", f"{c['adstore']['ops_per_s']:.0f}/s, p99 "
-                 + us(c['adstore']['p99_us'] / 1e6), f"{c['diskcache']['ops_per_s']:.0f}/s, p99 "
-                 + us(c['diskcache']['p99_us'] / 1e6), f"{c['throughput_ratio']:.2f}x throughput"))
+    rows.append(
+        (
+            f"lookups, {args.procs} reader processes",
+            f"{c['adstore']['ops_per_s']:.0f}/s, p99 " + us(c["adstore"]["p99_us"] / 1e6),
+            f"{c['diskcache']['ops_per_s']:.0f}/s, p99 " + us(c["diskcache"]["p99_us"] / 1e6),
+            f"{c['throughput_ratio']:.2f}x throughput",
+        )
+    )
     print(f"{'benchmark':38} {'adstore':28} {'baseline':34} ratio")
     for r in rows:
         print(f"{r[0]:38} {r[1]:28} {r[2]:34} {r[3]}")

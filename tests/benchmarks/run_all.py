@@ -69,8 +69,9 @@ Row = dict[str, Any]
 
 # --------------------------------------------------------------------------- machine
 
+
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    info: dict[str, Any] = {"date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
@@ -93,13 +94,21 @@ def machine_info() -> dict[str, Any]:
     info["python"] = platform.python_version()
     info["kernel"] = platform.release()
     try:
-        info["torch"] = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                                       capture_output=True, text=True, timeout=120).stdout.strip() or None
+        info["torch"] = (
+            subprocess.run(
+                [sys.executable, "-c", "import torch; print(torch.__version__)"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         info["torch"] = None
     try:
-        info["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                            capture_output=True, text=True, timeout=30).stdout.strip()
+        info["git_commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except OSError:
         info["git_commit"] = None
     return info
@@ -122,8 +131,9 @@ def quick_args(bench: Path) -> list[str]:
     if bench.stem in QUICK_ARGS:
         return QUICK_ARGS[bench.stem]
     try:
-        help_text = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True, text=True,
-                                   cwd=REPO, timeout=120).stdout
+        help_text = subprocess.run(
+            [sys.executable, str(bench), "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     return ["--quick"] if "--quick" in help_text else []
@@ -143,8 +153,14 @@ def run_one(bench: Path, *, quick: bool, timeout: float) -> dict[str, Any]:
     print(f"\n=== {bench.stem}: {' '.join(argv)}", flush=True)
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
@@ -156,8 +172,11 @@ def run_one(bench: Path, *, quick: bool, timeout: float) -> dict[str, Any]:
             proc.wait()
             rc = -9
     seconds = time.monotonic() - start
-    written = [p for p in OUT.glob("*.json") if p.stat().st_mtime > before.get(p, 0.0)
-               and p.name not in ("results.json", "faults.json", "stress.json")]
+    written = [
+        p
+        for p in OUT.glob("*.json")
+        if p.stat().st_mtime > before.get(p, 0.0) and p.name not in ("results.json", "faults.json", "stress.json")
+    ]
     data: Any = None
     source = None
     for cand in _json_candidates(bench) + written:
@@ -170,18 +189,26 @@ def run_one(bench: Path, *, quick: bool, timeout: float) -> dict[str, Any]:
                 continue
     if rc != 0:
         print(f"!!! {bench.stem} exited with {rc} after {seconds:.0f}s (log: {log_path})", flush=True)
-    return {"argv": argv, "returncode": rc, "seconds": round(seconds, 1), "json_file": source, "figures": data,
-            "json_written": _mtime(OUT / source) if source else None, "log": str(log_path.relative_to(REPO))}
+    return {
+        "argv": argv,
+        "returncode": rc,
+        "seconds": round(seconds, 1),
+        "json_file": source,
+        "figures": data,
+        "json_written": _mtime(OUT / source) if source else None,
+        "log": str(log_path.relative_to(REPO)),
+    }
 
 
 def _mtime(path: Path) -> str | None:
     try:
-        return _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
+        return _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC).isoformat(timespec="seconds")
     except OSError:
         return None
 
 
 # --------------------------------------------------------------------------- table rows
+
 
 def _get(d: Any, *path: str) -> Any:
     for p in path:
@@ -199,24 +226,63 @@ def _s(x: float) -> str:
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def row(bench: str, name: str, figure: str, baseline: str, ratio: float | str | None, target: str = "",
-        met: bool | None = None, note: str = "") -> Row:
-    return {"benchmark": bench, "name": name, "adstore": figure, "baseline": baseline,
-            "ratio": ratio, "target": target, "met": met, "note": note}
+def row(
+    bench: str,
+    name: str,
+    figure: str,
+    baseline: str,
+    ratio: float | str | None,
+    target: str = "",
+    met: bool | None = None,
+    note: str = "",
+) -> Row:
+    return {
+        "benchmark": bench,
+        "name": name,
+        "adstore": figure,
+        "baseline": baseline,
+        "ratio": ratio,
+        "target": target,
+        "met": met,
+        "note": note,
+    }
 
 
 def rows_store(d: dict) -> list[Row]:
     s, lk, c = d["small"], d["lookup"], d["concurrent"]
     out = [
-        row("store", "small get p50 (4 KiB)", _us(s["get_p50_us"]), f"diskcache {_us(s['dc_get_p50_us'])}",
-            s["dc_get_p50_us"] / s["get_p50_us"], "≥ 3× faster than diskcache",
-            s["dc_get_p50_us"] / s["get_p50_us"] >= 3),
-        row("store", "small put p50 (4 KiB)", _us(s["put_p50_us"]), f"diskcache {_us(s['dc_put_p50_us'])}",
-            s["dc_put_p50_us"] / s["put_p50_us"]),
-        row("store", "lookup p50", _us(lk["lookup_p50_us"]), f"diskcache get {_us(lk['dc_lookup_p50_us'])}",
-            lk["dc_lookup_p50_us"] / lk["lookup_p50_us"], "< 20 µs", lk["lookup_p50_us"] < 20),
-        row("store", "lookup p99", _us(lk["lookup_p99_us"]), f"diskcache get {_us(lk['dc_lookup_p99_us'])}",
-            lk["dc_lookup_p99_us"] / lk["lookup_p99_us"]),
+        row(
+            "store",
+            "small get p50 (4 KiB)",
+            _us(s["get_p50_us"]),
+            f"diskcache {_us(s['dc_get_p50_us'])}",
+            s["dc_get_p50_us"] / s["get_p50_us"],
+            "≥ 3× faster than diskcache",
+            s["dc_get_p50_us"] / s["get_p50_us"] >= 3,
+        ),
+        row(
+            "store",
+            "small put p50 (4 KiB)",
+            _us(s["put_p50_us"]),
+            f"diskcache {_us(s['dc_put_p50_us'])}",
+            s["dc_put_p50_us"] / s["put_p50_us"],
+        ),
+        row(
+            "store",
+            "lookup p50",
+            _us(lk["lookup_p50_us"]),
+            f"diskcache get {_us(lk['dc_lookup_p50_us'])}",
+            lk["dc_lookup_p50_us"] / lk["lookup_p50_us"],
+            "< 20 µs",
+            lk["lookup_p50_us"] < 20,
+        ),
+        row(
+            "store",
+            "lookup p99",
+            _us(lk["lookup_p99_us"]),
+            f"diskcache get {_us(lk['dc_lookup_p99_us'])}",
+            lk["dc_lookup_p99_us"] / lk["lookup_p99_us"],
+        ),
     ]
     for key in ("1mib", "big"):
         if key not in d:
@@ -224,19 +290,44 @@ def rows_store(d: dict) -> list[Row]:
         t = d[key]
         label = f"{t['size_mib']:.0f} MiB"
         out += [
-            row("store", f"verified get {label}", f"{t['get_verified_mib_s']:.0f} MiB/s",
-                f"read+sha256 floor {t['floor_read_hash_mib_s']:.0f} MiB/s", t["get_vs_floor"],
-                "≤ 1.5× the floor's time", t["get_vs_floor"] <= 1.5),
-            row("store", f"put {label}", f"{t['put_mib_s']:.0f} MiB/s",
-                f"file copy {t['floor_copy_mib_s']:.0f} MiB/s", t["put_vs_floor"], "", None,
-                "ratio = adstore time / copy time"),
-            row("store", f"re-put {label} (already stored)", _s(t["reput_s"]), f"hash only {_s(t['hash_only_s'])}",
-                t["reput_vs_hash"], "≤ 1.2× hashing alone", t["reput_vs_hash"] <= 1.2),
+            row(
+                "store",
+                f"verified get {label}",
+                f"{t['get_verified_mib_s']:.0f} MiB/s",
+                f"read+sha256 floor {t['floor_read_hash_mib_s']:.0f} MiB/s",
+                t["get_vs_floor"],
+                "≤ 1.5× the floor's time",
+                t["get_vs_floor"] <= 1.5,
+            ),
+            row(
+                "store",
+                f"put {label}",
+                f"{t['put_mib_s']:.0f} MiB/s",
+                f"file copy {t['floor_copy_mib_s']:.0f} MiB/s",
+                t["put_vs_floor"],
+                "",
+                None,
+                "ratio = adstore time / copy time",
+            ),
+            row(
+                "store",
+                f"re-put {label} (already stored)",
+                _s(t["reput_s"]),
+                f"hash only {_s(t['hash_only_s'])}",
+                t["reput_vs_hash"],
+                "≤ 1.2× hashing alone",
+                t["reput_vs_hash"] <= 1.2,
+            ),
         ]
-    out.append(row("store", f"lookups, {d.get('procs', 8)} reader processes",
-                   f"{c['adstore']['ops_per_s']:.0f}/s (p99 {_us(c['adstore']['p99_us'])})",
-                   f"diskcache {c['diskcache']['ops_per_s']:.0f}/s (p99 {_us(c['diskcache']['p99_us'])})",
-                   c["throughput_ratio"]))
+    out.append(
+        row(
+            "store",
+            f"lookups, {d.get('procs', 8)} reader processes",
+            f"{c['adstore']['ops_per_s']:.0f}/s (p99 {_us(c['adstore']['p99_us'])})",
+            f"diskcache {c['diskcache']['ops_per_s']:.0f}/s (p99 {_us(c['diskcache']['p99_us'])})",
+            c["throughput_ratio"],
+        )
+    )
     return out
 
 
@@ -244,26 +335,54 @@ def rows_daemon(d: dict) -> list[Row]:
     out = []
     if "crossing" in d:
         c = d["crossing"]
-        out.append(row("daemon", "write crossing high watermark → under low watermark",
-                       f"median {_s(c['latency_median_s'])}, max {_s(c['latency_max_s'])}",
-                       f"eviction work alone {_s(c['baseline_eviction_work_s'])}", c.get("ratio_latency_to_work"),
-                       "< 2 s", c["latency_max_s"] < 2.0))
+        out.append(
+            row(
+                "daemon",
+                "write crossing high watermark → under low watermark",
+                f"median {_s(c['latency_median_s'])}, max {_s(c['latency_max_s'])}",
+                f"eviction work alone {_s(c['baseline_eviction_work_s'])}",
+                c.get("ratio_latency_to_work"),
+                "< 2 s",
+                c["latency_max_s"] < 2.0,
+            )
+        )
     if "idle" in d:
         i = d["idle"]
-        out.append(row("daemon", f"idle CPU over {i.get('seconds', 0):.0f} s",
-                       f"{i['daemon_cpu_percent']:.4f}% (RSS {i.get('daemon_rss_mib', 0):.0f} MiB)",
-                       f"1 s polling loop {i['baseline_polling_cpu_percent']:.3f}%", i.get("ratio_daemon_to_polling"),
-                       "< 0.1%", i["daemon_cpu_percent"] < 0.1))
+        out.append(
+            row(
+                "daemon",
+                f"idle CPU over {i.get('seconds', 0):.0f} s",
+                f"{i['daemon_cpu_percent']:.4f}% (RSS {i.get('daemon_rss_mib', 0):.0f} MiB)",
+                f"1 s polling loop {i['baseline_polling_cpu_percent']:.3f}%",
+                i.get("ratio_daemon_to_polling"),
+                "< 0.1%",
+                i["daemon_cpu_percent"] < 0.1,
+            )
+        )
     if "bulk" in d:
         b = d["bulk"]
         n = b["entries"]
-        out.append(row("daemon", f"evict {n} entries in batches of {b.get('batch_size')}",
-                       f"{_s(b['evict_s'])} ({b.get('evict_entries_per_s') or 0:.0f}/s)",
-                       f"diskcache cull {_s(b['baseline_diskcache_cull_s'])}", b.get("ratio_evict_to_diskcache"),
-                       "100k in < 10 s", (b["evict_s"] < 10.0 and b.get("left", 0) == 0) if n >= 100_000 else None,
-                       "" if n >= 100_000 else "target is for 100k entries: run without --quick"))
-        out.append(row("daemon", f"`adstore stats` on {n} entries", _s(b["stats_s"]),
-                       f"python start-up {_s(b['baseline_python_startup_s'])}", b.get("ratio_stats_to_python_startup")))
+        out.append(
+            row(
+                "daemon",
+                f"evict {n} entries in batches of {b.get('batch_size')}",
+                f"{_s(b['evict_s'])} ({b.get('evict_entries_per_s') or 0:.0f}/s)",
+                f"diskcache cull {_s(b['baseline_diskcache_cull_s'])}",
+                b.get("ratio_evict_to_diskcache"),
+                "100k in < 10 s",
+                (b["evict_s"] < 10.0 and b.get("left", 0) == 0) if n >= 100_000 else None,
+                "" if n >= 100_000 else "target is for 100k entries: run without --quick",
+            )
+        )
+        out.append(
+            row(
+                "daemon",
+                f"`adstore stats` on {n} entries",
+                _s(b["stats_s"]),
+                f"python start-up {_s(b['baseline_python_startup_s'])}",
+                b.get("ratio_stats_to_python_startup"),
+            )
+        )
     return out
 
 
@@ -271,19 +390,46 @@ def rows_snapshot(d: dict) -> list[Row]:
     a, f = d["adstore"], d["floor"]
     alts = {k: d[k] for k in ("export", "pickler_module", "pickler_graph_module") if isinstance(d.get(k), dict)}
     label = f"{d.get('layers')}-layer transformer, {d.get('nodes')} nodes"
-    out = [row("snapshot", f"decode ({label})", _s(a["decode_s"]), f"floor (rebuild from decoded list) {_s(f['decode_s'])}",
-               a["decode_s"] / f["decode_s"], "≤ 1.5× floor", a["decode_s"] / f["decode_s"] <= 1.5)]
+    out = [
+        row(
+            "snapshot",
+            f"decode ({label})",
+            _s(a["decode_s"]),
+            f"floor (rebuild from decoded list) {_s(f['decode_s'])}",
+            a["decode_s"] / f["decode_s"],
+            "≤ 1.5× floor",
+            a["decode_s"] / f["decode_s"] <= 1.5,
+        )
+    ]
     for name, alt in alts.items():
         dec = alt.get("decode_module_s", alt.get("decode_s"))
         if dec is None:
             continue
         what = "torch.export.load + .module()" if name == "export" else f"GraphPickler ({name.split('_', 1)[1]})"
-        out.append(row("snapshot", f"decode vs {what}", _s(a["decode_s"]), _s(dec), dec / a["decode_s"],
-                       "faster than both alternatives", a["decode_s"] < dec))
+        out.append(
+            row(
+                "snapshot",
+                f"decode vs {what}",
+                _s(a["decode_s"]),
+                _s(dec),
+                dec / a["decode_s"],
+                "faster than both alternatives",
+                a["decode_s"] < dec,
+            )
+        )
         if "bytes" in alt:
-            out.append(row("snapshot", f"payload bytes vs {what}", f"{a['bytes']:,} B", f"{alt['bytes']:,} B",
-                           alt["bytes"] / a["bytes"], "", None,
-                           "export includes weights" if name == "export" else ""))
+            out.append(
+                row(
+                    "snapshot",
+                    f"payload bytes vs {what}",
+                    f"{a['bytes']:,} B",
+                    f"{alt['bytes']:,} B",
+                    alt["bytes"] / a["bytes"],
+                    "",
+                    None,
+                    "export includes weights" if name == "export" else "",
+                )
+            )
     for name in ("export", "pickler_module", "pickler_graph_module"):
         if isinstance(d.get(name), dict) and "error" in d[name]:
             out.append(row("snapshot", f"{name}", "-", f"failed: {d[name]['error'][:60]}", None))
@@ -294,21 +440,56 @@ def rows_snapshot(d: dict) -> list[Row]:
 def rows_engine(d: dict) -> list[Row]:
     s, r, b = d["seconds"], d["ratios"], d["bytes"]
     cold = s.get("compile_miss_cold_total", s.get("compile_miss_total"))
-    out = [row("engine", "hit from store + refit", _s(s["hit_from_store_total"]), f"cold compile {_s(cold)}",
-               r.get("cold_compile_over_store_hit", r.get("compile_over_store_hit")), "", None,
-               "ratio = compile time / hit time")]
+    out = [
+        row(
+            "engine",
+            "hit from store + refit",
+            _s(s["hit_from_store_total"]),
+            f"cold compile {_s(cold)}",
+            r.get("cold_compile_over_store_hit", r.get("compile_over_store_hit")),
+            "",
+            None,
+            "ratio = compile time / hit time",
+        )
+    ]
     if "compile_miss_warm_total" in s:
-        out.append(row("engine", "hit from store + refit (vs warm compile)", _s(s["hit_from_store_total"]),
-                       f"compile with warm inductor caches {_s(s['compile_miss_warm_total'])}",
-                       r.get("warm_compile_over_store_hit")))
+        out.append(
+            row(
+                "engine",
+                "hit from store + refit (vs warm compile)",
+                _s(s["hit_from_store_total"]),
+                f"compile with warm inductor caches {_s(s['compile_miss_warm_total'])}",
+                r.get("warm_compile_over_store_hit"),
+            )
+        )
     if "next_process_hit_total" in s:
-        out.append(row("engine", "next process: compile() call, engine cached", _s(s["next_process_hit_compile_call"]),
-                       f"next process recompiles {_s(s['next_process_recompile_compile_call'])}",
-                       r.get("next_process_recompile_over_hit_call")))
-    out.append(row("engine", "hit from memory + refit", _s(s["hit_from_memory_total"]), f"cold compile {_s(cold)}",
-                   r.get("cold_compile_over_memory_hit", r.get("compile_over_memory_hit"))))
-    out.append(row("engine", "engine bytes stored (no weights)", f"{b['package_without_weights']:,} B",
-                   f"package with weights {b['package_with_weights']:,} B", r.get("bytes_with_weights_over_without")))
+        out.append(
+            row(
+                "engine",
+                "next process: compile() call, engine cached",
+                _s(s["next_process_hit_compile_call"]),
+                f"next process recompiles {_s(s['next_process_recompile_compile_call'])}",
+                r.get("next_process_recompile_over_hit_call"),
+            )
+        )
+    out.append(
+        row(
+            "engine",
+            "hit from memory + refit",
+            _s(s["hit_from_memory_total"]),
+            f"cold compile {_s(cold)}",
+            r.get("cold_compile_over_memory_hit", r.get("compile_over_memory_hit")),
+        )
+    )
+    out.append(
+        row(
+            "engine",
+            "engine bytes stored (no weights)",
+            f"{b['package_without_weights']:,} B",
+            f"package with weights {b['package_with_weights']:,} B",
+            r.get("bytes_with_weights_over_without"),
+        )
+    )
     return out
 
 
@@ -319,23 +500,50 @@ def rows_pipeline(d: dict) -> list[Row]:
     speed = r["restore_speedup_vs_prefix"]
     overhead = r["save_overhead_fraction_of_cold"]
     return [
-        row("pipeline", f"warm restore vs the prefix it replaces ({label})", _s(d["restore_s"]),
-            f"prefix {_s(d['prefix_s'])}", speed, "≥ 20× faster", speed >= 20),
-        row("pipeline", "warm run vs cold run (whole pipeline)", _s(d["warm_s"]), f"cold {_s(d['cold_s'])}",
-            r.get("warm_speedup_vs_cold")),
-        row("pipeline", "save overhead on a miss", f"{_s(d['save_s'])} ({overhead * 100:.1f}% of cold)",
-            f"pipeline without cache {_s(d['baseline_nocache_s'])}", overhead, "< 10% of the cold run",
-            overhead < 0.10, "ratio = overhead / cold time"),
-        row("pipeline", "outputs warm == cold == no cache", str(d.get("outputs_match")), "", None, "bit-identical",
-            bool(d.get("outputs_match"))),
+        row(
+            "pipeline",
+            f"warm restore vs the prefix it replaces ({label})",
+            _s(d["restore_s"]),
+            f"prefix {_s(d['prefix_s'])}",
+            speed,
+            "≥ 20× faster",
+            speed >= 20,
+        ),
+        row(
+            "pipeline",
+            "warm run vs cold run (whole pipeline)",
+            _s(d["warm_s"]),
+            f"cold {_s(d['cold_s'])}",
+            r.get("warm_speedup_vs_cold"),
+        ),
+        row(
+            "pipeline",
+            "save overhead on a miss",
+            f"{_s(d['save_s'])} ({overhead * 100:.1f}% of cold)",
+            f"pipeline without cache {_s(d['baseline_nocache_s'])}",
+            overhead,
+            "< 10% of the cold run",
+            overhead < 0.10,
+            "ratio = overhead / cold time",
+        ),
+        row(
+            "pipeline",
+            "outputs warm == cold == no cache",
+            str(d.get("outputs_match")),
+            "",
+            None,
+            "bit-identical",
+            bool(d.get("outputs_match")),
+        ),
     ]
 
 
 def _imports(info: dict | None) -> str:
     if not info:
         return ""
-    return ("warm process imports " + ", ".join(f"{k}: {'yes' if info.get(k) else 'no'}"
-                                                for k in ("transformers", "dynamo")))
+    return "warm process imports " + ", ".join(
+        f"{k}: {'yes' if info.get(k) else 'no'}" for k in ("transformers", "dynamo")
+    )
 
 
 def rows_restart(d: dict) -> list[Row]:
@@ -344,18 +552,42 @@ def rows_restart(d: dict) -> list[Row]:
     for name, m in d.get("models", {}).items():
         above, cold_above = m["warm_s"] - floor, m["cold_s"] - floor
         ratio = m.get("above_floor_ratio")
-        out.append(row("restart", f"pipeline warm restart ({name}), start to first output",
-                       f"{_s(m['warm_s'])} (floor + {_s(above)})", f"cold restart {_s(m['cold_s'])}",
-                       m.get("speedup"), "≤ floor + 0.5 s", above <= 0.5, _imports(m.get("warm_imports"))))
-        out.append(row("restart", f"pipeline time above the floor ({name})", _s(above),
-                       f"cold {_s(cold_above)}", ratio, "≥ 4× less", ratio is not None and ratio >= 4,
-                       "ratio = cold time above floor / warm time above floor"))
+        out.append(
+            row(
+                "restart",
+                f"pipeline warm restart ({name}), start to first output",
+                f"{_s(m['warm_s'])} (floor + {_s(above)})",
+                f"cold restart {_s(m['cold_s'])}",
+                m.get("speedup"),
+                "≤ floor + 0.5 s",
+                above <= 0.5,
+                _imports(m.get("warm_imports")),
+            )
+        )
+        out.append(
+            row(
+                "restart",
+                f"pipeline time above the floor ({name})",
+                _s(above),
+                f"cold {_s(cold_above)}",
+                ratio,
+                "≥ 4× less",
+                ratio is not None and ratio >= 4,
+                "ratio = cold time above floor / warm time above floor",
+            )
+        )
     out.extend(_rows_compile_stage(d.get("compile", {})))
     if "engine" in d:
         e = d["engine"]
-        out.append(row("restart", "engine cache warm restart (MLP), start to first output",
-                       f"{_s(e['warm_s'])} (floor + {_s(e['warm_above_floor_s'])})",
-                       f"cold restart (compile) {_s(e['cold_s'])}", e.get("speedup")))
+        out.append(
+            row(
+                "restart",
+                "engine cache warm restart (MLP), start to first output",
+                f"{_s(e['warm_s'])} (floor + {_s(e['warm_above_floor_s'])})",
+                f"cold restart (compile) {_s(e['cold_s'])}",
+                e.get("speedup"),
+            )
+        )
     return out
 
 
@@ -364,19 +596,47 @@ def _rows_compile_stage(sections: dict) -> list[Row]:
     out = []
     for tag, c in sections.items():
         floor, warm, host, ratio = c["floor_s"], c["warm_s"], c["new_host_s"], c.get("above_floor_ratio")
-        same = f"outputs bit-identical: {'yes' if c['outputs_bit_identical'] else 'NO'}; " \
-               f"vs eager {c['max_abs_diff_vs_eager']:.1e}"
+        same = (
+            f"outputs bit-identical: {'yes' if c['outputs_bit_identical'] else 'NO'}; "
+            f"vs eager {c['max_abs_diff_vs_eager']:.1e}"
+        )
         if c["backend"] == "aoti":
-            out.append(row("restart", f"compile stage warm restart ({tag})", f"{_s(warm)} (floor + {_s(warm - floor)})",
-                           f"cold restart {_s(c['cold_s'])}", ratio, "≤ floor + 0.5 s, ≥ 10× less above the floor",
-                           warm - floor <= 0.5 and ratio is not None and ratio >= 10, same))
-            out.append(row("restart", f"compile stage new host from the HTTP remote ({tag})",
-                           f"{_s(host)} (floor + {_s(host - floor)})", f"cold restart {_s(c['cold_s'])}",
-                           c["cold_s"] / host, "≤ floor + 1.0 s", host - floor <= 1.0))
+            out.append(
+                row(
+                    "restart",
+                    f"compile stage warm restart ({tag})",
+                    f"{_s(warm)} (floor + {_s(warm - floor)})",
+                    f"cold restart {_s(c['cold_s'])}",
+                    ratio,
+                    "≤ floor + 0.5 s, ≥ 10× less above the floor",
+                    warm - floor <= 0.5 and ratio is not None and ratio >= 10,
+                    same,
+                )
+            )
+            out.append(
+                row(
+                    "restart",
+                    f"compile stage new host from the HTTP remote ({tag})",
+                    f"{_s(host)} (floor + {_s(host - floor)})",
+                    f"cold restart {_s(c['cold_s'])}",
+                    c["cold_s"] / host,
+                    "≤ floor + 1.0 s",
+                    host - floor <= 1.0,
+                )
+            )
         else:
-            out.append(row("restart", f"compile stage new host from the HTTP remote ({tag})", _s(host),
-                           f"local warm restart {_s(warm)}", c["new_host_over_warm"], "≤ 1.3× local warm",
-                           c["new_host_over_warm"] <= 1.3, f"cold restart {_s(c['cold_s'])}; {same}"))
+            out.append(
+                row(
+                    "restart",
+                    f"compile stage new host from the HTTP remote ({tag})",
+                    _s(host),
+                    f"local warm restart {_s(warm)}",
+                    c["new_host_over_warm"],
+                    "≤ 1.3× local warm",
+                    c["new_host_over_warm"] <= 1.3,
+                    f"cold restart {_s(c['cold_s'])}; {same}",
+                )
+            )
     return out
 
 
@@ -388,60 +648,174 @@ def rows_remote(d: dict) -> list[Row]:
         t = d[name]
         for way in ("download", "upload"):
             x = t[way]
-            out.append(row("remote", f"{name} blob {way} {t['size_mib']:.0f} MiB", f"{x['adstore_mib_s']:.0f} MiB/s",
-                           f"{t['baseline']} {x['baseline_mib_s']:.0f} MiB/s", x["ratio_vs_baseline"], "≥ 0.8×",
-                           x["meets_0_8x"], "ratio = adstore throughput / baseline throughput"))
+            out.append(
+                row(
+                    "remote",
+                    f"{name} blob {way} {t['size_mib']:.0f} MiB",
+                    f"{x['adstore_mib_s']:.0f} MiB/s",
+                    f"{t['baseline']} {x['baseline_mib_s']:.0f} MiB/s",
+                    x["ratio_vs_baseline"],
+                    "≥ 0.8×",
+                    x["meets_0_8x"],
+                    "ratio = adstore throughput / baseline throughput",
+                )
+            )
     if "repush" in d:
         r = d["repush"]
-        out.append(row("remote", "re-push an entry the remote has: blob bytes sent", str(r["repush_blob_bytes"]),
-                       f"first push {r['first_push_blob_bytes']:,} B", None, "0 bytes", r["meets_zero_bytes"]))
+        out.append(
+            row(
+                "remote",
+                "re-push an entry the remote has: blob bytes sent",
+                str(r["repush_blob_bytes"]),
+                f"first push {r['first_push_blob_bytes']:,} B",
+                None,
+                "0 bytes",
+                r["meets_zero_bytes"],
+            )
+        )
     for name, x in d.get("down", {}).items():
-        out.append(row("remote", f"remote down ({name}): first lookup", _s(x["first_call_s"]),
-                       f"timeout {_s(x['timeout_s'])}", None, "≤ the timeout", x["meets_first_within_timeout"]))
-        out.append(row("remote", f"remote down ({name}): later lookups, p50", _us(x["later_p50_us"]),
-                       f"max {_us(x['later_max_us'])}", None, "< 1 ms (circuit open)", x["meets_later_under_1ms"]))
+        out.append(
+            row(
+                "remote",
+                f"remote down ({name}): first lookup",
+                _s(x["first_call_s"]),
+                f"timeout {_s(x['timeout_s'])}",
+                None,
+                "≤ the timeout",
+                x["meets_first_within_timeout"],
+            )
+        )
+        out.append(
+            row(
+                "remote",
+                f"remote down ({name}): later lookups, p50",
+                _us(x["later_p50_us"]),
+                f"max {_us(x['later_max_us'])}",
+                None,
+                "< 1 ms (circuit open)",
+                x["meets_later_under_1ms"],
+            )
+        )
     if "pipeline" in d:
         p = d["pipeline"]
         label = f"llama, {p['layers']} layers, hidden {p['hidden']}"
-        out.append(row("remote", f"remote hit into an empty store vs the cold pipeline ({label}), whole processes",
-                       _s(p["remote_hit_s"]), f"cold pipeline {_s(p['cold_s'])}", p["speedup"], "≥ 10× faster",
-                       p["meets_10x"], f"floor (import torch) {_s(p['floor_s'])}"))
+        out.append(
+            row(
+                "remote",
+                f"remote hit into an empty store vs the cold pipeline ({label}), whole processes",
+                _s(p["remote_hit_s"]),
+                f"cold pipeline {_s(p['cold_s'])}",
+                p["speedup"],
+                "≥ 10× faster",
+                p["meets_10x"],
+                f"floor (import torch) {_s(p['floor_s'])}",
+            )
+        )
         # Every process pays the floor, which caps the whole-process ratio at cold / floor; the work the
         # remote hit replaces is what lies above it.
         hit, cold = p["remote_hit_s"] - p["floor_s"], p["cold_s"] - p["floor_s"]
         if hit > 0 and cold > 0:
-            out.append(row("remote", "the same, above the floor (after `import torch`)", _s(hit), f"cold {_s(cold)}",
-                           cold / hit, "≥ 10× faster", cold / hit >= 10,
-                           f"whole processes cannot pass cold / floor = {p['cold_s'] / p['floor_s']:.1f}×"))
-        out.append(row("remote", "cold run that also pushes", _s(p["cold_push_s"]), f"cold {_s(p['cold_s'])}",
-                       None, "", None, f"push adds {_s(max(p['push_overhead_s'], 0.0))}"))
-        out.append(row("remote", "local hit after the remote hit", _s(p["local_hit_s"]),
-                       f"remote hit {_s(p['remote_hit_s'])}", p["remote_hit_s"] / p["local_hit_s"], "outputs equal",
-                       p["outputs_equal"]))
+            out.append(
+                row(
+                    "remote",
+                    "the same, above the floor (after `import torch`)",
+                    _s(hit),
+                    f"cold {_s(cold)}",
+                    cold / hit,
+                    "≥ 10× faster",
+                    cold / hit >= 10,
+                    f"whole processes cannot pass cold / floor = {p['cold_s'] / p['floor_s']:.1f}×",
+                )
+            )
+        out.append(
+            row(
+                "remote",
+                "cold run that also pushes",
+                _s(p["cold_push_s"]),
+                f"cold {_s(p['cold_s'])}",
+                None,
+                "",
+                None,
+                f"push adds {_s(max(p['push_overhead_s'], 0.0))}",
+            )
+        )
+        out.append(
+            row(
+                "remote",
+                "local hit after the remote hit",
+                _s(p["local_hit_s"]),
+                f"remote hit {_s(p['remote_hit_s'])}",
+                p["remote_hit_s"] / p["local_hit_s"],
+                "outputs equal",
+                p["outputs_equal"],
+            )
+        )
     for name, x in d.get("restore", {}).items():
-        out.append(row("remote", f"{name} remote restore {x['size_mib']:.0f} MiB (download + verify + commit)",
-                       f"{x['restore_mib_s']:.0f} MiB/s", f"fetch_blob {x['fetch_blob_mib_s']:.0f} MiB/s",
-                       x["ratio_vs_fetch_blob"], "≥ 0.8×", x["meets_0_8x"],
-                       f"a durable fetch_blob (fsync): {x['fetch_blob_fsync_mib_s']:.0f} MiB/s"))
+        out.append(
+            row(
+                "remote",
+                f"{name} remote restore {x['size_mib']:.0f} MiB (download + verify + commit)",
+                f"{x['restore_mib_s']:.0f} MiB/s",
+                f"fetch_blob {x['fetch_blob_mib_s']:.0f} MiB/s",
+                x["ratio_vs_fetch_blob"],
+                "≥ 0.8×",
+                x["meets_0_8x"],
+                f"a durable fetch_blob (fsync): {x['fetch_blob_fsync_mib_s']:.0f} MiB/s",
+            )
+        )
     if "circuit_open" in d:
         c = d["circuit_open"]
-        out.append(row("remote", "lookup of an absent key, circuit open, p50", _us(c["p50_us"]),
-                       f"local miss {_us(c['local_miss_p50_us'])}", None, "≤ 20 µs", c["meets_20us"]))
+        out.append(
+            row(
+                "remote",
+                "lookup of an absent key, circuit open, p50",
+                _us(c["p50_us"]),
+                f"local miss {_us(c['local_miss_p50_us'])}",
+                None,
+                "≤ 20 µs",
+                c["meets_20us"],
+            )
+        )
     if "drip" in d:
         x = d["drip"]
-        out.append(row("remote", "lookup against a server sending 1 byte/s", _s(x["lookup_s"]),
-                       f"deadline {_s(x['deadline_s'])}", None, "a miss within the deadline", x["meets_deadline"],
-                       f"reason {x['reason']}; unbounded it would take {x['unbounded_s']:.0f} s"))
+        out.append(
+            row(
+                "remote",
+                "lookup against a server sending 1 byte/s",
+                _s(x["lookup_s"]),
+                f"deadline {_s(x['deadline_s'])}",
+                None,
+                "a miss within the deadline",
+                x["meets_deadline"],
+                f"reason {x['reason']}; unbounded it would take {x['unbounded_s']:.0f} s",
+            )
+        )
     if "pipeline" in d and d["pipeline"].get("bytes_down"):
         p = d["pipeline"]
-        out.append(row("remote", "bytes a remote hit moves (S3, compressed blobs travel as frames)",
-                       f"{p['bytes_down']:,} B", f"entry {p['entry_logical_bytes']:,} B", p["transfer_ratio"],
-                       "≥ 5× fewer", p["meets_5x_fewer_bytes"]))
+        out.append(
+            row(
+                "remote",
+                "bytes a remote hit moves (S3, compressed blobs travel as frames)",
+                f"{p['bytes_down']:,} B",
+                f"entry {p['entry_logical_bytes']:,} B",
+                p["transfer_ratio"],
+                "≥ 5× fewer",
+                p["meets_5x_fewer_bytes"],
+            )
+        )
     if "race" in d:
         r = d["race"]
-        out.append(row("remote", f"{r['hosts']} simultaneous cold starts of one key",
-                       f"{r['builds']} build, {r['remote_hits']} remote hits", f"wall {_s(r['wall_s'])}", None,
-                       f"1 build, {r['hosts'] - 1} remote hits", r["meets_one_build"]))
+        out.append(
+            row(
+                "remote",
+                f"{r['hosts']} simultaneous cold starts of one key",
+                f"{r['builds']} build, {r['remote_hits']} remote hits",
+                f"wall {_s(r['wall_s'])}",
+                None,
+                f"1 build, {r['hosts'] - 1} remote hits",
+                r["meets_one_build"],
+            )
+        )
     return out
 
 
@@ -450,21 +824,46 @@ def rows_compression(d: dict) -> list[Row]:
     for label, target, key in (("snapshot", "≥ 5× fewer", "meets_5x"), ("engine", "≥ 2× fewer", "meets_2x")):
         if label in d.get("demo", {}):
             x = d["demo"][label]
-            out.append(row("compression", f"the demo's {label} entries: bytes on disk", f"{x['stored_bytes']:,} B",
-                           f"content {x['content_bytes']:,} B", x["ratio"], target, x[key]))
+            out.append(
+                row(
+                    "compression",
+                    f"the demo's {label} entries: bytes on disk",
+                    f"{x['stored_bytes']:,} B",
+                    f"content {x['content_bytes']:,} B",
+                    x["ratio"],
+                    target,
+                    x[key],
+                )
+            )
     for name in ("get_1mib", "get_big"):
         if name in d:
             x = d[name]
-            out.append(row("compression", f"verified get {x['size_mib']:.0f} MiB, compressed {x['ratio_on_disk']:.1f}×",
-                           f"{x['compressed_get_mib_s']:.0f} MiB/s", f"stored raw {x['raw_get_mib_s']:.0f} MiB/s",
-                           x["ratio_vs_raw"], "≥ 0.8×", x["meets_0_8x"]))
+            out.append(
+                row(
+                    "compression",
+                    f"verified get {x['size_mib']:.0f} MiB, compressed {x['ratio_on_disk']:.1f}×",
+                    f"{x['compressed_get_mib_s']:.0f} MiB/s",
+                    f"stored raw {x['raw_get_mib_s']:.0f} MiB/s",
+                    x["ratio_vs_raw"],
+                    "≥ 0.8×",
+                    x["meets_0_8x"],
+                )
+            )
     if "put_big" in d:
         p = d["put_big"]
         for kind, target, met in (("incompressible", "≥ 0.8×", p["meets_0_8x"]), ("snapshot_like", "", None)):
             x = p[kind]
-            out.append(row("compression", f"put {p['size_mib']:.0f} MiB, {kind.replace('_', '-')}",
-                           f"{x['put_mib_s']:.0f} MiB/s", f"sha256 + write + fsync {x['floor_mib_s']:.0f} MiB/s",
-                           x["ratio_vs_floor"], target, met))
+            out.append(
+                row(
+                    "compression",
+                    f"put {p['size_mib']:.0f} MiB, {kind.replace('_', '-')}",
+                    f"{x['put_mib_s']:.0f} MiB/s",
+                    f"sha256 + write + fsync {x['floor_mib_s']:.0f} MiB/s",
+                    x["ratio_vs_floor"],
+                    target,
+                    met,
+                )
+            )
     return out
 
 
@@ -473,18 +872,52 @@ def rows_scale(d: dict) -> list[Row]:
     out = []
     for name, c in d.get("cases", {}).items():
         label = f"{name} ({c['parameters_billion']}B params, {c['nodes']} nodes, {c['snapshot_bytes']:,} B snapshot)"
-        out.append(row("scale", f"restore vs the prefix it replaces, {label}", _s(c["restore_s"]),
-                       f"prefix {_s(c['prefix_s'])}", c["prefix_over_restore"]))
-        out.append(row("scale", f"{name}: restart time above the floor", _s(c["warm_above_floor_s"]),
-                       f"cold {_s(c['cold_above_floor_s'])}", c.get("above_floor_ratio"), "", None,
-                       f"floor (import torch) {_s(c['floor_s'])}"))
-        out.append(row("scale", f"{name}: cold run peak RSS", gib(c["cold_peak_rss"]), f"warm {gib(c['warm_peak_rss'])}",
-                       None, "< 4 GiB", c["meets_cold_rss_under_4gib"]))
+        out.append(
+            row(
+                "scale",
+                f"restore vs the prefix it replaces, {label}",
+                _s(c["restore_s"]),
+                f"prefix {_s(c['prefix_s'])}",
+                c["prefix_over_restore"],
+            )
+        )
+        out.append(
+            row(
+                "scale",
+                f"{name}: restart time above the floor",
+                _s(c["warm_above_floor_s"]),
+                f"cold {_s(c['cold_above_floor_s'])}",
+                c.get("above_floor_ratio"),
+                "",
+                None,
+                f"floor (import torch) {_s(c['floor_s'])}",
+            )
+        )
+        out.append(
+            row(
+                "scale",
+                f"{name}: cold run peak RSS",
+                gib(c["cold_peak_rss"]),
+                f"warm {gib(c['warm_peak_rss'])}",
+                None,
+                "< 4 GiB",
+                c["meets_cold_rss_under_4gib"],
+            )
+        )
     if "moe_forward" in d:
         m = d["moe_forward"]
-        out.append(row("scale", "1-layer Mixtral-8x7B forward on 2x8 tokens: peak RSS", gib(m["forward_peak_rss"]),
-                       f"weights {gib(m['weights_bytes'])}", m["peak_over_weights"], "≤ 1.5× the weights",
-                       m["meets_within_1_5x_weights"], "ratio = peak RSS / weight bytes"))
+        out.append(
+            row(
+                "scale",
+                "1-layer Mixtral-8x7B forward on 2x8 tokens: peak RSS",
+                gib(m["forward_peak_rss"]),
+                f"weights {gib(m['weights_bytes'])}",
+                m["peak_over_weights"],
+                "≤ 1.5× the weights",
+                m["meets_within_1_5x_weights"],
+                "ratio = peak RSS / weight bytes",
+            )
+        )
     return out
 
 
@@ -504,8 +937,11 @@ def rows_generic(bench: str, d: Any, *, skip: bool = False) -> list[Row]:
     out = []
     for k, v in _flatten(d).items():
         leaf = k.rsplit(".", 1)[-1]
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and ("ratio" in leaf or "_over_" in leaf
-                                                                         or "_vs_" in leaf or "speedup" in leaf):
+        if (
+            isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and ("ratio" in leaf or "_over_" in leaf or "_vs_" in leaf or "speedup" in leaf)
+        ):
             out.append(row(bench, k, "-", "-", float(v)))
         elif leaf.startswith("meets") and isinstance(v, bool) and not skip:
             out.append(row(bench, k, "-", "-", None, "see benchmark", v))
@@ -529,8 +965,18 @@ def table_rows(name: str, result: dict[str, Any]) -> list[Row]:
     data = result.get("figures")
     short = name.removeprefix("bench_")
     if result["returncode"] != 0 and not data:
-        return [row(short, "(benchmark failed)", "-", "-", None, "", False,
-                    f"exit {result['returncode']}, see {result['log']}")]
+        return [
+            row(
+                short,
+                "(benchmark failed)",
+                "-",
+                "-",
+                None,
+                "",
+                False,
+                f"exit {result['returncode']}, see {result['log']}",
+            )
+        ]
     if not isinstance(data, dict):
         return [row(short, "(no JSON figures found)", "-", "-", None, "", None, f"see {result['log']}")]
     extractor = EXTRACTORS.get(name)
@@ -539,12 +985,23 @@ def table_rows(name: str, result: dict[str, Any]) -> list[Row]:
             return extractor(data)
         except (KeyError, TypeError, ZeroDivisionError) as exc:
             rows = rows_generic(short, data)
-            return rows + [row(short, "(table extractor out of date)", "-", "-", None, "", None,
-                               f"missing {exc}; generic rows shown")]
+            return rows + [
+                row(
+                    short,
+                    "(table extractor out of date)",
+                    "-",
+                    "-",
+                    None,
+                    "",
+                    None,
+                    f"missing {exc}; generic rows shown",
+                )
+            ]
     return rows_generic(short, data) or [row(short, "(no ratios reported)", "-", "-", None)]
 
 
 # --------------------------------------------------------------------------- reliability figures (from tests)
+
 
 def reliability_rows() -> list[str]:
     lines = []
@@ -563,21 +1020,26 @@ def reliability_rows() -> list[str]:
         if kp:
             lines.append(f"| {label} | {kp['kill_points']} kill points | {len(kp.get('failures', []))} failures |")
     if faults.get("timed_kills"):
-        lines.append(f"| writer in a loop SIGKILLed after 0, 7, 14 … ms | {faults['timed_kills']['kills']} kills | "
-                     "verify clean after each |")
+        lines.append(
+            f"| writer in a loop SIGKILLed after 0, 7, 14 … ms | {faults['timed_kills']['kills']} kills | "
+            "verify clean after each |"
+        )
     try:
         stress = json.loads((OUT / "stress.json").read_text())
     except (OSError, ValueError):
         stress = {}
-    for name, s in sorted(stress.items()):
-        lines.append(f"| stress: {s['workers']} processes ({s.get('snapshot_workers', 0)} with snapshots) vs a daemon, "
-                     f"budget {s['budget_bytes'] // (1 << 20)} MiB, {s['seconds']:.0f} s | {s['ops_per_s']:.0f} ops/s, "
-                     f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, {s['evictions']} evictions | "
-                     f"{s['errors']} errors, {s['wrong_reads']} wrong reads |")
+    for _name, s in sorted(stress.items()):
+        lines.append(
+            f"| stress: {s['workers']} processes ({s.get('snapshot_workers', 0)} with snapshots) vs a daemon, "
+            f"budget {s['budget_bytes'] // (1 << 20)} MiB, {s['seconds']:.0f} s | {s['ops_per_s']:.0f} ops/s, "
+            f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, {s['evictions']} evictions | "
+            f"{s['errors']} errors, {s['wrong_reads']} wrong reads |"
+        )
     return lines
 
 
 # --------------------------------------------------------------------------- output
+
 
 def _fmt_ratio(r: Any) -> str:
     if r is None:
@@ -601,25 +1063,35 @@ def write_markdown(machine: dict[str, Any], results: dict[str, dict], rows: list
         f"commit {machine.get('git_commit')}."
         + (" **Quick mode** (`--quick`): smaller workloads, indicative figures only." if quick else ""),
         "",
-        ("Every baseline is measured in the same run on the same machine. Ratio: how many times better "
-         "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise."),
+        (
+            "Every baseline is measured in the same run on the same machine. Ratio: how many times better "
+            "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise."
+        ),
         "",
         "| benchmark | measurement | adstore | baseline | ratio | target | met? |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["name"] + (f" ({r['note']})" if r.get("note") else "")
-        lines.append(f"| {r['benchmark']} | {name} | {r['adstore']} | {r['baseline']} | {_fmt_ratio(r['ratio'])} | "
-                     f"{r['target'] or '–'} | {_fmt_met(r['met'])} |")
+        lines.append(
+            f"| {r['benchmark']} | {name} | {r['adstore']} | {r['baseline']} | {_fmt_ratio(r['ratio'])} | "
+            f"{r['target'] or '–'} | {_fmt_met(r['met'])} |"
+        )
     lines += ["", "| benchmark | command | exit | wall time | figures written (UTC) |", "|---|---|---|---|---|"]
     for name, res in results.items():
         cmd = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(res["argv"]))
-        lines.append(f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s | "
-                     f"{res.get('json_written') or '–'} |")
+        lines.append(
+            f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s | {res.get('json_written') or '–'} |"
+        )
     rel = reliability_rows()
     if rel:
-        lines += ["", "## Reliability (figures kept by the test suite)", "",
-                  "| test | figure | result |", "|---|---|---|"] + rel
+        lines += [
+            "",
+            "## Reliability (figures kept by the test suite)",
+            "",
+            "| test | figure | result |",
+            "|---|---|---|",
+        ] + rel
     return "\n".join(lines) + "\n"
 
 
@@ -628,8 +1100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller workloads (minutes, indicative figures)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names (store,daemon,...)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per benchmark")
-    ap.add_argument("--table-only", action="store_true",
-                    help="do not run anything: rebuild results.json/RESULTS.md from the JSON already there")
+    ap.add_argument(
+        "--table-only",
+        action="store_true",
+        help="do not run anything: rebuild results.json/RESULTS.md from the JSON already there",
+    )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()} or None
     machine = machine_info()
@@ -646,11 +1121,15 @@ def main(argv: list[str] | None = None) -> int:
             cands = [c for c in _json_candidates(bench) if c.exists()]
             data = json.loads(cands[0].read_text()) if cands else None
             prev = previous.get("benchmarks", {}).get(bench.stem, {})
-            results[bench.stem] = {"argv": prev.get("argv", [sys.executable, str(bench.relative_to(REPO))]),
-                                   "returncode": prev.get("returncode", 0), "seconds": prev.get("seconds", 0.0),
-                                   "json_file": cands[0].name if cands else None, "figures": data,
-                                   "json_written": _mtime(cands[0]) if cands else None,
-                                   "log": f"bench-results/logs/{bench.stem}.log"}
+            results[bench.stem] = {
+                "argv": prev.get("argv", [sys.executable, str(bench.relative_to(REPO))]),
+                "returncode": prev.get("returncode", 0),
+                "seconds": prev.get("seconds", 0.0),
+                "json_file": cands[0].name if cands else None,
+                "figures": data,
+                "json_written": _mtime(cands[0]) if cands else None,
+                "log": f"bench-results/logs/{bench.stem}.log",
+            }
             args.quick = bool(previous.get("quick", args.quick))
         else:
             results[bench.stem] = run_one(bench, quick=args.quick, timeout=args.timeout)

@@ -45,13 +45,14 @@ class NotifyListener:
         while True:
             try:
                 data = self.sock.recv(65536)
-            except (TimeoutError, BlockingIOError, socket.timeout):
+            except (TimeoutError, BlockingIOError):
                 return
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             self.messages.append(fields)
 
-    def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 20.0,
-                 proc: subprocess.Popen | None = None) -> dict[str, str]:
+    def wait_for(
+        self, pred: Callable[[dict[str, str]], bool], timeout: float = 20.0, proc: subprocess.Popen | None = None
+    ) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         seen = 0
         while time.monotonic() < deadline:
@@ -65,8 +66,9 @@ class NotifyListener:
                 for msg in self.messages[seen:]:
                     if pred(msg):
                         return msg
-                raise AssertionError(f"daemon exited with {proc.returncode} before the expected message; "
-                                     f"got {self.messages}")
+                raise AssertionError(
+                    f"daemon exited with {proc.returncode} before the expected message; got {self.messages}"
+                )
         raise AssertionError(f"no matching notify message within {timeout}s; got {self.messages}")
 
     def close(self) -> None:
@@ -153,8 +155,14 @@ class DaemonProcess:
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
 
-    def start(config: Path, root: Path, *extra: str, notify: NotifyListener | None = None,
-              watchdog_usec: int | None = None, env: dict[str, str] | None = None) -> DaemonProcess:
+    def start(
+        config: Path,
+        root: Path,
+        *extra: str,
+        notify: NotifyListener | None = None,
+        watchdog_usec: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> DaemonProcess:
         environ = dict(os.environ)
         environ.pop("NOTIFY_SOCKET", None)
         environ.pop("WATCHDOG_USEC", None)
@@ -164,8 +172,7 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
         if watchdog_usec is not None:
             environ["WATCHDOG_USEC"] = str(watchdog_usec)
         environ.update(env or {})
-        d = DaemonProcess(daemon_argv(config, root, *extra), environ,
-                          tmp_path / f"daemon-{len(started)}.log")
+        d = DaemonProcess(daemon_argv(config, root, *extra), environ, tmp_path / f"daemon-{len(started)}.log")
         started.append(d)
         return d
 
@@ -174,12 +181,39 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
         d.stop()
 
 
-def run_writer(root: Path, *, count: int, size: int, prefix: str, world_size: int = 1,
-               delay: float = 0.0, grace_period: float = 3600.0, wait: bool = True) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(PROCS), "write", str(root), "--count", str(count),
-                             "--size", str(size), "--prefix", prefix, "--world-size", str(world_size),
-                             "--delay", str(delay), "--grace-period", str(grace_period)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def run_writer(
+    root: Path,
+    *,
+    count: int,
+    size: int,
+    prefix: str,
+    world_size: int = 1,
+    delay: float = 0.0,
+    grace_period: float = 3600.0,
+    wait: bool = True,
+) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(PROCS),
+            "write",
+            str(root),
+            "--count",
+            str(count),
+            "--size",
+            str(size),
+            "--prefix",
+            prefix,
+            "--world-size",
+            str(world_size),
+            "--delay",
+            str(delay),
+            "--grace-period",
+            str(grace_period),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     if wait:
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err.decode()
@@ -195,9 +229,15 @@ def populate(root: Path, *, count: int, size: int, prefix: str, world_size: int 
             gen = store.new_generation()
             for rank in range(world_size):
                 ref = store.put_bytes(os.urandom(size))
-                store.publish(key, rank=rank, world_size=world_size, generation=gen,
-                              artifacts={"module.pt": ref}, namespace="pipeline",
-                              components={"model": {"prefix": prefix, "i": i}})
+                store.publish(
+                    key,
+                    rank=rank,
+                    world_size=world_size,
+                    generation=gen,
+                    artifacts={"module.pt": ref},
+                    namespace="pipeline",
+                    components={"model": {"prefix": prefix, "i": i}},
+                )
             for rank in range(world_size):
                 store.commit(key, rank=rank, generation=gen)
             keys.append(key)
@@ -224,8 +264,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 8 MiB tmpfs (root only; skipped with the reason otherwise): the kernel says ENOSPC."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs ({res.stderr.strip() or res.returncode}); run as root")
     try:
@@ -251,5 +292,6 @@ def fill_to_the_last_byte(path: Path) -> Path:
 
 def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``python -m adstore.daemon ARGV`` in a child process (the installed CLI, whatever PATH says)."""
-    return subprocess.run([sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", *argv], capture_output=True, text=True, timeout=timeout
+    )

@@ -23,8 +23,7 @@ def key_for(prefix: str, i: int) -> str:
     return hashlib.sha256(f"{prefix}-{i}".encode()).hexdigest()
 
 
-def write(root: str, *, count: int, size: int, prefix: str, world_size: int, delay: float,
-          grace_period: float) -> None:
+def write(root: str, *, count: int, size: int, prefix: str, world_size: int, delay: float, grace_period: float) -> None:
     """Save ``count`` entries.  With a zero grace period a daemon may sweep a blob
     between its put and its publish (the grace period is what protects that
     window): such a save fails with ``BlobMissing``, is counted as lost, and the
@@ -39,9 +38,15 @@ def write(root: str, *, count: int, size: int, prefix: str, world_size: int, del
         try:
             for rank in range(world_size):
                 ref = store.put_bytes(os.urandom(size))
-                store.publish(key, rank=rank, world_size=world_size, generation=gen,
-                              artifacts={"module.pt": ref}, namespace="pipeline",
-                              components={"model": {"prefix": prefix, "i": i}, "dist": {"world": world_size}})
+                store.publish(
+                    key,
+                    rank=rank,
+                    world_size=world_size,
+                    generation=gen,
+                    artifacts={"module.pt": ref},
+                    namespace="pipeline",
+                    components={"model": {"prefix": prefix, "i": i}, "dist": {"world": world_size}},
+                )
             for rank in range(world_size):
                 store.commit(key, rank=rank, generation=gen)
         except BlobMissing:
@@ -112,8 +117,15 @@ def main() -> None:
     le.add_argument("key")
     a = p.parse_args()
     if a.cmd == "write":
-        write(a.root, count=a.count, size=a.size, prefix=a.prefix, world_size=a.world_size,
-              delay=a.delay, grace_period=a.grace_period)
+        write(
+            a.root,
+            count=a.count,
+            size=a.size,
+            prefix=a.prefix,
+            world_size=a.world_size,
+            delay=a.delay,
+            grace_period=a.grace_period,
+        )
     elif a.cmd == "read":
         read(a.root, a.seconds)
     else:

@@ -62,7 +62,7 @@ def empty(tmp_path: Path) -> Path:
 @pytest.fixture
 def populated(tmp_path: Path) -> tuple[Path, list[str]]:
     root = tmp_path / "populated"
-    keys = populate(root, count=4, size=70 * KIB, prefix="p")       # file blobs
+    keys = populate(root, count=4, size=70 * KIB, prefix="p")  # file blobs
     keys += populate(root, count=2, size=1 * KIB, prefix="q", world_size=2)  # inline, two ranks
     return root, keys
 
@@ -79,9 +79,10 @@ def corrupted(tmp_path: Path) -> tuple[Path, list[str]]:
         flipped.write_bytes(bytes(data))
         store.blob_path(store.manifests(keys[1])[0].artifacts["module.pt"]).unlink()
         gen = store.new_generation()  # a writer that died before commit
-        store.publish("d" * 64, rank=0, world_size=2, generation=gen,
-                      artifacts={"module.pt": store.put_bytes(b"partial")})
-        index = store.index           # an undecodable index record
+        store.publish(
+            "d" * 64, rank=0, world_size=2, generation=gen, artifacts={"module.pt": store.put_bytes(b"partial")}
+        )
+        index = store.index  # an undecodable index record
         index.write(lambda txn: txn.put(b"e" * 64, b"\x00not json", db=index.db["entries"]))
     orphan = root / "blobs" / "ab" / ("ab" + "0" * 62)
     orphan.parent.mkdir(exist_ok=True)
@@ -119,8 +120,8 @@ def test_stats_and_ls_on_a_populated_store(capsys, populated) -> None:
     root, keys = populated
     r = str(root)
     with Store.open(root) as store:
-        store.lookup(keys[0])          # one hit
-        store.lookup("f" * 64)         # one miss (absent)
+        store.lookup(keys[0])  # one hit
+        store.lookup("f" * 64)  # one miss (absent)
     code, data = run_json(capsys, "stats", "--root", r)
     assert code == 0
     assert data["entries"] == 6 and data["counters"]["hits"] == 1 and data["counters"]["misses.absent"] == 1
@@ -232,8 +233,9 @@ def test_rm_refuses_a_leased_entry(capsys, populated) -> None:
 
 def test_daemon_once_enforces_budget(capsys, populated) -> None:
     root, keys = populated
-    cfg = write_config(root.parent / "d.toml", max_size="150K", grace_period="0s",
-                       high_watermark=0.9, low_watermark=0.5)
+    cfg = write_config(
+        root.parent / "d.toml", max_size="150K", grace_period="0s", high_watermark=0.9, low_watermark=0.5
+    )
     code, out, err = run(capsys, "daemon", "--config", str(cfg), "--root", str(root), "--once")
     assert code == 0
     with Store.open(root) as store:
@@ -266,9 +268,11 @@ def test_demo_runs_through_the_cli(capsys, empty: Path) -> None:
 
 def test_demo_without_the_integration_fails_in_one_line(empty: Path) -> None:
     """Where the torch side cannot be imported, `adstore demo` is one line and exit 6."""
-    code = ("import sys; sys.modules['adstore.integration.reference.demo'] = None; "
-            "from adstore.daemon.cli import main; "
-            f"sys.exit(main(['demo', '--root', {str(empty)!r}]))")
+    code = (
+        "import sys; sys.modules['adstore.integration.reference.demo'] = None; "
+        "from adstore.daemon.cli import main; "
+        f"sys.exit(main(['demo', '--root', {str(empty)!r}]))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 6, p.stderr
     assert p.stderr.count("\n") == 1 and "demo" in p.stderr and "Traceback" not in p.stderr
@@ -356,8 +360,7 @@ def test_unwritable_root_is_one_line(capsys, tmp_path: Path) -> None:
 def _console(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("adstore")
     cmd = [exe, *argv] if exe else [sys.executable, "-m", "adstore.daemon", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
 
 
 def test_console_script_exit_codes(populated, corrupted) -> None:
@@ -374,21 +377,33 @@ def test_console_script_exit_codes(populated, corrupted) -> None:
 
 
 def test_python_dash_m_is_the_same_cli(empty: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "adstore.daemon", "stats", "--json", "--root", str(empty)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", "stats", "--json", "--root", str(empty)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0 and json.loads(p.stdout)["entries"] == 0
     # The CLI never imports torch (the daemon must start fast and small).
-    probe = subprocess.run([sys.executable, "-c",
-                            "import sys; from adstore.daemon.cli import main; "
-                            f"main(['stats', '--root', {str(empty)!r}]); "
-                            "import adstore.daemon.daemon; print('torch' in sys.modules)"],
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from adstore.daemon.cli import main; "
+            f"main(['stats', '--root', {str(empty)!r}]); "
+            "import adstore.daemon.daemon; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.stdout.strip().endswith("False"), probe.stdout + probe.stderr
 
 
 def test_inspect_summarizes_a_real_snapshot(capsys, tmp_path: Path) -> None:
     """module.pt/hooks.json written by the integration codec: node counts, op histogram, hooks."""
     import torch
+
     from adstore.integration.snapshot import dump_module
 
     class Tiny(torch.nn.Module):
@@ -406,8 +421,14 @@ def test_inspect_summarizes_a_real_snapshot(capsys, tmp_path: Path) -> None:
     key = "5" * 64
     with Store.open(root) as store:
         gen = store.new_generation()
-        store.publish(key, rank=0, world_size=1, generation=gen, namespace="pipeline",
-                      artifacts={n: store.put_bytes(b) for n, b in artifacts.items()})
+        store.publish(
+            key,
+            rank=0,
+            world_size=1,
+            generation=gen,
+            namespace="pipeline",
+            artifacts={n: store.put_bytes(b) for n, b in artifacts.items()},
+        )
         store.commit(key, rank=0, generation=gen)
     code, data = run_json(capsys, "inspect", "555", "--root", str(root))
     assert code == 0

@@ -74,8 +74,10 @@ def test_the_daemon_persists_its_budget_and_stats_shows_it(capsys, tmp_path: Pat
     assert data["budget"] is None
     assert main(["stats", "--root", str(root)]) == 0
     assert "none recorded" in capsys.readouterr().out
-    assert main(["daemon", "--root", str(root), "--once", "--max-size", "2G", "--min-free", "5%",
-                 "--grace-period", "90s"]) == 0
+    assert (
+        main(["daemon", "--root", str(root), "--once", "--max-size", "2G", "--min-free", "5%", "--grace-period", "90s"])
+        == 0
+    )
     with Store.open(root) as store:  # a writer without a daemon enforces the same hard limit
         budget = store.budget()
     assert budget is not None and budget.max_size == 2 * 1024**3 and budget.min_free.percent == 5.0

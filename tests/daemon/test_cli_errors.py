@@ -52,14 +52,17 @@ def populated(tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 # ---------------------------------------------------------------- --json errors
-@pytest.mark.parametrize("argv, code, reason", [
-    (["inspect", "nope"], 3, "unknown_key"),
-    (["gc", "--max-size", "banana"], 2, "usage"),
-    (["ls", "--no-such-flag"], 2, "usage"),
-    (["daemon", "--once", "--high-watermark", "2"], 2, "config"),
-    (["stats", "--config", "/dev/null"], 2, "config"),
-    (["inspect", os.fsdecode(b"ab\xff")], 3, "bad_key"),
-])
+@pytest.mark.parametrize(
+    "argv, code, reason",
+    [
+        (["inspect", "nope"], 3, "unknown_key"),
+        (["gc", "--max-size", "banana"], 2, "usage"),
+        (["ls", "--no-such-flag"], 2, "usage"),
+        (["daemon", "--once", "--high-watermark", "2"], 2, "config"),
+        (["stats", "--config", "/dev/null"], 2, "config"),
+        (["inspect", os.fsdecode(b"ab\xff")], 3, "bad_key"),
+    ],
+)
 def test_json_errors_are_one_object_on_stdout(capsys, populated, argv, code, reason):
     root, _ = populated
     assert main(["--json", "--root", str(root), *argv]) == code
@@ -134,8 +137,12 @@ def test_deepest_allowed_components_show_in_inspect_and_explain(capsys, tmp_path
     root = tmp_path / "s"
     with Store.open(root) as store:
         gen = store.new_generation()
-        store.publish("deep", generation=gen, artifacts={"a": store.put_bytes(b"x")},
-                      components={"model": _nest(MAX_JSON_DEPTH - 1)})
+        store.publish(
+            "deep",
+            generation=gen,
+            artifacts={"a": store.put_bytes(b"x")},
+            components={"model": _nest(MAX_JSON_DEPTH - 1)},
+        )
         store.commit("deep", generation=gen)
     for argv in (["inspect", "deep"], ["explain", "deep"], ["explain", "deep", "deep"]):
         for fmt in ([], ["--json"]):
@@ -152,28 +159,79 @@ def test_rendering_never_recurses():
 
 
 # ---------------------------------------------------------------- hostile arguments, real executable
-KEYS: tuple[str | bytes, ...] = (b"\xff\xfe", "", "a" * 10_000, "..", "../../etc/passwd", "/", "a/b", "-",
-                                 " ", "\n", "é", "%s%n", "*", "--")
-NUMBERS: tuple[str | bytes, ...] = ("-1", "nan", "NaN", "inf", "-inf", "1e400", "9" * 5000, "9" * 400 + "w",
-                                    "0", "-0", "0x10", "１２", "1_000", "", " ", "10%", "101%", "-5%",
-                                    "1e-300", b"\xff", "18446744073709551617")
+KEYS: tuple[str | bytes, ...] = (
+    b"\xff\xfe",
+    "",
+    "a" * 10_000,
+    "..",
+    "../../etc/passwd",
+    "/",
+    "a/b",
+    "-",
+    " ",
+    "\n",
+    "é",
+    "%s%n",
+    "*",
+    "--",
+)
+NUMBERS: tuple[str | bytes, ...] = (
+    "-1",
+    "nan",
+    "NaN",
+    "inf",
+    "-inf",
+    "1e400",
+    "9" * 5000,
+    "9" * 400 + "w",
+    "0",
+    "-0",
+    "0x10",
+    "１２",
+    "1_000",
+    "",
+    " ",
+    "10%",
+    "101%",
+    "-5%",
+    "1e-300",
+    b"\xff",
+    "18446744073709551617",
+)
 
 
 def _hostile_cases(root: Path, fifo: Path, *, full: bool) -> list[list[str | bytes]]:
     """Every hostile value with every command that takes it (``full``), or with two of them in turn."""
     r = ["--root", str(root)]
     key_cmds: list[list[str | bytes]] = [
-        [*r, "inspect"], [*r, "explain"], [*r, "rm", "--dry-run"], [*r, "rm"], [*r, "pin"], [*r, "unpin"],
-        [*r, "ls", "--match"], [*r, "ls", "--namespace"], [*r, "ls", "--sort"], [*r, "--json", "inspect"],
-        [*r, "daemon", "--once", "--max-size", "1G", "--log-level"], [*r, "stats", "--config"],
-        [*r, "gc", "--dry-run", "--config"]]
+        [*r, "inspect"],
+        [*r, "explain"],
+        [*r, "rm", "--dry-run"],
+        [*r, "rm"],
+        [*r, "pin"],
+        [*r, "unpin"],
+        [*r, "ls", "--match"],
+        [*r, "ls", "--namespace"],
+        [*r, "ls", "--sort"],
+        [*r, "--json", "inspect"],
+        [*r, "daemon", "--once", "--max-size", "1G", "--log-level"],
+        [*r, "stats", "--config"],
+        [*r, "gc", "--dry-run", "--config"],
+    ]
     number_cmds: list[list[str | bytes]] = [
-        [*r, "ls", "--limit"], [*r, "ls", "--unused-for"], [*r, "ls", "--min-size"],
-        [*r, "gc", "--dry-run", "--max-size"], [*r, "gc", "--dry-run", "--min-free"],
-        [*r, "gc", "--dry-run", "--older-than"], [*r, "gc", "--dry-run", "--batch-size"],
-        [*r, "gc", "--dry-run", "--max-size", "1G", "--grace-period"], [*r, "daemon", "--once", "--max-size"],
-        [*r, "daemon", "--once", "--high-watermark"], [*r, "daemon", "--once", "--max-size", "1G", "--debounce"],
-        [*r, "daemon", "--once", "--max-size", "1G", "--batch-size"]]
+        [*r, "ls", "--limit"],
+        [*r, "ls", "--unused-for"],
+        [*r, "ls", "--min-size"],
+        [*r, "gc", "--dry-run", "--max-size"],
+        [*r, "gc", "--dry-run", "--min-free"],
+        [*r, "gc", "--dry-run", "--older-than"],
+        [*r, "gc", "--dry-run", "--batch-size"],
+        [*r, "gc", "--dry-run", "--max-size", "1G", "--grace-period"],
+        [*r, "daemon", "--once", "--max-size"],
+        [*r, "daemon", "--once", "--high-watermark"],
+        [*r, "daemon", "--once", "--max-size", "1G", "--debounce"],
+        [*r, "daemon", "--once", "--max-size", "1G", "--batch-size"],
+    ]
     root_cmds: list[list[str | bytes]] = [["stats"], ["ls"], ["verify"], ["inspect", "k"]]
 
     def pick(cmds: list[list[str | bytes]], i: int) -> list[list[str | bytes]]:
@@ -200,16 +258,19 @@ def test_hostile_arguments_never_exit_70_or_die_of_a_signal(populated, tmp_path,
     assert len(cases) > (400 if full else 90)
     with ThreadPoolExecutor(max_workers=max(8, 2 * (os.cpu_count() or 4))) as pool:
         results = list(pool.map(lambda argv: (argv, _run(argv, work)), cases))
-    bad = [(argv if len(repr(argv)) < 300 else repr(argv)[:300], p.returncode, p.stderr[-300:])
-           for argv, p in results
-           if p.returncode < 0 or p.returncode == 70 or b"Traceback" in p.stderr]
+    bad = [
+        (argv if len(repr(argv)) < 300 else repr(argv)[:300], p.returncode, p.stderr[-300:])
+        for argv, p in results
+        if p.returncode < 0 or p.returncode == 70 or b"Traceback" in p.stderr
+    ]
     assert not bad, bad
     codes = {p.returncode for _, p in results}
     assert codes <= {0, 1, 2, 3, 5, 7, 8, 11, 12, 13}, codes
     # 5 (a daemon already runs) is the right answer only to a daemon started while another runs:
     # the cases run concurrently, so two ``daemon --once`` on the same root may meet.
-    assert all("daemon" in argv and b"already" in p.stderr for argv, p in results if p.returncode == 5), \
-        [(argv, p.stderr[-200:]) for argv, p in results if p.returncode == 5]
+    assert all("daemon" in argv and b"already" in p.stderr for argv, p in results if p.returncode == 5), [
+        (argv, p.stderr[-200:]) for argv, p in results if p.returncode == 5
+    ]
     with Store.open(root) as store:  # nothing hostile touched the store
         assert len(list(store.entries())) == 3 and store.verify().ok
 

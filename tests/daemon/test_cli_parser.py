@@ -58,13 +58,16 @@ def test_version(capsys) -> None:
     assert out.strip() == f"adstore {importlib.metadata.version('adstore')}"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["explain", "a", "b", "c"], "at most 2"),
-    (["gc", "--min-free", "120%"], "0%..100%"),
-    (["gc", "--older-than", "soon"], "cannot parse duration"),
-    (["ls", "--limit", "0"], "at least 1"),
-    (["demo", "--layers", "x"], "whole number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "a", "b", "c"], "at most 2"),
+        (["gc", "--min-free", "120%"], "0%..100%"),
+        (["gc", "--older-than", "soon"], "cannot parse duration"),
+        (["ls", "--limit", "0"], "at least 1"),
+        (["demo", "--layers", "x"], "whole number"),
+    ],
+)
 def test_usage_errors_exit_2_in_one_line(capsys, tmp_path, argv: list[str], message: str) -> None:
     assert main([*argv, "--root", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err

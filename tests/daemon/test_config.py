@@ -27,8 +27,11 @@ def test_example_config_is_valid_and_documented() -> None:
     for key in DaemonConfig.KEYS:  # every setting appears in the example, at least commented
         assert key in text, key
     # and the commented-out ones are valid too
-    commented = [line[2:] for line in text.splitlines()
-                 if line.startswith("# ") and line[2:].split(" = ")[0] in DaemonConfig.KEYS]
+    commented = [
+        line[2:]
+        for line in text.splitlines()
+        if line.startswith("# ") and line[2:].split(" = ")[0] in DaemonConfig.KEYS
+    ]
     assert commented and DaemonConfig.parse_settings(tomllib.loads("\n".join(commented)))
 
 
@@ -52,24 +55,27 @@ def test_daemon_table_and_relative_root(tmp_path: Path) -> None:
     assert cfg.root == tmp_path / "store" and cfg.min_free_bytes == 1024**3
 
 
-@pytest.mark.parametrize("settings, field", [
-    ({"max_size": "ten gigs"}, "max_size"),
-    ({"max_size": -1}, "max_size"),
-    ({"min_free": "101%"}, "min_free"),
-    ({"min_free": "abc%"}, "min_free"),
-    ({"high_watermark": 1.5}, "high_watermark"),
-    ({"low_watermark": "0%"}, "low_watermark"),
-    ({"high_watermark": 0.5, "low_watermark": 0.6}, "low_watermark"),
-    ({"grace_period": "soon"}, "grace_period"),
-    ({"max_age": [1]}, "max_age"),
-    ({"batch_size": 0}, "batch_size"),
-    ({"batch_size": 2.5}, "batch_size"),
-    ({"log_level": "loud"}, "log_level"),
-    ({"fallback_interval": 0}, "fallback_interval"),
-    ({"debounce": "2s", "max_delay": "1s"}, "max_delay"),
-    ({"root": ""}, "root"),
-    ({"max_sise": "1G"}, "max_sise"),
-])
+@pytest.mark.parametrize(
+    "settings, field",
+    [
+        ({"max_size": "ten gigs"}, "max_size"),
+        ({"max_size": -1}, "max_size"),
+        ({"min_free": "101%"}, "min_free"),
+        ({"min_free": "abc%"}, "min_free"),
+        ({"high_watermark": 1.5}, "high_watermark"),
+        ({"low_watermark": "0%"}, "low_watermark"),
+        ({"high_watermark": 0.5, "low_watermark": 0.6}, "low_watermark"),
+        ({"grace_period": "soon"}, "grace_period"),
+        ({"max_age": [1]}, "max_age"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"fallback_interval": 0}, "fallback_interval"),
+        ({"debounce": "2s", "max_delay": "1s"}, "max_delay"),
+        ({"root": ""}, "root"),
+        ({"max_sise": "1G"}, "max_sise"),
+    ],
+)
 def test_invalid_settings_name_the_field(settings: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         DaemonConfig.from_mapping(settings)
@@ -134,7 +140,7 @@ def test_readme_configuration_table_is_generated() -> None:
     text = README.read_text()
     assert header in text, "README lost the generated configuration table"
     start = text.index(header)
-    assert text[start:start + len(table)] == table
+    assert text[start : start + len(table)] == table
 
 
 def test_invalid_file_value_is_reported_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
@@ -161,30 +167,36 @@ def test_relative_root_from_a_flag_is_not_moved_under_the_config_folder(tmp_path
     assert DaemonConfig.from_config(path, root="elsewhere").root == Path("elsewhere")
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({"max_size": "none"}, {"max_size": None}),
-    ({"max_size": 0}, {"max_size": None}),
-    ({"max_size": "5GB"}, {"max_size": 5 * 10**9}),
-    ({"max_age": "0"}, {"max_age": None}),
-    ({"max_age": "2w"}, {"max_age": 14 * 86400.0}),
-    ({"min_free": "none"}, {"min_free": None}),
-    ({"min_free": 0}, {"min_free_bytes": 0}),
-    ({"watch": "off"}, {"watch": False}),
-    ({"log_level": " DEBUG "}, {"log_level": "debug"}),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"max_size": "none"}, {"max_size": None}),
+        ({"max_size": 0}, {"max_size": None}),
+        ({"max_size": "5GB"}, {"max_size": 5 * 10**9}),
+        ({"max_age": "0"}, {"max_age": None}),
+        ({"max_age": "2w"}, {"max_age": 14 * 86400.0}),
+        ({"min_free": "none"}, {"min_free": None}),
+        ({"min_free": 0}, {"min_free_bytes": 0}),
+        ({"watch": "off"}, {"watch": False}),
+        ({"log_level": " DEBUG "}, {"log_level": "debug"}),
+    ],
+)
 def test_values(settings: dict, expected: dict) -> None:
     cfg = DaemonConfig.from_mapping(settings)
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
 def test_direct_construction_checks_every_field() -> None:
-    for kwargs, field in (({"max_size": 0}, "max_size"), ({"high_watermark": 2.0}, "high_watermark"),
-                          ({"batch_size": 0}, "batch_size"), ({"log_level": "x"}, "log_level"),
-                          ({"sweep_interval": 0.0}, "sweep_interval")):
+    for kwargs, field in (
+        ({"max_size": 0}, "max_size"),
+        ({"high_watermark": 2.0}, "high_watermark"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"log_level": "x"}, "log_level"),
+        ({"sweep_interval": 0.0}, "sweep_interval"),
+    ):
         with pytest.raises(ConfigError) as info:
             DaemonConfig(**kwargs)
         assert info.value.field == field
-
 
 
 def test_the_remote_keys_take_a_url_and_a_mode() -> None:

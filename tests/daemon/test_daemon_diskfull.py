@@ -47,8 +47,15 @@ def test_daemon_starts_and_evicts_at_0_bytes_free(small_tmpfs, tmp_path, start_d
         assert (root / "daemon.lock").is_file()
     keys = _fill_store(root)
     fill_to_the_last_byte(small_tmpfs)
-    config = write_config(tmp_path / "adstore.toml", min_free="2M", grace_period="0s", debounce="50ms",
-                          max_delay="200ms", fallback_interval="1s", sweep_interval="1s")
+    config = write_config(
+        tmp_path / "adstore.toml",
+        min_free="2M",
+        grace_period="0s",
+        debounce="50ms",
+        max_delay="200ms",
+        fallback_interval="1s",
+        sweep_interval="1s",
+    )
     daemon = start_daemon(config, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=daemon.proc)
     wait_until(lambda: shutil.disk_usage(small_tmpfs).free >= 2 * MIB * 0.85, timeout=20)

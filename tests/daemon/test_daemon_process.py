@@ -9,15 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon_support import (
-    PROCS,
-    key_for,
-    populate,
-    run_writer,
-    store_size,
-    wait_until,
-    write_config,
-)
+from daemon_support import PROCS, key_for, populate, run_writer, store_size, wait_until, write_config
 
 from adstore.daemon.cli import main as cli_main
 from adstore.store import Budget, Store
@@ -28,8 +20,7 @@ MIB = 1024 * 1024
 
 def test_notify_lifecycle_ready_watchdog_stopping(tmp_path: Path, notify_socket, start_daemon) -> None:
     root = tmp_path / "store"
-    cfg = write_config(tmp_path / "adstore.toml", max_size="10M", grace_period="1s",
-                       fallback_interval="1h")
+    cfg = write_config(tmp_path / "adstore.toml", max_size="10M", grace_period="1s", fallback_interval="1h")
     d = start_daemon(cfg, root, notify=notify_socket, watchdog_usec=300_000)
     ready = notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
     assert int(ready["MAINPID"]) == d.pid  # ExecStart execs through to the daemon: systemd sees its pid
@@ -45,16 +36,25 @@ def test_notify_lifecycle_ready_watchdog_stopping(tmp_path: Path, notify_socket,
 
 
 def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
-        tmp_path: Path, notify_socket, start_daemon) -> None:
+    tmp_path: Path, notify_socket, start_daemon
+) -> None:
     root = tmp_path / "store"
     old = populate(root, count=12, size=100 * KIB, prefix="old", age=10.0)  # past the 1 s grace period
-    cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.6,
-                       grace_period="1s", batch_size=3, fallback_interval="1h")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="2M",
+        high_watermark=0.9,
+        low_watermark=0.6,
+        grace_period="1s",
+        batch_size=3,
+        fallback_interval="1h",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
     # The least recently used entry is leased by another live process.
-    holder = subprocess.Popen([sys.executable, str(PROCS), "lease", str(root), old[0]],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, str(PROCS), "lease", str(root), old[0]], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "leased"
         # Two writer processes push the store from 1.2 MB past the 1.8 MiB high watermark.
@@ -96,8 +96,7 @@ def test_sighup_applies_new_budget(tmp_path: Path, notify_socket, start_daemon) 
     size = store_size(root)
     assert size >= 10 * 100 * KIB  # nothing evicted under the 10 MiB budget
     assert persisted_budget(root).max_size == 10 * 1024 * KIB  # writers and `stats` see it
-    write_config(cfg, max_size="600K", high_watermark=0.9, low_watermark=0.5, grace_period="0s",
-                 fallback_interval="1h")
+    write_config(cfg, max_size="600K", high_watermark=0.9, low_watermark=0.5, grace_period="0s", fallback_interval="1h")
     notify_socket.messages.clear()
     d.signal(signal.SIGHUP)
     notify_socket.wait_for(lambda m: m.get("RELOADING") == "1", proc=d.proc)
@@ -135,8 +134,16 @@ def test_second_daemon_is_refused(tmp_path: Path, notify_socket, start_daemon) -
 def test_sigkill_mid_eviction_leaves_a_verifiable_store(tmp_path: Path, start_daemon) -> None:
     root = tmp_path / "store"
     populate(root, count=300, size=70 * KIB, prefix="bulk")  # file blobs (above the inline threshold)
-    cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.5,
-                       grace_period="0s", batch_size=2, fallback_interval="1h", log_level="info")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="2M",
+        high_watermark=0.9,
+        low_watermark=0.5,
+        grace_period="0s",
+        batch_size=2,
+        fallback_interval="1h",
+        log_level="info",
+    )
     d = start_daemon(cfg, root)
     wait_until(lambda: "evicted" in d.log(), timeout=30, interval=0.005)
     d.signal(signal.SIGKILL)
@@ -155,12 +162,18 @@ def test_sigkill_mid_eviction_leaves_a_verifiable_store(tmp_path: Path, start_da
         assert report.ok and not report.problems, report.problems
 
 
-def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, notify_socket,
-                                                            start_daemon) -> None:
+def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, notify_socket, start_daemon) -> None:
     root = tmp_path / "store"
     populate(root, count=300, size=70 * KIB, prefix="bulk")
-    cfg = write_config(tmp_path / "adstore.toml", max_size="2M", high_watermark=0.9, low_watermark=0.5,
-                       grace_period="0s", batch_size=2, fallback_interval="1h")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="2M",
+        high_watermark=0.9,
+        low_watermark=0.5,
+        grace_period="0s",
+        batch_size=2,
+        fallback_interval="1h",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     wait_until(lambda: "evicted" in d.log(), timeout=30, interval=0.005)
     d.signal(signal.SIGTERM)
@@ -173,11 +186,17 @@ def test_sigterm_mid_eviction_finishes_the_batch_and_exits_0(tmp_path: Path, not
         assert store.verify().ok
 
 
-def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notify_socket,
-                                                           start_daemon) -> None:
+def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notify_socket, start_daemon) -> None:
     root = tmp_path / "store"
-    cfg = write_config(tmp_path / "adstore.toml", max_size="1M", high_watermark=0.9, low_watermark=0.5,
-                       grace_period="0s", fallback_interval="500ms", watch="false")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="1M",
+        high_watermark=0.9,
+        low_watermark=0.5,
+        grace_period="0s",
+        fallback_interval="500ms",
+        watch="false",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
     # 900 KiB: under the high watermark (921.6 KiB), so neither the daemon nor the writer evicts;
@@ -192,20 +211,35 @@ def test_fallback_timer_enforces_without_filesystem_events(tmp_path: Path, notif
 
 
 def test_readers_under_lease_never_lose_blobs_while_writers_and_daemon_race(
-        tmp_path: Path, notify_socket, start_daemon) -> None:
+    tmp_path: Path, notify_socket, start_daemon
+) -> None:
     import json
 
     root = tmp_path / "store"
     populate(root, count=10, size=70 * KIB, prefix="seed")
-    cfg = write_config(tmp_path / "adstore.toml", max_size="1500K", high_watermark=0.8, low_watermark=0.4,
-                       grace_period="0s", batch_size=2, debounce="50ms", max_delay="200ms",
-                       fallback_interval="1h")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="1500K",
+        high_watermark=0.8,
+        low_watermark=0.4,
+        grace_period="0s",
+        batch_size=2,
+        debounce="50ms",
+        max_delay="200ms",
+        fallback_interval="1h",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", proc=d.proc)
-    reader = subprocess.Popen([sys.executable, str(PROCS), "read", str(root), "--seconds", "3"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    writers = [run_writer(root, count=25, size=70 * KIB, prefix=f"w{w}", delay=0.03, wait=False,
-                          grace_period=0) for w in range(2)]
+    reader = subprocess.Popen(
+        [sys.executable, str(PROCS), "read", str(root), "--seconds", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    writers = [
+        run_writer(root, count=25, size=70 * KIB, prefix=f"w{w}", delay=0.03, wait=False, grace_period=0)
+        for w in range(2)
+    ]
     for w in writers:  # a save may lose its blob to a sweep (zero grace period): it says so and goes on
         wout, werr = w.communicate(timeout=60)
         assert w.returncode == 0, werr.decode()[-3000:]
@@ -237,8 +271,7 @@ def test_reload_applies_a_new_grace_period_to_the_store_and_its_budget(tmp_path:
     from adstore.daemon.notify import Notifier
 
     cfg = write_config(tmp_path / "adstore.toml", max_size="10M", grace_period="1h")
-    d = Daemon(DaemonConfig.from_config(cfg, root=str(tmp_path / "store")), notifier=Notifier(address=None),
-               environ={})
+    d = Daemon(DaemonConfig.from_config(cfg, root=str(tmp_path / "store")), notifier=Notifier(address=None), environ={})
     d._open()
     try:
         assert d._store.grace_period == 3600.0 and persisted_budget(tmp_path / "store").grace_period == 3600.0

@@ -27,9 +27,11 @@ def test_batches_are_bounded_and_reach_the_low_watermark(tmp_path: Path) -> None
     populate(root, count=50, size=2 * KIB, prefix="b")  # 100 KiB, inline blobs
     with Store.open(root, grace_period=0) as store:
         batches: list[int] = []
-        enforcer = Enforcer(store, _cfg(max_size="50K", high_watermark=0.9, low_watermark=0.5,
-                                        batch_size=7),
-                            on_batch=lambda: batches.append(store.stats().entries))
+        enforcer = Enforcer(
+            store,
+            _cfg(max_size="50K", high_watermark=0.9, low_watermark=0.5, batch_size=7),
+            on_batch=lambda: batches.append(store.stats().entries),
+        )
         result = enforcer.run_pass()
         assert result.after.size <= 25 * KIB < result.before.size
         assert result.evicted_entries == 50 - store.stats().entries >= 38
@@ -87,8 +89,9 @@ def test_blocked_when_everything_left_is_pinned(tmp_path: Path) -> None:
 def test_sweep_reclaims_dead_leases_and_orphans(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = populate(root, count=2, size=KIB, prefix="l")
-    holder = subprocess.Popen([sys.executable, str(PROCS), "lease", str(root), keys[0]],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, str(PROCS), "lease", str(root), keys[0]], stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "leased"
     os.kill(holder.pid, signal.SIGKILL)  # dies holding the lease: the row stays behind
     holder.wait()

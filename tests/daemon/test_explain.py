@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from adstore.daemon.cli import main
 from adstore.daemon.explain import ENV_COMPONENTS
 from adstore.store import Store
@@ -36,8 +37,11 @@ def test_explain_names_the_environment_fields_that_differ(capsys, tmp_path: Path
     assert "environment: built in different environments: toolchain.cpu.capability" in out
     assert 'toolchain.cpu.capability: A="AVX512"  B="AVX2"' in out
     data = json.loads(explain(capsys, tmp_path, "--json", "aaaa", "bbbb"))
-    assert data["environment"] == {"recorded": True, "same": False, "differences": [
-        {"path": "toolchain.cpu.capability", "a": "AVX512", "b": "AVX2"}]}
+    assert data["environment"] == {
+        "recorded": True,
+        "same": False,
+        "differences": [{"path": "toolchain.cpu.capability", "a": "AVX512", "b": "AVX2"}],
+    }
     assert "environment: same" in explain(capsys, tmp_path, "aaaa", "cccc")  # another graph, same environment
     assert "environment:" not in explain(capsys, tmp_path, "dddd", "dddd")  # none recorded
     data = json.loads(explain(capsys, tmp_path, "--json", "aaaa", "dddd"))

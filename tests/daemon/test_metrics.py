@@ -25,7 +25,8 @@ _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LINE = re.compile(
     rf"^(# HELP {_NAME} .*|# TYPE {_NAME} (counter|gauge)"
     rf'|{_NAME}(\{{{_NAME}="([^"\\\n]|\\[\\"n])*"(,{_NAME}="([^"\\\n]|\\[\\"n])*")*\}})? '
-    r"(-?[0-9]+(\.[0-9]+)?(e[+-]?[0-9]+)?|NaN|[+-]Inf))$")
+    r"(-?[0-9]+(\.[0-9]+)?(e[+-]?[0-9]+)?|NaN|[+-]Inf))$"
+)
 
 
 def families(text: str) -> dict[str, object]:
@@ -35,8 +36,23 @@ def families(text: str) -> dict[str, object]:
     parsed = {f.name: f for f in parser.text_string_to_metric_families(text)}
     for f in parsed.values():
         assert f.name.startswith("adstore_")
-        unit_ok = f.name.endswith(("_bytes", "_seconds", "_entries", "_blobs", "_leases", "_hits", "_saves",
-                                   "_misses", "_bypasses", "_evictions", "_errors", "_blobs", "_records"))
+        unit_ok = f.name.endswith(
+            (
+                "_bytes",
+                "_seconds",
+                "_entries",
+                "_blobs",
+                "_leases",
+                "_hits",
+                "_saves",
+                "_misses",
+                "_bypasses",
+                "_evictions",
+                "_errors",
+                "_blobs",
+                "_records",
+            )
+        )
         assert unit_ok or f.name in ("adstore_entries", "adstore_blobs", "adstore_leases"), f.name
     return parsed
 
@@ -104,8 +120,15 @@ def test_daemon_writes_the_same_text_at_metrics_path(capsys, root, tmp_path):
 
 
 def test_labels_are_escaped_and_remote_counters_appear_once_counted():
-    stats = StoreStats(counters={"misses": 3, 'misses.we"ird\\reason\n': 1, "bypasses": 2,
-                                 "remote.bytes_down": 4096, "remote.errors.remote_timeout": 2})
+    stats = StoreStats(
+        counters={
+            "misses": 3,
+            'misses.we"ird\\reason\n': 1,
+            "bypasses": 2,
+            "remote.bytes_down": 4096,
+            "remote.errors.remote_timeout": 2,
+        }
+    )
     fams = families(render(collect(stats, budget_bytes=None)))
     assert sample(fams, "adstore_misses_total", reason='we"ird\\reason\n') == 1
     assert sample(fams, "adstore_misses_total", reason="unspecified") == 2  # counted without a reason

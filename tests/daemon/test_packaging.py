@@ -38,7 +38,8 @@ def test_every_package_folder_is_listed() -> None:
     assert {k: v for k, v in package_dir.items() if k in FOLDERS} == FOLDERS
     for name, folder in package_dir.items():
         assert (REPO / folder / "__init__.py").is_file() and name.replace(".", "/").endswith(
-            folder.split("/", 1)[-1]), (name, folder)
+            folder.split("/", 1)[-1]
+        ), (name, folder)
     found = set()
     for name, folder in FOLDERS.items():
         for init in (REPO / folder).rglob("__init__.py"):
@@ -56,7 +57,11 @@ def test_every_module_is_small_documented_and_declares_its_api() -> None:
         assert ast.get_docstring(tree), f"{path} has no docstring"
         assert "DESIGN" not in text and "§" not in text, f"{path} refers to a document outside the repository"
         if path.name != "__main__.py":
-            assert any(isinstance(node, (ast.Assign, ast.AnnAssign))
-                       and any(getattr(t, "id", None) == "__all__"
-                               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
-                       for node in tree.body), f"{path} has no __all__"
+            assert any(
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and any(
+                    getattr(t, "id", None) == "__all__"
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                )
+                for node in tree.body
+            ), f"{path} has no __all__"

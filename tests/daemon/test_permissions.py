@@ -25,12 +25,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from adstore.daemon.lock import InstanceLock
 from adstore.store import Store, UnsafeRoot
 from adstore.store.fsutil import check_root_permissions
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
-                                reason="needs root and useradd to create the two test users")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("useradd") is None, reason="needs root and useradd to create the two test users"
+)
 
 
 class Users:
@@ -119,8 +121,13 @@ def as_user(users: Users, role: str, fn, *args, umask: int = 0o002, timeout: flo
             value = fn(*args)
             out = {"ok": True, "value": value, "warnings": records}
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            out = {"ok": False, "error": type(exc).__name__, "reason": getattr(exc, "reason", None),
-                   "message": str(exc)[:500], "warnings": records}
+            out = {
+                "ok": False,
+                "error": type(exc).__name__,
+                "reason": getattr(exc, "reason", None),
+                "message": str(exc)[:500],
+                "warnings": records,
+            }
         os.write(w, json.dumps(out).encode())
         os._exit(0)
     os.close(w)
@@ -137,11 +144,14 @@ def as_user(users: Users, role: str, fn, *args, umask: int = 0o002, timeout: flo
 
 # -- operations run as the users --------------------------------------------------------------
 
+
 def _save(root: str, key: str, text: str) -> dict:
     with Store.open(root, grace_period=0.0) as store:
         gen = store.new_generation()
-        arts = {"small.json": store.put_bytes(text.encode()),
-                "big.bin": store.put_bytes((text.encode() + b"\0") * (100_000 // (len(text) + 1) + 1))}
+        arts = {
+            "small.json": store.put_bytes(text.encode()),
+            "big.bin": store.put_bytes((text.encode() + b"\0") * (100_000 // (len(text) + 1) + 1)),
+        }
         store.publish(key, generation=gen, artifacts=arts, namespace="pipeline", components={"by": os.getuid()})
         store.commit(key, generation=gen)
         return {"uid": os.getuid(), "generation": gen}
@@ -152,9 +162,13 @@ def _read(root: str, key: str) -> dict:
         res = store.lookup(key)
         if not res.hit:
             return {"hit": False, "reason": res.reason}
-        return {"hit": True, "small": store.read_artifact(res.manifest, "small.json").decode(),
-                "big_ok": store.read_artifact(res.manifest, "big.bin").startswith(
-                    store.read_artifact(res.manifest, "small.json"))}
+        return {
+            "hit": True,
+            "small": store.read_artifact(res.manifest, "small.json").decode(),
+            "big_ok": store.read_artifact(res.manifest, "big.bin").startswith(
+                store.read_artifact(res.manifest, "small.json")
+            ),
+        }
 
 
 def _verify_and_gc(root: str) -> dict:
@@ -201,6 +215,7 @@ def _private_file(path: str, text: str) -> dict:
 
 
 # -- tests --------------------------------------------------------------------------------------
+
 
 def _shared_root(users: Users, base: Path) -> Path:
     root = base / "store"
@@ -289,8 +304,9 @@ def test_world_writable_root_is_refused_for_every_user(users, shared_dir):
     assert not any(root.iterdir()), list(root.iterdir())
     # The CLI maps it to its exit code (7: root refused) with a one-line message
     # (gc would create a store; a read-only command just finds none: 13).
-    out = subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), "gc"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", "--root", str(root), "gc"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 7, (out.returncode, out.stderr)
     assert "world-writable" in out.stderr and "Traceback" not in out.stderr
 

@@ -34,10 +34,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from adstore.store import BlobMissing, ChecksumMismatch, OverBudget, Store, StoreError
-from adstore.store.index.rows import ACCESS_ROW
-from adstore.store.fsutil import atomic_write
 from daemon_support import wait_until, write_config
+
+from adstore.store import BlobMissing, ChecksumMismatch, OverBudget, Store, StoreError
+from adstore.store.fsutil import atomic_write
+from adstore.store.index.rows import ACCESS_ROW
 
 CTX = mp.get_context("spawn")
 KIB = 1024
@@ -54,7 +55,7 @@ def _payload(key: str, gen: int, rank: int, name: str, size: int) -> bytes:
     if rank == 0:
         return head + random.Random(head).randbytes(max(0, size - len(head)))
     body = hashlib.sha256(head).digest() * (size // 32 + 1)
-    return (head + body)[:max(size, len(head))]
+    return (head + body)[: max(size, len(head))]
 
 
 def _check(data: bytes, key: str, gen: int, rank: int, name: str) -> bool:
@@ -74,6 +75,7 @@ class _Worker:
         if snapshots:
             import torch
             import torch.fx
+
             from adstore.integration import snapshot
 
             self.torch, self.fx, self.snap = torch, torch.fx, snapshot
@@ -86,10 +88,19 @@ class _Worker:
         gen = store.new_generation()
         size = self.rng.choice((2 * KIB, 70 * KIB, 160 * KIB))
         for rank in range(ws):
-            arts = {name: store.put_bytes(_payload(key, gen, rank, name, sz))
-                    for name, sz in (("meta", 200), ("body", size))}
-            store.publish(key, rank=rank, world_size=ws, generation=gen, artifacts=arts, namespace="pipeline",
-                          components={"key": key})
+            arts = {
+                name: store.put_bytes(_payload(key, gen, rank, name, sz))
+                for name, sz in (("meta", 200), ("body", size))
+            }
+            store.publish(
+                key,
+                rank=rank,
+                world_size=ws,
+                generation=gen,
+                artifacts=arts,
+                namespace="pipeline",
+                components={"key": key},
+            )
         for rank in range(ws):
             store.commit(key, rank=rank, generation=gen)
 
@@ -217,8 +228,10 @@ def _refcount_detail(store: Store, rep) -> str:
                 m = Manifest.decode(mk, raw)
                 if f.subject in m.digests():
                     entry = t.entry(m.key)
-                    lines.append(f"  manifest {m.key} rank {m.rank} gen {m.generation} committed {m.committed} "
-                                 f"created {m.created:.3f}; entry ranks {entry.ranks if entry else None}")
+                    lines.append(
+                        f"  manifest {m.key} rank {m.rank} gen {m.generation} committed {m.committed} "
+                        f"created {m.created:.3f}; entry ranks {entry.ranks if entry else None}"
+                    )
     return "\n".join(lines)
 
 
@@ -235,21 +248,37 @@ def _snapshot_available() -> bool:
     return True
 
 
-def run_stress(tmp_path: Path, start_daemon, notify_socket, seconds: float, workers: int = 8,
-               snapshot_workers: int = SNAPSHOT_WORKERS) -> dict:
+def run_stress(
+    tmp_path: Path,
+    start_daemon,
+    notify_socket,
+    seconds: float,
+    workers: int = 8,
+    snapshot_workers: int = SNAPSHOT_WORKERS,
+) -> dict:
     t_start = time.monotonic()
     root = tmp_path / "store"
     Store.open(root).close()
-    cfg = write_config(tmp_path / "adstore.toml", max_size=f"{BUDGET}", high_watermark=0.9, low_watermark=0.7,
-                       grace_period="2s", batch_size=16, debounce="50ms", max_delay="250ms",
-                       fallback_interval="1s", sweep_interval="3s")
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size=f"{BUDGET}",
+        high_watermark=0.9,
+        low_watermark=0.7,
+        grace_period="2s",
+        batch_size=16,
+        debounce="50ms",
+        max_delay="250ms",
+        fallback_interval="1s",
+        sweep_interval="3s",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", timeout=30, proc=d.proc)
     snaps = snapshot_workers if _snapshot_available() else 0
     barrier = CTX.Barrier(workers + 1)
     q = CTX.Queue()
-    procs = [CTX.Process(target=stress_worker, args=(str(root), w, w < snaps, seconds, barrier, q))
-             for w in range(workers)]
+    procs = [
+        CTX.Process(target=stress_worker, args=(str(root), w, w < snaps, seconds, barrier, q)) for w in range(workers)
+    ]
     for p in procs:
         p.start()
     barrier.wait(300)
@@ -281,15 +310,21 @@ def run_stress(tmp_path: Path, start_daemon, notify_socket, seconds: float, work
             d.signal(signal.SIGUSR1)  # the daemon dumps its threads' stacks to its log
             time.sleep(0.3)
         try:
-            print("WCHAN", Path(f"/proc/{d.pid}/wchan").read_text(), Path(f"/proc/{d.pid}/syscall").read_text(),
-                  Path(f"/proc/{d.pid}/status").read_text()[:300])
+            print(
+                "WCHAN",
+                Path(f"/proc/{d.pid}/wchan").read_text(),
+                Path(f"/proc/{d.pid}/syscall").read_text(),
+                Path(f"/proc/{d.pid}/status").read_text()[:300],
+            )
         except OSError as exc:
             print("proc", exc)
         with Store.open(root) as s:
             plan = s.plan_sweep().to_dict()
-            detail = (f"size {s.size()} > {BUDGET * 0.9:.0f}; entries {sum(1 for _ in s.entries())}; "
-                      f"stats {s.stats().to_dict()}; sweep {plan}")
-        raise AssertionError(f"daemon did not bring the store under budget: {detail}\n{d.log()[-8000:]}")
+            detail = (
+                f"size {s.size()} > {BUDGET * 0.9:.0f}; entries {sum(1 for _ in s.entries())}; "
+                f"stats {s.stats().to_dict()}; sweep {plan}"
+            )
+        raise AssertionError(f"daemon did not bring the store under budget: {detail}\n{d.log()[-8000:]}") from None
     d.signal(signal.SIGTERM)
     assert d.wait(timeout=30) == 0, d.log()[-3000:]
     daemon_log = d.log()
@@ -327,8 +362,10 @@ def run_stress(tmp_path: Path, start_daemon, notify_socket, seconds: float, work
         "ops_per_s": round(len(all_lat) / wall, 1),
         "p50_ms": round(_percentile(all_lat, 50) * 1e3, 2) if all_lat else None,
         "p99_ms": round(_percentile(all_lat, 99) * 1e3, 2) if all_lat else None,
-        "per_op": {k: {"n": len(v), "p50_ms": round(_percentile(v, 50) * 1e3, 2),
-                       "p99_ms": round(_percentile(v, 99) * 1e3, 2)} for k, v in sorted(lat.items())},
+        "per_op": {
+            k: {"n": len(v), "p50_ms": round(_percentile(v, 50) * 1e3, 2), "p99_ms": round(_percentile(v, 99) * 1e3, 2)}
+            for k, v in sorted(lat.items())
+        },
         "outcomes": dict(sorted(counts.items())),
         "errors": len(errors),
         "wrong_reads": counts.get("wrong_reads", 0),
@@ -349,8 +386,9 @@ def run_stress(tmp_path: Path, start_daemon, notify_socket, seconds: float, work
     assert not any(k.startswith("restore_leased.evicted") for k in counts)
     # The budget is enforced by the daemon's evictions and, at the hard limit, by writers: they read
     # the budget the daemon persisted, evict inline and skip a save when nothing may go yet.
-    assert summary["evictions"] > 0 or counts.get("save.over_budget", 0) > 0, \
+    assert summary["evictions"] > 0 or counts.get("save.over_budget", 0) > 0, (
         "the budget was never enforced: not a stress of the daemon"
+    )
     return summary
 
 
@@ -372,8 +410,13 @@ def _report(name: str, data: dict) -> None:
 
 
 def test_eight_processes_against_a_daemon_with_a_tight_budget(tmp_path, start_daemon, notify_socket):
-    summary = run_stress(tmp_path, start_daemon, notify_socket, seconds=float(os.environ.get(
-        "ADSTORE_STRESS_SECONDS", "6")), snapshot_workers=1)
+    summary = run_stress(
+        tmp_path,
+        start_daemon,
+        notify_socket,
+        seconds=float(os.environ.get("ADSTORE_STRESS_SECONDS", "6")),
+        snapshot_workers=1,
+    )
     assert summary["ops"] > 100
 
 
@@ -410,7 +453,9 @@ def test_budget_pressure_from_replaced_generations_does_not_evict_live_entries(t
         assert live < 0.7 * 1_000_000 < 0.9 * 1_000_000 < store.size()
         result = Enforcer(store, config).run_pass(sweep=True)
         left = [k for k in keys if store.lookup(k, record=False).hit]
-        assert left == keys, f"evicted {result.evicted_entries} live entries for garbage: {sorted(set(keys) - set(left))}"
+        assert left == keys, (
+            f"evicted {result.evicted_entries} live entries for garbage: {sorted(set(keys) - set(left))}"
+        )
 
 
 def _save_payload(store: Store, key: str, size: int) -> None:
@@ -431,10 +476,19 @@ def test_daemon_survives_a_poisoned_index_row(tmp_path, start_daemon, notify_soc
         gen = store.lookup("k0", record=False).generation
         deep = "[" * 100_000 + "]" * 100_000
         with store.index.env.begin(write=True) as txn:
-            txn.put(manifest_key("k0", 0, gen), f'{{"ws": 1, "c": true, "a": {{}}, "m": {deep}}}'.encode(),
-                    db=store.index.db["manifests"])
-    cfg = write_config(tmp_path / "adstore.toml", max_size="600K", grace_period="0s", fallback_interval="1s",
-                       debounce="50ms", max_delay="200ms")
+            txn.put(
+                manifest_key("k0", 0, gen),
+                f'{{"ws": 1, "c": true, "a": {{}}, "m": {deep}}}'.encode(),
+                db=store.index.db["manifests"],
+            )
+    cfg = write_config(
+        tmp_path / "adstore.toml",
+        max_size="600K",
+        grace_period="0s",
+        fallback_interval="1s",
+        debounce="50ms",
+        max_delay="200ms",
+    )
     d = start_daemon(cfg, root, notify=notify_socket)
     notify_socket.wait_for(lambda m: m.get("READY") == "1", timeout=30, proc=d.proc)
     time.sleep(3.0)

@@ -27,8 +27,7 @@ def _unit() -> dict[str, list[str]]:
 def test_systemd_analyze_verify_passes() -> None:
     exe = shutil.which("systemd-analyze")
     assert exe, "systemd-analyze is required for this test"
-    p = subprocess.run([exe, "verify", str(SYSTEMD / "adstore.service")], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([exe, "verify", str(SYSTEMD / "adstore.service")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "adstore.service" not in p.stderr, p.stderr  # no warnings about our unit
 
@@ -36,10 +35,18 @@ def test_systemd_analyze_verify_passes() -> None:
 def test_unit_settings() -> None:
     u = _unit()
     required = {
-        "Type": "notify", "Restart": "on-failure", "User": "adstore", "Group": "adstore",
-        "CacheDirectory": "adstore", "UMask": "0002", "ProtectSystem": "strict",
-        "NoNewPrivileges": "yes", "PrivateTmp": "yes", "IOSchedulingClass": "idle",
-        "CPUSchedulingPolicy": "idle", "ReadWritePaths": "/var/cache/adstore",
+        "Type": "notify",
+        "Restart": "on-failure",
+        "User": "adstore",
+        "Group": "adstore",
+        "CacheDirectory": "adstore",
+        "UMask": "0002",
+        "ProtectSystem": "strict",
+        "NoNewPrivileges": "yes",
+        "PrivateTmp": "yes",
+        "IOSchedulingClass": "idle",
+        "CPUSchedulingPolicy": "idle",
+        "ReadWritePaths": "/var/cache/adstore",
     }
     for key, value in required.items():
         assert u.get(key) == [value], key
@@ -67,8 +74,9 @@ def test_tmpfiles_snippet_creates_a_setgid_group_dir(tmp_path: Path) -> None:
     # The test machine has no adstore user: run the snippet as root:root under --root.
     conf = tmp_path / "adstore.conf"
     conf.write_text(text.replace("adstore adstore", "root root"))
-    p = subprocess.run([exe, f"--root={tmp_path / 'fs'}", "--create", str(conf)], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [exe, f"--root={tmp_path / 'fs'}", "--create", str(conf)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     st = (tmp_path / "fs" / "var" / "cache" / "adstore").stat()
     assert stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISGID

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from adstore.store import Store
 
 __all__ = ["Reduce", "publish", "run_cli", "sentinel_fixture"]
@@ -50,5 +51,10 @@ class Reduce:
 
 def run_cli(root, *args: str) -> subprocess.CompletedProcess:
     """``adstore --root ROOT ARGS`` in a real CLI process, as the victim would run it."""
-    return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )

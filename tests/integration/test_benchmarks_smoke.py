@@ -21,8 +21,10 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 SMALL = {
     "bench_store": (["--quick", "--procs", "2"], "store.json"),
-    "bench_daemon": (["--entries", "2000", "--unique-blobs", "200", "--idle-seconds", "2", "--trials", "1"],
-                     "daemon.json"),
+    "bench_daemon": (
+        ["--entries", "2000", "--unique-blobs", "200", "--idle-seconds", "2", "--trials", "1"],
+        "daemon.json",
+    ),
     "bench_snapshot": (["--layers", "2", "--repeat", "1"], "bench_snapshot.json"),
     "bench_pipeline": (["--layers", "2", "--hidden", "64"], "bench_pipeline.json"),
     "bench_engine": (["--hidden", "64", "--batch", "4"], "engine.json"),
@@ -37,10 +39,20 @@ SMALL = {
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_benchmark_runs_small(name, tmp_path):
     args, written = SMALL[name]
-    env = dict(os.environ, ADSTORE_BENCH_RESULTS=str(tmp_path / "results"), ADSTORE_BENCH_DIR=str(tmp_path),
-               ADSTORE_ROOT=str(tmp_path / "store"))
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        ADSTORE_BENCH_RESULTS=str(tmp_path / "results"),
+        ADSTORE_BENCH_DIR=str(tmp_path),
+        ADSTORE_ROOT=str(tmp_path / "store"),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "results" / written).read_text())
     assert figures, f"{name} wrote an empty {written}"

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from adstore.integration.engine.storage import StoreEngineStorage
+from poison_support import Reduce, sentinel_fixture  # noqa: F401  (the sentinel fixture)
+
 from adstore.integration.engine.cache import EngineCache
+from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.store import Store
 from adstore.store.index.rows import manifest_key
-from poison_support import Reduce, sentinel_fixture  # noqa: F401  (the sentinel fixture)
 
 
 class Tiny(torch.nn.Module):
@@ -63,10 +64,17 @@ def engine_req(tmp_path_factory):
 
 
 def _engine_meta(h: str, sentinel, **over) -> dict:
-    meta = {"format_version": 1, "hash": h, "kind": "aoti_package",
-            "payload": {"sha256": "0" * 64, "size": 0, "weights_included": False},
-            "toolchain": {"cc": f"os.system('touch {sentinel}')"}, "settings": {"__import__": "os"},
-            "constants": [], "call_spec": ["builtins.exec"], "runner_metadata": {"loader": "subprocess.Popen"}}
+    meta = {
+        "format_version": 1,
+        "hash": h,
+        "kind": "aoti_package",
+        "payload": {"sha256": "0" * 64, "size": 0, "weights_included": False},
+        "toolchain": {"cc": f"os.system('touch {sentinel}')"},
+        "settings": {"__import__": "os"},
+        "constants": [],
+        "call_spec": ["builtins.exec"],
+        "runner_metadata": {"loader": "subprocess.Popen"},
+    }
     meta.update(over)
     return meta
 
@@ -80,8 +88,9 @@ def _publish_engine(store: Store, h: str, meta: dict | bytes, package: bytes, *,
 
 
 def _evil_package(sentinel) -> bytes:
-    return f"#!/bin/sh\ntouch {sentinel}\n".encode() + pickle.dumps(Reduce(__import__("os").system,
-                                                                          (f"touch {sentinel}",)))
+    return f"#!/bin/sh\ntouch {sentinel}\n".encode() + pickle.dumps(
+        Reduce(__import__("os").system, (f"touch {sentinel}",))
+    )
 
 
 def _engine_variants(h: str, sentinel) -> dict[str, tuple[dict | bytes, bytes, str]]:
@@ -99,8 +108,14 @@ def _engine_variants(h: str, sentinel) -> dict[str, tuple[dict | bytes, bytes, s
     }
 
 
-ENGINE_POISONS = ["kind_names_os_system", "consistent_meta_foreign_toolchain", "payload_checksum_mismatch",
-                  "meta_is_a_pickle", "meta_for_another_hash", "wrong_namespace"]
+ENGINE_POISONS = [
+    "kind_names_os_system",
+    "consistent_meta_foreign_toolchain",
+    "payload_checksum_mismatch",
+    "meta_is_a_pickle",
+    "meta_for_another_hash",
+    "wrong_namespace",
+]
 
 
 @pytest.mark.parametrize("poison", ENGINE_POISONS)

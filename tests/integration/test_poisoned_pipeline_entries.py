@@ -26,15 +26,15 @@ import subprocess
 
 import pytest
 import torch
+from poison_support import Reduce, publish, run_cli, sentinel_fixture  # noqa: F401  (the sentinel fixture)
+
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.snapshot import FORMAT, VERSION
 from adstore.store import Store
 from adstore.store.index.rows import manifest_key
-from poison_support import Reduce, publish, run_cli, sentinel_fixture  # noqa: F401  (the sentinel fixture)
-
 
 MODEL = {"arch": "llama", "layers": 1, "hidden": 32}
 REJECT = {"untrusted_target", "corrupt_snapshot", "unsupported_hook"}
@@ -59,8 +59,15 @@ def pipeline(tmp_path_factory):
         ref = factory.eager_model(read_checkpoint(ckpt))(*factory.example_inputs()).logits
         out = module(*factory.example_inputs())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    return {"factory": factory, "ckpt": ckpt, "root": root, "transforms": transforms, "key": key,
-            "good": good, "ref": ref}
+    return {
+        "factory": factory,
+        "ckpt": ckpt,
+        "root": root,
+        "transforms": transforms,
+        "key": key,
+        "good": good,
+        "ref": ref,
+    }
 
 
 def _victim_run(p):
@@ -78,8 +85,16 @@ def _module_pt_variants(good: bytes, sentinel) -> dict[str, bytes]:
     raw_exec = b"cbuiltins\nexec\n(Vopen(" + repr(str(sentinel)).encode() + b", 'w').close()\ntR."
     popen = pickle.dumps(Reduce(subprocess.Popen, (["touch", str(sentinel)],)), protocol=2)
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "structure": "{}",
-                "tensors": [], "evil": Reduce(__import__("os").system, (cmd,))}, buf)
+    torch.save(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "structure": "{}",
+            "tensors": [],
+            "evil": Reduce(__import__("os").system, (cmd,)),
+        },
+        buf,
+    )
     zipped_object = buf.getvalue()
     payload = torch.load(io.BytesIO(good), weights_only=True)
     structure = json.loads(payload["structure"])
@@ -93,9 +108,16 @@ def _module_pt_variants(good: bytes, sentinel) -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({**payload, "structure": json.dumps(structure)}, buf)
     target_torch_shell = buf.getvalue()
-    return {"graph_target_torch_shell": target_torch_shell, "raw_pickle_os_system": raw_os_system, "raw_pickle_builtins_exec": raw_exec,
-            "pickle_subprocess_popen": popen, "torch_save_with_pickled_object": zipped_object,
-            "graph_target_os_system": target_os_system, "empty": b"", "garbage": b"\x00" * 1000}
+    return {
+        "graph_target_torch_shell": target_torch_shell,
+        "raw_pickle_os_system": raw_os_system,
+        "raw_pickle_builtins_exec": raw_exec,
+        "pickle_subprocess_popen": popen,
+        "torch_save_with_pickled_object": zipped_object,
+        "graph_target_os_system": target_os_system,
+        "empty": b"",
+        "garbage": b"\x00" * 1000,
+    }
 
 
 def _find_graph(node):
@@ -115,17 +137,29 @@ def _find_graph(node):
     return None
 
 
-MODULE_POISONS = ["raw_pickle_os_system", "raw_pickle_builtins_exec", "pickle_subprocess_popen",
-                  "torch_save_with_pickled_object", "graph_target_os_system", "graph_target_torch_shell",
-                  "empty", "garbage"]
+MODULE_POISONS = [
+    "raw_pickle_os_system",
+    "raw_pickle_builtins_exec",
+    "pickle_subprocess_popen",
+    "torch_save_with_pickled_object",
+    "graph_target_os_system",
+    "graph_target_torch_shell",
+    "empty",
+    "garbage",
+]
 
 
-_DEFAULT_MODULE = {"raw_pickle_os_system", "torch_save_with_pickled_object", "graph_target_os_system",
-                   "graph_target_torch_shell"}
+_DEFAULT_MODULE = {
+    "raw_pickle_os_system",
+    "torch_save_with_pickled_object",
+    "graph_target_os_system",
+    "graph_target_torch_shell",
+}
 
 
-@pytest.mark.parametrize("poison", [p if p in _DEFAULT_MODULE else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in MODULE_POISONS])
+@pytest.mark.parametrize(
+    "poison", [p if p in _DEFAULT_MODULE else pytest.param(p, marks=pytest.mark.slow) for p in MODULE_POISONS]
+)
 def test_poisoned_snapshot_entry_is_a_miss_and_is_replaced(pipeline, sentinel, poison):
     evil = _module_pt_variants(pipeline["good"]["module.pt"], sentinel)[poison]
     publish(pipeline["root"], pipeline["key"], {**pipeline["good"], "module.pt": evil})
@@ -139,19 +173,28 @@ def test_poisoned_snapshot_entry_is_a_miss_and_is_replaced(pipeline, sentinel, p
 
 HOOK_POISONS = {
     "function_os_system": {"kind": "function", "qualname": "os.system"},
-    "partial_builtins_exec": {"kind": "partial", "target": {"kind": "function", "qualname": "builtins.exec"},
-                              "keywords": {}},
-    "instance_subprocess_popen": {"kind": "instance", "owner_class": "subprocess.Popen",
-                                  "owner_state": {"args": "touch x"}},
+    "partial_builtins_exec": {
+        "kind": "partial",
+        "target": {"kind": "function", "qualname": "builtins.exec"},
+        "keywords": {},
+    },
+    "instance_subprocess_popen": {
+        "kind": "instance",
+        "owner_class": "subprocess.Popen",
+        "owner_state": {"args": "touch x"},
+    },
 }
 
 
-@pytest.mark.parametrize("poison", [p if p == "function_os_system" else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in sorted(HOOK_POISONS)])
+@pytest.mark.parametrize(
+    "poison",
+    [p if p == "function_os_system" else pytest.param(p, marks=pytest.mark.slow) for p in sorted(HOOK_POISONS)],
+)
 def test_poisoned_hook_specs_in_an_entry_are_a_miss(pipeline, sentinel, poison):
     params = json.loads(json.dumps(HOOK_POISONS[poison]).replace("touch x", f"touch {sentinel}"))
-    hooks = json.dumps([{"type": "importable", "scope": "", "phase": "pre", "with_module": False,
-                         "params": params}]).encode()
+    hooks = json.dumps(
+        [{"type": "importable", "scope": "", "phase": "pre", "with_module": False, "params": params}]
+    ).encode()
     publish(pipeline["root"], pipeline["key"], {**pipeline["good"], "hooks.json": hooks})
     events, _ = _victim_run(pipeline)
     assert events[0][0] == "miss" and events[0][1] in REJECT, events
@@ -183,8 +226,9 @@ def _rewrite_manifest(root, key: str, fn) -> None:
 TRAVERSALS = ["../../../../../../etc/passwd", "/etc/shadow", "..", "A" * 64, "0" * 63 + "/", "00" * 32 + "/../x"]
 
 
-@pytest.mark.parametrize("digest", [d if i < 2 else pytest.param(d, marks=pytest.mark.slow)
-                                    for i, d in enumerate(TRAVERSALS)])
+@pytest.mark.parametrize(
+    "digest", [d if i < 2 else pytest.param(d, marks=pytest.mark.slow) for i, d in enumerate(TRAVERSALS)]
+)
 def test_path_traversal_digests_in_lmdb_rows_are_misses(pipeline, sentinel, digest, tmp_path):
     # The artifact's digest in the manifest row is rewritten to a path.
     def poison(obj):
@@ -262,6 +306,7 @@ def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- restores under eviction
+
 
 def test_an_eviction_between_lookup_and_read_does_not_break_a_restore(pipeline, monkeypatch):
     """The daemon (here `adstore rm`, another process) evicts the entry right after the pipeline's

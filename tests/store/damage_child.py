@@ -31,6 +31,7 @@ def _emit(**fields: object) -> None:
 
 def _classify(exc: BaseException) -> str:
     import lmdb
+
     from adstore.store import AdstoreError
 
     if isinstance(exc, lmdb.Error):
@@ -61,8 +62,10 @@ def _read(root: str, expected: dict[str, dict[str, str]]) -> dict[str, object]:
                 out["misses"][str(res.reason)] = out["misses"].get(str(res.reason), 0) + 1  # type: ignore
                 continue
             try:
-                got = {name: hashlib.sha256(store.read_artifact(res.manifest, name)).hexdigest()
-                       for name in res.manifest.artifacts}
+                got = {
+                    name: hashlib.sha256(store.read_artifact(res.manifest, name)).hexdigest()
+                    for name in res.manifest.artifacts
+                }
             except AdstoreError as exc:
                 out["read_errors"][_classify(exc)] = out["read_errors"].get(_classify(exc), 0) + 1  # type: ignore
                 continue

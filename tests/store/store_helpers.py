@@ -47,13 +47,12 @@ def parse_payload(data: bytes) -> tuple[str, int, int, str]:
 def save(store: Store, key: str, *, world_size: int = 1, sizes=(100, 70_000), shared: bytes | None = None) -> int:
     gen = store.new_generation()
     for rank in range(world_size):
-        artifacts = {
-            f"a{i}": store.put_bytes(payload(key, gen, rank, f"a{i}", size)) for i, size in enumerate(sizes)
-        }
+        artifacts = {f"a{i}": store.put_bytes(payload(key, gen, rank, f"a{i}", size)) for i, size in enumerate(sizes)}
         if shared is not None:
             artifacts["shared"] = store.put_bytes(shared)
-        store.publish(key, rank=rank, world_size=world_size, generation=gen, artifacts=artifacts,
-                      components={"key": key})
+        store.publish(
+            key, rank=rank, world_size=world_size, generation=gen, artifacts=artifacts, components={"key": key}
+        )
     for rank in range(world_size):
         store.commit(key, rank=rank, generation=gen)
     return gen
@@ -81,14 +80,21 @@ def served_digests(store: Store, key: str) -> dict[int, dict[str, str]]:
     """The SHA-256 of every artifact ``key`` serves, by rank: what a rebuilt index must serve again."""
     res = store.lookup(key, record=False)
     assert res.hit, (key, res.reason)
-    return {rank: {n: hashlib.sha256(store.read_artifact(m, n)).hexdigest() for n in m.artifacts}
-            for rank, m in res.manifests.items()}
+    return {
+        rank: {n: hashlib.sha256(store.read_artifact(m, n)).hexdigest() for n in m.artifacts}
+        for rank, m in res.manifests.items()
+    }
 
 
 def run_cli(root: Path, *args: str) -> subprocess.CompletedProcess:
     """``adstore --root ROOT ARGS`` in a real CLI process (what an operator runs), its output captured."""
-    return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def worker_mixed(root: str, worker: int, seconds: float, keys: int, result_q) -> None:

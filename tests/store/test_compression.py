@@ -33,8 +33,9 @@ def compressible(size: int, seed: int = 0) -> bytes:
     """Text-like bytes (a graph dump compresses about like this): lines drawn from a few thousand."""
     rnd = random.Random(seed)
     words = [bytes(rnd.choice(b"abcdefghijklmnop") for _ in range(rnd.randint(3, 9))) for _ in range(200)]
-    lines = [b'{"op": "%s", "target": "%s", "args": [%d]}\n' % (rnd.choice(words), rnd.choice(words), i)
-             for i in range(4000)]
+    lines = [
+        b'{"op": "%s", "target": "%s", "args": [%d]}\n' % (rnd.choice(words), rnd.choice(words), i) for i in range(4000)
+    ]
     out = b"".join(rnd.choices(lines, k=size // 30 + 1))
     while len(out) < size:
         out += out
@@ -71,7 +72,7 @@ def test_round_trips_return_the_original_bytes(name, how, store, tmp_path):
         (tmp_path / "src").write_bytes(data)
         ref = store.put_file(tmp_path / "src")
     else:
-        ref = store.put_stream(data[i:i + 100_000] for i in range(0, len(data), 100_000))
+        ref = store.put_stream(data[i : i + 100_000] for i in range(0, len(data), 100_000))
     assert ref.digest == hashlib.sha256(data).hexdigest() and ref.size == len(data)
     assert store.get_bytes(ref) == data
     store.copy_blob_to(ref, tmp_path / "out")
@@ -92,9 +93,9 @@ def _damage(path, how: str, size: int) -> None:
     os.chmod(path, 0o644)
     frame = path.read_bytes()
     if how == "flip":
-        frame = frame[:len(frame) // 2] + bytes([frame[len(frame) // 2] ^ 0x40]) + frame[len(frame) // 2 + 1:]
+        frame = frame[: len(frame) // 2] + bytes([frame[len(frame) // 2] ^ 0x40]) + frame[len(frame) // 2 + 1 :]
     elif how == "cut":
-        frame = frame[:len(frame) // 2]
+        frame = frame[: len(frame) // 2]
     elif how == "other":  # a valid frame of other bytes, as long as the recorded one
         frame = zstandard.ZstdCompressor(level=3).compress(compressible(size, 99))
     elif how == "bomb":  # a valid frame of far more bytes than recorded
@@ -198,8 +199,9 @@ def test_budgets_count_bytes_on_disk(store_root, clock):
             save_blob(store, f"z{i}", compressible(512 << 10, 30 + i))  # 4 MiB of content
         clock.advance(10)
         assert store.stats().content_bytes >= 2 * budget > budget > store.size()
-        cfg = DaemonConfig.from_mapping({"max_size": budget, "high_watermark": 0.9, "low_watermark": 0.7,
-                                         "grace_period": 0})
+        cfg = DaemonConfig.from_mapping(
+            {"max_size": budget, "high_watermark": 0.9, "low_watermark": 0.7, "grace_period": 0}
+        )
         assert Enforcer(store, cfg).run_pass().evicted_entries == 0
         for i in range(8):
             save_blob(store, f"r{i}", os.urandom(512 << 10))

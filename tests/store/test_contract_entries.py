@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-
 import pytest
 from store_helpers import check_hit, payload, save
 

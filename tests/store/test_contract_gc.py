@@ -93,7 +93,10 @@ def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store
     save(store, "resaved")
     plan.execute()
     assert [k for k in ("used", "pinned", "resaved", "idle") if store.lookup(k, record=False).hit] == [
-        "used", "pinned", "resaved"]
+        "used",
+        "pinned",
+        "resaved",
+    ]
     assert store.verify().ok
 
 

@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 
 import pytest
+from store_helpers import check_hit, save
+
 from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
 from adstore.store.index.rows import manifest_key
-from store_helpers import check_hit, save
 
 
 def _populate(store: Store) -> dict[str, int]:
@@ -77,11 +78,22 @@ def _file_damage(kind: str):
             path.mkdir()
         else:
             raise AssertionError(kind)
+
     return damage
 
 
-FILE_DAMAGE = ["flip_first", "flip_middle", "flip_last", "truncate_zero", "truncate_half", "append",
-               "same_size_garbage", "missing", "symlink_elsewhere", "directory"]
+FILE_DAMAGE = [
+    "flip_first",
+    "flip_middle",
+    "flip_last",
+    "truncate_zero",
+    "truncate_half",
+    "append",
+    "same_size_garbage",
+    "missing",
+    "symlink_elsewhere",
+    "directory",
+]
 
 
 def _rows(store: Store, dbname: str, fn) -> None:
@@ -96,10 +108,12 @@ def _lmdb_damage(kind: str):
         small = bytes.fromhex(m.artifacts["a0"].digest)
         mk = manifest_key(key, 0, m.generation)
         if kind == "inline_flip":
+
             def fn(txn, db):
                 data = bytearray(txn.get(small, db=db))
                 data[10] ^= 1
                 txn.put(small, bytes(data), db=db)
+
             _rows(store, "blobdata", fn)
         elif kind == "inline_missing":
             _rows(store, "blobdata", lambda txn, db: txn.delete(small, db=db))
@@ -114,32 +128,51 @@ def _lmdb_damage(kind: str):
         elif kind == "manifest_artifacts_not_pairs":
             _rows(store, "manifests", lambda txn, db: txn.put(mk, b'{"ws": 1, "c": true, "a": {"a0": 7}}', db=db))
         elif kind == "entry_wrong_fields":
-            _rows(store, "entries", lambda txn, db: txn.put(key.encode(), b'{"ns": "x", "ws": 1, "t": 0, "la": 0, '
-                                                          b'"r": [1, 2]}', db=db))
+            _rows(
+                store,
+                "entries",
+                lambda txn, db: txn.put(key.encode(), b'{"ns": "x", "ws": 1, "t": 0, "la": 0, "r": [1, 2]}', db=db),
+            )
         elif kind == "manifest_deleted":
             _rows(store, "manifests", lambda txn, db: txn.delete(mk, db=db))
         elif kind == "entry_not_json":
             _rows(store, "entries", lambda txn, db: txn.put(key.encode(), b"{{{", db=db))
         elif kind == "entry_wrong_generation":
+
             def fn(txn, db):
                 obj = json.loads(bytes(txn.get(key.encode(), db=db)))
                 obj["r"]["0"] = obj["r"]["0"] ^ 12345
                 txn.put(key.encode(), json.dumps(obj).encode(), db=db)
+
             _rows(store, "entries", fn)
         elif kind == "manifest_uncommitted_flag":
+
             def fn(txn, db):
                 obj = json.loads(bytes(txn.get(mk, db=db)))
                 obj["c"] = False
                 txn.put(mk, json.dumps(obj).encode(), db=db)
+
             _rows(store, "manifests", fn)
         else:
             raise AssertionError(kind)
+
     return damage
 
 
-LMDB_DAMAGE = ["inline_flip", "inline_missing", "blob_row_short", "blob_row_deleted", "manifest_not_json",
-               "manifest_wrong_fields", "manifest_artifacts_not_pairs", "manifest_deleted", "entry_not_json",
-               "entry_wrong_fields", "entry_wrong_generation", "manifest_uncommitted_flag"]
+LMDB_DAMAGE = [
+    "inline_flip",
+    "inline_missing",
+    "blob_row_short",
+    "blob_row_deleted",
+    "manifest_not_json",
+    "manifest_wrong_fields",
+    "manifest_artifacts_not_pairs",
+    "manifest_deleted",
+    "entry_not_json",
+    "entry_wrong_fields",
+    "entry_wrong_generation",
+    "manifest_uncommitted_flag",
+]
 
 #: Damage to a blob's row alone, while its content stays intact.
 ROW_ONLY_DAMAGE = {"blob_row_short", "blob_row_deleted"}
@@ -211,31 +244,44 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
 _DEEP = "[" * 100_000 + "]" * 100_000
 
 
-@pytest.mark.parametrize("kind", ["manifest_path_traversal_digest", "entry_world_size_zero",
-                                  "entry_negative_world_size",
-                                  pytest.param("manifest_deeply_nested"),
-                                  pytest.param("entry_deeply_nested")])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "manifest_path_traversal_digest",
+        "entry_world_size_zero",
+        "entry_negative_world_size",
+        pytest.param("manifest_deeply_nested"),
+        pytest.param("entry_deeply_nested"),
+    ],
+)
 def test_hostile_index_values_are_misses_not_exceptions(store, kind):
     """Values that decode as JSON but break the record's invariants (see bugs-found.md)."""
     gen = save(store, "b")
     save(store, "a")
     mk = manifest_key("b", 0, gen)
     if kind == "manifest_path_traversal_digest":
+
         def fn(txn, db):
             obj = json.loads(bytes(txn.get(mk, db=db)))
             obj["a"]["a1"][0] = "../../../../../etc/passwd"
             txn.put(mk, json.dumps(obj).encode(), db=db)
+
         _rows(store, "manifests", fn)
     elif kind == "manifest_deeply_nested":
-        _rows(store, "manifests", lambda txn, db: txn.put(mk, f'{{"ws": 1, "c": true, "a": {{}}, "m": {_DEEP}}}'
-                                                          .encode(), db=db))
+        _rows(
+            store,
+            "manifests",
+            lambda txn, db: txn.put(mk, f'{{"ws": 1, "c": true, "a": {{}}, "m": {_DEEP}}}'.encode(), db=db),
+        )
     elif kind == "entry_deeply_nested":
         _rows(store, "entries", lambda txn, db: txn.put(b"b", f'{{"ns": "x", "r": {_DEEP}}}'.encode(), db=db))
     else:
+
         def fn(txn, db):
             obj = json.loads(bytes(txn.get(b"b", db=db)))
             obj["ws"] = 0 if kind == "entry_world_size_zero" else -3
             txn.put(b"b", json.dumps(obj).encode(), db=db)
+
         _rows(store, "entries", fn)
     res = store.lookup("b", record=False)
     assert not res.hit and res.reason == "corrupt_index", res
@@ -307,8 +353,13 @@ def test_cli_verify_fix_repairs_several_kinds_of_damage_at_once(store_root):
         _lmdb_damage("inline_flip")(store, "c")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(store_root), *args],
-                              capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "adstore.daemon", "--root", str(store_root), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     first = cli("verify")
     assert first.returncode == 1, (first.returncode, first.stdout, first.stderr)

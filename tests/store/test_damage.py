@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from adstore.store import Store
-from adstore.store.index.file import read_meta
 from store_helpers import report_figures, run_cli, save
 from test_diskfull import small_fs  # noqa: F401  (the 8 MiB tmpfs fixture; root only)
+
+from adstore.store import Store
+from adstore.store.index.file import read_meta
 
 CHILD = Path(__file__).with_name("damage_child.py")
 PAGE = 4096
@@ -55,8 +56,9 @@ def base(tmp_path_factory) -> tuple[Path, dict[str, dict[str, str]]]:
             save(store, f"key{i}", sizes=(100, 70_000))
         for i in range(KEYS):
             res = store.lookup(f"key{i}", record=False)
-            expected[f"key{i}"] = {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
-                                   for n in res.manifest.artifacts}
+            expected[f"key{i}"] = {
+                n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts
+            }
     return root, expected
 
 
@@ -67,11 +69,13 @@ def _data(root: Path) -> Path:
 def truncate(size: int) -> Damage:
     def damage(root: Path) -> None:
         os.truncate(_data(root), size)
+
     return damage
 
 
 def scribble(seed: int, *, whole_page: bool = False) -> Damage:
     """Random bytes at random places of pages 2.. (the B-tree; 1 in 8 also hits a meta page)."""
+
     def damage(root: Path) -> None:
         rng = random.Random(seed)
         with open(_data(root), "r+b") as f:
@@ -84,6 +88,7 @@ def scribble(seed: int, *, whole_page: bool = False) -> Damage:
                 else:
                     f.seek(page * PAGE + rng.randrange(0, PAGE - 64))
                     f.write(rng.randbytes(rng.randint(1, 64)))
+
     return damage
 
 
@@ -96,6 +101,7 @@ def free_list(how: str, nth: int = 0) -> Damage:
     a page past the last one; ``count``: a record longer than its data; ``not_a_page``: the
     tree's root page loses its leaf flag.
     """
+
     def damage(root: Path) -> None:
         meta = read_meta(_data(root))
         assert meta is not None and meta.roots[0] != (1 << 64) - 1, "the base store has no free pages"
@@ -105,8 +111,10 @@ def free_list(how: str, nth: int = 0) -> Damage:
             page = bytearray(f.read(PAGE))
             flags = struct.unpack_from("<H", page, 10)[0]
             assert flags & 0x02, "the free-page tree of the base store is one leaf"
-            records = [_free_record(page, struct.unpack_from("<H", page, 16 + 2 * i)[0])
-                       for i in range((struct.unpack_from("<H", page, 12)[0] - 16) // 2)]
+            records = [
+                _free_record(page, struct.unpack_from("<H", page, 16 + 2 * i)[0])
+                for i in range((struct.unpack_from("<H", page, 12)[0] - 16) // 2)
+            ]
             free = {p for start, n in records for p in struct.unpack_from(f"<{n}Q", page, start + 8)}
             used = sorted(set(range(2, meta.last_page + 1)) - free - {meta.roots[0]})
             ids, count = records[0]
@@ -123,6 +131,7 @@ def free_list(how: str, nth: int = 0) -> Damage:
                 struct.pack_into("<H", page, 10, flags & ~0x02)
             f.seek(at)
             f.write(page)
+
     return damage
 
 
@@ -136,14 +145,16 @@ def _free_record(page: bytes, node: int) -> tuple[int, int]:
 def renamed_key(new: bytes, nth: int | None = None) -> Damage:
     """``key5`` spelled ``new`` where the index holds it (every place, or the ``nth`` only): rows out of
     key order, or found by no search (an in-place repair left the index inconsistent)."""
+
     def damage(root: Path) -> None:
         data = _data(root).read_bytes()
         if nth is None:
             data = data.replace(b"key5", new)
         else:
             at = [m.start() for m in re.finditer(b"key5", data)][nth]
-            data = data[:at] + new + data[at + len(new):]
+            data = data[:at] + new + data[at + len(new) :]
         _data(root).write_bytes(data)
+
     return damage
 
 
@@ -151,6 +162,7 @@ def replace_data(content: bytes) -> Damage:
     def damage(root: Path) -> None:
         _data(root).unlink()
         _data(root).write_bytes(content)
+
     return damage
 
 
@@ -162,8 +174,13 @@ def run_case(base: tuple[Path, dict], work: Path, name: str, damage: Damage, *, 
         shutil.copytree(src, root, symlinks=True)
     damage(root)
     try:
-        proc = subprocess.run([sys.executable, str(CHILD), str(root), json.dumps(expected)],
-                              check=False, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(CHILD), str(root), json.dumps(expected)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         code, out = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:
         code, out = "timeout", (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
@@ -198,8 +215,9 @@ def check_repaired(case: dict, *, hits: int = KEYS) -> list[str]:
     if done["fix"]["exit"] != 0 or done["verify_after"]["exit"] != 0:
         bad.append(f"{name}: verify --fix {done['fix']} then verify {done['verify_after']}")
     if done["after"].get("hits") != hits:
-        bad.append(f"{name}: {done['after'].get('hits')} of {hits} intact entries hit after verify --fix: "
-                   f"{done['after']}")
+        bad.append(
+            f"{name}: {done['after'].get('hits')} of {hits} intact entries hit after verify --fix: {done['after']}"
+        )
     if _raw_lmdb(case) or _exit70(case):
         bad.append(f"{name}: raw lmdb or internal error: {done}")
     return bad
@@ -233,8 +251,7 @@ def index_cases(base_root: Path, *, slow: bool) -> dict[str, Damage]:
     size = _data(base_root).stat().st_size
     pages = size // PAGE
     if slow:
-        sizes = [k * PAGE for k in range(1, pages)] + [k * PAGE + off for k in range(0, pages, 3)
-                                                     for off in (1, 2049)]
+        sizes = [k * PAGE for k in range(1, pages)] + [k * PAGE + off for k in range(0, pages, 3) for off in (1, 2049)]
         seeds = range(100, 260)
         pages_seeds = range(100, 120)
         junk = [os.urandom(n) for n in (1, 64, 4095, 4096, 12_288, 65_537)] + [b"\0" * 65_536, b"LMDB" * 2048]
@@ -261,6 +278,7 @@ def _symlinked(sub: str) -> Damage:
         outside = root.parent / f"{root.name}-outside-{sub}"
         shutil.move(root / sub, outside)
         os.symlink(outside, root / sub)
+
     return damage
 
 
@@ -331,8 +349,9 @@ def _fill_to_zero(mnt: Path) -> None:
     assert shutil.disk_usage(mnt).free == 0
 
 
-@pytest.mark.parametrize("how", ["ballast kept", "ballast already spent", "index truncated too",
-                                 "index truncated, ballast kept"])
+@pytest.mark.parametrize(
+    "how", ["ballast kept", "ballast already spent", "index truncated too", "index truncated, ballast kept"]
+)
 def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
     """Reads, verify, verify --fix and gc on a full tmpfs: no death, no exit 70; gc frees space with a ballast."""
     src = small_fs / "src"
@@ -341,8 +360,9 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
         for i in range(KEYS):
             save(store, f"key{i}", sizes=(100, 200_000))
             res = store.lookup(f"key{i}", record=False)
-            expected[f"key{i}"] = {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
-                                   for n in res.manifest.artifacts}
+            expected[f"key{i}"] = {
+                n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts
+            }
 
     def damage(root: Path) -> None:
         if "ballast kept" not in how:
@@ -383,8 +403,9 @@ def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, t
         for key, artifacts in expected.items():
             res = store.lookup(key, record=False)
             assert res.hit, (key, res.reason)
-            assert {n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest()
-                    for n in res.manifest.artifacts} == artifacts
+            assert {
+                n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts
+            } == artifacts
 
 
 def test_damage_suite(base, tmp_path):

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from adstore.store import OverBudget, Store, StoreError, StoreFull
 from store_helpers import check_hit, payload, save
+
+from adstore.store import OverBudget, Store, StoreError, StoreFull
 
 MIB = 1 << 20
 
@@ -30,11 +31,14 @@ MIB = 1 << 20
 def small_fs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here ({res.stderr.strip() or res.returncode}); "
-                    "run as root to test a real full disk")
+        pytest.skip(
+            f"cannot mount a size-limited tmpfs here ({res.stderr.strip() or res.returncode}); "
+            "run as root to test a real full disk"
+        )
     try:
         yield mnt
     finally:
@@ -107,11 +111,21 @@ def test_index_full_leaves_a_working_store(small_fs):
     finally:
         store.close()
     # A new process opens the full store and reads it (no MDB_PANIC left behind).
-    out = subprocess.run([sys.executable, "-c", (
-        "import sys; from adstore.store import Store\n"
-        f"s = Store.open({str(small_fs / 'store')!r})\n"
-        "n = sum(1 for e in s.entries() if s.lookup(e.key).hit)\n"
-        "print(n)\n")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from adstore.store import Store\n"
+                f"s = Store.open({str(small_fs / 'store')!r})\n"
+                "n = sum(1 for e in s.entries() if s.lookup(e.key).hit)\n"
+                "print(n)\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) == len(keys)
 
@@ -125,7 +139,7 @@ def test_space_comes_back_after_eviction(small_fs):
         assert freed >= 400_000 * (len(keys) // 2)
         save(store, "after", sizes=(100, 400_000))
         assert check_hit(store, "after")
-        for key in keys[len(keys) // 2:]:
+        for key in keys[len(keys) // 2 :]:
             assert check_hit(store, key)
         _assert_nothing_half_written(store)
     finally:
@@ -139,8 +153,13 @@ def test_disk_filled_by_someone_else_between_put_and_commit(small_fs):
     try:
         save(store, "before", sizes=(100, 200_000))
         gen = store.new_generation()
-        arts = [{"a0": store.put_bytes(payload("k", gen, r, "a0", 100)),
-                 "a1": store.put_bytes(payload("k", gen, r, "a1", 200_000))} for r in range(2)]
+        arts = [
+            {
+                "a0": store.put_bytes(payload("k", gen, r, "a0", 100)),
+                "a1": store.put_bytes(payload("k", gen, r, "a1", 200_000)),
+            }
+            for r in range(2)
+        ]
         filler = small_fs / "filler"
         with open(filler, "wb", buffering=0) as f:  # unbuffered: no short write left for close()
             try:
@@ -183,9 +202,26 @@ def test_daemon_keeps_running_on_a_full_disk_and_restores_min_free(small_fs, tmp
     root = small_fs / "store"
     store = Store.open(root, grace_period=0.0)
     log = tmp_path / "daemon.log"
-    daemon = _daemon(root, log, "--min-free", "3M", "--grace-period", "1s", "--debounce", "50ms",
-                     "--max-delay", "200ms", "--fallback-interval", "1s", "--low-watermark", "0.8",
-                     "--high-watermark", "0.9", "--sweep-interval", "2s")
+    daemon = _daemon(
+        root,
+        log,
+        "--min-free",
+        "3M",
+        "--grace-period",
+        "1s",
+        "--debounce",
+        "50ms",
+        "--max-delay",
+        "200ms",
+        "--fallback-interval",
+        "1s",
+        "--low-watermark",
+        "0.8",
+        "--high-watermark",
+        "0.9",
+        "--sweep-interval",
+        "2s",
+    )
     try:
         time.sleep(1.0)
         assert daemon.poll() is None, log.read_text()

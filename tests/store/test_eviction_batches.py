@@ -19,8 +19,7 @@ from store_helpers import save
 
 from adstore.store import Store
 from adstore.store.index.rows import BLOB_ROW
-from adstore.store.index.schema import SCHEMA_VERSION
-from adstore.store.index.schema import WRITES
+from adstore.store.index.schema import SCHEMA_VERSION, WRITES
 
 SHARED = [os.urandom(5000) for _ in range(3)]
 #: A blob row of schema 4 and earlier (size, refcount, last put, flags).
@@ -51,12 +50,12 @@ def test_every_batch_releases_its_references_and_leaves_a_sound_store(store, clo
     clock.advance(1)
     plan = store.plan_eviction(max_size=1)
     seen: list[tuple[bool, list[int | None]]] = []
-    plan.execute(batch_size=2, on_batch=lambda batch: seen.append(
-        (store.verify().ok, [_refs(store, d) for d in shared])))
+    plan.execute(
+        batch_size=2, on_batch=lambda batch: seen.append((store.verify().ok, [_refs(store, d) for d in shared]))
+    )
     assert store.stats().entries == 0 and store.stats().blobs == 0
     # e00, e01 hold blobs 0 and 1, e02, e03 blobs 2 and 0, ...: each batch takes one reference from two blobs.
-    assert [refs for _, refs in seen] == [[3, 3, 4], [2, 3, 3], [2, 2, 2], [1, 1, 2], [None, 1, 1],
-                                          [None, None, None]]
+    assert [refs for _, refs in seen] == [[3, 3, 4], [2, 3, 3], [2, 2, 2], [1, 1, 2], [None, 1, 1], [None, None, None]]
     assert all(ok for ok, _ in seen)
 
 
@@ -73,8 +72,10 @@ def test_a_pass_nobody_interrupts_counts_one_write_per_batch(store, clock):
 
 
 def test_a_foreign_write_between_batches_makes_every_later_batch_recheck(store_root, clock):
-    with Store.open(store_root, grace_period=0.0, clock=clock) as store, \
-            Store.open(store_root, grace_period=0.0, clock=clock, flush_interval=3600) as other:
+    with (
+        Store.open(store_root, grace_period=0.0, clock=clock) as store,
+        Store.open(store_root, grace_period=0.0, clock=clock, flush_interval=3600) as other,
+    ):
         for i in range(6):
             save(store, f"k{i}", sizes=(300,))
         clock.advance(1)

@@ -18,9 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from adstore.store import Store
 from kill_trap import Trap, kill_point, verify_failures, wait_for_trap
 from store_helpers import check_hit, report_figures, save
+
+from adstore.store import Store
 
 CTX = mp.get_context("spawn")
 
@@ -43,8 +44,7 @@ def eviction_kill_driver(root: str, q, stride: int = 0) -> None:
     from adstore.daemon.config import DaemonConfig
     from adstore.daemon.enforce import Enforcer
 
-    config = DaemonConfig(max_size=1_200_000, high_watermark=0.9, low_watermark=0.5, grace_period=0.0,
-                          batch_size=3)
+    config = DaemonConfig(max_size=1_200_000, high_watermark=0.9, low_watermark=0.5, grace_period=0.0, batch_size=3)
     failures: list[str] = []
     labels: Counter[str] = Counter()
     kill_points = evicted_total = 0
@@ -113,8 +113,15 @@ def eviction_kill_driver(root: str, q, stride: int = 0) -> None:
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
-    q.put({"kill_points": kill_points, "completed": completed, "failures": failures,
-           "killed_at": dict(labels), "entries_evicted_over_all_rounds": evicted_total})
+    q.put(
+        {
+            "kill_points": kill_points,
+            "completed": completed,
+            "failures": failures,
+            "killed_at": dict(labels),
+            "entries_evicted_over_all_rounds": evicted_total,
+        }
+    )
 
 
 def _run_eviction_driver(tmp_path: Path, stride: int) -> dict:

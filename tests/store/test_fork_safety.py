@@ -13,8 +13,9 @@ import os
 import threading
 import time
 
-from adstore.store import Store, StoreError
 from store_helpers import check_hit, save
+
+from adstore.store import Store, StoreError
 
 CTX = mp.get_context("spawn")
 

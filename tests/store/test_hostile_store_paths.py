@@ -15,11 +15,12 @@ import time
 
 import lmdb
 import pytest
+from store_helpers import save, writer_forever
+
 from adstore.store import CorruptRecord, Store, UnsafeRoot
 from adstore.store.index.ballast import Ballast
 from adstore.store.index.file import check_data_file, check_free_list, read_meta
 from adstore.store.reasons import Reason
-from store_helpers import save, writer_forever
 
 
 @pytest.mark.parametrize("sub", ["blobs", "index", "tmp", "quarantine"])

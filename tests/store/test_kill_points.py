@@ -14,7 +14,8 @@ writer is not blocked (LMDB's writer lock of the dead process is recovered).
 
 The sweep continues with k = 0, 3, 5, 8, 10, ... (steps alternating 3 and
 2, so periodic sequences such as one blob write are cut at every phase) until
-a child finishes without being killed; the slow run cuts every single tick.  The number of kill points is printed (run with ``-s``).
+a child finishes without being killed; the slow run cuts every single tick.  The number of kill
+points is printed (run with ``-s``).
 A slow timing sweep also kills a real writer 0, 7, 14, ... ms after it is ready.
 The figures go to ``bench-results/faults.json``.
 """
@@ -31,9 +32,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from adstore.store import Store
 from kill_trap import Trap, kill_point, verify_failures, wait_for_trap
 from store_helpers import check_hit, parse_payload, payload, report_figures, save
+
+from adstore.store import Store
 
 CTX = mp.get_context("spawn")
 
@@ -55,8 +57,7 @@ def _scenario(root: str, gen_new: int, trap: Trap) -> None:
         art[rank] = {"small": small, "big": big}
     for rank in range(2):
         trap.note(f"phase:publish{rank}")
-        store.publish("K", rank=rank, world_size=2, generation=gen_new, artifacts=art[rank],
-                      components={"key": "K"})
+        store.publish("K", rank=rank, world_size=2, generation=gen_new, artifacts=art[rank], components={"key": "K"})
     for rank in range(2):
         trap.note(f"phase:commit{rank}")
         store.commit("K", rank=rank, generation=gen_new)
@@ -95,8 +96,10 @@ def _check_served(store: Store, key: str) -> tuple[bool, int | None, str | None]
 
 def _save_k(store: Store, gen: int) -> None:
     for rank in range(2):
-        arts = {"small": store.put_bytes(payload("K", gen, rank, "small", 100)),
-                "big": store.put_bytes(payload("K", gen, rank, "big", 70_000))}
+        arts = {
+            "small": store.put_bytes(payload("K", gen, rank, "small", 100)),
+            "big": store.put_bytes(payload("K", gen, rank, "big", 70_000)),
+        }
         store.publish("K", rank=rank, world_size=2, generation=gen, artifacts=arts, components={"key": "K"})
     for rank in range(2):
         store.commit("K", rank=rank, generation=gen)
@@ -165,12 +168,14 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
                 if committed1:
                     ok = hit and gen == gen_new
                 elif committed0:
-                    ok = (not hit and reason == "generation_mismatch")
+                    ok = not hit and reason == "generation_mismatch"
                 else:
                     ok = hit and gen == gen_old
                 if not ok:
-                    failures.append(f"{where}: K served hit={hit} gen={'new' if gen == gen_new else gen} "
-                                    f"reason={reason} (commit0 durable={committed0}, commit1={committed1})")
+                    failures.append(
+                        f"{where}: K served hit={hit} gen={'new' if gen == gen_new else gen} "
+                        f"reason={reason} (commit0 durable={committed0}, commit1={committed1})"
+                    )
                 outcomes["K:new" if gen == gen_new else "K:old" if hit else f"K:miss:{reason}"] += 1
                 removed = "done:remove" in marks or _committed_in_phase(trace, "remove")
                 v_hit, _, v_reason = _check_served_victim(store)
@@ -199,8 +204,16 @@ def kill_point_driver(root: str, stride: int, seed: int, q) -> None:
         rep = store.verify()
         if not rep.ok or rep.warnings:
             failures.append(f"after final sweep: {rep.to_dict()}")
-    q.put({"kill_points": kill_points, "completed": completed, "last_k": k, "failures": failures,
-           "outcomes": dict(outcomes), "killed_at": dict(labels)})
+    q.put(
+        {
+            "kill_points": kill_points,
+            "completed": completed,
+            "last_k": k,
+            "failures": failures,
+            "outcomes": dict(outcomes),
+            "killed_at": dict(labels),
+        }
+    )
 
 
 def _rebuild_disagrees(root: str, k_served: tuple[bool, int | None], victim_hit: bool) -> str | None:
@@ -267,8 +280,10 @@ def _run_driver(root: Path, stride: int, seed: int) -> dict:
     result = q.get(timeout=900)
     p.join(timeout=60)
     assert p.exitcode == 0
-    print(f"\nkill points tried: {result['kill_points']} ({'every tick' if stride == 1 else 'sampled'}); outcomes {result['outcomes']}; "
-          f"killed at {result['killed_at']}")
+    print(
+        f"\nkill points tried: {result['kill_points']} ({'every tick' if stride == 1 else 'sampled'}); "
+        f"outcomes {result['outcomes']}; killed at {result['killed_at']}"
+    )
     report_figures("kill_points" + ("_every_tick" if stride == 1 else ""), {**result, "stride": stride})
     return result
 

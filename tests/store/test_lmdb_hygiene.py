@@ -14,8 +14,9 @@ import signal
 import time
 
 import lmdb
-from adstore.store import Store
 from store_helpers import parse_payload, payload, save
+
+from adstore.store import Store
 
 CTX = mp.get_context("spawn")
 
@@ -43,7 +44,7 @@ def test_stale_reader_slots_of_killed_store_readers_are_reclaimed_at_open(store_
         p = CTX.Process(target=_hold_reader_and_hang, args=(str(store_root), ready))
         p.start()
         readers.append((p, ready))
-    for p, ready in readers:
+    for _p, ready in readers:
         assert ready.wait(60)
     env = lmdb.open(str(store_root / "index"), max_dbs=16, readonly=True, lock=True)
     try:
@@ -64,7 +65,7 @@ def test_stale_reader_slots_of_killed_store_readers_are_reclaimed_at_open(store_
         assert store.reader_check() == 0
         # The pages the dead readers pinned are reusable: rewriting does not grow the file forever.
         before = (store_root / "index" / "data.mdb").stat().st_size
-        for i in range(40):
+        for _i in range(40):
             save(store, "K", sizes=(30_000, 100))
         after = (store_root / "index" / "data.mdb").stat().st_size
         assert after < before + (8 << 20), (before, after)
@@ -85,6 +86,7 @@ def _inline_writer(root: str, worker: int, n: int, q, barrier) -> None:
         store.close()
     except BaseException:  # noqa: BLE001
         import traceback
+
         q.put(("error", worker, traceback.format_exc()[-1500:]))
 
 

@@ -32,11 +32,13 @@ from adstore.store.records.format import BadRecord, parse_payload
 from adstore.store.remote import object_name
 
 KEY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:+=@-"
-keys = st.builds(lambda first, rest: first + rest, st.sampled_from(KEY_CHARS[:62]),
-                 st.text(KEY_CHARS, max_size=199))
+keys = st.builds(lambda first, rest: first + rest, st.sampled_from(KEY_CHARS[:62]), st.text(KEY_CHARS, max_size=199))
 #: Characters no name may hold: controls (newline, NUL, DEL...), space, path separators, non-ASCII.
-bad_chars = st.one_of(st.characters(max_codepoint=31), st.sampled_from(["\x7f", " ", "/", "\\", "é", "\u2028", "\ud800"]),
-                      st.characters(min_codepoint=128))
+bad_chars = st.one_of(
+    st.characters(max_codepoint=31),
+    st.sampled_from(["\x7f", " ", "/", "\\", "é", "\u2028", "\ud800"]),
+    st.characters(min_codepoint=128),
+)
 DIGEST = hashlib.sha256(b"x").hexdigest()
 
 
@@ -58,8 +60,9 @@ def test_a_key_with_a_bad_character_anywhere_is_refused_with_the_same_error(key,
     assert not is_key(name)
 
 
-@pytest.mark.parametrize("check, good", [(validate_namespace, "pipeline"), (validate_artifact_name, "module.pt"),
-                                         (validate_key, "k")])
+@pytest.mark.parametrize(
+    "check, good", [(validate_namespace, "pipeline"), (validate_artifact_name, "module.pt"), (validate_key, "k")]
+)
 @given(bad=bad_chars)
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_trailing_newlines_and_controls_are_refused_by_every_rule(check, good, bad):
@@ -105,11 +108,22 @@ def test_the_store_refuses_a_trailing_newline_everywhere(tmp_path):
         assert list((tmp_path / "s" / "records").rglob("*\n*")) == []
 
 
-@pytest.mark.parametrize("field, value", [("key", "k\n"), ("namespace", "default\n"), ("rank", True),
-                                          ("generation", True), ("world_size", 1.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("key", "k\n"), ("namespace", "default\n"), ("rank", True), ("generation", True), ("world_size", 1.0)],
+)
 def test_the_record_parser_uses_the_same_rules(field, value):
-    payload = {"format": 1, "key": "k", "rank": 0, "world_size": 1, "generation": 7, "namespace": "default",
-               "components": {}, "meta": {}, "artifacts": {"a": [DIGEST, 1]}}
+    payload = {
+        "format": 1,
+        "key": "k",
+        "rank": 0,
+        "world_size": 1,
+        "generation": 7,
+        "namespace": "default",
+        "components": {},
+        "meta": {},
+        "artifacts": {"a": [DIGEST, 1]},
+    }
     payload[field] = value
     with pytest.raises(BadRecord):
         parse_payload(payload, "test")
@@ -120,8 +134,12 @@ def test_the_cli_refuses_a_key_with_a_newline(tmp_path):
         ref = store.put_bytes(b"data")
         store.publish("k", generation=1, artifacts={"a": ref})
         store.commit("k", generation=1)
-    out = subprocess.run([sys.executable, "-m", "adstore.daemon", "--root", str(tmp_path / "s"), "rm", "k\n"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "adstore.daemon", "--root", str(tmp_path / "s"), "rm", "k\n"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode not in (0, 70), out
     assert "invalid key" in out.stderr and "Traceback" not in out.stderr
     with Store(tmp_path / "s") as store:

@@ -12,16 +12,7 @@ import os
 import pytest
 from store_helpers import check_hit, save
 
-from adstore.store import (
-    DEFAULT_GRACE_PERIOD,
-    AmbiguousKey,
-    Budget,
-    KeyNotFound,
-    MinFree,
-    PlanKind,
-    Reason,
-    Store,
-)
+from adstore.store import DEFAULT_GRACE_PERIOD, AmbiguousKey, Budget, KeyNotFound, MinFree, PlanKind, Reason, Store
 
 
 def _entry_row(store: Store, key: str) -> dict:
@@ -183,16 +174,23 @@ def test_verify_findings_carry_kind_subject_and_detail(store):
 
 # ---------------------------------------------------------------- budget
 def test_budget_is_persisted_and_shown_by_stats(store_root):
-    budget = Budget(max_size=10 << 20, min_free=MinFree(None, 5.0), high_watermark=0.9, low_watermark=0.7,
-                    grace_period=30.0)
+    budget = Budget(
+        max_size=10 << 20, min_free=MinFree(None, 5.0), high_watermark=0.9, low_watermark=0.7, grace_period=30.0
+    )
     with Store.open(store_root) as store:
         assert store.budget() is None and store.stats().budget is None
         store.set_budget(budget)
     with Store.open(store_root) as store:  # another process would see the same
         assert store.budget() == budget
         shown = store.stats().to_dict()["budget"]
-        assert shown == {"max_size": 10 << 20, "min_free_bytes": None, "min_free_percent": 5.0,
-                         "high_watermark": 0.9, "low_watermark": 0.7, "grace_period": 30.0}
+        assert shown == {
+            "max_size": 10 << 20,
+            "min_free_bytes": None,
+            "min_free_percent": 5.0,
+            "high_watermark": 0.9,
+            "low_watermark": 0.7,
+            "grace_period": 30.0,
+        }
     assert budget.limit(size=0, fs_total=100 << 20, fs_free=100 << 20) == 10 << 20
     assert budget.limit(size=1 << 20, fs_total=100 << 20, fs_free=4 << 20) == 0  # under the 5% floor
 
@@ -206,8 +204,9 @@ def test_store_and_daemon_share_one_default_grace_period(store_root):
 
 def test_writer_evicts_inline_under_the_persisted_budget(store_root):
     with Store.open(store_root) as store:
-        store.set_budget(Budget(max_size=400_000, min_free=None, high_watermark=0.9, low_watermark=0.7,
-                                grace_period=0.0))
+        store.set_budget(
+            Budget(max_size=400_000, min_free=None, high_watermark=0.9, low_watermark=0.7, grace_period=0.0)
+        )
     store = Store.open(store_root)  # its own grace period is the default: the budget's is used
     try:
         save(store, "a", sizes=(100, 150_000))

@@ -126,7 +126,7 @@ def test_store_survives_fork(store):
 def test_map_grows_when_full(store_root):
     store = Store.open(store_root, map_size=256 << 10, grace_period=0.0)
     before = store.index.map_size()
-    for i in range(60):
+    for _i in range(60):
         store.put_bytes(os.urandom(60_000))  # inline blobs fill the map
     assert store.index.map_size() > before
     assert store.verify().ok

@@ -48,8 +48,9 @@ def test_publish_lookup_roundtrip(tmp_path_factory, entries):
             gen = store.new_generation()
             for rank in range(world_size):
                 refs = {n: store.put_bytes(d + bytes([rank])) for n, d in artifacts.items()}
-                store.publish(key, rank=rank, world_size=world_size, generation=gen, artifacts=refs,
-                              components={"k": key})
+                store.publish(
+                    key, rank=rank, world_size=world_size, generation=gen, artifacts=refs, components={"k": key}
+                )
             assert store.lookup(key).reason == "uncommitted"
             for rank in range(world_size):
                 store.commit(key, rank=rank, generation=gen)
@@ -81,8 +82,9 @@ def test_rebuild_from_records_roundtrip(tmp_path_factory, entries):
             gen = store.new_generation()
             for rank in range(world_size):
                 refs = {n: store.put_bytes(d + bytes([rank])) for n, d in artifacts.items()}
-                store.publish(key, rank=rank, world_size=world_size, generation=gen, artifacts=refs,
-                              components={"k": key})
+                store.publish(
+                    key, rank=rank, world_size=world_size, generation=gen, artifacts=refs, components={"k": key}
+                )
             for rank in range(world_size):
                 store.commit(key, rank=rank, generation=gen)
             if pinned:

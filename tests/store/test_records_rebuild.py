@@ -22,7 +22,6 @@ from adstore.store import Reason, Store
 from adstore.store.layout import Layout
 from adstore.store.records.files import RecordFiles, RecordState
 
-
 KEPT = ("one", "two", "pinned", "tiny")  # what must come back
 GONE = ("removed", "evicted")  # what must not
 
@@ -172,8 +171,8 @@ def test_a_host_that_holds_one_rank_of_two_gets_it_back(store_root):
 def test_choose_prefers_the_newest_complete_generation():
     """A crash between two ranks' commits: the older generation every rank has wins over a newer partial one."""
     from adstore.store import BlobRef
-    from adstore.store.records.restore import choose
     from adstore.store.records.format import Record
+    from adstore.store.records.restore import choose
 
     ref = BlobRef("0" * 64, 1)
 

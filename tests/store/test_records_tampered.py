@@ -19,10 +19,10 @@ import pytest
 from store_helpers import run_cli, save, served_digests
 
 from adstore.store import Reason, Store, UnsafeRoot
+from adstore.store.index.rows import MANIFEST_SUFFIX, manifest_key
 from adstore.store.layout import Layout
 from adstore.store.records.files import RecordFiles, RecordState
 from adstore.store.records.format import RECORD_FORMAT, BadRecord, decode_record, encode_record
-from adstore.store.index.rows import MANIFEST_SUFFIX, manifest_key
 
 
 def _rewrite(path: Path, edit) -> None:
@@ -49,18 +49,26 @@ def _relocate(path: Path, other: Path) -> None:
 TAMPER = {
     "bad_checksum": (_flip_byte, Reason.CORRUPT_RECORD),
     "newer_format": (lambda p: _rewrite(p, lambda d: d.update(format=RECORD_FORMAT + 1)), Reason.NEWER_RECORD),
-    "digest_path_traversal": (lambda p: _rewrite(p, lambda d: d["artifacts"]["a1"].__setitem__(0, "../../../etc/passwd")),
-                              Reason.CORRUPT_RECORD),
-    "artifact_name_path": (lambda p: _rewrite(p, lambda d: d["artifacts"].__setitem__("../../evil", d["artifacts"]["a1"])),
-                           Reason.CORRUPT_RECORD),
+    "digest_path_traversal": (
+        lambda p: _rewrite(p, lambda d: d["artifacts"]["a1"].__setitem__(0, "../../../etc/passwd")),
+        Reason.CORRUPT_RECORD,
+    ),
+    "artifact_name_path": (
+        lambda p: _rewrite(p, lambda d: d["artifacts"].__setitem__("../../evil", d["artifacts"]["a1"])),
+        Reason.CORRUPT_RECORD,
+    ),
     "key_path_traversal": (lambda p: _rewrite(p, lambda d: d.update(key="../../../tmp/x")), Reason.CORRUPT_RECORD),
     "key_of_another_entry": (lambda p: _rewrite(p, lambda d: d.update(key="one")), Reason.CORRUPT_RECORD),
-    "inline_bytes_lie": (lambda p: _rewrite(p, lambda d: d["inline"].update(
-        {k: "QUFBQQ==" for k in d["inline"]})), Reason.CORRUPT_RECORD),
+    "inline_bytes_lie": (
+        lambda p: _rewrite(p, lambda d: d["inline"].update({k: "QUFBQQ==" for k in d["inline"]})),
+        Reason.CORRUPT_RECORD,
+    ),
     "negative_size": (lambda p: _rewrite(p, lambda d: d["artifacts"]["a1"].__setitem__(1, -5)), Reason.CORRUPT_RECORD),
     "world_size_zero": (lambda p: _rewrite(p, lambda d: d.update(world_size=0)), Reason.CORRUPT_RECORD),
-    "deep_components": (lambda p: _rewrite(p, lambda d: d.update(components=json.loads("[" * 500 + "]" * 500))),
-                        Reason.CORRUPT_RECORD),
+    "deep_components": (
+        lambda p: _rewrite(p, lambda d: d.update(components=json.loads("[" * 500 + "]" * 500))),
+        Reason.CORRUPT_RECORD,
+    ),
     "not_json": (lambda p: (os.chmod(p, 0o644), p.write_bytes(b"\x00\xff" * 100)), Reason.CORRUPT_RECORD),
     "empty": (lambda p: (os.chmod(p, 0o644), p.write_bytes(b"")), Reason.CORRUPT_RECORD),
     "symlink": (lambda p: (p.unlink(), os.symlink("/etc/passwd", p)), Reason.CORRUPT_RECORD),
@@ -159,8 +167,7 @@ def test_a_hostile_key_in_the_index_names_no_record_file(store, tmp_path):
     with store.index.env.begin(write=True) as txn:
         db = store.index.db
         txn.put(evil.encode(), txn.get(b"k", db=db["entries"]), db=db["entries"])
-        txn.put(manifest_key(evil, 0, gen), txn.get(manifest_key("k", 0, gen), db=db["manifests"]),
-                db=db["manifests"])
+        txn.put(manifest_key(evil, 0, gen), txn.get(manifest_key("k", 0, gen), db=db["manifests"]), db=db["manifests"])
     with pytest.raises(ValueError):
         RecordFiles(Layout(store.root)).committed_path(evil, 0, gen)
     store.verify()
@@ -177,9 +184,17 @@ def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_p
     files = RecordFiles(Layout(store.root))
     (live,) = files.scan()
     suffix = MANIFEST_SUFFIX.pack(0, 1)
-    hostile = [b"../../victim\x00" + suffix, f"{tmp_path}/victim".encode() + b"\x00" + suffix,
-               b"ab/../../../victim\x00" + suffix, b"live\x00" + suffix[:5], b"live", b"\x00",
-               "é".encode() + b"\x00" + suffix, b"li\nve\x00" + suffix, b"\xff\xfe\x00" + suffix]
+    hostile = [
+        b"../../victim\x00" + suffix,
+        f"{tmp_path}/victim".encode() + b"\x00" + suffix,
+        b"ab/../../../victim\x00" + suffix,
+        b"live\x00" + suffix[:5],
+        b"live",
+        b"\x00",
+        "é".encode() + b"\x00" + suffix,
+        b"li\nve\x00" + suffix,
+        b"\xff\xfe\x00" + suffix,
+    ]
     files.write_obsolete_list([(mk, 3) for mk in hostile] + [(manifest_key("live", 0, live.generation), 1)])
     (listed,) = files.obsolete_files()
     with open(listed, "ab") as f:

@@ -38,20 +38,24 @@ def test_sizes_documented_examples() -> None:
     assert parse_size("512MiB") == 512 * 1024**2 and parse_size("50K") == 50 * 1024
 
 
-@pytest.mark.parametrize("bad", ["ten", "-1", "1X", "1 KiBB", "", "1iB", "G", True, None, [1], float("inf"),
-                                 float("nan"), -5])
+@pytest.mark.parametrize(
+    "bad", ["ten", "-1", "1X", "1 KiBB", "", "1iB", "G", True, None, [1], float("inf"), float("nan"), -5]
+)
 def test_bad_sizes_name_the_field(bad: object) -> None:
     with pytest.raises(ConfigError) as info:
         parse_size(bad, field="max_size")
     assert info.value.field == "max_size"
 
 
-@given(st.integers(min_value=0, max_value=2**50), st.sampled_from(["", "B", "K", "KiB", "KB", "M", "MiB", "MB",
-                                                                     "G", "GiB", "GB", "T", "TiB", "TB"]))
+@given(
+    st.integers(min_value=0, max_value=2**50),
+    st.sampled_from(["", "B", "K", "KiB", "KB", "M", "MiB", "MB", "G", "GiB", "GB", "T", "TiB", "TB"]),
+)
 def test_sizes_round_trip(n: int, unit: str) -> None:
     letter = unit[:1] if unit not in ("", "B") else ""
-    factor = 1 if not letter else (1000 if unit.endswith("B") and "i" not in unit else 1024) ** (
-        "KMGT".index(letter) + 1)
+    factor = (
+        1 if not letter else (1000 if unit.endswith("B") and "i" not in unit else 1024) ** ("KMGT".index(letter) + 1)
+    )
     assert parse_size(f"{n}{unit}") == n * factor
     assert parse_size(n) == n
     assert parse_size(f" {n} {unit.lower()} ") == n * factor
@@ -107,7 +111,16 @@ def test_format_duration_round_trips_exactly(ms: int) -> None:
 
 def test_format_duration_picks_the_largest_exact_unit() -> None:
     assert [format_duration(s) for s in (0, 0.2, 1, 90, 600, 3600, 5400, 86400, 1209600)] == [
-        "0s", "200ms", "1s", "90s", "10m", "1h", "90m", "1d", "2w"]
+        "0s",
+        "200ms",
+        "1s",
+        "90s",
+        "10m",
+        "1h",
+        "90m",
+        "1d",
+        "2w",
+    ]
 
 
 @pytest.mark.parametrize("bad", ["soon", "1y", "-3s", "", True, None, float("inf"), -1])

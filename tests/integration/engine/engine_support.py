@@ -46,8 +46,10 @@ def make_model(seed: int) -> MLP:
 
 
 def digests(model: torch.nn.Module) -> dict[str, str]:
-    return {k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in model.state_dict().items()}
+    return {
+        k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in model.state_dict().items()
+    }
 
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))

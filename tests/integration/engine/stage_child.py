@@ -24,8 +24,13 @@ MODEL = {"arch": "llama", "layers": 1, "hidden": 64}
 
 def run_child(job: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run this script on ``job`` in a fresh interpreter (``env`` added to this one's); its report."""
-    proc = subprocess.run([sys.executable, str(Path(__file__)), json.dumps(job)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -37,13 +42,15 @@ def kinds(report: dict[str, Any]) -> list[tuple[str, str | None]]:
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     import torch
+
     from adstore.integration.pipeline.optimizer import InferenceOptimizer
     from adstore.integration.reference.models import ModelFactory
     from adstore.integration.reference.pipeline import default_transforms
 
     factory = ModelFactory.from_config(job["model"])
-    transforms = default_transforms(pipeline_cache={"root": job["root"], **job.get("cache", {})},
-                                    compile=job.get("compile", {"backend": "aoti"}))
+    transforms = default_transforms(
+        pipeline_cache={"root": job["root"], **job.get("cache", {})}, compile=job.get("compile", {"backend": "aoti"})
+    )
     opt = InferenceOptimizer(factory, job["checkpoint"], transforms)
     module = opt()
     with torch.no_grad():

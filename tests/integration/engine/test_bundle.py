@@ -36,8 +36,10 @@ def forge(files, *, payload=None):
 
 
 def test_a_tree_round_trips_and_links_are_left_out(tmp_path):
-    src = tree(tmp_path / "src", {"fz/c1.main.so": b"\x7fELF" + bytes(100), "fxgraph/q4/f/y": b"pickle",
-                                  "top.py": b"print(1)", "empty": b""})
+    src = tree(
+        tmp_path / "src",
+        {"fz/c1.main.so": b"\x7fELF" + bytes(100), "fxgraph/q4/f/y": b"pickle", "top.py": b"print(1)", "empty": b""},
+    )
     (src / "link").symlink_to("/etc/passwd")
     blob = bundle.pack(src)
     dest = tmp_path / "dest"
@@ -48,9 +50,17 @@ def test_a_tree_round_trips_and_links_are_left_out(tmp_path):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.dictionaries(st.lists(st.from_regex(r"[a-z0-9_][a-z0-9._-]{0,8}", fullmatch=True)
-                                .filter(lambda p: p not in (".", "..")), min_size=1, max_size=3)
-                       .map("/".join), st.binary(max_size=64), max_size=8))
+@given(
+    st.dictionaries(
+        st.lists(
+            st.from_regex(r"[a-z0-9_][a-z0-9._-]{0,8}", fullmatch=True).filter(lambda p: p not in (".", "..")),
+            min_size=1,
+            max_size=3,
+        ).map("/".join),
+        st.binary(max_size=64),
+        max_size=8,
+    )
+)
 def test_any_tree_round_trips(tmp_path_factory, files):
     paths = sorted(files)
     if any(a != b and b.startswith(a + "/") for a in paths for b in paths):
@@ -61,12 +71,28 @@ def test_any_tree_round_trips(tmp_path_factory, files):
     assert listing(dest) == {k: files[k] for k in sorted(files)}
 
 
-@pytest.mark.parametrize("path", ["../escape", "/etc/passwd", "a/../../b", "a//b", ".", "a/./b", "x\\y", "",
-                                  "a/" * 20 + "b", "nul\x00byte", ".hidden/../x"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../escape",
+        "/etc/passwd",
+        "a/../../b",
+        "a//b",
+        ".",
+        "a/./b",
+        "x\\y",
+        "",
+        "a/" * 20 + "b",
+        "nul\x00byte",
+        ".hidden/../x",
+    ],
+)
 def test_paths_that_leave_the_directory_are_refused_before_anything_is_written(tmp_path, path):
     data = b"code"
-    blob = forge([["ok.py", 4, hashlib.sha256(data).hexdigest()], [path, 4, hashlib.sha256(data).hexdigest()]],
-                 payload=data + data)
+    blob = forge(
+        [["ok.py", 4, hashlib.sha256(data).hexdigest()], [path, 4, hashlib.sha256(data).hexdigest()]],
+        payload=data + data,
+    )
     with pytest.raises(CorruptEngine):
         bundle.unpack(blob, tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -91,13 +117,13 @@ def test_damaged_bundles_are_refused_and_write_nothing(tmp_path):
         bundle.unpack(b"NOTATREE" + blob[8:], dest)
     good = hashlib.sha256(b"abc").hexdigest()
     for files, payload in [
-        ([["a", 3, good], ["a", 3, good]], b"abcabc"),          # listed twice
-        ([["a", 3, good], ["a/b", 3, good]], b"abcabc"),        # a file that is also a directory
-        ([["a", 4, good]], b"abc"),                             # sizes do not add up
-        ([["a", 3, "0" * 64]], b"abc"),                          # content does not match its digest
-        ([["a", -3, good]], b""),                                # negative size
-        ([["a", 3]], b"abc"),                                    # malformed entry
-        ([["a", True, good]], b"a"),                             # a bool is not a size
+        ([["a", 3, good], ["a", 3, good]], b"abcabc"),  # listed twice
+        ([["a", 3, good], ["a/b", 3, good]], b"abcabc"),  # a file that is also a directory
+        ([["a", 4, good]], b"abc"),  # sizes do not add up
+        ([["a", 3, "0" * 64]], b"abc"),  # content does not match its digest
+        ([["a", -3, good]], b""),  # negative size
+        ([["a", 3]], b"abc"),  # malformed entry
+        ([["a", True, good]], b"a"),  # a bool is not a size
     ]:
         with pytest.raises(CorruptEngine):
             bundle.unpack(forge(files, payload=payload), dest)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from engine_support import X, make_model
 
+from adstore.integration.engine.aoti import EngineModule
 from adstore.integration.engine.index import EngineIndex
 from adstore.integration.engine.record import EngineRecord
-from adstore.integration.engine.aoti import EngineModule
 from adstore.integration.engine.stage import EngineStage
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.pipeline.dist import Topology
@@ -113,8 +113,13 @@ def test_a_corrupt_index_entry_is_replaced(root):
     with Store.open(root) as store:
         ref = store.put_bytes(b'{"format": 1, "engine": "../../etc/passwd"}')
         gen = store.new_generation()
-        store.publish(key.key, generation=gen, artifacts={EngineIndex.ARTIFACT: ref}, namespace=EngineIndex.NAMESPACE,
-                      components=key.components)
+        store.publish(
+            key.key,
+            generation=gen,
+            artifacts={EngineIndex.ARTIFACT: ref},
+            namespace=EngineIndex.NAMESPACE,
+            components=key.components,
+        )
         store.commit(key.key, generation=gen)
     assert "names no engine hash" in recovers(root, "corrupt_engine")
 

@@ -26,8 +26,13 @@ pytestmark = pytest.mark.slow
 def job(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("inductor-stage")
     ckpt = write_random_checkpoint(ModelFactory.from_config(MODEL).build(), work / "ckpt", seed=0)
-    return {"model": MODEL, "checkpoint": str(ckpt), "root": str(work / "store"),
-            "compile": {"backend": "torch_compile"}, "work": str(work)}
+    return {
+        "model": MODEL,
+        "checkpoint": str(ckpt),
+        "root": str(work / "store"),
+        "compile": {"backend": "torch_compile"},
+        "work": str(work),
+    }
 
 
 def run(job: dict, name: str) -> dict:
@@ -91,7 +96,6 @@ def test_a_bundle_written_by_another_user_is_never_unpacked(job, cold):
     foreign = run(job, "foreign")
     assert kinds(foreign)[1:] == [("miss", "untrusted_engine"), ("save", None)], kinds(foreign)
     assert "uid 54321" in foreign["events"][1]["detail"]
-
 
 
 def test_files_stored_by_a_process_that_compiled_before_are_complete(job, cold, tmp_path):

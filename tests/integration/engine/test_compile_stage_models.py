@@ -18,6 +18,7 @@ from adstore.integration.reference.pipeline import default_transforms
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_the_aoti_stage_compiles_then_restores_every_tuned_architecture(arch, tmp_path):
     factory = ModelFactory.from_config({"arch": arch})

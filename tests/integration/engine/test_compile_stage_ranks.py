@@ -44,9 +44,15 @@ def _worker(rank, world_size, port, job, queue):
         module = opt()
         with torch.no_grad():
             out = module(*factory.example_inputs(batch=2, seq=8))
-        queue.put({"rank": rank, "events": [(str(e.kind), e.reason and str(e.reason)) for e in opt.events],
-                   "sources": [str(e.source) for e in opt.events], "module": type(module).__name__,
-                   "output": out.detach().contiguous().numpy().tobytes()})
+        queue.put(
+            {
+                "rank": rank,
+                "events": [(str(e.kind), e.reason and str(e.reason)) for e in opt.events],
+                "sources": [str(e.source) for e in opt.events],
+                "module": type(module).__name__,
+                "output": out.detach().contiguous().numpy().tobytes(),
+            }
+        )
     except BaseException:
         queue.put({"rank": rank, "error": traceback.format_exc()})
     finally:
@@ -73,7 +79,7 @@ def test_each_rank_restores_its_engine_with_the_collectives_inside(tmp_path):
         assert r["events"] == [("miss", "absent"), ("save", None), ("miss", "absent"), ("save", None)], r["events"]
         assert r["module"] == "EngineModule"
     warm = _phase(job)
-    for r, c in zip(warm, cold):
+    for r, c in zip(warm, cold, strict=True):
         assert r["events"] == [("hit", None), ("hit", None)] and r["sources"][1] == "local", r["events"]
         assert r["output"] == c["output"]
     np.testing.assert_allclose(np.frombuffer(warm[0]["output"], dtype=np.float32), expected, rtol=0, atol=1e-4)

@@ -19,9 +19,9 @@ import torch
 from engine_support import X, lookup_in, make_model
 
 from adstore.integration.engine import storage
+from adstore.integration.engine.cache import EngineCache
 from adstore.integration.engine.record import EngineRecord
 from adstore.integration.engine.storage import EngineStorage, MemoryEngineStorage, StoreEngineStorage
-from adstore.integration.engine.cache import EngineCache
 from adstore.store import Store
 
 

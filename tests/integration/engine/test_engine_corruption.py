@@ -18,10 +18,10 @@ import pytest
 import torch
 from engine_support import MLP, X, lookup_in, make_model
 
-from adstore.integration.engine.record import EngineRecord
-from adstore.integration.engine.storage import MemoryEngineStorage, StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache
 from adstore.integration.engine.hashing import get_hash
+from adstore.integration.engine.record import EngineRecord
+from adstore.integration.engine.storage import MemoryEngineStorage, StoreEngineStorage
 from adstore.integration.errors import ConfigError, CorruptEngine, EngineMismatch, TruncatedEngine
 from adstore.store import Store
 
@@ -148,14 +148,17 @@ def test_record_round_trip_property():
     from hypothesis import strategies as st
 
     json_values = st.recursive(
-        st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=20),
+        st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
         max_leaves=20,
     )
 
     @settings(max_examples=60, deadline=None)
-    @given(meta=st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=6),
-           payload=st.binary(max_size=2048), cut=st.integers(min_value=0))
+    @given(
+        meta=st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=6),
+        payload=st.binary(max_size=2048),
+        cut=st.integers(min_value=0),
+    )
     def check(meta, payload, cut):
         h = hashlib.sha256(payload).hexdigest()
         rec = EngineRecord.create(h, meta, payload)

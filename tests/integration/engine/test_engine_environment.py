@@ -17,8 +17,8 @@ import pytest
 import torch
 from engine_support import X, lookup_in, make_model
 
-from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache
+from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.store import Store
 
 
@@ -74,8 +74,9 @@ def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
         assert engine is not None and event.kind == "hit"
 
 
-def _lookup_in_child(root: str, *, env: dict[str, str] | None = None, cwd: str | None = None,
-                     prefix: tuple[str, ...] = ()) -> dict:
+def _lookup_in_child(
+    root: str, *, env: dict[str, str] | None = None, cwd: str | None = None, prefix: tuple[str, ...] = ()
+) -> dict:
     """A fresh interpreter looks the fixture's MLP up in ``root``; its event as a dict."""
     import subprocess
     import sys
@@ -96,8 +97,15 @@ def _lookup_in_child(root: str, *, env: dict[str, str] | None = None, cwd: str |
         print(json.dumps({{**event.to_dict(), "ok": ok, "host": socket.gethostname(), "cwd": os.getcwd()}}))
         """
     )
-    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         check=False, env={**os.environ, **(env or {})}, cwd=cwd)
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -117,8 +125,10 @@ def test_another_cpu_capability_is_an_incompatible_env_miss(env):
 def test_simulated_gpu_fields_are_an_incompatible_env_miss(env):
     """No GPU here: ADSTORE_ENV_OVERRIDES simulates a GPU host (names, compute capability), the
     path a CUDA host takes; the miss names the field. The real GPU probe is not exercised."""
-    event = _lookup_in_child(str(env["store"].root), env={
-        "ADSTORE_ENV_OVERRIDES": json.dumps({"toolchain.gpus": [["NVIDIA H100 80GB HBM3", [9, 0]]]})})
+    event = _lookup_in_child(
+        str(env["store"].root),
+        env={"ADSTORE_ENV_OVERRIDES": json.dumps({"toolchain.gpus": [["NVIDIA H100 80GB HBM3", [9, 0]]]})},
+    )
     assert event["reason"] == "incompatible_env" and "toolchain.gpus" in event["detail"], event
 
 
@@ -129,8 +139,13 @@ def test_volatile_facts_do_not_change_the_engine_hash(env, tmp_path):
 
     prefix: tuple[str, ...] = ()
     unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "--uts", "--map-root-user", "hostname", "other-host"],
-                                  capture_output=True, check=False).returncode == 0:
+    if (
+        unshare
+        and subprocess.run(
+            [unshare, "--uts", "--map-root-user", "hostname", "other-host"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
         prefix = (unshare, "--uts", "--map-root-user", "sh", "-c", 'hostname other-host && exec "$0" "$@"')
     event = _lookup_in_child(str(env["store"].root), cwd=str(tmp_path), prefix=prefix)
     assert event["kind"] == "hit" and event["ok"] and event["cwd"] == str(tmp_path), event

@@ -15,9 +15,9 @@ import pytest
 import torch
 from engine_support import MLP, MLPRenamed, X, digests, make_model
 
-from adstore.integration.engine.storage import MemoryEngineStorage
 from adstore.integration.engine.cache import compile
 from adstore.integration.engine.hashing import get_hash, hash_components
+from adstore.integration.engine.storage import MemoryEngineStorage
 from adstore.integration.errors import ConfigError
 
 
@@ -64,13 +64,18 @@ def test_isomorphic_graphs_with_renamed_inputs_share():
 def test_dynamic_shapes_are_in_the_hash_and_renaming_still_shares():
     batch = torch.export.Dim("batch", min=2, max=64)
     x8 = torch.randn(8, 16)
-    a = get_hash(torch.export.export(make_model(1), (X,), dynamic_shapes=({0: batch},)), (X,),
-                 dynamic_shapes=({0: batch},))
-    b = get_hash(torch.export.export(MLPRenamed().eval(), (x8,), dynamic_shapes=({0: batch},)), (x8,),
-                 dynamic_shapes=({0: batch},))
+    a = get_hash(
+        torch.export.export(make_model(1), (X,), dynamic_shapes=({0: batch},)), (X,), dynamic_shapes=({0: batch},)
+    )
+    b = get_hash(
+        torch.export.export(MLPRenamed().eval(), (x8,), dynamic_shapes=({0: batch},)),
+        (x8,),
+        dynamic_shapes=({0: batch},),
+    )
     narrow = torch.export.Dim("batch", min=2, max=16)
-    c = get_hash(torch.export.export(make_model(1), (X,), dynamic_shapes=({0: narrow},)), (X,),
-                 dynamic_shapes=({0: narrow},))
+    c = get_hash(
+        torch.export.export(make_model(1), (X,), dynamic_shapes=({0: narrow},)), (X,), dynamic_shapes=({0: narrow},)
+    )
     static = get_hash(torch.export.export(make_model(1), (X,)), (X,))
     assert a == b and a != c and a != static
 

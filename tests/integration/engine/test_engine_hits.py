@@ -16,10 +16,10 @@ import pytest
 import torch
 from engine_support import X, make_model
 
-from adstore.integration.engine.record import EngineRecord
-from adstore.integration.engine.storage import MemoryEngineStorage, StoreEngineStorage
 from adstore.integration.engine.cache import EngineCache, compile
 from adstore.integration.engine.hashing import get_hash
+from adstore.integration.engine.record import EngineRecord
+from adstore.integration.engine.storage import MemoryEngineStorage, StoreEngineStorage
 from adstore.integration.errors import EngineMismatch
 from adstore.store import Store
 
@@ -127,8 +127,14 @@ def test_dynamic_batch_engine_serves_every_batch_in_range(tmp_path):
 def test_transformers_encoder_hit_refits_other_checkpoint(tmp_path):
     """A real architecture from a config (random weights): one compile, then a hit per 'checkpoint'."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
 
     def bert(seed):
         torch.manual_seed(seed)

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import torch
-from adstore.integration import cached_prefix
 from torch import nn
+
+from adstore.integration import cached_prefix
 
 __all__ = ["KEY", "build", "main"]
 
@@ -31,8 +32,17 @@ def build() -> nn.Module:
 def main(argv: list[str]) -> int:
     root, out = argv
     result = cached_prefix(KEY, build, root=root)
-    Path(out).write_text(json.dumps({"events": [e.to_dict() for e in result.events], "key": result.key,
-                                     "host": socket.gethostname(), "cwd": os.getcwd(), "pid": os.getpid()}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "events": [e.to_dict() for e in result.events],
+                "key": result.key,
+                "host": socket.gethostname(),
+                "cwd": os.getcwd(),
+                "pid": os.getpid(),
+            }
+        )
+    )
     return 0
 
 

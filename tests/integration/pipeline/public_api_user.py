@@ -22,8 +22,15 @@ __all__ = ["PREFIX", "Logits", "Scaled", "build", "fuse_swiglu", "main", "rank_m
 #: What the snapshot may name from this module (the pass's function, the wrapper class).
 PREFIX = __name__
 VOCAB, SEQ = 128, 8
-CONFIG = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+CONFIG = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 
 
 class Logits(nn.Module):
@@ -118,8 +125,11 @@ def load_weights(module: nn.Module, checkpoint: Path) -> nn.Module:
 def key(checkpoint: Path) -> dict[str, Any]:
     from adstore.integration import checkpoint_fingerprint
 
-    return {"model": {"arch": "LlamaForCausalLM", "config": CONFIG}, "checkpoint": checkpoint_fingerprint(checkpoint),
-            "prefix": [{"name": "export", "seq": SEQ}, {"name": "fuse_swiglu"}]}
+    return {
+        "model": {"arch": "LlamaForCausalLM", "config": CONFIG},
+        "checkpoint": checkpoint_fingerprint(checkpoint),
+        "prefix": [{"name": "export", "seq": SEQ}, {"name": "fuse_swiglu"}],
+    }
 
 
 def run(checkpoint: Path, root: Path) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -157,7 +167,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
 def scaled_linear() -> nn.Module:
     """A small user wrapper around a meta ``nn.Linear`` (pre-weight-loading)."""
     with torch.device("meta"):
@@ -169,13 +178,18 @@ def rank_main(rank: int, world_size: int, port: int, root: str, out_dir: str) ->
     import os
 
     import torch.distributed as dist
+
     from adstore.integration import cached_prefix
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        result = cached_prefix({"model": "scaled-linear", "topology": {"tp": world_size}}, scaled_linear,
-                               root=root, allowed_prefixes=[PREFIX])
+        result = cached_prefix(
+            {"model": "scaled-linear", "topology": {"tp": world_size}},
+            scaled_linear,
+            root=root,
+            allowed_prefixes=[PREFIX],
+        )
         assert isinstance(result.module, Scaled)
         events = [e.to_dict() for e in result.events]
         Path(out_dir, f"{rank}.json").write_text(json.dumps(events))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import fx, nn
+
 from adstore.integration.pipeline.graphs import canonicalize
 from adstore.integration.snapshot import dump_module
-from torch import fx, nn
 
 
 class _Rotary(nn.Module):
@@ -51,9 +52,12 @@ def test_two_trace_orders_give_one_graph_and_one_snapshot():
     expected = a(x)
     assert canonicalize(a) and canonicalize(b)
     assert a.code == b.code
-    for na, nb in zip(a.graph.nodes, b.graph.nodes):
+    for na, nb in zip(a.graph.nodes, b.graph.nodes, strict=True):
         assert (na.name, na.meta.get("torch_fn"), na.meta.get("nn_module_stack")) == (
-            nb.name, nb.meta.get("torch_fn"), nb.meta.get("nn_module_stack"))
+            nb.name,
+            nb.meta.get("torch_fn"),
+            nb.meta.get("nn_module_stack"),
+        )
     assert any("@1" in k for n in a.graph.nodes for k in n.meta.get("nn_module_stack", {}))  # called twice
     assert torch.equal(a(x), expected) and torch.equal(b(x), expected)
     a, b = a.to("meta"), b.to("meta")  # a snapshot holds no weights

@@ -14,6 +14,7 @@ import os
 from datetime import timedelta
 
 import pytest
+
 from adstore.integration.reference.checkpoint import write_random_checkpoint
 from adstore.integration.reference.demo import run_ranks
 from adstore.integration.reference.models import ModelFactory
@@ -35,16 +36,24 @@ def _cold(rank, world_size, port, job, queue):
         from adstore.integration.pipeline.optimizer import InferenceOptimizer
         from adstore.integration.reference.pipeline import default_transforms
 
-        transforms = default_transforms(pipeline_cache={"root": job["root"], "restore": False},
-                                        export_to_gm=job.get("export", {}),
-                                        **{name: {"enabled": False} for name in _AFTER_CACHE})
+        transforms = default_transforms(
+            pipeline_cache={"root": job["root"], "restore": False},
+            export_to_gm=job.get("export", {}),
+            **{name: {"enabled": False} for name in _AFTER_CACHE},
+        )
         opt = InferenceOptimizer(ModelFactory.from_config(job["model"]), job["checkpoint"], transforms)
         opt()
         key = opt.events[-1].key
         (manifest,) = [m for m in Store.open(job["root"]).manifests(key) if m.rank == rank and m.committed]
-        queue.put({"rank": rank, "events": [e.kind for e in opt.events], "key": key,
-                   "hash_seed": os.environ.get("PYTHONHASHSEED"),
-                   "digests": {name: ref.digest for name, ref in manifest.artifacts.items()}})
+        queue.put(
+            {
+                "rank": rank,
+                "events": [e.kind for e in opt.events],
+                "key": key,
+                "hash_seed": os.environ.get("PYTHONHASHSEED"),
+                "digests": {name: ref.digest for name, ref in manifest.artifacts.items()},
+            }
+        )
     except BaseException:
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
@@ -86,6 +95,11 @@ def test_two_cold_runs_save_identical_blobs_once(arch, world_size, tmp_path, mon
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_5_moe", "gemma4_moe", "glm4_moe", "llama-dynamic"])
 def test_two_cold_runs_are_identical_on_more_architectures(arch, tmp_path, monkeypatch):
     arch, _, dynamic = arch.partition("-")  # a dynamic export: symbolic batch and sequence
-    runs, blobs = _two_cold_runs({"arch": arch, "layers": 2, "hidden": 128 if arch != "deepseek_v3" else 64},
-                                 2, tmp_path, monkeypatch, export={"dynamic": True} if dynamic else None)
+    runs, blobs = _two_cold_runs(
+        {"arch": arch, "layers": 2, "hidden": 128 if arch != "deepseek_v3" else 64},
+        2,
+        tmp_path,
+        monkeypatch,
+        export={"dynamic": True} if dynamic else None,
+    )
     assert [r["digests"] for r in runs[0]] == [r["digests"] for r in runs[1]] and blobs[0] == blobs[1]

@@ -66,9 +66,10 @@ def test_agreement_over_gloo(as_if_nccl):
         assert r["broadcast"] == 100
 
 
-@pytest.mark.parametrize("backend, capable", [
-    ("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True),
-])
+@pytest.mark.parametrize(
+    "backend, capable",
+    [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True)],
+)
 def test_backends_that_take_cpu_tensors(backend, capable):
     assert agree._cpu_capable(backend) is capable
 

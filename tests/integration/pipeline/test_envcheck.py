@@ -19,6 +19,7 @@ from pathlib import Path
 import env_child
 import pytest
 import torch
+
 from adstore.integration import cached_prefix, environment_fingerprint
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.envcheck import OVERRIDES_VAR, apply_overrides, env_differences, find_mismatch
@@ -31,11 +32,17 @@ def kinds(events: list[dict]) -> list[tuple[str, str | None]]:
     return [(e["kind"], e["reason"]) for e in events]
 
 
-def run_child(root: Path, out: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None,
-              prefix: tuple[str, ...] = ()) -> dict:
+def run_child(
+    root: Path, out: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None, prefix: tuple[str, ...] = ()
+) -> dict:
     environ = {k: v for k, v in os.environ.items() if k != OVERRIDES_VAR}
-    subprocess.run([*prefix, sys.executable, str(HERE / "env_child.py"), str(root), str(out)],
-                   env={**environ, **(env or {})}, cwd=cwd, check=True, timeout=300)
+    subprocess.run(
+        [*prefix, sys.executable, str(HERE / "env_child.py"), str(root), str(out)],
+        env={**environ, **(env or {})},
+        cwd=cwd,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.read_text())
 
 
@@ -61,17 +68,24 @@ def test_another_torch_is_a_miss_naming_the_field_and_explain_shows_it(built, tm
     assert again.hit and again.key == key
 
     cli = [sys.executable, "-m", "adstore.daemon", "--root", str(root)]
-    text = subprocess.run([*cli, "explain", key[:12], child["key"][:12]], capture_output=True, text=True,
-                          check=True, timeout=120).stdout
+    text = subprocess.run(
+        [*cli, "explain", key[:12], child["key"][:12]], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     line = next(ln for ln in text.splitlines() if ln.startswith("environment:"))
     assert "built in different environments" in line and "env.torch" in line, text
     assert f'env.torch: A={json.dumps(torch.__version__)}  B="2.99.0"' in text
-    data = json.loads(subprocess.run([*cli, "--json", "explain", key, child["key"]], capture_output=True,
-                                     text=True, check=True, timeout=120).stdout)
+    data = json.loads(
+        subprocess.run(
+            [*cli, "--json", "explain", key, child["key"]], capture_output=True, text=True, check=True, timeout=120
+        ).stdout
+    )
     assert data["differing"] == ["env"] and not data["environment"]["same"]
     assert {"path": "env.torch", "a": torch.__version__, "b": "2.99.0"} in data["environment"]["differences"]
-    same = json.loads(subprocess.run([*cli, "--json", "explain", key, key], capture_output=True, text=True,
-                                     check=True, timeout=120).stdout)
+    same = json.loads(
+        subprocess.run(
+            [*cli, "--json", "explain", key, key], capture_output=True, text=True, check=True, timeout=120
+        ).stdout
+    )
     assert same["environment"] == {"recorded": True, "same": True, "differences": []}
 
 
@@ -93,8 +107,13 @@ def test_volatile_facts_do_not_enter_the_key(built, tmp_path):
     root, key = built
     prefix: tuple[str, ...] = ()
     unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "--uts", "--map-root-user", "hostname", "other-host"],
-                                  capture_output=True, check=False).returncode == 0:
+    if (
+        unshare
+        and subprocess.run(
+            [unshare, "--uts", "--map-root-user", "hostname", "other-host"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
         prefix = (unshare, "--uts", "--map-root-user", "sh", "-c", 'hostname other-host && exec "$0" "$@"')
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

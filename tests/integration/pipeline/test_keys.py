@@ -9,6 +9,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.keys import (
     FORMAT_VERSION,
@@ -19,11 +22,15 @@ from adstore.integration.pipeline.keys import (
     diff_components,
     env_component,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-BASE = dict(model={"arch": "llama"}, checkpoint={"files": []}, prefix=[{"name": "export", "config": {"seq": 8}}],
-            dist=None, env={"adstore_format": 1}, extra={})
+BASE = dict(
+    model={"arch": "llama"},
+    checkpoint={"files": []},
+    prefix=[{"name": "export", "config": {"seq": 8}}],
+    dist=None,
+    env={"adstore_format": 1},
+    extra={},
+)
 
 
 class Color(enum.Enum):
@@ -31,7 +38,7 @@ class Color(enum.Enum):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=20,
 )
@@ -82,8 +89,10 @@ def test_env_component_has_versions_and_code():
     env = env_component([BuildModel, ExportToGraph])
     assert env["adstore_format"] == FORMAT_VERSION
     assert env["torch"] == torch.__version__
-    assert set(env["code"]) == {"adstore.integration.reference.stages.BuildModel",
-                                "adstore.integration.reference.stages.ExportToGraph"}
+    assert set(env["code"]) == {
+        "adstore.integration.reference.stages.BuildModel",
+        "adstore.integration.reference.stages.ExportToGraph",
+    }
 
 
 def test_code_fingerprint_follows_the_source(tmp_path, monkeypatch):

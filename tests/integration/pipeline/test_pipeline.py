@@ -8,19 +8,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
-from adstore.integration.pipeline.keys import diff_components
-from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer
-from adstore.integration.reference.pipeline import default_transforms
+from torch import fx, nn
+
 from adstore.integration.pipeline import optimizer
 from adstore.integration.pipeline.graphs import graph_modules
-from adstore.integration.pipeline.optimizer import register_transform
+from adstore.integration.pipeline.keys import diff_components
+from adstore.integration.pipeline.optimizer import InferenceOptimizer, register_transform
 from adstore.integration.pipeline.transforms import Stage, Transform, TransformConfig
-from adstore.integration.reference.pipeline import reference_registry
+from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
+from adstore.integration.reference.models import ModelFactory
+from adstore.integration.reference.pipeline import default_transforms, reference_registry
 from adstore.store import Store
 from adstore.store.errors import ConfigError
-from torch import fx, nn
 
 MODEL = {"arch": "llama", "layers": 2, "hidden": 64}
 
@@ -96,8 +95,11 @@ def test_post_cache_changes_reuse_the_entry(factory, checkpoint, root):
     opt, module, _ = run(factory, checkpoint, changed)
     assert kinds(opt) == [("hit", None)]
     assert module.kv_cache_0.shape[1] == 2 and module.kv_cache_0.shape[3] == 64
-    opt2 = InferenceOptimizer(factory, checkpoint, default_transforms(
-        pipeline_cache={"root": str(root)}, compile={"backend": "torch_compile"}))
+    opt2 = InferenceOptimizer(
+        factory,
+        checkpoint,
+        default_transforms(pipeline_cache={"root": str(root)}, compile={"backend": "torch_compile"}),
+    )
     assert opt2.cache_key().key == opt.events[0].key
 
 
@@ -128,8 +130,9 @@ def test_prefix_model_checkpoint_and_topology_changes_miss(factory, checkpoint, 
     assert key(tr=early).key == key(tr=early, rank=0, world_size=2).key
     # A real run with a changed prefix is a miss, then saves its own entry.
     run(factory, checkpoint, base_tr)
-    opt, _, _ = run(factory, checkpoint, default_transforms(pipeline_cache={"root": str(root)},
-                                                            match_swiglu={"enabled": False}))
+    opt, _, _ = run(
+        factory, checkpoint, default_transforms(pipeline_cache={"root": str(root)}, match_swiglu={"enabled": False})
+    )
     assert kinds(opt) == [("miss", "absent"), ("save", None)]
 
 
@@ -152,7 +155,11 @@ def test_code_change_to_a_prefix_transform_misses(factory, checkpoint, root, tmp
 
     monkeypatch.syspath_prepend(str(tmp_path))
     tr = default_transforms(pipeline_cache={"root": str(root)})
-    tr = {**{k: v for k, v in tr.items() if k != "pipeline_cache"}, "custom_step": {}, "pipeline_cache": tr["pipeline_cache"]}
+    tr = {
+        **{k: v for k, v in tr.items() if k != "pipeline_cache"},
+        "custom_step": {},
+        "pipeline_cache": tr["pipeline_cache"],
+    }
     _write_transform_module(tmp_path, "adstore_custom_v1", "ctx.info['custom'] = 1")
     importlib.import_module("adstore_custom_v1")
     first, _, _ = run(factory, checkpoint, tr)
@@ -219,13 +226,13 @@ class _Materializes(Transform):
         for _, gm in graph_modules(module):
             for qual, p in list(gm.named_parameters()):
                 owner, _, leaf = qual.rpartition(".")
-                gm.get_submodule(owner)._parameters[leaf] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
-                                                                         requires_grad=False)
+                gm.get_submodule(owner)._parameters[leaf] = nn.Parameter(
+                    torch.zeros(p.shape, dtype=p.dtype), requires_grad=False
+                )
         return module
 
 
-@pytest.mark.parametrize("cls,reason", [(_AddsForwardHook, "forward_hook"),
-                                        (_Materializes, "materialized_parameters")])
+@pytest.mark.parametrize("cls,reason", [(_AddsForwardHook, "forward_hook"), (_Materializes, "materialized_parameters")])
 def test_unsupported_modules_bypass_and_leave_no_entry(factory, checkpoint, root, registry_guard, cls, reason):
     register_transform(cls)
     tr = {cls.name: {}, **default_transforms(pipeline_cache={"root": str(root)})}
@@ -304,8 +311,10 @@ class _Wrap(Transform):
 
 def test_wrapper_with_graph_children_restores_with_types(factory, checkpoint, root, registry_guard):
     register_transform(_Wrap)
-    tr = {"wrap_graph": {}, **default_transforms(
-        pipeline_cache={"root": str(root), "allowed_prefixes": [Wrapper.__module__ + "."]})}
+    tr = {
+        "wrap_graph": {},
+        **default_transforms(pipeline_cache={"root": str(root), "allowed_prefixes": [Wrapper.__module__ + "."]}),
+    }
     cold, m1, out1 = run(factory, checkpoint, tr)
     assert kinds(cold) == [("miss", "absent"), ("save", None)]
     warm, m2, out2 = run(factory, checkpoint, tr)

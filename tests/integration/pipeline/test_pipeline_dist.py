@@ -14,10 +14,11 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
+
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.demo import run_ranks
 from adstore.integration.reference.models import ModelFactory
-from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.store import Store
 
@@ -71,8 +72,10 @@ def _worker(rank, world_size, port, job, queue):
         for spec in job["runs"]:
             undo = _inject(spec["fault"]) if spec.get("fault") and spec.get("fault_rank") == rank else None
             try:
-                tr = default_transforms(pipeline_cache={"root": job["root"], "extra": spec.get("extra", {})},
-                                        export_to_gm=spec.get("export", {}))
+                tr = default_transforms(
+                    pipeline_cache={"root": job["root"], "extra": spec.get("extra", {})},
+                    export_to_gm=spec.get("export", {}),
+                )
                 opt = InferenceOptimizer(factory, job["checkpoint"], tr)
                 module = opt()
                 with torch.no_grad():
@@ -80,14 +83,16 @@ def _worker(rank, world_size, port, job, queue):
             finally:
                 if undo:
                     undo()
-            runs.append({
-                "events": [(e.kind, e.reason) for e in opt.events],
-                "key": opt.cache.key(opt.ctx).key,
-                "resumed_at": opt.resumed_at,
-                "sharding": opt.info.get("tp_sharding"),
-                "output": out.numpy().tobytes(),
-                "shape": list(out.shape),
-            })
+            runs.append(
+                {
+                    "events": [(e.kind, e.reason) for e in opt.events],
+                    "key": opt.cache.key(opt.ctx).key,
+                    "resumed_at": opt.resumed_at,
+                    "sharding": opt.info.get("tp_sharding"),
+                    "output": out.numpy().tobytes(),
+                    "shape": list(out.shape),
+                }
+            )
         queue.put({"rank": rank, "runs": runs})
     except BaseException:
         queue.put({"rank": rank, "runs": runs, "error": traceback.format_exc()})
@@ -122,12 +127,12 @@ def test_two_ranks_cold_warm_and_failures(setup, tmp_path):
     factory, ckpt = setup
     root = tmp_path / "store"
     runs = [
-        {},                                                          # 0 cold: miss + save
-        {},                                                          # 1 warm: hit
-        {"extra": {"case": "f"}, "fault": "save_fail", "fault_rank": 1},   # 2 save fails on rank 1
-        {"extra": {"case": "f"}},                                    # 3 clean miss + save
+        {},  # 0 cold: miss + save
+        {},  # 1 warm: hit
+        {"extra": {"case": "f"}, "fault": "save_fail", "fault_rank": 1},  # 2 save fails on rank 1
+        {"extra": {"case": "f"}},  # 3 clean miss + save
         {"extra": {"case": "f"}, "fault": "restore_fail", "fault_rank": 1},  # 4 restore fails on rank 1
-        {"extra": {"case": "f"}},                                    # 5 hit again
+        {"extra": {"case": "f"}},  # 5 hit again
     ]
     results = run_ranks(_job(root, ckpt, runs), 2, target=_worker, timeout=600)
     for r in results:
@@ -168,8 +173,13 @@ def test_rank_killed_mid_save_leaves_nothing_restorable(setup, tmp_path):
     factory, ckpt = setup
     root = tmp_path / "store"
     key = _key(factory, ckpt, root)
-    killed = run_ranks(_job(root, ckpt, [{"fault": "kill_after_publish", "fault_rank": 1}], timeout=30), 2,
-                       target=_worker, timeout=600, allow_dead=True)
+    killed = run_ranks(
+        _job(root, ckpt, [{"fault": "kill_after_publish", "fault_rank": 1}], timeout=30),
+        2,
+        target=_worker,
+        timeout=600,
+        allow_dead=True,
+    )
     assert killed[1].get("exitcode") == -signal.SIGKILL
     store = Store.open(root)
     res = store.lookup(key, record=False)

@@ -20,6 +20,7 @@ import public_api_user as user
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from adstore.integration import (
     CachedPrefix,
     PipelineCache,
@@ -42,13 +43,15 @@ def kinds(result: CachedPrefix) -> list[tuple[str, str | None]]:
     return [(e.kind, e.reason) for e in result.events]
 
 
-def fresh_process(checkpoint: Path, root: Path, out: Path,
-                  *extra: str) -> tuple[torch.Tensor, list[tuple[str, str | None]]]:
+def fresh_process(
+    checkpoint: Path, root: Path, out: Path, *extra: str
+) -> tuple[torch.Tensor, list[tuple[str, str | None]]]:
     """Run the user's cached pipeline in a new interpreter; its output and events."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     code = "import sys, public_api_user as u; sys.exit(u.main(sys.argv[1:]))"
-    subprocess.run([sys.executable, "-c", code, str(checkpoint), str(root), str(out), *extra], env=env, check=True,
-                   timeout=600)
+    subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint), str(root), str(out), *extra], env=env, check=True, timeout=600
+    )
     events = json.loads(out.read_text())
     return torch.load(out.with_suffix(".pt")), [(e["kind"], e["reason"]) for e in events]
 
@@ -76,7 +79,10 @@ def test_the_compile_step_of_a_cached_prefix_restores_its_engine_on_a_restart(ch
     assert cold_events == [("miss", "absent"), ("save", None), ("miss", "absent"), ("save", None)]
     assert warm_events == [("hit", None), ("hit", None)]
     assert json.loads((tmp_path / "warm.imports").read_text()) == {
-        "torch._dynamo": False, "torch._inductor": False, "transformers": False}
+        "torch._dynamo": False,
+        "torch._inductor": False,
+        "transformers": False,
+    }
     assert torch.equal(cold, warm)
     with torch.no_grad():
         eager = user.load_weights(user.build(), checkpoint)(user.example_ids())
@@ -155,8 +161,9 @@ def test_a_third_party_optimizer_drives_the_cache_point(checkpoint, tmp_path):
     prefix = [("export", {"seq": user.SEQ}), ("fuse_swiglu", {})]
 
     def optimize():
-        cache = PipelineCache(PipelineCache.config_cls.from_dict(
-            {"root": str(tmp_path), "allowed_prefixes": [user.PREFIX]}))
+        cache = PipelineCache(
+            PipelineCache.config_cls.from_dict({"root": str(tmp_path), "allowed_prefixes": [user.PREFIX]})
+        )
         ctx = PipelineContext(factory=Source(), checkpoint=checkpoint)
         cache.bind(copy.deepcopy(prefix), [user.fuse_swiglu])
         module = cache.restore(ctx)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from adstore.integration.reference.checkpoint import (
     INDEX_NAME,
     checkpoint_fingerprint,

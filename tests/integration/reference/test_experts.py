@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from adstore.integration.pipeline.graphs import graph_modules
 from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference import experts
@@ -38,8 +39,9 @@ def test_equals_transformers_eager_experts_bit_for_bit(arch, tmp_path):
     with torch.no_grad():
         ref = eager.eager_model(state)(*x).logits
         assert torch.equal(ours.eager_model(state)(*x).logits, ref)  # transformers running our implementation
-        module = InferenceOptimizer(ours, ckpt, default_transforms(pipeline_cache={"enabled": False},
-                                                                  export_to_gm={"batch": 3}))()
+        module = InferenceOptimizer(
+            ours, ckpt, default_transforms(pipeline_cache={"enabled": False}, export_to_gm={"batch": 3})
+        )()
         if arch in NOT_EXACT:
             torch.testing.assert_close(module(*x), ref, rtol=1e-4, atol=1e-5)
         else:
@@ -49,10 +51,11 @@ def test_equals_transformers_eager_experts_bit_for_bit(arch, tmp_path):
 def test_expert_weights_are_only_read_by_the_grouped_linears():
     """No gather of expert weights per token–expert pair: memory stays the routed activations."""
     factory = ModelFactory.from_config({"arch": "mixtral", "layers": 2, "hidden": 64})
-    transforms = default_transforms(pipeline_cache={"enabled": False},
-                                    **{n: {"enabled": False} for n in ("load_weights", "fuse_linears", "init_cache",
-                                                                       "compile")})
-    (_, gm), = graph_modules(InferenceOptimizer(factory, "unused", transforms)())
+    transforms = default_transforms(
+        pipeline_cache={"enabled": False},
+        **{n: {"enabled": False} for n in ("load_weights", "fuse_linears", "init_cache", "compile")},
+    )
+    ((_, gm),) = graph_modules(InferenceOptimizer(factory, "unused", transforms)())
     weights = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(("gate_up_proj", "down_proj"))]
     assert len(weights) == 4
     for node in weights:
@@ -71,8 +74,10 @@ def test_other_implementations_stay_selectable_and_expert_parallel_is_refused():
 
 
 def test_naming_the_grouped_implementation_in_a_fresh_process_works():
-    code = ("from adstore.integration.reference.models import ModelFactory\n"
-            "f = ModelFactory.from_config({'arch': 'mixtral', 'model_kwargs': {'experts_implementation': "
-            "'adstore_grouped'}})\n"
-            "assert f.build().config._experts_implementation == 'adstore_grouped'\n")
+    code = (
+        "from adstore.integration.reference.models import ModelFactory\n"
+        "f = ModelFactory.from_config({'arch': 'mixtral', 'model_kwargs': {'experts_implementation': "
+        "'adstore_grouped'}})\n"
+        "assert f.build().config._experts_implementation == 'adstore_grouped'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -16,12 +16,13 @@ import sys
 
 import pytest
 import torch
+from torch import nn
+
 from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference import metabuild, models
 from adstore.integration.reference.models import ARCHITECTURES, ModelFactory
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.integration.reference.published import PUBLISHED, published_factory
-from torch import nn
 
 DEFAULT = {"llama", "mixtral", "deepseek_v3"}
 
@@ -52,8 +53,9 @@ def _assert_same_model(new, old):
                 assert buf.is_meta, f"{path}.{name} is persistent: it comes from the checkpoint"
 
 
-@pytest.mark.parametrize("arch", [a if a in DEFAULT else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in sorted(ARCHITECTURES)])
+@pytest.mark.parametrize(
+    "arch", [a if a in DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in sorted(ARCHITECTURES)]
+)
 def test_meta_build_gives_the_previous_model_and_graph(arch, monkeypatch):
     factory = ModelFactory.from_config({"arch": arch})
     new, gm_new = factory.build(), _export(factory)
@@ -67,11 +69,24 @@ _SMALL = {  # every published config at one layer and a small width; the rotary 
     "llama-3-8b": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "vocab_size": 512},
     "llama-3-70b": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "vocab_size": 512},
     "mixtral-8x7b": {"hidden_size": 256, "intermediate_size": 128, "num_attention_heads": 2, "vocab_size": 512},
-    "qwen3-30b-a3b": {"hidden_size": 256, "moe_intermediate_size": 64, "num_experts": 16, "num_attention_heads": 8,
-                      "vocab_size": 512},
-    "deepseek-v3": {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 16,
-                    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 64, "kv_lora_rank": 32,
-                    "vocab_size": 512},
+    "qwen3-30b-a3b": {
+        "hidden_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 16,
+        "num_attention_heads": 8,
+        "vocab_size": 512,
+    },
+    "deepseek-v3": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "vocab_size": 512,
+    },
 }
 
 
@@ -156,5 +171,10 @@ def test_published_configs_build_at_full_size_in_little_memory():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=600)
     lines = dict(line.rsplit(" ", 1) for line in out.stdout.strip().splitlines())
     assert {k: float(v) for k, v in lines.items() if k != "rss"} == {
-        "llama-3-8b": 8.0, "llama-3-70b": 70.6, "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5, "deepseek-v3": 671.0}
+        "llama-3-8b": 8.0,
+        "llama-3-70b": 70.6,
+        "mixtral-8x7b": 46.7,
+        "qwen3-30b-a3b": 30.5,
+        "deepseek-v3": 671.0,
+    }
     assert int(lines["rss"]) < 1 << 30

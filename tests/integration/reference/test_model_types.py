@@ -26,8 +26,11 @@ HANDLED, REFUSED = survey_results.HANDLED, survey_results.REFUSED
 def test_every_causal_lm_type_has_a_verdict():
     assert not set(HANDLED) & set(REFUSED)
     assert all(len(m) == len(survey.REWRITES) for m in HANDLED.values())
-    assert all(why.split(":", 1)[0] in ("config", "build", "eager", "pipeline", "torch_compile")
-               or why.startswith(("no verdict", "the check died")) for why in REFUSED.values())
+    assert all(
+        why.split(":", 1)[0] in ("config", "build", "eager", "pipeline", "torch_compile")
+        or why.startswith(("no verdict", "the check died"))
+        for why in REFUSED.values()
+    )
     installed = set(survey.model_types())
     surveyed = set(HANDLED) | set(REFUSED)
     if transformers.__version__ == survey_results.TRANSFORMERS:
@@ -37,8 +40,16 @@ def test_every_causal_lm_type_has_a_verdict():
         with pytest.raises(ConfigError, match="not surveyed"):
             ModelFactory.from_config({"arch": model_type})
     # The seed design's models and the rest of the tuned set are handled under their transformers names.
-    for model_type in ("qwen3_5_moe_text", "gemma4_text", "glm4_moe_lite", "deepseek_v3", "mixtral",
-                       "qwen3_moe", "llama", "qwen2"):
+    for model_type in (
+        "qwen3_5_moe_text",
+        "gemma4_text",
+        "glm4_moe_lite",
+        "deepseek_v3",
+        "mixtral",
+        "qwen3_moe",
+        "llama",
+        "qwen2",
+    ):
         assert model_type in HANDLED, REFUSED.get(model_type)
 
 
@@ -116,8 +127,9 @@ def _sample(names, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", _sample([t for t in HANDLED if t not in ARCHITECTURES], 12)
-                         + _sample(REFUSED, 6))
+@pytest.mark.parametrize(
+    "model_type", _sample([t for t in HANDLED if t not in ARCHITECTURES], 12) + _sample(REFUSED, 6)
+)
 def test_recorded_verdicts_still_hold(model_type):
     verdict = survey._check_in_child(model_type, compile=True, timeout=900)
     if model_type in HANDLED:
@@ -126,4 +138,3 @@ def test_recorded_verdicts_still_hold(model_type):
     else:
         assert not verdict["handled"]
         assert verdict["why"].split(":", 1)[0] == REFUSED[model_type].split(":", 1)[0], verdict
-

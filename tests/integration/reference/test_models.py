@@ -7,12 +7,13 @@ import sys
 
 import pytest
 import torch
+from test_architectures import MATCHES
+
+from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.models import ARCHITECTURES, ModelFactory, tiny_config
-from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.store.errors import ConfigError
-from test_architectures import MATCHES
 
 FAST = ["llama", "mixtral"]
 SLOW = [a for a in ARCHITECTURES if a not in FAST]
@@ -61,10 +62,12 @@ def test_identity_covers_config_and_kwargs():
 
 
 def test_identity_and_example_inputs_do_not_import_transformers():
-    code = ("import sys; from adstore.integration.reference.models import ModelFactory\n"
-            "for arch in ('llama', 'phi3', 'gemma3'):  # tuned, surveyed, surveyed composite\n"
-            "    f = ModelFactory.from_config({'arch': arch}); f.identity(); f.example_inputs()\n"
-            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    code = (
+        "import sys; from adstore.integration.reference.models import ModelFactory\n"
+        "for arch in ('llama', 'phi3', 'gemma3'):  # tuned, surveyed, surveyed composite\n"
+        "    f = ModelFactory.from_config({'arch': arch}); f.identity(); f.example_inputs()\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

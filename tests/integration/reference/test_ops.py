@@ -26,8 +26,11 @@ ROPE_CASES = {
     "contiguous": lambda: (torch.randn(_B, _H, _S, _D), torch.randn(_B, 1, _S, _D), torch.randn(_B, 1, _S, _D)),
     "transposed": lambda: (_transposed(_B, _H, _S, _D), torch.randn(_B, 1, _S, _D), torch.randn(_B, 1, _S, _D)),
     "cos_2d": lambda: (_transposed(_B, _H, _S, _D), torch.randn(_S, _D), torch.randn(_S, _D)),
-    "bf16_x_f32_cos": lambda: (_transposed(_B, _H, _S, _D).bfloat16(), torch.randn(_B, 1, _S, _D),
-                               torch.randn(_B, 1, _S, _D)),
+    "bf16_x_f32_cos": lambda: (
+        _transposed(_B, _H, _S, _D).bfloat16(),
+        torch.randn(_B, 1, _S, _D),
+        torch.randn(_B, 1, _S, _D),
+    ),
 }
 RMS_CASES = {
     "contiguous": lambda: (torch.randn(_B, _S, 64), torch.randn(64), 1e-6, 0.0),
@@ -65,8 +68,9 @@ def test_silu_mul_fake_matches_real(case):
     _check(torch.ops.adstore.silu_mul.default, SILU_CASES[case]())
 
 
-@pytest.mark.parametrize("x", [torch.randn(_B, _S, 64), torch.randn(_B, 64, _S).transpose(1, 2)],
-                         ids=["contiguous", "transposed"])
+@pytest.mark.parametrize(
+    "x", [torch.randn(_B, _S, 64), torch.randn(_B, 64, _S).transpose(1, 2)], ids=["contiguous", "transposed"]
+)
 def test_collective_fakes_match_real_without_a_process_group(x):
     _check(torch.ops.adstore.all_reduce.default, (x,))
     _check(torch.ops.adstore.all_gather.default, (x, 2, 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from adstore.integration.reference.demo import format_demo, run_demo
 from adstore.store import Store
 from adstore.store.errors import ConfigError
@@ -18,8 +19,11 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
     assert result["warm_events"] == ["hit"] and result["warm_hit"]
     assert result["outputs_match"] is True
     assert result["bytes_stored"] > 0 and result["dedup_ratio"] >= 1.0
-    assert result["cold_s"] > 0 and result["warm_s"] > 0 and result["speedup"] == pytest.approx(
-        result["cold_s"] / result["warm_s"], rel=0.01)
+    assert (
+        result["cold_s"] > 0
+        and result["warm_s"] > 0
+        and result["speedup"] == pytest.approx(result["cold_s"] / result["warm_s"], rel=0.01)
+    )
     assert result["replaced_previous_entry"] is False
     # The restart: fresh processes from start to first output, next to the bare-torch floor. How the
     # warm restart compares with the floor is a benchmark's business (it lies within a fraction of a
@@ -31,8 +35,15 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
     store = Store.open(root)
     assert store.lookup(result["key"], record=False).hit
     table = format_demo(result)
-    for label in ("restart, cold", "restart, warm", "restart floor", "in-process call", "bytes stored",
-                  "dedup", "outputs match"):
+    for label in (
+        "restart, cold",
+        "restart, warm",
+        "restart floor",
+        "in-process call",
+        "bytes stored",
+        "dedup",
+        "outputs match",
+    ):
         assert label in table
 
 

@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from test_snapshot_support import to_meta
 
 from adstore.integration.errors import ConfigError, UnsupportedHook, UntrustedTarget
+from adstore.integration.snapshot import dump_module, load_module
 from adstore.integration.snapshot.hooks import (
     AliasHook,
     DedupHook,
@@ -21,9 +23,6 @@ from adstore.integration.snapshot.hooks import (
     register_hook_type,
     restore_load_hooks,
 )
-from adstore.integration.snapshot import dump_module, load_module
-
-from test_snapshot_support import to_meta
 
 HERE = __name__.split(".")[0] + "."
 CALLS: list[str] = []
@@ -143,7 +142,9 @@ def test_tp_shard_owner_scope_and_root_scope():
     orig, restored, specs = _roundtrip_and_compare(register, sd=sd, factory=sharded)
     assert torch.equal(restored.a.weight, sd["a.weight"][4:]) and torch.equal(restored.b.weight, sd["b.weight"][:, :2])
     assert [(s["type"], s["scope"], s["phase"], s["with_module"]) for s in specs] == [
-        ("shard_tp", "", "pre", False), ("shard_tp", "a", "pre", False)]
+        ("shard_tp", "", "pre", False),
+        ("shard_tp", "a", "pre", False),
+    ]
     assert restored.a.weight.shape == (4, 8) and restored.b.weight.shape == (8, 2)
     rebuilt = restored.a._load_state_dict_pre_hooks
     assert [h.hook for h in rebuilt.values()] == [TPShardHook("weight", (8, 8), 0, 1, 2)]
@@ -169,13 +170,16 @@ def test_tp_shard_fused_blocks_pick_each_block():
     assert rebuilt == hook and rebuilt.local_shape == (6, 2)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(shape=(10, 4), dim=0, rank=0, world_size=4), "shape"),
-    (dict(shape=(8, 4), dim=0, rank=0, world_size=2, min_local_shape=3), "min_local_shape"),
-    (dict(shape=(12, 4), dim=0, rank=0, world_size=2, fused_dims=(4, 4)), "fused_dims"),
-    (dict(shape=(8, 4), dim=0, rank=2, world_size=2), "rank"),
-    (dict(shape=(8, 4), dim=2, rank=0, world_size=2), "dim"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(shape=(10, 4), dim=0, rank=0, world_size=4), "shape"),
+        (dict(shape=(8, 4), dim=0, rank=0, world_size=2, min_local_shape=3), "min_local_shape"),
+        (dict(shape=(12, 4), dim=0, rank=0, world_size=2, fused_dims=(4, 4)), "fused_dims"),
+        (dict(shape=(8, 4), dim=0, rank=2, world_size=2), "rank"),
+        (dict(shape=(8, 4), dim=2, rank=0, world_size=2), "dim"),
+    ],
+)
 def test_tp_shard_bad_divisibility_is_a_clear_error(kwargs, field):
     with pytest.raises(ConfigError) as exc:
         TPShardHook("w", **kwargs)
@@ -250,12 +254,15 @@ def test_registration_order_is_preserved():
 
 
 # ----------------------------------------------------------------------------- unsupported hooks
-@pytest.mark.parametrize("make", [
-    lambda m: (lambda *a: None),
-    lambda m: functools.partial(scale_pre_hook, {}),
-    lambda m: Private().pre,
-    lambda m: Scaler(1.0, (object(),)).pre,
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: lambda *a: None,
+        lambda m: functools.partial(scale_pre_hook, {}),
+        lambda m: Private().pre,
+        lambda m: Scaler(1.0, (object(),)).pre,
+    ],
+)
 def test_closures_and_unrepresentable_hooks_skip(make):
     m = Model()
     to_meta(m)
@@ -301,14 +308,21 @@ def test_registry_extension_roundtrip_and_unknown_type():
     m.a._register_load_state_dict_pre_hook(Transpose("weight"))
     with pytest.raises(UnsupportedHook):
         collect_hook_specs(m)
-    register_hook_type("transpose_test", match=lambda h: isinstance(h, Transpose),
-                       encode=lambda h, mod: {"key": h._key},
-                       rebuild=lambda p, mod: Transpose(p["key"]), phases=("pre",), replace=True)
+    register_hook_type(
+        "transpose_test",
+        match=lambda h: isinstance(h, Transpose),
+        encode=lambda h, mod: {"key": h._key},
+        rebuild=lambda p, mod: Transpose(p["key"]),
+        phases=("pre",),
+        replace=True,
+    )
     assert "transpose_test" in hook_types()
-    orig, restored, specs = _roundtrip_and_compare(lambda mm: mm.a._register_load_state_dict_pre_hook(
-        Transpose("weight")))
-    assert specs == [{"type": "transpose_test", "scope": "a", "phase": "pre", "with_module": False,
-                      "params": {"key": "weight"}}]
+    orig, restored, specs = _roundtrip_and_compare(
+        lambda mm: mm.a._register_load_state_dict_pre_hook(Transpose("weight"))
+    )
+    assert specs == [
+        {"type": "transpose_test", "scope": "a", "phase": "pre", "with_module": False, "params": {"key": "weight"}}
+    ]
     with pytest.raises(UnsupportedHook):
         reattach_hooks(Model(), [dict(specs[0], type="no_such_type")])
     with pytest.raises(ValueError):
@@ -318,10 +332,20 @@ def test_registry_extension_roundtrip_and_unknown_type():
 def test_reattach_refuses_untrusted_callables_before_registering_any():
     m = Model()
     specs = [
-        {"type": "importable", "scope": "a", "phase": "pre", "with_module": False,
-         "params": {"kind": "function", "qualname": HERE + "scale_pre_hook"}},
-        {"type": "importable", "scope": "b", "phase": "pre", "with_module": False,
-         "params": {"kind": "function", "qualname": "os.system"}},
+        {
+            "type": "importable",
+            "scope": "a",
+            "phase": "pre",
+            "with_module": False,
+            "params": {"kind": "function", "qualname": HERE + "scale_pre_hook"},
+        },
+        {
+            "type": "importable",
+            "scope": "b",
+            "phase": "pre",
+            "with_module": False,
+            "params": {"kind": "function", "qualname": "os.system"},
+        },
     ]
     with pytest.raises(UntrustedTarget):
         reattach_hooks(m, specs, allowed_prefixes=(HERE,))

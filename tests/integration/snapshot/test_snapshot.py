@@ -7,19 +7,13 @@ import json
 import pytest
 import torch
 import torch.fx
+from test_snapshot_support import real_state, roundtrip, to_meta
 from torch.export import Dim
 
-from adstore.integration.errors import (
-    ForwardHookPresent,
-    MaterializedParameters,
-    UnsupportedHook,
-    UnsupportedModule,
-)
-from adstore.integration.snapshot.hooks import TPShardHook
+from adstore.integration.errors import ForwardHookPresent, MaterializedParameters, UnsupportedHook, UnsupportedModule
 from adstore.integration.snapshot import dump_module, load_module, summarize
 from adstore.integration.snapshot.graph import STALE_SHAPE_KEY, is_shape_stale
-
-from test_snapshot_support import real_state, roundtrip, to_meta
+from adstore.integration.snapshot.hooks import TPShardHook
 
 HERE = (__name__ + ".").split(".")[0] + "."  # this module's import name, for the allow-list
 
@@ -175,7 +169,7 @@ class _Routed(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = torch.nonzero(x[:, 0] > 0).squeeze(-1)
         picked = self.proj(x[rows])
-        after = torch.cat([picked, x])[picked.shape[0]:]  # a view whose offset is unbacked
+        after = torch.cat([picked, x])[picked.shape[0] :]  # a view whose offset is unbacked
         return torch.zeros_like(x).index_add(0, rows, picked) + after
 
 
@@ -184,16 +178,24 @@ def test_unbacked_symbols_roundtrip():
     x = torch.randn(6, 8)
     module = _Routed().eval()
     gm = torch.export.export(module, (x,)).module()
-    unbacked = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
-                and any(str(d).startswith("u") for d in n.meta["val"].shape)]
+    unbacked = [
+        n
+        for n in gm.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor) and any(str(d).startswith("u") for d in n.meta["val"].shape)
+    ]
     assert unbacked, "the export has no data-dependent shape to restore"
     restored, ref, art = _meta_roundtrip(gm, x)
     assert restored.code == gm.code
     assert torch.equal(restored(x), ref)
     for x2 in (torch.randn(6, 8), -torch.ones(6, 8)):
         assert torch.equal(restored(x2), module(x2))
-    dims = [d for n in restored.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
-            for d in n.meta["val"].shape if str(d).startswith("u")]
+    dims = [
+        d
+        for n in restored.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor)
+        for d in n.meta["val"].shape
+        if str(d).startswith("u")
+    ]
     assert dims and all(isinstance(d, torch.SymInt) for d in dims)
     assert "u0" in summarize(art)["symbols"]
 
@@ -344,8 +346,9 @@ def _handmade_graph_module() -> torch.fx.GraphModule:
     t = g.get_attr("table")
     y = g.call_function(torch.ops.aten.add, (x, t))  # OpOverloadPacket target
     s = g.call_function(operator.getitem, (y, (Ellipsis, slice(None, 2, None), slice(1, None, 2))))
-    s = g.call_method("to", (s,), {"dtype": torch.float64, "device": torch.device("cpu"),
-                                    "memory_format": torch.contiguous_format})
+    s = g.call_method(
+        "to", (s,), {"dtype": torch.float64, "device": torch.device("cpu"), "memory_format": torch.contiguous_format}
+    )
     z = g.call_function(torch.zeros, (torch.Size([2, 2, 2]),), {"dtype": torch.float64, "layout": torch.strided})
     r = g.call_function(torch.ops.aten.add.Tensor, (s, z), {"alpha": 1})
     k = g.call_function(math.sqrt, (scale,))

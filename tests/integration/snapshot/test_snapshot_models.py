@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_snapshot_support import HF_ARCHS, export_hf, roundtrip, to_meta
 
 from adstore.integration.snapshot import load_module, summarize
-
-from test_snapshot_support import HF_ARCHS, export_hf, roundtrip, to_meta
 
 
 @pytest.mark.parametrize("arch", HF_ARCHS)
@@ -44,14 +43,14 @@ def test_hf_output_type_requires_allow_list():
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_hf_dynamic_sequence_export_roundtrip(arch):
     """A dynamic sequence dimension survives as a symbol: other lengths run bit-identically."""
-    from torch.export import Dim
-
     from test_snapshot_support import build_hf, real_state
+    from torch.export import Dim
 
     model = build_hf(arch)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
-    gm = torch.export.export(model, (), {"input_ids": ids},
-                             dynamic_shapes={"input_ids": {1: Dim("seq", min=2, max=64)}}).module()
+    gm = torch.export.export(
+        model, (), {"input_ids": ids}, dynamic_shapes={"input_ids": {1: Dim("seq", min=2, max=64)}}
+    ).module()
     weights = real_state(gm)
     other = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(3))
     ref = gm(input_ids=other).logits

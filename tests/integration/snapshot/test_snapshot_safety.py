@@ -17,12 +17,11 @@ import subprocess
 import pytest
 import torch
 import torch.fx
+from test_snapshot_support import to_meta
 
 from adstore.integration.errors import SnapshotError, UntrustedTarget
 from adstore.integration.snapshot import FORMAT, VERSION, dump_module, load_module, summarize
 from adstore.integration.snapshot.targets import allow_prefix, resolve_target
-
-from test_snapshot_support import to_meta
 
 REJECT = ("untrusted_target", "corrupt_snapshot")
 
@@ -64,8 +63,9 @@ def _open(art):
 
 def _craft(structure, tensors=(), hooks=b"[]"):
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "structure": json.dumps(structure),
-                "tensors": list(tensors)}, buf)
+    torch.save(
+        {"format": FORMAT, "version": VERSION, "structure": json.dumps(structure), "tensors": list(tensors)}, buf
+    )
     return {"module.pt": buf.getvalue(), "hooks.json": hooks}
 
 
@@ -146,11 +146,25 @@ def test_deeply_nested_structure_is_corrupt(fx_art):
 
 
 # ----------------------------------------------------------------------------- graph targets
-@pytest.mark.parametrize("qualname", [
-    "os.system", "posix.system", "subprocess.Popen", "subprocess.run", "builtins.eval", "builtins.exec",
-    "builtins.__import__", "builtins.open", "torch.os.system", "torch.hub.load", "torch.load",
-    "torch.serialization.pickle.loads", "torch.utils.cpp_extension.load_inline", "nosuch.module.fn",
-])
+@pytest.mark.parametrize(
+    "qualname",
+    [
+        "os.system",
+        "posix.system",
+        "subprocess.Popen",
+        "subprocess.run",
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.__import__",
+        "builtins.open",
+        "torch.os.system",
+        "torch.hub.load",
+        "torch.load",
+        "torch.serialization.pickle.loads",
+        "torch.utils.cpp_extension.load_inline",
+        "nosuch.module.fn",
+    ],
+)
 def test_untrusted_call_function_target_rejected(fx_art, sentinel, qualname):
     structure, tensors = _open(fx_art)
     graph = structure["tree"]["graph"]
@@ -179,8 +193,10 @@ def _poison(art, qualname, sentinel, wired):
     graph = structure["tree"]["graph"]
     graph["targets"].append(qualname)
     nodes = graph["nodes"]
-    nodes.insert(len(nodes) - 1, ["pwn", "call_function", len(graph["targets"]) - 1,
-                                  _DANGEROUS[qualname](sentinel), ["d"], None, {}])
+    nodes.insert(
+        len(nodes) - 1,
+        ["pwn", "call_function", len(graph["targets"]) - 1, _DANGEROUS[qualname](sentinel), ["d"], None, {}],
+    )
     if wired:
         nodes[-1][3] = ["t", ["t", nodes[-1][3][1], ["n", len(nodes) - 2]]]
     return _craft(structure, tensors)
@@ -206,27 +222,57 @@ def test_torch_functions_that_run_code_are_not_allow_listed(sentinel, tmp_path, 
     assert control.exists(), "the control payload did not run: the test would prove nothing"
 
 
-@pytest.mark.parametrize("qualname", [
-    "torch.ops.aten.add.Tensor", "torch.add", "torch.Tensor.add", "torch.nn.functional.silu",
-    "torch._C._nn.linear", "torch.sym_int", "operator.getitem", "math.sqrt", "builtins.len",
-    "torch.nn.modules.linear.Linear", "torch.fx.graph_module.GraphModule", "torch.Size",
-])
+@pytest.mark.parametrize(
+    "qualname",
+    [
+        "torch.ops.aten.add.Tensor",
+        "torch.add",
+        "torch.Tensor.add",
+        "torch.nn.functional.silu",
+        "torch._C._nn.linear",
+        "torch.sym_int",
+        "operator.getitem",
+        "math.sqrt",
+        "builtins.len",
+        "torch.nn.modules.linear.Linear",
+        "torch.fx.graph_module.GraphModule",
+        "torch.Size",
+    ],
+)
 def test_positive_list_accepts_what_graphs_contain(qualname):
     assert resolve_target(qualname) is not None
 
 
-@pytest.mark.parametrize("qualname", [
-    "torch.save", "torch.jit.CompilationUnit", "torch.autograd.Function", "torch.Tensor.untyped_storage",
-    "torch.ops.load_library", "torch.ops.aten.__class__", "adstore.store.fsutil.atomic_write",
-    "torch.utils.data.DataLoader", "torch.nn.Module.load_state_dict",
-])
+@pytest.mark.parametrize(
+    "qualname",
+    [
+        "torch.save",
+        "torch.jit.CompilationUnit",
+        "torch.autograd.Function",
+        "torch.Tensor.untyped_storage",
+        "torch.ops.load_library",
+        "torch.ops.aten.__class__",
+        "adstore.store.fsutil.atomic_write",
+        "torch.utils.data.DataLoader",
+        "torch.nn.Module.load_state_dict",
+    ],
+)
 def test_positive_list_refuses_the_rest_of_torch(qualname):
     with pytest.raises(UntrustedTarget):
         resolve_target(qualname)
 
 
-@pytest.mark.parametrize("cls", ["subprocess.Popen", "os._wrap_close", "collections.OrderedDict",
-                                 "torch.Tensor", "nosuch.Module", "builtins.object"])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        "subprocess.Popen",
+        "os._wrap_close",
+        "collections.OrderedDict",
+        "torch.Tensor",
+        "nosuch.Module",
+        "builtins.object",
+    ],
+)
 def test_untrusted_module_class_rejected(fx_art, sentinel, cls):
     structure, tensors = _open(fx_art)
     structure["tree"]["children"][0][1]["class"] = cls
@@ -277,14 +323,17 @@ def test_untrusted_callable_in_meta_val_rejected(export_art):
 
 
 # ----------------------------------------------------------------------------- code injection into generated source
-@pytest.mark.parametrize("field, value", [
-    ("name", "x = __import__('os').system('touch {s}')"),
-    ("placeholder", "x=__import__('os').system('touch {s}')"),
-    ("get_attr", "__class__.__init__.__globals__"),
-    ("call_method", "__reduce_ex__"),
-    ("call_module", "lin.__class__"),
-    ("orig_args", "x=__import__('os').system('touch {s}')"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("name", "x = __import__('os').system('touch {s}')"),
+        ("placeholder", "x=__import__('os').system('touch {s}')"),
+        ("get_attr", "__class__.__init__.__globals__"),
+        ("call_method", "__reduce_ex__"),
+        ("call_module", "lin.__class__"),
+        ("orig_args", "x=__import__('os').system('touch {s}')"),
+    ],
+)
 def test_injection_into_generated_code_rejected(fx_art, export_art, sentinel, field, value):
     value = value.format(s=sentinel)
     structure, tensors = _open(export_art if field == "orig_args" else fx_art)
@@ -320,22 +369,25 @@ def test_bad_structure_records_are_corrupt(fx_art):
 
 
 # ----------------------------------------------------------------------------- hooks.json
-@pytest.mark.parametrize("params", [
-    {"kind": "function", "qualname": "os.system"},
-    {"kind": "partial", "target": {"kind": "function", "qualname": "builtins.exec"}, "keywords": {}},
-    {"kind": "instance", "owner_class": "subprocess.Popen", "owner_state": {"args": "touch x"}},
-    {"kind": "method", "bound": "owner", "owner_class": "torch.nn.Linear", "owner_state": {}, "func": "forward"},
-    {"kind": "method", "bound": "module", "func": "os.system"},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kind": "function", "qualname": "os.system"},
+        {"kind": "partial", "target": {"kind": "function", "qualname": "builtins.exec"}, "keywords": {}},
+        {"kind": "instance", "owner_class": "subprocess.Popen", "owner_state": {"args": "touch x"}},
+        {"kind": "method", "bound": "owner", "owner_class": "torch.nn.Linear", "owner_state": {}, "func": "forward"},
+        {"kind": "method", "bound": "module", "func": "os.system"},
+    ],
+)
 def test_poisoned_hook_specs_rejected(fx_art, sentinel, params):
-    hooks = json.dumps([{"type": "importable", "scope": "", "phase": "pre", "with_module": False,
-                         "params": params}]).encode()
+    hooks = json.dumps(
+        [{"type": "importable", "scope": "", "phase": "pre", "with_module": False, "params": params}]
+    ).encode()
     _rejected({**fx_art, "hooks.json": hooks}, "untrusted_target")
 
 
 def test_unknown_hook_type_is_unsupported(fx_art):
-    hooks = json.dumps([{"type": "pickle", "scope": "", "phase": "pre", "with_module": False,
-                         "params": {}}]).encode()
+    hooks = json.dumps([{"type": "pickle", "scope": "", "phase": "pre", "with_module": False, "params": {}}]).encode()
     _rejected({**fx_art, "hooks.json": hooks}, "unsupported_hook")
 
 
@@ -365,6 +417,7 @@ def test_allow_prefix_registry_is_narrow(monkeypatch):
 
 
 # -- attribute walks at forward time -------------------------------------------------------------
+
 
 def _graph_with(build) -> dict[str, bytes]:
     import builtins  # noqa: F401  (the graph names builtins.getattr)
@@ -397,8 +450,18 @@ def test_plain_getattr_and_methods_still_restore():
     assert torch.equal(gm(t), t.T.reshape(-1))
 
 
-@pytest.mark.parametrize("qualname", ["torch", "torch.nn", "builtins.getattr", "builtins.hasattr",
-                                      "operator.attrgetter", "operator.methodcaller", "operator.call"])
+@pytest.mark.parametrize(
+    "qualname",
+    [
+        "torch",
+        "torch.nn",
+        "builtins.getattr",
+        "builtins.hasattr",
+        "operator.attrgetter",
+        "operator.methodcaller",
+        "operator.call",
+    ],
+)
 def test_modules_and_attribute_getters_are_not_values(qualname):
     from adstore.integration.snapshot.values import ValueDecoder
 

@@ -41,8 +41,16 @@ def build_hf(arch: str, seed: int = 0) -> torch.nn.Module:
     """A 2-layer, hidden-64 causal LM of ``arch`` with random weights (no downloads)."""
     import transformers as tf
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     table = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),

@@ -11,15 +11,18 @@ import torch.fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adstore.integration.snapshot.values import LAYOUTS, MEMORY_FORMATS, ValueDecoder, ValueEncoder
 from adstore.integration.snapshot.tensor_meta import DTYPES, SymbolTable, SymDecoder
+from adstore.integration.snapshot.values import LAYOUTS, MEMORY_FORMATS, ValueDecoder, ValueEncoder
 
 _graph = torch.fx.Graph()
 NODES = [_graph.placeholder(f"x{i}") for i in range(4)]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
     st.sampled_from(sorted(DTYPES.values(), key=str)),
     st.sampled_from([torch.device("cpu"), torch.device("meta"), torch.device("cuda", 1)]),
     st.sampled_from(sorted(LAYOUTS.values(), key=str)),
@@ -49,7 +52,7 @@ def same(a, b) -> bool:
     if isinstance(a, float):
         return (math.isnan(a) and math.isnan(b)) or a == b
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, torch.fx.Node):
@@ -67,8 +70,7 @@ def test_value_roundtrip(v):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(min_value=2, max_value=512), min_size=1, max_size=3),
-       st.integers(min_value=1, max_value=7))
+@given(st.lists(st.integers(min_value=2, max_value=512), min_size=1, max_size=3), st.integers(min_value=1, max_value=7))
 def test_symbolic_expression_roundtrip(hints, k):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils._sympy.functions import FloorDiv, Max, Mod
@@ -79,6 +81,7 @@ def test_symbolic_expression_roundtrip(hints, k):
         s = sympy.Symbol(f"s{i}", integer=True, positive=True)
         env.add_backed_var_to_val(s, h)
         from torch.utils._sympy.value_ranges import ValueRanges
+
         env._update_var_to_range(s, ValueRanges(2, 1024))
         syms.append(s)
     exprs = [syms[0] * k, FloorDiv(syms[0], k), Mod(syms[0], k), sum(syms) + k, Max(syms[0], syms[-1])]
@@ -119,7 +122,7 @@ def test_symint_args_keep_expression_and_hint(hint, k):
     assert type(out["size"]) is torch.Size and type(out["pair"]) is tuple and type(out["pair"][1]) is list
     flat_in = [value["size"][0], value["pair"][0], *value["pair"][1]]
     flat_out = [out["size"][0], out["pair"][0], *out["pair"][1]]
-    for a, b in zip(flat_in, flat_out):
+    for a, b in zip(flat_in, flat_out, strict=True):
         assert isinstance(b, torch.SymInt)
         assert str(b.node.expr) == str(a.node.expr)
         assert b.node.hint == a.node.hint and int(b.node.hint) == int(a.node.hint)

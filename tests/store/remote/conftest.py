@@ -111,5 +111,8 @@ def private_server(tmp_path, monkeypatch):
 
 
 def _creds() -> dict[str, str]:
-    return {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
-            "region_name": S3_ENV["AWS_DEFAULT_REGION"]}
+    return {
+        "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "region_name": S3_ENV["AWS_DEFAULT_REGION"],
+    }

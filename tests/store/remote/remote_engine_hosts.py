@@ -45,8 +45,14 @@ def engine_host(root: str, env: dict[str, str], seed: int = 1) -> dict[str, Any]
     finally:
         front.close()
         backend.close()
-    return {"kind": str(engine.event.kind), "reason": None if engine.event.reason is None else str(engine.event.reason),
-            "source": str(engine.event.source), "transferred": engine.event.transferred,
-            "compiles": front.counters["compiles"], "hash": engine.hash,
-            "output": hashlib.sha256(out.detach().contiguous().numpy().tobytes()).hexdigest(),
-            "matches_eager": bool(torch.allclose(out, eager, atol=1e-5)), "counters": counters}
+    return {
+        "kind": str(engine.event.kind),
+        "reason": None if engine.event.reason is None else str(engine.event.reason),
+        "source": str(engine.event.source),
+        "transferred": engine.event.transferred,
+        "compiles": front.counters["compiles"],
+        "hash": engine.hash,
+        "output": hashlib.sha256(out.detach().contiguous().numpy().tobytes()).hexdigest(),
+        "matches_eager": bool(torch.allclose(out, eager, atol=1e-5)),
+        "counters": counters,
+    }

@@ -82,8 +82,9 @@ class FaultProxy:
                 upstream = self._track(socket.create_connection(self.upstream, timeout=30))
                 limit = 64 << 10 if mode == "cut" else None
                 flip = 64 << 10 if mode == "flip" else None
-                threading.Thread(target=self._pump, args=(upstream, client, False, limit, flip, mode == "drip"),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._pump, args=(upstream, client, False, limit, flip, mode == "drip"), daemon=True
+                ).start()
                 self._pump(client, upstream, True)
             elif mode == "reset":
                 client.recv(65536)
@@ -100,15 +101,23 @@ class FaultProxy:
                         if not chunk:
                             return
                         head += chunk
-                    client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                   b"Connection: close\r\n\r\n")
+                    client.sendall(
+                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    )
                     client.close()
                     return
         except OSError:
             pass
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool, limit: int | None = None,
-              flip: int | None = None, drip: bool = False) -> None:
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        record: bool,
+        limit: int | None = None,
+        flip: int | None = None,
+        drip: bool = False,
+    ) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
@@ -121,7 +130,7 @@ class FaultProxy:
                         break
                 if flip is not None:
                     if flip < len(data):
-                        data = data[:flip] + bytes([data[flip] ^ 0xFF]) + data[flip + 1:]
+                        data = data[:flip] + bytes([data[flip] ^ 0xFF]) + data[flip + 1 :]
                         flip = None
                     else:
                         flip -= len(data)
@@ -132,7 +141,7 @@ class FaultProxy:
                     for i in range(len(data)):
                         if self._stop.is_set():
                             return
-                        dst.sendall(data[i:i + 1])
+                        dst.sendall(data[i : i + 1])
                         time.sleep(0.05)
                     continue
                 dst.sendall(data)

@@ -118,8 +118,11 @@ class FaultServer:
                 self._drip(sock, head, fault.interval)  # type: ignore[union-attr]
                 sock.sendall(data if body else b"")
                 return
-            declared = {"long_length": len(data) + 1000, "short_length": max(0, len(data) - 10),
-                        "endless": 100 * 10**9}.get(mode, len(data))
+            declared = {
+                "long_length": len(data) + 1000,
+                "short_length": max(0, len(data) - 10),
+                "endless": 100 * 10**9,
+            }.get(mode, len(data))
             h.send_response(200)
             h.send_header("Content-Length", str(declared))
             h.end_headers()
@@ -127,8 +130,8 @@ class FaultServer:
                 return
             if mode == "drip":
                 assert fault is not None
-                sock.sendall(data[:fault.head])
-                self._drip(sock, data[fault.head:], fault.interval)
+                sock.sendall(data[: fault.head])
+                self._drip(sock, data[fault.head :], fault.interval)
             elif mode == "endless":
                 zeros = bytes(1 << 16)
                 while not self._stop.is_set():
@@ -143,5 +146,5 @@ class FaultServer:
         for i in range(len(data)):
             if self._stop.is_set():
                 return
-            sock.sendall(data[i:i + 1])
+            sock.sendall(data[i : i + 1])
             time.sleep(interval)

@@ -80,16 +80,22 @@ def _wait_ready(server: Server, path: str) -> Server:
 
 def _spawn(kind: str, args: list[str], log: Path, port: int, root: Path | None = None) -> Server:
     out = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env={**os.environ, **S3_ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **S3_ENV},
+    )
     out.close()
     return Server(kind, proc, port, log, root)
 
 
 def start_moto(workdir: Path) -> Server:
     port = free_port()
-    server = _spawn("moto_server", ["moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                    workdir / f"moto-{port}.log", port)
+    server = _spawn(
+        "moto_server", ["moto.server", "-H", "127.0.0.1", "-p", str(port)], workdir / f"moto-{port}.log", port
+    )
     return _wait_ready(server, "/moto-api/")
 
 
@@ -97,6 +103,23 @@ def start_webdav(workdir: Path) -> Server:
     port = free_port()
     root = workdir / f"dav-{port}"
     root.mkdir(parents=True)
-    server = _spawn("wsgidav", ["wsgidav.server.server_cli", "-H", "127.0.0.1", "-p", str(port), "-r", str(root),
-                                "--auth", "anonymous", "--no-config", "-q"], workdir / f"dav-{port}.log", port, root)
+    server = _spawn(
+        "wsgidav",
+        [
+            "wsgidav.server.server_cli",
+            "-H",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-r",
+            str(root),
+            "--auth",
+            "anonymous",
+            "--no-config",
+            "-q",
+        ],
+        workdir / f"dav-{port}.log",
+        port,
+        root,
+    )
     return _wait_ready(server, "/")

@@ -10,8 +10,17 @@ import multiprocessing
 import os
 from typing import Any
 
-__all__ = ["ARTIFACTS", "on_host", "save_and_push", "restore", "digests", "pipeline_host", "dist_rank_host",
-           "cold_start_race", "dist_hosts_race"]
+__all__ = [
+    "ARTIFACTS",
+    "on_host",
+    "save_and_push",
+    "restore",
+    "digests",
+    "pipeline_host",
+    "dist_rank_host",
+    "cold_start_race",
+    "dist_hosts_race",
+]
 
 #: name -> size of the artifacts a host saves (one file-sized, one inline-sized).
 ARTIFACTS = {"weights.bin": 3 << 20, "graph.json": 300}
@@ -39,8 +48,14 @@ def save_and_push(root: str, url: str, private_pem: bytes, key: str, seed: int) 
         remote = open_remote(url, mode="read-write", signer=Signer.from_pem(private_pem))
         out = remote_save(store, remote, key)
         again = remote_save(store, remote, key)
-        return {"reason": out.reason, "sent": out.value, "again_sent": again.value, "generation": gen,
-                "digests": digests(blobs), "counters": store.stats().counters}
+        return {
+            "reason": out.reason,
+            "sent": out.value,
+            "again_sent": again.value,
+            "generation": gen,
+            "digests": digests(blobs),
+            "counters": store.stats().counters,
+        }
 
 
 def restore(root: str, url: str, public_pem: bytes, key: str) -> dict[str, Any]:
@@ -55,9 +70,16 @@ def restore(root: str, url: str, public_pem: bytes, key: str) -> dict[str, Any]:
         out = remote_restore(store, remote, key, 0, 1)
         after = store.lookup(key)
         read = {n: store.read_artifact(after.manifest, n) for n in after.manifest.artifacts} if after.hit else {}
-        return {"before": str(before.reason), "reason": out.reason, "nbytes": out.nbytes, "hit": after.hit,
-                "generation": after.generation, "digests": digests(read), "counters": store.stats().counters,
-                "components": store.entry(key).components if after.hit else None}
+        return {
+            "before": str(before.reason),
+            "reason": out.reason,
+            "nbytes": out.nbytes,
+            "hit": after.hit,
+            "generation": after.generation,
+            "digests": digests(read),
+            "counters": store.stats().counters,
+            "components": store.entry(key).components if after.hit else None,
+        }
 
 
 def on_host(fn, *args: Any) -> Any:
@@ -67,10 +89,9 @@ def on_host(fn, *args: Any) -> Any:
         return pool.apply(fn, args)
 
 
-
-
-def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, Any],
-                  compile: dict[str, Any] | None = None) -> dict[str, Any]:
+def pipeline_host(
+    root: str, ckpt: str, env: dict[str, str], model: dict[str, Any], compile: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One host running the reference pipeline with a remote tier; its events and a digest of its outputs.
 
     ``compile``: the compile stage's options (default: the reference pipeline's, eager).
@@ -84,8 +105,9 @@ def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, An
     from adstore.store import Store
 
     factory = ModelFactory.from_config(model)
-    opt = InferenceOptimizer(factory, ckpt, default_transforms(pipeline_cache={"root": root},
-                                                               **({"compile": compile} if compile else {})))
+    opt = InferenceOptimizer(
+        factory, ckpt, default_transforms(pipeline_cache={"root": root}, **({"compile": compile} if compile else {}))
+    )
     module = opt()
     with torch.no_grad():
         out = module(*factory.example_inputs())
@@ -94,9 +116,11 @@ def pipeline_host(root: str, ckpt: str, env: dict[str, str], model: dict[str, An
         tensor = out[0]
     with Store.open(root) as store:
         counters = {k: v for k, v in store.stats().counters.items() if k.startswith("remote.")}
-    return {"events": [e.to_dict() for e in opt.events],
-            "output": hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest(),
-            "counters": counters}
+    return {
+        "events": [e.to_dict() for e in opt.events],
+        "output": hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest(),
+        "counters": counters,
+    }
 
 
 def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], queue: Any) -> None:
@@ -116,8 +140,9 @@ def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], q
     try:
         from adstore.integration.pipeline.optimizer import InferenceOptimizer  # noqa: F401  (imports before the start)
 
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=300 if start is not None else 120))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300 if start is not None else 120)
+        )
         if start is not None:
             start.wait(300)
         result = pipeline_host(job["roots"][rank], job["checkpoint"], {}, job["model"])
@@ -131,8 +156,15 @@ def dist_rank_host(rank: int, world_size: int, port: int, job: dict[str, Any], q
             pass
 
 
-def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, str], model: dict[str, Any],
-                 compile: dict[str, Any] | None = None) -> None:
+def _flight_host(
+    barrier: Any,
+    out: Any,
+    root: str,
+    ckpt: str,
+    env: dict[str, str],
+    model: dict[str, Any],
+    compile: dict[str, Any] | None = None,
+) -> None:
     import traceback
 
     try:
@@ -145,8 +177,9 @@ def _flight_host(barrier: Any, out: Any, root: str, ckpt: str, env: dict[str, st
         out.put({"error": traceback.format_exc()})
 
 
-def cold_start_race(roots: list[str], ckpt: str, env: dict[str, str], model: dict[str, Any],
-                    compile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def cold_start_race(
+    roots: list[str], ckpt: str, env: dict[str, str], model: dict[str, Any], compile: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """``len(roots)`` spawned hosts start the same cold pipeline at once; each one's :func:`pipeline_host` result."""
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(len(roots)), ctx.Queue()
@@ -170,6 +203,8 @@ def dist_hosts_race(jobs: list[dict[str, Any]], world_size: int, timeout: float 
 
     start = multiprocessing.get_context("spawn").Barrier(len(jobs) * world_size)
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(run_ranks, {**job, "start": start}, world_size, target=dist_rank_host,
-                               timeout=timeout) for job in jobs]
+        futures = [
+            pool.submit(run_ranks, {**job, "start": start}, world_size, target=dist_rank_host, timeout=timeout)
+            for job in jobs
+        ]
         return [sorted(f.result(), key=lambda r: r["rank"]) for f in futures]

@@ -12,8 +12,9 @@ from adstore.store.remote import Signer, SingleFlight, TrustedKeys, open_remote
 
 def race(url: str, key: str, barrier, out, build_seconds: float, private_pem: bytes, public_pem: bytes) -> None:
     """One host starting the cold ``key``: lead (build, publish, release) or follow (wait, restore)."""
-    r = open_remote(url, mode="read-write", timeout=5, signer=Signer.from_pem(private_pem),
-                    trusted=TrustedKeys.from_pem(public_pem))
+    r = open_remote(
+        url, mode="read-write", timeout=5, signer=Signer.from_pem(private_pem), trusted=TrustedKeys.from_pem(public_pem)
+    )
     flight_ctl = SingleFlight(r, settle=0.5, poll_min=0.05, poll_max=0.2)  # settle: the test servers check-then-write
     barrier.wait(60)
     flight = flight_ctl.acquire(key, ttl=30)
@@ -35,8 +36,10 @@ def run_race(url: str, private_pem: bytes, public_pem: bytes, *, n: int = 8, bui
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(n), ctx.Queue()
     key = f"cold-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=race, args=(url, key, barrier, out, build_seconds, private_pem, public_pem))
-             for _ in range(n)]
+    procs = [
+        ctx.Process(target=race, args=(url, key, barrier, out, build_seconds, private_pem, public_pem))
+        for _ in range(n)
+    ]
     for p in procs:
         p.start()
     try:

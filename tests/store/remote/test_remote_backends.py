@@ -94,14 +94,20 @@ def test_put_if_absent_creates_once(writer):
     assert b.get(Kind.AC, d) == b"first"
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61, "a" * 63 + "/", 42, None,
-                                 "a" * 64 + "\n"])
+@pytest.mark.parametrize(
+    "bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61, "a" * 63 + "/", 42, None, "a" * 64 + "\n"]
+)
 def test_digests_are_validated_before_anything_is_sent(remote_url, bad):
     r = open_remote(remote_url, mode="read-write", timeout=2)
     b = r.backend
-    for call in (lambda: b.get(Kind.CAS, bad), lambda: b.head(Kind.AC, bad), lambda: b.put(Kind.CAS, bad, b"x"),
-                 lambda: b.put_if_absent(Kind.AC, bad, b"x"), lambda: b.delete(Kind.CAS, bad),
-                 lambda: b.get_to(Kind.CAS, bad, io.BytesIO(), 1)):
+    for call in (
+        lambda: b.get(Kind.CAS, bad),
+        lambda: b.head(Kind.AC, bad),
+        lambda: b.put(Kind.CAS, bad, b"x"),
+        lambda: b.put_if_absent(Kind.AC, bad, b"x"),
+        lambda: b.delete(Kind.CAS, bad),
+        lambda: b.get_to(Kind.CAS, bad, io.BytesIO(), 1),
+    ):
         with pytest.raises(InvalidDigest):
             call()
     # the public layer turns it into an outcome, and nothing reached the server

@@ -98,8 +98,16 @@ def seal_record(server, signer, payload: dict, key: str = KEY, rank: int = 0) ->
 
 def payload(**fields) -> dict:
     digest = hashlib.sha256(b"x").hexdigest()
-    base = {"format": 1, "namespace": "default", "world_size": 1, "generation": 7, "components": {},
-            "meta": {}, "created": 1.7e9, "artifacts": {"big": [digest, 1]}}
+    base = {
+        "format": 1,
+        "namespace": "default",
+        "world_size": 1,
+        "generation": 7,
+        "components": {},
+        "meta": {},
+        "created": 1.7e9,
+        "artifacts": {"big": [digest, 1]},
+    }
     base.update(fields)
     return {k: v for k, v in base.items() if v is not ...}
 
@@ -134,18 +142,40 @@ def nested(depth: int) -> dict:
     return value
 
 
-@pytest.mark.parametrize("fields", [
-    {"generation": "abc"}, {"generation": ...}, {"artifacts": {"a": [hashlib.sha256(b"x").hexdigest()]}},
-    {"artifacts": {"a": [hashlib.sha256(b"x").hexdigest(), "many"]}}, {"components": ["a", "list"]},
-    {"components": nested(500)}, {"artifacts": {"../../etc": [hashlib.sha256(b"x").hexdigest(), 1]}},
-    {"world_size": 0}, {"namespace": "a\nb"},
-], ids=["generation-text", "no-generation", "no-size", "size-text", "components-list", "nesting-500",
-        "artifact-path", "world-size-0", "namespace-newline"])
-def test_a_malformed_signed_record_is_a_one_line_miss_before_any_blob(fields, server, signer, trusted, tmp_path,
-                                                                     caplog, capfd):
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"generation": "abc"},
+        {"generation": ...},
+        {"artifacts": {"a": [hashlib.sha256(b"x").hexdigest()]}},
+        {"artifacts": {"a": [hashlib.sha256(b"x").hexdigest(), "many"]}},
+        {"components": ["a", "list"]},
+        {"components": nested(500)},
+        {"artifacts": {"../../etc": [hashlib.sha256(b"x").hexdigest(), 1]}},
+        {"world_size": 0},
+        {"namespace": "a\nb"},
+    ],
+    ids=[
+        "generation-text",
+        "no-generation",
+        "no-size",
+        "size-text",
+        "components-list",
+        "nesting-500",
+        "artifact-path",
+        "world-size-0",
+        "namespace-newline",
+    ],
+)
+def test_a_malformed_signed_record_is_a_one_line_miss_before_any_blob(
+    fields, server, signer, trusted, tmp_path, caplog, capfd
+):
     seal_record(server, signer, payload(**fields))
     server.objects[f"cas/{hashlib.sha256(b'x').hexdigest()}"] = b"x"
-    with caplog.at_level(logging.DEBUG, logger="adstore"), Store(tmp_path / "reader", remote=reader(server, trusted)) as store:
+    with (
+        caplog.at_level(logging.DEBUG, logger="adstore"),
+        Store(tmp_path / "reader", remote=reader(server, trusted)) as store,
+    ):
         res = store.lookup(KEY)
         assert not res.hit and res.reason == "corrupt_record"
     assert server.asked("cas") == 0

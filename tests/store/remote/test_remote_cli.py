@@ -45,8 +45,13 @@ def test_push_then_pull_on_another_root(setup, capsys):
     with Store.open(b) as store:
         assert store.lookup("cli-key-1").hit
     code, data, _ = run(capsys, "--root", str(b), "pull", "cli-key-1", "--json")  # already local: no transfer
-    assert code == 0 and data["results"][0] == {"key": "cli-key-1", "rank": 0, "bytes": 0, "reason": None,
-                                                "source": "local"}
+    assert code == 0 and data["results"][0] == {
+        "key": "cli-key-1",
+        "rank": 0,
+        "bytes": 0,
+        "reason": None,
+        "source": "local",
+    }
     code, text, _ = run(capsys, "--root", str(b), "stats")
     assert code == 0 and "Remote hits" in text and "Remote downloaded" in text
     code, data, _ = run(capsys, "--root", str(b), "remote", "--json")
@@ -73,8 +78,9 @@ def test_an_unreachable_remote_is_a_failed_check(setup, capsys):
     assert code == 1 and data["reachable"] is False and data["probe_reason"] == "remote_unavailable"
 
 
-def test_the_config_file_names_the_remote_unless_the_environment_or_a_flag_does(setup, capsys, tmp_path,
-                                                                                 monkeypatch, http_url):
+def test_the_config_file_names_the_remote_unless_the_environment_or_a_flag_does(
+    setup, capsys, tmp_path, monkeypatch, http_url
+):
     a, b = setup
     toml = tmp_path / "adstore.toml"
     toml.write_text(f'remote = "{http_url}"\nremote_mode = "read-write"\n')

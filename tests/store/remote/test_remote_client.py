@@ -67,8 +67,14 @@ def test_outcomes_never_raise(memory):
     memory.fail = RemoteUnavailable("connection refused")
     r = Remote(memory, mode="read-write", breaker=CircuitBreaker(cooldown=0))
     d = digest_of(b"x")
-    for out in (r.get(Kind.CAS, d), r.head(Kind.AC, d), r.put(Kind.AC, d, b"x"), r.fetch_record("k", 0),
-                r.push_blob(d, 1, b"x"), r.probe()):
+    for out in (
+        r.get(Kind.CAS, d),
+        r.head(Kind.AC, d),
+        r.put(Kind.AC, d, b"x"),
+        r.fetch_record("k", 0),
+        r.push_blob(d, 1, b"x"),
+        r.probe(),
+    ):
         assert not out.ok and out.reason == "remote_unavailable" and out.value is None
 
 
@@ -216,9 +222,15 @@ def test_pull_stops_at_a_missing_blob(tmp_path):
 # -- configuration --------------------------------------------------------------
 def test_config_from_env(tmp_path):
     assert not RemoteConfig.from_env({}).enabled and RemoteConfig.from_env({}).open() is None
-    cfg = RemoteConfig.from_env({"ADSTORE_REMOTE": "memory://cfg", "ADSTORE_REMOTE_MODE": "read-write",
-                                 "ADSTORE_REMOTE_TIMEOUT": "3s", "ADSTORE_REMOTE_CONNECT_TIMEOUT": "500ms",
-                                 "ADSTORE_REMOTE_COOLDOWN": "1m"})
+    cfg = RemoteConfig.from_env(
+        {
+            "ADSTORE_REMOTE": "memory://cfg",
+            "ADSTORE_REMOTE_MODE": "read-write",
+            "ADSTORE_REMOTE_TIMEOUT": "3s",
+            "ADSTORE_REMOTE_CONNECT_TIMEOUT": "500ms",
+            "ADSTORE_REMOTE_COOLDOWN": "1m",
+        }
+    )
     assert (cfg.mode, cfg.timeout, cfg.connect_timeout, cfg.cooldown) == (Mode.READ_WRITE, 3.0, 0.5, 60.0)
     r = cfg.open()
     assert r.writable and r.url == "memory://cfg" and r.breaker.base_cooldown == 60.0
@@ -234,8 +246,13 @@ def test_config_loads_keys(tmp_path, keypair):
 
     private, public = write_keypair(tmp_path / "keys")
     assert private.stat().st_mode & 0o777 == 0o600
-    r = RemoteConfig.from_env({"ADSTORE_REMOTE": "memory://keys", "ADSTORE_SIGNING_KEY": str(private),
-                               "ADSTORE_TRUSTED_KEYS": str(tmp_path / "keys")}).open()
+    r = RemoteConfig.from_env(
+        {
+            "ADSTORE_REMOTE": "memory://keys",
+            "ADSTORE_SIGNING_KEY": str(private),
+            "ADSTORE_TRUSTED_KEYS": str(tmp_path / "keys"),
+        }
+    ).open()
     assert r.signer.key_id in r.trusted and r.status()["trusted_keys"] == [r.signer.key_id]
     with pytest.raises(ConfigError):
         RemoteConfig(url="memory://k", signing_key=public).open()  # a public key is no signing key
@@ -266,8 +283,10 @@ def test_importing_the_tier_imports_neither_boto3_nor_cryptography():
     import subprocess
     import sys
 
-    code = ("import sys, adstore.store.remote as r; r.open_remote('memory://x'); "
-            "print(sorted(m for m in ('boto3', 'botocore', 'cryptography') if m in sys.modules))")
+    code = (
+        "import sys, adstore.store.remote as r; r.open_remote('memory://x'); "
+        "print(sorted(m for m in ('boto3', 'botocore', 'cryptography') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 

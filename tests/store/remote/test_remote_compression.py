@@ -26,8 +26,9 @@ from adstore.store.tiered import remote_restore, remote_save
 
 def compressible(size: int, seed: int = 0) -> bytes:
     rnd = random.Random(seed)
-    lines = [b'{"op": "call", "target": "aten.op_%d", "args": ["x%d"]}\n' % (rnd.randint(0, 50), i)
-             for i in range(3000)]
+    lines = [
+        b'{"op": "call", "target": "aten.op_%d", "args": ["x%d"]}\n' % (rnd.randint(0, 50), i) for i in range(3000)
+    ]
     return b"".join(rnd.choices(lines, k=size // 40 + 1))[:size]
 
 
@@ -76,8 +77,9 @@ def test_frames_travel_as_stored_where_the_remote_takes_them(url, signer, truste
     writer.close()
 
 
-def test_a_reader_of_format_1_misses_a_record_of_frames_without_asking_for_blobs(s3_url, signer, trusted, tmp_path,
-                                                                                monkeypatch):
+def test_a_reader_of_format_1_misses_a_record_of_frames_without_asking_for_blobs(
+    s3_url, signer, trusted, tmp_path, monkeypatch
+):
     key = f"k-{uuid.uuid4().hex[:8]}"
     _push(tmp_path, s3_url, signer, key).close()
     monkeypatch.setattr(record_format, "RECORD_FORMAT", 1)  # an adstore from before compressed blobs
@@ -100,9 +102,9 @@ def test_a_damaged_frame_on_the_remote_is_a_miss_that_commits_nothing(damage, me
     if damage == "flip":
         frame = frame[:100] + bytes([frame[100] ^ 1]) + frame[101:]
     elif damage == "bomb":  # decodes far past the recorded size, within the recorded frame size
-        frame = zstandard.ZstdCompressor(level=19).compress(b"\0" * (200 << 20))[:len(frame)]
+        frame = zstandard.ZstdCompressor(level=19).compress(b"\0" * (200 << 20))[: len(frame)]
     else:
-        frame = zstandard.ZstdCompressor(level=3).compress(compressible(1 << 20, 7))[:len(frame)]
+        frame = zstandard.ZstdCompressor(level=3).compress(compressible(1 << 20, 7))[: len(frame)]
     reader.backend.objects[name] = frame
     with Store(tmp_path / "reader") as store:
         out = remote_restore(store, reader, key, 0, 1)

@@ -99,8 +99,9 @@ def test_5xx_resets_and_hangs_through_a_proxy(kind, mode, request):
     server = server_of(kind, request)
     proxy = FaultProxy(server.port, mode=mode)
     try:
-        r = open_at(kind, proxy.endpoint, f"proxy-{uuid.uuid4().hex[:8]}", mode="read-write", timeout=0.5,
-                    connect_timeout=0.5)
+        r = open_at(
+            kind, proxy.endpoint, f"proxy-{uuid.uuid4().hex[:8]}", mode="read-write", timeout=0.5, connect_timeout=0.5
+        )
         clock = ManualClock()
         r.breaker = CircuitBreaker(cooldown=60, clock=clock)
         data = os.urandom(2000)
@@ -205,9 +206,14 @@ def test_a_read_only_client_never_sends_a_write(kind, request, tmp_path, signer,
         d = digest_of(data)
         with Store.open(tmp_path / "s", grace_period=0.0) as store:
             ref = store.put_bytes(data)
-            outs = [reader.put(Kind.CAS, d, data), reader.put_if_absent(Kind.AC, d, b"x"), reader.delete(Kind.CAS, d),
-                    reader.push_blob(d, len(data), data), reader.push_record("k", 0, {}),
-                    reader.publish("k", 0, {}, [(ref.digest, ref.size)], source=store)]
+            outs = [
+                reader.put(Kind.CAS, d, data),
+                reader.put_if_absent(Kind.AC, d, b"x"),
+                reader.delete(Kind.CAS, d),
+                reader.push_blob(d, len(data), data),
+                reader.push_record("k", 0, {}),
+                reader.publish("k", 0, {}, [(ref.digest, ref.size)], source=store),
+            ]
         assert {o.reason for o in outs} == {"remote_read_only"}
         assert SingleFlight(reader, settle=0).acquire("k").role == "solo"
         assert reader.fetch_record("k", 0).reason == "absent" and reader.head(Kind.CAS, d).value is None

@@ -27,8 +27,15 @@ from adstore.store.remote import (
 )
 from adstore.store.remote.signing import canonical_json
 
-PAYLOAD = {"key": "k", "rank": 0, "generation": 7, "format": 3, "components": {"model": {"layers": 24}},
-           "artifacts": {"module.pt": ["ab" * 32, 1234]}, "created": 1712345678.25}
+PAYLOAD = {
+    "key": "k",
+    "rank": 0,
+    "generation": 7,
+    "format": 3,
+    "components": {"model": {"layers": 24}},
+    "artifacts": {"module.pt": ["ab" * 32, 1234]},
+    "created": 1712345678.25,
+}
 
 
 def tamper(raw: bytes, fn) -> bytes:
@@ -42,9 +49,21 @@ def test_sign_and_verify(signer, trusted):
     assert v.payload == PAYLOAD and v.key_id == signer.key_id and signer.key_id in trusted
 
 
-@pytest.mark.parametrize("case", ["not json", "not an envelope", "unsigned", "wrong version", "extra field",
-                                  "tampered payload", "tampered key id", "bad base64", "short signature",
-                                  "payload not a dict"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not json",
+        "not an envelope",
+        "unsigned",
+        "wrong version",
+        "extra field",
+        "tampered payload",
+        "tampered key id",
+        "bad base64",
+        "short signature",
+        "payload not a dict",
+    ],
+)
 def test_damaged_envelopes_are_untrusted(signer, trusted, case):
     raw = signer.seal(PAYLOAD)
     bad = {
@@ -81,10 +100,21 @@ def test_canonical_bytes_survive_a_round_trip(signer, trusted):
 
 
 @settings(max_examples=50, deadline=None)
-@given(payload=st.dictionaries(st.text(max_size=8), st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-    max_leaves=20), max_size=6))
+@given(
+    payload=st.dictionaries(
+        st.text(max_size=8),
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers()
+            | st.floats(allow_nan=False, allow_infinity=False)
+            | st.text(max_size=20),
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+            max_leaves=20,
+        ),
+        max_size=6,
+    )
+)
 def test_any_json_payload_round_trips(payload):
     pair = generate_keypair()
     signer, trusted = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
@@ -117,13 +147,13 @@ def test_non_ed25519_keys_are_refused():
     from cryptography.hazmat.primitives.asymmetric import ec
 
     key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     with pytest.raises(ConfigError):
         Signer.from_pem(pem)
     with pytest.raises(ConfigError):
-        TrustedKeys.from_pem(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                           serialization.PublicFormat.SubjectPublicKeyInfo))
+        TrustedKeys.from_pem(
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
 
 
 # -- through the public layer ------------------------------------------------------

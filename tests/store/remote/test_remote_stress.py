@@ -54,5 +54,8 @@ def test_many_threads_share_one_remote(kind, request):
 @pytest.mark.parametrize("round_", range(3))
 @pytest.mark.parametrize("kind", ["s3", "http"])
 def test_repeated_lease_races(kind, round_, request, keypair):
-    check_one_build(run_race(request.getfixturevalue(f"{kind}_url"), keypair.private_pem, keypair.public_pem,
-                             n=8, build_seconds=0.2))
+    check_one_build(
+        run_race(
+            request.getfixturevalue(f"{kind}_url"), keypair.private_pem, keypair.public_pem, n=8, build_seconds=0.2
+        )
+    )

@@ -21,15 +21,8 @@ from remote_servers import BUCKET
 from remote_tier_hosts import ARTIFACTS, on_host, restore, save_and_push
 
 from adstore.store import Store
-from adstore.store.remote import (
-    BackgroundUploader,
-    Kind,
-    Signer,
-    generate_keypair,
-    open_remote,
-    record_address,
-)
 from adstore.store.records.format import RAW_FORMAT
+from adstore.store.remote import BackgroundUploader, Kind, Signer, generate_keypair, open_remote, record_address
 from adstore.store.tiered import record_payload, remote_restore, remote_save
 
 BACKENDS = ["s3", "http"]
@@ -244,13 +237,15 @@ def test_sigkill_during_a_streamed_restore_leaves_nothing_committed(keypair, tmp
         with Store(tmp_path / "writer") as w:
             data = os.urandom(1 << 20)
             commit_entry(w, key, {"big.bin": data})
-            assert remote_save(w, open_remote(server.url, mode="read-write",
-                                              signer=Signer.from_pem(keypair.private_pem)), key).ok
+            assert remote_save(
+                w, open_remote(server.url, mode="read-write", signer=Signer.from_pem(keypair.private_pem)), key
+            ).ok
         server.fault(f"cas/{hashlib.sha256(data).hexdigest()}", "drip", interval=0.01, head=512 << 10)
         root = tmp_path / "reader"
         Store(root).close()
         child = multiprocessing.get_context("spawn").Process(
-            target=_restore_in_child, args=(str(root), server.url, keypair.public_pem, key))
+            target=_restore_in_child, args=(str(root), server.url, keypair.public_pem, key)
+        )
         child.start()
         tmp = root / "tmp"
         for _ in range(6000):  # until the blob's temp file exists and has bytes in it

@@ -7,7 +7,15 @@ import threading
 import time
 
 from adstore.store import Store
-from adstore.store.remote import BackgroundUploader, Kind, MemoryBackend, Outcome, Remote, RemoteUnavailable, record_address
+from adstore.store.remote import (
+    BackgroundUploader,
+    Kind,
+    MemoryBackend,
+    Outcome,
+    Remote,
+    RemoteUnavailable,
+    record_address,
+)
 
 
 def test_publishes_in_the_background_and_flushes(tmp_path, signer, trusted):
@@ -76,7 +84,7 @@ r = open_remote("memory://exit", mode="read-write")
 up = BackgroundUploader(r, exit_flush=10)
 def job():
     time.sleep(0.3)
-    open({str(tmp_path / 'done')!r}, "w").write("ok")
+    open({str(tmp_path / "done")!r}, "w").write("ok")
     return Outcome()
 up.submit(job)
 """
