@@ -1,7 +1,7 @@
 """adstore.daemon: the eviction daemon, its configuration and the ``adstore`` CLI.
 
-The daemon keeps a store within a disk budget (README, "Configuration" and
-"systemd"); the CLI inspects and maintains a store (README, "CLI").  Only the
+The daemon keeps a store within a disk budget (docs/configuration.md,
+"The daemon"); the CLI inspects and maintains a store (docs/cli.md).  Only the
 configuration is imported eagerly: the daemon (watchdog) and the CLI load on
 first use, and nothing here imports torch.
 """

@@ -72,7 +72,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidKey, 3),  # text that cannot be a key (not UTF-8): no entry has it
     (AlreadyRunning, 5),
     (FeatureUnavailable, 6),
-    (RemoteFailed, 14),  # push/pull could not transfer some keys (README, "Remote tier")
+    (RemoteFailed, 14),  # push/pull could not transfer some keys (docs/cli.md, "Exit codes")
     (UnsupportedFilesystem, 7),
     (UnsafeRoot, 7),
     (IncompatibleStore, 7),
@@ -135,7 +135,7 @@ def report_error(exc: BaseException, *, where: str, json_out: bool) -> int:
 
     One line on stderr; with ``--json`` also one object on stdout,
     ``{"error": {"reason", "message", "exit_code"}}`` plus the error's
-    ``details`` when it carries them (README, "CLI").
+    ``details`` when it carries them (docs/cli.md, "JSON output and errors").
     """
     code = exit_code_for(exc)
     message = _message(exc)

@@ -1,10 +1,10 @@
-"""Typed, frozen configuration of the eviction daemon (README, "Configuration").
+"""Typed, frozen configuration of the eviction daemon (docs/configuration.md, "The daemon").
 
 Every daemon setting is declared once, as an attribute of :class:`DaemonConfig`
 made with :func:`setting` (its kind, default and help).  That one table,
 :data:`SETTINGS`, drives everything else: loading the TOML file, the flags of
 ``adstore daemon`` and their help, :meth:`DaemonConfig.describe` (the daemon's
-status file and ``--json``) and the README's configuration table
+status file and ``--json``) and the configuration table of the docs
 (:func:`settings_table`).  Adding a setting is one attribute here plus a
 (commented) line in ``systemd/adstore.toml``; a test checks both.
 
@@ -52,7 +52,7 @@ class Kind:
 
     metavar: str
     parse: Callable[[object, str], Any]  # raw value, field name -> typed value
-    show: Callable[[Any], str] = lambda v: str(v)  # typed value -> TOML text (README, --help)
+    show: Callable[[Any], str] = lambda v: str(v)  # typed value -> TOML text (docs, --help)
     dump: Callable[[Any], Any] = lambda v: v  # typed value -> JSON-safe value
 
 
@@ -148,14 +148,14 @@ REMOTE_MODE = Kind("MODE", _parse_remote_mode, lambda v: f'"{v}"')
 # ---------------------------------------------------------------- the table
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One row of the configuration table: a TOML key, a flag, a README row."""
+    """One row of the configuration table: a TOML key, a flag, a row of the docs' table."""
 
     name: str
     kind: Kind
     default: Any
     help: str
     check: Callable[[Any], str | None] | None = None  # a problem with a typed value, or None
-    shown_default: str | None = None  # README text when the default is not a value
+    shown_default: str | None = None  # the docs' text when the default is not a value
 
     @property
     def flag(self) -> str:
@@ -412,7 +412,7 @@ DaemonConfig.KEYS = tuple(row.name for row in SETTINGS)
 
 
 def settings_table() -> str:
-    """The README's configuration table (markdown), generated from :data:`SETTINGS`."""
+    """The configuration table (markdown) of docs/configuration.md, "The daemon", generated from :data:`SETTINGS`."""
     lines = ["| setting | flag | default | meaning |", "|---|---|---|---|"]
     for row in SETTINGS:
         flag = f"`{row.flag}`" if row.name == "root" else f"`{row.flag} {row.kind.metavar}`"

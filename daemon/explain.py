@@ -1,4 +1,4 @@
-"""``adstore explain KEY [KEY]``: an entry's key components, or how two entries' differ (README, "CLI").
+"""``adstore explain KEY [KEY]``: an entry's key components, or how two entries differ (docs/cli.md, "adstore explain").
 
 Two entries that differ only in their environment (torch, Python ABI, CPU,
 GPU: the ``env`` component of pipeline entries, ``toolchain`` of engines)

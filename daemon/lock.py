@@ -6,7 +6,7 @@ SIGKILL), so there is nothing stale to clean up.  The file is never replaced
 (a rename would hand a fresh, unlocked inode to the next daemon); it only
 records the holder's pid for the error message of a second daemon.
 
-A store may be shared by a group (README, "A store shared by several users"),
+A store may be shared by a group (docs/configuration.md, "A store shared by several users"),
 so the lock file is hostile ground: it is created with ``O_EXCL`` and opened
 with ``O_NOFOLLOW`` (a symlink planted there is refused as ``unsafe_root``,
 never followed to another user's file), checked to be a regular file with one
@@ -14,7 +14,7 @@ link, owned by us, the root's owner or the store's group, and written only
 once the lock is held.  A new lock file gets the store's group-shared mode
 whatever the creator's umask, so no member locks the others out.  Holding an
 ``flock`` needs no disk space; recording the pid may, so on a full disk the
-pid is left out and the daemon still starts (README, "Reliability").
+pid is left out and the daemon still starts (docs/reliability.md, "What the suites do").
 
 The status file ``<root>/daemon.status.json`` is published with the store's
 atomic-write helper after every enforcement pass; ``adstore stats`` shows it

@@ -25,7 +25,7 @@ __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon
 
 # ---------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace, ctx: Context) -> int:
-    # A repair first replaces an index that cannot even be opened (README, "Damage and repair").
+    # A repair first replaces an index that cannot even be opened (docs/operations.md, "Damage and repair").
     rebuilt = Store.repair_index(ctx.root) if args.fix else None
     store = ctx.store(create=args.fix)  # only a repair may create what is missing
     with Progress("verifying blobs", stream=ctx.err, delay=0.3) as progress:

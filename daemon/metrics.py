@@ -1,7 +1,7 @@
 """Prometheus metrics of a store, in the text format node-exporter's textfile collector reads.
 
 The daemon writes them to ``metrics_path`` after every enforcement pass and
-``adstore stats --prometheus`` prints the same text (README, "Metrics").  Every
+``adstore stats --prometheus`` prints the same text (docs/cli.md, "Metrics").  Every
 number comes from the store itself (its counters, totals and persisted
 budget), so both show the same values whichever process renders them.  Names
 follow the Prometheus conventions: ``adstore_`` prefix, base units

@@ -1,7 +1,7 @@
 """The torch side of adstore: the pipeline cache, snapshots and the engine cache.
 
-This is the public API the README uses (README, "Public API", "The pipeline
-cache", "Snapshots and their safety", "Engine cache"): ``cached_prefix`` and the
+This is the public API the docs use (docs/pipeline-cache.md, "Public API";
+docs/snapshots.md; docs/engine-cache.md): ``cached_prefix`` and the
 fingerprint helpers cache any pipeline; ``PipelineCache`` is the cache point
 any optimizer drives through the ``CachePoint`` protocol.  Names are imported on first
 use, so ``import adstore.integration`` does not import torch.

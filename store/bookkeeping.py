@@ -3,7 +3,7 @@
 A hit refreshes the entry's last access and bumps counters in memory; a
 background thread writes them at most once per ``flush_interval`` (and at
 ``close``/exit).  A lookup therefore never waits for a disk write, and LRU
-order is exact to within that interval (README, "Using the store").
+order is exact to within that interval (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every error raised on purpose by any adstore package derives from
 :class:`AdstoreError`.  Errors carry data (digests, keys, ranks) instead of
 only a message, and each has a :class:`~adstore.store.reasons.Reason` that the cache layers
 report as the reason of a miss or a bypass and that the CLI maps to an exit
-code (README, "Using the store" and "The pipeline cache").
+code (docs/operations.md, "Reasons").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything that publishes a file in adstore goes through :func:`atomic_write`
 or :func:`publish_temp`, so the order "unique temp, write, fsync, rename,
-unlink temp on failure" lives in exactly one place (README, "Using the store").
+unlink temp on failure" lives in exactly one place (docs/architecture.md, "Conventions").
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Where things live under a store root (README, "Using the store").
+"""Where things live under a store root (docs/architecture.md, "On disk").
 
 ``index/`` is the LMDB environment, ``blobs/ab/<sha256>`` the read-only blob
 files, ``records/`` the on-disk records the index is rebuilt from
-(``recordfiles``), ``tmp/`` the writers' unique temp files, ``quarantine/``
+(``records.files``), ``tmp/`` the writers' unique temp files, ``quarantine/``
 the blobs that failed verification, and ``CACHEDIR.TAG`` tells backup tools
 to skip it all.
-A digest is validated before it is joined into a path (invariant 2 in the
-README's list of guarantees).
+A digest is validated before it is joined into a path (invariant 2,
+docs/architecture.md, "Invariants").
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Layout:
 
     @property
     def group_shared(self) -> bool:
-        """A setgid root is shared by its group (README, "A store shared by several users")."""
+        """A setgid root is shared by its group (docs/configuration.md, "A store shared by several users")."""
         try:
             return bool(self.root.stat().st_mode & stat.S_ISGID)
         except FileNotFoundError:

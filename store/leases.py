@@ -3,7 +3,7 @@
 A lease records pid *and* the process start time (psutil), so a pid reused
 by another process after the holder died does not keep the entry pinned.
 Leases from another host cannot be checked, so they count until they expire
-(README, "Using the store").
+(docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The hot path of every model start: two B-tree reads (entry, manifest) plus
 one per blob, with decoded rows reused while their bytes are unchanged.  A
 miss always names its :class:`~adstore.store.reasons.Reason`, never raises
-(README, "Using the store").
+(docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ bumped in the same transaction (invariant 3), and commits it only when every
 rank saved.  Committing a generation replaces the rank's older generation and
 releases its blob references.  Dropping an entry takes every rank and every
 generation with it (invariant 4).  All of it runs inside one
-:class:`~adstore.store.index.tables.Txn` (README, "Using the store").
+:class:`~adstore.store.index.tables.Txn` (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations

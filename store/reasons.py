@@ -4,7 +4,7 @@ A :class:`Reason` is a ``StrEnum``: it compares equal to its word
 (``Reason.ABSENT == "absent"``), so JSON output, counter names
 (``misses.absent``) and the CLI keep the words listed here.  The store, the
 remote tier, the pipeline cache, the engine cache, the daemon and ``verify`` all take their
-reasons from this one list (README, "Using the store" and "The pipeline cache").
+reasons from this one list (docs/operations.md, "Reasons").
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Reason(enum.StrEnum):
     UNKNOWN_KEY = "unknown_key"  # no entry's key equals or starts with the given text
     AMBIGUOUS_KEY = "ambiguous_key"  # a key prefix matches more than one entry
 
-    # -- remote tier (README, "Remote tier") -------------------------------
+    # -- remote tier ---------------------------------------------------------
     REMOTE_UNAVAILABLE = "remote_unavailable"  # refused, reset, DNS, 5xx, or the circuit is open after one
     REMOTE_TIMEOUT = "remote_timeout"  # a connect or read timed out (or the circuit is open after one)
     REMOTE_ERROR = "remote_error"  # the server refused the request (4xx other than 404/412): credentials, protocol

@@ -1,7 +1,7 @@
 """What ``adstore stats`` shows, and the counter names a cache event increments.
 
 Counters live in the ``stats`` table and totals in ``meta`` (``tables.Txn``);
-this module only names and presents them (README, "CLI").
+this module only names and presents them (docs/cli.md, "adstore stats").
 """
 
 from __future__ import annotations

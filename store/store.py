@@ -3,8 +3,8 @@
 One ``Store`` per process and root is the intended use; it is safe to use
 from threads, after ``fork`` (the index reopens), and from many processes at
 once (LMDB serialises writers; blob files are published atomically).  Each
-concern lives in its own module; this class wires them to one root (README,
-"Using the store").
+concern lives in its own module; this class wires them to one root (docs/architecture.md,
+"How an entry lives").
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Store:
             self._index.ballast.ensure()
         self._tables = Tables(self._index, layout, self.clock, after_commit=obsolete_dropped)
         self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
-        # Measured in bench_store.py: the memo halves a repeated lookup (README, "Using the store").
+        # Measured in bench_store.py: the memo halves a repeated lookup (docs/architecture.md, "How an entry lives").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
         self._inline = InlineEviction(self._tables, max_size=self.max_size, grace_period=self.grace_period)
         self._blobs = Blobs(
@@ -316,7 +316,7 @@ class Store:
         try:
             with self._tables.read() as t:
                 result = lookup(t, key, rank, self._blobs.file_ok, self._memo)
-        except CorruptRecord as exc:  # a bad row, or a damaged index (README, "Damage and repair")
+        except CorruptRecord as exc:  # a bad row, or a damaged index (docs/operations.md, "Damage and repair")
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
@@ -454,9 +454,9 @@ class Store:
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Rehash every blob and check every invariant; ``fix`` repairs what it can.
 
-        The index is first read in full by a child process (``indexfile.probe_index``):
+        The index is first read in full by a child process (``index.file.probe_index``):
         damaged pages are reported, never a dead process.  The on-disk records are
-        checked against the index (``recordsync``).  With ``fix`` a damaged index is
+        checked against the index (``records.sync``).  With ``fix`` a damaged index is
         moved to ``quarantine/`` and rebuilt from the blob files and the records
         (``rebuild``), and entries an in-place repair drops come back from their records.
         """

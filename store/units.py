@@ -3,7 +3,7 @@
 The store (``Store.open(max_size=…)``, ``ADSTORE_MAX_SIZE``, ``plan_eviction``),
 the daemon's configuration, the CLI flags and the demo all parse and print
 through this module, so ``"10G"`` means the same thing wherever it is written
-(README, "Configuration"):
+(docs/configuration.md, "Units"):
 
 Sizes
     A plain number is bytes (``1048576``; ``"1.5G"`` allows fractions).

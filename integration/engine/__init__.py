@@ -1,4 +1,4 @@
-"""The engine cache: compile once per architecture, refit the current weights (README, "Engine cache").
+"""The engine cache: compile once per architecture, refit the current weights (docs/engine-cache.md).
 
 ``cache`` is the front end (``EngineCache``, ``compile``); ``storage`` the back
 ends; ``record`` the stored form; ``hashing`` and ``toolchain`` the

@@ -10,7 +10,7 @@ Warm: the index entry names the engine; its record is checked against the
 entry's digests, this toolchain and the stage's input shapes, the package is
 opened by torch's C++ loader and the module's own tensors are refit into it.
 Nothing is exported or hashed, and neither dynamo, Inductor nor
-transformers is imported (README, "Engine cache").
+transformers is imported (docs/engine-cache.md, "What a warm restart does").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The ``torch_compile`` compile stage stores the files Inductor wrote under
 its cache directory (compiled kernels, FX-graph and AOTAutograd cache
 entries) as one blob, and a restart unpacks them into a fresh directory
-before compiling there (README, "Engine cache").  Those files are code
+before compiling there (docs/engine-cache.md, "Trust").  Those files are code
 (shared objects, Python modules, pickles), so :func:`unpack` trusts nothing
 in the blob: every check runs before the first byte is written.
 

@@ -285,7 +285,7 @@ class EngineCache:
         """``incompatible_env`` naming the fields when the back end holds this request built elsewhere.
 
         The engine found has another hash and is never loaded; the diagnosis only
-        names the reason (README, "Environment checks").
+        names the reason (docs/pipeline-cache.md, "Environment checks").
         """
         try:
             found = find_mismatch(

@@ -8,7 +8,7 @@ cache key fixes the module at the point, the configuration and source of
 every transform after the point fix what they do to it (every transform is
 deterministic), and the example inputs, the Inductor settings and the
 toolchain fix the code.  The index maps a key over exactly those to the
-engine hash the cold run compiled (README, "Engine cache").
+engine hash the cold run compiled (docs/engine-cache.md, "The index: found from the pipeline's key").
 
 An index entry lives in the store (namespace ``engine_index``, one small
 JSON artifact) beside the engine it names (namespace ``engine``), with the

@@ -16,7 +16,7 @@ The files are code (shared objects, Python modules, pickles): they are only
 unpacked from a blob file a trusted user wrote (the engine cache's rule),
 and from a remote only out of a signed record by a trusted key.  A damaged,
 missing or untrusted blob is a miss with its reason and a compile that
-replaces it (README, "Engine cache").
+replaces it (docs/engine-cache.md, "torch_compile: what Inductor produced travels with the entry").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine cache's in-process layer: recently used packages in a private temp directory.
 
 Repeated compiles in one process reuse a package from here instead of going
-back to the storage back end (README, "Engine cache").  The directory is
+back to the storage back end (docs/engine-cache.md, "The engine cache").  The directory is
 deleted with the layer (or at interpreter exit).
 """
 

@@ -1,7 +1,7 @@
 """The stored form of one compiled engine: a header, JSON metadata and the AOTInductor package.
 
 A record is what every engine storage back end keeps under an engine hash
-(README, "Engine cache").  One SHA-256 covers metadata and package; a blob
+(docs/engine-cache.md, "The engine cache").  One SHA-256 covers metadata and package; a blob
 that is truncated, bit-flipped or written for another hash fails
 :meth:`EngineRecord.from_bytes` with a reasoned error, which the engine cache
 turns into a miss.

@@ -16,7 +16,7 @@ eager module.  Fleets: when several hosts start one cold key, the cache
 point's single-flight lease covers the stage, so one host compiles and the
 others restore what it pushed.  Everything fails open: a cache problem is a
 miss with a reason and a compile; a compile that fails is a ``bypass`` and
-the eager module runs (README, "Engine cache").
+the eager module runs (docs/engine-cache.md, "The compile stage").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A back end stores opaque blobs by engine hash, like Torch-TensorRT's
 ``BaseEngineCache``: ``save(hash, blob)`` and ``load(hash) -> blob | None``
-(README, "Engine cache").  The engine cache (the front end,
+(docs/engine-cache.md, "The engine cache").  The engine cache (the front end,
 :class:`~adstore.integration.engine.cache.EngineCache`) owns the hit/miss/refit
 logic; a back end only keeps blobs.  A blob is an
 :class:`~adstore.integration.engine.record.EngineRecord`, verified by the

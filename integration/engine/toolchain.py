@@ -1,6 +1,6 @@
 """What outside the graph decides an engine's code: inductor settings and the toolchain.
 
-Both are components of the engine hash (README, "Engine cache"):
+Both are components of the engine hash (docs/engine-cache.md, "The engine cache"):
 
 * the settings that change code generation: the inductor options the caller
   passes, the options the engine cache forces (so the weights stay out of the

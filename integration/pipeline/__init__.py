@@ -1,4 +1,4 @@
-"""The transform pipeline and its cache point (README, "The pipeline cache").
+"""The transform pipeline and its cache point (docs/pipeline-cache.md).
 
 ``transforms`` is the framework (stages, typed configs, registry, the
 ``CachePoint`` protocol), ``optimizer`` runs it, ``cache`` is the

@@ -2,7 +2,7 @@
 
 It is a transform like any other, placed at or before the sharding stage, and
 any optimizer drives it through the :class:`~adstore.integration.pipeline.transforms.CachePoint`
-protocol (README, "Public API"): the optimizer hands it a copy of the prefix
+protocol (docs/pipeline-cache.md, "The CachePoint protocol"): the optimizer hands it a copy of the prefix
 configs taken before any transform ran (so a transform that mutates its config
 does not change the key), asks it to restore first, and on a miss runs the
 prefix and then calls :meth:`PipelineCache.save`.

@@ -10,7 +10,7 @@ takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``) carries them directly;
 under an NCCL-only default group, how inference runs on GPUs, CPU tensors
 would fail, so the first agreement creates a gloo group over the same ranks
 once (a collective call every rank makes at the same point) and every later
-agreement uses it (README, "Pipeline cache", rank agreement).  Moving the
+agreement uses it (docs/pipeline-cache.md, "Rank agreement").  Moving the
 integers to the GPU instead would tie the cache to a device it has no other
 reason to touch.
 """

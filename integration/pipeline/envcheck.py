@@ -1,4 +1,4 @@
-"""The environment an entry was built in, and the ``incompatible_env`` miss (README, "Environment checks").
+"""An entry's build environment, and the miss ``incompatible_env`` (docs/pipeline-cache.md, "Environment checks").
 
 An entry's key hashes the environment fields that decide whether it can be
 loaded here (the pipeline cache's ``env`` component, the engine cache's

@@ -1,6 +1,6 @@
 """Structured cache events: what the pipeline cache or the engine cache did, and why.
 
-One type for both caches (README, "The pipeline cache" and "Engine cache").
+One type for both caches (docs/pipeline-cache.md, "Events").
 Each event is counted in the store (``store.record``) and kept where the
 caller can read it (``optimizer.events``, ``engine.event``), so callers and
 tests read outcomes from data, not from log lines.
@@ -47,7 +47,7 @@ class CacheEvent:
     ``key`` is the pipeline cache key or the engine hash (None when it could
     not be computed); ``saved`` says whether a freshly compiled engine was
     written back; ``seconds_saved`` is the estimated time a hit saved;
-    ``transferred`` is what a ``remote`` hit downloaded (README, "Remote tier").
+    ``transferred`` is what a ``remote`` hit downloaded (docs/remote.md).
     """
 
     kind: EventKind

@@ -6,7 +6,7 @@ byte offsets), never the tensor data.  A changed tensor shape, a renamed
 tensor or a different file set changes it; rewriting the same layout with
 different values does not (a snapshot holds no weights, so it is still valid
 for those weights).  Public as ``adstore.integration.checkpoint_fingerprint``
-(README, "Public API"); it lives beside the keys so that the pipeline cache
+(docs/pipeline-cache.md, "Public API"); it lives beside the keys so that the pipeline cache
 needs nothing from the reference pipeline.
 """
 

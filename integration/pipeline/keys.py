@@ -1,4 +1,4 @@
-"""Cache keys: SHA-256 over canonical JSON of named components (README, "The pipeline cache").
+"""Cache keys: SHA-256 over canonical JSON of named components (docs/pipeline-cache.md, "Keys").
 
 Components: ``model`` (factory identity), ``checkpoint`` (cheap fingerprint),
 ``prefix`` (every transform before the cache point: name + config, from the
@@ -158,7 +158,7 @@ def environment_fingerprint(code: Iterable[type | Callable[..., Any]] = ()) -> d
     (:mod:`~adstore.integration.pipeline.envcheck`).  Volatile facts (host,
     pid, paths, time) never enter it.  ``ADSTORE_ENV_OVERRIDES`` can simulate
     other values (tests).  Public as ``adstore.integration.environment_fingerprint``
-    (README, "Public API").
+    (docs/pipeline-cache.md, "Public API").
     """
     env: dict[str, Any] = {
         "adstore_format": FORMAT_VERSION,

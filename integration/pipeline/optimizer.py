@@ -16,7 +16,7 @@ anything runs the optimizer deep-copies the parsed configs: that copy, not the
 live configs a transform may mutate, is what the cache key hashes.  With a
 cache point the optimizer binds the prefix to it, asks it to restore first and
 on a hit resumes at the transform right after it; on a miss it calls its
-``save`` at the point (README, "The pipeline cache").
+``save`` at the point (docs/pipeline-cache.md, "The CachePoint protocol").
 """
 
 from __future__ import annotations

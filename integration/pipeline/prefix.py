@@ -1,4 +1,4 @@
-"""``cached_prefix``: the pipeline cache for a pipeline adstore did not write (README, "Public API").
+"""``cached_prefix``: the pipeline cache for a pipeline adstore did not write (docs/pipeline-cache.md, "Public API").
 
 A caller hands over the identity of what it builds (a mapping of named key
 components) and a zero-argument ``build`` that returns the pre-weight-loading
@@ -88,7 +88,7 @@ class CachedPrefix(_Outcome):
         miss.  A restart whose prefix hit finds the engine through an index
         entry, refits this run's weights and neither exports nor compiles;
         otherwise it compiles through the engine cache and indexes the
-        engine (README, "Engine cache").  ``options`` are Inductor options,
+        engine (docs/engine-cache.md).  ``options`` are Inductor options,
         ``decompositions`` custom ops to lower to ATen first, ``remote`` the
         remote tier (default ``ADSTORE_REMOTE``).  A cache problem is a miss
         with a reason and a compile; a compile that fails keeps ``module``

@@ -1,7 +1,7 @@
 """The save/restore protocol of a cached pipeline prefix, shared by every entry point.
 
 Both the ``pipeline_cache`` transform and :func:`~adstore.integration.cached_prefix`
-run this one implementation (README, "The pipeline cache" and "Public API"),
+run this one implementation (docs/pipeline-cache.md, "Public API"),
 so rank agreement, generations, commit, events and fail-open handling exist once.
 
 Save (every rank, same collective sequence): agree on rank 0's generation;

@@ -23,7 +23,7 @@ At world size 1 the collectives are no-ops.  The collectives run only when a
 remote is named (``remote`` or ``ADSTORE_REMOTE``, the same on every rank),
 whether or not it opened on this rank, so no rank skips one its peers make.
 Everything fails open: the remote can turn a miss into a hit, never a hit
-into a failure (README, "Remote tier").
+into a failure (docs/remote.md, "Single-flight cold starts").
 """
 
 from __future__ import annotations

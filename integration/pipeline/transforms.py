@@ -3,7 +3,7 @@
 A transform is a class with a ``name``, a :class:`Stage`, and a typed config
 dataclass.  Configs are validated when parsed: an unknown option or a wrongly
 typed value is a :class:`ConfigError`, because a silently ignored option would
-also be silently missing from the cache key (README, "The pipeline cache").
+also be silently missing from the cache key (docs/pipeline-cache.md, "The reference pipeline").
 
 Transforms are registered explicitly: a :class:`TransformRegistry` is built
 from a list (the reference pipeline has one), never by importing a module for
@@ -221,7 +221,7 @@ class Transform:
 
 
 class TransformRegistry:
-    """Transform classes by name, built from an explicit list (README, "The pipeline cache").
+    """Transform classes by name, built from an explicit list (docs/pipeline-cache.md, "The reference pipeline").
 
     Adding a class under a name already present replaces it (the last one wins),
     so a caller can swap one step of a pipeline for their own.
@@ -260,7 +260,7 @@ class TransformRegistry:
 
 @runtime_checkable
 class CachePoint(Protocol):
-    """A transform an optimizer treats as the pipeline's cache point (README, "Public API").
+    """A transform an optimizer treats as its cache point (docs/pipeline-cache.md, "The CachePoint protocol").
 
     This is the whole contract between an optimizer and the cache; the
     reference :class:`~adstore.integration.pipeline.optimizer.InferenceOptimizer`

@@ -1,6 +1,6 @@
 """The reference pipeline: model factory, checkpoint, custom ops, reference transforms, the demo.
 
-README, "The pipeline cache" and "Main job: ``adstore demo``".  ``pipeline``
+docs/pipeline-cache.md, "The reference pipeline", and docs/cli.md, "adstore demo".  ``pipeline``
 lists the transforms in stage order; importing any module here registers
 nothing with the optimizer.
 """

@@ -6,7 +6,7 @@ first is a miss that runs the whole pipeline and saves at the cache point, the
 second restores and resumes after it.  Outputs of the two runs are compared
 bit for bit.
 
-Two figures come out (README, "Main job"):
+Two figures come out (docs/cli.md, "adstore demo"):
 
 * the **restart**: wall time from starting the process to its first output,
   what a user restarting a job feels, next to the floor of a process that only

@@ -1,7 +1,7 @@
 """The reference pipeline: its transforms in stage order, their registry and default options.
 
 Registration is this explicit list; importing a transform module registers
-nothing (README, "The pipeline cache").  ``default_transforms`` is the
+nothing (docs/pipeline-cache.md, "The reference pipeline").  ``default_transforms`` is the
 optimizer's configuration for the list, with per-transform overrides.
 """
 

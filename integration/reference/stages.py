@@ -2,7 +2,7 @@
 
 Pattern rewrites, sharding and post-load fusion live beside these in
 ``patterns``, ``sharding`` and ``fusion``; ``pipeline`` lists them all in
-stage order (README, "The pipeline cache").
+stage order (docs/pipeline-cache.md, "The reference pipeline").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Structural snapshots of pre-weight-loading modules, loaded under a positive allow-list.
 
-README, "Snapshots and their safety".  ``codec`` dumps, loads and summarises;
+docs/snapshots.md, "What a snapshot holds".  ``codec`` dumps, loads and summarises;
 ``wire`` is the format; ``graph``, ``tree``, ``values`` and ``tensor_meta``
 encode and decode; ``targets`` is the allow-list; ``hooks`` and
 ``hook_builtins`` the load-hook specs.

@@ -2,8 +2,8 @@
 
 Node names, argument names and attribute paths end up in the Python source FX
 generates on restore, and attribute access at run time could walk from a
-tensor to arbitrary objects; so every name is checked here first (README,
-"Snapshots and their safety"): identifiers only, no dunders, ``getattr`` with
+tensor to arbitrary objects; so every name is checked here first (docs/snapshots.md,
+"Threat model"): identifiers only, no dunders, ``getattr`` with
 a literal name, pytree types resolved under the allow-list.
 """
 

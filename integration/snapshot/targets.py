@@ -8,7 +8,7 @@ payload into code that runs.  "Anything public under ``torch.``" is not an
 allow-list: torch ships Python functions that execute source text
 (``torch.fx.graph_module._exec_with_source``) or run shell commands
 (``torch.utils.collect_env.run``).  A name is accepted only when the object it
-resolves to is one of (README, "Snapshots and their safety"):
+resolves to is one of (docs/snapshots.md, "The allow-list"):
 
 * an operator overload, packet or higher-order operator (``torch.ops.*``);
 * one of torch's builtin (C) tensor functions: the homes in

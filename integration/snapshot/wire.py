@@ -1,7 +1,7 @@
 """The snapshot wire format: the one module that knows its envelope and its positional records.
 
-``module.pt`` is a weights-only ``torch.save`` of a plain dict (README,
-"Snapshots and their safety")::
+``module.pt`` is a weights-only ``torch.save`` of a plain dict (docs/snapshots.md,
+"What a snapshot holds")::
 
     {"format": FORMAT, "version": VERSION, "structure": <JSON text>, "tensors": [real tensors]}
 

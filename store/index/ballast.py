@@ -1,4 +1,4 @@
-"""A reserve of disk space so a full disk cannot lock the store (README, "Damage and repair").
+"""A reserve of disk space so a full disk cannot lock the store (docs/operations.md, "Damage and repair").
 
 Freeing space needs an LMDB commit, and a commit needs free pages on disk:
 at 0 bytes free, ``adstore gc`` would fail exactly when it is needed.  So

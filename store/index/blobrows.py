@@ -3,7 +3,7 @@
 A part of :class:`~adstore.store.index.tables.Txn`, kept apart to keep modules
 small: registering, touching, referencing, quarantining and dropping blob
 rows, with the physical-bytes total and the blob epoch following every change
-that can take a blob away from a hit (README, "Using the store").
+that can take a blob away from a hit (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations

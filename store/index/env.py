@@ -165,7 +165,7 @@ def _is_disk_full(exc: lmdb.Error, path: Path) -> bool:
 
 
 def index_error(exc: lmdb.Error, path: Path, what: str = "cannot use the LMDB index") -> StoreError:
-    """The adstore error for any LMDB error (README, "Damage and repair").
+    """The adstore error for any LMDB error (docs/operations.md, "Damage and repair").
 
     A full disk is :class:`StoreFull`, a refused open :class:`AccessDenied`;
     everything else LMDB raises (``CorruptedError``, ``PageNotFoundError``,

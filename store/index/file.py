@@ -1,4 +1,4 @@
-"""Damage checks of the LMDB file itself, made with plain file reads (README, "Damage and repair").
+"""Damage checks of the LMDB file itself, made with plain file reads (docs/operations.md, "Damage and repair").
 
 LMDB maps ``data.mdb`` into memory and trusts it: a read of a page past the
 end of the file is a SIGBUS, which kills the process (no exception can be

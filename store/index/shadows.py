@@ -10,7 +10,7 @@ manifest rows it was made from.  A shadow is only believed for an entry row
 whose checksum it carries, and its references only for manifest rows whose
 checksum it carries; anything else (a row rewritten by other means, an index
 written before shadows existed) is decoded from its JSON: the JSON rows stay
-the only truth (README, "Using the store").
+the only truth (docs/architecture.md, "The LMDB tables").
 """
 
 from __future__ import annotations

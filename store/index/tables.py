@@ -6,9 +6,9 @@ So the rows an entry owns (entry, access, components) are dropped in one
 place; the totals in ``meta`` (physical, logical and pinned bytes) follow
 every row that changes them; and every change that can take a blob away from
 a hit (a row dropped, quarantined or replaced) moves the blob epoch that the
-lookup memo trusts (README, "Using the store").  Each :class:`Txn` notes the
+lookup memo trusts (docs/architecture.md, "How an entry lives").  Each :class:`Txn` notes the
 manifests and pins it drops, whichever operation it serves, so that their
-on-disk records follow once it committed (``Tables.after_commit``; README,
+on-disk records follow once it committed (``Tables.after_commit``; docs/operations.md,
 "Damage and repair").
 """
 

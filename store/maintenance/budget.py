@@ -2,8 +2,8 @@
 
 The daemon writes the budget it enforces (``Store.set_budget``); ``adstore
 stats`` shows it, and a writer without a daemon keeps the store under the
-same hard limit with the same grace period (inline eviction, README
-"Configuration").  One default grace period serves the store and the daemon.
+same hard limit with the same grace period (inline eviction, docs/configuration.md,
+"The store").  One default grace period serves the store and the daemon.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ transaction of its batch (still unleased; for eviction also unpinned, not
 used or recommitted since the plan), deletes the rows, commits, and only then
 unlinks files (``blobs.unlink_dropped``, ``obsolete.obsolete_dropped``).  A blob that loses its
 last reference is deleted only when it is older than the grace period;
-otherwise the sweep takes it later (README, "Using the store").
+otherwise the sweep takes it later (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ class Evictor:
             t.count("bytes_evicted", sum(row.stored for _, row in dropped))  # in the same commit as the rows
             return done, dropped, t.writes() + 1 if unchanged else None  # this commit counts itself once
 
-        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
+        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (docs/operations.md, "Damage and repair")
             (done, dropped, next_expected), drops = self._tables.write_noting_drops(fn)
         if drops:
             carried.manifests, carried.pins = drops.manifests, drops.pins

@@ -1,4 +1,4 @@
-"""Inline eviction: a writer keeps the store bounded when no daemon does (README, "Configuration").
+"""Inline eviction: a writer keeps the store bounded when no daemon does (docs/configuration.md, "The store").
 
 Before a blob file is written, the writer checks the hard limit: its own
 ``max_size``, else the budget the daemon persisted (with that budget's grace

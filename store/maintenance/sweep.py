@@ -9,7 +9,7 @@ are the records that removals listed in ``records/obsolete/``.  A pending
 record of a manifest the index says is committed (a commit cut short between
 its transaction and its rename) is moved into place.  A plan first, then
 ``execute()``; rows go in one write transaction, files after it committed
-(README, "Using the store").
+(docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SweepPlan:
     zero_ref_blobs: list[BlobRef] = field(default_factory=list)
     dead_leases: list[bytes] = field(default_factory=list)
     bytes_to_free: int = 0
-    #: Orphan record files to unlink and unfinished commits to finish (``recordsync``).
+    #: Orphan record files to unlink and unfinished commits to finish (``records.sync``).
     records: RecordIssues = field(default_factory=RecordIssues)
     #: Obsolete lists in ``records/obsolete/`` (each names records that removals dropped): their
     #: records, then the lists, are deleted whatever their age.
@@ -171,7 +171,7 @@ class Sweeper:
                 t.drop_lease(lease_id)
             return drop_unreferenced(t, zero, now, self.grace)
 
-        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (README, "Damage and repair")
+        with spending_allowed(self._tables.index.ballast):  # at 0 bytes free (docs/operations.md, "Damage and repair")
             dropped = self._tables.write(fn)
         freed = sum(row.size for _, row in dropped if row.inline)
         cutoff = now - self.grace

@@ -1,8 +1,8 @@
 """Whole-store verification (and repair with ``fix=True``).
 
 Rehashes every blob, checks every manifest's references, every entry's ranks
-and every refcount against the invariants (README, "Using the store"), and
-every on-disk record against the index (invariant 9, ``recordsync``), and
+and every refcount against the invariants (docs/architecture.md, "Invariants"), and
+every on-disk record against the index (invariant 9, ``records.sync``), and
 reports each finding with its kind, the key or digest it is about, and a
 sentence: problems (invariant violations) apart from warnings (orphans and
 stale leftovers of killed writers, which gc sweeps and which are not
@@ -93,7 +93,7 @@ class VerifyReport:
 
     @classmethod
     def damaged_index(cls, why: str) -> VerifyReport:
-        """The report for an index that cannot be scanned safely (README, "Damage and repair")."""
+        """The report for an index that cannot be scanned safely (docs/operations.md, "Damage and repair")."""
         rep = cls()
         rep.add(
             Reason.CORRUPT_INDEX,

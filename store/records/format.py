@@ -1,7 +1,7 @@
 """The one versioned record format: a committed manifest and what its entry needs to be restored.
 
 A record is what invariant 9 keeps beside the index and what the remote
-tier ships between hosts (README, "Damage and repair" and "Remote tier"):
+tier ships between hosts (docs/architecture.md, "Records"):
 one rank of one generation of a cache key, as a JSON payload::
 
     {"format": 2, "key": ..., "rank": 0, "world_size": 1, "generation": ...,

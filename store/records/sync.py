@@ -1,4 +1,4 @@
-"""Keeping the on-disk records in step with the index (invariant 9, README "Damage and repair").
+"""Keeping the on-disk records in step with the index (invariant 9; docs/operations.md, "Damage and repair").
 
 The store writes a rank's record when it publishes and settles it when it
 commits (:class:`RecordWriter`); ``verify`` compares every record file with
@@ -92,7 +92,7 @@ def components_changed(t: Txn, key: str, components: Mapping[str, Any] | None) -
 
 
 class RecordWriter:
-    """The records half of ``Store.publish``, ``commit`` and ``pin`` (see :mod:`.recordfiles`)."""
+    """The records half of ``Store.publish``, ``commit`` and ``pin`` (see :mod:`.files`)."""
 
     def __init__(self, tables: Tables) -> None:
         self._tables = tables

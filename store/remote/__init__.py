@@ -9,7 +9,7 @@ outcomes with reasons instead of raising.  :class:`SingleFlight` lets one
 host build a cold key while the others wait; :class:`BackgroundUploader`
 pushes behind the pipeline.  ``boto3`` and ``cryptography`` are imported
 only when an S3 remote is opened or a key is used (extra ``remote``).  The
-README's "Remote tier" describes the protocol, the trust model and the
+docs/remote.md describes the protocol, the trust model and the
 defaults.
 """
 

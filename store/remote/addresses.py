@@ -1,6 +1,6 @@
 """Where objects live on a remote: the two kinds and their digests.
 
-The layout is the Bazel remote-cache one (README, "Remote tier"): ``cas/<sha256>``
+The layout is the Bazel remote-cache one (docs/remote.md, "URLs and modes"): ``cas/<sha256>``
 holds blobs by the SHA-256 of their content, ``ac/<sha256>`` holds per-key
 records (and build leases) by the SHA-256 of a name.  On a remote that ships
 blobs compressed (S3), a blob the store keeps as a zstd frame travels as that

@@ -4,8 +4,8 @@ A backend speaks one protocol (S3, the Bazel HTTP cache, memory) and raises
 only the remote tier's errors.  It holds no policy: read-only mode, timeouts
 as outcomes, the circuit breaker, digest verification and signatures live in
 the public layer above it, so a user who adds a backend for another service
-implements five small methods and inherits all of that (README, "Remote
-tier").  ``kind`` is ``cas`` (blobs) or ``ac`` (records, leases); every
+implements five small methods and inherits all of that (docs/remote.md, "URLs
+and modes").  ``kind`` is ``cas`` (blobs) or ``ac`` (records, leases); every
 implementation passes the digest through :func:`object_name` (or
 :func:`check_digest`) before it builds a URL or an object key.
 """
@@ -165,7 +165,7 @@ class RemoteBackend(abc.ABC):
 
         Atomic where :attr:`conditional_writes` says so.  The default raises
         NotSupported: single-flight then falls back to a best-effort lease
-        (README, "Remote tier").
+        (docs/remote.md, "Failure costs").
         """
         raise NotSupported(type(self).__name__, "put_if_absent")
 

@@ -5,7 +5,7 @@ refused or reset connection, 5xx) opens the circuit for a cool-down: calls
 then fail at once (well under a millisecond) with the reason of the failure
 that opened it.  After the cool-down one call is let through as a probe
 (half-open); its success closes the circuit, its failure opens it again for
-twice the cool-down, up to a maximum (README, "Remote tier").  An answer
+twice the cool-down, up to a maximum (docs/remote.md, "Failure costs").  An answer
 that is an error (403, 400) still proves the server is there, so it counts
 as a success here.
 """

@@ -5,7 +5,7 @@ that validates the digest, refuses writes in read mode (so a read-only
 client never writes, whatever layer asks), consults the circuit breaker and
 counts.  Every public method returns an :class:`Outcome` and never raises,
 so a remote that is down, slow, lying or misconfigured becomes a miss with a
-reason, never a failed pipeline (README, "Remote tier").
+reason, never a failed pipeline (docs/remote.md, "Failure costs").
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Largest signed envelope (an ``ac`` object) a reader downloads: a remote record lists digests,
-#: never blob bytes, so it is far smaller than a local record file (``recordfmt.MAX_RECORD_BYTES``,
+#: never blob bytes, so it is far smaller than a local record file (``records.format.MAX_RECORD_BYTES``,
 #: which also carries the inline blobs of its rank).
 MAX_ENVELOPE_BYTES = 16 << 20
 

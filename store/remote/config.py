@@ -13,7 +13,7 @@
     ADSTORE_REMOTE_COOLDOWN         how long an open circuit stays open at first (default 30s)
 
 :func:`open_remote` maps a URL scheme to a backend; :func:`register_scheme`
-adds a user's backend for another service (README, "Remote tier").
+adds a user's backend for another service (docs/remote.md, "URLs and modes").
 """
 
 from __future__ import annotations

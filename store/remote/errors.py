@@ -3,7 +3,7 @@
 Backends raise these (never a raw ``botocore``, ``http.client`` or socket
 exception), the public layer (:class:`~adstore.store.remote.client.Remote`)
 turns every one of them into an outcome with a reason, so nothing here
-reaches a pipeline (README, "Remote tier").  Each carries data: the
+reaches a pipeline (docs/remote.md, "Failure costs").  Each carries data: the
 operation, the object address, the HTTP status, the digests involved.
 """
 

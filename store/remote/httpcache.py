@@ -2,7 +2,7 @@
 
 ``GET``/``PUT``/``HEAD`` ``{prefix}/cas/<sha256>`` for blobs and
 ``{prefix}/ac/<sha256>`` for records, so bazel-remote, nginx with WebDAV or
-any WebDAV server can hold a remote (README, "Remote tier").  On a WebDAV
+any WebDAV server can hold a remote (docs/remote.md, "Setting up a server").  On a WebDAV
 server a PUT into a missing collection answers 409; the backend then creates
 the collections (``MKCOL``) once and retries.
 

@@ -3,8 +3,8 @@
 It keeps objects in a dict under a lock (so ``put_if_absent`` is atomic), logs
 every operation in :attr:`MemoryBackend.ops` so tests can say "no PUT was
 sent", and can be made to fail every call (:attr:`MemoryBackend.fail`) to
-drive the layers above through an outage without a network (README, "Remote
-tier").
+drive the layers above through an outage without a network (docs/remote.md,
+"Failure costs").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Outcomes: what the public layer returns instead of raising.
 
-A remote is an optimisation, so nothing it does may fail a pipeline (README,
-"Remote tier"): every public call of :class:`~adstore.store.remote.client.Remote`
+A remote is an optimisation, so nothing it does may fail a pipeline (docs/remote.md,
+"Failure costs"): every public call of :class:`~adstore.store.remote.client.Remote`
 returns an :class:`Outcome` carrying either a value or a reason (a word of the
 store's reason list), the error behind it, the bytes moved and the seconds
 spent, and the caller turns a failed one into a miss.

@@ -2,8 +2,8 @@
 
 Endpoint, credentials and region come from boto3's own environment and
 config files (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), so AWS S3, MinIO,
-Ceph RGW and other S3-compatible servers work unchanged (README, "Remote
-tier").  Every request has botocore's connect and read timeouts and, by
+Ceph RGW and other S3-compatible servers work unchanged (docs/remote.md, "Setting
+up a server").  Every request has botocore's connect and read timeouts and, by
 default, no retry: the circuit breaker above is the retry policy, and a
 retry would multiply the time a dead server costs.  Blobs are sent with
 their SHA-256 as ``ChecksumSHA256``, so a server that checks it refuses a

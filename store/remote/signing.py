@@ -1,7 +1,7 @@
 """Signed records: what a reader checks before it trusts anything a remote says.
 
 A remote is written by other hosts, so a per-key record is restored only if
-it is signed by a key the reader trusts (README, "Remote tier").  The
+it is signed by a key the reader trusts (docs/remote.md, "Trust and keys").  The
 envelope is canonical JSON::
 
     {"format": "adstore.record", "version": 1, "key_id": "<hex>",

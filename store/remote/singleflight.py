@@ -7,7 +7,7 @@ when; it is created with the remote's put-if-absent (S3 ``If-None-Match:
 record; when the lease expires, its holder's process is gone (checked on the
 holder's own host), it is released without a record, or the wait times out,
 they build themselves: the lease saves work, it is never needed for a
-correct result (README, "Remote tier").
+correct result (docs/remote.md, "Single-flight cold starts").
 
 Servers whose conditional write checks and writes in two steps (wsgidav,
 moto) can let two racers both "create" the lease, so a winner reads the

@@ -5,7 +5,7 @@ new file beside ``dest`` (:func:`fetch_blob`), or straight into the local
 store's blob file (:func:`pull_blob`, the store's ``BlobWriter``: temp,
 fsync, rename, register).  Bytes that do not hash to their digest, or have
 another size than the record declares, are dropped and rejected, never
-handed to the store (README, "Remote tier").  A download never reads past
+handed to the store (docs/remote.md, "Failure costs").  A download never reads past
 the declared size, and it has a deadline: the remote's limit for one call
 plus the size at the minimum throughput (``deadline.Limits``), within the
 deadline of the whole operation it belongs to.  The download itself runs in

@@ -4,8 +4,8 @@ A save commits locally and hands the upload (blobs the remote lacks, then
 the signed record) to one worker thread through a bounded queue.  A full
 queue drops the job (counted, logged) instead of blocking a pipeline; a
 failed upload is counted and logged, never raised; :meth:`flush` waits a
-bounded time at exit, by default from an ``atexit`` hook (README, "Remote
-tier").
+bounded time at exit, by default from an ``atexit`` hook (docs/remote.md, "Failure
+costs").
 """
 
 from __future__ import annotations

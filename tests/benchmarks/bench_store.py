@@ -90,7 +90,7 @@ def saves(store: Store, n: int) -> dict:
     """The cost of one save, one rank: put two small blobs, publish, commit (each step timed).
 
     What a cache point pays after its snapshot is serialised; ``commit`` is
-    the step the one-fsync-per-commit budget is about (README, "Damage and repair").
+    the step the one-fsync-per-commit budget is about (docs/operations.md, "Damage and repair").
     """
     put_t, pub_t, com_t, total_t = [], [], [], []
     for i in range(n):

@@ -4,7 +4,7 @@ Holding ``daemon.lock`` needs no space, so the daemon must start whether the
 lock file is left from an earlier run or has to be created, skip recording
 its pid when that does not fit, and evict the store back under its
 ``min_free`` floor.  ``adstore gc`` at 0 bytes free needs an LMDB commit:
-the store's ballast (README, "Damage and repair") is released to make it.
+the store's ballast (docs/operations.md, "Damage and repair") is released to make it.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_the_lock_file_gets_the_store_mode_whatever_the_umask(tmp_path):
     plain, shared = tmp_path / "plain", tmp_path / "shared"
     Store.open(plain).close()
     shared.mkdir()
-    os.chmod(shared, 0o2775)  # a group-shared root (README, "A store shared by several users")
+    os.chmod(shared, 0o2775)  # a group-shared root (docs/configuration.md, "A store shared by several users")
     Store.open(shared).close()
     old = os.umask(0o077)
     try:

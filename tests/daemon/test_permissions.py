@@ -6,7 +6,7 @@ forked child that drops to that user with ``setgroups``/``setgid``/``setuid``
 (the interpreter lives under ``/root``, which other users cannot traverse, so
 ``runuser python`` would not start; a forked child already has it loaded).
 Each child uses the public store API (and leases, gc) on a shared root set up
-as the README says: group-owned, mode ``2775``, users with umask ``002``.
+as docs/configuration.md, "A store shared by several users" says: group-owned, mode ``2775``, users with umask ``002``.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_engine_manifest_with_traversal_digest_is_a_miss(engine_req, sentinel):
 # A compiled engine is a shared object: loading it runs its code.  Another member of the store's
 # group publishes, under the victim's engine hash, a package whose .so has a constructor and whose
 # metadata is the victim's own (every field is derivable from what the group can read).  The
-# engine cache must refuse a package file it did not write (README, "Engine cache").
+# engine cache must refuse a package file it did not write (docs/engine-cache.md, "Trust").
 
 _EVIL_C = r"""
 #include <stdio.h>

@@ -16,7 +16,7 @@ from adstore.store.fsutil import atomic_write
 
 
 def report_figures(name: str, data: dict, file: str = "faults.json") -> None:
-    """Keep a suite's figures for the README notes (``bench-results/``, gitignored; or ``$ADSTORE_BENCH_RESULTS``)."""
+    """Keep a suite's figures for docs/reliability.md (``bench-results/``, or ``$ADSTORE_BENCH_RESULTS``)."""
     out = Path(os.environ.get("ADSTORE_BENCH_RESULTS") or Path(__file__).resolve().parents[2] / "bench-results")
     out.mkdir(parents=True, exist_ok=True)
     path = out / file

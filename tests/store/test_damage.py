@@ -12,7 +12,7 @@ page boundaries and odd sizes, random bytes over index pages (many seeds),
 whole pages overwritten, LMDB's free-page list naming pages in use or past
 the end, keys spelled otherwise (out of order), a file that is not LMDB,
 symlinked directories and blob files.  The tallies go to ``bench-results/faults.json`` (``damage`` and
-``damage_slow``) for the README's reliability table.
+``damage_slow``) for docs/reliability.md, "Figures".
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
 
 
 def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, tmp_path):
-    """A process's first write aborts in LMDB on such an index (README, Known limits); ``verify``
+    """A process's first write aborts in LMDB on such an index (docs/operations.md, "Known limits"); ``verify``
     finds it without writing, and ``verify --fix`` rebuilds the index: every entry hits again."""
     src, expected = base
     root = tmp_path / "store"

@@ -1,4 +1,4 @@
-"""Hostile paths and damage, store side, in-process (README, "Damage and repair").
+"""Hostile paths and damage, store side, in-process (docs/operations.md, "Damage and repair").
 
 Symlinked store directories are refused, a symlinked blob file is never
 served or followed, removed directories are recreated by the next writer,

@@ -1,4 +1,4 @@
-"""Invariant 9: the index is a rebuildable cache of the files (README, "Damage and repair").
+"""Invariant 9: the index is a rebuildable cache of the files (docs/operations.md, "Damage and repair").
 
 Real stores, real LMDB, real record files.  Entries of one and two ranks,
 pinned, with inline and file blobs are saved; the index is damaged the ways

@@ -1,4 +1,4 @@
-"""The next process and other environments (README, "Environment checks").
+"""The next process and other environments (docs/pipeline-cache.md, "Environment checks").
 
 A next process's hit loads the package without probing the CPU; two
 processes compiling at once share one store (slow); another CPU capability

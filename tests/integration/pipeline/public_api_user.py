@@ -1,4 +1,4 @@
-"""A user's own pipeline, written only against the public API (README, "Public API").
+"""A user's own pipeline, written only against the public API (docs/pipeline-cache.md, "Public API").
 
 Used by ``test_public_api.py`` in-process and, through :func:`main`, in
 fresh processes: ``main([CKPT, ROOT, OUT])`` runs the cached pipeline once,

@@ -1,4 +1,4 @@
-"""Environment checks of the pipeline cache (README, "Environment checks").
+"""Environment checks of the pipeline cache (docs/pipeline-cache.md, "Environment checks").
 
 An entry is built in this process, then looked up from fresh interpreters
 (``env_child.py``) whose environment differs: a torch version simulated with

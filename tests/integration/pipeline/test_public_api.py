@@ -1,4 +1,4 @@
-"""The public API caches pipelines adstore did not write (README, "Public API").
+"""The public API caches pipelines adstore did not write (docs/pipeline-cache.md, "Public API").
 
 Only ``adstore.integration``'s exports and ``adstore.store`` are used; the
 user's side (a ``transformers`` model, ``torch.export``, an FX pass, a wrapper

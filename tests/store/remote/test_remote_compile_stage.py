@@ -5,7 +5,7 @@ its index entry; host B (an empty root, trusting A's key) restores all three
 from the remote and runs bit-identical without exporting or compiling; host
 C, trusting another key, never loads A's engine and compiles its own.  Four
 hosts starting one cold key at once compile it once: the cache point's
-build lease covers the compile stage (README, "Engine cache").
+build lease covers the compile stage (docs/engine-cache.md, "One compile per fleet").
 """
 
 from __future__ import annotations

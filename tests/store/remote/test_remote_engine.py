@@ -5,7 +5,7 @@ Host A (read-write, signing) compiles a real AOTInductor package and pushes
 it; host B (read-only, an empty root, trusting A's key) restores it from the
 remote and runs it with A's outputs without compiling; host C, trusting
 another key, misses ``untrusted_remote`` and compiles its own: an engine is
-native code and is never loaded from an untrusted record (README, "Remote tier").
+native code and is never loaded from an untrusted record (docs/remote.md, "Trust and keys").
 """
 
 from __future__ import annotations

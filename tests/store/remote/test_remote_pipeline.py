@@ -3,7 +3,7 @@
 Host A (read-write, signing) misses, saves and pushes; host B (read, an
 empty root, trusting A's key) hits from ``remote`` with outputs
 bit-identical to A's; a third host that trusts no key misses
-``untrusted_remote`` and builds (README, "Remote tier").
+``untrusted_remote`` and builds (docs/remote.md, "Trust and keys").
 """
 
 from __future__ import annotations

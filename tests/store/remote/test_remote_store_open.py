@@ -4,7 +4,7 @@ Two roots share one real server: a commit on A's store is pushed as it
 happens; a lookup on B's empty store restores it and is an ordinary hit.
 The explicit argument wins over ``ADSTORE_REMOTE``; ``Store.from_env`` reads
 it; untrusted records and a read-only store behave as in the tier itself
-(README, "Remote tier").
+(docs/remote.md, "Where the remote comes from").
 """
 
 from __future__ import annotations

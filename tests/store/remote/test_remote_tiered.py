@@ -4,7 +4,7 @@ Host A (its own root and process) saves and pushes; host B (another empty
 root, another process) restores bit-identical bytes and then hits locally.
 Untrusted records, overwritten or missing remote blobs are misses that
 commit nothing; read-only clients never write; a down remote costs the
-timeout once, then almost nothing (README, "Remote tier").
+timeout once, then almost nothing (docs/remote.md, "Failure costs").
 """
 
 from __future__ import annotations
