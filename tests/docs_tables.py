@@ -216,7 +216,7 @@ def reliability_rows(faults: Mapping[str, Any], stress: Mapping[str, Any]) -> li
         which = name.removeprefix("damage").strip("_").replace("_", " ") or "default run"
         which = "`-m slow`" if which == "slow" else which
         rows.append(
-            f"| damage suite, {which}: `{d.get('command', '')}` | {d['cases']} cases, "
+            f"| damage suite, {which}: `{d.get('command', '')}` | {d['cases']} case{'' if d['cases'] == 1 else 's'}, "
             f"{d['hits_after_fix']} hits after `verify --fix` | {d['signal_deaths']} signal deaths, "
             f"{d['exit_70']} exit-70s, {d['raw_lmdb_errors']} raw LMDB errors, {d['wrong_bytes']} wrong bytes |"
         )

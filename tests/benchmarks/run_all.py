@@ -1,19 +1,20 @@
-"""Run every benchmark and publish one results file and one Markdown table.
+"""Run every benchmark and publish one results file, and the docs' tables made from it.
 
-    python tests/benchmarks/run_all.py [--quick] [--only store,daemon] [--timeout 3600]
+    python tests/benchmarks/run_all.py [--quick] [--only store,daemon] [--timeout 3600] [--table-only]
 
 Runs each ``tests/benchmarks/bench_*.py`` in its own process (from the
 repository root, so every benchmark writes ``bench-results/<name>.json``),
 streams its output, then reads the JSON files it wrote and writes
 
-* ``bench-results/results.json`` — machine info (CPU model from
-  ``/proc/cpuinfo``, ``nproc``, RAM, torch/python/kernel versions, git
-  commit, date), each benchmark's command, exit code, wall time and full
-  figures, and the table rows below as data;
-* ``bench-results/RESULTS.md`` — the Markdown table for the README:
-  benchmark, adstore figure, baseline (measured in the same run), ratio,
-  target, met?  Reliability figures kept by the test suite
-  (``bench-results/faults.json``, ``stress.json``) are appended when present.
+* ``bench-results/results.json`` (kept in the repository) — machine info (CPU
+  model from ``/proc/cpuinfo``, ``nproc``, RAM, torch/python/kernel versions,
+  git commit, date), each benchmark's command, exit code, wall time and full
+  figures, the table rows below as data, and a copy of the reliability
+  figures the test suite keeps (``bench-results/faults.json``, ``stress.json``);
+* the generated tables of ``docs/performance.md`` (benchmark, adstore figure,
+  baseline measured in the same run, ratio, target, met?) and
+  ``docs/reliability.md``, through ``tests/docs_tables.py``;
+* ``bench-results/RESULTS.md`` — the same tables in one file.
 
 ``--quick`` passes each benchmark its smaller settings (``--quick`` where it
 has one, fewer entries/repeats/idle seconds otherwise): minutes instead of
@@ -41,6 +42,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 OUT = REPO / "bench-results"
+
+sys.path.insert(0, str(HERE.parent))
+import docs_tables  # noqa: E402  (tests/docs_tables.py: the docs' tables, made from results.json)
 
 #: Smaller settings per benchmark for ``--quick`` (a benchmark with its own ``--quick`` gets that).
 QUICK_ARGS: dict[str, list[str]] = {
@@ -1003,96 +1007,40 @@ def table_rows(name: str, result: dict[str, Any]) -> list[Row]:
 # --------------------------------------------------------------------------- reliability figures (from tests)
 
 
-def reliability_rows() -> list[str]:
-    lines = []
-    try:
-        faults = json.loads((OUT / "faults.json").read_text())
-    except (OSError, ValueError):
-        faults = {}
-    labels = {
-        "kill_points_every_tick": "SIGKILL at every I/O step of save → publish → commit → remove → sweep",
-        "kill_points": "SIGKILL at sampled I/O steps of the same sequence (default run)",
-        "eviction_kill_points_every_tick": "SIGKILL at every I/O step of a daemon enforcement pass",
-        "eviction_kill_points": "SIGKILL at sampled I/O steps of a daemon enforcement pass (default run)",
-    }
-    for name, label in labels.items():
-        kp = faults.get(name)
-        if kp:
-            lines.append(f"| {label} | {kp['kill_points']} kill points | {len(kp.get('failures', []))} failures |")
-    if faults.get("timed_kills"):
-        lines.append(
-            f"| writer in a loop SIGKILLed after 0, 7, 14 … ms | {faults['timed_kills']['kills']} kills | "
-            "verify clean after each |"
-        )
-    try:
-        stress = json.loads((OUT / "stress.json").read_text())
-    except (OSError, ValueError):
-        stress = {}
-    for _name, s in sorted(stress.items()):
-        lines.append(
-            f"| stress: {s['workers']} processes ({s.get('snapshot_workers', 0)} with snapshots) vs a daemon, "
-            f"budget {s['budget_bytes'] // (1 << 20)} MiB, {s['seconds']:.0f} s | {s['ops_per_s']:.0f} ops/s, "
-            f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, {s['evictions']} evictions | "
-            f"{s['errors']} errors, {s['wrong_reads']} wrong reads |"
-        )
-    return lines
+def reliability_figures(previous: dict[str, Any]) -> dict[str, Any] | None:
+    """The test suite's tallies (``faults.json``, ``stress.json``) as they are now, kept in ``results.json``.
+
+    The tests rewrite those two files on every run, so the documented figures are the copy taken
+    here; a file that is absent keeps the copy of the last run.
+    """
+    kept = dict(previous.get("reliability") or {})
+    for name in ("faults", "stress"):
+        path = OUT / f"{name}.json"
+        try:
+            kept[name] = json.loads(path.read_text())
+            kept[f"{name}_written"] = _mtime(path)
+        except (OSError, ValueError):
+            continue
+    return kept or None
 
 
 # --------------------------------------------------------------------------- output
 
 
-def _fmt_ratio(r: Any) -> str:
-    if r is None:
-        return "–"
-    if isinstance(r, (int, float)):
-        return f"{r:.2f}×" if r < 100 else f"{r:.0f}×"
-    return str(r)
-
-
-def _fmt_met(m: Any) -> str:
-    return {True: "yes", False: "**no**", None: "–"}[m]
-
-
-def write_markdown(machine: dict[str, Any], results: dict[str, dict], rows: list[Row], quick: bool) -> str:
-    lines = [
-        "# adstore benchmark results",
-        "",
-        f"Measured {machine['date']} on {machine.get('cpu_model')} ({machine.get('nproc')} CPUs available to the "
-        f"run, {machine.get('ram_gib')} GiB RAM, load average at start {machine.get('load_average')}), "
-        f"Python {machine.get('python')}, torch {machine.get('torch')}, Linux {machine.get('kernel')}, "
-        f"commit {machine.get('git_commit')}."
-        + (" **Quick mode** (`--quick`): smaller workloads, indicative figures only." if quick else ""),
-        "",
-        (
-            "Every baseline is measured in the same run on the same machine. Ratio: how many times better "
-            "adstore is than the baseline (baseline time / adstore time), unless the row's note says otherwise."
-        ),
-        "",
-        "| benchmark | measurement | adstore | baseline | ratio | target | met? |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        name = r["name"] + (f" ({r['note']})" if r.get("note") else "")
-        lines.append(
-            f"| {r['benchmark']} | {name} | {r['adstore']} | {r['baseline']} | {_fmt_ratio(r['ratio'])} | "
-            f"{r['target'] or '–'} | {_fmt_met(r['met'])} |"
-        )
-    lines += ["", "| benchmark | command | exit | wall time | figures written (UTC) |", "|---|---|---|---|---|"]
-    for name, res in results.items():
-        cmd = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(res["argv"]))
-        lines.append(
-            f"| {name} | `{cmd}` | {res['returncode']} | {res['seconds']:.0f} s | {res.get('json_written') or '–'} |"
-        )
-    rel = reliability_rows()
+def write_markdown(doc: dict[str, Any]) -> str:
+    """``bench-results/RESULTS.md``: the tables of docs/performance.md and docs/reliability.md, made alike."""
+    lines = ["# adstore benchmark results", "", docs_tables.performance_table(doc)]
+    kept = doc.get("reliability") or {}
+    rel = docs_tables.reliability_rows(kept.get("faults") or {}, kept.get("stress") or {})
     if rel:
-        lines += [
-            "",
-            "## Reliability (figures kept by the test suite)",
-            "",
-            "| test | figure | result |",
-            "|---|---|---|",
-        ] + rel
+        lines += ["## Reliability (figures kept by the test suite)", "", "| test | figure | result |", "|---|---|---|"]
+        lines += rel
     return "\n".join(lines) + "\n"
+
+
+def _portable(argv: list[str]) -> list[str]:
+    """A benchmark's command as anyone can run it from the repository root (no interpreter path)."""
+    return ["python", *argv[1:]] if argv else argv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1103,54 +1051,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--table-only",
         action="store_true",
-        help="do not run anything: rebuild results.json/RESULTS.md from the JSON already there",
+        help="do not run anything: rebuild results.json, RESULTS.md and the docs' tables from the JSON already there",
     )
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()} or None
     machine = machine_info()
     results: dict[str, dict] = {}
     previous: dict[str, Any] = {}
+    try:
+        previous = json.loads((OUT / "results.json").read_text())
+    except (OSError, ValueError):
+        previous = {}
     if args.table_only:
-        try:
-            previous = json.loads((OUT / "results.json").read_text())
-            machine = previous.get("machine", machine)  # the table describes the machine of the run
-        except (OSError, ValueError):
-            previous = {}
+        machine = previous.get("machine", machine)  # the table describes the machine of the run
     for bench in discover(only):
         if args.table_only:
             cands = [c for c in _json_candidates(bench) if c.exists()]
-            data = json.loads(cands[0].read_text()) if cands else None
             prev = previous.get("benchmarks", {}).get(bench.stem, {})
             results[bench.stem] = {
                 "argv": prev.get("argv", [sys.executable, str(bench.relative_to(REPO))]),
                 "returncode": prev.get("returncode", 0),
                 "seconds": prev.get("seconds", 0.0),
-                "json_file": cands[0].name if cands else None,
-                "figures": data,
-                "json_written": _mtime(cands[0]) if cands else None,
+                "json_file": cands[0].name if cands else prev.get("json_file"),
+                # a results.json copied without the benchmarks' own files keeps the figures it holds
+                "figures": json.loads(cands[0].read_text()) if cands else prev.get("figures"),
+                "json_written": _mtime(cands[0]) if cands else prev.get("json_written"),
                 "log": f"bench-results/logs/{bench.stem}.log",
             }
             args.quick = bool(previous.get("quick", args.quick))
         else:
             results[bench.stem] = run_one(bench, quick=args.quick, timeout=args.timeout)
     if only and not args.table_only:  # a partial run updates its benchmarks and keeps the others
-        try:
-            before = json.loads((OUT / "results.json").read_text()).get("benchmarks", {})
-        except (OSError, ValueError):
-            before = {}
+        before = previous.get("benchmarks", {})
         results = {**{k: v for k, v in before.items() if k not in results}, **results}
         results = dict(sorted(results.items()))
     rows: list[Row] = []
     for name, res in results.items():
+        res["argv"] = _portable(res.get("argv") or [])
         res["rows"] = table_rows(name, res)
         rows += res["rows"]
     OUT.mkdir(exist_ok=True)
     doc = {"machine": machine, "quick": args.quick, "benchmarks": results, "rows": rows}
+    doc["reliability"] = reliability_figures(previous)
     (OUT / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    md = write_markdown(machine, results, rows, args.quick)
+    md = write_markdown(doc)
     (OUT / "RESULTS.md").write_text(md)
     print("\n" + md)
     print(f"wrote {OUT / 'results.json'} and {OUT / 'RESULTS.md'}")
+    for page in docs_tables.rewrite({"performance", "reliability"}):
+        print(f"rewrote {page.relative_to(REPO)}")
     failed = [n for n, r in results.items() if r["returncode"] != 0]
     if failed:
         print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from adstore.daemon.config import SETTINGS, DaemonConfig, settings_table
+from adstore.daemon.config import SETTINGS, DaemonConfig
 from adstore.store import DEFAULT_GRACE_PERIOD
 from adstore.store.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "systemd" / "adstore.toml"
-README = REPO / "README.md"
 
 
 def test_example_config_is_valid_and_documented() -> None:
@@ -131,16 +130,6 @@ def test_the_table_declares_every_setting_once() -> None:
 def test_daemon_and_store_share_the_default_grace_period() -> None:
     assert DaemonConfig().grace_period == DEFAULT_GRACE_PERIOD
     assert DaemonConfig.from_mapping({}).grace_period == DEFAULT_GRACE_PERIOD
-
-
-def test_readme_configuration_table_is_generated() -> None:
-    """The README's table is ``settings_table()`` verbatim (paste it after changing a setting)."""
-    table = settings_table()
-    header = table.splitlines()[0]
-    text = README.read_text()
-    assert header in text, "README lost the generated configuration table"
-    start = text.index(header)
-    assert text[start : start + len(table)] == table
 
 
 def test_invalid_file_value_is_reported_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
