@@ -232,11 +232,17 @@ def reliability_rows(faults: Mapping[str, Any], stress: Mapping[str, Any]) -> li
 
 def reliability() -> str:
     doc = _results()
-    kept = (doc or {}).get("reliability")
-    if not isinstance(kept, dict):
+    if doc is None:
         return _MISSING.replace("fills this table", "copies the test suite's figures into it")
+    kept = doc.get("reliability")
+    if not isinstance(kept, dict):
+        return (
+            "No figures yet: `bench-results/results.json` holds no copy of the test suite's figures. "
+            "`python tests/benchmarks/run_all.py --table-only` copies them from `bench-results/faults.json` "
+            "and `stress.json` and fills this table.\n"
+        )
     faults, stress = kept.get("faults") or {}, kept.get("stress") or {}
-    machine = (doc or {}).get("machine") or {}
+    machine = doc.get("machine") or {}
     lines = [
         f"Figures the test suite wrote to `bench-results/faults.json` and `stress.json`, collected by "
         f"`python tests/benchmarks/run_all.py` on {str(machine.get('date', '?'))[:10]} "

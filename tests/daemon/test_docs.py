@@ -65,6 +65,8 @@ def test_the_benchmark_tables_say_when_there_are_no_results() -> None:
     for name in ("performance", "reliability"):
         missing = "is missing" in docs_tables.render(name)
         assert missing == (not docs_tables.RESULTS.exists()), name
+    if docs_tables.RESULTS.exists():
+        assert "Measured with `python tests/benchmarks/run_all.py`" in docs_tables.render("performance")
 
 
 def test_every_citation_names_a_page_and_a_heading_that_exist() -> None:
