@@ -310,8 +310,8 @@ class Store:
         validate_key(key)
         return self._tables.write(lambda t: abort(t, key=key, rank=rank, generation=generation))
 
-    def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
-        """A hit only when invariants 5-6 hold; else a miss with a named reason."""
+    def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
+        """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted."""
         validate_key(key)
         try:
             with self._tables.read() as t:
@@ -323,8 +323,8 @@ class Store:
         if self.tier is not None and not result.hit:
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:
-            self._book.hit(key, record=record)
-        elif record:
+            self._book.hit(key, count=count)
+        elif count:
             self._book.count({"misses": 1, f"misses.{result.reason}": 1})
         return result
 
@@ -393,12 +393,12 @@ class Store:
             self._tables.write(lambda t: t.drop_lease(lease_id))
 
     # -- stats and budget ------------------------------------------------
-    def record(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+    def count_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
         """Count a cache event (``hit``, ``miss``, ``bypass``, ``save``, ``eviction``)."""
         self._book.count(dict(event_counters(event, reason, seconds_saved)))
 
     def count(self, counts: Mapping[str, int]) -> None:
-        """Add to named counters (``remote.bytes_down``...): persisted like ``record``'s, shown by ``stats``."""
+        """Add to named counters (``remote.bytes_down``...): persisted like ``count_event``'s, shown by ``stats``."""
         self._book.count({str(k): int(v) for k, v in counts.items() if v})
 
     def flush(self) -> None:
