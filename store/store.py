@@ -24,16 +24,16 @@ from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
-from .errors import CorruptRecord, InvalidKey, NoStore, StoreError
+from .errors import CorruptRow, InvalidKey, NoStore, StoreError
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.file import probe_index
-from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
+from .index.rows import BlobRef, Entry, LeaseRow, Manifest, validate_json
 from .index.schema import PHYSICAL_BYTES
 from .index.tables import Tables, Txn
 from .layout import Layout, default_root
-from .leases import new_lease_record
+from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .maintenance.eviction import EvictionPlan, Evictor
@@ -316,7 +316,7 @@ class Store:
         try:
             with self._tables.read() as t:
                 result = lookup(t, key, rank, self._blobs.file_ok, self._memo)
-        except CorruptRecord as exc:  # a bad row, or a damaged index (README, "Damage and repair")
+        except CorruptRow as exc:  # a bad row, or a damaged index (README, "Damage and repair")
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
@@ -381,10 +381,10 @@ class Store:
         self._set_pinned(key, False)
 
     @contextmanager
-    def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRecord]:
+    def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRow]:
         """Pin ``key`` against gc while this process lives (or until ``ttl``)."""
         validate_key(key)
-        record = new_lease_record(key, ttl, self._tables.clock())
+        record = new_lease_row(key, ttl, self._tables.clock())
         lease_id = uuid.uuid4().bytes
         self._tables.write(lambda t: t.put_lease(lease_id, record))
         try:

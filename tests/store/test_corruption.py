@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from store_helpers import check_hit, save
 
-from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
+from adstore.store import BlobMissing, ChecksumMismatch, CorruptRow, Store, StoreError
 from adstore.store.index.rows import manifest_key
 
 
@@ -199,7 +199,7 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     if res.hit:
         try:
             _read_all(store, "b")
-        except (ChecksumMismatch, BlobMissing, CorruptRecord):
+        except (ChecksumMismatch, BlobMissing, CorruptRow):
             res = store.lookup("b", count=False)
             assert not res.hit and res.reason in MISS_REASONS, (kind, res)
         else:
@@ -296,7 +296,7 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
 def test_deeply_nested_components_row_is_corrupt_record(store):
     save(store, "b")
     _rows(store, "components", lambda txn, db: txn.put(b"b", f'{{"model": {_DEEP}}}'.encode(), db=db))
-    with pytest.raises(CorruptRecord):
+    with pytest.raises(CorruptRow):
         store.entry("b")
 
 

@@ -17,7 +17,7 @@ import lmdb
 import pytest
 from store_helpers import save, writer_forever
 
-from adstore.store import CorruptRecord, Store, UnsafeRoot
+from adstore.store import CorruptRow, Store, UnsafeRoot
 from adstore.store.index.ballast import Ballast
 from adstore.store.index.file import check_data_file, check_free_list, read_meta
 from adstore.store.reasons import Reason
@@ -91,7 +91,7 @@ def test_a_file_cut_before_a_reachable_page_is_a_damaged_index(tmp_path):
     meta = read_meta(data)
     assert meta is not None and meta.min_file_size == data.stat().st_size
     os.truncate(data, meta.min_file_size // 2)
-    with pytest.raises(CorruptRecord) as info:
+    with pytest.raises(CorruptRow) as info:
         check_data_file(root / "index")
     assert info.value.reason == Reason.CORRUPT_INDEX and "truncated" in str(info.value)
     assert "reaches page" in str(info.value)
@@ -162,6 +162,6 @@ def test_lmdb_errors_in_reads_become_the_stores_own(tmp_path, monkeypatch):
         monkeypatch.setattr(tables.Txn, "entry_row", broken)
         res = store.lookup("k", count=False)
         assert not res.hit and res.reason == Reason.CORRUPT_INDEX
-        with pytest.raises(CorruptRecord) as info:
+        with pytest.raises(CorruptRow) as info:
             store.resolve_key("k")
         assert not isinstance(info.value, lmdb.Error) and info.value.reason == Reason.CORRUPT_INDEX
