@@ -2,7 +2,7 @@
 
 ``index/`` is the LMDB environment, ``blobs/ab/<sha256>`` the read-only blob
 files, ``records/`` the on-disk records the index is rebuilt from
-(``recordfiles``), ``tmp/`` the writers' unique temp files, ``quarantine/``
+(``records.files``), ``tmp/`` the writers' unique temp files, ``quarantine/``
 the blobs that failed verification, and ``CACHEDIR.TAG`` tells backup tools
 to skip it all.
 A digest is validated before it is joined into a path (invariant 2 in the

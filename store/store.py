@@ -454,9 +454,9 @@ class Store:
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Rehash every blob and check every invariant; ``fix`` repairs what it can.
 
-        The index is first read in full by a child process (``indexfile.probe_index``):
+        The index is first read in full by a child process (``index.file.probe_index``):
         damaged pages are reported, never a dead process.  The on-disk records are
-        checked against the index (``recordsync``).  With ``fix`` a damaged index is
+        checked against the index (``records.sync``).  With ``fix`` a damaged index is
         moved to ``quarantine/`` and rebuilt from the blob files and the records
         (``rebuild``), and entries an in-place repair drops come back from their records.
         """

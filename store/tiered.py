@@ -59,7 +59,7 @@ def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
 
     Raises :class:`KeyNotFound` when this store has no committed manifest
     of that rank whose blobs are all present.  The payload is the one record
-    format (``recordfmt``, also the store's own on-disk records), without the
+    format (``records.format``, also the store's own on-disk records), without the
     local-only fields (inline bytes, producer).
     """
     return _committed_payload(store, key, rank)[0]
@@ -107,7 +107,7 @@ def remote_restore(
     """On a local miss: fetch, check, pull and commit ``key``'s ``rank`` locally; the committed manifest.
 
     The record is checked in full (signature, then the one record parser,
-    ``recordfmt.parse_payload``), and the declared bytes of the blobs this
+    ``records.format.parse_payload``), and the declared bytes of the blobs this
     store lacks are admitted against its budget and free space, before any
     blob is requested; blobs then stream into place, each within its
     deadline.  ``world_size=None`` takes the record's (a store lookup does

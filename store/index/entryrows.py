@@ -155,7 +155,7 @@ class EntryRows:
         Each table's rows go in key order through one cursor (LMDB positions
         it from where it is rather than from the root: eviction removes
         thousands per transaction).  Pins and manifests are noted so their
-        record files follow after the commit (``aftercommit``).
+        record files follow after the commit (``records.obsolete``).
         """
         if not removals:
             return

@@ -47,7 +47,7 @@ class SweepPlan:
     zero_ref_blobs: list[BlobRef] = field(default_factory=list)
     dead_leases: list[bytes] = field(default_factory=list)
     bytes_to_free: int = 0
-    #: Orphan record files to unlink and unfinished commits to finish (``recordsync``).
+    #: Orphan record files to unlink and unfinished commits to finish (``records.sync``).
     records: RecordIssues = field(default_factory=RecordIssues)
     #: Obsolete lists in ``records/obsolete/`` (each names records that removals dropped): their
     #: records, then the lists, are deleted whatever their age.

@@ -2,7 +2,7 @@
 
 Rehashes every blob, checks every manifest's references, every entry's ranks
 and every refcount against the invariants (README, "Using the store"), and
-every on-disk record against the index (invariant 9, ``recordsync``), and
+every on-disk record against the index (invariant 9, ``records.sync``), and
 reports each finding with its kind, the key or digest it is about, and a
 sentence: problems (invariant violations) apart from warnings (orphans and
 stale leftovers of killed writers, which gc sweeps and which are not

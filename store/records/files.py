@@ -9,7 +9,7 @@ Layout under ``<root>/records/``::
 
 A record is immutable: its name says which save it belongs to (a generation
 is drawn once per save), its content is written once, checksummed and
-versioned (:mod:`.recordfmt`, the format the remote tier ships too).  The
+versioned (:mod:`.format`, the format the remote tier ships too).  The
 protocol keeps the commit's guarantees and its one-fsync budget:
 
 * ``publish`` writes the record into ``pending/`` right after the index
@@ -26,7 +26,7 @@ protocol keeps the commit's guarantees and its one-fsync budget:
   wrong answer; a record that a power loss tore fails its checksum.
 * Whatever drops a manifest row (a newer generation, removal, eviction, the
   sweep, ``abort``, ``verify --fix``) obsoletes its records after the
-  transaction committed (:mod:`.aftercommit`): one *obsolete
+  transaction committed (:mod:`.obsolete`): one *obsolete
   list* per batch, ``obsolete/<ns>.<pid>.<n>.list``, names the record files
   (``ab/<name>``, ``pending/<name>``), written under the write lock.  A
   listed record is dead: scans (a rebuild, ``verify``) skip it unless it was

@@ -4,7 +4,7 @@ A transaction drops manifest rows (and pins); the on-disk records of those
 manifests (and the pin markers) must follow, but only after it committed,
 and only if no writer brought the row back meanwhile (invariant 9).  Each
 batch of them is named in one *obsolete list* that gc later purges (README,
-"Damage and repair"; the protocol is in :mod:`.recordfiles`).  Each step
+"Damage and repair"; the protocol is in :mod:`.files`).  Each step
 runs under the write lock (a lock-only transaction), re-checking the rows,
 unless the caller knows no transaction committed since the drop
 (``unchanged``), which is how an eviction pass writes each batch's list

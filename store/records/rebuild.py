@@ -1,14 +1,14 @@
 """Replace a damaged LMDB index with one rebuilt from the files (README, "Damage and repair").
 
 ``verify --fix`` uses this when the index cannot be read safely: it is not
-LMDB, it is truncated, or reading its pages faults (``indexfile``).  The
+LMDB, it is truncated, or reading its pages faults (``index.file``).  The
 files are the source of truth and the index a cache of them (invariant 9),
 so the plan names what will happen before anything moves: the damaged
 ``index/`` goes aside into ``quarantine/index.<ns timestamp>`` (kept for a
 post-mortem, never deleted), a fresh index is created, every blob file on
 disk whose content hashes to its name is registered again, and then every
 entry, committed manifest, refcount, inline blob and pin is restored from
-the on-disk records (``fromrecords``, ``recordfiles``).  Files that do not
+the on-disk records (``records.restore``, ``records.files``).  Files that do not
 hash to their name, and anything that is not a regular file (a symlink is
 never followed), are moved to ``quarantine/``; records whose blobs are
 missing or corrupt, or that fail their checksum, are newer than this

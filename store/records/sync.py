@@ -92,7 +92,7 @@ def components_changed(t: Txn, key: str, components: Mapping[str, Any] | None) -
 
 
 class RecordWriter:
-    """The records half of ``Store.publish``, ``commit`` and ``pin`` (see :mod:`.recordfiles`)."""
+    """The records half of ``Store.publish``, ``commit`` and ``pin`` (see :mod:`.files`)."""
 
     def __init__(self, tables: Tables) -> None:
         self._tables = tables

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Largest signed envelope (an ``ac`` object) a reader downloads: a remote record lists digests,
-#: never blob bytes, so it is far smaller than a local record file (``recordfmt.MAX_RECORD_BYTES``,
+#: never blob bytes, so it is far smaller than a local record file (``records.format.MAX_RECORD_BYTES``,
 #: which also carries the inline blobs of its rank).
 MAX_ENVELOPE_BYTES = 16 << 20
 
