@@ -114,7 +114,7 @@ def cmd_pull(args: argparse.Namespace, ctx: Context) -> int:
     try:
         for key in args.keys:
             for rank in ranks:
-                if store.lookup(key, rank=rank, record=False).hit:
+                if store.lookup(key, rank=rank, count=False).hit:
                     rows.append({"key": key, "rank": rank, "bytes": 0, "reason": None, "source": "local"})
                     continue
                 out = remote_restore(store, remote, key, rank, args.world_size)

@@ -19,7 +19,7 @@ from .errors import (
     BlobMissing,
     ChecksumMismatch,
     ConfigError,
-    CorruptRecord,
+    CorruptRow,
     IncompatibleStore,
     InvalidDigest,
     InvalidKey,
@@ -32,7 +32,7 @@ from .errors import (
     UnsupportedFilesystem,
 )
 from .fsutil import atomic_write, is_disk_full
-from .index.rows import BlobRef, Entry, LeaseRecord, Manifest
+from .index.rows import BlobRef, Entry, LeaseRow, Manifest
 from .layout import Layout, default_root
 from .leases import hostname, process_start_time
 from .lookup import LookupResult
@@ -72,7 +72,7 @@ __all__ = [
     "BlobRef",
     "Entry",
     "Manifest",
-    "LeaseRecord",
+    "LeaseRow",
     "LookupResult",
     "Reason",
     "REMOTE_REASONS",
@@ -123,7 +123,7 @@ __all__ = [
     "AmbiguousKey",
     "BlobMissing",
     "ChecksumMismatch",
-    "CorruptRecord",
+    "CorruptRow",
     "UnsupportedFilesystem",
     "UnsafeRoot",
     "IncompatibleStore",

@@ -39,17 +39,17 @@ class Bookkeeping:
         self._closed = threading.Event()
         _OPEN.add(self)
 
-    def hit(self, key: str, *, record: bool) -> None:
-        """A lookup hit ``key``: refresh its last access; count the hit (store and entry) only if ``record``.
+    def hit(self, key: str, *, count: bool) -> None:
+        """A lookup hit ``key``: refresh its last access; count the hit (store and entry) only if ``count``.
 
         Lookups the store makes for itself (a remote restore checking what it
-        committed, a push finding its entry) pass ``record=False``: they keep
+        committed, a push finding its entry) pass ``count=False``: they keep
         the entry fresh but are not hits anyone asked for.
         """
         with self._lock:
             hits = self._access.get(key, (0.0, 0))[1]
-            self._access[key] = (self._tables.clock(), hits + 1 if record else hits)
-            if record:
+            self._access[key] = (self._tables.clock(), hits + 1 if count else hits)
+            if count:
                 self._counters["hits"] += 1
         self._ensure_flusher()
 

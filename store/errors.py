@@ -22,7 +22,7 @@ __all__ = [
     "AmbiguousKey",
     "BlobMissing",
     "ChecksumMismatch",
-    "CorruptRecord",
+    "CorruptRow",
     "UnsupportedFilesystem",
     "UnsafeRoot",
     "NoStore",
@@ -128,7 +128,7 @@ class ChecksumMismatch(StoreError):
         super().__init__(f"checksum mismatch: expected {expected}, got {got}")
 
 
-class CorruptRecord(StoreError):
+class CorruptRow(StoreError):
     """An LMDB value that does not decode (damaged index)."""
 
     reason: Reason = Reason.CORRUPT_INDEX

@@ -14,10 +14,10 @@ import socket
 
 import psutil
 
-from .index.rows import LeaseRecord
+from .index.rows import LeaseRow
 from .index.tables import Txn
 
-__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_record", "live_leases"]
+__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_row", "live_leases"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +29,7 @@ def process_start_time(pid: int | None = None) -> float:
     return psutil.Process(pid if pid is not None else os.getpid()).create_time()
 
 
-def lease_is_live(lease: LeaseRecord, *, now: float) -> bool:
+def lease_is_live(lease: LeaseRow, *, now: float) -> bool:
     """True while the holder process (same pid and start time) still runs, and ``now`` is before expiry."""
     if lease.expires and now > lease.expires:
         return False
@@ -44,8 +44,8 @@ def lease_is_live(lease: LeaseRecord, *, now: float) -> bool:
         return False
 
 
-def new_lease_record(key: str, ttl: float, now: float) -> LeaseRecord:
-    return LeaseRecord(
+def new_lease_row(key: str, ttl: float, now: float) -> LeaseRow:
+    return LeaseRow(
         key=key, pid=os.getpid(), start_time=process_start_time(), host=hostname(), created=now, expires=now + ttl
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import AmbiguousKey, CorruptRecord, KeyNotFound
+from .errors import AmbiguousKey, CorruptRow, KeyNotFound
 from .index.rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, MANIFEST_SUFFIX, Entry, Manifest
 from .index.tables import Tables, Txn
 from .names import validate_key
@@ -86,7 +86,7 @@ def _check_blobs(
         if raw is None:
             return Reason.BLOB_MISSING
         if len(raw) != BLOB_ROW.size:
-            raise CorruptRecord("blobs", digest, f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+            raise CorruptRow("blobs", digest, f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
         row_size, _refs, _touched, flags, stored = BLOB_ROW.unpack(raw)
         if flags & FLAG_QUARANTINED or row_size != size:
             return Reason.BLOB_MISSING

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BlobMissing, CorruptRecord, InvalidKey, KeyNotFound, StoreError
+from .errors import BlobMissing, CorruptRow, InvalidKey, KeyNotFound, StoreError
 from .index.entryrows import Removal
 from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .index.shadows import PINNED, Head, to_entry
@@ -152,7 +152,7 @@ def _release_generation(t: Txn, key: str, rank: int, generation: int) -> list[st
     """
     try:
         old = t.manifest(key, rank, generation)
-    except CorruptRecord:
+    except CorruptRow:
         t.drop_manifest_row(manifest_key(key, rank, generation))
         return []
     return t.drop_manifest(old) if old is not None else []
@@ -204,7 +204,7 @@ def drop_entry(
     if entry is None:
         try:
             entry = t.entry(key)
-        except CorruptRecord:
+        except CorruptRow:
             entry = None
     if kept and entry is not None:
         t.put_entry(dataclasses.replace(entry, ranks={}, bytes=0))

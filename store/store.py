@@ -24,16 +24,16 @@ from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
-from .errors import CorruptRecord, InvalidKey, NoStore, StoreError
+from .errors import CorruptRow, InvalidKey, NoStore, StoreError
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.file import probe_index
-from .index.rows import BlobRef, Entry, LeaseRecord, Manifest, validate_json
+from .index.rows import BlobRef, Entry, LeaseRow, Manifest, validate_json
 from .index.schema import PHYSICAL_BYTES
 from .index.tables import Tables, Txn
 from .layout import Layout, default_root
-from .leases import new_lease_record
+from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .maintenance.eviction import EvictionPlan, Evictor
@@ -310,21 +310,21 @@ class Store:
         validate_key(key)
         return self._tables.write(lambda t: abort(t, key=key, rank=rank, generation=generation))
 
-    def lookup(self, key: str, *, rank: int | None = None, record: bool = True) -> LookupResult:
-        """A hit only when invariants 5-6 hold; else a miss with a named reason."""
+    def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
+        """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted."""
         validate_key(key)
         try:
             with self._tables.read() as t:
                 result = lookup(t, key, rank, self._blobs.file_ok, self._memo)
-        except CorruptRecord as exc:  # a bad row, or a damaged index (docs/operations.md, "Damage and repair")
+        except CorruptRow as exc:  # a bad row, or a damaged index (docs/operations.md, "Damage and repair")
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
         if self.tier is not None and not result.hit:
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:
-            self._book.hit(key, record=record)
-        elif record:
+            self._book.hit(key, count=count)
+        elif count:
             self._book.count({"misses": 1, f"misses.{result.reason}": 1})
         return result
 
@@ -381,10 +381,10 @@ class Store:
         self._set_pinned(key, False)
 
     @contextmanager
-    def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRecord]:
+    def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRow]:
         """Pin ``key`` against gc while this process lives (or until ``ttl``)."""
         validate_key(key)
-        record = new_lease_record(key, ttl, self._tables.clock())
+        record = new_lease_row(key, ttl, self._tables.clock())
         lease_id = uuid.uuid4().bytes
         self._tables.write(lambda t: t.put_lease(lease_id, record))
         try:
@@ -393,12 +393,12 @@ class Store:
             self._tables.write(lambda t: t.drop_lease(lease_id))
 
     # -- stats and budget ------------------------------------------------
-    def record(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
+    def count_event(self, event: str, reason: str | None = None, *, seconds_saved: float = 0.0) -> None:
         """Count a cache event (``hit``, ``miss``, ``bypass``, ``save``, ``eviction``)."""
         self._book.count(dict(event_counters(event, reason, seconds_saved)))
 
     def count(self, counts: Mapping[str, int]) -> None:
-        """Add to named counters (``remote.bytes_down``...): persisted like ``record``'s, shown by ``stats``."""
+        """Add to named counters (``remote.bytes_down``...): persisted like ``count_event``'s, shown by ``stats``."""
         self._book.count({str(k): int(v) for k, v in counts.items() if v})
 
     def flush(self) -> None:

@@ -67,7 +67,7 @@ def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
 
 def _committed_payload(store: Store, key: str, rank: int) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """The record payload of ``key``'s committed ``rank`` and its blobs, each once: (digest, size)."""
-    found = store.lookup(key, rank=rank, record=False)
+    found = store.lookup(key, rank=rank, count=False)
     if not found.hit or found.manifest is None:
         raise KeyNotFound(key)
     entry = store.entry(key)
@@ -173,7 +173,7 @@ def _restore(
     except BaseException:
         store.abort(key, rank=rank, generation=record.generation)
         raise
-    check = store.lookup(key, rank=rank, record=False)
+    check = store.lookup(key, rank=rank, count=False)
     if not check.hit or check.manifest is None:
         return _miss(store, str(check.reason), start, nbytes=nbytes)
     store.count({"remote.hits": 1})
@@ -326,10 +326,10 @@ class Tier:
                     return missed
                 known = failed.reason in Reason._value2member_map_
                 return type(missed)(False, Reason(failed.reason) if known else Reason.REMOTE_ERROR)
-            found = store.lookup(key, rank=rank, record=False)
+            found = store.lookup(key, rank=rank, count=False)
             if not found.hit and found.reason == Reason.GENERATION_MISMATCH and rank is None and found.entry:
                 outs += self._restore_ranks(store, key, None, found)  # restored ranks are newer than ours
-                found = store.lookup(key, rank=None, record=False)
+                found = store.lookup(key, rank=None, count=False)
         if found.hit:
             with self._restored_lock:
                 self._restored[key] = self._restored.pop(key, 0) + sum(o.nbytes for o in outs)

@@ -156,7 +156,7 @@ class StageEntries:
         signed record from a trusted key only; anything else is that reason).
         """
         store = self.store
-        res = store.lookup(key.key, record=False)
+        res = store.lookup(key.key, count=False)
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None

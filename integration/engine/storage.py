@@ -329,13 +329,13 @@ class StoreEngineStorage(EngineStorage):
         except BaseException:
             store.abort(record.hash, rank=0, generation=generation)
             raise
-        store.record(EventKind.SAVE)
+        store.count_event(EventKind.SAVE)
         if self.max_size is not None:
             self.enforce_budget()
 
     def load_record(self, hash: str) -> EngineRecord | None:
         store = self.store
-        res = store.lookup(hash, record=False)  # with a remote tier, a local absence asks the remote
+        res = store.lookup(hash, count=False)  # with a remote tier, a local absence asks the remote
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
@@ -420,13 +420,13 @@ class StoreEngineStorage(EngineStorage):
 
     def touch(self, hash: str) -> None:
         try:
-            self.store.lookup(hash, record=False)  # a hit refreshes the entry's last access
+            self.store.lookup(hash, count=False)  # a hit refreshes the entry's last access
         except AdstoreError as exc:
             logger.debug("touch %s: %s", hash, exc)
 
     def record_event(self, event: EventKind, reason: Reason | None = None, *, seconds_saved: float = 0.0) -> None:
         try:
-            self.store.record(event, reason, seconds_saved=seconds_saved)
+            self.store.count_event(event, reason, seconds_saved=seconds_saved)
         except AdstoreError as exc:
             logger.debug("could not count %s: %s", event, exc)
 

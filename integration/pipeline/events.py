@@ -1,7 +1,7 @@
 """Structured cache events: what the pipeline cache or the engine cache did, and why.
 
 One type for both caches (docs/pipeline-cache.md, "Events").
-Each event is counted in the store (``store.record``) and kept where the
+Each event is counted in the store (``Store.count_event``) and kept where the
 caller can read it (``optimizer.events``, ``engine.event``), so callers and
 tests read outcomes from data, not from log lines.
 """

@@ -142,7 +142,7 @@ class SnapshotCache:
         )
         if self._store is not None:
             try:
-                self._store.record(kind, reason, seconds_saved=max(0.0, seconds_saved))
+                self._store.count_event(kind, reason, seconds_saved=max(0.0, seconds_saved))
                 self._store.flush()
             except Exception as exc:  # counting must never break the pipeline
                 log.warning("could not record cache event: %s", exc)
@@ -172,7 +172,7 @@ class SnapshotCache:
                 leases.enter_context(self.store().lease(text))
             except AdstoreError as exc:  # no lease (e.g. a full disk): restore unprotected
                 log.debug("no lease on %s: %s", text, exc)
-            res = self.store().lookup(text, rank=topo.rank if topo.world_size > 1 else None, record=False)
+            res = self.store().lookup(text, rank=topo.rank if topo.world_size > 1 else None, count=False)
             if res.hit:
                 manifest = res.manifest if res.manifest is not None else res.manifests.get(topo.rank)
                 ok = manifest is not None and manifest.world_size == topo.world_size

@@ -120,7 +120,7 @@ def _restore_own(cache: Any, ctx: Any, remote: Remote | None) -> Outcome[Any] | 
     try:
         key = cache.key(ctx).key
         store = cache.store()
-        if store.lookup(key, rank=ctx.rank, record=False).hit:
+        if store.lookup(key, rank=ctx.rank, count=False).hit:
             return None
     except Exception as exc:  # the cache's own restore reports this failure
         log.debug("remote prefetch skipped: %s", exc)

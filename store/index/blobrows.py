@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import BlobMissing, CorruptRecord
+from ..errors import BlobMissing, CorruptRow
 from .lmdbio import RawTxn
 from .rows import BLOB_ROW, FLAG_INLINE, FLAG_QUARANTINED, BlobRow
 from .schema import CONTENT_BYTES, PHYSICAL_BYTES
@@ -56,7 +56,7 @@ class BlobRows:
                 continue
             try:
                 yield k.hex(), BlobRow.decode(v, k)
-            except CorruptRecord:
+            except CorruptRow:
                 continue
 
     def inline_value(self, digest: str) -> bytes | None:
@@ -134,7 +134,7 @@ class BlobRows:
                 continue
             raw = cur.value()
             if len(raw) != BLOB_ROW.size:
-                raise CorruptRecord("blobs", k.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+                raise CorruptRow("blobs", k.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
             size, held, touched, flags, stored = BLOB_ROW.unpack(raw)
             held = max(0, held - counts[k])
             cur.put(k, BLOB_ROW.pack(size, held, touched, flags, stored))

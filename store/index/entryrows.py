@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from .drops import COMMITTED_RECORD, Drops
 from .lmdbio import RawTxn
 from .rows import ACCESS_ROW, Entry, decode_json, encode_json, manifest_key, manifest_refs
@@ -62,7 +62,7 @@ class EntryRows:
         try:
             return to_entry(raw_key.decode(), shadow, head)  # type: ignore[arg-type]
         except UnicodeDecodeError:
-            return Entry.decode(raw_key, raw)  # raises CorruptRecord
+            return Entry.decode(raw_key, raw)  # raises CorruptRow
 
     def shadow(self, raw_key: bytes) -> bytes | None:
         """An entry's shadow row as stored (``shadows.head_of`` says whether it is the row's)."""
@@ -123,7 +123,7 @@ class EntryRows:
         for k, v in self.entry_rows():
             try:
                 yield self.entry_of(k, v), v
-            except CorruptRecord as exc:
+            except CorruptRow as exc:
                 log.warning("%s", exc)
 
     def put_entry(self, entry: Entry) -> None:
@@ -189,7 +189,7 @@ class EntryRows:
             return None
         try:
             return self.entry_of(raw_key, raw)
-        except CorruptRecord:
+        except CorruptRow:
             return None
 
     def access(self, raw_key: bytes) -> tuple[float, int] | None:

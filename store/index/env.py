@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import AccessDenied, CorruptRecord, IncompatibleStore, StoreError, StoreFull
+from ..errors import AccessDenied, CorruptRow, IncompatibleStore, StoreError, StoreFull
 from .ballast import Ballast, may_spend
 from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
@@ -170,14 +170,14 @@ def index_error(exc: lmdb.Error, path: Path, what: str = "cannot use the LMDB in
     A full disk is :class:`StoreFull`, a refused open :class:`AccessDenied`;
     everything else LMDB raises (``CorruptedError``, ``PageNotFoundError``,
     ``BadValsizeError``, ``BadTxnError``, ``InvalidError``...) means the index
-    is damaged: :class:`CorruptRecord`, reason ``corrupt_index``.  No raw
+    is damaged: :class:`CorruptRow`, reason ``corrupt_index``.  No raw
     ``lmdb`` exception leaves the store.
     """
     if _is_disk_full(exc, path):
         return StoreFull(str(path), str(exc))
     if "Permission denied" in str(exc) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
         return AccessDenied(str(path), what)
-    return CorruptRecord("index", str(path), f"{what}: {exc}")
+    return CorruptRow("index", str(path), f"{what}: {exc}")
 
 
 def _open_error(exc: lmdb.Error, path: Path) -> StoreError:

@@ -9,7 +9,7 @@ writes a page that a transaction allocated and freed again (a "loose" page),
 yet counts it in the last page number.  So a short file is walked, with
 ``pread``, from the roots of every B-tree the meta page names; it is damaged
 only when a page LMDB can reach lies past its end.  A damaged file, or one
-without a valid meta page, is :class:`CorruptRecord` (reason
+without a valid meta page, is :class:`CorruptRow` (reason
 ``corrupt_index``), never a dead process.
 
 Damage *inside* pages (random bytes over a B-tree page) can still fault
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from .schema import DATABASES
 
 __all__ = [
@@ -118,7 +118,7 @@ def _parse(raw: bytes, page_size: int | None) -> MetaPage | None:
 def read_meta(data_file: Path) -> MetaPage | None:
     """The meta page LMDB will use (the newest valid one), None for an empty file.
 
-    Raises :class:`CorruptRecord` when the file has content but no valid meta page.
+    Raises :class:`CorruptRow` when the file has content but no valid meta page.
     """
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(data_file, flags)
@@ -135,7 +135,7 @@ def read_meta(data_file: Path) -> MetaPage | None:
     finally:
         os.close(fd)
     if not metas:
-        raise CorruptRecord("index", str(data_file), "not an LMDB file (no valid meta page)")
+        raise CorruptRow("index", str(data_file), "not an LMDB file (no valid meta page)")
     return max(metas, key=lambda m: m.txnid)
 
 
@@ -144,7 +144,7 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
 
     A missing or empty file is fine (LMDB creates a fresh index).  A file
     shorter than two pages or than its newest meta page's last page is
-    :class:`CorruptRecord`.
+    :class:`CorruptRow`.
     """
     data_file = index_dir / "data.mdb"
     try:
@@ -153,11 +153,11 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CorruptRecord("index", str(data_file), f"cannot read the LMDB meta pages: {exc.strerror}") from None
+        raise CorruptRow("index", str(data_file), f"cannot read the LMDB meta pages: {exc.strerror}") from None
     if meta is None:
         return None
     if size < 2 * meta.page_size:
-        raise CorruptRecord("index", str(data_file), f"truncated: {size} bytes, shorter than its two meta pages")
+        raise CorruptRow("index", str(data_file), f"truncated: {size} bytes, shorter than its two meta pages")
     for _ in range(_RETRIES):
         if size >= meta.min_file_size:
             return meta
@@ -166,18 +166,18 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
             now = read_meta(data_file)
             size = data_file.stat().st_size
         except OSError as exc:
-            raise CorruptRecord("index", str(data_file), f"cannot read the LMDB pages: {exc.strerror}") from None
+            raise CorruptRow("index", str(data_file), f"cannot read the LMDB pages: {exc.strerror}") from None
         if missing is None:
             return meta  # only never-written free pages lie past the end: sound
         if now is None or now.txnid == meta.txnid:
-            raise CorruptRecord(
+            raise CorruptRow(
                 "index",
                 str(data_file),
                 f"truncated: {size} bytes, but the index reaches page {missing} "
                 f"(needs {(missing + 1) * meta.page_size} bytes)",
             )
         meta = now  # a writer committed during the walk: walk the new tree
-    raise CorruptRecord("index", str(data_file), "truncated, and the index kept changing while it was checked")
+    raise CorruptRow("index", str(data_file), "truncated, and the index kept changing while it was checked")
 
 
 def _reachable_page_past_end(data_file: Path, meta: MetaPage, file_pages: int) -> int | None:
@@ -265,7 +265,7 @@ def check_free_list(data_file: Path) -> str | None:
             finally:
                 os.close(fd)
             now = read_meta(data_file)
-        except (OSError, CorruptRecord):
+        except (OSError, CorruptRow):
             return None  # unreadable or no meta page: check_data_file's business
         if now is not None and now.txnid == meta.txnid:
             return why
@@ -400,7 +400,7 @@ def probe_index(root: Path) -> ProbeResult:
 
     try:
         check_data_file(root / "index")
-    except CorruptRecord as exc:
+    except CorruptRow as exc:
         return ProbeResult(False, exc.detail)
     why = check_free_list(root / "index" / "data.mdb")
     if why is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import lmdb
 
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from .rows import BLOB_ROW, Entry
 from .schema import CONTENT_BYTES, PINNED_BYTES
 
@@ -52,7 +52,7 @@ def _to_4(env: lmdb.Environment, txn: lmdb.Transaction, db: Mapping[str, Any]) -
         for k, v in txn.cursor(db=db["entries"]):
             try:
                 entry = Entry.decode(bytes(k), bytes(v))
-            except CorruptRecord:
+            except CorruptRow:
                 continue  # verify reports it (and recounts the totals)
             pinned += entry.bytes if entry.pinned else 0
         txn.put(PINNED_BYTES, pinned.to_bytes(8, "little", signed=True), db=db["meta"])

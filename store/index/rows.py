@@ -2,7 +2,7 @@
 
 Blob rows are fixed-size structs (they are read on every lookup); entries,
 manifests and leases are compact JSON so `adstore inspect` and humans can read
-them.  Every decoder raises :class:`CorruptRecord` on bad bytes, so a damaged
+them.  Every decoder raises :class:`CorruptRow` on bad bytes, so a damaged
 index becomes a miss with reason ``corrupt_index``, never a crash.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from ..errors import CorruptRecord, InvalidKey
+from ..errors import CorruptRow, InvalidKey
 from ..names import is_digest, validate_digest, validate_size
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "BlobRow",
     "Entry",
     "Manifest",
-    "LeaseRecord",
+    "LeaseRow",
     "validate_json",
     "MAX_JSON_DEPTH",
     "manifest_key",
@@ -171,7 +171,7 @@ class BlobRow:
     @classmethod
     def decode(cls, raw: bytes, key: bytes = b"") -> BlobRow:
         if len(raw) != BLOB_ROW.size:
-            raise CorruptRecord("blobs", key.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
+            raise CorruptRow("blobs", key.hex(), f"row of {len(raw)} bytes, expected {BLOB_ROW.size}")
         return cls(*BLOB_ROW.unpack(raw))
 
 
@@ -203,8 +203,8 @@ def decode_json(raw: bytes, db: str, key: bytes) -> dict[str, Any]:
     try:  # the slow path, for the message
         json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CorruptRecord(db, key, f"undecodable JSON ({exc})") from None
-    raise CorruptRecord(db, key, "expected a JSON object")
+        raise CorruptRow(db, key, f"undecodable JSON ({exc})") from None
+    raise CorruptRow(db, key, "expected a JSON object")
 
 
 #: An entry's row in ``access``: last access (epoch seconds), hits.  Apart
@@ -230,7 +230,7 @@ def manifest_key(key: str, rank: int, generation: int) -> bytes:
 def split_manifest_key(raw: bytes) -> tuple[str, int, int]:
     head, sep, tail = raw.partition(b"\x00")
     if not sep or len(tail) != 12:
-        raise CorruptRecord("manifests", raw, "malformed manifest key")
+        raise CorruptRow("manifests", raw, "malformed manifest key")
     rank, generation = MANIFEST_SUFFIX.unpack(tail)
     return head.decode(), rank, generation
 
@@ -319,7 +319,7 @@ class Manifest:
                 meta=dict(obj.get("m", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptRecord("manifests", raw_key, f"bad manifest fields ({exc})") from None
+            raise CorruptRow("manifests", raw_key, f"bad manifest fields ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -382,14 +382,14 @@ class Entry:
                 bool(obj.get("pin", False)),
             )
         except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as exc:
-            raise CorruptRecord("entries", raw_key, f"bad entry fields ({exc})") from None
+            raise CorruptRow("entries", raw_key, f"bad entry fields ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 @dataclass(slots=True)
-class LeaseRecord:
+class LeaseRow:
     """A pin held by one process: gc skips the key while the holder lives."""
 
     key: str
@@ -403,9 +403,9 @@ class LeaseRecord:
         return encode_json(asdict(self))
 
     @classmethod
-    def decode(cls, raw_key: bytes, raw: bytes) -> LeaseRecord:
+    def decode(cls, raw_key: bytes, raw: bytes) -> LeaseRow:
         obj = decode_json(raw, "leases", raw_key)
         try:
             return cls(**{f: obj[f] for f in ("key", "pid", "start_time", "host", "created", "expires")})
         except (KeyError, TypeError, AttributeError) as exc:
-            raise CorruptRecord("leases", raw_key, f"bad lease fields ({exc})") from None
+            raise CorruptRow("leases", raw_key, f"bad lease fields ({exc})") from None

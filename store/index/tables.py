@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import lmdb
 
 from ..clock import Clock, system_clock
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from .blobrows import BlobRows
 from .drops import BOTH_RECORDS, COMMITTED_RECORD, Drops
 from .entryrows import EntryRows
 from .env import index_error
 from .lmdbio import RawCursor, RawTxn
-from .rows import LeaseRecord, Manifest, manifest_key, manifest_prefix, manifest_refs
+from .rows import LeaseRow, Manifest, manifest_key, manifest_prefix, manifest_refs
 from .schema import BLOB_EPOCH, WRITES
 from .shadows import Head, refs_of
 
@@ -239,18 +239,18 @@ class Txn(EntryRows, BlobRows):
         return tuple(keys), tuple(rows)
 
     # -- leases ---------------------------------------------------------------
-    def put_lease(self, lease_id: bytes, record: LeaseRecord) -> None:
+    def put_lease(self, lease_id: bytes, record: LeaseRow) -> None:
         self.raw.put(lease_id, record.encode(), db=self._db["leases"])
 
     def drop_lease(self, lease_id: bytes) -> None:
         self.raw.delete(lease_id, db=self._db["leases"])
 
-    def leases(self) -> Iterator[tuple[bytes, LeaseRecord | None]]:
+    def leases(self) -> Iterator[tuple[bytes, LeaseRow | None]]:
         """(lease id, record) of every lease; an undecodable row has record None."""
         for k, v in self.raw.cursor(db=self._db["leases"]):
             try:
-                yield bytes(k), LeaseRecord.decode(bytes(k), bytes(v))
-            except CorruptRecord:
+                yield bytes(k), LeaseRow.decode(bytes(k), bytes(v))
+            except CorruptRow:
                 yield bytes(k), None
 
 

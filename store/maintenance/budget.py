@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from ..index.rows import decode_json, encode_json
 from ..units import MinFree
 
@@ -81,7 +81,7 @@ class Budget:
                 grace_period=float(obj["grace_period"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptRecord("meta", b"budget", f"bad budget fields ({exc})") from None
+            raise CorruptRow("meta", b"budget", f"bad budget fields ({exc})") from None
 
 
 def read_budget(t: Txn) -> Budget | None:
@@ -91,6 +91,6 @@ def read_budget(t: Txn) -> Budget | None:
         return None
     try:
         return Budget.decode(raw)
-    except CorruptRecord as exc:
+    except CorruptRow as exc:
         log.warning("%s", exc)
         return None

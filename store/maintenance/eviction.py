@@ -23,7 +23,7 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from ..blobs import unlink_dropped
-from ..errors import CorruptRecord, KeyNotFound
+from ..errors import CorruptRow, KeyNotFound
 from ..index.ballast import spending_allowed
 from ..index.drops import Drops
 from ..index.entryrows import Removal
@@ -280,7 +280,7 @@ class Evictor:
                     pinned, created = entry.pinned, entry.created
                     if namespace is not None and entry.namespace != namespace:
                         continue
-            except (CorruptRecord, UnicodeDecodeError) as exc:
+            except (CorruptRow, UnicodeDecodeError) as exc:
                 log.warning("entry %r: %s", k, exc)
                 continue
             if pinned or key in leased or now - created < grace:
@@ -405,7 +405,7 @@ class Evictor:
             shadow = (current, head) if head is not None and current is not None else None
             try:
                 entry = to_entry(key, *shadow) if shadow is not None else Entry.decode(k, raw)
-            except CorruptRecord:
+            except CorruptRow:
                 entry = _entry_of(v)
             if evict and (entry.pinned or entry.ranks != _ranks(v)):
                 return None  # pinned or recommitted since the plan: no longer a victim

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..blobs import unlink_dropped
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from ..index.ballast import spending_allowed
 from ..index.rows import BlobRef, BlobRow, Manifest, manifest_key
 from ..index.tables import Tables, Txn
@@ -130,7 +130,7 @@ class Sweeper:
             for mk, raw in t.manifest_rows():
                 try:
                     m = Manifest.decode(mk, raw)
-                except CorruptRecord:
+                except CorruptRow:
                     continue
                 if not m.committed and m.created <= old:
                     stale.append(m)

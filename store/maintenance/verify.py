@@ -22,7 +22,7 @@ from typing import Any
 
 from ..blobs import CHUNK_SIZE, unlink_dropped
 from ..codec import Damaged, Encoding, decode_chunks
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from ..index.entryrows import Removal
 from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from ..index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
@@ -185,19 +185,19 @@ def _scan(t: Txn, rep: VerifyReport) -> _Scan:
             row = s.rows[k.hex()] = BlobRow.decode(v, k)
             if row.inline:
                 s.inline[k.hex()] = t.inline_value(k.hex()) or b""
-        except CorruptRecord as exc:
+        except CorruptRow as exc:
             rep.add(Reason.CORRUPT_INDEX, k.hex(), str(exc))
             s.bad_rows.append(k)
     for mk, raw in t.manifest_rows():
         try:
             s.manifests.append(Manifest.decode(mk, raw))
-        except (CorruptRecord, UnicodeDecodeError) as exc:
+        except (CorruptRow, UnicodeDecodeError) as exc:
             rep.add(Reason.CORRUPT_INDEX, "", str(exc))
             s.bad_manifests.append(mk)
     for k, v in t.entry_rows():
         try:
             e = s.entries[k.decode()] = Entry.decode(k, v)
-        except (CorruptRecord, UnicodeDecodeError) as exc:
+        except (CorruptRow, UnicodeDecodeError) as exc:
             rep.add(Reason.CORRUPT_INDEX, "", str(exc))
             s.bad_entries.append(k)
             continue
@@ -385,7 +385,7 @@ def _keys_of(raw_keys: list[bytes], *, manifests: bool) -> set[str]:
     for k in raw_keys:
         try:
             out.add(validate_key(split_manifest_key(k)[0] if manifests else k.decode()))
-        except (CorruptRecord, ValueError):
+        except (CorruptRow, ValueError):
             continue
     return out
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec import Encoding
-from ..errors import AdstoreError, CorruptRecord, InvalidKey
+from ..errors import AdstoreError, CorruptRow, InvalidKey
 from ..index.rows import BlobRef, Manifest, encode_json, validate_json
 from ..names import (
     validate_artifact_name,
@@ -77,7 +77,7 @@ RAW_FORMAT = 1
 MAX_RECORD_BYTES = 64 << 20
 
 
-class BadRecord(CorruptRecord):
+class BadRecord(CorruptRow):
     """A record that is not restored: why (``reason``) and what was wrong (``detail``)."""
 
     def __init__(self, where: str, detail: str, reason: Reason = Reason.CORRUPT_RECORD) -> None:

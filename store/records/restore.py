@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..codec import ZSTD_MAGIC, Damaged, Encoding, decode_chunks, frame_content_size
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
 from ..index.tables import Tables, Txn
 from ..lookup import lookup
@@ -266,7 +266,7 @@ def _register_blobs(t: Txn, record: Record, intact: Mapping[str, BlobFile], now:
         digest = ref.digest
         try:
             row = t.blob_row(digest)
-        except CorruptRecord:
+        except CorruptRow:
             row = None
         if row is not None and not row.quarantined and (not row.inline or t.inline_value(digest) is not None):
             continue

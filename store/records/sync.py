@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..codec import Encoding
-from ..errors import CorruptRecord
+from ..errors import CorruptRow
 from ..index.drops import Drops
 from ..index.rows import Manifest, manifest_key, manifest_refs, split_manifest_key, unpack_inline
 from ..index.tables import Tables, Txn
@@ -61,7 +61,7 @@ def record_inputs(t: Txn, manifest: Manifest) -> RecordInputs:
     """
     try:
         components = t.components(manifest.key)
-    except CorruptRecord:
+    except CorruptRow:
         components = {}
     inline: dict[str, bytes] = {}
     stored: dict[str, tuple[Encoding, int]] = {}
@@ -74,7 +74,7 @@ def record_inputs(t: Txn, manifest: Manifest) -> RecordInputs:
             continue
         try:
             row = t.blob_row(digest)
-        except CorruptRecord:
+        except CorruptRow:
             row = None
         if row is not None and row.compressed:
             stored[digest] = (Encoding.ZSTD, row.stored)
@@ -87,7 +87,7 @@ def components_changed(t: Txn, key: str, components: Mapping[str, Any] | None) -
         return False
     try:
         return dict(components) != t.components(key)
-    except CorruptRecord:
+    except CorruptRow:
         return True
 
 
@@ -119,7 +119,7 @@ class RecordWriter:
                     self.files.drop(key, rank, generation, committed=False)
         except OSError as exc:
             log.warning("record of %s rank %d not written (verify --fix writes it): %s", key, rank, exc)
-        except CorruptRecord as exc:
+        except CorruptRow as exc:
             log.warning("record of %s rank %d not written: %s", key, rank, exc)
         if drops:
             obsolete_dropped(self._tables, drops)
@@ -240,7 +240,7 @@ def check_records(tables: Tables, *, read: bool = True) -> RecordIssues:
         for mk, raw in t.manifest_rows():
             try:
                 key, rank, generation = split_manifest_key(mk)
-            except (CorruptRecord, UnicodeDecodeError):
+            except (CorruptRow, UnicodeDecodeError):
                 continue
             rows[(key, rank, generation)] = manifest_refs(raw)[1]
     committed_files: set[tuple[str, int, int]] = set()
@@ -338,7 +338,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
         try:
             if writer.write_from_index(key, rank, gen):
                 done.append(f"wrote the record of {key} rank {rank} gen {gen} from the index")
-        except (OSError, CorruptRecord) as exc:
+        except (OSError, CorruptRow) as exc:
             log.warning("could not write the record of %s rank %d: %s", key, rank, exc)
     with tables.read() as t:
         for key, _ in issues.pins:

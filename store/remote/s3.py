@@ -1,4 +1,4 @@
-"""The S3 backend: ``s3://BUCKET/PREFIX`` through boto3 (imported when first opened).
+"""The S3 backend: ``s3://BUCKET/PREFIX`` through boto3 (imported on the first request).
 
 Endpoint, credentials and region come from boto3's own environment and
 config files (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...), so AWS S3, MinIO,
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
+import importlib.util
 import logging
 import socket
 import threading
@@ -71,6 +73,30 @@ def _import_boto3() -> tuple[Any, Any]:
     return boto3, botocore.config
 
 
+def _make_client(
+    *, connect_timeout: float, read_timeout: float, retries: int, max_connections: int, endpoint_url: str | None
+) -> Any:
+    boto3, config = _import_boto3()
+    options: dict[str, Any] = {}
+    if "response_checksum_validation" in config.Config.OPTION_DEFAULTS:  # botocore >= 1.36
+        options["response_checksum_validation"] = "when_required"  # verified above us (module docstring)
+    cfg = config.Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"total_max_attempts": retries + 1, "mode": "standard"},
+        max_pool_connections=max_connections,
+        **options,
+    )
+    # A session per backend: boto3's default session is not thread-safe to create clients from.
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
+    # botocore sends file bodies with "Expect: 100-continue" and waits up to one second for
+    # the "100 Continue": a hung server would cost that second on top of the read timeout.
+    import botocore.handlers
+
+    client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
+    return client
+
+
 def _missing(exc: Any) -> bool:
     """A ClientError that says the object does not exist."""
     err = exc.response.get("Error", {})
@@ -105,33 +131,36 @@ class S3Backend(RemoteBackend):
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.send_checksums = send_checksums
         self.multipart_threshold = multipart_threshold
-        boto3, config = _import_boto3()
-        import botocore.exceptions
-
-        self._exc = botocore.exceptions
-        if client is None:
-            options: dict[str, Any] = {}
-            if "response_checksum_validation" in config.Config.OPTION_DEFAULTS:  # botocore >= 1.36
-                options["response_checksum_validation"] = "when_required"  # verified above us (module docstring)
-            cfg = config.Config(
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                retries={"total_max_attempts": retries + 1, "mode": "standard"},
-                max_pool_connections=max_connections,
-                **options,
-            )
-            # A session per backend: boto3's default session is not thread-safe to create clients from.
-            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
-            # botocore sends file bodies with "Expect: 100-continue" and waits up to one second for
-            # the "100 Continue": a hung server would cost that second on top of the read timeout.
-            import botocore.handlers
-
-            client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
-        self._client = client
+        if importlib.util.find_spec("boto3") is None:  # refused at open, as a bad URL is; imported on first use
+            raise ConfigError("ADSTORE_REMOTE", "an s3:// remote needs boto3: pip install 'adstore[remote]'")
+        self._make = functools.partial(
+            _make_client,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries=retries,
+            max_connections=max_connections,
+            endpoint_url=endpoint_url,
+        )
+        self._made: Any = client
         self._lock = threading.Lock()
         self._bodies: dict[int, Any] = {}  # thread -> the body it is reading (for interrupt)
 
     # -- helpers ---------------------------------------------------------
+    @property
+    def _client(self) -> Any:
+        """boto3's client, made on the first request: a process whose lookups all hit locally
+        (a warm restart with a remote configured) never pays boto3's import and client set-up."""
+        with self._lock:
+            if self._made is None:
+                self._made = self._make()
+            return self._made
+
+    @property
+    def _exc(self) -> Any:
+        import botocore.exceptions
+
+        return botocore.exceptions
+
     def _key(self, kind: Kind, digest: str) -> str:
         name = object_name(kind, digest)
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -253,5 +282,6 @@ class S3Backend(RemoteBackend):
             self._client.delete_object(Bucket=self.bucket, Key=key)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._client.close()
+        if self._made is not None:  # never made (no request was sent): nothing to close
+            with contextlib.suppress(Exception):
+                self._made.close()

@@ -161,7 +161,7 @@ def main() -> int:
     assert record is not None
     bytes_without = record.payload_size
     record.release()
-    meta_bytes = len(store.read_artifact(store.lookup(cold.hash, record=False).manifest, "engine.json"))
+    meta_bytes = len(store.read_artifact(store.lookup(cold.hash, count=False).manifest, "engine.json"))
     store.close()
 
     base_wall, base = run_child(["--child-baseline"], args.hidden, args.batch)

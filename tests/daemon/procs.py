@@ -83,7 +83,7 @@ def read(root: str, seconds: float) -> None:
         keys = [e.key for e in store.entries()]
         for key in keys[-5:]:  # the newest: most likely to be hit while the oldest go
             with store.lease(key):
-                res = store.lookup(key, record=False)
+                res = store.lookup(key, count=False)
                 if not res.hit:
                     counts["misses"] += 1
                     continue

@@ -23,7 +23,7 @@ from adstore.store.errors import (
     BlobMissing,
     ChecksumMismatch,
     ConfigError,
-    CorruptRecord,
+    CorruptRow,
     OverBudget,
     StoreError,
 )
@@ -329,7 +329,7 @@ def test_error_table_maps_every_class_once_in_order() -> None:
     assert exit_code_for(OverBudget(1, 2, 3)) == 8
     assert exit_code_for(ChecksumMismatch("a" * 64, "b" * 64)) == 9
     assert exit_code_for(BlobMissing("a" * 64)) == 9
-    assert exit_code_for(CorruptRecord("entries", b"k", "bad")) == 9
+    assert exit_code_for(CorruptRow("entries", b"k", "bad")) == 9
     assert exit_code_for(StoreError("x")) == 10
     assert exit_code_for(AdstoreError("x")) == 10
     assert exit_code_for(PermissionError(13, "denied")) == 11

@@ -68,7 +68,7 @@ def test_daemon_starts_and_evicts_at_0_bytes_free(small_tmpfs, tmp_path, start_d
         left = [e.key for e in store.entries()]
         assert left and len(left) < len(keys)
         for key in left:
-            res = store.lookup(key, record=False)
+            res = store.lookup(key, count=False)
             assert res.hit and len(store.read_artifact(res.manifest, "m")) == 300_000
         assert store.verify().ok
 

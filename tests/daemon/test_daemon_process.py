@@ -65,7 +65,7 @@ def test_writers_over_budget_are_brought_under_low_watermark_leases_survive(
         wait_until(lambda: store_size(root) <= low, timeout=30)
         with Store.open(root) as store:
             assert store.entry(old[0]) is not None, "a leased entry was evicted"
-            assert store.lookup(old[0], record=False).hit
+            assert store.lookup(old[0], count=False).hit
             for w in range(2):  # the new entries are younger than the grace period and most recent
                 for i in range(5):
                     assert store.entry(key_for(f"new{w}", i)) is not None

@@ -72,10 +72,10 @@ def root(tmp_path: Path) -> Path:
         for _ in range(2):
             store.lookup(keys[0])
         store.lookup("absent-key")
-        store.record("miss", "untrusted_target")
-        store.record("bypass", "forward_hook")
-        store.record("save", seconds_saved=0)
-        store.record("hit", seconds_saved=1.5)
+        store.count_event("miss", "untrusted_target")
+        store.count_event("bypass", "forward_hook")
+        store.count_event("save", seconds_saved=0)
+        store.count_event("hit", seconds_saved=1.5)
         store.plan_remove([keys[2]]).execute()
         store.pin(keys[0])
     return root

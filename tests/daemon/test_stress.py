@@ -342,7 +342,7 @@ def run_stress(
         after = store.verify()
         remaining = 0
         for entry in store.entries():
-            res = store.lookup(entry.key, record=False)
+            res = store.lookup(entry.key, count=False)
             if res.hit:
                 remaining += 1
                 for rank, m in res.manifests.items():
@@ -450,7 +450,7 @@ def test_budget_pressure_from_replaced_generations_does_not_evict_live_entries(t
         config = DaemonConfig(max_size=1_000_000, high_watermark=0.9, low_watermark=0.7, grace_period=60.0)
         assert live < 0.7 * 1_000_000 < 0.9 * 1_000_000 < store.size()
         result = Enforcer(store, config).run_pass(sweep=True)
-        left = [k for k in keys if store.lookup(k, record=False).hit]
+        left = [k for k in keys if store.lookup(k, count=False).hit]
         assert left == keys, (
             f"evicted {result.evicted_entries} live entries for garbage: {sorted(set(keys) - set(left))}"
         )
@@ -471,7 +471,7 @@ def test_daemon_survives_a_poisoned_index_row(tmp_path, start_daemon, notify_soc
     with Store.open(root, grace_period=0.0) as store:
         for i in range(12):
             _save_payload(store, f"k{i}", 100 * KIB)
-        gen = store.lookup("k0", record=False).generation
+        gen = store.lookup("k0", count=False).generation
         deep = "[" * 100_000 + "]" * 100_000
         with store.index.env.begin(write=True) as txn:
             txn.put(

@@ -35,7 +35,7 @@ def publish(root, key: str, artifacts: dict[str, bytes], *, namespace: str = "pi
         refs = {name: store.put_bytes(data) for name, data in artifacts.items()}
         store.publish(key, generation=gen, artifacts=refs, namespace=namespace, world_size=world_size)
         store.commit(key, generation=gen)
-        assert store.lookup(key, record=False).hit  # the store itself serves it: only the cache can refuse
+        assert store.lookup(key, count=False).hit  # the store itself serves it: only the cache can refuse
         return gen
 
 

@@ -137,7 +137,7 @@ def test_engine_manifest_with_traversal_digest_is_a_miss(engine_req, sentinel):
     meta, pkg, _ = _engine_variants(r["hash"], sentinel)["kind_names_os_system"]
     _publish_engine(r["store"], r["hash"], meta, pkg)
     store = r["store"]
-    res = store.lookup(r["hash"], record=False)
+    res = store.lookup(r["hash"], count=False)
     mk = manifest_key(r["hash"], 0, res.generation)
     with store.index.env.begin(write=True) as txn:
         obj = json.loads(bytes(txn.get(mk, db=store.index.db["manifests"])))
@@ -206,7 +206,7 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
         cache = EngineCache(StoreEngineStorage(store))
         honest = cache.compile(model, (x,))  # the victim's own engine, compiled once
         h = honest.hash
-        res = store.lookup(h, record=False)
+        res = store.lookup(h, count=False)
         meta = json.loads(store.read_artifact(res.manifest, "engine.json"))
         package = Path(store.blob_path(res.manifest.artifacts["engine.pt2"])).read_bytes()
         cache.close()

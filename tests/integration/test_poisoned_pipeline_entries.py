@@ -53,7 +53,7 @@ def pipeline(tmp_path_factory):
     assert [e.kind for e in opt.events] == ["miss", "save"]
     key = opt.events[-1].key
     with Store.open(root) as store:
-        res = store.lookup(key, record=False)
+        res = store.lookup(key, count=False)
         good = {name: store.read_artifact(res.manifest, name) for name in res.manifest.artifacts}
     with torch.no_grad():
         ref = factory.eager_model(read_checkpoint(ckpt))(*factory.example_inputs()).logits
@@ -212,7 +212,7 @@ def test_entry_missing_an_artifact_or_with_extra_ones_is_a_miss(pipeline, sentin
 def _rewrite_manifest(root, key: str, fn) -> None:
     """Edit the committed manifest row(s) of ``key`` in LMDB directly (no API checks)."""
     with Store.open(root) as store:
-        res = store.lookup(key, record=False)
+        res = store.lookup(key, count=False)
         assert res.hit
         env, db = store.index.env, store.index.db["manifests"]
         for rank, m in res.manifests.items():
@@ -236,7 +236,7 @@ def test_path_traversal_digests_in_lmdb_rows_are_misses(pipeline, sentinel, dige
 
     _rewrite_manifest(pipeline["root"], pipeline["key"], poison)
     with Store.open(pipeline["root"]) as store:
-        res = store.lookup(pipeline["key"], record=False)
+        res = store.lookup(pipeline["key"], count=False)
         assert not res.hit and res.reason == "corrupt_index", res
     events, opt = _victim_run(pipeline)
     assert events[0] == ("miss", "corrupt_index"), events

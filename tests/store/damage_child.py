@@ -53,7 +53,7 @@ def _read(root: str, expected: dict[str, dict[str, str]]) -> dict[str, object]:
     with store:
         for key, artifacts in expected.items():
             try:
-                res = store.lookup(key, record=False)
+                res = store.lookup(key, count=False)
             except Exception as exc:  # noqa: BLE001
                 out["lookup_raised"] += 1  # type: ignore[operator]
                 out["read_errors"][_classify(exc)] = out["read_errors"].get(_classify(exc), 0) + 1  # type: ignore

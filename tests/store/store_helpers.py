@@ -78,7 +78,7 @@ def check_hit(store: Store, key: str) -> bool:
 
 def served_digests(store: Store, key: str) -> dict[int, dict[str, str]]:
     """The SHA-256 of every artifact ``key`` serves, by rank: what a rebuilt index must serve again."""
-    res = store.lookup(key, record=False)
+    res = store.lookup(key, count=False)
     assert res.hit, (key, res.reason)
     return {
         rank: {n: hashlib.sha256(store.read_artifact(m, n)).hexdigest() for n in m.artifacts}

@@ -109,8 +109,8 @@ def test_stats_counters_and_totals(store):
     save(store, "b", shared=shared)
     store.lookup("a")
     store.lookup("zz")
-    store.record("bypass", "unsupported_hook")
-    store.record("save", seconds_saved=1.5)
+    store.count_event("bypass", "unsupported_hook")
+    store.count_event("save", seconds_saved=1.5)
     st = store.stats()
     assert st.entries == 2
     assert st.counters["hits"] == 1 and st.counters["misses.absent"] == 1

@@ -92,7 +92,7 @@ def test_eviction_spares_entries_used_pinned_or_recommitted_after_planning(store
     store.pin("pinned")
     save(store, "resaved")
     plan.execute()
-    assert [k for k in ("used", "pinned", "resaved", "idle") if store.lookup(k, record=False).hit] == [
+    assert [k for k in ("used", "pinned", "resaved", "idle") if store.lookup(k, count=False).hit] == [
         "used",
         "pinned",
         "resaved",

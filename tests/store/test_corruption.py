@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from store_helpers import check_hit, save
 
-from adstore.store import BlobMissing, ChecksumMismatch, CorruptRecord, Store, StoreError
+from adstore.store import BlobMissing, ChecksumMismatch, CorruptRow, Store, StoreError
 from adstore.store.index.rows import manifest_key
 
 
@@ -39,7 +39,7 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _big_path(store: Store, key: str) -> Path:
-    path = store.blob_path(store.lookup(key, record=False).manifest.artifacts["a1"])
+    path = store.blob_path(store.lookup(key, count=False).manifest.artifacts["a1"])
     assert path is not None
     return path
 
@@ -103,7 +103,7 @@ def _rows(store: Store, dbname: str, fn) -> None:
 
 def _lmdb_damage(kind: str):
     def damage(store: Store, key: str) -> None:
-        res = store.lookup(key, record=False)
+        res = store.lookup(key, count=False)
         m = res.manifest
         small = bytes.fromhex(m.artifacts["a0"].digest)
         mk = manifest_key(key, 0, m.generation)
@@ -180,7 +180,7 @@ MISS_REASONS = {"blob_missing", "corrupt_index", "incomplete", "uncommitted", "g
 
 
 def _read_all(store: Store, key: str) -> None:
-    res = store.lookup(key, record=False)
+    res = store.lookup(key, count=False)
     for m in res.manifests.values():
         for name in m.artifacts:
             store.read_artifact(m, name)
@@ -195,12 +195,12 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     #    This store checked "b" before the damage, so its hit is memoized: damage to
     #    bookkeeping rows alone is not seen until verify, and the content, verified on
     #    read, is served whole; any other damage fails the read, and lookups miss after.
-    res = store.lookup("b", record=False)
+    res = store.lookup("b", count=False)
     if res.hit:
         try:
             _read_all(store, "b")
-        except (ChecksumMismatch, BlobMissing, CorruptRecord):
-            res = store.lookup("b", record=False)
+        except (ChecksumMismatch, BlobMissing, CorruptRow):
+            res = store.lookup("b", count=False)
             assert not res.hit and res.reason in MISS_REASONS, (kind, res)
         else:
             assert kind in ROW_ONLY_DAMAGE, kind
@@ -208,7 +208,7 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
         assert res.reason in MISS_REASONS, (kind, res)
     #    A store that never checked "b" misses at lookup or at the read, whatever the damage.
     with Store.open(store.root, grace_period=0.0) as fresh:
-        res = fresh.lookup("b", record=False)
+        res = fresh.lookup("b", count=False)
         if res.hit:
             with pytest.raises((ChecksumMismatch, BlobMissing)):
                 _read_all(fresh, "b")
@@ -226,10 +226,10 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     after = store.verify()
     assert after.ok and not after.problems, after.to_dict()
     if kind in FILE_DAMAGE:
-        assert not store.lookup("b", record=False).hit
+        assert not store.lookup("b", count=False).hit
     else:
         assert check_hit(store, "b"), kind
-        assert store.lookup("b", record=False).generation == gens["b"]
+        assert store.lookup("b", count=False).generation == gens["b"]
         assert any("from their on-disk records" in f for f in fixed.fixed), fixed.fixed
     for key in ("a", "c", "d"):
         assert check_hit(store, key), key
@@ -238,7 +238,7 @@ def test_damage_is_a_named_miss_and_verify_fix_repairs(store, kind):
     assert check_hit(store, "b")
     store.plan_sweep().execute()
     assert store.verify().ok
-    assert store.lookup("a", record=False).generation == gens["a"]
+    assert store.lookup("a", count=False).generation == gens["a"]
 
 
 _DEEP = "[" * 100_000 + "]" * 100_000
@@ -283,7 +283,7 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
             txn.put(b"b", json.dumps(obj).encode(), db=db)
 
         _rows(store, "entries", fn)
-    res = store.lookup("b", record=False)
+    res = store.lookup("b", count=False)
     assert not res.hit and res.reason == "corrupt_index", res
     assert check_hit(store, "a")
     assert not store.verify().ok
@@ -296,17 +296,17 @@ def test_hostile_index_values_are_misses_not_exceptions(store, kind):
 def test_deeply_nested_components_row_is_corrupt_record(store):
     save(store, "b")
     _rows(store, "components", lambda txn, db: txn.put(b"b", f'{{"model": {_DEEP}}}'.encode(), db=db))
-    with pytest.raises(CorruptRecord):
+    with pytest.raises(CorruptRow):
         store.entry("b")
 
 
 def test_missing_inline_data_becomes_a_lookup_miss_after_the_failed_read(store):
     save(store, "k")
-    small = bytes.fromhex(store.lookup("k", record=False).manifest.artifacts["a0"].digest)
+    small = bytes.fromhex(store.lookup("k", count=False).manifest.artifacts["a0"].digest)
     _rows(store, "blobdata", lambda txn, db: txn.delete(small, db=db))
     with pytest.raises(BlobMissing):
         _read_all(store, "k")
-    assert store.lookup("k", record=False).reason == "blob_missing"
+    assert store.lookup("k", count=False).reason == "blob_missing"
 
 
 def test_garbage_lmdb_file_is_a_store_error_not_a_crash(tmp_path):
@@ -323,7 +323,7 @@ def test_garbage_lmdb_file_is_a_store_error_not_a_crash(tmp_path):
 def test_bit_rot_sweep_over_every_blob_byte_class(store):
     """Flip one bit at 16 spread offsets of one file blob, each in turn; each is caught."""
     save(store, "k", sizes=(100, 70_000))
-    ref = store.lookup("k", record=False).manifest.artifacts["a1"]
+    ref = store.lookup("k", count=False).manifest.artifacts["a1"]
     original = store.get_bytes(ref)
     caught = 0
     for offset in range(0, 70_000, 70_000 // 16):
@@ -331,7 +331,7 @@ def test_bit_rot_sweep_over_every_blob_byte_class(store):
         _flip(path, offset)
         with pytest.raises(ChecksumMismatch):
             store.get_bytes(ref)
-        assert store.lookup("k", record=False).reason == "blob_missing"
+        assert store.lookup("k", count=False).reason == "blob_missing"
         caught += 1
         store.put_bytes(original)  # the next writer of the same content repairs the blob
         assert hashlib.sha256(store.get_bytes(ref)).hexdigest() == ref.digest
@@ -369,7 +369,7 @@ def test_cli_verify_fix_repairs_several_kinds_of_damage_at_once(store_root):
     assert again.returncode == 0 and json.loads(again.stdout)["ok"], again.stdout
     with Store.open(store_root, grace_period=0.0) as store:
         assert check_hit(store, "d")
-        assert not store.lookup("a", record=False).hit  # its blob file was damaged
+        assert not store.lookup("a", count=False).hit  # its blob file was damaged
         assert check_hit(store, "b") and check_hit(store, "c")  # index damage: back from their records
         for key in ("a", "b", "c"):
             save(store, key)

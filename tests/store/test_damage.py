@@ -55,7 +55,7 @@ def base(tmp_path_factory) -> tuple[Path, dict[str, dict[str, str]]]:
         for i in range(KEYS):
             save(store, f"key{i}", sizes=(100, 70_000))
         for i in range(KEYS):
-            res = store.lookup(f"key{i}", record=False)
+            res = store.lookup(f"key{i}", count=False)
             expected[f"key{i}"] = {
                 n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts
             }
@@ -359,7 +359,7 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
     with Store.open(src, grace_period=0.0) as store:
         for i in range(KEYS):
             save(store, f"key{i}", sizes=(100, 200_000))
-            res = store.lookup(f"key{i}", record=False)
+            res = store.lookup(f"key{i}", count=False)
             expected[f"key{i}"] = {
                 n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts
             }
@@ -401,7 +401,7 @@ def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, t
     assert run_cli(root, "verify").returncode == 0
     with Store.open(root, create=False) as store:
         for key, artifacts in expected.items():
-            res = store.lookup(key, record=False)
+            res = store.lookup(key, count=False)
             assert res.hit, (key, res.reason)
             assert {
                 n: hashlib.sha256(store.read_artifact(res.manifest, n)).hexdigest() for n in res.manifest.artifacts

@@ -82,7 +82,7 @@ def test_file_blob_saves_fail_with_disk_full_and_nothing_is_half_written(small_f
             with pytest.raises(StoreFull):
                 save(store, "again", sizes=(100, 400_000))
         _assert_nothing_half_written(store)
-        assert store.lookup("again", record=False).reason in ("absent", "uncommitted")
+        assert store.lookup("again", count=False).reason in ("absent", "uncommitted")
     finally:
         store.close()
 
@@ -176,7 +176,7 @@ def test_disk_filled_by_someone_else_between_put_and_commit(small_fs):
                 store.commit("k", rank=r, generation=gen)
         except StoreError as exc:
             outcome = exc.reason
-        res = store.lookup("k", record=False)
+        res = store.lookup("k", count=False)
         if outcome == "committed":
             assert check_hit(store, "k")
         else:

@@ -32,7 +32,7 @@ _EVICT_KEYS = [f"e{i:02d}" for i in range(24)]
 def _evict_baseline(store: Store) -> None:
     """24 entries of ~70 KB (half of them 2-rank), all past the grace period, one leased."""
     for i, key in enumerate(_EVICT_KEYS):
-        if store.lookup(key, record=False).hit:
+        if store.lookup(key, count=False).hit:
             continue
         if store.entry(key) is not None:  # a generation_mismatch leftover is re-saved whole
             store.plan_remove([key]).execute()
@@ -96,14 +96,14 @@ def eviction_kill_driver(root: str, q, stride: int = 0) -> None:
                 with Store.open(root, grace_period=0.0) as store:
                     failures += verify_failures(store, where)
                     for key in _EVICT_KEYS:
-                        res = store.lookup(key, record=False)
+                        res = store.lookup(key, count=False)
                         if res.hit:
                             check_hit(store, key)
                         elif store.entry(key) is not None:
                             failures.append(f"{where}: {key} left half-evicted ({res.reason})")
                         else:
                             evicted_total += 1
-                    if not store.lookup("e00", record=False).hit:
+                    if not store.lookup("e00", count=False).hit:
                         failures.append(f"{where}: the leased entry was evicted")
             except Exception as exc:  # noqa: BLE001
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")

@@ -17,7 +17,7 @@ import lmdb
 import pytest
 from store_helpers import save, writer_forever
 
-from adstore.store import CorruptRecord, Store, UnsafeRoot
+from adstore.store import CorruptRow, Store, UnsafeRoot
 from adstore.store.index.ballast import Ballast
 from adstore.store.index.file import check_data_file, check_free_list, read_meta
 from adstore.store.reasons import Reason
@@ -46,7 +46,7 @@ def test_a_symlinked_blob_file_is_never_served_and_fix_quarantines_the_link(tmp_
         shutil.copyfile(blob, outside)
         blob.unlink()
         os.symlink(outside, blob)
-        res = store.lookup("k", record=False)
+        res = store.lookup("k", count=False)
         assert not res.hit and res.reason == Reason.BLOB_MISSING
         report = store.verify()
         assert any("is a symlink" in p for p in report.problems)
@@ -65,7 +65,7 @@ def test_removed_directories_are_recreated_by_the_next_put(tmp_path):
         assert store.get_bytes(ref) and (root / "tmp").is_dir()
         shutil.rmtree(root / "tmp")
         assert store.put_stream([os.urandom(80_000)]).size == 80_000
-        assert not store.lookup("before", record=False).hit  # its blob went with blobs/: a miss, no error
+        assert not store.lookup("before", count=False).hit  # its blob went with blobs/: a miss, no error
 
 
 def test_the_ballast_is_created_with_the_store_and_never_through_a_symlink(tmp_path):
@@ -91,7 +91,7 @@ def test_a_file_cut_before_a_reachable_page_is_a_damaged_index(tmp_path):
     meta = read_meta(data)
     assert meta is not None and meta.min_file_size == data.stat().st_size
     os.truncate(data, meta.min_file_size // 2)
-    with pytest.raises(CorruptRecord) as info:
+    with pytest.raises(CorruptRow) as info:
         check_data_file(root / "index")
     assert info.value.reason == Reason.CORRUPT_INDEX and "truncated" in str(info.value)
     assert "reaches page" in str(info.value)
@@ -114,9 +114,9 @@ def test_a_file_that_ends_before_never_written_pages_is_sound(tmp_path):
     assert read_meta(data).min_file_size == data.stat().st_size + 3 * meta.page_size
     assert check_data_file(root / "index") is not None
     with Store.open(root) as store:
-        assert store.lookup("k", record=False).hit
+        assert store.lookup("k", count=False).hit
         save(store, "k2")
-        assert store.lookup("k2", record=False).hit and store.verify().ok
+        assert store.lookup("k2", count=False).hit and store.verify().ok
 
 
 def test_the_free_list_check_passes_sound_indexes_even_under_writers(tmp_path, monkeypatch):
@@ -160,8 +160,8 @@ def test_lmdb_errors_in_reads_become_the_stores_own(tmp_path, monkeypatch):
             raise lmdb.CorruptedError("mdb_get: MDB_CORRUPTED: Located page was wrong type")
 
         monkeypatch.setattr(tables.Txn, "entry_row", broken)
-        res = store.lookup("k", record=False)
+        res = store.lookup("k", count=False)
         assert not res.hit and res.reason == Reason.CORRUPT_INDEX
-        with pytest.raises(CorruptRecord) as info:
+        with pytest.raises(CorruptRow) as info:
             store.resolve_key("k")
         assert not isinstance(info.value, lmdb.Error) and info.value.reason == Reason.CORRUPT_INDEX

@@ -74,13 +74,13 @@ def _scenario(root: str, gen_new: int, trap: Trap) -> None:
 
 
 def _current_gen(store: Store, key: str) -> int | None:
-    res = store.lookup(key, record=False)
+    res = store.lookup(key, count=False)
     return res.generation if res.hit else None
 
 
 def _check_served(store: Store, key: str) -> tuple[bool, int | None, str | None]:
     """Lookup ``key``; a hit must be one whole generation (self-describing payloads)."""
-    res = store.lookup(key, record=False)
+    res = store.lookup(key, count=False)
     if not res.hit:
         return False, None, res.reason
     gens = set()
@@ -264,7 +264,7 @@ def _committed_in_phase(trace: list[str], phase: str) -> bool:
 
 
 def _check_served_victim(store: Store) -> tuple[bool, int | None, str | None]:
-    res = store.lookup("victim", record=False)
+    res = store.lookup("victim", count=False)
     if not res.hit:
         return False, None, res.reason
     k, gen, r, n = parse_payload(store.read_artifact(res.manifest, "v"))

@@ -22,7 +22,7 @@ def _epoch(store: Store) -> bytes | None:
 
 
 def _small_digest(store: Store, key: str) -> str:
-    return store.lookup(key, record=False).manifest.artifacts["a0"].digest  # 100 bytes: inline
+    return store.lookup(key, count=False).manifest.artifacts["a0"].digest  # 100 bytes: inline
 
 
 def test_repeated_hit_is_the_same_checked_result(store):

@@ -65,7 +65,7 @@ def test_execute_stops_between_batches(store):
     asked = []
     plan = store.plan_eviction(max_size=0)
     plan.execute(batch_size=1, should_stop=lambda: len(asked.append(1) or asked) > 1)
-    assert sum(store.lookup(k, record=False).hit for k in ("a", "b", "c")) == 2
+    assert sum(store.lookup(k, count=False).hit for k in ("a", "b", "c")) == 2
     done = []
     plan.execute(batch_size=1, on_batch=lambda batch: done.append(batch) or True)  # True: target reached
     assert len(done) == 1
@@ -92,7 +92,7 @@ def test_a_plan_executed_after_another_writer_rechecks_its_victims(store_root):
         other.pin("b")
         save(other, "c")  # recommitted: its planned row no longer matches
         plan.execute()
-        assert [k for k in ("a", "b", "c") if store.lookup(k, record=False).hit] == ["b", "c"]
+        assert [k for k in ("a", "b", "c") if store.lookup(k, count=False).hit] == ["b", "c"]
         assert store.verify().ok
     finally:
         other.close()
@@ -127,7 +127,7 @@ def test_a_batch_that_drops_nothing_does_not_hide_the_next_writer(store_root):
         store.flush()
         between = [lambda: other.pin("b")]  # one commit between the batches
         plan.execute(batch_size=1, on_batch=lambda batch: between and between.pop()())
-        assert [k for k in ("a", "b") if store.lookup(k, record=False).hit] == ["a", "b"]
+        assert [k for k in ("a", "b") if store.lookup(k, count=False).hit] == ["a", "b"]
 
 
 def test_a_batch_that_saw_another_writer_leaves_the_later_batches_to_recheck(store_root):
@@ -137,7 +137,7 @@ def test_a_batch_that_saw_another_writer_leaves_the_later_batches_to_recheck(sto
     with _two_handles_and_a_plan(store_root) as (store, other, plan):
         other.pin("b")  # after the plan, before the first batch
         plan.execute(batch_size=1)
-        assert [k for k in ("a", "b") if store.lookup(k, record=False).hit] == ["b"]
+        assert [k for k in ("a", "b") if store.lookup(k, count=False).hit] == ["b"]
         assert store.stats().logical_bytes == store.entry("b").bytes
 
 

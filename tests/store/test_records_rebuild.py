@@ -68,7 +68,7 @@ def test_verify_fix_rebuilds_every_intact_entry_and_nothing_removed(store_root, 
         for key, served in want.items():
             assert served_digests(store, key) == served, key
         for key in GONE:
-            assert store.lookup(key, record=False).reason == Reason.ABSENT, key
+            assert store.lookup(key, count=False).reason == Reason.ABSENT, key
         assert store.entry("pinned").pinned and not store.entry("one").pinned
         assert store.entry("two").components == {"key": "two"}
         assert store.plan_eviction(older_than=0).skipped == ["pinned"]  # the pin holds again
@@ -84,14 +84,14 @@ def test_verify_fix_rebuilds_every_intact_entry_and_nothing_removed(store_root, 
     assert run_cli(store_root, "verify", "--fix").returncode == 0
     with Store.open(store_root, grace_period=0.0) as store:
         assert {key: served_digests(store, key) for key in want} == want
-        assert store.lookup("one", record=False).reason == Reason.ABSENT
+        assert store.lookup("one", count=False).reason == Reason.ABSENT
 
 
 def test_a_record_whose_blob_is_gone_is_not_restored_and_is_reported(store_root):
     with Store.open(store_root, grace_period=0.0) as store:
         save(store, "one", sizes=(100, 70_000))
         save(store, "lost", sizes=(100, 70_000))
-        big = store.lookup("lost", record=False).manifest.artifacts["a1"]
+        big = store.lookup("lost", count=False).manifest.artifacts["a1"]
         path = store.blob_path(big)
     os.chmod(path, 0o644)
     path.write_bytes(b"not the content" * 100)  # corrupt: quarantined by the rebuild
@@ -99,8 +99,8 @@ def test_a_record_whose_blob_is_gone_is_not_restored_and_is_reported(store_root)
     _, report = Store.repair_index(store_root)
     assert report.entries == 1 and [s.reason for s in report.skipped] == [Reason.BLOB_MISSING]
     with Store.open(store_root, grace_period=0.0) as store:
-        assert store.lookup("lost", record=False).reason == Reason.ABSENT
-        assert store.lookup("one", record=False).hit
+        assert store.lookup("lost", count=False).reason == Reason.ABSENT
+        assert store.lookup("one", count=False).hit
         assert store.verify(fix=True).ok
         assert not store.verify().warnings  # the useless record went (an orphan of the index)
 
@@ -129,7 +129,7 @@ def test_gc_finishes_a_commit_and_sweeps_a_removal_cut_short(store_root):
     Store.repair_index(store_root)
     with Store.open(store_root, grace_period=0.0) as store:
         assert served_digests(store, "cut_commit") == want
-        assert store.lookup("cut_removal", record=False).reason == Reason.ABSENT
+        assert store.lookup("cut_removal", count=False).reason == Reason.ABSENT
 
 
 @pytest.mark.slow
@@ -156,15 +156,15 @@ def test_a_host_that_holds_one_rank_of_two_gets_it_back(store_root):
         ref = store.put_bytes(b"rank one" * 10_000)
         store.publish("dist", rank=1, world_size=2, generation=gen, artifacts={"m": ref})
         store.commit("dist", rank=1, generation=gen)
-        assert store.lookup("dist", rank=1, record=False).hit
-        assert store.lookup("dist", record=False).reason == Reason.INCOMPLETE
+        assert store.lookup("dist", rank=1, count=False).hit
+        assert store.lookup("dist", count=False).reason == Reason.INCOMPLETE
     os.truncate(store_root / "index" / "data.mdb", 4096)
     _, report = Store.repair_index(store_root)
     assert report.entries == 1 and not report.skipped
     with Store.open(store_root, grace_period=0.0) as store:
-        res = store.lookup("dist", rank=1, record=False)
+        res = store.lookup("dist", rank=1, count=False)
         assert res.hit and res.generation == gen and store.read_artifact(res.manifest, "m") == b"rank one" * 10_000
-        assert store.lookup("dist", record=False).reason == Reason.INCOMPLETE  # as before the index was lost
+        assert store.lookup("dist", count=False).reason == Reason.INCOMPLETE  # as before the index was lost
         assert store.verify().ok
 
 

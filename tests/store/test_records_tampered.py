@@ -93,7 +93,7 @@ def test_a_tampered_record_is_skipped_with_a_reason(store_root, kind):
     assert "victim" in report.skipped[0].path
     with Store.open(store_root, grace_period=0.0) as store:
         assert served_digests(store, "one") == want
-        assert store.lookup("victim", record=False).reason == Reason.ABSENT
+        assert store.lookup("victim", count=False).reason == Reason.ABSENT
         rep = store.verify()  # the tampered file is a problem until --fix moves it to quarantine/
         assert not rep.ok and any(f.kind is Reason.CORRUPT_RECORD for f in rep.findings), rep.to_dict()
         fixed = store.verify(fix=True)
@@ -174,7 +174,7 @@ def test_a_hostile_key_in_the_index_names_no_record_file(store, tmp_path):
     store.verify(fix=True)
     store.plan_sweep().execute()
     assert store.root.parent == tmp_path and not list(tmp_path.glob("evil*"))
-    assert store.lookup("k", record=False).hit
+    assert store.lookup("k", count=False).hit
 
 
 def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_path):
@@ -203,4 +203,4 @@ def test_a_tampered_obsolete_list_names_nothing_outside_the_records(store, tmp_p
     assert set(files.obsoleted()) == {f"{live.path.parent.name}/{live.path.name}"}
     store.plan_sweep().execute()  # the live record keeps its manifest row: gc keeps the file
     assert victim.read_bytes() == b"keep" and live.path.exists() and files.obsolete_files() == []
-    assert store.verify().ok and store.lookup("live", record=False).hit
+    assert store.verify().ok and store.lookup("live", count=False).hit

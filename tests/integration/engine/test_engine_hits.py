@@ -103,7 +103,7 @@ def test_ignore_engine_cache_recompiles_and_overwrites(env):
         torch.testing.assert_close(engine(X), model(X), rtol=1e-6, atol=1e-6)
         gen_after = {m.generation for m in store.manifests(h) if m.committed}
         assert gen_after and gen_after.isdisjoint(gen_before), "the stored engine was not overwritten"
-        assert store.lookup(h, record=False).hit
+        assert store.lookup(h, count=False).hit
         hit = front.compile(make_model(8), (X,))
         assert hit.event.kind == "hit" and front.counters["compiles"] == 1
     finally:

@@ -182,10 +182,10 @@ def test_rank_killed_mid_save_leaves_nothing_restorable(setup, tmp_path):
     )
     assert killed[1].get("exitcode") == -signal.SIGKILL
     store = Store.open(root)
-    res = store.lookup(key, record=False)
+    res = store.lookup(key, count=False)
     assert not res.hit
-    assert not store.lookup(key, rank=0, record=False).hit
-    assert not store.lookup(key, rank=1, record=False).hit
+    assert not store.lookup(key, rank=0, count=False).hit
+    assert not store.lookup(key, rank=1, count=False).hit
     assert all(not m.committed for m in store.manifests(key))
     # the next run is a clean miss on both ranks, then a save that is restorable
     again = run_ranks(_job(root, ckpt, [{}, {}]), 2, target=_worker, timeout=600)
@@ -194,7 +194,7 @@ def test_rank_killed_mid_save_leaves_nothing_restorable(setup, tmp_path):
         assert r["runs"][0]["events"][0][0] == "miss"
         assert r["runs"][0]["events"][1] == ("save", None)
         assert r["runs"][1]["events"] == [("hit", None)]
-    assert store.lookup(key, record=False).hit
+    assert store.lookup(key, count=False).hit
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
     assert ratio is None or ratio > 0
     assert result["restart_speedup"] == pytest.approx(result["restart_cold_s"] / result["restart_warm_s"], rel=0.01)
     store = Store.open(root)
-    assert store.lookup(result["key"], record=False).hit
+    assert store.lookup(result["key"], count=False).hit
     table = format_demo(result)
     for label in (
         "restart, cold",

@@ -62,7 +62,7 @@ def test_a_dripping_record_is_a_timeout_miss_and_opens_the_circuit(mode, server,
         out = remote_restore(store, r, KEY, 0, 1)
         assert out.reason == "remote_timeout"
         assert r.refusal() == "remote_timeout"  # the next lookup does not wait again
-        assert not store.lookup(KEY, record=False).hit
+        assert not store.lookup(KEY, count=False).hit
     assert server.asked("cas") == 0
 
 
@@ -132,7 +132,7 @@ def test_the_persisted_budget_is_applied_before_the_download(limit, reason, serv
         out = remote_restore(store, reader(server, trusted, deadline=10), KEY, 0, 1)
         assert out.reason == reason
         assert server.asked("cas") == (0 if reason else 2)
-        assert store.lookup(KEY, record=False).hit is (reason is None)
+        assert store.lookup(KEY, count=False).hit is (reason is None)
 
 
 def nested(depth: int) -> dict:

@@ -106,3 +106,32 @@ def test_a_bad_remote_environment_is_logged_and_the_store_runs_alone(tmp_path, m
 
     with pytest.raises(AdstoreError):  # an explicit argument is a programming error: raised at once
         Store.open(tmp_path / "t", remote=RemoteConfig.from_env(url="memory://x"))
+
+
+_LAZY_CHILD = """
+import sys
+from adstore.store import Store
+
+with Store.from_env() as store:
+    gen = store.new_generation()
+    ref = store.put_bytes(b"weights")
+    store.publish("k", rank=0, world_size=1, generation=gen, artifacts={"a": ref}, components={"k": "k"})
+    store.commit("k", rank=0, generation=gen, components={"k": "k"})
+    assert store.tier is not None and store.lookup("k").hit
+    print("after a local hit:", "boto3" in sys.modules)
+    print("miss:", store.lookup("absent-here").reason)
+    print("after a miss:", "boto3" in sys.modules)
+"""
+
+
+def test_a_process_whose_lookups_hit_locally_never_loads_boto3(s3_url, tmp_path):
+    """A warm restart with an s3:// remote configured pays nothing for it: boto3 is imported on the
+    first request (a local miss), not when the store is opened."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ADSTORE_ROOT": str(tmp_path / "r"), "ADSTORE_REMOTE": s3_url, "ADSTORE_REMOTE_MODE": "read"}
+    env.pop("ADSTORE_SIGNING_KEY", None)
+    out = subprocess.run([sys.executable, "-c", _LAZY_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["after a local hit: False", "miss: absent", "after a miss: True"], out.stdout

@@ -47,7 +47,7 @@ def sample() -> dict[str, bytes]:
 
 def nothing_committed(store: Store, key: str) -> None:
     assert store.entry(key) is None
-    assert store.lookup(key, record=False).reason == "absent"
+    assert store.lookup(key, count=False).reason == "absent"
 
 
 def test_host_b_restores_host_a_bit_identical(url, keypair, tmp_path):
@@ -198,7 +198,7 @@ def test_ranks_arriving_one_by_one_are_restored_once_all_are_there(url, signer, 
         assert remote_save(w, writer, key, 0).ok
         first = r.lookup(key)
         assert not first.hit and first.reason in ("absent", "incomplete")  # never a partial hit
-        assert r.lookup(key, record=False).reason == "incomplete"  # rank 0 came over, rank 1 is not there yet
+        assert r.lookup(key, count=False).reason == "incomplete"  # rank 0 came over, rank 1 is not there yet
         assert remote_save(w, writer, key, 1).ok
         res = r.lookup(key)
         assert res.hit and res.generation == gen and sorted(res.manifests) == [0, 1]
