@@ -681,7 +681,12 @@ def rows_remote(d: dict) -> list[Row]:
         out.append(
             row(
                 "remote",
-                f"remote down ({name}): first lookup",
+                f"remote down ({name}): first lookup"
+                + (
+                    f" (after the client's set-up, {_s(x['client_setup_s'])} once per process)"
+                    if x.get("client_setup_s", 0) >= 0.001
+                    else ""
+                ),
                 _s(x["first_call_s"]),
                 f"timeout {_s(x['timeout_s'])}",
                 None,
