@@ -71,13 +71,16 @@ def _rules(layers: int, hidden: int) -> dict[tuple[str, ...], Any]:
     }
 
 
-def _per_layer(value: list[Any], layers: int) -> list[Any]:
-    """A per-layer list cut to ``layers``: every kind it names, in order of first use, while room lasts.
+def _per_layer(value: list[Any], layers: int, n: int) -> list[Any]:
+    """A per-layer list of ``n`` layers cut to ``layers``: every kind it names, in order of first use,
+    while room lasts.
 
-    A list of ints names layers (``moe_layers``, ``full_attn_idxs``): the ones below ``layers`` stay.
+    A strictly increasing list of ints below ``n`` names layers (``moe_layers``, ``full_attn_idxs``):
+    the ones below ``layers`` stay.  Any other list of ints holds a value per layer (heads per
+    layer, an intermediate size per layer, ``no_rope_layers`` flags) and keeps one per layer.
     """
-    if all(type(v) is int for v in value):
-        return [v for v in value if 0 <= v < layers]
+    if all(type(v) is int for v in value) and value == sorted(set(value)) and all(0 <= v < n for v in value):
+        return [v for v in value if v < layers]
     try:
         kinds = list(dict.fromkeys(value))
     except TypeError:  # unhashable entries: plain truncation
@@ -98,7 +101,7 @@ def _shrink(defaults: dict[str, Any], layers: int, hidden: int) -> dict[str, Any
     n = next((defaults[k] for k in _LAYERS if isinstance(defaults.get(k), int)), None)
     for key, value in defaults.items():
         if isinstance(value, list) and n and len(value) == n and key not in out:
-            out[key] = _per_layer(value, layers)
+            out[key] = _per_layer(value, layers, n)
         elif isinstance(value, dict) and "model_type" in value:
             out[key] = {**value, **_shrink(value, layers, hidden)}
     if defaults.get("sliding_window"):

@@ -78,12 +78,21 @@ def test_layers_and_hidden_size_any_type():
     assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (96, 3)
     assert cfg["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]  # every kind
     assert tiny_config("llama4_text")["moe_layers"] == [0, 1]  # layer indices stay below the layer count
+    assert tiny_config("llama4_text")["no_rope_layers"] == [1, 0]  # a flag per layer: one per layer, every kind
+    assert tiny_config("laguna", layers=3)["num_attention_heads_per_layer"] == [48, 48, 48]  # a value per layer
     assert cfg["num_attention_heads"] * cfg["head_dim"] == 96
     hf = ModelFactory(config=cfg).hf_config()
     assert hf.num_hidden_layers == 3 and hf.use_cache is False
     for bad in ({"layers": 0}, {"hidden": 48}, {"layers": "2"}, {"hidden": 64.0}, {"layers": True}):
         with pytest.raises(ConfigError):
             ModelFactory.from_config({"arch": "mistral", **bad})
+
+
+def test_every_handled_type_has_a_small_config_this_transformers_accepts():
+    """Every surveyed type the factory accepts gets a config its config class validates (a per-layer
+    list keeps one entry per layer), so an accepted ``--arch`` never fails in transformers' checks."""
+    for model_type in sorted(HANDLED):
+        ModelFactory.from_config({"arch": model_type, "layers": 2, "hidden": 64}).hf_config()
 
 
 def test_recorded_recipes_give_the_config_transformers_defaults_give():
