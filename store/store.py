@@ -38,6 +38,7 @@ from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .maintenance.eviction import EvictionPlan, Evictor
 from .maintenance.inline import InlineEviction
+from .maintenance.repair import verify_or_rebuild
 from .maintenance.sweep import Sweeper, SweepPlan
 from .maintenance.verify import Progress, VerifyReport, verify_store
 from .manifests import abort, commit, publish, set_pinned, validate_publish
@@ -452,42 +453,40 @@ class Store:
         return self._sweeper.plan()
 
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Rehash every blob and check every invariant; ``fix`` repairs what it can.
+        """Rehash every blob and check every invariant, and the records against the index; ``fix`` repairs.
 
-        The index is first read in full by a child process (``index.file.probe_index``):
-        damaged pages are reported, never a dead process.  The on-disk records are
-        checked against the index (``records.sync``).  With ``fix`` a damaged index is
-        moved to ``quarantine/`` and rebuilt from the blob files and the records
-        (``rebuild``), and entries an in-place repair drops come back from their records.
+        A child process reads the whole index first (``index.file.probe_index``): damage is reported, never a
+        dead process; with ``fix`` a damaged index is rebuilt from the blob files and records (``maintenance.repair``).
         """
         self.flush()
         probe = probe_index(self.root)
-        rebuilt: RebuildReport | None = None
-        if not probe.ok:
-            if not fix:
-                return VerifyReport.damaged_index(probe.detail)
-            self._book.close()
-            self._index.release()
-            try:
-                rebuilt = plan_rebuild(self._tables.layout, probe.detail).execute()
-            finally:
-                self._attach(self._tables.layout)
-        report = verify_store(
-            self._tables, fix=fix, grace_period=self.grace_period, quarantine=self._blobs.quarantine, progress=progress
+        return verify_or_rebuild(
+            None if probe.ok else probe.detail,
+            fix=fix,
+            rebuild=self._rebuild,
+            verify=lambda: verify_store(
+                self._tables,
+                fix=fix,
+                grace_period=self.grace_period,
+                quarantine=self._blobs.quarantine,
+                progress=progress,
+            ),
         )
-        if rebuilt is not None:
-            report.add_rebuild(probe.detail, rebuilt)
-        return report
+
+    def _rebuild(self, why: str) -> RebuildReport:
+        """Move the damaged index aside and rebuild it from the blob files and records (``rebuild``)."""
+        self._book.close()
+        self._index.release()
+        try:
+            return plan_rebuild(self._tables.layout, why).execute()
+        finally:
+            self._attach(self._tables.layout)
 
     @classmethod
     def repair_index(cls, root: str | os.PathLike[str] | None = None) -> tuple[str, RebuildReport] | None:
-        """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages).
-
-        From the blob files and the on-disk records (invariant 9): every entry
-        whose files are intact comes back.  For ``verify --fix`` before it opens
-        the store; None when the index is sound (or there is no store).  Returns
-        why it was rebuilt and the report.
-        """
+        """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages) from the blob files
+        and records (invariant 9), for ``verify --fix`` before it opens the store: (why, report), or None when the
+        index is sound or there is no store."""
         return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
 
     def reader_check(self) -> int:
