@@ -110,8 +110,8 @@ class Bookkeeping:
         except Exception as exc:
             log.warning("could not flush store counters: %s", exc)
 
-    def close(self) -> None:
-        """Stop the flusher, then write what is pending.
+    def close(self, *, flush: bool = True) -> None:
+        """Stop the flusher, then write what is pending (``flush=False``: drop it, the index is damaged).
 
         The flusher may be inside a write (waiting for another process's write
         lock, even): it is joined before the store closes its environment,
@@ -121,7 +121,11 @@ class Bookkeeping:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        self.flush()
+        if flush:
+            self.flush()
+        else:  # a write into a damaged index can fault; a rebuild loses hits and access times anyway
+            with self._lock:
+                self._counters, self._access = Counter(), {}
         _OPEN.discard(self)
 
     def _forget(self) -> None:

@@ -475,7 +475,7 @@ class Store:
 
     def _rebuild(self, why: str) -> RebuildReport:
         """Move the damaged index aside and rebuild it from the blob files and records (``rebuild``)."""
-        self._book.close()
+        self._book.close(flush=False)
         self._index.release()
         try:
             return plan_rebuild(self._tables.layout, why).execute()
