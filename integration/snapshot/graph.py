@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule, UntrustedTarget
 from adstore.integration.snapshot.export import (
     STATEFUL_GM,
+    LazyGraphModule,
     RestoredExportModule,
     RestoredGuards,
     bind_method,
@@ -113,7 +114,9 @@ def real_class(module: torch.nn.Module) -> type:
 
 def _real_class_name(module: torch.nn.Module) -> str | None:
     cls = real_class(module)
-    return STATEFUL_GM if issubclass(cls, RestoredExportModule) else qualname_of(cls)
+    if issubclass(cls, RestoredExportModule):
+        return STATEFUL_GM
+    return GM_CLASSES[0] if cls is LazyGraphModule else qualname_of(cls)
 
 
 # ----------------------------------------------------------------------------- encode
@@ -443,7 +446,7 @@ class GraphDecoder:
         cls_name = enc.get("gm_class")
         class_name = identifier(enc.get("class_name", "GraphModule"), "class name")
         if cls_name == GM_CLASSES[0]:
-            gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
+            gm = LazyGraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
         elif cls_name == STATEFUL_GM:
             rc = self.syms.range_constraints(enc.get("range_constraints") or [])
             gm = RestoredExportModule(torch.nn.Module(), torch.fx.Graph(), range_constraints=rc)
@@ -457,7 +460,7 @@ class GraphDecoder:
     def finish(
         self, gm: torch.fx.GraphModule, enc: dict[str, Any], graph: torch.fx.Graph, methods: list[list[str]]
     ) -> None:
-        """Attach the graph (one recompile) and the GraphModule-only state."""
+        """Attach the graph (its code is generated when first needed) and the GraphModule-only state."""
         gm.graph = graph
         gm.meta.update(self.plain(["d", *sum(([k, v] for k, v in enc.get("meta", {}).items()), [])]))
         if enc.get("shape_env"):

@@ -371,6 +371,38 @@ def test_handmade_graph_every_arg_kind():
     assert hist["torch.ops.aten.add"] == 1 and hist["math.sqrt"] == 1 and hist["method:to"] == 1
 
 
+def test_restore_generates_the_graph_code_only_when_first_used(monkeypatch):
+    """Restore and a later graph edit generate no Python code (an engine hit never runs it); first use does.
+
+    The first use here is export's input check on a wrong input, which reads
+    the input spec that code generation sets; it refuses as export's module does.
+    """
+    x = torch.randn(3, 8)
+    gm = torch.export.export(Net().eval(), (x,)).module()
+    weights, ref = real_state(gm), gm(x)
+    to_meta(gm)
+    art = dump_module(gm)
+    generated: list[int] = []
+    python_code = torch.fx.Graph.python_code
+    monkeypatch.setattr(
+        torch.fx.Graph, "python_code", lambda self, *a, **k: generated.append(1) or python_code(self, *a, **k)
+    )
+    restored = load_module(art)
+    restored.recompile()  # what a transform does after editing the graph
+    assert generated == []
+    with pytest.raises(Exception) as orig:
+        gm(x, x)
+    with pytest.raises(Exception) as got:
+        restored(x, x)
+    assert type(got.value) is type(orig.value) and str(got.value) == str(orig.value)
+    assert generated == [1]
+    restored.load_state_dict(weights, assign=True)
+    assert torch.equal(restored(x), ref) and restored.code == gm.code
+    again = load_module(art)
+    again.load_state_dict(weights, assign=True)
+    assert torch.equal(torch.export.export(again, (x,)).module()(x), ref)
+
+
 def test_restored_module_saves_again_identically():
     x = torch.randn(3, 8)
     batch = Dim("batch", min=2, max=32)
