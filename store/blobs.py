@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from .blobwriter import BlobWriter
-from .codec import Damaged, Encoding, decode, decode_chunks
+from .codec import Damaged, Encoding, decode_file
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
 from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
@@ -94,7 +94,7 @@ class Blobs:
         if ref.size < self.inline_threshold:
             self._register_inline(ref, bytes(view))
             return ref
-        self._write_file(ref, lambda: (view,))
+        self._write_file(ref, lambda: (view,), prehashed=type(data) is bytes)
         return ref
 
     def put_file(self, path: str | os.PathLike[str]) -> BlobRef:
@@ -139,7 +139,7 @@ class Blobs:
         """A writer streaming a blob into place as its bytes arrive (``blobwriter``).
 
         ``ref`` None: whatever the content hashes to.  ``source=ZSTD``: the
-        bytes are a zstd frame of ``frame_size`` bytes (a remote's object).
+        bytes are a compressed file of ``frame_size`` bytes (a remote's object, ``codec``).
         """
         return BlobWriter(self, ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
@@ -196,11 +196,13 @@ class Blobs:
 
         return self._tables.write(fn)
 
-    def _write_file(self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]]) -> None:
+    def _write_file(
+        self, ref: BlobRef, chunks: Callable[[], Iterable[bytes | memoryview]], *, prehashed: bool = False
+    ) -> None:
         """Write a blob whose source can be read again (a swept temp file is written once more)."""
         self._reserve(ref.size)
         for _attempt in range(3):
-            with self.writer(ref) as w:
+            with BlobWriter(self, ref, prehashed=prehashed) as w:
                 for chunk in chunks():
                     w.write(chunk)
                 try:
@@ -302,7 +304,7 @@ class Blobs:
         return self._layout.blob_path(digest)
 
     def get_bytes(self, ref_or_digest: BlobRef | str) -> bytes:
-        """The blob's content, verified: SHA-256 for files (decoded from their frame, bounded by the size), the
+        """The blob's content, verified: SHA-256 for files (decoded from their frames, bounded by the size), the
         inline checksum for inline blobs.
 
         The hot path of small reads is one get: an inline blob's value in
@@ -330,7 +332,16 @@ class Blobs:
                 raise BlobMissing(digest, "inline data missing")
             try:
                 with self._layout.open_blob(digest) as f:
-                    data = decode(f.read(), row.size) if row.compressed else f.read()
+                    if row.compressed:
+                        sha = hashlib.sha256()
+                        parts = []
+                        for part in decode_file(f.fileno(), row.size):
+                            sha.update(part)  # while the next frame decodes
+                            parts.append(part)
+                        data = parts[0] if len(parts) == 1 else b"".join(parts)
+                    else:
+                        data = f.read()
+                        sha = hashlib.sha256(data)
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
             except Damaged as exc:
@@ -341,9 +352,9 @@ class Blobs:
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
             if len(data) != row.size:
                 self.quarantine(digest)
-                raise ChecksumMismatch(digest, hashlib.sha256(data).hexdigest(), len(data))
+                raise ChecksumMismatch(digest, sha.hexdigest(), len(data))
             inline = False
-        got = hashlib.sha256(data).hexdigest()
+        got = sha.hexdigest() if not inline else hashlib.sha256(data).hexdigest()
         if got != digest:
             self.quarantine(digest, content=data if inline else None)
             raise ChecksumMismatch(digest, got, len(data))
@@ -363,7 +374,7 @@ class Blobs:
             n = 0
             try:
                 with self._layout.open_blob(digest) as f:
-                    for chunk in decode_chunks(f, row.size) if row.compressed else _chunks(f):
+                    for chunk in decode_file(f.fileno(), row.size) if row.compressed else _chunks(f):
                         h.update(chunk)
                         n += len(chunk)
                         yield chunk

@@ -8,11 +8,11 @@ written, then on :meth:`BlobWriter.commit` digest and size checked, fsync,
 read-only, rename into ``blobs/``, row registered.  Bytes that do not hash
 to the expected digest are never registered.
 
-The file holds the content raw or as one zstd frame (``codec``): decided
+The file holds the content raw or as zstd frames (``codec``): decided
 from the first :data:`~.codec.SAMPLE_BYTES` of the content unless the caller
-knows.  A remote object that already is a frame (``source=ZSTD``) is written
-as it arrives and decoded from the file at the commit, bounded by the
-declared size, to check its digest.
+knows.  A remote object that already is a compressed file (``source=ZSTD``)
+is written as it arrives and decoded from the file at the commit, bounded by
+the declared size, to check its digest.
 
 :meth:`BlobWriter.cancel` (from any thread) makes every later write and the
 commit fail, so a caller that gave up at a deadline can leave the writer to
@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .codec import SAMPLE_BYTES, Damaged, Encoding, FrameWriter, choose, decode_chunks
+from .codec import SAMPLE_BYTES, Damaged, Encoding, FrameWriter, choose, decode_file
 from .errors import ChecksumMismatch, StoreError, StoreFull
 from .fsutil import is_disk_full, start_writeback, unique_temp
 from .index.rows import BlobRef
@@ -69,7 +69,7 @@ class _Fd:
 
 
 class HashingWriter:
-    """Content in, file out: hashes (SHA-256) and counts the content, writes it raw or as a zstd frame.
+    """Content in, file out: hashes (SHA-256) and counts the content, writes it raw or as zstd frames.
 
     With ``background=True`` hashing, encoding and writing run in a helper
     thread fed through a small bounded queue, so they overlap with the
@@ -88,12 +88,13 @@ class HashingWriter:
         size: int | None = None,
         background: bool = False,
         durable: bool = False,
+        hash_content: bool = True,
         cancelled: threading.Event | None = None,
     ) -> None:
         self.name = name
         self._out = _Fd(fd)
-        self._frame = FrameWriter(self._out, size) if encoding is Encoding.ZSTD else None  # type: ignore[arg-type]
-        self._sha = hashlib.sha256()
+        self._frame = FrameWriter(self._out) if encoding is Encoding.ZSTD else None
+        self._sha = hashlib.sha256() if hash_content else None
         self.size = 0  # content bytes
         self._durable = durable
         self._written_back = 0
@@ -108,11 +109,12 @@ class HashingWriter:
 
     @property
     def stored(self) -> int:
-        """Bytes written to the file so far (the frame's, when compressing)."""
+        """Bytes written to the file so far (compressed ones, when compressing)."""
         return self._out.written
 
     def _consume(self, data: bytes | bytearray | memoryview) -> None:
-        self._sha.update(data)
+        if self._sha is not None:
+            self._sha.update(data)
         if self._frame is not None:
             self._frame.write(data)
         else:
@@ -144,7 +146,7 @@ class HashingWriter:
         return n
 
     def finish(self) -> BaseException | None:
-        """Wait for the helper thread (if any) and end the frame; the error it failed with, if any."""
+        """Wait for the helper thread (if any) and end the frames; the error it failed with, if any."""
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -158,6 +160,7 @@ class HashingWriter:
         return self._error
 
     def hexdigest(self) -> str:
+        assert self._sha is not None, "a writer told not to hash has no digest"
         return self._sha.hexdigest()
 
 
@@ -167,10 +170,12 @@ class BlobWriter:
     ``ref``: the expected digest and size (None: whatever the content hashes
     to, for ``put_stream``).  ``encoding``: how the file holds it (None:
     decided from the content's start).  ``source``: what :meth:`write`
-    receives, the content (RAW) or a zstd frame of it (ZSTD, of
-    ``frame_size`` bytes: never more is read).  Leaving the
-    block without :meth:`commit` (an exception, a cancel) removes what was
-    written.
+    receives, the content (RAW) or its compressed file (ZSTD, of
+    ``frame_size`` bytes: never more is read).  ``prehashed``: the caller
+    hashed this very content to ``ref`` and it cannot change (an immutable
+    ``bytes``, ``put_bytes``), so it is not hashed a second time.  Leaving
+    the block without :meth:`commit` (an exception, a cancel) removes what
+    was written.
     """
 
     def __init__(
@@ -181,10 +186,14 @@ class BlobWriter:
         encoding: Encoding | None = None,
         source: Encoding = Encoding.RAW,
         frame_size: int | None = None,
+        prehashed: bool = False,
         cancelled: threading.Event | None = None,
     ) -> None:
         if source is Encoding.ZSTD and (ref is None or frame_size is None):
             raise ValueError("a frame from elsewhere needs the digest and sizes it must decode to")
+        if prehashed and (ref is None or source is not Encoding.RAW):
+            raise ValueError("only content the caller hashed to ref can skip the hash")
+        self._prehashed = prehashed
         self.ref = ref
         self.frame_size = frame_size  # for source=ZSTD: the frame's declared size (a remote record's)
         self._blobs = blobs
@@ -209,6 +218,9 @@ class BlobWriter:
             raise ChecksumMismatch(self._name, "(not read past the declared size)", self.received + n)
         self.received += n
         if self._hasher is None and self._source is Encoding.RAW:
+            if not self._head and n >= max(SAMPLE_BYTES, self._blobs.inline_threshold):
+                self._open(data)  # decided from its own start: a large buffer is not copied
+                return n
             self._head += data
             if len(self._head) < max(SAMPLE_BYTES, self._blobs.inline_threshold):
                 return n
@@ -234,7 +246,7 @@ class BlobWriter:
             return None
         return self.frame_size if self._source is Encoding.ZSTD else self.ref.size
 
-    def _open(self, head: bytes) -> None:
+    def _open(self, head: bytes | bytearray | memoryview) -> None:
         """Decide the encoding from ``head`` (the content's start), open the temp file, write ``head``."""
         if self._encoding is None:
             self._encoding = choose(head)
@@ -248,8 +260,9 @@ class BlobWriter:
             str(tmp),
             encoding=self._encoding if self._source is Encoding.RAW else Encoding.RAW,
             size=size,
-            background=big,
+            background=big and not self._prehashed,  # nothing to overlap with: the caller has all of it
             durable=True,
+            hash_content=not self._prehashed,
             cancelled=self._cancelled,
         )
         if head:
@@ -282,9 +295,10 @@ class BlobWriter:
         if self._source is Encoding.ZSTD:
             digest, size = self._decoded_digest(tmp)
         else:
-            digest, size = hasher.hexdigest(), hasher.size
+            digest = self.ref.digest if self._prehashed and self.ref is not None else hasher.hexdigest()
+            size = hasher.size
         ref = self._checked(digest, size)
-        if ref.size < self._blobs.inline_threshold:  # a small blob that came as a frame
+        if ref.size < self._blobs.inline_threshold:  # a small blob that came compressed
             return self._commit_inline(b"".join(self._decoded(tmp, ref.size)))
         try:
             os.fsync(self._fd)
@@ -316,17 +330,17 @@ class BlobWriter:
     def _decoded(self, tmp: Path, limit: int) -> list[bytes]:
         try:
             with open(tmp, "rb") as f:
-                return list(decode_chunks(f, limit))
+                return list(decode_file(f.fileno(), limit))
         except Damaged as exc:
             raise ChecksumMismatch(self._name, f"(a damaged frame: {exc})", 0) from None
 
     def _decoded_digest(self, tmp: Path) -> tuple[str, int]:
-        """The digest and size of what the frame in ``tmp`` decodes to, bounded by the expected size."""
+        """The digest and size of what the compressed file ``tmp`` decodes to, bounded by the expected size."""
         assert self.ref is not None
         sha, size = hashlib.sha256(), 0
         try:
             with open(tmp, "rb") as f:
-                for chunk in decode_chunks(f, self.ref.size):
+                for chunk in decode_file(f.fileno(), self.ref.size):
                     sha.update(chunk)
                     size += len(chunk)
         except Damaged as exc:

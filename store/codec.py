@@ -1,4 +1,4 @@
-"""How a blob file is stored: its bytes as they are, or one zstd frame when that pays.
+"""How a blob file is stored: its bytes as they are, or zstd frames with a seek table when that pays.
 
 The identity of a blob is always the SHA-256 of its uncompressed bytes; how
 its file holds them is the row's business (``FLAG_ZSTD``) and the record's
@@ -11,22 +11,40 @@ its file holds them is the row's business (``FLAG_ZSTD``) and the record's
   :data:`MIN_RATIO`'s share: snapshots and compiled engines do (about 12x
   and 3x), weights and random bytes do not (about 1.1x, and a compressed
   read would then cost more than the disk it saves);
-* level :data:`LEVEL` (3, zstd's default), a checksum in the frame, and the
-  content size in its header (a decoder knows how much to expect).
+* level :data:`LEVEL` (3, zstd's default), a checksum and the content size
+  in every frame.
 
-A read decompresses and hashes in one streaming pass; a frame that fails to
-decode, carries a bad checksum, or would decode to more than the recorded
-size is damage (cut at the recorded size: a decompression bomb never
-allocates past it).  ``zstandard`` is the binding (the reference zstd, the
-one bazel-remote and ccache use).
+A compressed file is zstd's *seekable format*: independent frames of
+growing content size (:func:`frame_target`: 256 KiB, 256 KiB, 512 KiB, ...,
+at most :data:`MAX_FRAME`), then a skippable frame holding the seek table
+(each frame's stored and content size).  Any zstd decoder reads it as one
+stream (``zstd -dc FILE | sha256sum`` names the blob).  Frames make a
+verified read fast: frame k+1 is decoded in a helper thread while the
+caller hashes frame k, and both release the GIL.  Measured on the 2-core
+VM, decoding one frame and then hashing read a 1 MiB snapshot-like blob at
+0.65x the speed of the same blob stored raw; small first frames let even a
+1 MiB blob overlap, large later ones keep the per-frame cost of big blobs
+low, and the ratio lost to frame boundaries is small (snapshot-like bytes:
+9.3x in one frame, 8.6x in 256 KiB frames).
+
+A read is bounded by the recorded size: a table that does not add up to
+the file and to the recorded size, a frame that fails to decode or its
+checksum, or one whose header declares more than its table entry (a
+decompression bomb: refused before zstd allocates) is :class:`Damaged`.
+``zstandard`` is the binding (the reference zstd, the one bazel-remote and
+ccache use).
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import struct
 import threading
-from collections.abc import Iterable, Iterator
-from typing import BinaryIO
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
 
 import zstandard
 
@@ -35,15 +53,15 @@ __all__ = [
     "LEVEL",
     "MIN_RATIO",
     "SAMPLE_BYTES",
-    "ZSTD_MAGIC",
-    "choose",
-    "compress",
-    "FrameWriter",
+    "MAX_FRAME",
     "Damaged",
-    "decode",
-    "decode_chunks",
-    "encode_chunks",
-    "frame_content_size",
+    "Frame",
+    "FrameWriter",
+    "choose",
+    "content_chunks",
+    "decode_file",
+    "frame_target",
+    "frames",
 ]
 
 #: zstd's default level: about 500 MiB/s to compress snapshot-like data here, and the ratio of
@@ -54,9 +72,18 @@ MIN_RATIO = 1.5
 #: How much of a blob's start decides (the whole blob, when it is smaller): enough to tell a
 #: snapshot or an engine from weights, little enough that a download does not wait on it.
 SAMPLE_BYTES = 64 << 10
-#: The first bytes of every zstd frame.
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_READ = 1 << 20
+#: Content bytes of the first four frames; every fourth frame doubles it, up to :data:`MAX_FRAME`.
+FIRST_FRAME = 128 << 10
+#: Most content bytes of one frame (also what a reader allows a table entry to claim).
+MAX_FRAME = 4 << 20
+
+_SKIPPABLE_MAGIC = 0x184D2A5E  # the skippable frame zstd's seekable format puts the table in
+_SEEKABLE_MAGIC = 0x8F92EAB1
+_SKIP_HEADER = struct.Struct("<II")  # magic, bytes that follow
+_ENTRY = struct.Struct("<II")  # stored bytes, content bytes (no per-frame checksum: frames carry theirs)
+_FOOTER = struct.Struct("<IBI")  # frames, descriptor, magic
+_CHECKSUM_FLAG = 0x80
+_RESERVED_BITS = 0x7C
 
 
 class Encoding(enum.StrEnum):
@@ -67,11 +94,15 @@ class Encoding(enum.StrEnum):
 
 
 class Damaged(Exception):
-    """A frame that does not decode to the recorded bytes (bad frame, checksum, or too long): damage."""
+    """Compressed bytes that do not decode to the recorded content (table, frame, checksum or size): damage."""
 
 
-def _compressor(size: int | None = None) -> zstandard.ZstdCompressor:
-    return zstandard.ZstdCompressor(level=LEVEL, write_checksum=True, write_content_size=size is not None)
+class _Sink(Protocol):
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    return zstandard.ZstdCompressor(level=LEVEL, write_checksum=True, write_content_size=True)
 
 
 def choose(sample: bytes | bytearray | memoryview) -> Encoding:
@@ -82,57 +113,111 @@ def choose(sample: bytes | bytearray | memoryview) -> Encoding:
     return Encoding.ZSTD if len(_compressor().compress(view)) * MIN_RATIO <= view.nbytes else Encoding.RAW
 
 
-def compress(data: bytes | bytearray | memoryview) -> bytes:
-    """One frame of ``data`` (content size in the header)."""
-    view = memoryview(data)
-    return _compressor(view.nbytes).compress(view)
+def frame_target(index: int) -> int:
+    """Content bytes of frame ``index`` of a file (the last one holds what is left)."""
+    return min(MAX_FRAME, FIRST_FRAME << (index // 4))
 
 
 class FrameWriter:
-    """Compress what is written into one frame, passing the frame's bytes to ``out(chunk)``.
+    """Compress what is written into frames, then the seek table, passing the bytes to ``out.write``.
 
-    ``size``, when known, goes into the frame header.  :meth:`finish`
-    flushes the frame's end; :attr:`written` counts the frame bytes.
+    Each frame is compressed in one call (which releases the GIL) once its
+    content is complete; :meth:`finish` writes the last frame and the table.
+    :attr:`written` counts the bytes passed on.
     """
 
-    def __init__(self, out: BinaryIO, size: int | None = None) -> None:
-        self._cobj = _compressor(size).compressobj(size=size if size is not None else -1)
+    def __init__(self, out: _Sink) -> None:
         self._out = out
+        self._cctx = _compressor()
+        self._buf = bytearray()
+        self._entries: list[tuple[int, int]] = []
         self.written = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        chunk = self._cobj.compress(data)
-        if chunk:
-            self._out.write(chunk)
-            self.written += len(chunk)
-        return memoryview(data).nbytes
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        while view.nbytes:
+            target = frame_target(len(self._entries))
+            if not self._buf and view.nbytes >= target:  # a whole frame from the caller's buffer, no copy
+                self._emit(view[:target])
+                view = view[target:]
+                continue
+            take = min(target - len(self._buf), view.nbytes)
+            self._buf += view[:take]
+            view = view[take:]
+            if len(self._buf) == target:
+                self._emit(self._buf)
+                self._buf = bytearray()
+        return n
+
+    def _emit(self, content: bytes | bytearray | memoryview) -> None:
+        frame = self._cctx.compress(content)
+        self._out.write(frame)
+        self.written += len(frame)
+        self._entries.append((len(frame), memoryview(content).nbytes))
 
     def finish(self) -> None:
-        chunk = self._cobj.flush()
-        if chunk:
-            self._out.write(chunk)
-            self.written += len(chunk)
+        if self._buf:
+            self._emit(self._buf)
+            self._buf = bytearray()
+        entries = b"".join(_ENTRY.pack(*e) for e in self._entries)
+        table = (
+            _SKIP_HEADER.pack(_SKIPPABLE_MAGIC, len(entries) + _FOOTER.size)
+            + entries
+            + _FOOTER.pack(len(self._entries), 0, _SEEKABLE_MAGIC)
+        )
+        self._out.write(table)
+        self.written += len(table)
 
 
-def decode_chunks(src: BinaryIO, limit: int) -> Iterator[bytes]:
-    """The content of the one frame read from ``src``, in chunks of at most 1 MiB.
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame of a compressed file: where it starts, its stored bytes, its content bytes."""
 
-    :class:`Damaged` for a frame that does not decode (a flipped byte, a bad
-    checksum, bytes after it) or that would decode to more than ``limit``
-    bytes: it is cut there, so a decompression bomb never allocates past
-    the recorded size.  A frame cut short decodes to fewer bytes without an
-    error: the caller checks the size and the digest, as for any blob.
+    offset: int
+    stored: int
+    size: int
+
+
+#: ``read_at(offset, n)``: ``n`` bytes of a file from ``offset`` (fewer only at its end).
+ReadAt = Callable[[int, int], bytes | memoryview]
+
+
+def frames(read_at: ReadAt, file_size: int, size: int | None) -> list[Frame]:
+    """The frames of a compressed file of ``file_size`` bytes, from its seek table.
+
+    ``size``: the content size recorded for the blob (None: whatever the
+    table adds up to, for a file found without a row).  :class:`Damaged`
+    when there is no table, or it does not add up to the file or to
+    ``size``, or an entry claims more than :data:`MAX_FRAME`.
     """
-    reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=_READ)
-    total = 0
-    try:
-        while chunk := reader.read(_READ):
-            total += len(chunk)
-            if total > limit:
-                raise Damaged(f"decodes to more than the {limit} bytes recorded")
-            yield chunk
-    except zstandard.ZstdError as exc:
-        raise Damaged(f"not a valid zstd frame ({exc})") from None
+    if file_size < _SKIP_HEADER.size + _FOOTER.size:
+        raise Damaged(f"a file of {file_size} bytes has no seek table")
+    n, descriptor, magic = _FOOTER.unpack(bytes(read_at(file_size - _FOOTER.size, _FOOTER.size)))
+    if magic != _SEEKABLE_MAGIC or descriptor & _RESERVED_BITS:
+        raise Damaged("no seek table at its end")
+    width = _ENTRY.size + (4 if descriptor & _CHECKSUM_FLAG else 0)
+    table_size = _SKIP_HEADER.size + n * width + _FOOTER.size
+    if table_size > file_size:
+        raise Damaged(f"its seek table lists {n} frames, more than a file of {file_size} bytes holds")
+    start = file_size - table_size
+    table = bytes(read_at(start, table_size - _FOOTER.size))
+    if _SKIP_HEADER.unpack_from(table) != (_SKIPPABLE_MAGIC, n * width + _FOOTER.size):
+        raise Damaged("its seek table's frame header does not match the table")
+    out: list[Frame] = []
+    offset = total = 0
+    for i in range(n):
+        stored, content = _ENTRY.unpack_from(table, _SKIP_HEADER.size + i * width)
+        if not 0 < content <= MAX_FRAME or stored == 0:
+            raise Damaged(f"its seek table lists a frame of {stored} bytes holding {content}")
+        out.append(Frame(offset, stored, content))
+        offset += stored
+        total += content
+    if offset != start:
+        raise Damaged(f"its frames take {offset} bytes, the file has {start} before the table")
+    if size is not None and total != size:
+        raise Damaged(f"its frames hold {total} bytes, {size} recorded")
+    return out
 
 
 _LOCAL = threading.local()
@@ -146,39 +231,155 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def decode(frame: bytes, size: int) -> bytes:
-    """The content of ``frame``, which must be exactly ``size`` bytes: :class:`Damaged` otherwise.
-
-    One call into zstd, its output bounded by ``size`` (a longer frame, a
-    bomb, fails before it allocates more): the fastest way to a blob that is
-    read whole (``get_bytes``); the caller hashes the result.
-    """
-    declared = frame_content_size(frame[:18])
-    if declared > size:  # zstd would allocate what the header says, whatever max_output_size says
-        raise Damaged(f"its header declares {declared} bytes, {size} recorded")
+def _decode_frame(data: bytes | memoryview, frame: Frame) -> bytes:
+    """The content of one frame, which must be exactly ``frame.size`` bytes: :class:`Damaged` otherwise."""
+    if len(data) != frame.stored:
+        raise Damaged(f"a frame cut short ({len(data)} of {frame.stored} bytes)")
     try:
-        out = _decompressor().decompress(frame, max_output_size=max(size, 1))
+        declared = zstandard.frame_content_size(data[:18])
+    except zstandard.ZstdError:
+        raise Damaged("a frame without a valid header") from None
+    if declared != frame.size:  # zstd would allocate what the header says, whatever the table says
+        raise Damaged(f"a frame whose header declares {declared} bytes, its table entry {frame.size}")
+    try:
+        out = _decompressor().decompress(data, max_output_size=frame.size)
     except zstandard.ZstdError as exc:
-        raise Damaged(f"not a valid zstd frame of {size} bytes ({exc})") from None
-    if len(out) != size:
-        raise Damaged(f"decodes to {len(out)} bytes, {size} recorded")
+        raise Damaged(f"a frame that does not decode ({exc})") from None
+    if len(out) != frame.size:
+        raise Damaged(f"a frame decoding to {len(out)} bytes, {frame.size} recorded")
     return out
 
 
-def frame_content_size(head: bytes) -> int:
-    """The content size a frame's header records (``head``: its first 18 bytes); -1 when it records none."""
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The helper threads that decode ahead (a reader never waits for one to start: see :class:`_Ahead`)."""
+    global _POOL
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="adstore-decode")
+    return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+#: Frames a helper may decode ahead of the reader (memory: at most this many frames of content).
+AHEAD = 4
+
+
+class _Ahead:
+    """The frames of one read, decoded in order by the reader and by one helper, whichever is free.
+
+    Each frame is claimed once.  The helper claims the next unclaimed frame
+    while it is at most :data:`AHEAD` frames ahead of the reader; the reader
+    takes frames in order and decodes a frame nobody claimed itself, so it
+    only ever waits for a frame the helper is decoding: a helper that never
+    starts (every pool thread busy) costs the pipelining, never progress.
+    """
+
+    def __init__(self, table: list[Frame], decode: Callable[[Frame], bytes]) -> None:
+        self._table = table
+        self._decode = decode
+        self._cond = threading.Condition()
+        self._start = 0
+        self._next = self._start  # the first frame nobody has claimed
+        self._taken = 0  # frames the reader has taken
+        self._ready: dict[int, bytes | BaseException] = {}
+        self._stop = False
+
+    def help(self) -> None:
+        """The helper's loop (in a pool thread)."""
+        while True:
+            with self._cond:
+                while not self._stop and self._next - self._taken > AHEAD:
+                    self._cond.wait()
+                if self._stop or self._next >= len(self._table):
+                    return
+                i = self._next
+                self._next += 1
+            item: bytes | BaseException
+            try:
+                item = self._decode(self._table[i])
+            except BaseException as exc:  # the reader raises it when it reaches frame i
+                item = exc
+            with self._cond:
+                self._ready[i] = item
+                self._cond.notify_all()
+
+    def take(self, i: int) -> bytes:
+        """Frame ``i``'s content (frames are taken in order)."""
+        with self._cond:
+            mine = i < self._start or i >= self._next
+            if i >= self._next:
+                self._next = i + 1
+            elif not mine:
+                while i not in self._ready:
+                    self._cond.wait()
+                item = self._ready.pop(i)
+            self._taken = i + 1
+            self._cond.notify_all()
+        if mine:
+            return self._decode(self._table[i])
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+def content_chunks(read_at: ReadAt, table: list[Frame]) -> Iterator[bytes]:
+    """The content of ``table``'s frames in order, one chunk per frame; :class:`Damaged` at the first bad one.
+
+    A helper thread decodes the next frames while the caller uses this one
+    (hashing it, writing it): with both releasing the GIL, a verified read
+    costs about the larger of the two instead of their sum.  When the
+    iterator ends or is closed, the helper no longer reads ``read_at``.
+    """
+
+    def decode(frame: Frame) -> bytes:
+        return _decode_frame(read_at(frame.offset, frame.stored), frame)
+
+    if len(table) < 2:
+        for frame in table:
+            yield decode(frame)
+        return
+    ahead = _Ahead(table, decode)
+    helper = _pool().submit(ahead.help)
+    taken = 0
     try:
-        size = zstandard.frame_content_size(head)
-    except zstandard.ZstdError:
-        return -1
-    return size if size >= 0 else -1
+        for i in range(len(table)):
+            chunk = ahead.take(i)
+            taken += 1
+            yield chunk
+    finally:
+        if taken < len(table):  # stopped early: wait out the frame the helper may be reading
+            ahead.stop()
+            if not helper.cancel():
+                helper.result()
 
 
-def encode_chunks(chunks: Iterable[bytes | memoryview], size: int | None = None) -> Iterator[bytes]:
-    """One frame of the content ``chunks``, in chunks (for an upload that must send raw content compressed)."""
-    cobj = _compressor(size).compressobj(size=size if size is not None else -1)
-    for chunk in chunks:
-        out = cobj.compress(chunk)
-        if out:
-            yield out
-    yield cobj.flush()
+def decode_file(fd: int, size: int | None) -> Iterator[bytes]:
+    """The content of the compressed file open at ``fd``, frame by frame (see :func:`content_chunks`).
+
+    ``size`` as for :func:`frames`.  The file is read with ``pread``, so the
+    helper thread and the caller never share a file position.
+    """
+    file_size = os.fstat(fd).st_size
+    read_at: ReadAt
+    if file_size <= MAX_FRAME:  # one read for the table and the frames (a third of a small get was syscalls)
+        whole = memoryview(os.pread(fd, file_size, 0))
+        read_at = lambda offset, n: whole[offset : offset + n]  # noqa: E731
+    else:
+        read_at = lambda offset, n: os.pread(fd, n, offset)  # noqa: E731
+    return content_chunks(read_at, frames(read_at, file_size, size))

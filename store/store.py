@@ -201,7 +201,7 @@ class Store:
         return self._blobs.has(ref_or_digest)
 
     def stored_blob(self, ref_or_digest: BlobRef | str) -> StoredBlob | None:
-        """A file blob's path, encoding (raw or a zstd frame of the content) and size on disk; None if inline."""
+        """A file blob's path, encoding (raw or zstd-compressed, ``codec``) and size on disk; None if inline."""
         return self._blobs.stored(ref_or_digest)
 
     def blob_path(self, ref_or_digest: BlobRef | str) -> Path | None:

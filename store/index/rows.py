@@ -47,7 +47,7 @@ __all__ = [
 
 FLAG_INLINE = 1
 FLAG_QUARANTINED = 2
-FLAG_ZSTD = 4  # the blob's file is one zstd frame of its bytes (``codec``)
+FLAG_ZSTD = 4  # the blob's file holds its bytes zstd-compressed (frames and a seek table, ``codec``)
 
 
 #: How deep key components and manifest metadata may nest: far beyond any real
@@ -140,7 +140,7 @@ class BlobRow:
     """Index row of one blob: size, manifests referencing it, last put, flags, stored size.
 
     ``size`` is the content's (a :class:`BlobRef`'s); ``stored`` is what the
-    blob takes on disk, its file's size (a zstd frame when ``FLAG_ZSTD``,
+    blob takes on disk, its file's size (compressed when ``FLAG_ZSTD``,
     ``codec``), or its content's size when inline: budgets count
     ``stored``.  An inline blob's bytes live in ``blobdata`` (see
     :func:`pack_inline`) exactly while its row is flagged inline and not

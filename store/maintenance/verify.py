@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..blobs import CHUNK_SIZE, unlink_dropped
-from ..codec import Damaged, Encoding, decode_chunks
+from ..codec import Damaged, Encoding, decode_file
 from ..errors import CorruptRow
 from ..index.entryrows import Removal
 from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
@@ -138,9 +138,9 @@ class VerifyReport:
 def _hash_file(layout: Layout, digest: str, row: BlobRow) -> tuple[str, int] | None:
     """(SHA-256, size) of a blob file's content, opened without following a symlink (invariant 10).
 
-    A zstd frame is decoded, bounded by the recorded size: a frame that does
-    not decode, fails its checksum, or decodes to more is reported as
-    hashing to ``damaged frame`` (cut at the recorded size).
+    Compressed content is decoded, bounded by the recorded size: frames that
+    do not decode to it (``codec.Damaged``) are reported as hashing to
+    ``damaged frame``.
     """
     h = hashlib.sha256()
     n = 0
@@ -148,7 +148,7 @@ def _hash_file(layout: Layout, digest: str, row: BlobRow) -> tuple[str, int] | N
         with layout.open_blob(digest) as f:
             if os.fstat(f.fileno()).st_size != row.stored:
                 return f"(a file of {os.fstat(f.fileno()).st_size} bytes, {row.stored} recorded)", 0
-            chunks = decode_chunks(f, row.size) if row.compressed else iter(lambda: f.read(CHUNK_SIZE), b"")
+            chunks = decode_file(f.fileno(), row.size) if row.compressed else iter(lambda: f.read(CHUNK_SIZE), b"")
             for chunk in chunks:
                 h.update(chunk)
                 n += len(chunk)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..codec import ZSTD_MAGIC, Damaged, Encoding, decode_chunks, frame_content_size
+from ..codec import Damaged, Encoding, decode_file
 from ..errors import CorruptRow
 from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
 from ..index.tables import Tables, Txn
@@ -59,9 +59,9 @@ class BlobFile(NamedTuple):
 def identify_blob_file(path: Path) -> BlobFile | None:
     """What the blob file ``path`` holds, read without following a symlink; None if it is no intact blob.
 
-    Its name is its digest: a raw file hashes to it, a zstd frame (``codec``)
-    decodes to bytes that do, bounded by the content size its header records
-    (a frame without one is not one the store wrote).
+    Its name is its digest: a raw file hashes to it, compressed frames
+    (``codec``) decode to bytes that do, bounded by the sizes their seek
+    table records.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -77,16 +77,8 @@ def identify_blob_file(path: Path) -> BlobFile | None:
                 n += len(chunk)
             if h.hexdigest() == path.name:
                 return BlobFile(path.name, n, Encoding.RAW, n)
-            f.seek(0)
-            head = f.read(18)
-            if not head.startswith(ZSTD_MAGIC):
-                return None
-            limit = frame_content_size(head)
-            if limit < 0:
-                return None
-            f.seek(0)
             h, size = hashlib.sha256(), 0
-            for chunk in decode_chunks(f, limit):
+            for chunk in decode_file(fd, None):
                 h.update(chunk)
                 size += len(chunk)
             return BlobFile(path.name, size, Encoding.ZSTD, n) if h.hexdigest() == path.name else None

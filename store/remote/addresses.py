@@ -3,8 +3,8 @@
 The layout is the Bazel remote-cache one (docs/remote.md, "URLs and modes"): ``cas/<sha256>``
 holds blobs by the SHA-256 of their content, ``ac/<sha256>`` holds per-key
 records (and build leases) by the SHA-256 of a name.  On a remote that ships
-blobs compressed (S3), a blob the store keeps as a zstd frame travels as that
-frame under ``zcas/<sha256>`` (still named by its content's digest), and the
+blobs compressed (S3), a blob the store keeps compressed travels as its file
+under ``zcas/<sha256>`` (still named by its content's digest), and the
 record that lists it says so (``stored``): ``cas/`` always holds raw bytes,
 as Bazel clients expect.  A digest is validated
 (``names.validate_digest``) before any backend joins it into a URL or an object key,
@@ -25,7 +25,7 @@ class Kind(enum.StrEnum):
     """The two namespaces of a remote."""
 
     CAS = "cas"  # blobs, addressed by the SHA-256 of their content
-    ZCAS = "zcas"  # blobs as one zstd frame, addressed by the SHA-256 of their content (S3 only; never Bazel's)
+    ZCAS = "zcas"  # blobs as their compressed files, addressed by the SHA-256 of their content (S3 only; never Bazel's)
     AC = "ac"  # records and leases, addressed by the SHA-256 of their name
 
 

@@ -134,7 +134,7 @@ class RemoteBackend(abc.ABC):
     #: The URL the backend was opened with, without credentials (for status and logs).
     url: str = ""
     conditional_writes: ConditionalWrites = ConditionalWrites.NONE
-    #: How blobs the store keeps compressed travel: as their zstd frames (``zcas/``), or raw (``cas/``:
+    #: How blobs the store keeps compressed travel: as their compressed files (``zcas/``), or raw (``cas/``:
     #: what the Bazel HTTP protocol's clients expect there).
     transfer: Encoding = Encoding.RAW
 

@@ -239,7 +239,7 @@ class Remote:
     def push_blob(
         self, digest: str, size: int, source: str | Path | bytes, *, kind: Kind | str = Kind.CAS
     ) -> Outcome[int]:
-        """Upload a blob (``zcas``: its zstd frame) unless the remote has it (HEAD first); the bytes sent."""
+        """Upload a blob (``zcas``: its compressed file) unless the remote has it (HEAD first); the bytes sent."""
         return self._guard("push_blob", lambda: transfer.push_blob(self, digest, size, source, kind=Kind(kind)))
 
     def pull_blobs(
@@ -252,7 +252,7 @@ class Remote:
     ) -> Outcome[int]:
         """Stream every blob ``sink`` (a Store) lacks into it, after admitting their total; all or a failed outcome.
 
-        ``stored``: the blobs that travel as zstd frames (a record's), and the frames' sizes.
+        ``stored``: the blobs that travel compressed (a record's), and their files' sizes.
         """
         return self._guard(
             "pull_blobs", lambda: transfer.pull_blobs(self, refs, sink=sink, stored=stored, deadline=deadline)

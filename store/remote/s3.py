@@ -112,7 +112,7 @@ class S3Backend(RemoteBackend):
     """Objects ``PREFIX/cas/<sha256>`` and ``PREFIX/ac/<sha256>`` in one bucket."""
 
     conditional_writes = ConditionalWrites.ATOMIC
-    transfer = Encoding.ZSTD  # objects are the store's own: compressed blobs travel as their frames
+    transfer = Encoding.ZSTD  # objects are the store's own: compressed blobs travel as their files
 
     def __init__(
         self,

@@ -165,7 +165,7 @@ def pull_blob(
 ) -> int:
     """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
 
-    ``frame``: the blob travels as a zstd frame of that many bytes (``zcas/``),
+    ``frame``: the blob travels as a compressed file of that many bytes (``zcas/``),
     written into its file as it arrives and decoded at the commit; else its
     raw ``size`` bytes come from ``cas/``.
     """
@@ -218,8 +218,8 @@ def pull_blobs(
 ) -> Outcome[int]:
     """Stream every blob of ``refs`` that ``sink`` lacks into it: all, or the first failure.
 
-    ``stored`` (a record's): the blobs that travel as zstd frames, and the
-    frames' sizes.  The declared total of what will be downloaded is
+    ``stored`` (a record's): the blobs that travel compressed, and their
+    files' sizes.  The declared total of what will be downloaded is
     admitted first (``sink.admit``: budget and free space), so a record that
     announces more than the store may hold costs no download at all.  The
     whole pull has a deadline: ``deadline``, else the remote's limit for
@@ -241,7 +241,7 @@ def pull_blobs(
 def push_blob(
     remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
 ) -> Outcome[int]:
-    """Upload a blob (``cas/``: its content; ``zcas/``: its frame) unless the remote holds it with this size.
+    """Upload a blob (``cas/``: its content; ``zcas/``: its compressed file) unless the remote holds it with this size.
 
     The bytes sent (0 when it had it).
     """
@@ -276,7 +276,7 @@ def publish(
 ) -> Outcome[int]:
     """Push the blobs the remote lacks, then this rank's signed record, last.
 
-    A blob the store keeps as a zstd frame travels as that frame (``zcas/``)
+    A blob the store keeps compressed travels as its file (``zcas/``)
     where the remote takes frames (S3), and the record says so (``stored``,
     format 2); elsewhere every blob travels raw (``cas/``, the Bazel HTTP
     protocol's), decoded on the way when the store keeps it compressed.

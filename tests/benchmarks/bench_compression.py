@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -123,7 +122,7 @@ def writes(work: Path, size: int, reps: int) -> dict:
             t = time.perf_counter()
             durable_floor(data, work / "floor")
             floors.append(time.perf_counter() - t)
-        p, f = statistics.median(puts), statistics.median(floors)
+        p, f = min(puts), min(floors)  # the best of each: noise (writeback, the host's disk) only adds time
         out[kind] = {"put_mib_s": out["size_mib"] / p, "floor_mib_s": out["size_mib"] / f, "ratio_vs_floor": f / p}
     out["meets_0_8x"] = out["incompressible"]["ratio_vs_floor"] >= 0.8
     return out

@@ -1,8 +1,9 @@
-"""Compressed blobs: a blob file holds its content raw or as one zstd frame, decided per blob.
+"""Compressed blobs: a blob file holds its content raw or as zstd frames with a seek table, decided per blob.
 
 Round trips of compressible, incompressible, empty and boundary-size blobs
-through every way in and out; damage to a frame (a flipped byte, a cut, a
-frame of other bytes, a decompression bomb) is a named miss, ``verify``
+through every way in and out; damage to a compressed file (a flipped byte, a
+cut, frames of other bytes, a decompression bomb, a damaged or missing seek
+table) is a named miss, ``verify``
 finds it and ``--fix`` repairs; a store written before compression (raw
 files, an older schema) keeps working beside compressed blobs through
 ``verify --fix``, a rebuild from the records and eviction; budgets count
@@ -12,6 +13,7 @@ the bytes on disk.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import random
 import shutil
@@ -23,7 +25,7 @@ import zstandard
 from store_helpers import save
 
 from adstore.store import ChecksumMismatch, Store
-from adstore.store.codec import SAMPLE_BYTES
+from adstore.store.codec import SAMPLE_BYTES, FrameWriter
 from adstore.store.index.rows import BLOB_ROW
 
 INLINE = 64 << 10
@@ -89,6 +91,15 @@ def test_round_trips_return_the_original_bytes(name, how, store, tmp_path):
     assert store.verify().ok
 
 
+def framed(content: bytes) -> bytes:
+    """A valid compressed blob file of ``content`` (frames and seek table)."""
+    out = io.BytesIO()
+    w = FrameWriter(out)
+    w.write(content)
+    w.finish()
+    return out.getvalue()
+
+
 def _damage(path, how: str, size: int) -> None:
     os.chmod(path, 0o644)
     frame = path.read_bytes()
@@ -96,14 +107,21 @@ def _damage(path, how: str, size: int) -> None:
         frame = frame[: len(frame) // 2] + bytes([frame[len(frame) // 2] ^ 0x40]) + frame[len(frame) // 2 + 1 :]
     elif how == "cut":
         frame = frame[: len(frame) // 2]
-    elif how == "other":  # a valid frame of other bytes, as long as the recorded one
-        frame = zstandard.ZstdCompressor(level=3).compress(compressible(size, 99))
-    elif how == "bomb":  # a valid frame of far more bytes than recorded
-        frame = zstandard.ZstdCompressor(level=3).compress(b"\0" * (size + (64 << 20)))
+    elif how == "other":  # valid frames of other bytes, as long as the recorded content
+        frame = framed(compressible(size, 99))
+    elif how == "bomb":  # a table entry of the recorded size whose frame decodes to far more
+        bomb = zstandard.ZstdCompressor(level=3).compress(b"\0" * (size + (64 << 20)))
+        frame = bomb + framed(b"x" * size)[-(8 + 8 + 9) :]  # one entry, sizes patched below
+        frame = frame[: len(bomb) + 8] + struct.pack("<II", len(bomb), size) + frame[-9:]
+    elif how == "table":  # the seek table's last entry claims one byte more
+        at = len(frame) - 9 - 4
+        frame = frame[:at] + struct.pack("<I", struct.unpack_from("<I", frame, at)[0] + 1) + frame[at + 4 :]
+    elif how == "one frame":  # one zstd frame without a seek table
+        frame = zstandard.ZstdCompressor(level=3).compress(compressible(size, 5))
     path.write_bytes(frame)
 
 
-@pytest.mark.parametrize("how", ["flip", "cut", "other", "bomb"])
+@pytest.mark.parametrize("how", ["flip", "cut", "other", "bomb", "table", "one frame"])
 def test_a_damaged_frame_is_a_named_miss_found_by_verify_and_repaired(how, store):
     data = compressible(2 << 20, 5)
     ref = store.put_bytes(data)
