@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from .blobwriter import BlobWriter
-from .codec import Damaged, Encoding, decode_file
+from .codec import Damaged, Encoding, decode_file, decode_verified
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
 from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
@@ -333,15 +333,10 @@ class Blobs:
             try:
                 with self._layout.open_blob(digest) as f:
                     if row.compressed:
-                        sha = hashlib.sha256()
-                        parts = []
-                        for part in decode_file(f.fileno(), row.size):
-                            sha.update(part)  # while the next frame decodes
-                            parts.append(part)
-                        data = parts[0] if len(parts) == 1 else b"".join(parts)
+                        data, got = decode_verified(f.fileno(), row.size)
                     else:
                         data = f.read()
-                        sha = hashlib.sha256(data)
+                        got = hashlib.sha256(data).hexdigest()
             except FileNotFoundError:
                 raise BlobMissing(digest, "file missing") from None
             except Damaged as exc:
@@ -352,9 +347,10 @@ class Blobs:
                 raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
             if len(data) != row.size:
                 self.quarantine(digest)
-                raise ChecksumMismatch(digest, sha.hexdigest(), len(data))
+                raise ChecksumMismatch(digest, got, len(data))
             inline = False
-        got = sha.hexdigest() if not inline else hashlib.sha256(data).hexdigest()
+        if inline:
+            got = hashlib.sha256(data).hexdigest()
         if got != digest:
             self.quarantine(digest, content=data if inline else None)
             raise ChecksumMismatch(digest, got, len(data))

@@ -7,6 +7,7 @@ allocates what a frame claims.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -17,7 +18,16 @@ import threading
 import pytest
 import zstandard
 
-from adstore.store.codec import FIRST_FRAME, MAX_FRAME, Damaged, FrameWriter, decode_file, frame_target, frames
+from adstore.store.codec import (
+    FIRST_FRAME,
+    MAX_FRAME,
+    Damaged,
+    FrameWriter,
+    decode_file,
+    decode_verified,
+    frame_target,
+    frames,
+)
 
 
 def content(size: int, seed: int = 0) -> bytes:
@@ -43,7 +53,11 @@ def decoded(blob: bytes, size: int | None, tmp_path) -> bytes:
     path.write_bytes(blob)
     fd = os.open(path, os.O_RDONLY)
     try:
-        return b"".join(decode_file(fd, size))
+        streamed = b"".join(decode_file(fd, size))
+        if size is not None:  # the whole-content read agrees, digest included
+            whole, digest = decode_verified(fd, size)
+            assert whole == streamed and digest == hashlib.sha256(streamed).hexdigest()
+        return streamed
     finally:
         os.close(fd)
 
@@ -65,6 +79,16 @@ def test_what_is_written_reads_back_and_any_zstd_decoder_reads_it(size, tmp_path
             min(frame_target(i), size - sum(frame_target(j) for j in range(i))) for i in range(len(table))
         ]
         assert all(f.size <= MAX_FRAME for f in table)
+
+
+def verified(blob: bytes, size: int, tmp_path) -> bytes:
+    path = tmp_path / "blob"
+    path.write_bytes(blob)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return decode_verified(fd, size)[0]
+    finally:
+        os.close(fd)
 
 
 def _table_of(blob: bytes) -> tuple[int, list[tuple[int, int]]]:
@@ -94,6 +118,8 @@ def test_a_table_that_does_not_add_up_is_damage_named(tmp_path):
     for words, bad in cases.items():
         with pytest.raises(Damaged, match=words):
             decoded(bad, len(data), tmp_path)
+        with pytest.raises(Damaged, match=words):
+            verified(bad, len(data), tmp_path)
 
 
 def test_a_frame_declaring_more_than_its_entry_is_refused_before_zstd_allocates(tmp_path):
@@ -119,12 +145,13 @@ def test_a_flipped_byte_in_any_frame_is_damage(tmp_path):
     for stored, _ in entries:
         at = offset + stored // 2
         bad = blob[:at] + bytes([blob[at] ^ 0x10]) + blob[at + 1 :]
-        try:
-            got = decoded(bad, len(data), tmp_path)
-        except Damaged:
-            pass
-        else:
-            raise AssertionError(f"a flip at {at} decoded to {'the same' if got == data else 'other'} bytes")
+        for read in (decoded, verified):
+            try:
+                got = read(bad, len(data), tmp_path)
+            except Damaged:
+                pass
+            else:
+                raise AssertionError(f"a flip at {at} decoded to {'the same' if got == data else 'other'} bytes")
         offset += stored
     assert offset == start
 
@@ -143,6 +170,7 @@ def test_concurrent_readers_each_get_their_bytes(tmp_path):
                 fd = os.open(paths[i], os.O_RDONLY)
                 try:
                     assert b"".join(decode_file(fd, len(blobs[i]))) == blobs[i]
+                    assert decode_verified(fd, len(blobs[i]))[0] == blobs[i]
                 finally:
                     os.close(fd)
         except BaseException as exc:
@@ -172,3 +200,21 @@ def test_a_forked_child_reads_with_helper_threads_of_its_own(tmp_path):
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_read_completes_when_no_helper_thread_is_free(tmp_path, monkeypatch):
+    """Every pool thread busy: the reader decodes every frame itself; the helper, once it starts, finds none left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adstore.store import codec
+
+    data = content(3 << 20, 4)
+    busy = ThreadPoolExecutor(max_workers=1)
+    release = threading.Event()
+    busy.submit(release.wait)
+    monkeypatch.setattr(codec, "_pool", lambda: busy)
+    try:
+        assert decoded(framed(data), len(data), tmp_path) == data
+    finally:
+        release.set()
+        busy.shutdown()
