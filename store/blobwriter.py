@@ -85,7 +85,6 @@ class HashingWriter:
         name: str,
         *,
         encoding: Encoding = Encoding.RAW,
-        size: int | None = None,
         background: bool = False,
         durable: bool = False,
         hash_content: bool = True,
@@ -259,7 +258,6 @@ class BlobWriter:
             self._fd,
             str(tmp),
             encoding=self._encoding if self._source is Encoding.RAW else Encoding.RAW,
-            size=size,
             background=big and not self._prehashed,  # nothing to overlap with: the caller has all of it
             durable=True,
             hash_content=not self._prehashed,
