@@ -46,7 +46,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,7 +62,6 @@ __all__ = [
     "Frame",
     "FrameWriter",
     "choose",
-    "content_chunks",
     "decode_file",
     "decode_verified",
     "frame_target",
@@ -281,20 +280,23 @@ AHEAD = 4
 
 
 class _Ahead:
-    """The frames of one read, decoded in order by the reader and by one helper, whichever is free.
+    """The frames of one read, in order, decoded by the reader and by one helper, whichever is free.
 
-    Each frame is claimed once.  The helper claims the next unclaimed frame
-    while it is at most :data:`AHEAD` frames ahead of the reader; the reader
-    takes frames in order and decodes a frame nobody claimed itself, so it
-    only ever waits for a frame the helper is decoding: a helper that never
-    starts (every pool thread busy) costs the pipelining, never progress.
-    ``join``: the frames are kept, and the helper that decodes the last one
-    joins them all into one ``bytes`` while the reader is still hashing.
+    The helper thread decodes the next frames while the caller uses this one
+    (hashing it, writing it): with both releasing the GIL, a verified read
+    costs about the larger of the two instead of their sum.  Each frame is
+    claimed once.  The helper claims the next unclaimed frame while it is at
+    most :data:`AHEAD` frames ahead of the reader; the reader decodes a frame
+    nobody claimed itself, so it only ever waits for a frame the helper is
+    decoding: a helper that never starts (every pool thread busy) costs the
+    pipelining, never progress.  ``join``: the frames are kept, and the
+    helper that decodes the last one joins them all into one ``bytes``
+    (:meth:`whole`) while the reader is still hashing.
     """
 
-    def __init__(self, table: list[Frame], decode: Callable[[Frame], bytes], *, join: bool = False) -> None:
+    def __init__(self, read_at: ReadAt, table: list[Frame], *, join: bool = False) -> None:
+        self._read_at = read_at
         self._table = table
-        self._decode = decode
         self._join = join
         self._cond = threading.Condition()
         self._next = 0  # the first frame nobody has claimed
@@ -304,7 +306,35 @@ class _Ahead:
         self._joining = False
         self._stop = False
 
-    def help(self) -> None:
+    def _decode(self, frame: Frame) -> bytes:
+        return _decode_frame(self._read_at(frame.offset, frame.stored), frame)
+
+    def chunks(self) -> Iterator[bytes]:
+        """Each frame's content in order; :class:`Damaged` at the first bad one.
+
+        When the iterator ends or is closed, the helper no longer reads the file.
+        """
+        n = len(self._table)
+        if n < 2:  # nothing to overlap
+            for i in range(n):
+                yield self.take(i)
+            return
+        helper = _pool().submit(self._help)
+        taken = 0
+        try:
+            for i in range(n):
+                chunk = self.take(i)
+                taken += 1
+                yield chunk
+        finally:
+            if taken < n:  # stopped early: wait out the frame the helper may be reading
+                with self._cond:
+                    self._stop = True
+                    self._cond.notify_all()
+                if not helper.cancel():
+                    helper.result()
+
+    def _help(self) -> None:
         """The helper's loop (in a pool thread)."""
         while True:
             with self._cond:
@@ -362,44 +392,7 @@ class _Ahead:
             if self._whole is not None:
                 return self._whole
             parts = [self._ready[k] for k in range(len(self._table))]
-        return b"".join(parts)  # type: ignore[arg-type]
-
-    def close(self, helper: Future[None]) -> None:
-        """Stop the helper and wait out the frame it may be reading: then nothing reads the file any more."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if not helper.cancel():
-            helper.result()
-
-
-def content_chunks(read_at: ReadAt, table: list[Frame]) -> Iterator[bytes]:
-    """The content of ``table``'s frames in order, one chunk per frame; :class:`Damaged` at the first bad one.
-
-    A helper thread decodes the next frames while the caller uses this one
-    (hashing it, writing it): with both releasing the GIL, a verified read
-    costs about the larger of the two instead of their sum.  When the
-    iterator ends or is closed, the helper no longer reads ``read_at``.
-    """
-
-    def decode(frame: Frame) -> bytes:
-        return _decode_frame(read_at(frame.offset, frame.stored), frame)
-
-    if len(table) < 2:
-        for frame in table:
-            yield decode(frame)
-        return
-    ahead = _Ahead(table, decode)
-    helper = _pool().submit(ahead.help)
-    taken = 0
-    try:
-        for i in range(len(table)):
-            chunk = ahead.take(i)
-            taken += 1
-            yield chunk
-    finally:
-        if taken < len(table):  # stopped early
-            ahead.close(helper)
+        return b"".join(parts)  # type: ignore[arg-type]  # one frame: that frame's bytes, not a copy
 
 
 def _reader(fd: int) -> tuple[ReadAt, int]:
@@ -419,38 +412,24 @@ def _reader(fd: int) -> tuple[ReadAt, int]:
 def decode_verified(fd: int, size: int) -> tuple[bytes, str]:
     """The whole content of the compressed file open at ``fd`` and its SHA-256 (hex), in one pass.
 
-    Each frame is hashed as soon as it is decoded, while a helper decodes the
-    next ones and, having decoded the last, joins them into the one
+    Each frame is hashed as soon as it is decoded, while the helper decodes
+    the next ones and, having decoded the last, joins them into the one
     ``bytes`` returned: the caller's hashing is all that is left on the
     critical path.  :class:`Damaged` as for :func:`frames` and
-    :func:`content_chunks`.
+    :func:`decode_file`.
     """
     read_at, file_size = _reader(fd)
-    table = frames(read_at, file_size, size)
-
-    def decode(frame: Frame) -> bytes:
-        return _decode_frame(read_at(frame.offset, frame.stored), frame)
-
+    ahead = _Ahead(read_at, frames(read_at, file_size, size), join=True)
     sha = hashlib.sha256()
-    if len(table) < 2:
-        data = decode(table[0]) if table else b""
-        sha.update(data)
-        return data, sha.hexdigest()
-    ahead = _Ahead(table, decode, join=True)
-    helper = _pool().submit(ahead.help)
-    try:
-        for i in range(len(table)):
-            sha.update(ahead.take(i))
-    except BaseException:
-        ahead.close(helper)
-        raise
+    for chunk in ahead.chunks():
+        sha.update(chunk)
     return ahead.whole(), sha.hexdigest()
 
 
 def decode_file(fd: int, size: int | None) -> Iterator[bytes]:
-    """The content of the compressed file open at ``fd``, frame by frame (see :func:`content_chunks`).
+    """The content of the compressed file open at ``fd``, one chunk per frame, decoded ahead (``_Ahead``).
 
     ``size`` as for :func:`frames`.
     """
     read_at, file_size = _reader(fd)
-    return content_chunks(read_at, frames(read_at, file_size, size))
+    return _Ahead(read_at, frames(read_at, file_size, size)).chunks()
