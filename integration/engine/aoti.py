@@ -37,7 +37,6 @@ from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, EngineMismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
-from adstore.integration.snapshot.export import generate_code
 from adstore.store import Reason
 
 __all__ = ["EngineModule", "compile", "restore"]
@@ -145,7 +144,6 @@ def compile(
 
     store = stage.store()
     model: Any = module
-    generate_code(module)  # a restored module's deferred code sets the specs export reads
     if stage.decompositions:
         model = torch.export.export(module, tuple(example_inputs)).run_decompositions(dict(stage.decompositions))
     cache = EngineCache(StoreEngineStorage(store), memory_entries=0)

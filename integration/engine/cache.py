@@ -57,7 +57,6 @@ from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheEr
 from adstore.integration.pipeline.envcheck import find_mismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import json_digest
-from adstore.integration.snapshot.export import generate_code
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"]
@@ -174,7 +173,6 @@ class EngineCache:
         if isinstance(model, torch.export.ExportedProgram):
             ep = model
         elif isinstance(model, torch.nn.Module):
-            generate_code(model)  # a restored module's deferred code sets the specs export reads
             ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
         else:
             raise TypeError(f"compile() takes an nn.Module or ExportedProgram, got {type(model).__name__}")

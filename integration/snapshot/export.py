@@ -32,7 +32,6 @@ __all__ = [
     "check_export_inputs",
     "encode_bound_method",
     "export_forward_hooks",
-    "generate_code",
 ]
 
 STATEFUL_GM = "torch.export._unlift._StatefulGraphModule"
@@ -52,19 +51,6 @@ the same reason) turns ``recompile`` into a mark and generates the code on
 the first call, ``.code`` or pickle.  It is private API; without it restores
 are eager GraphModules, which behave the same.
 """
-
-
-def generate_code(module: torch.nn.Module) -> None:
-    """Generate now the code ``LazyGraphModule`` deferred, in ``module`` and its children.
-
-    For what reads state that code generation sets (``_in_spec``,
-    ``_out_spec``) without calling the module: export's input check, and
-    ``torch.export`` of a restored module (export itself warns that a lazy
-    module's specs are not set).
-    """
-    for m in module.modules():
-        if isinstance(m, LazyGraphModule) and LazyGraphModule is not torch.fx.GraphModule:
-            m.real_recompile()
 
 
 class RestoredExportModule(LazyGraphModule):
@@ -99,8 +85,8 @@ def check_export_inputs(self: torch.fx.GraphModule, args: tuple[Any, ...], kwarg
     from torch._export.utils import _check_input_constraints_for_graph
     from torch.export._tree_utils import reorder_kwargs
 
-    if "_in_spec" not in self.__dict__:
-        generate_code(self)  # a restored module's code, deferred until now, sets it
+    if "_in_spec" not in self.__dict__ and isinstance(self, LazyGraphModule):
+        self.real_recompile()  # a restored module's code, deferred until now, sets the spec
     in_spec = self._in_spec
     flat, received = pytree.tree_flatten_with_path((args, reorder_kwargs(kwargs, in_spec)))
     if received != in_spec:
