@@ -107,8 +107,8 @@ def test_readme_is_short_and_starts_with_the_two_set_up_commands() -> None:
     assert len(lines) <= 250, f"README.md has {len(lines)} lines"
     setup = [line.split("#")[0].strip() for line in lines[2:6] if line.startswith("pip ")]
     assert setup == [
-        "pip install torch==2.13.0 && pip install -e '.[demo]' && adstore demo",
-        "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest",
+        "pip install torch==2.13.0 && pip install -e '.[demo]' -c requirements-lock.txt && adstore demo",
+        "pip install torch==2.13.0 && pip install -e '.[test]' -c requirements-lock.txt && python -m pytest",
     ]
     ci = (REPO / ".ci" / "run").read_text()
     assert setup[1] in ci, ".ci/run runs the README's test command verbatim"
