@@ -3,12 +3,13 @@
 HANDLED maps each model type the reference pipeline runs (cold, warm and with torch_compile,
 within 1e-4 of eager transformers) to its pattern-rewrite matches for two layers, in the order
 match_rms_norm, match_swiglu, match_rope.  REFUSED maps every other causal-LM model type to the
-first step that failed and why.
+first step that failed and why.  MEASURED_WITH names the transformers release each verdict was
+measured on; TRANSFORMERS is the release of the latest survey run.
 """
 
-__all__ = ["TRANSFORMERS", "TORCH", "HANDLED", "REFUSED", "RECIPES"]
+__all__ = ["TRANSFORMERS", "TORCH", "HANDLED", "REFUSED", "MEASURED_WITH", "RECIPES"]
 
-TRANSFORMERS = '5.24.0'
+TRANSFORMERS = '5.25.0'
 TORCH = '2.13.0'
 
 HANDLED: dict[str, list[int]] = {
@@ -182,35 +183,73 @@ REFUSED: dict[str, str] = {
     'blt': 'eager: RuntimeError: mat1 and mat2 shapes cannot be multiplied (18x64 and 2048x128)',
     'cohere_compass_text': "build: KeyError: 'full_attention'",
     'cpmant': 'pipeline: FakeTensorDeviceMismatchError: Expected all tensors to be on the same device, but found at least two devices, meta and cpu!',
-    'dbrx': "build: AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
-    'deepseek_v32': 'pipeline: RuntimeError: Tensor device mismatch! Expected: meta, Got: cpu',
-    'dots3_note': "build: ConfigError: invalid configuration for 'model.config': transformers rejects the config: `per_layer_config` keys must be integer layer indices in the range [0, 2); got [2, 3, 4, 6, 7, 8, 10, 11, 12, 14, 15, 16, 18, 19, 20, 22, 23, 24,",
-    'dots3_note_text': 'pipeline: RuntimeError: Tensor device mismatch! Expected: meta, Got: cpu',
-    'falcon': "pipeline: IntegrationError: export made 4 tensor constant(s) on the meta device, whose values are lost (e.g. ['transformer.h.0.self_attention.lifted_tensor_0', 'transformer.h.0.self_attention.lifted_tensor_1']): the model creates tensors on",
-    'fuyu': 'pipeline: FakeTensorDeviceMismatchError: Expected all tensors to be on the same device, but found at least two devices, cpu and meta!',
-    'gemma3n': 'build: ImportError: TimmWrapperModel requires the PIL library but it was not found in your environment. You can install it with pip:',
-    'gemma3n_text': 'build: ValueError: The set of layer types producing a cache is different than the set of layer types using them',
-    'gemma4_assistant': "config: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
-    'gemma4_unified': "build: ConfigError: invalid configuration for 'model.config': transformers rejects the config: `per_layer_config` keys must be integer layer indices in the range [0, 2); got [5, 11, 17, 23, 29].",
-    'gemma4_unified_assistant': "build: ConfigError: invalid configuration for 'model.config': transformers rejects the config: `per_layer_config` keys must be integer layer indices in the range [0, 2); got [5, 11, 17, 23, 29].",
-    'glm_moe_dsa': 'pipeline: RuntimeError: Tensor device mismatch! Expected: meta, Got: cpu',
-    'gpt_neo': "pipeline: IntegrationError: export made 2 tensor constant(s) on the meta device, whose values are lost (e.g. ['transformer.h.0.attn.attention.lifted_tensor_0', 'transformer.h.1.attn.attention.lifted_tensor_1']): the model creates tensors on",
-    'hrm_text': 'pipeline: RuntimeError: Tensor device mismatch! Expected: meta, Got: cpu',
-    'hy_v4': 'pipeline: RuntimeError: Tensor device mismatch! Expected: meta, Got: cpu',
-    'lfm2_moe': "build: TypeError: 'NoneType' object is not subscriptable",
-    'longcat_flash': 'pipeline: GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0, 0) (unhinted: Eq(u0, 0)).  (Size-like symbols: u0)',
-    'mamba2': "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
-    'musicgen': "eager: RuntimeError: shape '[-1, 4, 8]' is invalid for input of size 16",
-    'musicgen_melody': "eager: RuntimeError: shape '[-1, 4, 8]' is invalid for input of size 16",
-    'qwen4_exp': "build: TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
-    'qwen4_exp_text': "build: TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
-    'reformer': 'build: AssertionError: If you want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`.',
-    'xglm': 'pipeline: FakeTensorDeviceMismatchError: Expected all tensors to be on the same device, but found at least two devices, meta and cpu!',
-    'xlm': 'pipeline: FakeTensorDeviceMismatchError: Expected all tensors to be on the same device, but found at least two devices, meta and cpu!',
-    'xlm-roberta-xl': 'pipeline: FakeTensorDeviceMismatchError: Expected all tensors to be on the same device, but found at least two devices, meta and cpu!',
-    'xmod': 'eager: ValueError: Input language unknown. Please call `XmodPreTrainedModel.set_default_language()`',
-    'zamba': 'torch_compile: output differs from eager transformers (max abs diff 5.537111282348633)',
-    'zaya': "build: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
+    'dbrx': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'deepseek_v32': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'dots3_note': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'dots3_note_text': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'ergo': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'falcon': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'fuyu': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gemma3n': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gemma3n_text': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gemma4_assistant': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gemma4_unified': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gemma4_unified_assistant': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'glm_moe_dsa': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'gpt_neo': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'hrm_text': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'hy_v4': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'kolibri1_1': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'lfm2_moe': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'longcat_flash': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'mamba2': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'minicpm5_moe': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'musicgen': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'musicgen_melody': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'param2moe': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'qwen4_exp': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'qwen4_exp_text': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'reformer': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'xglm': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'xlm': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'xlm-roberta-xl': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'xmod': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'zamba': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+    'zaya': "the check died (exit 1): /root/.pyenv/versions/3.11.7/bin/python: Error while finding module specification for 'adstore.integration.reference.survey' (ModuleNotFoundError: No module named 'adstore')",
+}
+
+MEASURED_WITH: dict[str, tuple[str, ...]] = {
+    '5.24.0': (
+        'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'bamba', 'bart', 'beam',
+        'bert', 'bert-generation', 'big_bird', 'bigbird_pegasus', 'biogpt', 'bitnet', 'blenderbot',
+        'blenderbot-small', 'bloom', 'camembert', 'codegen', 'cohere', 'cohere2', 'cohere2_moe', 'ctrl',
+        'cwm', 'data2vec-text', 'deepseek_v2', 'deepseek_v3', 'deepseek_v4', 'diffllama', 'doge', 'dory',
+        'dots1', 'electra', 'emu3', 'ernie', 'ernie4_5', 'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe',
+        'falcon_h1', 'falcon_mamba', 'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3', 'gemma3_text',
+        'gemma4', 'gemma4_text', 'gemma4_unified_text', 'git', 'glm', 'glm4', 'glm4_moe', 'glm4_moe_lite',
+        'got_ocr2', 'gpt-sw3', 'gpt2', 'gpt_bigcode', 'gpt_neox', 'gpt_neox_japanese', 'gpt_oss', 'gptj',
+        'granite', 'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid', 'granitemoeshared',
+        'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hyperclovax', 'inkling2_loop_text',
+        'inkling2_text', 'inkling_text', 'internlm3', 'iquestcoder', 'jais2', 'jamba', 'jetmoe',
+        'kimi_linear', 'kolibri1', 'laguna', 'lara_mini', 'lfm2', 'lfm3', 'llama', 'llama4', 'llama4_text',
+        'mamba', 'marian', 'mbart', 'megatron-bert', 'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax',
+        'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'ministral3', 'mistral', 'mixtral', 'mllama',
+        'modernbert-decoder', 'moshi', 'moss_transcribe_diarize', 'mpt', 'mvp', 'nanochat', 'nemotron',
+        'nemotron_h', 'olmo', 'olmo2', 'olmo3', 'olmo_hybrid', 'olmoe', 'openai-gpt', 'opt', 'pegasus',
+        'persimmon', 'phi', 'phi3', 'phi4_multimodal', 'phimoe', 'plbart', 'prophetnet', 'qwen2',
+        'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe',
+        'qwen3_next', 'recurrent_gemma', 'rembert', 'roberta', 'roberta-prelayernorm', 'roc_bert',
+        'roformer', 'rwkv', 'sarvam_mla', 'sarvam_moe', 'seed_oss', 'smollm3', 'solar_open', 'stablelm',
+        'starcoder2', 'trocr', 'vaultgemma', 'whisper', 'xlm-roberta', 'xlnet', 'xlstm', 'youtu', 'zamba2',
+    ),
+    '5.25.0': (
+        'axk2', 'bailing_hybrid', 'blt', 'cohere_compass_text', 'cpmant', 'dbrx', 'deepseek_v32',
+        'dots3_note', 'dots3_note_text', 'ergo', 'falcon', 'fuyu', 'gemma3n', 'gemma3n_text',
+        'gemma4_assistant', 'gemma4_unified', 'gemma4_unified_assistant', 'glm_moe_dsa', 'gpt_neo',
+        'hrm_text', 'hy_v4', 'kolibri1_1', 'lfm2_moe', 'longcat_flash', 'mamba2', 'minicpm5_moe',
+        'musicgen', 'musicgen_melody', 'param2moe', 'qwen4_exp', 'qwen4_exp_text', 'reformer', 'xglm',
+        'xlm', 'xlm-roberta-xl', 'xmod', 'zamba', 'zaya',
+    ),
 }
 
 #: The transformers defaults model_types.small_config reads, per handled type (no import at restart).

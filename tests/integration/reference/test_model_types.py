@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import transformers
+from packaging.version import Version
 
 from adstore.integration.errors import IntegrationError
 from adstore.integration.pipeline.optimizer import InferenceOptimizer
 from adstore.integration.reference import survey, survey_results
 from adstore.integration.reference.checkpoint import write_random_checkpoint
+from adstore.integration.reference.model_types import RUNTIME_CHECKED, installed_transformers
 from adstore.integration.reference.models import ARCHITECTURES, ModelFactory, tiny_config
 from adstore.integration.reference.pipeline import default_transforms
 from adstore.store.errors import ConfigError
@@ -33,6 +35,9 @@ def test_every_causal_lm_type_has_a_verdict():
     )
     installed = set(survey.model_types())
     surveyed = set(HANDLED) | set(REFUSED)
+    measured = [t for types in survey_results.MEASURED_WITH.values() for t in types]
+    assert sorted(measured) == sorted(surveyed)  # every verdict names the one release it was measured on
+    assert survey_results.TRANSFORMERS in survey_results.MEASURED_WITH
     if transformers.__version__ == survey_results.TRANSFORMERS:
         assert installed == surveyed
     # Another transformers may add types: those are refused until surveyed, and say so.
@@ -102,11 +107,12 @@ def test_recorded_recipes_give_the_config_transformers_defaults_give():
     from adstore.integration.reference.model_types import _shrink
 
     assert set(survey_results.RECIPES) == {t for t in HANDLED if t not in ARCHITECTURES}
-    same = transformers.__version__ == survey_results.TRANSFORMERS  # else the record is what holds
+    # A verdict measured on the installed release must match its defaults; under another, the record holds.
+    same = set(survey_results.MEASURED_WITH.get(transformers.__version__, ()))
     for model_type in _sample(survey_results.RECIPES, 40) + ["gemma3", "qwen3_5", "deepseek_v2"]:
         recorded = tiny_config(model_type, layers=3, hidden=96)
         assert recorded["num_hidden_layers" if "num_hidden_layers" in recorded else "model_type"]
-        if same:
+        if model_type in same:
             live = {"model_type": model_type, **_shrink(AutoConfig.for_model(model_type).to_dict(), 3, 96)}
             assert recorded == live, model_type
 
@@ -117,15 +123,58 @@ def test_a_handled_type_runs_cold_warm_and_compiled_as_surveyed():
     assert verdict["matches"] == HANDLED["phi3"]
 
 
+#: Falcon's attention indexes its fused QKV projection with a Python list inside ``forward``.  Up to
+#: transformers 5.24 that list became a tensor on the parameters' device: on the meta device a constant
+#: whose values export loses.  From 5.25 on falcon exports on the meta device and runs exactly.
+FALCON_LOSES_VALUES = Version(transformers.__version__) < Version("5.25")
+
+
+def test_falcon_is_refused_exactly_where_its_export_loses_values():
+    verdict = survey.check("falcon", compile=False)
+    if FALCON_LOSES_VALUES:
+        assert not verdict["handled"] and RUNTIME_CHECKED in verdict["why"], verdict
+    else:
+        assert verdict["handled"], verdict
+
+
 def test_export_refuses_tensor_constants_whose_values_are_lost(tmp_path):
-    """Falcon indexes with a list inside forward: on the meta device that index tensor has no values."""
-    factory = ModelFactory(config=tiny_config("falcon", surveyed=False))
+    """GPT-Neo builds its causal mask's fill value inside forward: on the meta device it has no values,
+    so the pipeline refuses it with a clear error instead of running with uninitialised memory."""
+    factory = ModelFactory(config=tiny_config("gpt_neo", surveyed=False))
     checkpoint = write_random_checkpoint(factory.build(), tmp_path / "checkpoint", seed=0)
     opt = InferenceOptimizer(factory, checkpoint, default_transforms(pipeline_cache={"root": str(tmp_path / "s")}))
-    with pytest.raises(IntegrationError, match="meta device"):
+    with pytest.raises(IntegrationError, match=f"meta device, {RUNTIME_CHECKED}"):
         opt()
-    assert "meta device" in REFUSED["falcon"]
-    with pytest.raises(ConfigError, match="meta device"):
+
+
+def _record(monkeypatch, model_type, why, measured):
+    """A survey record that refused ``model_type`` for ``why`` under transformers ``measured``."""
+    monkeypatch.delitem(survey_results.HANDLED, model_type, raising=False)
+    monkeypatch.setitem(survey_results.REFUSED, model_type, why)
+    releases = {r: tuple(t for t in types if t != model_type) for r, types in survey_results.MEASURED_WITH.items()}
+    releases[measured] = (*releases.get(measured, ()), model_type)
+    monkeypatch.setattr(survey_results, "MEASURED_WITH", releases)
+
+
+def test_a_refusal_for_lost_values_is_trusted_only_under_the_release_it_was_measured_on(monkeypatch, tmp_path):
+    lost = f"pipeline: IntegrationError: export made 4 tensor constant(s) on the meta device, {RUNTIME_CHECKED}"
+    installed = installed_transformers()
+    _record(monkeypatch, "falcon", lost, installed)
+    with pytest.raises(ConfigError, match=f"does not handle 'falcon' \\(transformers {installed}\\)"):
+        ModelFactory.from_config({"arch": "falcon"})
+    # Recorded under an older release: the export check decides, and falcon is built.
+    _record(monkeypatch, "falcon", lost, "5.24.0")
+    assert ModelFactory.from_config({"arch": "falcon"}).config["model_type"] == "falcon"
+    # ... and a model type whose export does lose values is still refused, by that check, with the same error.
+    _record(monkeypatch, "gpt_neo", lost, "5.24.0")
+    factory = ModelFactory.from_config({"arch": "gpt_neo"})
+    checkpoint = write_random_checkpoint(factory.build(), tmp_path / "checkpoint", seed=0)
+    opt = InferenceOptimizer(factory, checkpoint, default_transforms(pipeline_cache={"root": str(tmp_path / "s")}))
+    with pytest.raises(IntegrationError, match=RUNTIME_CHECKED):
+        opt()
+    # Any other refusal is the survey's verdict whatever the release: the pipeline has no check that re-decides it.
+    _record(monkeypatch, "falcon", "build: RuntimeError: its constructor does not run on the meta device", "5.24.0")
+    with pytest.raises(ConfigError, match="does not handle 'falcon'"):
         ModelFactory.from_config({"arch": "falcon"})
 
 
