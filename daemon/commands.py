@@ -31,7 +31,7 @@ from adstore.daemon.format import (
 )
 from adstore.daemon.lock import read_status
 from adstore.daemon.metrics import store_metrics
-from adstore.store import AdstoreError, Store
+from adstore.store import AdstoreError, Store, StoreStats
 
 __all__ = [
     "Context",
@@ -172,7 +172,7 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         # The daemon's metrics file, from the same numbers: the --config's budget, else the persisted one.
         ctx.out.write(store_metrics(store, cfg.store_budget() if cfg is not None else store.budget()))
         return 0
-    st = store.stats()
+    st = store.stats(unreferenced=True)
     data = st.to_dict()
     data["root"] = str(store.root)
     daemon = read_status(store.root)
@@ -195,7 +195,8 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         ("Entries", st.entries),
         ("Blobs", f"{st.blobs} ({st.inline_blobs} inline)"),
         ("Logical size", human_size(st.logical_bytes)),
-        ("Content size", f"{human_size(st.content_bytes)} (dedup {st.dedup_ratio:.2f}x)"),
+        ("Content size", f"{human_size(st.referenced_content_bytes)} referenced (dedup {st.dedup_ratio:.2f}x)"),
+        ("Unreferenced", _unreferenced_text(st)),
         ("Physical size", f"{human_size(st.physical_bytes)} (compression {st.compression_ratio:.2f}x)"),
         ("Pinned", human_size(st.pinned_bytes)),
         ("Leases", st.leases),
@@ -226,6 +227,16 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     lines.append(kv_block(counter_rows))
     ctx.emit(data, "\n".join(lines))
     return 0
+
+
+def _unreferenced_text(st: StoreStats) -> str:
+    """Blobs no entry holds any more: their bytes, and the command that reclaims them now."""
+    if not st.unreferenced_blobs:
+        return "none"
+    return (
+        f"{st.unreferenced_blobs} blob(s), {human_size(st.unreferenced_bytes or 0)} on disk "
+        "(swept by `adstore gc` after the grace period; `adstore gc --grace-period 0` now)"
+    )
 
 
 def _budget_text(budget: dict[str, Any] | None, size: int) -> str:

@@ -44,11 +44,25 @@ class StoreStats:
     leases: int = 0
     index_bytes: int = 0
     budget: Budget | None = None
+    # Blobs no manifest references (the sweep's, once past the grace period); None: not counted.
+    unreferenced_blobs: int | None = None
+    unreferenced_content_bytes: int | None = None
+    unreferenced_bytes: int | None = None  # on disk
+
+    @property
+    def referenced_content_bytes(self) -> int:
+        """Distinct content the manifests reference (all content when the unreferenced blobs were not counted)."""
+        return self.content_bytes - (self.unreferenced_content_bytes or 0)
 
     @property
     def dedup_ratio(self) -> float:
-        """Logical bytes referenced by entries per byte of distinct content."""
-        return self.logical_bytes / self.content_bytes if self.content_bytes else 1.0
+        """Logical bytes referenced by entries per byte of distinct referenced content.
+
+        Blobs waiting for the sweep are left out: they are content no entry
+        holds, and counting them made the ratio fall below one.
+        """
+        referenced = self.referenced_content_bytes
+        return self.logical_bytes / referenced if referenced > 0 else 1.0
 
     @property
     def compression_ratio(self) -> float:
@@ -63,8 +77,13 @@ class StoreStats:
         return d
 
 
-def read_stats(tables: Tables) -> StoreStats:
-    """The counters and totals of one read transaction, and the size of the index files."""
+def read_stats(tables: Tables, *, unreferenced: bool = False) -> StoreStats:
+    """The counters and totals of one read transaction, and the size of the index files.
+
+    ``unreferenced`` also counts the blobs no manifest references, a scan of
+    every blob row (``adstore stats`` asks for it; the daemon's metrics, which
+    run often, do not).
+    """
     with tables.read() as t:
         st = StoreStats(
             counters=t.counters(),
@@ -78,6 +97,11 @@ def read_stats(tables: Tables) -> StoreStats:
             pinned_bytes=t.total(PINNED_BYTES),
             budget=read_budget(t),
         )
+        if unreferenced:
+            orphans = [row for _, row in t.decoded_blob_rows() if row.refs == 0]
+            st.unreferenced_blobs = len(orphans)
+            st.unreferenced_content_bytes = sum(row.size for row in orphans)
+            st.unreferenced_bytes = sum(row.stored for row in orphans)
     st.index_bytes = sum(f.stat().st_size for f in tables.layout.index.iterdir() if f.is_file())
     return st
 

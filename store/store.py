@@ -411,10 +411,10 @@ class Store:
         with self._tables.read() as t:
             return t.total(PHYSICAL_BYTES)
 
-    def stats(self) -> StoreStats:
-        """Counters and totals, including what every store of this process opened at this root counted."""
+    def stats(self, *, unreferenced: bool = False) -> StoreStats:
+        """Counters and totals of this root (``unreferenced``: also scan for blobs no manifest references)."""
         flush_root(self._tables.layout.root)
-        return read_stats(self._tables)
+        return read_stats(self._tables, unreferenced=unreferenced)
 
     def set_budget(self, budget: Budget) -> None:
         """Persist the budget the daemon enforces (``adstore stats`` and writers read it)."""

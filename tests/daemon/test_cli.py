@@ -147,6 +147,26 @@ def test_stats_and_ls_on_a_populated_store(capsys, populated) -> None:
     assert "3 of 6 entries" in out and "2/2" in out or "1/1" in out
 
 
+def test_stats_counts_unreferenced_blobs_apart_from_the_content_entries_hold(capsys, tmp_path) -> None:
+    """Blobs waiting for the sweep are neither content nor dedup: they get a line of their own, with their
+    bytes and the command that reclaims them, and the dedup ratio never falls below one."""
+    root = tmp_path / "s"
+    keys = populate(root, count=3, size=70 * KIB, prefix="a")
+    with Store.open(root) as store:  # an entry replaced or removed leaves its blobs to the sweep
+        store.plan_remove(keys[:2]).execute()
+    code, data = run_json(capsys, "stats", "--root", str(root))
+    assert code == 0 and data["unreferenced_blobs"] == 2
+    assert data["unreferenced_bytes"] == data["unreferenced_content_bytes"] == 2 * 70 * KIB  # random: stored raw
+    assert data["logical_bytes"] == 70 * KIB and data["dedup_ratio"] == 1.0
+    code, out, _ = run(capsys, "stats", "--root", str(root))
+    assert "70.0 KiB referenced (dedup 1.00x)" in out
+    assert "2 blob(s), 140.0 KiB on disk" in out and "adstore gc --grace-period 0" in out
+    code, out, _ = run(capsys, "gc", "--root", str(root), "--grace-period", "0")
+    code, data = run_json(capsys, "stats", "--root", str(root))
+    assert data["unreferenced_blobs"] == 0 and data["entries"] == 1  # the sweep took the blobs, not the entry
+    assert "Unreferenced   none" in run(capsys, "stats", "--root", str(root))[1]
+
+
 def test_inspect_and_explain_on_a_populated_store(capsys, populated) -> None:
     root, keys = populated
     r = str(root)
