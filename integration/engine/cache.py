@@ -40,6 +40,7 @@ from adstore.integration.engine.packages import PackageLRU
 from adstore.integration.engine.record import EngineRecord, check_package_file
 from adstore.integration.engine.runtime import (
     CompiledEngine,
+    aoti_compile,
     build_meta,
     code_constant_names,
     constants_as_buffers,
@@ -318,9 +319,7 @@ class EngineCache:
         for attempt in (1, 2):
             t0 = time.perf_counter()
             # A copy: the compiler writes into the dict it is given.
-            torch._inductor.aoti_compile_and_package(
-                ep, package_path=str(path), inductor_configs=dict(inductor_configs)
-            )
+            aoti_compile(ep, path, dict(inductor_configs))
             timings["compile"] = time.perf_counter() - t0
             self._count("compiles")
             t1 = time.perf_counter()
@@ -393,7 +392,7 @@ class EngineCache:
         with tempfile.TemporaryDirectory(dir=self._memory.dir) as tmp:
             pkg = Path(tmp) / "engine.pt2"
             t0 = time.perf_counter()
-            torch._inductor.aoti_compile_and_package(req.ep, package_path=str(pkg), inductor_configs=options)
+            aoti_compile(req.ep, pkg, options)
             seconds = time.perf_counter() - t0
             runner = load_runner(pkg)
         self._count("bypasses.unrefittable")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from adstore.integration.pipeline.keys import json_digest
 
 __all__ = [
     "ENGINE_KIND",
+    "aoti_compile",
     "CompiledEngine",
     "PackageRunner",
     "build_meta",
@@ -163,6 +165,20 @@ class PackageRunner:
     def load_constants(self, constants_map: dict[str, torch.Tensor], *, check_full_update: bool) -> None:
         # (map, use_inactive, check_full_update, user_managed, allow_h2d_copy), as torch's wrapper passes them
         self.loader.load_constants(constants_map, False, check_full_update, False, False)
+
+
+def aoti_compile(ep: Any, path: Path, inductor_configs: dict[str, Any]) -> None:
+    """``aoti_compile_and_package`` of ``ep`` into ``path``, without the warning torch raises at itself.
+
+    Inductor deep-copies the graph it compiles (``repro.after_aot``), and the
+    copy instantiates the pytree ``LeafSpec`` that torch 2.13 deprecated, so
+    every compile printed a ``FutureWarning`` about ``isinstance(treespec,
+    LeafSpec)`` that no caller can act on.  It is filtered here, around the
+    one call that raises it, and nowhere else.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=inductor_configs)
 
 
 def load_runner(path: Path) -> Any:

@@ -18,7 +18,9 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
     assert result["cold_events"] == ["miss", "save"]
     assert result["warm_events"] == ["hit"] and result["warm_hit"]
     assert result["outputs_match"] is True
-    assert result["bytes_stored"] > 0 and result["dedup_ratio"] >= 1.0
+    assert list(result["stored"]) == ["pipeline"]  # compile eager: the pipeline entry and nothing else
+    assert result["stored"]["pipeline"]["entries"] == 1 and result["stored"]["pipeline"]["bytes"] > 0
+    assert result["dedup_ratio"] >= 1.0
     assert (
         result["cold_s"] > 0
         and result["warm_s"] > 0
@@ -40,7 +42,7 @@ def test_run_demo_cold_miss_then_warm_hit(tmp_path):
         "restart, warm",
         "restart floor",
         "in-process call",
-        "bytes stored",
+        "stored, pipeline",
         "dedup",
         "outputs match",
     ):
