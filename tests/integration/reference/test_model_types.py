@@ -2,8 +2,8 @@
 
 The survey (``python -m adstore.integration.reference.survey``) runs the whole
 reference pipeline on each model type; these tests hold its recorded verdicts
-to what the pipeline does now (one handled type in the default run, a sample
-of both verdicts in the slow tier), and check that the factory accepts exactly
+to what the pipeline does now (falcon's, without compile, in the default run;
+a sample of both verdicts, compiled, in the slow tier), and check that the factory accepts exactly
 the handled types and refuses the others with the survey's reason.
 """
 
@@ -117,6 +117,7 @@ def test_recorded_recipes_give_the_config_transformers_defaults_give():
             assert recorded == live, model_type
 
 
+@pytest.mark.slow  # the default run checks a verdict without compile (falcon) and torch_compile on llama
 def test_a_handled_type_runs_cold_warm_and_compiled_as_surveyed():
     verdict = survey.check("phi3")
     assert verdict["handled"], verdict
