@@ -9,10 +9,11 @@ runner) against a request before an engine is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ def constants_as_buffers(ep: torch.export.ExportedProgram) -> torch.export.Expor
         for s in specs
     ]
     sig = ExportGraphSignature(input_specs=new_specs, output_specs=list(ep.graph_signature.output_specs))
-    return ep._update(ep.graph_module, sig)
+    with torch_leafspec_quiet():
+        return ep._update(ep.graph_module, sig)
 
 
 def weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
@@ -167,17 +169,24 @@ class PackageRunner:
         self.loader.load_constants(constants_map, False, check_full_update, False, False)
 
 
-def aoti_compile(ep: Any, path: Path, inductor_configs: dict[str, Any]) -> None:
-    """``aoti_compile_and_package`` of ``ep`` into ``path``, without the warning torch raises at itself.
+@contextlib.contextmanager
+def torch_leafspec_quiet() -> Iterator[None]:
+    """Silence the ``FutureWarning`` torch 2.13 raises at itself when it deep-copies a pytree spec.
 
-    Inductor deep-copies the graph it compiles (``repro.after_aot``), and the
-    copy instantiates the pytree ``LeafSpec`` that torch 2.13 deprecated, so
-    every compile printed a ``FutureWarning`` about ``isinstance(treespec,
-    LeafSpec)`` that no caller can act on.  It is filtered here, around the
-    one call that raises it, and nowhere else.
+    torch deprecated instantiating ``LeafSpec``, and its own deep copies of
+    graphs and call specs (``ExportedProgram._update``, Inductor's
+    ``repro.after_aot``) instantiate one, so every engine compile printed a
+    warning about ``isinstance(treespec, LeafSpec)`` that no caller can act on.
+    It is filtered around those torch calls only, nowhere else.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        yield
+
+
+def aoti_compile(ep: Any, path: Path, inductor_configs: dict[str, Any]) -> None:
+    """``aoti_compile_and_package`` of ``ep`` into ``path`` (torch's LeafSpec warning filtered)."""
+    with torch_leafspec_quiet():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=inductor_configs)
 
 

@@ -8,6 +8,8 @@ module-scoped fixture when those tests were one module).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from engine_support import X, digests, make_model
 
@@ -25,8 +27,11 @@ def env(tmp_path_factory):
     model = make_model(1)
     before = digests(model)
     front = EngineCache(backend)
-    engine = front.compile(model, (X,))
+    with warnings.catch_warnings(record=True) as caught:  # what a user of compile() sees
+        warnings.simplefilter("always")
+        engine = front.compile(model, (X,))
     yield {
+        "warnings": [str(w.message) for w in caught],
         "store": store,
         "backend": backend,
         "front": front,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -68,6 +70,19 @@ def test_run_demo_with_the_aoti_compile_stage(tmp_path):
     assert "compile stage (aoti), cold / warm" in format_demo(result)
     again = run_demo(arch="llama", layers=1, hidden=64, root=tmp_path / "store", compile="aoti")
     assert again["replaced_previous_entry"] and again["cold_events"] == ["miss", "save"] and again["warm_hit"]
+    for r in (result, again):  # what each demo stored, per namespace: the engine and its index too
+        assert {ns: v["entries"] for ns, v in r["stored"].items()} == {"engine": 1, "engine_index": 1, "pipeline": 1}
+        assert "stored, engine " in format_demo(r) and r["dedup_ratio"] >= 1.0
+    # After the demo sequence the first demo's blobs wait for the sweep: stats says so, with their bytes,
+    # and counts neither them as content nor a dedup ratio below one.
+    stats = subprocess.run(
+        [sys.executable, "-m", "adstore", "--json", "--root", str(tmp_path / "store"), "stats"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads(stats.stdout)
+    assert data["dedup_ratio"] >= 1.0 and data["unreferenced_blobs"] > 0 and data["unreferenced_bytes"] > 0
 
 
 def test_run_demo_rejects_bad_options(tmp_path):
