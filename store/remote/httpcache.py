@@ -45,6 +45,7 @@ from .backend import (
     status_error,
     transport_error,
 )
+from .calls import interruptible
 from .errors import RemoteChecksumMismatch, RemoteError
 
 __all__ = ["HttpBackend"]
@@ -112,7 +113,6 @@ class HttpBackend(RemoteBackend):
         self._local = threading.local()
         # Weak: a thread's connection goes (and its socket closes) with the thread.
         self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
-        self._by_thread: weakref.WeakValueDictionary[int, http.client.HTTPConnection] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     # -- connections -----------------------------------------------------
@@ -129,17 +129,22 @@ class HttpBackend(RemoteBackend):
             self._local.conn = conn
             with self._lock:
                 self._all.add(conn)
-                self._by_thread[threading.get_ident()] = conn
         return conn
 
-    def interrupt(self, worker: threading.Thread) -> None:
-        """Shut down the socket of ``worker``'s connection: its blocked read returns at once."""
-        with self._lock:
-            conn = self._by_thread.get(worker.ident) if worker.ident is not None else None
-        sock = getattr(conn, "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+    def _cut(self, conn: http.client.HTTPConnection) -> Callable[[], None]:
+        """How to cut short the call that uses ``conn``: shut its socket down, so a blocked read returns."""
+
+        def cut() -> None:
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        return cut
+
+    def _interruptible(self) -> contextlib.AbstractContextManager[None]:
+        """The block of one request and its answer: a deadline that passes cuts this thread's connection."""
+        return interruptible(self._cut(self._conn()))
 
     def _drop(self) -> None:
         """Close this thread's connection (after an error or an unread body)."""
@@ -190,11 +195,12 @@ class HttpBackend(RemoteBackend):
 
     def _call(self, method: str, path: str, *, body: Body | None = None, headers: dict[str, str] | None = None) -> int:
         """A request whose answer is only a status."""
-        resp = self._request(method, path, body=body, headers=headers)
-        try:
-            self._finish(resp)
-        finally:
-            resp.close()
+        with self._interruptible():
+            resp = self._request(method, path, body=body, headers=headers)
+            try:
+                self._finish(resp)
+            finally:
+                resp.close()
         return resp.status
 
     def _fail(self, status: int, method: str, path: str, reason: str = "") -> RemoteError:
@@ -232,6 +238,10 @@ class HttpBackend(RemoteBackend):
 
     # -- the interface ---------------------------------------------------
     def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
+        with self._interruptible():
+            return self._get_to(kind, digest, fileobj, max_bytes)
+
+    def _get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
         path = self._path(kind, digest)
         resp = self._request("GET", path)
         try:
@@ -271,17 +281,18 @@ class HttpBackend(RemoteBackend):
 
     def head(self, kind: Kind, digest: str) -> int | None:
         path = self._path(kind, digest)
-        resp = self._request("HEAD", path)
-        try:
-            self._finish(resp)
-            if resp.status == 404:
-                return None
-            if resp.status != 200:
-                raise self._fail(resp.status, "HEAD", path, resp.reason)
-            length = resp.getheader("Content-Length")
-            return int(length) if length is not None and length.isdigit() else 0
-        finally:
-            resp.close()
+        with self._interruptible():
+            resp = self._request("HEAD", path)
+            try:
+                self._finish(resp)
+            finally:
+                resp.close()
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise self._fail(resp.status, "HEAD", path, resp.reason)
+        length = resp.getheader("Content-Length")
+        return int(length) if length is not None and length.isdigit() else 0
 
     def put_if_absent(self, kind: Kind, digest: str, data: Body) -> bool:
         status = self._put(kind, digest, data, headers={"If-None-Match": "*"})
