@@ -24,6 +24,7 @@ import base64
 import contextlib
 import http.client
 import logging
+import re
 import socket
 import threading
 import urllib.parse
@@ -46,14 +47,27 @@ from .backend import (
     transport_error,
 )
 from .calls import interruptible
-from .errors import RemoteChecksumMismatch, RemoteError
+from .errors import RemoteChecksumMismatch, RemoteError, RemoteProtocolError
 
 __all__ = ["HttpBackend"]
 
 log = logging.getLogger(__name__)
 
+#: A Content-Length: ASCII digits only (``str.isdigit`` also takes "²" and "٣", which ``int`` refuses or reads).
+_LENGTH = re.compile(r"[0-9]{1,19}", re.ASCII)
+
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 _ERROR_BODY_LIMIT = 64 << 10
+
+
+def _content_length(resp: http.client.HTTPResponse, *, op: str, target: str) -> int | None:
+    """The answer's Content-Length (None without one); RemoteProtocolError unless it is ASCII digits."""
+    value = resp.getheader("Content-Length")
+    if value is None:
+        return None
+    if _LENGTH.fullmatch(value.strip()) is None:
+        raise RemoteProtocolError(f"Content-Length {value[:40]!r} is not a number", op=op, target=target)
+    return int(value)
 
 
 class _Timeouts:
@@ -251,17 +265,21 @@ class HttpBackend(RemoteBackend):
             if resp.status != 200:
                 self._finish(resp)
                 raise self._fail(resp.status, "GET", path, resp.reason)
-            length = resp.getheader("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
+            try:
+                length = _content_length(resp, op="GET", target=path)
+            except RemoteProtocolError:
                 self._drop()
-                raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=int(length), got_digest=None)
+                raise
+            if length is not None and length > max_bytes:
+                self._drop()
+                raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=length, got_digest=None)
             # read1: what the socket has now, up to a chunk (read() would wait for a whole chunk), so
             # bytes reach the sink as they arrive and a cancelled sink stops the download at once.
             read: Callable[[], bytes] = lambda: resp.read1(CHUNK)  # noqa: E731
             try:
                 n = copy_limited(iter(read, b""), fileobj, max_bytes=max_bytes, digest=digest)
-                if length is not None and length.isdigit() and n != int(length):  # read(amt) does not say
-                    raise http.client.IncompleteRead(b"", int(length) - n)
+                if length is not None and n != length:  # read(amt) does not say
+                    raise http.client.IncompleteRead(b"", length - n)
                 return n
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
@@ -291,8 +309,8 @@ class HttpBackend(RemoteBackend):
             return None
         if resp.status != 200:
             raise self._fail(resp.status, "HEAD", path, resp.reason)
-        length = resp.getheader("Content-Length")
-        return int(length) if length is not None and length.isdigit() else 0
+        length = _content_length(resp, op="HEAD", target=path)
+        return 0 if length is None else length
 
     def put_if_absent(self, kind: Kind, digest: str, data: Body) -> bool:
         status = self._put(kind, digest, data, headers={"If-None-Match": "*"})

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ..codec import Encoding
-from ..errors import ConfigError
+from ..errors import AdstoreError, ConfigError
 from .addresses import Kind, object_name
 from .backend import (
     CHUNK,
@@ -45,7 +45,7 @@ from .backend import (
     transport_error,
 )
 from .calls import interruptible
-from .errors import NotSupported, RemoteChecksumMismatch, RemoteRejected, RemoteTimeout
+from .errors import NotSupported, RemoteChecksumMismatch, RemoteProtocolError, RemoteRejected, RemoteTimeout
 
 __all__ = ["S3Backend", "parse_s3_url"]
 
@@ -161,6 +161,12 @@ class S3Backend(RemoteBackend):
 
         return botocore.exceptions
 
+    @property
+    def _parser_error(self) -> Any:
+        import botocore.parsers
+
+        return botocore.parsers.ResponseParserError
+
     def _key(self, kind: Kind, digest: str) -> str:
         name = object_name(kind, digest)
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -184,6 +190,10 @@ class S3Backend(RemoteBackend):
             raise RemoteRejected(str(exc), op=op, target=key) from exc
         except OSError as exc:  # a socket error that escaped botocore's wrapping while streaming
             raise transport_error(exc, op=op, target=key) from exc
+        except AdstoreError:
+            raise
+        except (ValueError, self._parser_error) as exc:  # botocore could not parse the answer (Content-Length: ²)
+            raise RemoteProtocolError(f"unparseable answer: {exc}", op=op, target=key) from exc
 
     def _unless_missing(self, call: Any, key: str) -> Any:
         """``call(Bucket=, Key=)``'s answer, or None when S3 says the object does not exist."""
