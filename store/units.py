@@ -50,9 +50,13 @@ SIZE_HELP = "bytes, or K/M/G/T (= KiB/MiB/GiB/TiB, powers of 1024) or KB/MB/GB/T
 #: One line for ``--help`` texts and docs: what a duration may be.
 DURATION_HELP = "seconds, or a number with ms/s/m/h/d/w (e.g. 90s, 2h, 7d)"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*$", re.IGNORECASE)
+# ASCII only, whole string (re.ASCII, fullmatch): "１０G" and "٣s" are not numbers here, whatever
+# str.isdigit, \d and float() think (they take every Unicode decimal digit).
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*", re.IGNORECASE | re.ASCII)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?\s*", re.IGNORECASE | re.ASCII)
+#: A decimal number as Python prints a float (``90``, ``0.9``, ``1e-05``): what percentages and fractions take.
+_DECIMAL_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _MAX_DIGITS = 64
@@ -76,7 +80,7 @@ def parse_size(value: object, *, field: str = "size") -> int:
     number = _number(value, field=field, what="size", example="10G or 512MiB")
     if number is not None:
         return int(number)
-    m = _SIZE_RE.match(str(value))
+    m = _SIZE_RE.fullmatch(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse size {value!r} (examples: 1048576, 512M, 10GiB, 5GB)")
     if len(m.group(1)) > _MAX_DIGITS:  # int() refuses thousands of digits (ValueError), and no disk is that big
@@ -94,10 +98,9 @@ def parse_percent(value: object, *, field: str) -> float:
     text = str(value).strip()
     if not text.endswith("%"):
         raise ConfigError(field, f'expected a percentage such as "10%", got {value!r}')
-    try:
-        pct = float(text[:-1])
-    except ValueError:
-        raise ConfigError(field, f"cannot parse percentage {value!r}") from None
+    if _DECIMAL_RE.fullmatch(text[:-1]) is None:
+        raise ConfigError(field, f"cannot parse percentage {value!r}")
+    pct = float(text[:-1])
     if not 0.0 <= pct <= 100.0:
         raise ConfigError(field, f"percentage must be within 0%..100%, got {value!r}")
     return pct
@@ -108,12 +111,11 @@ def parse_fraction(value: object, *, field: str) -> float:
     if isinstance(value, str) and value.strip().endswith("%"):
         frac = parse_percent(value, field=field) / 100.0
     else:
-        try:
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ValueError
-            frac = float(value)
-        except ValueError:
-            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}') from None
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}')
+        if isinstance(value, str) and _DECIMAL_RE.fullmatch(value) is None:
+            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}')
+        frac = float(value)
     if not 0.0 < frac <= 1.0:
         raise ConfigError(field, f"must be in (0, 1] (or (0%, 100%]), got {value!r}")
     return frac
@@ -144,7 +146,7 @@ def parse_duration(value: object, *, field: str = "duration") -> float:
     number = _number(value, field=field, what="duration", example="90s or 2h")
     if number is not None:
         return number
-    m = _DURATION_RE.match(str(value))
+    m = _DURATION_RE.fullmatch(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
     seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
