@@ -47,6 +47,7 @@ from .outcomes import Outcome
 if TYPE_CHECKING:
     from ..blobs import StoredBlob
     from ..blobwriter import BlobWriter
+    from ..maintenance.reservations import Reservation
     from .client import Remote
 
 __all__ = ["BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
@@ -59,7 +60,7 @@ class BlobSink(Protocol):
 
     def has_blob(self, digest: str) -> bool: ...
 
-    def admit(self, nbytes: int) -> None: ...  # room for nbytes, or OverBudget / StoreFull before any byte
+    def admit(self, nbytes: int) -> Reservation: ...  # room held for nbytes, or OverBudget / StoreFull before any byte
 
     def blob_writer(
         self,
@@ -220,8 +221,9 @@ def pull_blobs(
 
     ``stored`` (a record's): the blobs that travel compressed, and their
     files' sizes.  The declared total of what will be downloaded is
-    admitted first (``sink.admit``: budget and free space), so a record that
-    announces more than the store may hold costs no download at all.  The
+    admitted first (``sink.admit``: budget and free space, with what other
+    downloads reserved), so a record that announces more than the store may
+    hold costs no download at all, and it stays reserved until it is written.  The
     whole pull has a deadline: ``deadline``, else the remote's limit for
     that total.  Blobs stored before a failure are unreferenced and left to
     the store's gc, never half-committed.
@@ -230,11 +232,12 @@ def pull_blobs(
     wanted = sorted({(validate_digest(d), int(s)) for d, s in refs})
     missing = [(d, s, frames[d][1] if d in frames else None) for d, s in wanted if not sink.has_blob(d)]
     total = sum(s if f is None else f for _, s, f in missing)
-    sink.admit(total)
     whole = deadline if deadline is not None else remote.limits.start(total)
     received = 0
-    for digest, size, frame in missing:
-        received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
+    with sink.admit(total) as reservation:  # held until each blob is in place, the rest released at the end
+        for digest, size, frame in missing:
+            received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
+            reservation.consume(size if frame is None else frame)
     return Outcome(value=received, nbytes=received)
 
 
