@@ -17,9 +17,10 @@ An upload asks the server first (HEAD): content addressing makes a blob
 another host already pushed cost nothing, and a re-push of a whole entry
 sends 0 blob bytes.
 
-The functions take the :class:`~adstore.store.remote.client.Remote` whose
-guarded ``_call`` they go through and raise its errors; the ``Remote``
-methods of the same names turn those into outcomes.
+The functions take the :class:`~adstore.store.remote.client.Remote` (as a
+:class:`Door`: this module does not import the client) whose guarded
+``_call`` they go through and raise its errors; the ``Remote`` methods of
+the same names turn those into outcomes.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
 from ..codec import Encoding
@@ -39,8 +40,8 @@ from ..index.rows import BlobRef
 from ..names import validate_digest
 from ..records.format import RECORD_FORMAT
 from .addresses import Kind
-from .backend import local_write_error
-from .deadline import Deadline
+from .backend import RemoteBackend, local_write_error
+from .deadline import Deadline, Limits
 from .errors import RemoteBlobMissing, RemoteChecksumMismatch
 from .outcomes import Outcome
 
@@ -48,11 +49,49 @@ if TYPE_CHECKING:
     from ..blobs import StoredBlob
     from ..blobwriter import BlobWriter
     from ..maintenance.reservations import Reservation
-    from .client import Remote
 
-__all__ = ["BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
+__all__ = ["Door", "BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Door(Protocol):
+    """What a transfer needs of the remote: :class:`~adstore.store.remote.client.Remote` is one.
+
+    A protocol rather than the class, so this module does not import the
+    client that imports it (the store's modules import one way only).
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def backend(self) -> RemoteBackend: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def _call(
+        self,
+        op: str,
+        kind: Kind,
+        digest: str,
+        fn: Callable[[], T],
+        *,
+        write: bool = False,
+        deadline: Deadline | None = None,
+        on_expire: Callable[[], None] | None = None,
+    ) -> T: ...
+
+    def push_blob(
+        self, digest: str, size: int, source: str | Path | bytes, *, kind: Kind | str = Kind.CAS
+    ) -> Outcome[int]: ...
+
+    def push_record(self, key: str, rank: int, payload: Mapping[str, Any]) -> Outcome[int]: ...
 
 
 class BlobSink(Protocol):
@@ -84,14 +123,14 @@ class BlobSource(Protocol):
     def temp_path(self, suffix: str = ...) -> Path: ...
 
 
-def _rejected(remote: Remote, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
+def _rejected(remote: Door, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
     remote.count("checksum_rejected")
     log.warning("remote %s: %s", remote.url, exc)
     return exc
 
 
 def fetch_blob(
-    remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False, deadline: Deadline | None = None
+    remote: Door, digest: str, size: int, *, dest: Path, fsync: bool = False, deadline: Deadline | None = None
 ) -> Outcome[Path]:
     """Download blob ``digest`` into the new file ``dest`` (never replacing or following anything there).
 
@@ -156,13 +195,7 @@ def fetch_blob(
 
 
 def pull_blob(
-    remote: Remote,
-    digest: str,
-    size: int,
-    *,
-    sink: BlobSink,
-    frame: int | None = None,
-    deadline: Deadline | None = None,
+    remote: Door, digest: str, size: int, *, sink: BlobSink, frame: int | None = None, deadline: Deadline | None = None
 ) -> int:
     """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
 
@@ -210,7 +243,7 @@ def pull_blob(
 
 
 def pull_blobs(
-    remote: Remote,
+    remote: Door,
     refs: Iterable[tuple[str, int]],
     *,
     sink: BlobSink,
@@ -242,7 +275,7 @@ def pull_blobs(
 
 
 def push_blob(
-    remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
+    remote: Door, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
 ) -> Outcome[int]:
     """Upload a blob (``cas/``: its content; ``zcas/``: its compressed file) unless the remote holds it with this size.
 
@@ -269,7 +302,7 @@ def push_blob(
 
 
 def publish(
-    remote: Remote,
+    remote: Door,
     key: str,
     rank: int,
     payload: Mapping[str, Any],
@@ -312,7 +345,7 @@ def publish(
     return Outcome(value=sent, nbytes=sent + record.nbytes)
 
 
-def _push_decoded(remote: Remote, digest: str, size: int, source: BlobSource) -> Outcome[int]:
+def _push_decoded(remote: Door, digest: str, size: int, source: BlobSource) -> Outcome[int]:
     """Upload the raw content of a blob the store keeps compressed (decoded, verified, into a temp file)."""
     tmp = source.temp_path(".push")
     try:
