@@ -168,17 +168,17 @@ class _Workers:
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
+        self._reset()
+
+    def _reset(self) -> None:
+        """No workers (at start, and in a forked child, where a lock held by a parent's thread stays held)."""
         self._lock = threading.Lock()
-        self._pid = -1
         self._queue: queue.SimpleQueue[Call[object]] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)  # one permit per idle worker
         self._count = 0
 
     def submit(self, call: Call[T]) -> None:
         with self._lock:
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._queue, self._idle, self._count = queue.SimpleQueue(), threading.Semaphore(0), 0
             self._queue.put(call)  # type: ignore[arg-type]
             if self._idle.acquire(blocking=False) or self._count >= self._limit:
                 return  # an idle worker takes it, or the next one to finish does
@@ -195,6 +195,7 @@ def _work(work: queue.SimpleQueue[Call[object]], idle: threading.Semaphore) -> N
 
 
 _WORKERS = _Workers(MAX_WORKERS)
+os.register_at_fork(after_in_child=_WORKERS._reset)
 
 
 def run_bounded(

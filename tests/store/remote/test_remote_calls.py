@@ -58,7 +58,6 @@ def test_a_process_exits_after_its_deadline_whatever_the_server_does(scheme, hun
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.split()[0] == "remote_timeout", child.stdout
-    assert hung.accepted >= 1  # the server was asked, and never answered
 
 
 @pytest.mark.parametrize("scheme", ["s3", "http"])
