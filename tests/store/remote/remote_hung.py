@@ -7,8 +7,9 @@ is the child: it opens the store ``ROOT`` the way a pipeline does
 (``Store.from_env``: ``ADSTORE_REMOTE``, ``ADSTORE_REMOTE_DEADLINE``, ...)
 and looks a key up, which asks the remote for its record; ``blocking://``
 remotes name a backend whose every call blocks on the endpoint with no
-timeout at all, which nothing can interrupt.  It prints the lookup's reason
-and how long the lookup took, then returns: whatever still runs in the
+timeout at all, which nothing can interrupt.  It prints the lookup's reason,
+how long the lookup took and the time it returned (so a caller can measure
+how long the process lived on), then returns: whatever still runs in the
 process must not keep it alive.
 """
 
@@ -103,7 +104,7 @@ def main(root: str) -> None:
     with Store.from_env({**os.environ, "ADSTORE_ROOT": root}) as store:
         start = time.monotonic()
         res = store.lookup("k" * 64)
-        print(f"{res.reason} {time.monotonic() - start:.3f}", flush=True)
+        print(f"{res.reason} {time.monotonic() - start:.3f} {time.time():.3f}", flush=True)
 
 
 if __name__ == "__main__":
