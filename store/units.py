@@ -14,6 +14,8 @@ Sizes
 Percentages
     ``"10%"``, between 0% and 100%; a fraction of the filesystem for
     ``min_free``.  Watermarks are fractions: ``0.9`` or ``"90%"``.
+Counts
+    Whole numbers in ASCII digits (``"４"`` is not a count).
 Durations
     A plain number is seconds; else one number and one unit: ``ms``, ``s``,
     ``m``, ``h``, ``d``, ``w`` (``"250ms"``, ``"90s"``, ``"2h"``, ``"7d"``).
@@ -34,6 +36,7 @@ from .errors import ConfigError
 
 __all__ = [
     "SIZE_HELP",
+    "parse_count",
     "DURATION_HELP",
     "MinFree",
     "parse_size",
@@ -55,6 +58,7 @@ DURATION_HELP = "seconds, or a number with ms/s/m/h/d/w (e.g. 90s, 2h, 7d)"
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*", re.IGNORECASE | re.ASCII)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?\s*", re.IGNORECASE | re.ASCII)
+_COUNT_RE = re.compile(r"\s*[+-]?[0-9]{1,64}\s*", re.ASCII)
 #: A decimal number as Python prints a float (``90``, ``0.9``, ``1e-05``): what percentages and fractions take.
 _DECIMAL_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -73,6 +77,25 @@ def _number(value: object, *, field: str, what: str, example: str) -> float | No
     if value < 0:
         raise ConfigError(field, f"{what} must not be negative, got {value!r}")
     return float(value)
+
+
+def parse_count(value: object, *, field: str = "count", minimum: int = 0) -> int:
+    """A whole number, at least ``minimum``: an ``int`` (a whole float) or ASCII digits, never ``"１０"``."""
+    if isinstance(value, bool):
+        count = None
+    elif isinstance(value, int):
+        count = value
+    elif isinstance(value, float) and value.is_integer():
+        count = int(value)
+    elif isinstance(value, str) and _COUNT_RE.fullmatch(value):
+        count = int(value)
+    else:
+        count = None
+    if count is None:
+        raise ConfigError(field, f"expected a whole number, got {str(value)[:40]!r}")
+    if count < minimum:
+        raise ConfigError(field, f"must be at least {minimum}, got {count}")
+    return count
 
 
 def parse_size(value: object, *, field: str = "size") -> int:
