@@ -10,6 +10,7 @@ traceback of an unexpected error.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import logging
@@ -52,6 +53,7 @@ from adstore.store import (
     UnsafeRoot,
     UnsupportedFilesystem,
     is_disk_full,
+    parse_count,
     parse_duration,
     parse_min_free,
     parse_size,
@@ -166,14 +168,8 @@ _size = _argtype(parse_size)
 _duration = _argtype(parse_duration)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive_int = _argtype(functools.partial(parse_count, minimum=1))
+_rank = _argtype(parse_count)
 
 
 def _min_free_flag(text: str, *, field: str) -> str | int:
@@ -353,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the entry's world size; every rank is pulled unless --rank (default: 1)",
     )
-    p.add_argument("--rank", type=int, metavar="N", help="pull only this rank")
+    p.add_argument("--rank", type=_rank, metavar="N", help="pull only this rank")
     add_remote_arguments(p)
 
     p = add("remote", cmd_remote, "show the remote tier: URL, mode, reachability, keys, counters")

@@ -33,6 +33,7 @@ from adstore.store import (
     ConfigError,
     MinFree,
     format_duration,
+    parse_count,
     parse_duration,
     parse_fraction,
     parse_min_free,
@@ -83,12 +84,7 @@ def _path_parser(what: str) -> Callable[[object, str], Path]:
 
 
 def _parse_count(value: object, field: str) -> int:
-    try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        return int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ConfigError(field, f"expected a whole number, got {value!r}") from None
+    return parse_count(value, field=field, minimum=-(1 << 63))
 
 
 def _parse_bool(value: object, field: str) -> bool:

@@ -20,6 +20,8 @@ import socket
 import time
 from collections.abc import Mapping
 
+from adstore.store import ConfigError, parse_count
+
 __all__ = ["Notifier", "watchdog_interval"]
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,14 @@ def watchdog_interval(environ: Mapping[str, str] | None = None, *, pid: int | No
     target_pid = env.get("WATCHDOG_PID")
     if target_pid:
         try:
-            if int(target_pid) != (os.getpid() if pid is None else pid):
+            if parse_count(target_pid, field="WATCHDOG_PID") != (os.getpid() if pid is None else pid):
                 return None
-        except ValueError:
+        except ConfigError:
             log.warning("ignoring malformed WATCHDOG_PID=%r", target_pid)
             return None
     try:
-        usec = int(raw)
-    except ValueError:
+        usec = parse_count(raw, field="WATCHDOG_USEC")
+    except ConfigError:
         log.warning("ignoring malformed WATCHDOG_USEC=%r", raw)
         return None
     if usec <= 0:

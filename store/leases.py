@@ -17,7 +17,7 @@ import psutil
 from .index.rows import LeaseRow
 from .index.tables import Txn
 
-__all__ = ["process_start_time", "lease_is_live", "hostname", "new_lease_row", "live_leases"]
+__all__ = ["process_start_time", "lease_is_live", "holder_is_live", "hostname", "new_lease_row", "live_leases"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,15 +31,25 @@ def process_start_time(pid: int | None = None) -> float:
 
 def lease_is_live(lease: LeaseRow, *, now: float) -> bool:
     """True while the holder process (same pid and start time) still runs, and ``now`` is before expiry."""
-    if lease.expires and now > lease.expires:
+    return holder_is_live(lease.pid, lease.start_time, lease.host, lease.expires, now=now)
+
+
+def holder_is_live(pid: int, start_time: float, host: str, expires: float, *, now: float) -> bool:
+    """Whether what a process holds (a lease, a download reservation) still counts.
+
+    Until ``expires`` (0: never), while the process with this pid *and*
+    start time runs; a holder on another host cannot be checked, so it
+    counts until it expires.
+    """
+    if expires and now > expires:
         return False
-    if lease.host != hostname():
+    if host != hostname():
         return True
     try:
-        proc = psutil.Process(lease.pid)
+        proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
-        return abs(proc.create_time() - lease.start_time) < 1e-3
+        return abs(proc.create_time() - start_time) < 1e-3
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 

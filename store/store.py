@@ -39,6 +39,7 @@ from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budge
 from .maintenance.eviction import EvictionPlan, Evictor
 from .maintenance.inline import InlineEviction
 from .maintenance.repair import verify_or_rebuild
+from .maintenance.reservations import Reservation
 from .maintenance.sweep import Sweeper, SweepPlan
 from .maintenance.verify import Progress, VerifyReport, verify_store
 from .manifests import abort, commit, publish, set_pinned, validate_publish
@@ -222,9 +223,9 @@ class Store:
         """
         return self._blobs.writer(ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
-    def admit(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` about to be downloaded, or refuse them (OverBudget, StoreFull) before any byte."""
-        self._inline.admit(nbytes)
+    def admit(self, nbytes: int) -> Reservation:
+        """Reserve room for ``nbytes`` to download (until consumed or released), or OverBudget / StoreFull."""
+        return self._inline.admit(nbytes)
 
     def temp_path(self, suffix: str = ".tmp") -> Path:
         """A unique path in the store's ``tmp/`` (same filesystem as the blobs; swept past the grace period)."""

@@ -14,6 +14,8 @@ Sizes
 Percentages
     ``"10%"``, between 0% and 100%; a fraction of the filesystem for
     ``min_free``.  Watermarks are fractions: ``0.9`` or ``"90%"``.
+Counts
+    Whole numbers in ASCII digits (``"４"`` is not a count).
 Durations
     A plain number is seconds; else one number and one unit: ``ms``, ``s``,
     ``m``, ``h``, ``d``, ``w`` (``"250ms"``, ``"90s"``, ``"2h"``, ``"7d"``).
@@ -34,6 +36,7 @@ from .errors import ConfigError
 
 __all__ = [
     "SIZE_HELP",
+    "parse_count",
     "DURATION_HELP",
     "MinFree",
     "parse_size",
@@ -50,9 +53,14 @@ SIZE_HELP = "bytes, or K/M/G/T (= KiB/MiB/GiB/TiB, powers of 1024) or KB/MB/GB/T
 #: One line for ``--help`` texts and docs: what a duration may be.
 DURATION_HELP = "seconds, or a number with ms/s/m/h/d/w (e.g. 90s, 2h, 7d)"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*$", re.IGNORECASE)
+# ASCII only, whole string (re.ASCII, fullmatch): "１０G" and "٣s" are not numbers here, whatever
+# str.isdigit, \d and float() think (they take every Unicode decimal digit).
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*", re.IGNORECASE | re.ASCII)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?\s*", re.IGNORECASE | re.ASCII)
+_COUNT_RE = re.compile(r"\s*[+-]?[0-9]{1,64}\s*", re.ASCII)
+#: A decimal number as Python prints a float (``90``, ``0.9``, ``1e-05``): what percentages and fractions take.
+_DECIMAL_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _MAX_DIGITS = 64
@@ -71,12 +79,31 @@ def _number(value: object, *, field: str, what: str, example: str) -> float | No
     return float(value)
 
 
+def parse_count(value: object, *, field: str = "count", minimum: int = 0) -> int:
+    """A whole number, at least ``minimum``: an ``int`` (a whole float) or ASCII digits, never ``"１０"``."""
+    if isinstance(value, bool):
+        count = None
+    elif isinstance(value, int):
+        count = value
+    elif isinstance(value, float) and value.is_integer():
+        count = int(value)
+    elif isinstance(value, str) and _COUNT_RE.fullmatch(value):
+        count = int(value)
+    else:
+        count = None
+    if count is None:
+        raise ConfigError(field, f"expected a whole number, got {str(value)[:40]!r}")
+    if count < minimum:
+        raise ConfigError(field, f"must be at least {minimum}, got {count}")
+    return count
+
+
 def parse_size(value: object, *, field: str = "size") -> int:
     """Bytes from ``123``, ``"64K"``, ``"10G"``, ``"512MiB"`` (2**10 units) or ``"5GB"`` (10**3)."""
     number = _number(value, field=field, what="size", example="10G or 512MiB")
     if number is not None:
         return int(number)
-    m = _SIZE_RE.match(str(value))
+    m = _SIZE_RE.fullmatch(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse size {value!r} (examples: 1048576, 512M, 10GiB, 5GB)")
     if len(m.group(1)) > _MAX_DIGITS:  # int() refuses thousands of digits (ValueError), and no disk is that big
@@ -94,10 +121,9 @@ def parse_percent(value: object, *, field: str) -> float:
     text = str(value).strip()
     if not text.endswith("%"):
         raise ConfigError(field, f'expected a percentage such as "10%", got {value!r}')
-    try:
-        pct = float(text[:-1])
-    except ValueError:
-        raise ConfigError(field, f"cannot parse percentage {value!r}") from None
+    if _DECIMAL_RE.fullmatch(text[:-1]) is None:
+        raise ConfigError(field, f"cannot parse percentage {value!r}")
+    pct = float(text[:-1])
     if not 0.0 <= pct <= 100.0:
         raise ConfigError(field, f"percentage must be within 0%..100%, got {value!r}")
     return pct
@@ -108,12 +134,11 @@ def parse_fraction(value: object, *, field: str) -> float:
     if isinstance(value, str) and value.strip().endswith("%"):
         frac = parse_percent(value, field=field) / 100.0
     else:
-        try:
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ValueError
-            frac = float(value)
-        except ValueError:
-            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}') from None
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}')
+        if isinstance(value, str) and _DECIMAL_RE.fullmatch(value) is None:
+            raise ConfigError(field, f'expected a fraction such as 0.9 or "90%", got {value!r}')
+        frac = float(value)
     if not 0.0 < frac <= 1.0:
         raise ConfigError(field, f"must be in (0, 1] (or (0%, 100%]), got {value!r}")
     return frac
@@ -144,7 +169,7 @@ def parse_duration(value: object, *, field: str = "duration") -> float:
     number = _number(value, field=field, what="duration", example="90s or 2h")
     if number is not None:
         return number
-    m = _DURATION_RE.match(str(value))
+    m = _DURATION_RE.fullmatch(str(value))
     if not m:
         raise ConfigError(field, f"cannot parse duration {value!r} (examples: 30, 90s, 15m, 2h, 7d)")
     seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from adstore.integration.engine.record import frame, unframe
 from adstore.integration.errors import CorruptEngine
+from adstore.store import is_digest
 
 __all__ = ["BUNDLE_VERSION", "MAX_FILES", "pack", "unpack"]
 
@@ -102,7 +103,7 @@ def _check_header(header: object, payload_len: int) -> list[tuple[str, int, str]
             and type(item[1]) is int
             and isinstance(item[2], str)
             and item[1] >= 0
-            and re.fullmatch(r"[0-9a-f]{64}", item[2])
+            and is_digest(item[2])
         ):
             raise CorruptEngine(f"Inductor bundle has a malformed file entry: {str(item)[:80]}")
         _check_path(item[0])

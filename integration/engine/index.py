@@ -35,7 +35,7 @@ from adstore.integration.engine.toolchain import index_settings, toolchain_ident
 from adstore.integration.errors import CorruptEngine, EngineMismatch, EngineUnavailable, RemoteEngineMiss
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
-from adstore.store import REMOTE_REASONS, AdstoreError, Reason
+from adstore.store import REMOTE_REASONS, AdstoreError, Reason, is_digest
 
 __all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key"]
 
@@ -120,13 +120,9 @@ class IndexEntry:
                 "index_format", f"index entry has format {found!r}, this adstore reads {INDEX_VERSION}"
             )
         engine, digests = body.get("engine"), body.get("digests")
-        if not (isinstance(engine, str) and len(engine) == 64 and all(c in "0123456789abcdef" for c in engine)):
-            raise CorruptEngine(f"engine index entry names no engine hash: {engine!r}")
-        if not (
-            isinstance(digests, dict)
-            and set(digests) == set(DIGESTED)
-            and all(isinstance(v, str) for v in digests.values())
-        ):
+        if not is_digest(engine):
+            raise CorruptEngine(f"engine index entry names no engine hash: {str(engine)[:80]!r}")
+        if not (isinstance(digests, dict) and set(digests) == set(DIGESTED) and all(map(is_digest, digests.values()))):
             raise CorruptEngine("engine index entry has no component digests")
         seconds = body.get("compile_seconds")
         return cls(

@@ -49,16 +49,17 @@ class ShardingError(IntegrationError):
 
 
 def _plan_regex(plan: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    """The plan's patterns (``layers.*.mlp``, ``*``: a layer number, ASCII digits) as whole-string regexes."""
     out = []
     for pattern, style in plan.items():
-        rx = re.escape(pattern).replace(r"\*", r"\d+")
-        out.append((re.compile(f"^{rx}$"), style))
+        rx = re.escape(pattern).replace(r"\*", "[0-9]+")
+        out.append((re.compile(rx, re.ASCII), style))
     return out
 
 
 def _style_for(owner: str, plan: list[tuple[re.Pattern[str], str]]) -> str | None:
     for rx, style in plan:
-        if rx.match(owner):
+        if rx.fullmatch(owner):
             return style
     return None
 

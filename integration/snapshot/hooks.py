@@ -40,6 +40,7 @@ import torch
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedHook, UntrustedTarget
 from adstore.integration.snapshot.hook_builtins import AliasHook, DedupHook, TPShardHook
+from adstore.integration.snapshot.names import is_member_name
 from adstore.integration.snapshot.targets import check_prefix, qualname_of, resolve_target
 from adstore.integration.snapshot.values import Unencodable, ValueDecoder, ValueEncoder
 
@@ -333,7 +334,7 @@ def _scope_module(root: torch.nn.Module, scope: Any) -> torch.nn.Module:
         return root
     m = root
     for part in scope.split("."):
-        if not part.isidentifier() and not part.isdigit():
+        if not is_member_name(part):
             raise CorruptSnapshot(f"bad hook scope {scope!r}")
         child = m._modules.get(part)
         if child is None:

@@ -4,13 +4,16 @@ Node names, argument names and attribute paths end up in the Python source FX
 generates on restore, and attribute access at run time could walk from a
 tensor to arbitrary objects; so every name is checked here first (docs/snapshots.md,
 "Threat model"): identifiers only, no dunders, ``getattr`` with
-a literal name, pytree types resolved under the allow-list.
+a literal name, pytree types resolved under the allow-list.  Identifiers and
+digit strings are ASCII: ``str.isidentifier`` takes ``ｘ``, which Python
+reads as ``x`` once it is source (NFKC), and ``str.isdigit`` takes ``²``.
 """
 
 from __future__ import annotations
 
 import json
 import keyword
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +22,8 @@ from adstore.integration.snapshot.targets import resolve_target
 
 __all__ = [
     "attr_path",
+    "is_identifier",
+    "is_member_name",
     "check_attribute_access",
     "check_pytree_types",
     "identifier",
@@ -40,15 +45,29 @@ _PYTREE_BUILTIN_TYPES = frozenset(
 )
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+
+
+def is_identifier(name: object) -> bool:
+    """An ASCII Python identifier (keywords included: the callers decide about those)."""
+    return type(name) is str and _IDENTIFIER.fullmatch(name) is not None
+
+
+def is_member_name(name: object) -> bool:
+    """One part of a module path: an ASCII identifier or ASCII digits (``layers.0``)."""
+    return type(name) is str and (_IDENTIFIER.fullmatch(name) is not None or _DIGITS.fullmatch(name) is not None)
+
+
 def identifier(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+    if not is_identifier(name) or keyword.iskeyword(name):
         raise CorruptSnapshot(f"{what} {name!r} is not a valid identifier")
     return name
 
 
 def member_name(name: Any, what: str) -> str:
     """A submodule/parameter/buffer name: an identifier or a digit string (``layers.0``), no dunders."""
-    if not isinstance(name, str) or not (name.isidentifier() or name.isdigit()):
+    if not is_member_name(name):
         raise CorruptSnapshot(f"{what} {name!r} is not a valid member name")
     if name.startswith("__") and name.endswith("__"):
         raise UntrustedTarget(name)
@@ -85,7 +104,7 @@ def attr_path(path: Any, what: str) -> str:
     if not isinstance(path, str) or not path:
         raise CorruptSnapshot(f"{what} {path!r} is not an attribute path")
     for part in path.split("."):
-        if not (part.isidentifier() or part.isdigit()) or (part.startswith("__") and part.endswith("__")):
+        if not is_member_name(part) or (part.startswith("__") and part.endswith("__")):
             raise UntrustedTarget(path) if "__" in part else CorruptSnapshot(f"bad {what} {path!r}")
     return path
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from adstore.integration.errors import CorruptSnapshot, UnsupportedModule
+from adstore.integration.snapshot.names import is_identifier
 
 __all__ = ["SymbolTable", "SymDecoder", "encode_expr", "DTYPES", "dtype_name"]
 
@@ -220,7 +221,7 @@ class SymDecoder:
         if not isinstance(symbols, dict):
             raise CorruptSnapshot("bad symbol table")
         for name, info in symbols.items():
-            if not isinstance(name, str) or not name.isidentifier() or not isinstance(info, dict):
+            if not is_identifier(name) or not isinstance(info, dict):
                 raise CorruptSnapshot(f"bad symbol entry {name!r}")
         self._encoded = symbols
         self._shape_env: ShapeEnv | None = None
@@ -273,7 +274,7 @@ class SymDecoder:
                 shape_env.add_backed_var_to_val(sym, hint)
             else:  # unbacked (data-dependent, ``u0``): registered as create_unbacked_symint does
                 shape_env.var_to_stack[sym] = CapturedTraceback.extract(skip=1)
-                if name[:1] == "u" and name[1:].isdigit():
+                if name[:1] == "u" and name[1:].isascii() and name[1:].isdigit():
                     shape_env.unbacked_symint_counter = max(shape_env.unbacked_symint_counter, int(name[1:]) + 1)
             rng = info.get("range")
             if rng is not None:

@@ -143,6 +143,19 @@ class Txn(EntryRows, BlobRows):
     def put_meta(self, name: bytes, value: bytes) -> None:
         self.raw.put(name, value, db=self._db["meta"])
 
+    def drop_meta(self, name: bytes) -> None:
+        self.raw.delete(name, db=self._db["meta"])
+
+    def meta_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The ``meta`` rows whose names start with ``prefix`` (download reservations)."""
+        cursor = self.raw.cursor(db=self._db["meta"])
+        if not cursor.set_range(prefix):
+            return
+        for name, value in cursor:
+            if not bytes(name).startswith(prefix):
+                return
+            yield bytes(name), bytes(value)
+
     def rows(self, table: str) -> int:
         """Number of rows in ``table``."""
         return int(self.raw.stat(self._db[table])["entries"])

@@ -6,7 +6,9 @@ period), so writer and daemon agree on what is too much.  Over the limit it
 evicts a bounded number of least-recently-used entries, then sweeps
 unreferenced blobs past the grace period.  Only a writer's own limit refuses
 a write (:class:`~adstore.store.errors.OverBudget`); the daemon's budget is
-one the daemon enforces, so there a writer only helps.
+one the daemon enforces, so there a writer only helps.  A download is
+admitted once for all its bytes, and holds them (``reservations``) until it
+has written them or given up.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import shutil
 
 from ..errors import OverBudget, StoreFull
 from ..index.schema import PHYSICAL_BYTES
-from ..index.tables import Tables
+from ..index.tables import Tables, Txn
 from .budget import Budget, read_budget
 from .eviction import Evictor
+from .reservations import Reservation, new_reservation, reserved
 from .sweep import Sweeper
 
 __all__ = ["InlineEviction", "INLINE_EVICTION_BATCH"]
@@ -78,26 +81,43 @@ class InlineEviction:
         if size + nbytes > limit and self.max_size is not None:
             raise OverBudget(nbytes, limit, size)
 
-    def admit(self, nbytes: int) -> None:
-        """Before a download of ``nbytes`` another host declared: make room, or refuse before the first byte.
+    def admit(self, nbytes: int) -> Reservation:
+        """Before a download of ``nbytes`` another host declared: reserve them, or refuse before the first byte.
 
         Stricter than :meth:`reserve`, which lets a local writer pass the
         daemon's budget (the daemon enforces it): bytes a remote record
-        announces must fit under every limit, own or persisted
+        announces must fit, with what other downloads reserved
+        (``reservations``), under every limit, own or persisted
         (:class:`OverBudget`), and in the filesystem's free space less the
-        budget's ``min_free`` (:class:`StoreFull`).
+        budget's ``min_free`` (:class:`StoreFull`).  The check and the
+        reservation are one write transaction, so two admissions never both
+        take the same room.
         """
         limit, grace, budget = self._limit()
         if limit is not None:
             if nbytes > limit:
                 raise OverBudget(nbytes, limit, self._size())
-            size = self._make_room(nbytes, limit, grace)
-            if size + nbytes > limit:
-                raise OverBudget(nbytes, limit, size)
-        du = shutil.disk_usage(self._tables.layout.root)
-        floor = budget.min_free.of(du.total) if budget is not None and budget.min_free is not None else 0
-        if du.free - floor < nbytes:
-            raise StoreFull(
-                str(self._tables.layout.root),
-                f"{nbytes} bytes to download, {du.free} free" + (f" less min_free {floor}" if floor else ""),
-            )
+            with self._tables.read() as t:
+                others, _ = reserved(t, self._tables.clock())
+            self._make_room(nbytes + others, limit, grace)
+        root = self._tables.layout.root
+
+        def check_and_reserve(t: Txn) -> bytes | None:
+            now = self._tables.clock()
+            others, dead = reserved(t, now)
+            for name in dead:
+                t.drop_meta(name)
+            if limit is not None:
+                size = t.total(PHYSICAL_BYTES)
+                if size + others + nbytes > limit:
+                    raise OverBudget(nbytes, limit, size + others)
+            du = shutil.disk_usage(root)
+            floor = budget.min_free.of(du.total) if budget is not None and budget.min_free is not None else 0
+            if du.free - floor - others < nbytes:
+                detail = f"{nbytes} bytes to download, {du.free} free"
+                detail += f" less min_free {floor}" if floor else ""
+                detail += f" less {others} reserved by other downloads" if others else ""
+                raise StoreFull(str(root), detail)
+            return new_reservation(t, nbytes, now) if nbytes > 0 else None
+
+        return Reservation(self._tables, self._tables.write(check_and_reserve), nbytes)

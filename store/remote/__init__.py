@@ -16,6 +16,7 @@ defaults.
 from .addresses import Kind, lease_address, object_name, record_address
 from .backend import ConditionalWrites, RemoteBackend
 from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
+from .calls import interruptible
 from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
 from .config import RemoteConfig, open_remote, parse_mode, register_scheme
 from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
@@ -25,6 +26,7 @@ from .errors import (
     RemoteBlobMissing,
     RemoteChecksumMismatch,
     RemoteError,
+    RemoteProtocolError,
     RemoteRejected,
     RemoteTimeout,
     RemoteUnavailable,
@@ -79,6 +81,7 @@ __all__ = [
     # backends
     "RemoteBackend",
     "ConditionalWrites",
+    "interruptible",
     "S3Backend",
     "HttpBackend",
     "MemoryBackend",
@@ -91,6 +94,7 @@ __all__ = [
     "RemoteError",
     "RemoteUnavailable",
     "RemoteTimeout",
+    "RemoteProtocolError",
     "RemoteRejected",
     "ReadOnlyRemote",
     "NotSupported",

@@ -18,7 +18,6 @@ import errno
 import io
 import os
 import sys
-import threading
 from collections.abc import Iterable
 from typing import BinaryIO
 
@@ -129,6 +128,12 @@ class RemoteBackend(abc.ABC):
     refused or reset connections and 5xx answers, RemoteTimeout for timeouts,
     RemoteRejected for other 4xx answers.  A missing object is ``None``, not
     an error.  Implementations must be safe to call from several threads.
+
+    Each call runs in a worker the caller gives up on at its deadline.  A
+    backend that can cut a blocked call short (shut its socket down) says
+    how while it blocks, with :func:`~adstore.store.remote.interruptible`;
+    one that cannot is abandoned to its own timeouts, and never keeps the
+    process alive.
     """
 
     #: The URL the backend was opened with, without credentials (for status and logs).
@@ -172,14 +177,6 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, kind: Kind, digest: str) -> None:
         """Remove the object if it exists (lease release; remote eviction is the server's job)."""
-
-    def interrupt(self, worker: threading.Thread) -> None:
-        """Cut short the call ``worker`` is running: its deadline passed (best effort, from another thread).
-
-        The caller has already given up; this only frees the worker and its
-        connection sooner.  The default does nothing: the worker then ends
-        when its own socket timeout or the server does.
-        """
 
     def close(self) -> None:
         """Release connections; the backend may not be used afterwards."""

@@ -25,9 +25,10 @@ from ..errors import AdstoreError, ConfigError
 from ..reasons import Reason
 from . import transfer
 from .addresses import Kind, object_name, record_address
-from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend
+from .backend import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RemoteBackend, transport_error
 from .breaker import CircuitBreaker
-from .deadline import Deadline, Limits, run_bounded
+from .calls import run_bounded
+from .deadline import Deadline, Limits
 from .errors import ReadOnlyRemote, RemoteChecksumMismatch, RemoteError, RemoteUnavailable, UntrustedRecord
 from .outcomes import Mode, Outcome
 from .signing import Signer, TrustedKeys, Verified
@@ -109,7 +110,9 @@ class Remote:
 
         ``deadline`` defaults to the limit of one small call; past it the
         call is :class:`RemoteTimeout` (it opens the circuit like any
-        timeout), ``on_expire`` runs and the backend is asked to interrupt it.
+        timeout), ``on_expire`` runs and the call is cut short
+        (``calls.run_bounded``).  A socket timeout the backend let through
+        is the call's own ``remote_timeout``, with its own message.
         """
         target = object_name(kind, digest)
         if write and self.mode is not Mode.READ_WRITE:
@@ -120,16 +123,17 @@ class Remote:
             self.count("fast_fails")
             raise
         self.count(f"calls.{op}")
-
-        def interrupt(worker: threading.Thread) -> None:
-            if on_expire is not None:
-                on_expire()
-            self.backend.interrupt(worker)
-
         try:
-            result = run_bounded(
-                fn, deadline if deadline is not None else self.limits.start(), op=op, target=target, interrupt=interrupt
-            )
+            try:
+                result = run_bounded(
+                    fn,
+                    deadline if deadline is not None else self.limits.start(),
+                    op=op,
+                    target=target,
+                    on_expire=on_expire,
+                )
+            except TimeoutError as exc:  # not a RemoteError: a backend's socket timed out on its own
+                raise transport_error(exc, op=op, target=target) from exc
         except RemoteUnavailable as exc:
             if self.breaker.failure(exc):
                 self.count("breaker_opened")

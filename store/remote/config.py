@@ -107,7 +107,11 @@ def open_remote(
     if scheme == "memory":
         backend = factory(url)
     else:
-        backend = factory(url, connect_timeout=connect_timeout, read_timeout=timeout, **backend_options)
+        # No socket wait outlives the deadline of the call it serves: a worker the caller gave up on
+        # (one nothing can interrupt, such as S3 waiting for response headers) ends soon after it.
+        backend = factory(
+            url, connect_timeout=min(connect_timeout, deadline), read_timeout=min(timeout, deadline), **backend_options
+        )
     return Remote(
         backend,
         mode=parse_mode(mode),

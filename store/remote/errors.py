@@ -16,6 +16,7 @@ __all__ = [
     "RemoteError",
     "RemoteUnavailable",
     "RemoteTimeout",
+    "RemoteProtocolError",
     "RemoteRejected",
     "ReadOnlyRemote",
     "NotSupported",
@@ -65,6 +66,16 @@ class RemoteTimeout(RemoteUnavailable):
     """A connect or read took longer than the configured timeout."""
 
     reason: Reason = Reason.REMOTE_TIMEOUT
+
+
+class RemoteProtocolError(RemoteUnavailable):
+    """An answer that breaks the protocol (a length that is not ASCII digits): the server cannot serve.
+
+    A failure of the remote like a 5xx, so it opens the circuit; its reason
+    is ``remote_error``, since the server answered.
+    """
+
+    reason: Reason = Reason.REMOTE_ERROR
 
 
 class RemoteRejected(RemoteError):

@@ -24,6 +24,7 @@ import base64
 import contextlib
 import http.client
 import logging
+import re
 import socket
 import threading
 import urllib.parse
@@ -45,14 +46,28 @@ from .backend import (
     status_error,
     transport_error,
 )
-from .errors import RemoteChecksumMismatch, RemoteError
+from .calls import interruptible
+from .errors import RemoteChecksumMismatch, RemoteError, RemoteProtocolError
 
 __all__ = ["HttpBackend"]
 
 log = logging.getLogger(__name__)
 
+#: A Content-Length: ASCII digits only (``str.isdigit`` also takes "²" and "٣", which ``int`` refuses or reads).
+_LENGTH = re.compile(r"[0-9]{1,19}", re.ASCII)
+
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 _ERROR_BODY_LIMIT = 64 << 10
+
+
+def _content_length(resp: http.client.HTTPResponse, *, op: str, target: str) -> int | None:
+    """The answer's Content-Length (None without one); RemoteProtocolError unless it is ASCII digits."""
+    value = resp.getheader("Content-Length")
+    if value is None:
+        return None
+    if _LENGTH.fullmatch(value.strip()) is None:
+        raise RemoteProtocolError(f"Content-Length {value[:40]!r} is not a number", op=op, target=target)
+    return int(value)
 
 
 class _Timeouts:
@@ -112,7 +127,6 @@ class HttpBackend(RemoteBackend):
         self._local = threading.local()
         # Weak: a thread's connection goes (and its socket closes) with the thread.
         self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
-        self._by_thread: weakref.WeakValueDictionary[int, http.client.HTTPConnection] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     # -- connections -----------------------------------------------------
@@ -129,17 +143,22 @@ class HttpBackend(RemoteBackend):
             self._local.conn = conn
             with self._lock:
                 self._all.add(conn)
-                self._by_thread[threading.get_ident()] = conn
         return conn
 
-    def interrupt(self, worker: threading.Thread) -> None:
-        """Shut down the socket of ``worker``'s connection: its blocked read returns at once."""
-        with self._lock:
-            conn = self._by_thread.get(worker.ident) if worker.ident is not None else None
-        sock = getattr(conn, "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+    def _cut(self, conn: http.client.HTTPConnection) -> Callable[[], None]:
+        """How to cut short the call that uses ``conn``: shut its socket down, so a blocked read returns."""
+
+        def cut() -> None:
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        return cut
+
+    def _interruptible(self) -> contextlib.AbstractContextManager[None]:
+        """The block of one request and its answer: a deadline that passes cuts this thread's connection."""
+        return interruptible(self._cut(self._conn()))
 
     def _drop(self) -> None:
         """Close this thread's connection (after an error or an unread body)."""
@@ -190,11 +209,12 @@ class HttpBackend(RemoteBackend):
 
     def _call(self, method: str, path: str, *, body: Body | None = None, headers: dict[str, str] | None = None) -> int:
         """A request whose answer is only a status."""
-        resp = self._request(method, path, body=body, headers=headers)
-        try:
-            self._finish(resp)
-        finally:
-            resp.close()
+        with self._interruptible():
+            resp = self._request(method, path, body=body, headers=headers)
+            try:
+                self._finish(resp)
+            finally:
+                resp.close()
         return resp.status
 
     def _fail(self, status: int, method: str, path: str, reason: str = "") -> RemoteError:
@@ -232,6 +252,10 @@ class HttpBackend(RemoteBackend):
 
     # -- the interface ---------------------------------------------------
     def get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
+        with self._interruptible():
+            return self._get_to(kind, digest, fileobj, max_bytes)
+
+    def _get_to(self, kind: Kind, digest: str, fileobj: BinaryIO, max_bytes: int) -> int | None:
         path = self._path(kind, digest)
         resp = self._request("GET", path)
         try:
@@ -241,17 +265,21 @@ class HttpBackend(RemoteBackend):
             if resp.status != 200:
                 self._finish(resp)
                 raise self._fail(resp.status, "GET", path, resp.reason)
-            length = resp.getheader("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
+            try:
+                length = _content_length(resp, op="GET", target=path)
+            except RemoteProtocolError:
                 self._drop()
-                raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=int(length), got_digest=None)
+                raise
+            if length is not None and length > max_bytes:
+                self._drop()
+                raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=length, got_digest=None)
             # read1: what the socket has now, up to a chunk (read() would wait for a whole chunk), so
             # bytes reach the sink as they arrive and a cancelled sink stops the download at once.
             read: Callable[[], bytes] = lambda: resp.read1(CHUNK)  # noqa: E731
             try:
                 n = copy_limited(iter(read, b""), fileobj, max_bytes=max_bytes, digest=digest)
-                if length is not None and length.isdigit() and n != int(length):  # read(amt) does not say
-                    raise http.client.IncompleteRead(b"", int(length) - n)
+                if length is not None and n != length:  # read(amt) does not say
+                    raise http.client.IncompleteRead(b"", length - n)
                 return n
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
@@ -271,17 +299,18 @@ class HttpBackend(RemoteBackend):
 
     def head(self, kind: Kind, digest: str) -> int | None:
         path = self._path(kind, digest)
-        resp = self._request("HEAD", path)
-        try:
-            self._finish(resp)
-            if resp.status == 404:
-                return None
-            if resp.status != 200:
-                raise self._fail(resp.status, "HEAD", path, resp.reason)
-            length = resp.getheader("Content-Length")
-            return int(length) if length is not None and length.isdigit() else 0
-        finally:
-            resp.close()
+        with self._interruptible():
+            resp = self._request("HEAD", path)
+            try:
+                self._finish(resp)
+            finally:
+                resp.close()
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise self._fail(resp.status, "HEAD", path, resp.reason)
+        length = _content_length(resp, op="HEAD", target=path)
+        return 0 if length is None else length
 
     def put_if_absent(self, kind: Kind, digest: str, data: Body) -> bool:
         status = self._put(kind, digest, data, headers={"If-None-Match": "*"})

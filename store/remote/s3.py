@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ..codec import Encoding
-from ..errors import ConfigError
+from ..errors import AdstoreError, ConfigError
 from .addresses import Kind, object_name
 from .backend import (
     CHUNK,
@@ -44,7 +44,8 @@ from .backend import (
     status_error,
     transport_error,
 )
-from .errors import NotSupported, RemoteChecksumMismatch, RemoteRejected, RemoteTimeout
+from .calls import interruptible
+from .errors import NotSupported, RemoteChecksumMismatch, RemoteProtocolError, RemoteRejected, RemoteTimeout
 
 __all__ = ["S3Backend", "parse_s3_url"]
 
@@ -143,7 +144,6 @@ class S3Backend(RemoteBackend):
         )
         self._made: Any = client
         self._lock = threading.Lock()
-        self._bodies: dict[int, Any] = {}  # thread -> the body it is reading (for interrupt)
 
     # -- helpers ---------------------------------------------------------
     @property
@@ -160,6 +160,12 @@ class S3Backend(RemoteBackend):
         import botocore.exceptions
 
         return botocore.exceptions
+
+    @property
+    def _parser_error(self) -> Any:
+        import botocore.parsers
+
+        return botocore.parsers.ResponseParserError
 
     def _key(self, kind: Kind, digest: str) -> str:
         name = object_name(kind, digest)
@@ -184,6 +190,10 @@ class S3Backend(RemoteBackend):
             raise RemoteRejected(str(exc), op=op, target=key) from exc
         except OSError as exc:  # a socket error that escaped botocore's wrapping while streaming
             raise transport_error(exc, op=op, target=key) from exc
+        except AdstoreError:
+            raise
+        except (ValueError, self._parser_error) as exc:  # botocore could not parse the answer (Content-Length: ²)
+            raise RemoteProtocolError(f"unparseable answer: {exc}", op=op, target=key) from exc
 
     def _unless_missing(self, call: Any, key: str) -> Any:
         """``call(Bucket=, Key=)``'s answer, or None when S3 says the object does not exist."""
@@ -207,29 +217,28 @@ class S3Backend(RemoteBackend):
             if resp is None:
                 return None
             body = resp["Body"]
-            me = threading.get_ident()
-            with self._lock:
-                self._bodies[me] = body
             try:
                 length = resp.get("ContentLength")
                 if length is not None and length > max_bytes:
                     raise RemoteChecksumMismatch(digest, expected_size=max_bytes, got_size=length, got_digest=None)
-                return copy_limited(body.iter_chunks(CHUNK), fileobj, max_bytes=max_bytes, digest=digest)
+                with interruptible(self._cut(body)):
+                    return copy_limited(body.iter_chunks(CHUNK), fileobj, max_bytes=max_bytes, digest=digest)
             finally:
-                with self._lock:
-                    self._bodies.pop(me, None)
                 body.close()
 
-    def interrupt(self, worker: threading.Thread) -> None:
-        """Shut down the socket of the body ``worker`` is reading (a request still waiting for its
-        headers cannot be reached through botocore: it ends at the read timeout)."""
-        with self._lock:
-            body = self._bodies.get(worker.ident) if worker.ident is not None else None
-        conn = getattr(getattr(body, "_raw_stream", None), "connection", None)
-        sock = getattr(conn, "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+    @staticmethod
+    def _cut(body: Any) -> Any:
+        """How to cut short the call reading ``body``: shut its socket down (a request still waiting for its
+        headers cannot be reached through botocore: its read timeout, at most the deadline, ends it)."""
+
+        def cut() -> None:
+            conn = getattr(getattr(body, "_raw_stream", None), "connection", None)
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        return cut
 
     def put(self, kind: Kind, digest: str, data: Body) -> int:
         key = self._key(kind, digest)

@@ -17,9 +17,10 @@ An upload asks the server first (HEAD): content addressing makes a blob
 another host already pushed cost nothing, and a re-push of a whole entry
 sends 0 blob bytes.
 
-The functions take the :class:`~adstore.store.remote.client.Remote` whose
-guarded ``_call`` they go through and raise its errors; the ``Remote``
-methods of the same names turn those into outcomes.
+The functions take the :class:`~adstore.store.remote.client.Remote` (as a
+:class:`Door`: this module does not import the client) whose guarded
+``_call`` they go through and raise its errors; the ``Remote`` methods of
+the same names turn those into outcomes.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..blobwriter import BACKGROUND_HASH_BYTES, Cancelled, HashingWriter
 from ..codec import Encoding
@@ -39,19 +40,58 @@ from ..index.rows import BlobRef
 from ..names import validate_digest
 from ..records.format import RECORD_FORMAT
 from .addresses import Kind
-from .backend import local_write_error
-from .deadline import Deadline
+from .backend import RemoteBackend, local_write_error
+from .deadline import Deadline, Limits
 from .errors import RemoteBlobMissing, RemoteChecksumMismatch
 from .outcomes import Outcome
 
 if TYPE_CHECKING:
     from ..blobs import StoredBlob
     from ..blobwriter import BlobWriter
-    from .client import Remote
+    from ..maintenance.reservations import Reservation
 
-__all__ = ["BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
+__all__ = ["Door", "BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Door(Protocol):
+    """What a transfer needs of the remote: :class:`~adstore.store.remote.client.Remote` is one.
+
+    A protocol rather than the class, so this module does not import the
+    client that imports it (the store's modules import one way only).
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def backend(self) -> RemoteBackend: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def _call(
+        self,
+        op: str,
+        kind: Kind,
+        digest: str,
+        fn: Callable[[], T],
+        *,
+        write: bool = False,
+        deadline: Deadline | None = None,
+        on_expire: Callable[[], None] | None = None,
+    ) -> T: ...
+
+    def push_blob(
+        self, digest: str, size: int, source: str | Path | bytes, *, kind: Kind | str = Kind.CAS
+    ) -> Outcome[int]: ...
+
+    def push_record(self, key: str, rank: int, payload: Mapping[str, Any]) -> Outcome[int]: ...
 
 
 class BlobSink(Protocol):
@@ -59,7 +99,7 @@ class BlobSink(Protocol):
 
     def has_blob(self, digest: str) -> bool: ...
 
-    def admit(self, nbytes: int) -> None: ...  # room for nbytes, or OverBudget / StoreFull before any byte
+    def admit(self, nbytes: int) -> Reservation: ...  # room held for nbytes, or OverBudget / StoreFull before any byte
 
     def blob_writer(
         self,
@@ -83,14 +123,14 @@ class BlobSource(Protocol):
     def temp_path(self, suffix: str = ...) -> Path: ...
 
 
-def _rejected(remote: Remote, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
+def _rejected(remote: Door, exc: RemoteChecksumMismatch) -> RemoteChecksumMismatch:
     remote.count("checksum_rejected")
     log.warning("remote %s: %s", remote.url, exc)
     return exc
 
 
 def fetch_blob(
-    remote: Remote, digest: str, size: int, *, dest: Path, fsync: bool = False, deadline: Deadline | None = None
+    remote: Door, digest: str, size: int, *, dest: Path, fsync: bool = False, deadline: Deadline | None = None
 ) -> Outcome[Path]:
     """Download blob ``digest`` into the new file ``dest`` (never replacing or following anything there).
 
@@ -155,13 +195,7 @@ def fetch_blob(
 
 
 def pull_blob(
-    remote: Remote,
-    digest: str,
-    size: int,
-    *,
-    sink: BlobSink,
-    frame: int | None = None,
-    deadline: Deadline | None = None,
+    remote: Door, digest: str, size: int, *, sink: BlobSink, frame: int | None = None, deadline: Deadline | None = None
 ) -> int:
     """Stream blob ``digest`` into ``sink`` (a Store), verified while written; the bytes received.
 
@@ -209,7 +243,7 @@ def pull_blob(
 
 
 def pull_blobs(
-    remote: Remote,
+    remote: Door,
     refs: Iterable[tuple[str, int]],
     *,
     sink: BlobSink,
@@ -220,8 +254,9 @@ def pull_blobs(
 
     ``stored`` (a record's): the blobs that travel compressed, and their
     files' sizes.  The declared total of what will be downloaded is
-    admitted first (``sink.admit``: budget and free space), so a record that
-    announces more than the store may hold costs no download at all.  The
+    admitted first (``sink.admit``: budget and free space, with what other
+    downloads reserved), so a record that announces more than the store may
+    hold costs no download at all, and it stays reserved until it is written.  The
     whole pull has a deadline: ``deadline``, else the remote's limit for
     that total.  Blobs stored before a failure are unreferenced and left to
     the store's gc, never half-committed.
@@ -230,16 +265,17 @@ def pull_blobs(
     wanted = sorted({(validate_digest(d), int(s)) for d, s in refs})
     missing = [(d, s, frames[d][1] if d in frames else None) for d, s in wanted if not sink.has_blob(d)]
     total = sum(s if f is None else f for _, s, f in missing)
-    sink.admit(total)
     whole = deadline if deadline is not None else remote.limits.start(total)
     received = 0
-    for digest, size, frame in missing:
-        received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
+    with sink.admit(total) as reservation:  # held until each blob is in place, the rest released at the end
+        for digest, size, frame in missing:
+            received += pull_blob(remote, digest, size, sink=sink, frame=frame, deadline=whole)
+            reservation.consume(size if frame is None else frame)
     return Outcome(value=received, nbytes=received)
 
 
 def push_blob(
-    remote: Remote, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
+    remote: Door, digest: str, size: int, source: str | os.PathLike[str] | bytes, *, kind: Kind = Kind.CAS
 ) -> Outcome[int]:
     """Upload a blob (``cas/``: its content; ``zcas/``: its compressed file) unless the remote holds it with this size.
 
@@ -266,7 +302,7 @@ def push_blob(
 
 
 def publish(
-    remote: Remote,
+    remote: Door,
     key: str,
     rank: int,
     payload: Mapping[str, Any],
@@ -309,7 +345,7 @@ def publish(
     return Outcome(value=sent, nbytes=sent + record.nbytes)
 
 
-def _push_decoded(remote: Remote, digest: str, size: int, source: BlobSource) -> Outcome[int]:
+def _push_decoded(remote: Door, digest: str, size: int, source: BlobSource) -> Outcome[int]:
     """Upload the raw content of a blob the store keeps compressed (decoded, verified, into a temp file)."""
     tmp = source.temp_path(".push")
     try:

@@ -137,3 +137,21 @@ def test_units_module_does_not_import_torch() -> None:
     code = "import sys, adstore.store.units; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize(
+    "parse, text",
+    [
+        (parse_size, "１０G"),  # fullwidth digits: \d and int() take them
+        (parse_size, "١٠٠M"),  # Arabic-Indic
+        (parse_duration, "٣s"),
+        (parse_duration, "１０"),
+        (lambda v: parse_percent(v, field="x"), "１０%"),
+        (lambda v: parse_percent(v, field="x"), "1_0%"),  # float() reads underscores
+        (lambda v: parse_fraction(v, field="x"), "٠.٩"),
+        (parse_min_free, "５%"),
+    ],
+)
+def test_numbers_from_a_user_are_ascii_digits(parse, text) -> None:
+    with pytest.raises(ConfigError):
+        parse(text)

@@ -8,7 +8,8 @@ the way a hostile or broken server would:
 * ``drip_headers``: the status line and headers themselves one byte at a time;
 * ``long_length``: a ``Content-Length`` larger than the body, then the connection closes;
 * ``short_length``: a ``Content-Length`` smaller than the body (the rest is sent anyway);
-* ``endless``: a ``Content-Length`` of 100 GB and zeros until the client hangs up.
+* ``endless``: a ``Content-Length`` of 100 GB and zeros until the client hangs up;
+* ``superscript_length``: ``Content-Length: ²`` (a digit to ``str.isdigit``, not to ``int``), then the body.
 
 Every request is logged (``requests``), so a test can say that no blob was
 asked for.  Threads are daemons and sockets time out, so a test cannot hang on it.
@@ -122,6 +123,7 @@ class FaultServer:
                 "long_length": len(data) + 1000,
                 "short_length": max(0, len(data) - 10),
                 "endless": 100 * 10**9,
+                "superscript_length": "\u00b2",
             }.get(mode, len(data))
             h.send_response(200)
             h.send_header("Content-Length", str(declared))
