@@ -11,6 +11,8 @@ records (``records/``), the maintenance passes (``maintenance/``), the remote
 tier (``remote/``), and the :class:`Store` facade.
 """
 
+from typing import TYPE_CHECKING
+
 from .clock import Clock, ManualClock, system_clock
 from .errors import (
     AccessDenied,
@@ -31,33 +33,78 @@ from .errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from .fsutil import atomic_write, is_disk_full
-from .index.rows import BlobRef, Entry, LeaseRow, Manifest
-from .layout import Layout, default_root
-from .leases import hostname, process_start_time
-from .lookup import LookupResult
-from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
-from .maintenance.eviction import EvictedBatch, EvictionPlan, PlanKind
-from .maintenance.sweep import SweepPlan
-from .maintenance.verify import Finding, VerifyReport
+from .lazy import exports
 from .names import is_digest, is_key, validate_artifact_name, validate_digest, validate_key, validate_namespace
 from .reasons import REMOTE_REASONS, Reason
-from .stats import StoreStats
-from .store import DEFAULT_INLINE_THRESHOLD, Store
-from .tiered import Tier, open_tier, remote_restore, remote_save
-from .units import (
-    DURATION_HELP,
-    SIZE_HELP,
-    MinFree,
-    format_duration,
-    human_size,
-    parse_count,
-    parse_duration,
-    parse_fraction,
-    parse_min_free,
-    parse_percent,
-    parse_size,
-)
+
+if TYPE_CHECKING:
+    from .fsutil import atomic_write, is_disk_full
+    from .index.rows import BlobRef, Entry, LeaseRow, Manifest
+    from .layout import Layout, default_root
+    from .leases import hostname, process_start_time
+    from .lookup import LookupResult
+    from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
+    from .maintenance.eviction import EvictedBatch, EvictionPlan, PlanKind
+    from .maintenance.sweep import SweepPlan
+    from .maintenance.verify import Finding, VerifyReport
+    from .stats import StoreStats
+    from .store import DEFAULT_INLINE_THRESHOLD, Store
+    from .tiered import Tier, open_tier, remote_restore, remote_save
+    from .units import (
+        DURATION_HELP,
+        SIZE_HELP,
+        MinFree,
+        format_duration,
+        human_size,
+        parse_count,
+        parse_duration,
+        parse_fraction,
+        parse_min_free,
+        parse_percent,
+        parse_size,
+    )
+
+#: Every other public name, and the module it comes from: imported on first use (``lazy``).
+_LAZY = {
+    "atomic_write": ".fsutil",
+    "is_disk_full": ".fsutil",
+    "BlobRef": ".index.rows",
+    "Entry": ".index.rows",
+    "LeaseRow": ".index.rows",
+    "Manifest": ".index.rows",
+    "Layout": ".layout",
+    "default_root": ".layout",
+    "hostname": ".leases",
+    "process_start_time": ".leases",
+    "LookupResult": ".lookup",
+    "DEFAULT_GRACE_PERIOD": ".maintenance.budget",
+    "Budget": ".maintenance.budget",
+    "EvictedBatch": ".maintenance.eviction",
+    "EvictionPlan": ".maintenance.eviction",
+    "PlanKind": ".maintenance.eviction",
+    "SweepPlan": ".maintenance.sweep",
+    "Finding": ".maintenance.verify",
+    "VerifyReport": ".maintenance.verify",
+    "StoreStats": ".stats",
+    "DEFAULT_INLINE_THRESHOLD": ".store",
+    "Store": ".store",
+    "Tier": ".tiered",
+    "open_tier": ".tiered",
+    "remote_restore": ".tiered",
+    "remote_save": ".tiered",
+    "DURATION_HELP": ".units",
+    "SIZE_HELP": ".units",
+    "MinFree": ".units",
+    "format_duration": ".units",
+    "human_size": ".units",
+    "parse_count": ".units",
+    "parse_duration": ".units",
+    "parse_fraction": ".units",
+    "parse_min_free": ".units",
+    "parse_percent": ".units",
+    "parse_size": ".units",
+}
+__getattr__, __dir__ = exports(__name__, _LAZY, globals())
 
 __all__ = [
     # the store

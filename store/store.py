@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .blobs import Blobs, StoredBlob
 from .blobwriter import BlobWriter
@@ -36,20 +36,22 @@ from .layout import Layout, default_root
 from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
-from .maintenance.eviction import EvictionPlan, Evictor
 from .maintenance.inline import InlineEviction
-from .maintenance.repair import verify_or_rebuild
 from .maintenance.reservations import Reservation
-from .maintenance.sweep import Sweeper, SweepPlan
-from .maintenance.verify import Progress, VerifyReport, verify_store
 from .manifests import abort, commit, publish, set_pinned, validate_publish
 from .names import validate_key
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
-from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
 from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .units import MinFree, parse_duration, parse_size
+
+if TYPE_CHECKING:  # the maintenance passes and the remote tier load when first used (docs/performance.md)
+    from .maintenance.eviction import EvictionPlan, Evictor
+    from .maintenance.sweep import SweepPlan
+    from .maintenance.verify import Progress, VerifyReport
+    from .records.rebuild import RebuildReport
+    from .tiered import Tier
 
 __all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
 
@@ -96,9 +98,11 @@ class Store:
         self._memoize = memoize_lookups
         self._flush_interval = flush_interval
         self.clock = clock  #: wall-clock seconds for every time the store keeps (``clock``; tests inject one)
-        from .tiered import open_tier  # imports this module
+        self.tier: Tier | None = None  # the second tier, see ``open``; a bad one raises before the index opens
+        if remote is not None:
+            from .tiered import open_tier  # the remote tier is imported only by stores that have one
 
-        self.tier = open_tier(remote)  # the second tier, see ``open``; a bad one raises before the index opens
+            self.tier = open_tier(remote)
         self._attach(layout)
         self._open = True
 
@@ -120,8 +124,6 @@ class Store:
             reserve=self._inline.reserve,
             on_dedup=self._count_dedup,
         )
-        self._evictor = Evictor(self._tables, grace_period=self.grace_period)
-        self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
 
     # -- construction ----------------------------------------------------
@@ -438,7 +440,7 @@ class Store:
     ) -> EvictionPlan:
         """LRU entries to evict to meet the budget (honours leases, pins, grace)."""
         self.flush()
-        return self._evictor.plan(
+        return self._evictor().plan(
             max_size=None if max_size is None else parse_size(max_size, field="max_size"),
             min_free=min_free,
             older_than=None if older_than is None else parse_duration(older_than, field="older_than"),
@@ -448,10 +450,18 @@ class Store:
 
     def plan_remove(self, keys: Iterable[str]) -> EvictionPlan:
         """Entries to remove by name (only a live lease spares one); :class:`KeyNotFound` for a missing key."""
-        return self._evictor.plan_remove(keys)
+        return self._evictor().plan_remove(keys)
 
     def plan_sweep(self) -> SweepPlan:
-        return self._sweeper.plan()
+        from .maintenance.sweep import Sweeper
+
+        return Sweeper(self._tables, grace_period=self.grace_period).plan()
+
+    def _evictor(self) -> Evictor:
+        """The eviction planner (imported when a plan is asked for: a restart never evicts)."""
+        from .maintenance.eviction import Evictor
+
+        return Evictor(self._tables, grace_period=self.grace_period)
 
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Rehash every blob and check every invariant, and the records against the index; ``fix`` repairs.
@@ -459,6 +469,9 @@ class Store:
         A child process reads the whole index first (``index.file.probe_index``): damage is reported, never a
         dead process; with ``fix`` a damaged index is rebuilt from the blob files and records (``maintenance.repair``).
         """
+        from .maintenance.repair import verify_or_rebuild
+        from .maintenance.verify import verify_store
+
         self.flush()
         probe = probe_index(self.root)
         return verify_or_rebuild(
@@ -476,6 +489,8 @@ class Store:
 
     def _rebuild(self, why: str) -> RebuildReport:
         """Move the damaged index aside and rebuild it from the blob files and records (``rebuild``)."""
+        from .records.rebuild import plan_rebuild
+
         self._book.close(flush=False)
         self._index.release()
         try:
@@ -488,6 +503,8 @@ class Store:
         """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages) from the blob files
         and records (invariant 9), for ``verify --fix`` before it opens the store: (why, report), or None when the
         index is sound or there is no store."""
+        from .records.rebuild import repair_unopenable
+
         return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
 
     def reader_check(self) -> int:

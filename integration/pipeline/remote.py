@@ -35,21 +35,15 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adstore.integration.pipeline.dist import all_true, barrier, broadcast_int
 from adstore.integration.pipeline.events import EventKind, Source
-from adstore.store import Reason, parse_duration, remote_restore, remote_save
-from adstore.store.remote import (
-    BackgroundUploader,
-    Flight,
-    Outcome,
-    Remote,
-    RemoteConfig,
-    Role,
-    SingleFlight,
-    record_address,
-)
+from adstore.store import Reason, parse_duration
+from adstore.store.remote import Flight, Outcome, Role, SingleFlight, record_address
+
+if TYPE_CHECKING:  # the client and the tier's transfers load with the first remote (a warm restart has none)
+    from adstore.store.remote import BackgroundUploader, Remote
 
 __all__ = ["HeldFlight", "remote_for", "prefetch", "mark", "push", "stage_flight", "wait_seconds"]
 
@@ -73,7 +67,11 @@ def remote_for(url: str | None, *, background: bool = False) -> tuple[Remote, Ba
     the process; a configuration that cannot be opened (bad key file,
     unknown scheme) is logged once per call and means "no remote".
     """
+    if not (url or os.environ.get("ADSTORE_REMOTE", "").strip()):
+        return None  # no remote: the remote tier is not even imported
     try:
+        from adstore.store.remote import BackgroundUploader, RemoteConfig
+
         cfg = RemoteConfig.from_env(**({"url": url} if url else {}))
         if not cfg.enabled:
             return None
@@ -125,6 +123,8 @@ def _restore_own(cache: Any, ctx: Any, remote: Remote | None) -> Outcome[Any] | 
     except Exception as exc:  # the cache's own restore reports this failure
         log.debug("remote prefetch skipped: %s", exc)
         return None
+    from adstore.store import remote_restore
+
     return remote_restore(store, remote, key, ctx.rank, ctx.world_size)
 
 
@@ -163,6 +163,8 @@ def _single_flight(cache: Any, ctx: Any, remote: Remote, missed: Outcome[Any] | 
     if not waited.ready:
         log.info("single-flight wait for %s ended (%s): building here", key, waited.reason)
         return missed
+    from adstore.store import remote_restore
+
     return remote_restore(cache.store(), remote, key, ctx.rank, ctx.world_size)
 
 
@@ -274,6 +276,8 @@ def _push(cache: Any, ctx: Any, cfg: Any, events: Any, *, leading: bool = False)
         return None
     remote, uploader = opened
     try:
+        from adstore.store import remote_save
+
         out = remote_save(cache.store(), uploader or remote, cache.key(ctx).key, ctx.rank)
         if leading and uploader is not None:  # followers wait for the record: send it before the release
             uploader.flush(wait_seconds())

@@ -20,9 +20,7 @@ from ..errors import OverBudget, StoreFull
 from ..index.schema import PHYSICAL_BYTES
 from ..index.tables import Tables, Txn
 from .budget import Budget, read_budget
-from .eviction import Evictor
 from .reservations import Reservation, new_reservation, reserved
-from .sweep import Sweeper
 
 __all__ = ["InlineEviction", "INLINE_EVICTION_BATCH"]
 
@@ -59,6 +57,9 @@ class InlineEviction:
         """Evict (a bounded batch) and sweep until ``nbytes`` more fit under ``limit``; the size after."""
         if self._size() + nbytes <= limit:
             return self._size()
+        from .eviction import Evictor  # imported by a writer over its limit only, not by every process
+        from .sweep import Sweeper
+
         if limit - nbytes >= 0:
             plan = Evictor(self._tables, grace_period=grace).plan(
                 max_size=limit - nbytes, max_entries=INLINE_EVICTION_BATCH

@@ -13,13 +13,9 @@ docs/remote.md describes the protocol, the trust model and the
 defaults.
 """
 
-from .addresses import Kind, lease_address, object_name, record_address
-from .backend import ConditionalWrites, RemoteBackend
-from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
-from .calls import interruptible
-from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
-from .config import RemoteConfig, open_remote, parse_mode, register_scheme
-from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
+from typing import TYPE_CHECKING
+
+from ..lazy import exports
 from .errors import (
     NotSupported,
     ReadOnlyRemote,
@@ -32,16 +28,74 @@ from .errors import (
     RemoteUnavailable,
     UntrustedRecord,
 )
-from .httpcache import HttpBackend
-from .memory import MemoryBackend
 from .outcomes import Mode, Outcome
-from .s3 import S3Backend
-from .signing import ENVELOPE_VERSION, KeyPair, Signer, TrustedKeys, Verified, generate_keypair, write_keypair
-from .singleflight import DEFAULT_TTL, Flight, Lease, Role, SingleFlight, WaitResult
-from .transfer import BlobSink, BlobSource
-from .uploader import BackgroundUploader
+
+if TYPE_CHECKING:
+    from .addresses import Kind, lease_address, object_name, record_address
+    from .backend import ConditionalWrites, RemoteBackend
+    from .breaker import DEFAULT_COOLDOWN, BreakerState, CircuitBreaker
+    from .calls import interruptible
+    from .client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, MAX_ENVELOPE_BYTES, Remote
+    from .config import RemoteConfig, open_remote, parse_mode, register_scheme
+    from .deadline import DEFAULT_DEADLINE, DEFAULT_MIN_THROUGHPUT, Deadline, Limits
+    from .httpcache import HttpBackend
+    from .memory import MemoryBackend
+    from .s3 import S3Backend
+    from .signing import ENVELOPE_VERSION, KeyPair, Signer, TrustedKeys, Verified, generate_keypair, write_keypair
+    from .singleflight import DEFAULT_TTL, Flight, Lease, Role, SingleFlight, WaitResult
+    from .transfer import BlobSink, BlobSource
+    from .uploader import BackgroundUploader
+
+#: Every other public name, and the module it comes from: imported on first use (``store.lazy``),
+#: so a process that only names a lease role or an address never loads the HTTP, S3 or signing code.
+_LAZY = {
+    "interruptible": ".calls",
+    "Kind": ".addresses",
+    "lease_address": ".addresses",
+    "object_name": ".addresses",
+    "record_address": ".addresses",
+    "ConditionalWrites": ".backend",
+    "RemoteBackend": ".backend",
+    "DEFAULT_COOLDOWN": ".breaker",
+    "BreakerState": ".breaker",
+    "CircuitBreaker": ".breaker",
+    "DEFAULT_CONNECT_TIMEOUT": ".client",
+    "DEFAULT_READ_TIMEOUT": ".client",
+    "MAX_ENVELOPE_BYTES": ".client",
+    "Remote": ".client",
+    "RemoteConfig": ".config",
+    "open_remote": ".config",
+    "parse_mode": ".config",
+    "register_scheme": ".config",
+    "DEFAULT_DEADLINE": ".deadline",
+    "DEFAULT_MIN_THROUGHPUT": ".deadline",
+    "Deadline": ".deadline",
+    "Limits": ".deadline",
+    "HttpBackend": ".httpcache",
+    "MemoryBackend": ".memory",
+    "S3Backend": ".s3",
+    "ENVELOPE_VERSION": ".signing",
+    "KeyPair": ".signing",
+    "Signer": ".signing",
+    "TrustedKeys": ".signing",
+    "Verified": ".signing",
+    "generate_keypair": ".signing",
+    "write_keypair": ".signing",
+    "DEFAULT_TTL": ".singleflight",
+    "Flight": ".singleflight",
+    "Lease": ".singleflight",
+    "Role": ".singleflight",
+    "SingleFlight": ".singleflight",
+    "WaitResult": ".singleflight",
+    "BlobSink": ".transfer",
+    "BlobSource": ".transfer",
+    "BackgroundUploader": ".uploader",
+}
+__getattr__, __dir__ = exports(__name__, _LAZY, globals())
 
 __all__ = [
+    "RemoteProtocolError",
+    "interruptible",
     # opening
     "open_remote",
     "RemoteConfig",
@@ -81,7 +135,6 @@ __all__ = [
     # backends
     "RemoteBackend",
     "ConditionalWrites",
-    "interruptible",
     "S3Backend",
     "HttpBackend",
     "MemoryBackend",
@@ -94,7 +147,6 @@ __all__ = [
     "RemoteError",
     "RemoteUnavailable",
     "RemoteTimeout",
-    "RemoteProtocolError",
     "RemoteRejected",
     "ReadOnlyRemote",
     "NotSupported",

@@ -33,15 +33,18 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import psutil
 
 from ..reasons import Reason
 from .addresses import Kind, lease_address
 from .backend import ConditionalWrites
-from .client import Remote
 from .outcomes import Outcome
 from .signing import canonical_json
+
+if TYPE_CHECKING:  # a lease role or flight is named by processes that never open a remote
+    from .client import Remote
 
 __all__ = ["Role", "Holder", "Lease", "Flight", "WaitResult", "SingleFlight", "DEFAULT_TTL"]
 

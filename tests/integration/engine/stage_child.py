@@ -22,6 +22,19 @@ __all__ = ["MODEL", "kinds", "main", "run_child"]
 MODEL = {"arch": "llama", "layers": 1, "hidden": 64}
 
 
+#: Libraries a warm restart has no use for: what would export, hash or compile a graph ...
+HEAVY = ("torch._dynamo", "torch._inductor", "transformers")
+#: ... and the store's parts it never calls without a remote: the remote tier and the maintenance passes.
+UNUSED = (
+    "adstore.store.tiered",
+    "adstore.store.remote.client",
+    "adstore.store.remote.httpcache",
+    "adstore.store.maintenance.eviction",
+    "adstore.store.maintenance.verify",
+    "adstore.store.records.rebuild",
+)
+
+
 def run_child(job: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run this script on ``job`` in a fresh interpreter (``env`` added to this one's); its report."""
     proc = subprocess.run(
@@ -67,7 +80,7 @@ def main(argv: list[str]) -> int:
         "events": [e.to_dict() for e in opt.events],
         "module": type(module).__name__,
         "output": out.detach().contiguous().numpy().tobytes().hex(),
-        "imported": {name: name in sys.modules for name in ("torch._dynamo", "torch._inductor", "transformers")},
+        "imported": {name: name in sys.modules for name in (*HEAVY, *UNUSED)},
     }
     print(json.dumps(report), flush=True)
     return 0

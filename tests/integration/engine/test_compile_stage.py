@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from stage_child import MODEL, kinds, run_child
+from stage_child import HEAVY, MODEL, UNUSED, kinds, run_child
 
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.reference.checkpoint import write_random_checkpoint
@@ -44,8 +44,9 @@ def test_cold_compiles_and_indexes_then_a_warm_restart_restores_bit_identical(jo
     assert kinds(warm) == [("hit", None), ("hit", None)]
     assert warm["events"][1]["source"] == "local" and warm["module"] == "EngineModule"
     assert warm["output"] == cold["output"]
-    # a warm restart neither exports nor hashes nor compiles: none of the libraries that would are imported
-    assert warm["imported"] == {"torch._dynamo": False, "torch._inductor": False, "transformers": False}
+    # a warm restart neither exports nor hashes nor compiles: none of the libraries that would are imported,
+    # nor, with no remote configured, the remote tier or the store's maintenance passes
+    assert warm["imported"] == dict.fromkeys((*HEAVY, *UNUSED), False)
     eager = run_child({**job, "compile": {"backend": "eager"}})
     assert kinds(eager) == [("hit", None)] and eager["module"] == "GraphModule"
     np.testing.assert_allclose(as_array(warm), as_array(eager), rtol=0, atol=1e-4)
