@@ -83,9 +83,12 @@ class Layout:
         fd = os.open(self.blob_path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         return os.fdopen(fd, "rb", buffering=0)
 
-    def open_temp(self, tmp: Path) -> int:
-        """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    def open_temp(self, tmp: Path, *, readable: bool = False) -> int:
+        """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``.
+
+        ``readable``: its writer reads it back through the same descriptor (never by path, which a sweep may take).
+        """
+        flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(tmp, flags, 0o600)
         except FileNotFoundError:
