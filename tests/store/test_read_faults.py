@@ -124,6 +124,20 @@ def test_a_read_that_fails_without_damage_keeps_the_blob(stored, how, errno_name
     _served_again(root, digests)
 
 
+def test_verify_fix_out_of_descriptors_quarantines_nothing(stored):
+    """``verify --fix`` that cannot open a blob file reports it and leaves it: not damage."""
+    root, digests = stored
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), json.dumps({"zstd": digests["zstd"]}), "verify"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert _quarantined(root) == []
+    _served_again(root, digests)
+
+
 def test_damage_still_quarantines(stored):
     """The other side of the rule: a flipped byte (proof) moves the file aside."""
     root, digests = stored
