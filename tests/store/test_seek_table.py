@@ -137,19 +137,6 @@ def test_a_frame_followed_by_junk_is_damage_as_zstd_t_says(junk, tmp_path):
             os.close(fd)
 
 
-def test_the_writers_own_files_are_still_read(tmp_path):
-    for size in (0, 1, FIRST_FRAME, 9 * FIRST_FRAME + 3, (5 << 20) + 1):
-        data = content(size, size)
-        path = tmp_path / "b"
-        path.write_bytes(framed(data))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            assert b"".join(decode_file(fd, size)) == data
-            assert b"".join(decode_file(fd, None)) == data
-        finally:
-            os.close(fd)
-
-
 HOLDER = textwrap.dedent(
     """
     import os, sys
