@@ -11,8 +11,9 @@ to the expected digest are never registered.
 The file holds the content raw or as zstd frames (``codec``): decided
 from the first :data:`~.codec.SAMPLE_BYTES` of the content unless the caller
 knows.  A remote object that already is a compressed file (``source=ZSTD``)
-is written as it arrives and decoded from the file at the commit, bounded by
-the declared size, to check its digest.
+is written as it arrives (not hashed: its compressed bytes name nothing) and
+read back at the commit through the writer's own descriptor, by the one
+read path (``reading``), bounded by the declared size, to check its digest.
 
 :meth:`BlobWriter.cancel` (from any thread) makes every later write and the
 commit fail, so a caller that gave up at a deadline can leave the writer to

@@ -16,7 +16,6 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from .errors import UnsafeRoot
 from .fsutil import atomic_write
@@ -73,15 +72,6 @@ class Layout:
         except (FileNotFoundError, NotADirectoryError):
             return False
         return st.st_size == size and stat.S_ISREG(st.st_mode)
-
-    def open_blob(self, digest: str) -> BinaryIO:
-        """The blob file of ``digest`` opened for reading without following a symlink.
-
-        A symlink raises ``OSError`` (ELOOP): its target, wherever it is and
-        whatever it holds, is never served (invariant 10).
-        """
-        fd = os.open(self.blob_path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        return os.fdopen(fd, "rb", buffering=0)
 
     def open_temp(self, tmp: Path, *, readable: bool = False) -> int:
         """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``.
