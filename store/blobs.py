@@ -7,9 +7,12 @@ that the file is there *inside* the transaction: gc unlinks files only while
 holding the write lock after their rows are gone, so a writer that sees its
 file under the lock knows no gc can remove it afterwards.
 
-Reads verify: the content must hash to its digest.  A mismatch moves the file
-to ``quarantine/``, flags the row, and raises :class:`ChecksumMismatch`; the
-next writer of the same content repairs it.
+Reads verify (``reading``, the one read path): the content must hash to its
+digest.  Proven damage (a mismatch, a file the codec refuses, something
+other than a regular file) moves the file to ``quarantine/``, flags the
+row and raises; the next writer of the same content repairs it.  Any other
+failure (out of descriptors, an I/O error) is a ``BlobUnreadable`` and the
+blob stays.
 """
 
 from __future__ import annotations
@@ -20,22 +23,23 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 from .blobwriter import BlobWriter
-from .codec import Damaged, Encoding, decode_file, decode_verified
+from .codec import Encoding
 from .errors import BlobMissing, ChecksumMismatch, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
 from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
 from .index.tables import Tables, Txn
 from .names import validate_digest
+from .reading import CHUNK_SIZE, DAMAGE, VerifiedRead, open_blob
 
 __all__ = ["Blobs", "StoredBlob", "Swept", "CHUNK_SIZE", "BLOB_MODE", "unlink_dropped"]
 
 log = logging.getLogger(__name__)
 
-CHUNK_SIZE = 4 << 20
 BLOB_MODE = 0o444
 
 
@@ -273,9 +277,10 @@ class Blobs:
 
     # -- read ------------------------------------------------------------
     def _read_chunks(self, path: Path) -> Iterator[bytes]:
-        """Chunks of the file ``path`` (a source being stored)."""
+        """Chunks of the file ``path`` (a source being stored: not a blob, nothing to verify it against)."""
         with open(path, "rb", buffering=0) as f:
-            yield from _chunks(f)
+            while chunk := f.read(CHUNK_SIZE):
+                yield chunk
 
     def row(self, digest: str) -> BlobRow | None:
         with self._tables.read() as t:
@@ -317,12 +322,7 @@ class Blobs:
             value = t.inline_value(digest)
             if value is None:
                 row = t.blob_row(digest)
-        if value is not None:
-            data, intact = unpack_inline(value)
-            if intact:
-                return data
-            inline = True
-        else:
+        if value is None:
             if row is None:
                 raise BlobMissing(digest, "not registered")
             if row.quarantined:
@@ -330,31 +330,30 @@ class Blobs:
             if row.inline:
                 self.quarantine(digest)  # flag the row: lookups miss on it from now on
                 raise BlobMissing(digest, "inline data missing")
-            try:
-                with self._layout.open_blob(digest) as f:
-                    if row.compressed:
-                        data, got = decode_verified(f.fileno(), row.size)
-                    else:
-                        data = f.read()
-                        got = hashlib.sha256(data).hexdigest()
-            except FileNotFoundError:
-                raise BlobMissing(digest, "file missing") from None
-            except Damaged as exc:
-                self.quarantine(digest)
-                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", row.size) from None
-            except OSError as exc:  # a directory or unreadable thing where the blob should be
-                self.quarantine(digest)
-                raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
-            if len(data) != row.size:
-                self.quarantine(digest)
-                raise ChecksumMismatch(digest, got, len(data))
-            inline = False
-        if inline:
-            got = hashlib.sha256(data).hexdigest()
+            with self._reading(digest, row) as read:
+                return read.whole()
+        data, intact = unpack_inline(value)
+        if intact:
+            return data
+        got = hashlib.sha256(data).hexdigest()
         if got != digest:
-            self.quarantine(digest, content=data if inline else None)
+            self.quarantine(digest, content=data)
             raise ChecksumMismatch(digest, got, len(data))
         return data  # a damaged checksum over intact bytes
+
+    @contextmanager
+    def _reading(self, digest: str, row: BlobRow) -> Iterator[VerifiedRead]:
+        """A verified read of a blob file (``reading``); proven damage (and only that) quarantines it."""
+        try:
+            fd = open_blob(self._layout.blob_path(digest), digest)
+            try:
+                encoding = Encoding.ZSTD if row.compressed else Encoding.RAW
+                yield VerifiedRead(fd, digest, encoding=encoding, size=row.size, stored=row.stored)
+            finally:
+                os.close(fd)
+        except DAMAGE:
+            self.quarantine(digest)
+            raise
 
     def copy_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
         """Copy a blob to ``dest`` (atomically), verifying while streaming."""
@@ -366,25 +365,8 @@ class Blobs:
             return atomic_write(dest, self.get_bytes(digest))
 
         def verified() -> Iterator[bytes]:
-            h = hashlib.sha256()
-            n = 0
-            try:
-                with self._layout.open_blob(digest) as f:
-                    for chunk in decode_file(f.fileno(), row.size) if row.compressed else _chunks(f):
-                        h.update(chunk)
-                        n += len(chunk)
-                        yield chunk
-            except FileNotFoundError:
-                raise BlobMissing(digest, "file missing") from None
-            except Damaged as exc:
-                self.quarantine(digest)
-                raise ChecksumMismatch(digest, f"(a damaged frame: {exc})", n) from None
-            except OSError as exc:  # a symlink (ELOOP) or a directory where the blob should be
-                self.quarantine(digest)
-                raise BlobMissing(digest, f"unreadable ({exc.strerror})") from None
-            if h.hexdigest() != digest or n != row.size:
-                self.quarantine(digest)
-                raise ChecksumMismatch(digest, h.hexdigest(), n)
+            with self._reading(digest, row) as read:
+                yield from read.chunks()
 
         return atomic_write(dest, verified())
 
@@ -411,21 +393,6 @@ class Blobs:
             t.quarantine_blob(digest, row)
 
         self._tables.write(fn)
-
-
-def _chunks(f: BinaryIO) -> Iterator[bytes]:
-    """Chunks of an open file, from its current position to its end."""
-    # Sized reads: asking for a whole chunk of a smaller file allocates the
-    # chunk and shrinks it again, which costs more than hashing a 1 MiB blob.
-    left = os.fstat(f.fileno()).st_size
-    while left > 0:
-        chunk = f.read(min(CHUNK_SIZE, left))
-        if not chunk:
-            return
-        left -= len(chunk)
-        yield chunk
-    while chunk := f.read(CHUNK_SIZE):  # the file grew meanwhile
-        yield chunk
 
 
 #: Blob files unlinked per lock-only transaction.

@@ -11,8 +11,9 @@ to the expected digest are never registered.
 The file holds the content raw or as zstd frames (``codec``): decided
 from the first :data:`~.codec.SAMPLE_BYTES` of the content unless the caller
 knows.  A remote object that already is a compressed file (``source=ZSTD``)
-is written as it arrives and decoded from the file at the commit, bounded by
-the declared size, to check its digest.
+is written as it arrives (not hashed: its compressed bytes name nothing) and
+read back at the commit through the writer's own descriptor, by the one
+read path (``reading``), bounded by the declared size, to check its digest.
 
 :meth:`BlobWriter.cancel` (from any thread) makes every later write and the
 commit fail, so a caller that gave up at a deadline can leave the writer to
@@ -30,17 +31,16 @@ import queue
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .codec import SAMPLE_BYTES, Damaged, Encoding, FrameWriter, choose, decode_file
+from .codec import SAMPLE_BYTES, Encoding, FrameWriter, choose
 from .errors import ChecksumMismatch, StoreError, StoreFull
 from .fsutil import is_disk_full, start_writeback, unique_temp
 from .index.rows import BlobRef
+from .layout import Layout
+from .reading import VerifiedRead
 
-if TYPE_CHECKING:
-    from .blobs import Blobs
-
-__all__ = ["HashingWriter", "BlobWriter", "BACKGROUND_HASH_BYTES", "WRITEBACK_BYTES", "Cancelled"]
+__all__ = ["HashingWriter", "BlobWriter", "BlobHome", "BACKGROUND_HASH_BYTES", "WRITEBACK_BYTES", "Cancelled"]
 
 #: Blobs at least this large hash and write in a helper thread (below it a thread costs more than it saves).
 BACKGROUND_HASH_BYTES = 8 << 20
@@ -50,6 +50,17 @@ WRITEBACK_BYTES = 8 << 20
 
 class Cancelled(StoreError):
     """The writer was cancelled (its caller gave up); nothing it received is kept."""
+
+
+class BlobHome(Protocol):
+    """Where a :class:`BlobWriter` puts what it verified (``blobs.Blobs``; named here, so neither imports the other)."""
+
+    layout: Layout
+    inline_threshold: int
+
+    def register_inline(self, ref: BlobRef, data: bytes) -> None: ...
+
+    def publish_verified(self, ref: BlobRef, tmp: Path, *, encoding: Encoding, stored: int) -> None: ...
 
 
 class _Fd:
@@ -144,12 +155,18 @@ class HashingWriter:
         self.size += n
         return n
 
-    def finish(self) -> BaseException | None:
-        """Wait for the helper thread (if any) and end the frames; the error it failed with, if any."""
+    def finish(self, *, complete: bool = True) -> BaseException | None:
+        """Wait for the helper thread (if any) and, if ``complete``, end the frames; the error it failed with, if any.
+
+        ``complete=False``: the file is being dropped, so its last frame and
+        seek table are neither compressed nor written.
+        """
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._queue = None
+        if not complete:
+            self._frame = None
         if self._error is None and self._frame is not None:
             try:
                 self._frame.finish()
@@ -179,7 +196,7 @@ class BlobWriter:
 
     def __init__(
         self,
-        blobs: Blobs,
+        blobs: BlobHome,
         ref: BlobRef | None,
         *,
         encoding: Encoding | None = None,
@@ -250,7 +267,7 @@ class BlobWriter:
         if self._encoding is None:
             self._encoding = choose(head)
         tmp = unique_temp(self._blobs.layout.tmp, ".blob")
-        self._fd = self._blobs.layout.open_temp(tmp)
+        self._fd = self._blobs.layout.open_temp(tmp, readable=self._source is Encoding.ZSTD)
         self._tmp = tmp
         size = self.ref.size if self.ref is not None else None
         big = size is None or size >= BACKGROUND_HASH_BYTES
@@ -260,7 +277,7 @@ class BlobWriter:
             encoding=self._encoding if self._source is Encoding.RAW else Encoding.RAW,
             background=big and not self._prehashed,  # nothing to overlap with: the caller has all of it
             durable=True,
-            hash_content=not self._prehashed,
+            hash_content=not self._prehashed and self._source is Encoding.RAW,  # frames: checked decoded, at the commit
             cancelled=self._cancelled,
         )
         if head:
@@ -291,13 +308,13 @@ class BlobWriter:
         if failed is not None:
             raise self._local_error(failed) if isinstance(failed, OSError) else failed
         if self._source is Encoding.ZSTD:
-            digest, size = self._decoded_digest(tmp)
+            assert self.ref is not None
+            if self.ref.size < self._blobs.inline_threshold:  # a small blob that came compressed
+                return self._commit_inline(self._verified().whole(), checked=True)
+            ref = self._decoded_ref()
         else:
             digest = self.ref.digest if self._prehashed and self.ref is not None else hasher.hexdigest()
-            size = hasher.size
-        ref = self._checked(digest, size)
-        if ref.size < self._blobs.inline_threshold:  # a small blob that came compressed
-            return self._commit_inline(b"".join(self._decoded(tmp, ref.size)))
+            ref = self._checked(digest, hasher.size)
         try:
             os.fsync(self._fd)
         except OSError as exc:
@@ -316,8 +333,10 @@ class BlobWriter:
             raise ChecksumMismatch(ref.digest, digest, size)
         return ref
 
-    def _commit_inline(self, data: bytes) -> BlobRef:
-        ref = self._checked(hashlib.sha256(data).hexdigest(), len(data))
+    def _commit_inline(self, data: bytes, *, checked: bool = False) -> BlobRef:
+        ref = (
+            self.ref if checked and self.ref is not None else self._checked(hashlib.sha256(data).hexdigest(), len(data))
+        )
         if self._cancelled.is_set():
             raise Cancelled(f"blob {ref.digest}: writer cancelled")
         self.discard()
@@ -325,30 +344,22 @@ class BlobWriter:
         self._done = True
         return ref
 
-    def _decoded(self, tmp: Path, limit: int) -> list[bytes]:
-        try:
-            with open(tmp, "rb") as f:
-                return list(decode_file(f.fileno(), limit))
-        except Damaged as exc:
-            raise ChecksumMismatch(self._name, f"(a damaged frame: {exc})", 0) from None
-
-    def _decoded_digest(self, tmp: Path) -> tuple[str, int]:
-        """The digest and size of what the compressed file ``tmp`` decodes to, bounded by the expected size."""
+    def _verified(self) -> VerifiedRead:
+        """The one read path over the compressed temp file, through our own descriptor (a swept file still reads)."""
         assert self.ref is not None
-        sha, size = hashlib.sha256(), 0
-        try:
-            with open(tmp, "rb") as f:
-                for chunk in decode_file(f.fileno(), self.ref.size):
-                    sha.update(chunk)
-                    size += len(chunk)
-        except Damaged as exc:
-            raise ChecksumMismatch(self.ref.digest, f"(a damaged frame: {exc})", size) from None
-        return sha.hexdigest(), size
+        return VerifiedRead(self._fd, self.ref.digest, encoding=Encoding.ZSTD, size=self.ref.size)
+
+    def _decoded_ref(self) -> BlobRef:
+        """Check that the compressed temp file decodes to ``ref`` (bounded by its size): :class:`ChecksumMismatch`."""
+        assert self.ref is not None
+        for _ in self._verified().chunks():
+            pass
+        return self.ref
 
     def discard(self) -> None:
         """Drop what was written (idempotent; after a commit, nothing to do)."""
         if self._hasher is not None:
-            self._hasher.finish()
+            self._hasher.finish(complete=False)
         self._close()
         if not self._done and self._tmp is not None:
             self._tmp.unlink(missing_ok=True)

@@ -17,56 +17,58 @@ its file holds them is the row's business (``FLAG_ZSTD``) and the record's
 A compressed file is zstd's *seekable format*: independent frames of
 growing content size (:func:`frame_target`: eight of 128 KiB, eight of
 256 KiB, ..., at most :data:`MAX_FRAME`), then a skippable frame holding
-the seek table (each frame's stored and content size).  Any zstd decoder
-reads it as one stream (``zstd -dc FILE | sha256sum`` names the blob).
-Frames make a verified read fast: the next frames are decoded in a helper
-thread while the caller hashes this one, and both release the GIL.
-Measured on the 2-core VM, decoding one frame and then hashing read a
-1 MiB snapshot-like blob at 0.65x the speed of the same blob stored raw,
-frames at about 0.8x (0.95x for 256 MiB).  Small frames keep the helper
-ahead of the hash from the start (it wakes about 70 µs after it is asked,
-and a larger next frame had the reader waiting for it), larger ones keep
-the per-frame cost of big blobs low, and the ratio lost to frame
-boundaries is small (snapshot-like bytes: 9.3x in one frame, 8.5x in
-128 KiB frames).
+the seek table (``seektable``).  Any zstd decoder reads it as one stream
+(``zstd -dc FILE | sha256sum`` names the blob).  A streamed read
+(:func:`decode_file`) decodes the next frames in a helper thread while the
+caller hashes or writes this one, and both release the GIL; a whole read
+(:func:`decode_whole`) has zstd decode every frame into the one buffer it
+returns, so it holds the content once.  Small frames keep the helper ahead
+of the caller from the start, larger ones keep the per-frame cost of big
+blobs low, and the ratio lost to frame boundaries is small (snapshot-like
+bytes: 9.3x in one frame, 8.5x in 128 KiB frames).
 
-A read is bounded by the recorded size: a table that does not add up to
-the file and to the recorded size, a frame that fails to decode or its
-checksum, or one whose header declares more than its table entry (a
-decompression bomb: refused before zstd allocates) is :class:`Damaged`.
-``zstandard`` is the binding (the reference zstd, the one bazel-remote and
-ccache use).
+A read is bounded by the recorded size: a table that is not the writer's
+layout (``seektable``), a frame that fails to decode or its checksum, one
+followed by anything but the next frame (as ``zstd -t`` says), or one whose
+header declares other than its table entry (a decompression bomb: refused
+before zstd allocates) is :class:`Damaged`.  Helper threads are daemon
+threads whose waits time out: a reader dropped half way never keeps a
+process alive.  ``zstandard`` is the binding (the reference zstd, the one
+bazel-remote and ccache use).
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
+import logging
 import os
-import struct
+import queue
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Generator
+from typing import IO, Protocol, cast
 
 import zstandard
+
+from .seektable import FIRST_FRAME, MAX_FRAME, Damaged, Frame, ReadAt, frame_target, frames, pack_table
 
 __all__ = [
     "Encoding",
     "LEVEL",
     "MIN_RATIO",
     "SAMPLE_BYTES",
+    "FIRST_FRAME",
     "MAX_FRAME",
     "Damaged",
     "Frame",
     "FrameWriter",
     "choose",
     "decode_file",
-    "decode_verified",
+    "decode_whole",
     "frame_target",
     "frames",
 ]
+
+log = logging.getLogger(__name__)
 
 #: zstd's default level: about 500 MiB/s to compress snapshot-like data here, and the ratio of
 #: level 19 within a few percent for the store's blobs.
@@ -76,18 +78,6 @@ MIN_RATIO = 1.5
 #: How much of a blob's start decides (the whole blob, when it is smaller): enough to tell a
 #: snapshot or an engine from weights, little enough that a download does not wait on it.
 SAMPLE_BYTES = 64 << 10
-#: Content bytes of the first eight frames; every eighth frame doubles it, up to :data:`MAX_FRAME`.
-FIRST_FRAME = 128 << 10
-#: Most content bytes of one frame (also what a reader allows a table entry to claim).
-MAX_FRAME = 4 << 20
-
-_SKIPPABLE_MAGIC = 0x184D2A5E  # the skippable frame zstd's seekable format puts the table in
-_SEEKABLE_MAGIC = 0x8F92EAB1
-_SKIP_HEADER = struct.Struct("<II")  # magic, bytes that follow
-_ENTRY = struct.Struct("<II")  # stored bytes, content bytes (no per-frame checksum: frames carry theirs)
-_FOOTER = struct.Struct("<IBI")  # frames, descriptor, magic
-_CHECKSUM_FLAG = 0x80
-_RESERVED_BITS = 0x7C
 
 
 class Encoding(enum.StrEnum):
@@ -95,10 +85,6 @@ class Encoding(enum.StrEnum):
 
     RAW = "raw"
     ZSTD = "zstd"
-
-
-class Damaged(Exception):
-    """Compressed bytes that do not decode to the recorded content (table, frame, checksum or size): damage."""
 
 
 class _Sink(Protocol):
@@ -115,11 +101,6 @@ def choose(sample: bytes | bytearray | memoryview) -> Encoding:
     if not view.nbytes:
         return Encoding.RAW
     return Encoding.ZSTD if len(_compressor().compress(view)) * MIN_RATIO <= view.nbytes else Encoding.RAW
-
-
-def frame_target(index: int) -> int:
-    """Content bytes of frame ``index`` of a file (the last one holds what is left)."""
-    return min(MAX_FRAME, FIRST_FRAME << (index // 8))
 
 
 class FrameWriter:
@@ -164,64 +145,9 @@ class FrameWriter:
         if self._buf:
             self._emit(self._buf)
             self._buf = bytearray()
-        entries = b"".join(_ENTRY.pack(*e) for e in self._entries)
-        table = (
-            _SKIP_HEADER.pack(_SKIPPABLE_MAGIC, len(entries) + _FOOTER.size)
-            + entries
-            + _FOOTER.pack(len(self._entries), 0, _SEEKABLE_MAGIC)
-        )
+        table = pack_table(self._entries)
         self._out.write(table)
         self.written += len(table)
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One frame of a compressed file: where it starts, its stored bytes, its content bytes."""
-
-    offset: int
-    stored: int
-    size: int
-
-
-#: ``read_at(offset, n)``: ``n`` bytes of a file from ``offset`` (fewer only at its end).
-ReadAt = Callable[[int, int], bytes | memoryview]
-
-
-def frames(read_at: ReadAt, file_size: int, size: int | None) -> list[Frame]:
-    """The frames of a compressed file of ``file_size`` bytes, from its seek table.
-
-    ``size``: the content size recorded for the blob (None: whatever the
-    table adds up to, for a file found without a row).  :class:`Damaged`
-    when there is no table, or it does not add up to the file or to
-    ``size``, or an entry claims more than :data:`MAX_FRAME`.
-    """
-    if file_size < _SKIP_HEADER.size + _FOOTER.size:
-        raise Damaged(f"a file of {file_size} bytes has no seek table")
-    n, descriptor, magic = _FOOTER.unpack(bytes(read_at(file_size - _FOOTER.size, _FOOTER.size)))
-    if magic != _SEEKABLE_MAGIC or descriptor & _RESERVED_BITS:
-        raise Damaged("no seek table at its end")
-    width = _ENTRY.size + (4 if descriptor & _CHECKSUM_FLAG else 0)
-    table_size = _SKIP_HEADER.size + n * width + _FOOTER.size
-    if table_size > file_size:
-        raise Damaged(f"its seek table lists {n} frames, more than a file of {file_size} bytes holds")
-    start = file_size - table_size
-    table = bytes(read_at(start, table_size - _FOOTER.size))
-    if _SKIP_HEADER.unpack_from(table) != (_SKIPPABLE_MAGIC, n * width + _FOOTER.size):
-        raise Damaged("its seek table's frame header does not match the table")
-    out: list[Frame] = []
-    offset = total = 0
-    for i in range(n):
-        stored, content = _ENTRY.unpack_from(table, _SKIP_HEADER.size + i * width)
-        if not 0 < content <= MAX_FRAME or stored == 0:
-            raise Damaged(f"its seek table lists a frame of {stored} bytes holding {content}")
-        out.append(Frame(offset, stored, content))
-        offset += stored
-        total += content
-    if offset != start:
-        raise Damaged(f"its frames take {offset} bytes, the file has {start} before the table")
-    if size is not None and total != size:
-        raise Damaged(f"its frames hold {total} bytes, {size} recorded")
-    return out
 
 
 _LOCAL = threading.local()
@@ -235,36 +161,100 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def _decode_frame(data: bytes | memoryview, frame: Frame) -> bytes:
-    """The content of one frame, which must be exactly ``frame.size`` bytes: :class:`Damaged` otherwise."""
-    if len(data) != frame.stored:
-        raise Damaged(f"a frame cut short ({len(data)} of {frame.stored} bytes)")
+def _zstd_failed(exc: zstandard.ZstdError, what: str) -> Exception:
+    """What a zstd error means: damage, unless zstd ran out of memory (no proof against the bytes)."""
+    if "memory" in str(exc).lower():
+        return MemoryError(f"zstd could not allocate while decoding {what} ({exc})")
+    return Damaged(f"{what} that does not decode ({exc})")
+
+
+def _check_header(head: bytes | memoryview, frame: Frame) -> None:
+    """Refuse a frame whose header declares other content than its entry (zstd would allocate what it says)."""
     try:
-        declared = zstandard.frame_content_size(data[:18])
+        declared = zstandard.frame_content_size(head)
     except zstandard.ZstdError:
         raise Damaged("a frame without a valid header") from None
-    if declared != frame.size:  # zstd would allocate what the header says, whatever the table says
+    if declared != frame.size:
         raise Damaged(f"a frame whose header declares {declared} bytes, its table entry {frame.size}")
+
+
+def _decode_frame(data: bytes | memoryview, frame: Frame) -> bytes:
+    """The content of one frame, which must be exactly ``frame.size`` bytes and nothing after: else :class:`Damaged`."""
+    if len(data) != frame.stored:
+        raise Damaged(f"a frame cut short ({len(data)} of {frame.stored} bytes)")
+    _check_header(data[:_HEADER_MAX], frame)
     try:
-        out = _decompressor().decompress(data, max_output_size=frame.size)
+        out = _decompressor().decompress(data, max_output_size=frame.size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise Damaged(f"a frame that does not decode ({exc})") from None
+        raise _zstd_failed(exc, "a frame") from None
     if len(out) != frame.size:
         raise Damaged(f"a frame decoding to {len(out)} bytes, {frame.size} recorded")
     return out
 
 
-_POOL: ThreadPoolExecutor | None = None
+_HEADER_MAX = 18  # the longest zstd frame header
+
+
+class _Helpers:
+    """Daemon threads that decode ahead: one never keeps a process alive, and a forked child makes its own.
+
+    A task is a callable; the threads start on demand, up to ``limit``, and
+    wait for work with a timeout, so an idle process holds none for long.
+    """
+
+    IDLE = 30.0  # seconds a thread waits for work before it ends
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+        with self._lock:
+            if self._idle > 0 or self._threads >= self._limit:
+                return
+            self._threads += 1
+        threading.Thread(target=self._work, name="adstore-decode", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                task = self._tasks.get(timeout=self.IDLE)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    if self._tasks.empty():
+                        self._threads -= 1
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+            try:
+                task()
+            except BaseException:  # a task reports its own errors; the thread serves the next one
+                log.exception("decode helper task failed")
+
+
+class _Pool(Protocol):
+    def submit(self, fn: Callable[[], None], /) -> object: ...
+
+
+_POOL: _Helpers | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _pool() -> ThreadPoolExecutor:
+def _pool() -> _Pool:
     """The helper threads that decode ahead (a reader never waits for one to start: see :class:`_Ahead`)."""
     global _POOL
     if _POOL is None:
         with _POOL_LOCK:
             if _POOL is None:
-                _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="adstore-decode")
+                _POOL = _Helpers(os.cpu_count() or 1)
     return _POOL
 
 
@@ -277,39 +267,39 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 #: Frames a helper may decode ahead of the reader (memory: at most this many frames of content).
 AHEAD = 4
+#: Longest a helper waits for the reader to take a frame, and a closing reader for the helper's
+#: frame (seconds): a reader that stopped reading costs a thread this long at most.
+WAIT = 10.0
 
 
 class _Ahead:
     """The frames of one read, in order, decoded by the reader and by one helper, whichever is free.
 
     The helper thread decodes the next frames while the caller uses this one
-    (hashing it, writing it): with both releasing the GIL, a verified read
-    costs about the larger of the two instead of their sum.  Each frame is
-    claimed once.  The helper claims the next unclaimed frame while it is at
-    most :data:`AHEAD` frames ahead of the reader; the reader decodes a frame
+    (hashing it, writing it): with both releasing the GIL, a read costs
+    about the larger of the two instead of their sum.  Each frame is claimed
+    once.  The helper claims the next unclaimed frame while it is at most
+    :data:`AHEAD` frames ahead of the reader; the reader decodes a frame
     nobody claimed itself, so it only ever waits for a frame the helper is
-    decoding: a helper that never starts (every pool thread busy) costs the
-    pipelining, never progress.  ``join``: the frames are kept, and the
-    helper that decodes the last one joins them all into one ``bytes``
-    (:meth:`whole`) while the reader is still hashing.
+    decoding: a helper that never starts (every thread busy) costs the
+    pipelining, never progress.  A helper left waiting by a reader that
+    stopped (an iterator dropped unclosed) gives up after :data:`WAIT`.
     """
 
-    def __init__(self, read_at: ReadAt, table: list[Frame], *, join: bool = False) -> None:
+    def __init__(self, read_at: ReadAt, table: list[Frame]) -> None:
         self._read_at = read_at
         self._table = table
-        self._join = join
         self._cond = threading.Condition()
         self._next = 0  # the first frame nobody has claimed
         self._taken = 0  # frames the reader has taken
         self._ready: dict[int, bytes | BaseException] = {}
-        self._whole: bytes | None = None
-        self._joining = False
+        self._busy = False  # the helper is reading or decoding a frame
         self._stop = False
 
     def _decode(self, frame: Frame) -> bytes:
         return _decode_frame(self._read_at(frame.offset, frame.stored), frame)
 
-    def chunks(self) -> Iterator[bytes]:
+    def chunks(self) -> Generator[bytes, None, None]:
         """Each frame's content in order; :class:`Damaged` at the first bad one.
 
         When the iterator ends or is closed, the helper no longer reads the file.
@@ -319,49 +309,39 @@ class _Ahead:
             for i in range(n):
                 yield self.take(i)
             return
-        helper = _pool().submit(self._help)
-        taken = 0
+        _pool().submit(self._help)
         try:
             for i in range(n):
-                chunk = self.take(i)
-                taken += 1
-                yield chunk
+                yield self.take(i)
         finally:
-            if taken < n:  # stopped early: wait out the frame the helper may be reading
-                with self._cond:
-                    self._stop = True
-                    self._cond.notify_all()
-                if not helper.cancel():
-                    helper.result()
+            self._close()
+
+    def _close(self) -> None:
+        """Stop the helper and wait out (boundedly) the frame it may be reading: the caller closes the file next."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            if self._busy and not self._cond.wait_for(lambda: not self._busy, timeout=WAIT):
+                log.warning("a decode helper still reads a frame %gs after its reader stopped", WAIT)
 
     def _help(self) -> None:
         """The helper's loop (in a pool thread)."""
         while True:
             with self._cond:
-                while not self._stop and self._next - self._taken > AHEAD:
-                    self._cond.wait()
-                if self._stop or self._next >= len(self._table):
-                    return
+                ahead = self._cond.wait_for(lambda: self._stop or self._next - self._taken <= AHEAD, timeout=WAIT)
+                if not ahead or self._stop or self._next >= len(self._table):
+                    return  # stopped, done, or a reader that no longer reads: it decodes on its own
                 i = self._next
                 self._next += 1
+                self._busy = True
             item: bytes | BaseException
             try:
                 item = self._decode(self._table[i])
             except BaseException as exc:  # the reader raises it when it reaches frame i
                 item = exc
-            self._keep(i, item, helper=True)
-
-    def _keep(self, i: int, item: bytes | BaseException, *, helper: bool) -> None:
-        with self._cond:
-            self._ready[i] = item
-            join = self._join and helper and len(self._ready) == len(self._table)
-            join = join and not any(isinstance(v, BaseException) for v in self._ready.values())
-            self._joining = self._joining or join
-            self._cond.notify_all()
-        if join:  # every frame is in: nothing writes ``_ready`` any more
-            whole = b"".join(self._ready[k] for k in range(len(self._table)))  # type: ignore[misc]
             with self._cond:
-                self._whole, self._joining = whole, False
+                self._ready[i] = item
+                self._busy = False
                 self._cond.notify_all()
 
     def take(self, i: int) -> bytes:
@@ -371,28 +351,15 @@ class _Ahead:
             if mine:
                 self._next = i + 1
             else:
-                while i not in self._ready:
-                    self._cond.wait()
-                item = self._ready[i] if self._join else self._ready.pop(i)
+                self._cond.wait_for(lambda: i in self._ready)  # claimed: the helper is decoding it now
+                item = self._ready.pop(i)
             self._taken = i + 1
             self._cond.notify_all()
         if mine:
             item = self._decode(self._table[i])
-            if self._join:
-                self._keep(i, item, helper=False)
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def whole(self) -> bytes:
-        """Every frame's content in one ``bytes`` (``join``, once all are taken): the helper's, or joined here."""
-        with self._cond:
-            while self._joining:
-                self._cond.wait()
-            if self._whole is not None:
-                return self._whole
-            parts = [self._ready[k] for k in range(len(self._table))]
-        return b"".join(parts)  # type: ignore[arg-type]  # one frame: that frame's bytes, not a copy
 
 
 def _reader(fd: int) -> tuple[ReadAt, int]:
@@ -409,27 +376,52 @@ def _reader(fd: int) -> tuple[ReadAt, int]:
     return (lambda offset, n: os.pread(fd, n, offset)), file_size
 
 
-def decode_verified(fd: int, size: int) -> tuple[bytes, str]:
-    """The whole content of the compressed file open at ``fd`` and its SHA-256 (hex), in one pass.
+class _Region:
+    """The frames of a file as a stream zstd reads (``read``), ending where the seek table begins."""
 
-    Each frame is hashed as soon as it is decoded, while the helper decodes
-    the next ones and, having decoded the last, joins them into the one
-    ``bytes`` returned: the caller's hashing is all that is left on the
-    critical path.  :class:`Damaged` as for :func:`frames` and
-    :func:`decode_file`.
+    def __init__(self, read_at: ReadAt, end: int) -> None:
+        self._read_at = read_at
+        self.pos = 0
+        self._end = end
+
+    def read(self, n: int = -1) -> bytes | memoryview:
+        n = self._end - self.pos if n < 0 else min(n, self._end - self.pos)
+        out = self._read_at(self.pos, n)
+        self.pos += len(out)
+        return out
+
+
+def decode_whole(fd: int, size: int) -> bytes:
+    """The whole content of the compressed file open at ``fd``: one ``bytes`` of ``size``, nothing more held.
+
+    zstd decodes every frame into that one buffer (a streaming decoder,
+    each frame's header first checked against its entry); the frames must
+    end exactly where the table begins.  :class:`Damaged` as for
+    :func:`frames` and :func:`decode_file`.
     """
     read_at, file_size = _reader(fd)
-    ahead = _Ahead(read_at, frames(read_at, file_size, size), join=True)
-    sha = hashlib.sha256()
-    for chunk in ahead.chunks():
-        sha.update(chunk)
-    return ahead.whole(), sha.hexdigest()
+    table = frames(read_at, file_size, size)
+    for frame in table:
+        _check_header(read_at(frame.offset, min(frame.stored, _HEADER_MAX)), frame)
+    end = table[-1].offset + table[-1].stored if table else 0
+    region = _Region(read_at, end)
+    try:
+        stream = _decompressor().stream_reader(
+            cast(IO[bytes], region), read_size=FIRST_FRAME, read_across_frames=True
+        )  # zstd only calls read()
+        out = stream.read(size) if size else b""
+        if len(out) != size or stream.read(1) or region.pos != end:
+            raise Damaged(f"frames that decode to more or less than their {size} bytes")
+    except zstandard.ZstdError as exc:
+        raise _zstd_failed(exc, "frames") from None
+    return out
 
 
-def decode_file(fd: int, size: int | None) -> Iterator[bytes]:
+def decode_file(fd: int, size: int | None) -> Generator[bytes, None, None]:
     """The content of the compressed file open at ``fd``, one chunk per frame, decoded ahead (``_Ahead``).
 
-    ``size`` as for :func:`frames`.
+    ``size`` as for :func:`frames`.  The iterator closes its helper when it
+    ends or is closed; left unclosed, the helper gives up on its own.
     """
     read_at, file_size = _reader(fd)
     return _Ahead(read_at, frames(read_at, file_size, size)).chunks()

@@ -21,6 +21,9 @@ __all__ = [
     "KeyNotFound",
     "AmbiguousKey",
     "BlobMissing",
+    "NotABlobFile",
+    "Unreadable",
+    "BlobUnreadable",
     "ChecksumMismatch",
     "CorruptRow",
     "UnsupportedFilesystem",
@@ -114,6 +117,34 @@ class BlobMissing(StoreError):
         self.digest = digest
         self.detail = detail
         super().__init__(f"blob {digest} is missing" + (f": {detail}" if detail else ""))
+
+
+class NotABlobFile(BlobMissing):
+    """Something other than a regular file where a blob file should be (a symlink, a directory): damage."""
+
+
+class Unreadable(StoreError):
+    """A store file the system would not read (EMFILE, ENOMEM, EIO, EACCES, ...).
+
+    Not proof of damage: the file may be whole and the next read succeed,
+    so nothing is quarantined or rebuilt for it.  ``errno`` is the system's.
+    """
+
+    reason: Reason = Reason.IO_ERROR
+
+    def __init__(self, path: str, errno: int | None, detail: str) -> None:
+        self.path = path
+        self.errno = errno
+        self.detail = detail
+        super().__init__(f"{path} could not be read: {detail}")
+
+
+class BlobUnreadable(Unreadable):
+    """A blob file the system would not read: the blob stays (see :class:`Unreadable`)."""
+
+    def __init__(self, digest: str, errno: int | None, detail: str) -> None:
+        self.digest = digest
+        super().__init__(f"blob {digest}", errno, detail)
 
 
 class ChecksumMismatch(StoreError):

@@ -16,7 +16,6 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from .errors import UnsafeRoot
 from .fsutil import atomic_write
@@ -74,18 +73,12 @@ class Layout:
             return False
         return st.st_size == size and stat.S_ISREG(st.st_mode)
 
-    def open_blob(self, digest: str) -> BinaryIO:
-        """The blob file of ``digest`` opened for reading without following a symlink.
+    def open_temp(self, tmp: Path, *, readable: bool = False) -> int:
+        """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``.
 
-        A symlink raises ``OSError`` (ELOOP): its target, wherever it is and
-        whatever it holds, is never served (invariant 10).
+        ``readable``: its writer reads it back through the same descriptor (never by path, which a sweep may take).
         """
-        fd = os.open(self.blob_path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        return os.fdopen(fd, "rb", buffering=0)
-
-    def open_temp(self, tmp: Path) -> int:
-        """Create the new temp file ``tmp`` (``O_EXCL``, no symlink followed); recreates a removed ``tmp/``."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(tmp, flags, 0o600)
         except FileNotFoundError:

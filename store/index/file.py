@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptRow
+from ..errors import CorruptRow, Unreadable
 from .schema import DATABASES
 
 __all__ = [
@@ -144,7 +144,7 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
 
     A missing or empty file is fine (LMDB creates a fresh index).  A file
     shorter than two pages or than its newest meta page's last page is
-    :class:`CorruptRow`.
+    :class:`CorruptRow`; one the system would not read, :class:`Unreadable`.
     """
     data_file = index_dir / "data.mdb"
     try:
@@ -152,8 +152,8 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
         size = data_file.stat().st_size
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise CorruptRow("index", str(data_file), f"cannot read the LMDB meta pages: {exc.strerror}") from None
+    except OSError as exc:  # out of descriptors, an I/O error: no proof of damage
+        raise Unreadable(str(data_file), exc.errno, f"cannot read the LMDB meta pages: {exc.strerror}") from None
     if meta is None:
         return None
     if size < 2 * meta.page_size:
@@ -166,7 +166,7 @@ def check_data_file(index_dir: Path) -> MetaPage | None:
             now = read_meta(data_file)
             size = data_file.stat().st_size
         except OSError as exc:
-            raise CorruptRow("index", str(data_file), f"cannot read the LMDB pages: {exc.strerror}") from None
+            raise Unreadable(str(data_file), exc.errno, f"cannot read the LMDB pages: {exc.strerror}") from None
         if missing is None:
             return meta  # only never-written free pages lie past the end: sound
         if now is None or now.txnid == meta.txnid:
@@ -363,8 +363,11 @@ class ProbeResult:
 
 # The child imports nothing of adstore (importing the package costs ~0.1 s): only lmdb.
 _PROBE = """
-import sys, lmdb
+import errno, os, sys, lmdb
 path, names = sys.argv[1], sys.argv[2:]
+# What the system says when it cannot serve the probe: no proof of damage (out of descriptors or
+# memory, an I/O error, no access), so inconclusive (exit 3), never a reason to quarantine the index.
+TRANSIENT = [os.strerror(e) for e in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO, errno.EAGAIN)]
 try:
     env = lmdb.open(path, readonly=True, lock=True, max_dbs=len(names) + 4, subdir=True, readahead=False)
     with env.begin() as txn:
@@ -383,7 +386,11 @@ try:
 except lmdb.Error as exc:
     if "Permission denied" in str(exc) or "Read-only" in str(exc):
         sys.exit(3)  # cannot probe (no write access to lock.mdb): inconclusive, not damage
+    if any(text in str(exc) for text in TRANSIENT):
+        sys.exit(3)
     sys.exit(f"{type(exc).__name__}: {exc}")
+except (OSError, MemoryError):
+    sys.exit(3)
 """
 
 
@@ -394,8 +401,10 @@ def probe_index(root: Path) -> ProbeResult:
     error is a damaged index; this process never touches the bad page.
     A file that fails :func:`check_data_file` or :func:`check_free_list`
     is damaged without a child.
-    A user who may not write ``lock.mdb`` or run the interpreter cannot
-    probe: that counts as sound (``verify`` then scans in-process as before).
+    A user who may not write ``lock.mdb`` or run the interpreter, or a
+    child the system refuses descriptors, memory or I/O, cannot probe: that
+    counts as sound (``verify`` then scans in-process as before), since it
+    proves nothing about the index.
     """
 
     try:

@@ -20,15 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blobs import CHUNK_SIZE, unlink_dropped
-from ..codec import Damaged, Encoding, decode_file
-from ..errors import CorruptRow
+from ..blobs import unlink_dropped
+from ..codec import Encoding
+from ..errors import BlobMissing, BlobUnreadable, ChecksumMismatch, CorruptRow
 from ..index.entryrows import Removal
 from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_key, unpack_inline
 from ..index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
 from ..index.tables import Tables, Txn
 from ..layout import Layout
 from ..names import validate_key
+from ..reading import VerifiedRead, open_blob
 from ..reasons import Reason
 from ..records.files import RecordFiles
 from ..records.rebuild import RebuildReport
@@ -135,28 +136,55 @@ class VerifyReport:
         }
 
 
-def _hash_file(layout: Layout, digest: str, row: BlobRow) -> tuple[str, int] | None:
-    """(SHA-256, size) of a blob file's content, opened without following a symlink (invariant 10).
+def _check_blob(layout: Layout, digest: str, row: BlobRow, inline: bytes | None, rep: VerifyReport) -> bool:
+    """Invariants 2 and 5 for one blob: its content hashes to its digest.  False: proven bad or missing.
 
-    Compressed content is decoded, bounded by the recorded size: frames that
-    do not decode to it (``codec.Damaged``) are reported as hashing to
-    ``damaged frame``.
+    Files are read through the one read path (``reading``), opened without
+    following a symlink (invariant 10), compressed ones decoded bounded by
+    the recorded size.  A file the system would not read (out of
+    descriptors, an I/O error) is a problem but not damage: it stays true,
+    so ``--fix`` neither quarantines it nor drops what references it.
     """
-    h = hashlib.sha256()
-    n = 0
-    try:
-        with layout.open_blob(digest) as f:
-            if os.fstat(f.fileno()).st_size != row.stored:
-                return f"(a file of {os.fstat(f.fileno()).st_size} bytes, {row.stored} recorded)", 0
-            chunks = decode_file(f.fileno(), row.size) if row.compressed else iter(lambda: f.read(CHUNK_SIZE), b"")
-            for chunk in chunks:
-                h.update(chunk)
-                n += len(chunk)
-    except Damaged as exc:
-        return f"(a damaged frame: {exc})", n
-    except OSError:  # missing, a symlink, a directory, unreadable: the blob is not there
-        return None
-    return h.hexdigest(), n
+    if row.quarantined:
+        rep.add(Reason.QUARANTINED, digest, f"blob {digest} is quarantined")
+        return False
+    if row.inline:
+        data, intact = unpack_inline(inline or b"")
+        got, n = hashlib.sha256(data).hexdigest(), len(data)
+        if not intact:
+            got = f"{got} (inline checksum mismatch)"
+    else:
+        try:
+            fd = open_blob(layout.blob_path(digest), digest)
+        except BlobMissing as exc:  # no file, a symlink, not a regular file
+            rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: {exc.detail}")
+            return False
+        except BlobUnreadable as exc:
+            rep.add(Reason.IO_ERROR, digest, f"{exc} (not damage: left as it is)")
+            return True
+        read = VerifiedRead(fd, digest, encoding=_encoding(row), size=row.size, stored=row.stored)
+        got = digest
+        try:
+            for _ in read.chunks():
+                pass
+        except ChecksumMismatch as exc:
+            got = exc.got
+        except BlobUnreadable as exc:
+            rep.add(Reason.IO_ERROR, digest, f"{exc} (not damage: left as it is)")
+            return True
+        finally:
+            os.close(fd)
+        n = read.size
+    rep.blobs_checked += 1
+    rep.bytes_checked += n
+    if got != digest or n != row.size:
+        rep.add(Reason.CHECKSUM, digest, f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
+        return False
+    return True
+
+
+def _encoding(row: BlobRow) -> Encoding:
+    return Encoding.ZSTD if row.compressed else Encoding.RAW
 
 
 @dataclass
@@ -215,49 +243,62 @@ def verify_store(
     quarantine: Callable[[str], None],
     progress: Progress | None = None,
 ) -> VerifyReport:
+    """Check every invariant against one snapshot of the index and the files; with ``fix``, repair them."""
     rep = VerifyReport()
     layout = tables.layout
     with tables.read() as t:
         s = _scan(t, rep)
+    bad_blobs = _check_blobs(layout, s, rep, progress)
+    doomed = _check_references(s, rep, bad_blobs, now=tables.clock(), grace_period=grace_period)
+    drift = _check_totals(s, rep)
+    _check_leftovers(layout, s, rep)
+    issues = check_records(tables)  # invariant 9: the on-disk records against the index
+    rep.records_checked = issues.checked
+    for kind, subject, detail, problem in issues.findings():
+        rep.add(kind, subject, detail, problem=problem)
 
-    # 1. blob content
-    bad_blobs: set[str] = set()
+    if fix and (rep.problems or any(s.strays.values()) or drift):
+        touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
+        if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
+            files = {
+                d: BlobFile(d, r.size, _encoding(r), r.stored)
+                for d, r in s.rows.items()
+                if d not in bad_blobs and not r.inline and not r.quarantined
+            }
+            restored = reimport(tables, RecordFiles(layout), touched, files)
+            if restored.entries:
+                rep.fixed.append(
+                    f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
+                    "from their on-disk records"
+                )
+    if fix and not issues.empty:
+        rep.fixed += fix_records(tables, check_records(tables))  # again: the repair may have dropped manifests
+        rep.repaired = True
+    return rep
+
+
+def _check_blobs(layout: Layout, s: _Scan, rep: VerifyReport, progress: Progress | None) -> set[str]:
+    """Invariants 2 and 5: every blob's content; returns the blobs proven bad or missing."""
+    bad: set[str] = set()
     total = len(s.rows)
     for i, (digest, row) in enumerate(sorted(s.rows.items())):
         if progress is not None:
             progress(i, total)
-        if row.quarantined:
-            rep.add(Reason.QUARANTINED, digest, f"blob {digest} is quarantined")
-            bad_blobs.add(digest)
-            continue
-        if row.inline:
-            data, intact = unpack_inline(s.inline[digest])
-            got, n = hashlib.sha256(data).hexdigest(), len(data)
-            if not intact:
-                got = f"{got} (inline checksum mismatch)"
-        else:
-            res = _hash_file(layout, digest, row)
-            if res is None:
-                what = (
-                    "is a symlink (never followed)"
-                    if layout.blob_path(digest).is_symlink()
-                    else "missing or unreadable"
-                )
-                rep.add(Reason.BLOB_MISSING, digest, f"blob {digest}: file {what}")
-                bad_blobs.add(digest)
-                continue
-            got, n = res
-        rep.blobs_checked += 1
-        rep.bytes_checked += n
-        if got != digest or n != row.size:
-            rep.add(Reason.CHECKSUM, digest, f"blob {digest}: content hashes to {got} ({n} bytes, expected {row.size})")
-            bad_blobs.add(digest)
+        if not _check_blob(layout, digest, row, s.inline.get(digest), rep):
+            bad.add(digest)
     if progress is not None:
         progress(total, total)
+    return bad
 
-    # 2. manifests, refcounts, entries
+
+def _check_references(
+    s: _Scan, rep: VerifyReport, bad_blobs: set[str], *, now: float, grace_period: float
+) -> list[Manifest]:
+    """Invariants 3 and 6: manifests reference good blobs, refcounts count them, entries' ranks are committed.
+
+    Returns the manifests the repair drops.
+    """
     refs: Counter[str] = Counter()
-    now = tables.clock()
     doomed: list[Manifest] = []
     for m in s.manifests:
         rep.manifests_checked += 1
@@ -299,6 +340,11 @@ def verify_store(
                 digest,
                 f"blob {digest}: refcount {row.refs}, referenced by {refs.get(digest, 0)} manifest(s)",
             )
+    return doomed
+
+
+def _check_totals(s: _Scan, rep: VerifyReport) -> bool:
+    """The kept totals against the rows, and rows without an entry (warnings); True when the totals drifted."""
     actual = {
         PHYSICAL_BYTES: sum(r.stored for r in s.rows.values()),
         CONTENT_BYTES: sum(r.size for r in s.rows.values()),
@@ -316,22 +362,19 @@ def verify_store(
             ),
             problem=False,
         )
-    if s.strays["access"]:
-        rep.add(
-            Reason.STRAY_ROWS,
-            "",
-            f"{len(s.strays['access'])} access row(s) without an entry (verify --fix drops them)",
-            problem=False,
-        )
-    if s.strays["entry_shadow"]:
-        rep.add(
-            Reason.STRAY_ROWS,
-            "",
-            f"{len(s.strays['entry_shadow'])} shadow row(s) without an entry (verify --fix drops them)",
-            problem=False,
-        )
+    for table, what in (("access", "access"), ("entry_shadow", "shadow")):
+        if s.strays[table]:
+            rep.add(
+                Reason.STRAY_ROWS,
+                "",
+                f"{len(s.strays[table])} {what} row(s) without an entry (verify --fix drops them)",
+                problem=False,
+            )
+    return drift
 
-    # 3. files without rows, leftovers
+
+def _check_leftovers(layout: Layout, s: _Scan, rep: VerifyReport) -> None:
+    """Invariant 7: blob files without rows and temp files, which gc sweeps (warnings)."""
     registered = {d for d, r in s.rows.items() if not r.inline}
     if layout.blobs.exists():
         orphans = [
@@ -352,31 +395,6 @@ def verify_store(
             f"{len(temps)} temp file(s) in tmp/ (gc sweeps them past the grace period)",
             problem=False,
         )
-
-    # 4. the on-disk records against the index (invariant 9)
-    issues = check_records(tables)
-    rep.records_checked = issues.checked
-    for kind, subject, detail, problem in issues.findings():
-        rep.add(kind, subject, detail, problem=problem)
-
-    if fix and (rep.problems or any(s.strays.values()) or drift):
-        touched = _repair(tables, rep, s, bad_blobs, doomed, quarantine)
-        if touched:  # entries the repair dropped or cut: whole again from their records, if those are intact
-            files = {
-                d: BlobFile(d, r.size, Encoding.ZSTD if r.compressed else Encoding.RAW, r.stored)
-                for d, r in s.rows.items()
-                if d not in bad_blobs and not r.inline and not r.quarantined
-            }
-            restored = reimport(tables, RecordFiles(layout), touched, files)
-            if restored.entries:
-                rep.fixed.append(
-                    f"restored {restored.entries} entr(ies) ({restored.manifests} manifest(s)) "
-                    "from their on-disk records"
-                )
-    if fix and not issues.empty:
-        rep.fixed += fix_records(tables, check_records(tables))  # again: the repair may have dropped manifests
-        rep.repaired = True
-    return rep
 
 
 def _keys_of(raw_keys: list[bytes], *, manifests: bool) -> set[str]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..codec import Encoding
-from ..errors import StoreError
+from ..errors import BlobUnreadable, StoreError
 from ..fsutil import fsync_dir
 from ..index.ballast import Ballast
 from ..index.env import Index
@@ -106,7 +106,11 @@ class RebuildPlan:
         good: list[BlobFile] = []
         bad: list[str] = []
         for path in self.blob_files:
-            found = identify_blob_file(path)
+            try:
+                found = identify_blob_file(path)
+            except BlobUnreadable as exc:  # not proof of damage: left where it is, unregistered
+                log.warning("rebuild: %s (left in place, not registered)", exc)
+                continue
             if found is not None and path.parent.name == path.name[:2]:
                 good.append(found)
                 continue

@@ -19,22 +19,21 @@ access becomes its newest record's creation time.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import stat
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..codec import Damaged, Encoding, decode_file
-from ..errors import CorruptRow
+from ..codec import Encoding
+from ..errors import BlobMissing, ChecksumMismatch, CorruptRow
 from ..index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRow, Entry, pack_inline
 from ..index.tables import Tables, Txn
 from ..lookup import lookup
 from ..manifests import drop_entry
+from ..reading import DAMAGE, VerifiedRead, open_blob
 from ..reasons import Reason
 from .files import Found, RecordFiles, RecordState
 from .format import BadRecord, Record
@@ -44,7 +43,6 @@ __all__ = ["Skipped", "Restored", "BlobFile", "choose", "read_records", "restore
 log = logging.getLogger(__name__)
 
 _BATCH = 200  # keys per write transaction
-_CHUNK = 4 << 20
 
 
 class BlobFile(NamedTuple):
@@ -61,28 +59,23 @@ def identify_blob_file(path: Path) -> BlobFile | None:
 
     Its name is its digest: a raw file hashes to it, compressed frames
     (``codec``) decode to bytes that do, bounded by the sizes their seek
-    table records.
+    table records.  Read through the one read path (``reading``): a file
+    that could not be read (out of descriptors, an I/O error) raises
+    :class:`~.errors.BlobUnreadable`, since it may well be intact.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        fd = open_blob(path, path.name)
+    except (BlobMissing, *DAMAGE):  # gone, a symlink, not a regular file
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            h, n = hashlib.sha256(), 0
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-                n += len(chunk)
-            if h.hexdigest() == path.name:
-                return BlobFile(path.name, n, Encoding.RAW, n)
-            h, size = hashlib.sha256(), 0
-            for chunk in decode_file(fd, None):
-                h.update(chunk)
-                size += len(chunk)
-            return BlobFile(path.name, size, Encoding.ZSTD, n) if h.hexdigest() == path.name else None
-    except (OSError, Damaged):
+        for encoding in (Encoding.RAW, Encoding.ZSTD):
+            read = VerifiedRead(fd, path.name, encoding=encoding, size=None)
+            try:
+                for _ in read.chunks():
+                    pass
+            except ChecksumMismatch:
+                continue
+            return BlobFile(path.name, read.size, encoding, os.fstat(fd).st_size)
         return None
     finally:
         os.close(fd)

@@ -7,7 +7,6 @@ allocates what a frame claims.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import random
@@ -24,7 +23,7 @@ from adstore.store.codec import (
     Damaged,
     FrameWriter,
     decode_file,
-    decode_verified,
+    decode_whole,
     frame_target,
     frames,
 )
@@ -54,9 +53,8 @@ def decoded(blob: bytes, size: int | None, tmp_path) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         streamed = b"".join(decode_file(fd, size))
-        if size is not None:  # the whole-content read agrees, digest included
-            whole, digest = decode_verified(fd, size)
-            assert whole == streamed and digest == hashlib.sha256(streamed).hexdigest()
+        if size is not None:  # the whole-content read agrees
+            assert decode_whole(fd, size) == streamed
         return streamed
     finally:
         os.close(fd)
@@ -86,7 +84,7 @@ def verified(blob: bytes, size: int, tmp_path) -> bytes:
     path.write_bytes(blob)
     fd = os.open(path, os.O_RDONLY)
     try:
-        return decode_verified(fd, size)[0]
+        return decode_whole(fd, size)
     finally:
         os.close(fd)
 
@@ -170,7 +168,7 @@ def test_concurrent_readers_each_get_their_bytes(tmp_path):
                 fd = os.open(paths[i], os.O_RDONLY)
                 try:
                     assert b"".join(decode_file(fd, len(blobs[i]))) == blobs[i]
-                    assert decode_verified(fd, len(blobs[i]))[0] == blobs[i]
+                    assert decode_whole(fd, len(blobs[i])) == blobs[i]
                 finally:
                     os.close(fd)
         except BaseException as exc:
