@@ -1,10 +1,8 @@
 """The store facade: blobs, manifests, entries, leases, stats, budget, gc, verify.
 
-One ``Store`` per process and root is the intended use; it is safe to use
-from threads, after ``fork`` (the index reopens), and from many processes at
-once (LMDB serialises writers; blob files are published atomically).  Each
-concern lives in its own module; this class wires them to one root (docs/architecture.md,
-"How an entry lives").
+One ``Store`` per process and root is the intended use; it is safe to use from threads, after ``fork`` (the
+index reopens), and from many processes at once (LMDB serialises writers; blob files are published atomically).
+Each concern lives in its own module; this class wires them to one root (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import os
 import secrets
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,9 +27,9 @@ from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.file import probe_index
-from .index.rows import BlobRef, Entry, LeaseRow, Manifest, validate_json
+from .index.rows import BlobRef, Entry, LeaseRow, Manifest
 from .index.schema import PHYSICAL_BYTES
-from .index.tables import Tables, Txn
+from .index.tables import Tables
 from .layout import Layout, default_root
 from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
@@ -41,13 +39,15 @@ from .maintenance.inline import InlineEviction
 from .maintenance.repair import verify_or_rebuild
 from .maintenance.sweep import Sweeper, SweepPlan
 from .maintenance.verify import Progress, VerifyReport, verify_store
-from .manifests import abort, commit, publish, set_pinned, validate_publish
+from .manifests import set_pinned
 from .names import validate_key
+from .publishing import Artifacts, Publisher
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
 from .records.rebuild import RebuildReport, plan_rebuild, repair_unopenable
-from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
+from .records.sync import RecordWriter
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
+from .tiered import open_tier, tier_from_env
 from .units import MinFree, parse_duration, parse_size
 
 __all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
@@ -95,8 +95,6 @@ class Store:
         self._memoize = memoize_lookups
         self._flush_interval = flush_interval
         self.clock = clock  #: wall-clock seconds for every time the store keeps (``clock``; tests inject one)
-        from .tiered import open_tier  # imports this module
-
         self.tier = open_tier(remote)  # the second tier, see ``open``; a bad one raises before the index opens
         self._attach(layout)
         self._open = True
@@ -122,6 +120,8 @@ class Store:
         self._evictor = Evictor(self._tables, grace_period=self.grace_period)
         self._sweeper = Sweeper(self._tables, grace_period=self.grace_period)
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
+        push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
+        self._publisher = Publisher(self._tables, self._records, self._blobs.file_ok, pushed=push)
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -140,9 +140,7 @@ class Store:
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
         if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
-            from .tiered import tier_from_env  # a remote that cannot be opened is logged, not raised
-
-            settings["remote"] = tier_from_env(env)
+            settings["remote"] = tier_from_env(env)  # a remote that cannot be opened is logged, not raised
         if env.get("ADSTORE_MAX_SIZE"):
             settings["max_size"] = parse_size(env["ADSTORE_MAX_SIZE"], field="ADSTORE_MAX_SIZE")
         if env.get("ADSTORE_GRACE_PERIOD"):
@@ -254,62 +252,61 @@ class Store:
         components: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
-        """Record this rank's manifest, uncommitted; blobs must be stored already."""
-        validate_publish(
+        """Record this rank's manifest, uncommitted (blobs stored already): :meth:`save` short of its commit."""
+        manifest = self._publisher.save(
             key,
+            artifacts,
             rank=rank,
             world_size=world_size,
             generation=generation,
-            artifacts=artifacts,
             namespace=namespace,
             components=components,
             meta=meta,
+            commit=False,
         )
-
-        def fn(t: Txn) -> tuple[Manifest, RecordInputs]:
-            m = publish(
-                t,
-                key=key,
-                rank=rank,
-                world_size=world_size,
-                generation=generation,
-                artifacts=artifacts,
-                namespace=namespace,
-                components=components or {},
-                meta=meta or {},
-                file_ok=self._blobs.file_ok,
-            )
-            return m, record_inputs(t, m)
-
-        manifest, inputs = self._tables.write(fn)
-        try:
-            self._records.published(manifest, inputs)
-        except BaseException:  # no record, no commit: the save fails whole
-            self.abort(key, rank=rank, generation=generation)
-            raise
+        assert manifest is not None  # without ``agree`` only a failure, raised, stops a save
         return manifest
+
+    def save(
+        self,
+        key: str,
+        artifacts: Artifacts,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        generation: int | None = None,
+        namespace: str = "default",
+        components: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> Manifest | None:
+        """Publish this rank's manifest and commit it; on any failure nothing stays: the one publish path.
+
+        ``artifacts``: stored blobs, or a function storing them.  ``agree``: for ranks saving together, the
+        collective told whether this rank published, answering whether all did (None when they did not).
+        """
+        generation = self.new_generation() if generation is None else generation
+        return self._publisher.save(
+            key,
+            artifacts,
+            rank=rank,
+            world_size=world_size,
+            generation=generation,
+            namespace=namespace,
+            components=components,
+            meta=meta,
+            agree=agree,
+        )
 
     def commit(
         self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
     ) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
-        validate_key(key)
-        validate_json(components or {}, "components")
-
-        def fn(t: Txn) -> tuple[Manifest, bool]:
-            changed = components_changed(t, key, components)
-            return commit(t, key=key, rank=rank, generation=generation, components=components)[0], changed
-
-        (manifest, rewrite), drops = self._tables.write_noting_drops(fn)
-        self._records.committed(key, rank, generation, rewrite=rewrite, drops=drops)
-        if self.tier is not None:
-            self.tier.pushed(self, key, rank)
-        return manifest
+        return self._publisher.commit(key, rank=rank, generation=generation, components=components)
 
     def abort(self, key: str, *, rank: int = 0, generation: int) -> bool:
         """Drop an uncommitted manifest (a failed save); returns whether one was dropped."""
-        validate_key(key)
-        return self._tables.write(lambda t: abort(t, key=key, rank=rank, generation=generation))
+        return self._publisher.abort(key, rank=rank, generation=generation)
 
     def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted."""
@@ -353,11 +350,8 @@ class Store:
         return iter(out)
 
     def resolve_key(self, prefix: str) -> str:
-        """The one entry key equal to or starting with ``prefix`` (like a short git hash).
-
-        :class:`KeyNotFound` when none matches, :class:`AmbiguousKey` (with
-        every candidate) when several do.
-        """
+        """The one entry key equal to or starting with ``prefix`` (like a short git hash); :class:`KeyNotFound`
+        when none matches, :class:`AmbiguousKey` (with every candidate) when several do."""
         return resolve_key(self._tables, prefix)
 
     def stored_bytes(self, keys: Iterable[str]) -> dict[str, int]:
@@ -454,10 +448,9 @@ class Store:
 
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Rehash every blob and check every invariant, and the records against the index; ``fix`` repairs.
-
         A child process reads the whole index first (``index.file.probe_index``): damage is reported, never a
-        dead process; with ``fix`` a damaged index is rebuilt from the blob files and records (``maintenance.repair``).
-        """
+        dead process; with ``fix`` a damaged index is rebuilt from the blob files and records
+        (``maintenance.repair``)."""
         self.flush()
         probe = probe_index(self.root)
         return verify_or_rebuild(

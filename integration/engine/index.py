@@ -200,24 +200,13 @@ class StageEntries:
 
     def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any]) -> None:
         """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier)."""
-        store = self.store
-        ref = store.put_bytes(data)
-        generation = store.new_generation()
-        store.publish(
+        self.store.save(
             key.key,
-            rank=0,
-            world_size=1,
-            generation=generation,
-            artifacts={self.artifact: ref},
+            {self.artifact: self.store.put_bytes(data)},
             namespace=self.namespace,
             components=key.components,
             meta={**meta, "created": time.time()},
         )
-        try:
-            store.commit(key.key, rank=0, generation=generation)
-        except BaseException:
-            store.abort(key.key, rank=0, generation=generation)
-            raise
 
 
 class EngineIndex(StageEntries):

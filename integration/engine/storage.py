@@ -305,7 +305,6 @@ class StoreEngineStorage(EngineStorage):
             raise EngineCacheError(f"engine record {record.hash} has no payload")
         if pkg_ref.digest != record.meta["payload"]["sha256"] or pkg_ref.size != record.payload_size:
             raise CorruptEngine(f"engine package for {record.hash} changed while being saved")
-        generation = store.new_generation()
         summary = {
             "format_version": record.meta.get("format_version"),
             "kind": record.meta.get("kind"),
@@ -314,21 +313,13 @@ class StoreEngineStorage(EngineStorage):
             "constants": len(record.meta.get("constants") or ()),
             "compile_seconds": record.meta.get("compile_seconds"),
         }
-        store.publish(
+        store.save(
             record.hash,
-            rank=0,
-            world_size=1,
-            generation=generation,
-            artifacts={self.META_ARTIFACT: meta_ref, self.PACKAGE_ARTIFACT: pkg_ref},
+            {self.META_ARTIFACT: meta_ref, self.PACKAGE_ARTIFACT: pkg_ref},
             namespace=self.NAMESPACE,
             components=record.meta.get("components") or {},
             meta=summary,
         )
-        try:
-            store.commit(record.hash, rank=0, generation=generation)
-        except BaseException:
-            store.abort(record.hash, rank=0, generation=generation)
-            raise
         store.count_event(EventKind.SAVE)
         if self.max_size is not None:
             self.enforce_budget()
