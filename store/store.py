@@ -183,9 +183,16 @@ class Store:
             self._forget_checks()
             raise
 
-    def copy_blob_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
+    def copy_blob_to(
+        self,
+        ref_or_digest: BlobRef | str,
+        dest: str | os.PathLike[str],
+        *,
+        check: Callable[[os.stat_result | None], None] | None = None,
+    ) -> Path:
+        """Copy a blob's verified content to ``dest``; ``check`` judges the file it is read from (``Blobs.copy_to``)."""
         try:
-            return self._blobs.copy_to(ref_or_digest, dest)
+            return self._blobs.copy_to(ref_or_digest, dest, check=check)
         except StoreError:
             self._forget_checks()
             raise

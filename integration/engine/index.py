@@ -30,9 +30,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from adstore.integration.engine.codefiles import Writer, copy_code, private_path
 from adstore.integration.engine.hashing import HASH_VERSION
 from adstore.integration.engine.toolchain import index_settings, toolchain_identity
-from adstore.integration.errors import CorruptEngine, EngineMismatch, EngineUnavailable, RemoteEngineMiss
+from adstore.integration.errors import (
+    CorruptEngine,
+    EngineCacheError,
+    EngineMismatch,
+    EngineUnavailable,
+    RemoteEngineMiss,
+)
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
 from adstore.store import REMOTE_REASONS, AdstoreError, Reason
@@ -168,10 +175,27 @@ class StageEntries:
             raise EngineUnavailable(key.key, f"not a {self.namespace} entry")
         return manifest
 
-    def read(self, key: CacheKey, manifest: Any) -> tuple[bytes, int | None]:
-        """The verified artifact of ``manifest`` and what the remote tier sent for ``key`` (None: nothing)."""
+    def read(
+        self, key: CacheKey, manifest: Any, *, judge: Callable[[str, Writer], None] | None = None
+    ) -> tuple[bytes, int | None]:
+        """The verified artifact of ``manifest`` and what the remote tier sent for ``key`` (None: nothing).
+
+        ``judge(key, writer)``: the artifact becomes code; it is read through a
+        private copy, and ``judge`` sees who wrote the blob file that copy was
+        read from and raises to refuse it (:mod:`~adstore.integration.engine.codefiles`).
+        """
         try:
-            raw = self.store.read_artifact(manifest, self.artifact)
+            if judge is None:
+                raw = self.store.read_artifact(manifest, self.artifact)
+            else:
+                dest = private_path(".code")
+                try:
+                    judge(key.key, copy_code(self.store, manifest.artifacts[self.artifact], dest))
+                    raw = dest.read_bytes()
+                finally:
+                    dest.unlink(missing_ok=True)
+        except EngineCacheError:
+            raise
         except AdstoreError as exc:
             raise CorruptEngine(f"{self.namespace} entry {key.key[:12]} unreadable: {exc}") from exc
         return raw, self.store.tier.take_restored(key.key) if self.store.tier is not None else None
