@@ -70,6 +70,7 @@ def index_key(
     backend: str,
     rank: int,
     world_size: int,
+    lowered: Mapping[str, Any] | None = None,
 ) -> CacheKey:
     """The index key of one compile stage (module docstring); cheap, no Inductor, no export.
 
@@ -77,7 +78,9 @@ def index_key(
     every transform from the point to the compile stage (itself included);
     ``code``: their classes or functions (source fingerprint); ``inputs``:
     :func:`~adstore.integration.engine.hashing.input_specs` of the example
-    inputs; ``settings``: Inductor options.  Every rank has its own entry.
+    inputs; ``settings``: Inductor options; ``lowered``: op name -> code
+    fingerprint of each decomposition applied before compiling (a component
+    only when there are some).  Every rank has its own entry.
     """
     components = canonical(
         {
@@ -90,6 +93,7 @@ def index_key(
             "settings": index_settings(settings),
             "toolchain": toolchain_identity(),
             "rank": {"rank": rank, "world_size": world_size},
+            **({"lowered": dict(lowered)} if lowered else {}),
         }
     )
     return CacheKey(key=json_digest(components), components=components)

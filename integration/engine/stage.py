@@ -38,7 +38,7 @@ from adstore.integration.errors import ConfigError, IntegrationError
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind
-from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.pipeline.keys import CacheKey, code_fingerprint
 from adstore.integration.pipeline.protocol import failure_reason
 from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.store import Reason
@@ -133,16 +133,18 @@ class EngineStage:
         if self.prefix is None:
             return None
         code = [*self.code, EngineStage, _builder(self.backend).restore]  # how it is made and found
-        lowered = "".join(f"+lowered:{op}" for op in sorted(map(str, self.decompositions or ())))
+        # Each lowering by its code (source, closure, defaults), not its op's name: an edited one recompiles.
+        lowered = {str(op): code_fingerprint([fn]) for op, fn in (self.decompositions or {}).items()}
         return index_key(
             prefix=dict(self.prefix),
             suffix=self.suffix,
             code=code,
             inputs=input_specs(tuple(example_inputs)),
             settings=self.settings,
-            backend=self.backend + lowered,
+            backend=self.backend,
             rank=topo.rank,
             world_size=topo.world_size,
+            lowered=lowered,
         )
 
     def run(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology) -> nn.Module:
