@@ -44,7 +44,7 @@ from adstore.integration.pipeline.envcheck import find_mismatch, store_candidate
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
 from adstore.store import REMOTE_REASONS, AdstoreError, Reason
 
-__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key"]
+__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key", "lease_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,23 @@ def index_key(
         }
     )
     return CacheKey(key=json_digest(components), components=components)
+
+
+def lease_key(key: CacheKey) -> str:
+    """The single-flight lease of a stage whose index key is ``key``: what it makes, the same on every rank.
+
+    Hosts that start the same cold stage take one lease, so one compiles;
+    hosts compiling other options or input shapes under the same cache point
+    have other leases and never wait for a record that will not come.  The
+    rank's own parts (its snapshot digest, its rank) are left out, since the
+    ranks of one host lead or follow together (rank 0 takes the lease).
+    """
+    parts = dict(key.components)
+    prefix = parts.get("prefix")
+    parts["prefix"] = prefix.get("key") if isinstance(prefix, Mapping) else prefix
+    rank = parts.get("rank")
+    parts["rank"] = {"world_size": rank.get("world_size")} if isinstance(rank, Mapping) else rank
+    return json_digest({"stage_lease": parts})
 
 
 @dataclass(frozen=True)
