@@ -352,3 +352,46 @@ def test_a_racing_group_member_never_gets_a_package_loaded(honest_engine, shared
         assert outcome.startswith("miss untrusted_engine"), outcome
     else:  # the honest engine, loaded from the copy that was checked
         assert outcome.startswith("hit"), outcome
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second uid)")
+def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypatch):
+    """The ``torch_compile`` stage's files (kernels, pickles) under the writer rule: the attacker's blob is a
+    link to a root-owned file while the victim judges its writer, and the attacker's file again around that.
+    Judged on the descriptor the bytes are read from, it is refused; judged on the path, it was read."""
+    from adstore.integration.engine import inductor
+    from adstore.integration.engine.index import StageEntries
+    from adstore.integration.errors import UntrustedEngine
+    from adstore.integration.pipeline.keys import CacheKey
+
+    shared = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir="/tmp"))
+    os.chmod(shared, 0o755)
+    try:
+        root = shared / "store"
+        root.mkdir()
+        _share_with_nobody(root)
+        Store.open(root).close()
+        _share_with_nobody(root)
+        key, files = CacheKey("c" * 64, {"stage": "torch_compile"}), b"\x7fELF attacker's kernels" * 10_000
+
+        def publish() -> None:
+            with Store.open(root) as s:
+                StageEntries(s, inductor.NAMESPACE, inductor.ARTIFACT).save(key, files, {})
+
+        _as_nobody(publish)
+        with Store.open(root) as store:
+            blob = str(store.blob_path(hashlib.sha256(files).hexdigest()))
+            judge = StoreEngineStorage.check_writer
+
+            def raced(self, *args):
+                _as_nobody(lambda: (os.rename(blob, f"{blob}.real"), os.symlink("/etc/passwd", blob)))
+                try:
+                    return judge(self, *args)
+                finally:
+                    _as_nobody(lambda: os.replace(f"{blob}.real", blob))
+
+            monkeypatch.setattr(StoreEngineStorage, "check_writer", raced)
+            with pytest.raises(UntrustedEngine, match="uid 65534"):
+                inductor._read(store, key)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
