@@ -13,11 +13,12 @@ This module is the protocol both share.  Ranks: each rank has its own entry
 (a sharded graph, with its collective ops inside); every rank restores or
 every rank compiles, and if any rank cannot compile, every rank keeps its
 eager module.  Fleets: when several hosts start one cold stage, a
-single-flight lease on the stage's own key (:func:`~adstore.integration.engine.index.lease_key`)
-makes one host compile and the others restore what it pushed; a host
-compiling another stage under the same cache point never waits for it.  Everything fails open: a cache problem is a
-miss with a reason and a compile; a compile that fails is a ``bypass`` and
-the eager module runs (docs/engine-cache.md, "The compile stage").
+single-flight lease on the stage's own key
+(:func:`~adstore.integration.engine.index.lease_key`) makes one host compile
+and the others restore what it pushed; a host compiling another stage under
+the same cache point never waits for it.  Everything fails open: a cache
+problem is a miss with a reason and a compile; a compile that fails is a
+``bypass`` and the eager module runs (docs/engine-cache.md, "The compile stage").
 """
 
 from __future__ import annotations
