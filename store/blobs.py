@@ -342,11 +342,20 @@ class Blobs:
         return data  # a damaged checksum over intact bytes
 
     @contextmanager
-    def _reading(self, digest: str, row: BlobRow) -> Iterator[VerifiedRead]:
-        """A verified read of a blob file (``reading``); proven damage (and only that) quarantines it."""
+    def _reading(
+        self, digest: str, row: BlobRow, check: Callable[[os.stat_result | None], None] | None = None
+    ) -> Iterator[VerifiedRead]:
+        """A verified read of a blob file (``reading``); proven damage (and only that) quarantines it.
+
+        ``check`` sees ``fstat`` of the descriptor the bytes are read from,
+        before the first byte: a caller that decides whether to trust the file
+        judges the very file it reads.
+        """
         try:
             fd = open_blob(self._layout.blob_path(digest), digest)
             try:
+                if check is not None:
+                    check(os.fstat(fd))
                 encoding = Encoding.ZSTD if row.compressed else Encoding.RAW
                 yield VerifiedRead(fd, digest, encoding=encoding, size=row.size, stored=row.stored)
             finally:
@@ -355,17 +364,30 @@ class Blobs:
             self.quarantine(digest)
             raise
 
-    def copy_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
-        """Copy a blob to ``dest`` (atomically), verifying while streaming."""
+    def copy_to(
+        self,
+        ref_or_digest: BlobRef | str,
+        dest: str | os.PathLike[str],
+        *,
+        check: Callable[[os.stat_result | None], None] | None = None,
+    ) -> Path:
+        """Copy a blob to ``dest`` (atomically), verifying while streaming.
+
+        ``check`` sees ``fstat`` of the descriptor the bytes are read from
+        (None for an inline blob) before the first byte is read, so a caller
+        deciding whether to trust the file judges the file it copies.
+        """
         digest = _digest_of(ref_or_digest)
         row = self.row(digest)
         if row is None:
             raise BlobMissing(digest, "not registered")
         if row.inline or row.quarantined:
+            if check is not None:
+                check(None)
             return atomic_write(dest, self.get_bytes(digest))
 
         def verified() -> Iterator[bytes]:
-            with self._reading(digest, row) as read:
+            with self._reading(digest, row, check) as read:
                 yield from read.chunks()
 
         return atomic_write(dest, verified())

@@ -1,10 +1,8 @@
 """The store facade: blobs, manifests, entries, leases, stats, budget, gc, verify.
 
-One ``Store`` per process and root is the intended use; it is safe to use
-from threads, after ``fork`` (the index reopens), and from many processes at
-once (LMDB serialises writers; blob files are published atomically).  Each
-concern lives in its own module; this class wires them to one root (docs/architecture.md,
-"How an entry lives").
+One ``Store`` per process and root is the intended use; it is safe to use from threads, after ``fork`` (the
+index reopens), and from many processes at once (LMDB serialises writers; blob files are published atomically).
+Each concern lives in its own module; this class wires them to one root (docs/architecture.md, "How an entry lives").
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import os
 import secrets
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,29 +26,26 @@ from .errors import CorruptRow, InvalidKey, NoStore, StoreError
 from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
-from .index.file import probe_index
-from .index.rows import BlobRef, Entry, LeaseRow, Manifest, validate_json
+from .index.rows import BlobRef, Entry, LeaseRow, Manifest
 from .index.schema import PHYSICAL_BYTES
-from .index.tables import Tables, Txn
+from .index.tables import Tables
 from .layout import Layout, default_root
 from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .maintenance.inline import InlineEviction
 from .maintenance.reservations import Reservation
-from .manifests import abort, commit, publish, set_pinned, validate_publish
+from .manifests import set_pinned
 from .names import validate_key
+from .publishing import Artifacts, Publisher
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
-from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
+from .records.sync import RecordWriter
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
-from .units import MinFree, parse_duration, parse_size
+from .units import parse_duration, parse_size
+from .upkeep import Upkeep
 
-if TYPE_CHECKING:  # the maintenance passes and the remote tier load when first used (docs/performance.md)
-    from .maintenance.eviction import EvictionPlan, Evictor
-    from .maintenance.sweep import SweepPlan
-    from .maintenance.verify import Progress, VerifyReport
-    from .records.rebuild import RebuildReport
+if TYPE_CHECKING:  # the remote tier loads with the first store that has one
     from .tiered import Tier
 
 __all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
@@ -61,7 +56,7 @@ DEFAULT_INLINE_THRESHOLD = 64 << 10
 DEFAULT_MAP_SIZE = 1 << 30
 
 
-class Store:
+class Store(Upkeep):
     """A content-addressed artifact store rooted at one local directory."""
 
     def __init__(
@@ -125,6 +120,8 @@ class Store:
             on_dedup=self._count_dedup,
         )
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
+        push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
+        self._publisher = Publisher(self._tables, self._records, self._blobs.file_ok, pushed=push)
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -143,9 +140,9 @@ class Store:
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
         if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
-            from .tiered import tier_from_env  # a remote that cannot be opened is logged, not raised
+            from .tiered import tier_from_env
 
-            settings["remote"] = tier_from_env(env)
+            settings["remote"] = tier_from_env(env)  # a remote that cannot be opened is logged, not raised
         if env.get("ADSTORE_MAX_SIZE"):
             settings["max_size"] = parse_size(env["ADSTORE_MAX_SIZE"], field="ADSTORE_MAX_SIZE")
         if env.get("ADSTORE_GRACE_PERIOD"):
@@ -188,9 +185,16 @@ class Store:
             self._forget_checks()
             raise
 
-    def copy_blob_to(self, ref_or_digest: BlobRef | str, dest: str | os.PathLike[str]) -> Path:
+    def copy_blob_to(
+        self,
+        ref_or_digest: BlobRef | str,
+        dest: str | os.PathLike[str],
+        *,
+        check: Callable[[os.stat_result | None], None] | None = None,
+    ) -> Path:
+        """Copy a blob's verified content to ``dest``; ``check`` judges the file it is read from (``Blobs.copy_to``)."""
         try:
-            return self._blobs.copy_to(ref_or_digest, dest)
+            return self._blobs.copy_to(ref_or_digest, dest, check=check)
         except StoreError:
             self._forget_checks()
             raise
@@ -257,62 +261,61 @@ class Store:
         components: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
-        """Record this rank's manifest, uncommitted; blobs must be stored already."""
-        validate_publish(
+        """Record this rank's manifest, uncommitted (blobs stored already): :meth:`save` short of its commit."""
+        manifest = self._publisher.save(
             key,
+            artifacts,
             rank=rank,
             world_size=world_size,
             generation=generation,
-            artifacts=artifacts,
             namespace=namespace,
             components=components,
             meta=meta,
+            commit=False,
         )
-
-        def fn(t: Txn) -> tuple[Manifest, RecordInputs]:
-            m = publish(
-                t,
-                key=key,
-                rank=rank,
-                world_size=world_size,
-                generation=generation,
-                artifacts=artifacts,
-                namespace=namespace,
-                components=components or {},
-                meta=meta or {},
-                file_ok=self._blobs.file_ok,
-            )
-            return m, record_inputs(t, m)
-
-        manifest, inputs = self._tables.write(fn)
-        try:
-            self._records.published(manifest, inputs)
-        except BaseException:  # no record, no commit: the save fails whole
-            self.abort(key, rank=rank, generation=generation)
-            raise
+        assert manifest is not None  # without ``agree`` only a failure, raised, stops a save
         return manifest
+
+    def save(
+        self,
+        key: str,
+        artifacts: Artifacts,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        generation: int | None = None,
+        namespace: str = "default",
+        components: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> Manifest | None:
+        """Publish this rank's manifest and commit it; on any failure nothing stays: the one publish path.
+
+        ``artifacts``: stored blobs, or a function storing them.  ``agree``: for ranks saving together, the
+        collective told whether this rank published, answering whether all did (None when they did not).
+        """
+        generation = self.new_generation() if generation is None else generation
+        return self._publisher.save(
+            key,
+            artifacts,
+            rank=rank,
+            world_size=world_size,
+            generation=generation,
+            namespace=namespace,
+            components=components,
+            meta=meta,
+            agree=agree,
+        )
 
     def commit(
         self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
     ) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
-        validate_key(key)
-        validate_json(components or {}, "components")
-
-        def fn(t: Txn) -> tuple[Manifest, bool]:
-            changed = components_changed(t, key, components)
-            return commit(t, key=key, rank=rank, generation=generation, components=components)[0], changed
-
-        (manifest, rewrite), drops = self._tables.write_noting_drops(fn)
-        self._records.committed(key, rank, generation, rewrite=rewrite, drops=drops)
-        if self.tier is not None:
-            self.tier.pushed(self, key, rank)
-        return manifest
+        return self._publisher.commit(key, rank=rank, generation=generation, components=components)
 
     def abort(self, key: str, *, rank: int = 0, generation: int) -> bool:
         """Drop an uncommitted manifest (a failed save); returns whether one was dropped."""
-        validate_key(key)
-        return self._tables.write(lambda t: abort(t, key=key, rank=rank, generation=generation))
+        return self._publisher.abort(key, rank=rank, generation=generation)
 
     def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
         """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted."""
@@ -356,11 +359,8 @@ class Store:
         return iter(out)
 
     def resolve_key(self, prefix: str) -> str:
-        """The one entry key equal to or starting with ``prefix`` (like a short git hash).
-
-        :class:`KeyNotFound` when none matches, :class:`AmbiguousKey` (with
-        every candidate) when several do.
-        """
+        """The one entry key equal to or starting with ``prefix`` (like a short git hash); :class:`KeyNotFound`
+        when none matches, :class:`AmbiguousKey` (with every candidate) when several do."""
         return resolve_key(self._tables, prefix)
 
     def stored_bytes(self, keys: Iterable[str]) -> dict[str, int]:
@@ -427,85 +427,6 @@ class Store:
         """The persisted budget, or None if no daemon ever set one."""
         with self._tables.read() as t:
             return read_budget(t)
-
-    # -- gc and verify ---------------------------------------------------
-    def plan_eviction(
-        self,
-        *,
-        max_size: int | str | None = None,
-        min_free: MinFree | int | str | None = None,
-        older_than: float | str | None = None,
-        max_entries: int | None = None,
-        namespace: str | None = None,
-    ) -> EvictionPlan:
-        """LRU entries to evict to meet the budget (honours leases, pins, grace)."""
-        self.flush()
-        return self._evictor().plan(
-            max_size=None if max_size is None else parse_size(max_size, field="max_size"),
-            min_free=min_free,
-            older_than=None if older_than is None else parse_duration(older_than, field="older_than"),
-            max_entries=max_entries,
-            namespace=namespace,
-        )
-
-    def plan_remove(self, keys: Iterable[str]) -> EvictionPlan:
-        """Entries to remove by name (only a live lease spares one); :class:`KeyNotFound` for a missing key."""
-        return self._evictor().plan_remove(keys)
-
-    def plan_sweep(self) -> SweepPlan:
-        from .maintenance.sweep import Sweeper
-
-        return Sweeper(self._tables, grace_period=self.grace_period).plan()
-
-    def _evictor(self) -> Evictor:
-        """The eviction planner (imported when a plan is asked for: a restart never evicts)."""
-        from .maintenance.eviction import Evictor
-
-        return Evictor(self._tables, grace_period=self.grace_period)
-
-    def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Rehash every blob and check every invariant, and the records against the index; ``fix`` repairs.
-
-        A child process reads the whole index first (``index.file.probe_index``): damage is reported, never a
-        dead process; with ``fix`` a damaged index is rebuilt from the blob files and records (``maintenance.repair``).
-        """
-        from .maintenance.repair import verify_or_rebuild
-        from .maintenance.verify import verify_store
-
-        self.flush()
-        probe = probe_index(self.root)
-        return verify_or_rebuild(
-            None if probe.ok else probe.detail,
-            fix=fix,
-            rebuild=self._rebuild,
-            verify=lambda: verify_store(
-                self._tables,
-                fix=fix,
-                grace_period=self.grace_period,
-                quarantine=self._blobs.quarantine,
-                progress=progress,
-            ),
-        )
-
-    def _rebuild(self, why: str) -> RebuildReport:
-        """Move the damaged index aside and rebuild it from the blob files and records (``rebuild``)."""
-        from .records.rebuild import plan_rebuild
-
-        self._book.close(flush=False)
-        self._index.release()
-        try:
-            return plan_rebuild(self._tables.layout, why).execute()
-        finally:
-            self._attach(self._tables.layout)
-
-    @classmethod
-    def repair_index(cls, root: str | os.PathLike[str] | None = None) -> tuple[str, RebuildReport] | None:
-        """Rebuild an index that cannot even be opened (not LMDB, truncated, faulting pages) from the blob files
-        and records (invariant 9), for ``verify --fix`` before it opens the store: (why, report), or None when the
-        index is sound or there is no store."""
-        from .records.rebuild import repair_unopenable
-
-        return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
 
     def reader_check(self) -> int:
         """Free LMDB reader slots left by killed processes."""

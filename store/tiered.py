@@ -28,17 +28,15 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from .errors import AdstoreError, KeyNotFound
-from .index.rows import Manifest
+from .index.rows import BlobRef, Entry, Manifest
+from .lookup import LookupResult
 from .reasons import Reason
 from .records.format import RECORD_FORMAT, BadRecord, parse_payload, payload_of
-from .remote import BackgroundUploader, Outcome, Remote, RemoteConfig
-
-if TYPE_CHECKING:
-    from .lookup import LookupResult
-    from .store import Store
+from .remote import BackgroundUploader, BlobSink, BlobSource, Outcome, Remote, RemoteConfig
 
 __all__ = [
     "RECORD_FORMAT",
@@ -47,6 +45,7 @@ __all__ = [
     "remote_save",
     "persist_counters",
     "Tier",
+    "TieredStore",
     "open_tier",
     "tier_from_env",
 ]
@@ -54,7 +53,35 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
+class TieredStore(BlobSink, BlobSource, Protocol):
+    """What the tiers need of :class:`adstore.store.Store` (which imports this module, never the reverse)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def lookup(self, key: str, *, rank: int | None = ..., count: bool = ...) -> LookupResult: ...
+
+    def entry(self, key: str) -> Entry | None: ...
+
+    def manifests(self, key: str) -> list[Manifest]: ...
+
+    def count(self, counts: Mapping[str, int]) -> None: ...
+
+    def save(
+        self,
+        key: str,
+        artifacts: Mapping[str, BlobRef],
+        *,
+        rank: int = ...,
+        world_size: int = ...,
+        generation: int | None = ...,
+        namespace: str = ...,
+        components: Mapping[str, Any] | None = ...,
+        meta: Mapping[str, Any] | None = ...,
+    ) -> Manifest | None: ...
+
+
+def record_payload(store: TieredStore, key: str, rank: int) -> dict[str, Any]:
     """The record of ``key``'s committed ``rank``: what a remote restore needs to commit it elsewhere.
 
     Raises :class:`KeyNotFound` when this store has no committed manifest
@@ -65,7 +92,7 @@ def record_payload(store: Store, key: str, rank: int) -> dict[str, Any]:
     return _committed_payload(store, key, rank)[0]
 
 
-def _committed_payload(store: Store, key: str, rank: int) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+def _committed_payload(store: TieredStore, key: str, rank: int) -> tuple[dict[str, Any], list[tuple[str, int]]]:
     """The record payload of ``key``'s committed ``rank`` and its blobs, each once: (digest, size)."""
     found = store.lookup(key, rank=rank, count=False)
     if not found.hit or found.manifest is None:
@@ -80,7 +107,7 @@ _persisted: weakref.WeakKeyDictionary[Remote, dict[str, dict[str, int]]] = weakr
 _persist_lock = threading.Lock()
 
 
-def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
+def persist_counters(store: TieredStore, remote: Remote) -> dict[str, int]:
     """Add what ``remote`` counted since the last call for this store to the store's ``remote.*`` counters."""
     with _persist_lock:
         now = remote.counters
@@ -94,7 +121,7 @@ def persist_counters(store: Store, remote: Remote) -> dict[str, int]:
 
 
 def _miss(
-    store: Store, reason: str, start: float, *, nbytes: int = 0, error: AdstoreError | None = None
+    store: TieredStore, reason: str, start: float, *, nbytes: int = 0, error: AdstoreError | None = None
 ) -> Outcome[Manifest]:
     store.count({"remote.misses": 1, f"remote.misses.{reason}": 1})
     return Outcome(reason=reason, error=error, nbytes=nbytes, seconds=time.perf_counter() - start)
@@ -102,7 +129,7 @@ def _miss(
 
 # -- restore -------------------------------------------------------------------
 def remote_restore(
-    store: Store, remote: Remote, key: str, rank: int = 0, world_size: int | None = 1
+    store: TieredStore, remote: Remote, key: str, rank: int = 0, world_size: int | None = 1
 ) -> Outcome[Manifest]:
     """On a local miss: fetch, check, pull and commit ``key``'s ``rank`` locally; the committed manifest.
 
@@ -133,7 +160,7 @@ def remote_restore(
 
 
 def _restore(
-    store: Store, remote: Remote, key: str, rank: int, world_size: int | None, start: float
+    store: TieredStore, remote: Remote, key: str, rank: int, world_size: int | None, start: float
 ) -> Outcome[Manifest]:
     fetched = remote.fetch_record(key, rank)
     if not fetched.ok or fetched.value is None:
@@ -158,21 +185,16 @@ def _restore(
     nbytes += pulled.nbytes
     if not pulled.ok:
         return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)
-    store.publish(
+    store.save(
         key,
+        record.artifacts,
         rank=rank,
         world_size=world_size,
         generation=record.generation,
-        artifacts=record.artifacts,
         namespace=record.namespace,
         components=record.components,
         meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id},
     )
-    try:
-        store.commit(key, rank=rank, generation=record.generation, components=record.components)
-    except BaseException:
-        store.abort(key, rank=rank, generation=record.generation)
-        raise
     check = store.lookup(key, rank=rank, count=False)
     if not check.hit or check.manifest is None:
         return _miss(store, str(check.reason), start, nbytes=nbytes)
@@ -180,19 +202,19 @@ def _restore(
     return Outcome(value=check.manifest, nbytes=nbytes, seconds=time.perf_counter() - start)
 
 
-def _committed(store: Store, key: str, rank: int, generation: int) -> Manifest | None:
+def _committed(store: TieredStore, key: str, rank: int, generation: int) -> Manifest | None:
     """This store's committed manifest of ``key`` ``rank`` at ``generation`` with every blob, if any.
 
     Read from the index alone (a lookup could fall back to the remote again).
     """
     for m in store.manifests(key):
         if m.rank == rank and m.generation == generation and m.committed:
-            return m if all(store.has_blob(ref) for ref in m.artifacts.values()) else None
+            return m if all(store.has_blob(ref.digest) for ref in m.artifacts.values()) else None
     return None
 
 
 # -- save ----------------------------------------------------------------------
-def remote_save(store: Store, target: Remote | BackgroundUploader, key: str, rank: int = 0) -> Outcome[int]:
+def remote_save(store: TieredStore, target: Remote | BackgroundUploader, key: str, rank: int = 0) -> Outcome[int]:
     """After the local commit: push ``key``'s ``rank`` (missing blobs HEAD-first, the record last).
 
     With a :class:`BackgroundUploader` the push is queued and the outcome's
@@ -299,7 +321,7 @@ class Tier:
         finally:
             self._local.busy = False
 
-    def fallback(self, store: Store, key: str, rank: int | None, missed: LookupResult) -> LookupResult:
+    def fallback(self, store: TieredStore, key: str, rank: int | None, missed: LookupResult) -> LookupResult:
         """After a local miss the remote can mend, restore what is missing from it and look again.
 
         ``absent``: ``rank``, or every rank of the record (rank 0's record
@@ -337,7 +359,9 @@ class Tier:
                     del self._restored[next(iter(self._restored))]
         return found
 
-    def _restore_ranks(self, store: Store, key: str, rank: int | None, missed: LookupResult) -> list[Outcome[Manifest]]:
+    def _restore_ranks(
+        self, store: TieredStore, key: str, rank: int | None, missed: LookupResult
+    ) -> list[Outcome[Manifest]]:
         """Restore the ranks ``missed`` calls for (see :meth:`fallback`), stopping at the first failure."""
         entry = missed.entry
         if rank is not None:
@@ -366,7 +390,7 @@ class Tier:
         with self._restored_lock:
             return self._restored.pop(key, None)
 
-    def pushed(self, store: Store, key: str, rank: int) -> Outcome[int] | None:
+    def pushed(self, store: TieredStore, key: str, rank: int) -> Outcome[int] | None:
         """After a local commit: push it (read-write remotes; a failure is counted and logged, never raised)."""
         if self.busy or not self.remote.writable:
             return None

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from adstore.integration.engine.codefiles import private_path
 from adstore.integration.engine.index import EngineIndex, component_digests
 from adstore.integration.engine.runtime import (
     CompiledEngine,
@@ -101,10 +102,10 @@ def restore(
                 f"engine {entry.engine[:12]} was built for other {', '.join(differ)} than the index entry names",
             )
         check_inputs(meta, example_inputs)
-        backend.check_loadable(record)  # native code: only from trusted writers
-        path = record.payload_path
+        backend.check_loadable(record)  # native code: only from trusted writers (of the file the copy came from)
+        path = record.payload_path  # in this process's private directory: what was checked is what loads
         if path is None:  # a back end that returned bytes: the loader needs a file
-            path = stage.store().temp_path(".pt2")
+            path = private_path(".pt2")
             path.write_bytes(record.payload_bytes())
             record.payload_path, record.owns_path = path, True
         t1 = time.perf_counter()

@@ -28,8 +28,10 @@ the "zero the weights, then hash the module" approach).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import re
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from adstore.integration.engine.toolchain import codegen_settings, toolchain_identity
 from adstore.integration.errors import CacheKeyError, ConfigError
-from adstore.integration.pipeline.keys import json_digest
+from adstore.integration.pipeline.keys import code_fingerprint, json_digest
 
 __all__ = [
     "HASH_VERSION",
@@ -149,6 +151,8 @@ class _Canon:
             return ["enum", _qualname(type(a)), a.name]
         if a is Ellipsis:
             return ["ellipsis"]
+        if isinstance(a, (types.FunctionType, functools.partial)):  # a Python function: by its code, too
+            return ["fn", _target_name(a), code_fingerprint([a])]
         if callable(a):
             return ["fn", _target_name(a)]
         # Unknown objects: type plus repr. A repr that embeds an address makes the

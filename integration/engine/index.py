@@ -30,14 +30,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from adstore.integration.engine.codefiles import Writer, copy_code, private_path
 from adstore.integration.engine.hashing import HASH_VERSION
 from adstore.integration.engine.toolchain import index_settings, toolchain_identity
-from adstore.integration.errors import CorruptEngine, EngineMismatch, EngineUnavailable, RemoteEngineMiss
+from adstore.integration.errors import (
+    CorruptEngine,
+    EngineCacheError,
+    EngineMismatch,
+    EngineUnavailable,
+    RemoteEngineMiss,
+)
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
 from adstore.store import REMOTE_REASONS, AdstoreError, Reason, is_digest
 
-__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key"]
+__all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key", "lease_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,7 @@ def index_key(
     backend: str,
     rank: int,
     world_size: int,
+    lowered: Mapping[str, Any] | None = None,
 ) -> CacheKey:
     """The index key of one compile stage (module docstring); cheap, no Inductor, no export.
 
@@ -70,7 +78,9 @@ def index_key(
     every transform from the point to the compile stage (itself included);
     ``code``: their classes or functions (source fingerprint); ``inputs``:
     :func:`~adstore.integration.engine.hashing.input_specs` of the example
-    inputs; ``settings``: Inductor options.  Every rank has its own entry.
+    inputs; ``settings``: Inductor options; ``lowered``: op name -> code
+    fingerprint of each decomposition applied before compiling (a component
+    only when there are some).  Every rank has its own entry.
     """
     components = canonical(
         {
@@ -83,9 +93,27 @@ def index_key(
             "settings": index_settings(settings),
             "toolchain": toolchain_identity(),
             "rank": {"rank": rank, "world_size": world_size},
+            **({"lowered": dict(lowered)} if lowered else {}),
         }
     )
     return CacheKey(key=json_digest(components), components=components)
+
+
+def lease_key(key: CacheKey) -> str:
+    """The single-flight lease of a stage whose index key is ``key``: what it makes, the same on every rank.
+
+    Hosts that start the same cold stage take one lease, so one compiles;
+    hosts compiling other options or input shapes under the same cache point
+    have other leases and never wait for a record that will not come.  The
+    rank's own parts (its snapshot digest, its rank) are left out, since the
+    ranks of one host lead or follow together (rank 0 takes the lease).
+    """
+    parts = dict(key.components)
+    prefix = parts.get("prefix")
+    parts["prefix"] = prefix.get("key") if isinstance(prefix, Mapping) else prefix
+    rank = parts.get("rank")
+    parts["rank"] = {"world_size": rank.get("world_size")} if isinstance(rank, Mapping) else rank
+    return json_digest({"stage_lease": parts})
 
 
 @dataclass(frozen=True)
@@ -164,10 +192,27 @@ class StageEntries:
             raise EngineUnavailable(key.key, f"not a {self.namespace} entry")
         return manifest
 
-    def read(self, key: CacheKey, manifest: Any) -> tuple[bytes, int | None]:
-        """The verified artifact of ``manifest`` and what the remote tier sent for ``key`` (None: nothing)."""
+    def read(
+        self, key: CacheKey, manifest: Any, *, judge: Callable[[str, Writer], None] | None = None
+    ) -> tuple[bytes, int | None]:
+        """The verified artifact of ``manifest`` and what the remote tier sent for ``key`` (None: nothing).
+
+        ``judge(key, writer)``: the artifact becomes code; it is read through a
+        private copy, and ``judge`` sees who wrote the blob file that copy was
+        read from and raises to refuse it (:mod:`~adstore.integration.engine.codefiles`).
+        """
         try:
-            raw = self.store.read_artifact(manifest, self.artifact)
+            if judge is None:
+                raw = self.store.read_artifact(manifest, self.artifact)
+            else:
+                dest = private_path(".code")
+                try:
+                    judge(key.key, copy_code(self.store, manifest.artifacts[self.artifact], dest))
+                    raw = dest.read_bytes()
+                finally:
+                    dest.unlink(missing_ok=True)
+        except EngineCacheError:
+            raise
         except AdstoreError as exc:
             raise CorruptEngine(f"{self.namespace} entry {key.key[:12]} unreadable: {exc}") from exc
         return raw, self.store.tier.take_restored(key.key) if self.store.tier is not None else None
@@ -196,24 +241,13 @@ class StageEntries:
 
     def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any]) -> None:
         """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier)."""
-        store = self.store
-        ref = store.put_bytes(data)
-        generation = store.new_generation()
-        store.publish(
+        self.store.save(
             key.key,
-            rank=0,
-            world_size=1,
-            generation=generation,
-            artifacts={self.artifact: ref},
+            {self.artifact: self.store.put_bytes(data)},
             namespace=self.namespace,
             components=key.components,
             meta={**meta, "created": time.time()},
         )
-        try:
-            store.commit(key.key, rank=0, generation=generation)
-        except BaseException:
-            store.abort(key.key, rank=0, generation=generation)
-            raise
 
 
 class EngineIndex(StageEntries):

@@ -13,7 +13,8 @@ restart unpacks that blob into a fresh directory and compiles there: Dynamo
 traces, and every Inductor cache lookup hits.
 
 The files are code (shared objects, Python modules, pickles): they are only
-unpacked from a blob file a trusted user wrote (the engine cache's rule),
+unpacked from a blob file a trusted user wrote (the engine cache's rule,
+judged on the descriptor the bytes are read from, :mod:`~adstore.integration.engine.codefiles`),
 and from a remote only out of a signed record by a trusted key.  A damaged,
 missing or untrusted blob is a miss with its reason and a compile that
 replaces it (docs/engine-cache.md, "torch_compile: what Inductor produced travels with the entry").
@@ -32,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from adstore.integration.engine import bundle
+from adstore.integration.engine.codefiles import private_dir
 from adstore.integration.engine.index import StageEntries
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError
@@ -60,7 +62,7 @@ def restore(
     if blob is None:
         return None, *_entries(store).why_absent(key)
     fetched = time.perf_counter() - t0
-    workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-"))
+    workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir=private_dir()))  # code: no other user may rename
     try:
         try:
             files = bundle.unpack(blob, workdir)
@@ -88,7 +90,7 @@ def compile(
 ) -> tuple[nn.Module, CacheEvent]:
     """Compile ``module`` in a fresh Inductor cache directory, then store what Inductor wrote under ``key``."""
     t0 = time.perf_counter()
-    workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-"))
+    workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir=private_dir()))  # code: no other user may rename
     try:
         compiled, stats = _compile_in(workdir, module, example_inputs, probe=True)
         blob = bundle.pack(workdir)
@@ -191,5 +193,4 @@ def _read(store: Any, key: CacheKey) -> tuple[bytes | None, int | None]:
     manifest = entries.manifest(key)
     if manifest is None:
         return None, None
-    StoreEngineStorage(store).check_writer(key.key, manifest.artifacts[ARTIFACT].digest)  # code: trusted writers only
-    return entries.read(key, manifest)
+    return entries.read(key, manifest, judge=StoreEngineStorage(store).check_writer)  # code: trusted writers only

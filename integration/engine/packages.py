@@ -16,6 +16,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.engine.codefiles import check_private, private_dir
+from adstore.integration.errors import ConfigError, EngineCacheError
+
 __all__ = ["PackageLRU"]
 
 
@@ -28,7 +31,14 @@ class PackageLRU:
     def __init__(self, *, max_entries: int, max_bytes: int, tmp_root: str | None = None) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.dir = Path(tempfile.mkdtemp(prefix="adstore-engines-", dir=tmp_root))
+        # Packages are loaded from here: a directory only this user can write, under parents no one else
+        # can rename in (codefiles); a ``tmp_root`` that is not such a place is refused.
+        made = Path(tempfile.mkdtemp(prefix="adstore-engines-", dir=tmp_root if tmp_root else private_dir()))
+        try:
+            self.dir = check_private(made)
+        except EngineCacheError as exc:
+            shutil.rmtree(made, ignore_errors=True)
+            raise ConfigError("tmp_dir", str(exc)) from exc
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self._items: OrderedDict[str, tuple[dict[str, Any], Path, int]] = OrderedDict()
         self._lock = threading.Lock()

@@ -12,11 +12,13 @@ under it: ``aoti`` an AOTInductor engine (:mod:`~adstore.integration.engine.aoti
 This module is the protocol both share.  Ranks: each rank has its own entry
 (a sharded graph, with its collective ops inside); every rank restores or
 every rank compiles, and if any rank cannot compile, every rank keeps its
-eager module.  Fleets: when several hosts start one cold key, the cache
-point's single-flight lease covers the stage, so one host compiles and the
-others restore what it pushed.  Everything fails open: a cache problem is a
-miss with a reason and a compile; a compile that fails is a ``bypass`` and
-the eager module runs (docs/engine-cache.md, "The compile stage").
+eager module.  Fleets: when several hosts start one cold stage, a
+single-flight lease on the stage's own key
+(:func:`~adstore.integration.engine.index.lease_key`) makes one host compile
+and the others restore what it pushed; a host compiling another stage under
+the same cache point never waits for it.  Everything fails open: a cache
+problem is a miss with a reason and a compile; a compile that fails is a
+``bypass`` and the eager module runs (docs/engine-cache.md, "The compile stage").
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import torch
 from torch import nn
 
 from adstore.integration.engine.hashing import input_specs
-from adstore.integration.engine.index import index_key
+from adstore.integration.engine.index import index_key, lease_key
 from adstore.integration.errors import ConfigError, IntegrationError
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind
-from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.pipeline.keys import CacheKey, code_fingerprint
 from adstore.integration.pipeline.protocol import failure_reason
 from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.store import Reason
@@ -88,7 +90,8 @@ class EngineStage:
     ``suffix``/``code``: name + configuration and the classes of every
     transform from the point through this stage; ``decompositions``: custom
     ops lowered to ATen before compiling (None: they stay in the engine).
-    ``events`` collects what the stage did, in order.
+    ``events`` collects what the stage did, in order.  With a remote, a
+    stage that finds nothing leads or follows a lease on its own key.
     """
 
     root: Any = None
@@ -99,10 +102,6 @@ class EngineStage:
     code: Sequence[type | Callable[..., Any]] = ()
     decompositions: Mapping[Any, Callable[..., Any]] | None = None
     backend: str = "aoti"
-    #: The cache point's single-flight build lease when this host leads it (handed over; released here).
-    flight: HeldFlight | None = None
-    #: The lease key a compile stage that found nothing leads or follows under (the cache point's key).
-    lease_key: str | None = None
     events: list[CacheEvent] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     _store: Any = field(default=None, repr=False)
@@ -133,16 +132,18 @@ class EngineStage:
         if self.prefix is None:
             return None
         code = [*self.code, EngineStage, _builder(self.backend).restore]  # how it is made and found
-        lowered = "".join(f"+lowered:{op}" for op in sorted(map(str, self.decompositions or ())))
+        # Each lowering by its code (source, closure, defaults), not its op's name: an edited one recompiles.
+        lowered = {str(op): code_fingerprint([fn]) for op, fn in (self.decompositions or {}).items()}
         return index_key(
             prefix=dict(self.prefix),
             suffix=self.suffix,
             code=code,
             inputs=input_specs(tuple(example_inputs)),
             settings=self.settings,
-            backend=self.backend + lowered,
+            backend=self.backend,
             rank=topo.rank,
             world_size=topo.world_size,
+            lowered=lowered,
         )
 
     def run(self, module: nn.Module, example_inputs: Sequence[Any], topo: Topology) -> nn.Module:
@@ -156,17 +157,7 @@ class EngineStage:
         try:
             if held is not None and held.role is Role.FOLLOWER:  # another host compiles this key: wait for it
                 built, reason, detail = self._follow(held, module, example_inputs, key, built, reason, detail)
-            return self._finish(
-                module,
-                example_inputs,
-                topo,
-                key,
-                built,
-                reason,
-                detail,
-                t0,
-                leading=held is not None and held.role is Role.LEADER,
-            )
+            return self._finish(module, example_inputs, topo, key, built, reason, detail, t0)
         finally:
             if held is not None and held.role is Role.LEADER:
                 held.finish()  # every rank's result is pushed (or failed): followers go on
@@ -181,8 +172,6 @@ class EngineStage:
         reason: Reason | None,
         detail: str,
         t0: float,
-        *,
-        leading: bool,
     ) -> nn.Module:
         """Agree on the restored modules, else compile (every rank), else keep the eager module (every rank)."""
         self.timings["restore"] = time.perf_counter() - t0
@@ -207,8 +196,6 @@ class EngineStage:
         t1 = time.perf_counter()
         failure: tuple[Reason, str] | None = None
         try:
-            if leading and self.flight is not None:
-                self.flight.renew()  # the prefix's build may have used much of the lease
             built = self._compile(module, example_inputs, key)
         except Exception as exc:  # noqa: BLE001 - the eager module still runs
             logger.warning("compile stage: nothing compiled (%s: %s); the eager module runs", type(exc).__name__, exc)
@@ -245,13 +232,13 @@ class EngineStage:
 
     # ----------------------------------------------------------------- single flight
     def _flight(self, key: CacheKey | None, absent: bool, topo: Topology) -> HeldFlight | None:
-        """The prefix's build lease: handed over by the cache point, or taken here when nothing was found.
+        """The lease on this stage's own key, taken when nothing was found (lead: compile; follow: wait).
 
-        Collectives only when a remote is named (the same on every rank);
-        see :func:`~adstore.integration.pipeline.remote.stage_flight`.
+        Not the cache point's: stages under one point that compile other
+        options or input shapes must not wait on each other.  Collectives only
+        when a remote is named (the same on every rank); see
+        :func:`~adstore.integration.pipeline.remote.stage_flight`.
         """
-        if self.flight is not None:
-            return self.flight  # this host led the prefix's build: it compiles too
         if not (self.remote or os.environ.get("ADSTORE_REMOTE", "").strip()):
             return None
         tier = None
@@ -259,7 +246,7 @@ class EngineStage:
             tier = self.store().tier
         except Exception as exc:  # noqa: BLE001 - no store: no lease (the restore already missed)
             logger.debug("no store for the single-flight lease: %s", exc)
-        lease = self.lease_key if key is not None else None
+        lease = lease_key(key) if key is not None else None
         return stage_flight(lease, tier.remote if tier is not None else None, absent=absent, rank=topo.rank)
 
     def _follow(

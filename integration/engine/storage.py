@@ -13,8 +13,9 @@ Three back ends ship here:
 * :class:`StoreEngineStorage` (the default): the adstore store, namespace
   ``engine``, with the store's checksums, LRU, leases and budget. Metadata and
   package are two artifacts, so a hit copies the package straight from its
-  verified blob to a temp file under the store's ``tmp/`` (the loader needs a
-  path) without holding it in memory.
+  verified blob to a file in this process's private directory (the loader
+  needs a path; :mod:`~adstore.integration.engine.codefiles`) without holding
+  it in memory, noting who wrote the blob file it read.
 * :class:`MemoryEngineStorage`: a bounded LRU dict, for tests and short jobs.
 * Your own: subclass :class:`EngineStorage` and implement ``save``/``load``.
   Only whole, verified blobs need to round-trip; the record format and all the
@@ -69,6 +70,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.engine.codefiles import Writer, copy_code, private_path
 from adstore.integration.engine.record import EngineRecord, check_meta
 from adstore.integration.errors import (
     ConfigError,
@@ -305,7 +307,6 @@ class StoreEngineStorage(EngineStorage):
             raise EngineCacheError(f"engine record {record.hash} has no payload")
         if pkg_ref.digest != record.meta["payload"]["sha256"] or pkg_ref.size != record.payload_size:
             raise CorruptEngine(f"engine package for {record.hash} changed while being saved")
-        generation = store.new_generation()
         summary = {
             "format_version": record.meta.get("format_version"),
             "kind": record.meta.get("kind"),
@@ -314,21 +315,13 @@ class StoreEngineStorage(EngineStorage):
             "constants": len(record.meta.get("constants") or ()),
             "compile_seconds": record.meta.get("compile_seconds"),
         }
-        store.publish(
+        store.save(
             record.hash,
-            rank=0,
-            world_size=1,
-            generation=generation,
-            artifacts={self.META_ARTIFACT: meta_ref, self.PACKAGE_ARTIFACT: pkg_ref},
+            {self.META_ARTIFACT: meta_ref, self.PACKAGE_ARTIFACT: pkg_ref},
             namespace=self.NAMESPACE,
             components=record.meta.get("components") or {},
             meta=summary,
         )
-        try:
-            store.commit(record.hash, rank=0, generation=generation)
-        except BaseException:
-            store.abort(record.hash, rank=0, generation=generation)
-            raise
         store.count_event(EventKind.SAVE)
         if self.max_size is not None:
             self.enforce_budget()
@@ -357,9 +350,9 @@ class StoreEngineStorage(EngineStorage):
             raise EngineUnavailable(hash, f"artifact missing: {exc}") from exc
         if pkg_ref.digest != meta["payload"]["sha256"] or pkg_ref.size != meta["payload"]["size"]:
             raise CorruptEngine("engine package blob does not match its metadata")
-        dest = store.temp_path(".pt2")  # the store's tmp/: swept if this process dies
+        dest = private_path(".pt2")  # loaded from here: no other user can rename anything in
         try:
-            store.copy_blob_to(pkg_ref, dest)  # streaming, verified against the digest
+            writer = copy_code(store, pkg_ref, dest)  # streaming, verified; the writer of the file read
         except ChecksumMismatch as exc:
             dest.unlink(missing_ok=True)
             raise CorruptEngine(f"engine package blob is corrupt: {exc}") from exc
@@ -370,34 +363,30 @@ class StoreEngineStorage(EngineStorage):
             dest.unlink(missing_ok=True)
             raise
         transferred = store.tier.take_restored(hash) if store.tier is not None else None
-        return EngineRecord(hash=hash, meta=meta, payload_path=dest, owns_path=True, transferred=transferred)
+        return EngineRecord(
+            hash=hash, meta=meta, payload_path=dest, owns_path=True, transferred=transferred, writer=writer
+        )
 
     def check_loadable(self, record: EngineRecord) -> None:
-        self.check_writer(record.hash, record.meta["payload"]["sha256"])
+        self.check_writer(record.hash, record.writer if isinstance(record.writer, Writer) else Writer(None))
 
-    def check_writer(self, hash: str, digest: str) -> None:
-        """Load native code only from blob files a trusted user wrote (UntrustedEngine otherwise).
+    def check_writer(self, hash: str, writer: Writer) -> None:
+        """Load native code only from blob files a trusted user wrote and no one else may write (UntrustedEngine).
 
-        Also what the compile stage checks before it extracts Inductor's files
+        Also what the compile stage checks before it unpacks Inductor's files
         (kernels, pickled cache entries) from a ``torch_compile`` entry.
 
-        A user cannot create a file owned by someone else, and the copy that follows
-        is verified against the digest, so a foreign file swapped in later cannot
-        pass either. Inline blobs live in the shared index, where the writer is
-        unknown, so an inline package is refused (real packages are far larger
-        than the inline threshold).
+        ``writer`` is ``fstat`` of the descriptor the verified private copy was
+        read from (:func:`~adstore.integration.engine.codefiles.copy_code`):
+        a user cannot create a file owned by someone else, and no path is
+        looked at twice, so neither a link nor a file renamed in between
+        passes for bytes it did not hold.  Inline blobs live in the shared
+        index, where the writer is unknown, so an inline package is refused
+        (real packages are far larger than the inline threshold).
         """
-        path = self.store.blob_path(digest)
-        if path is None:
-            raise UntrustedEngine(hash, None, "package is stored inline, its writer cannot be verified")
-        try:
-            owner = os.stat(path).st_uid
-        except FileNotFoundError as exc:
-            raise EngineUnavailable(hash, "package blob missing") from exc
-        if owner not in self.trusted_uids:
-            raise UntrustedEngine(
-                hash, owner, f"package blob is owned by uid {owner}, not a trusted user (ADSTORE_TRUSTED_UIDS)"
-            )
+        why = writer.refusal(self.trusted_uids)
+        if why is not None:
+            raise UntrustedEngine(hash, writer.uid, f"package refused: {why}")
 
     # -- EngineStorage -----------------------------------------------------
     def save(self, hash: str, blob: bytes) -> None:

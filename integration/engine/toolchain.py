@@ -34,7 +34,7 @@ import torch
 
 from adstore.integration.errors import CacheKeyError, ConfigError
 from adstore.integration.pipeline.envcheck import apply_overrides
-from adstore.integration.pipeline.keys import canonical_json, json_digest
+from adstore.integration.pipeline.keys import canonical_json, code_fingerprint, json_digest
 
 __all__ = [
     "REQUIRED_SETTINGS",
@@ -118,8 +118,8 @@ def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     rest = {k: v for k, v in portable.items() if k not in _CONFIG_IGNORED}
     try:
         digest = json_digest(rest)
-    except (TypeError, ValueError, CacheKeyError):  # an option holding an object: its repr stands in
-        digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=repr).encode()).hexdigest()
+    except (TypeError, ValueError, CacheKeyError):  # an option holding an object (a custom pass): see _object
+        digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=_object).encode()).hexdigest()
     return {
         "options": {k: effective[k] for k in sorted(effective)},
         "inductor_config": digest,
@@ -127,6 +127,21 @@ def codegen_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
     }
+
+
+def _object(value: Any) -> Any:
+    """An Inductor setting's value that is not JSON: a callable (a custom graph pass) by its code, else its repr.
+
+    A pass keyed by its name or repr alone would keep an engine compiled
+    with an older version of it; its code (source, closure, attributes) is
+    what decides what it does to the graph.
+    """
+    if callable(value):
+        try:
+            return {"code": code_fingerprint([value])}
+        except Exception:  # noqa: BLE001 - no fingerprint (state with no canonical form): the repr stands in
+            pass
+    return repr(value)
 
 
 #: Environment variables Inductor's configuration reads when it is imported.
@@ -182,7 +197,7 @@ def _changed_config(skip: set[str]) -> dict[str, Any]:
             value = getattr(config, name)
             if value != base:
                 out[name] = value
-        return json.loads(json.dumps(out, sort_keys=True, default=repr))
+        return json.loads(json.dumps(out, sort_keys=True, default=_object))
     except Exception as exc:  # noqa: BLE001 - another torch's internals: the full digest stands in (a miss at worst)
         return {"inductor_config": codegen_settings({}).get("inductor_config", f"error: {type(exc).__name__}")}
 

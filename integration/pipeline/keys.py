@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib
 import importlib.machinery
@@ -29,6 +30,7 @@ import json
 import math
 import os
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -129,21 +131,92 @@ def _module_source(modname: str) -> bytes:
 
 
 def code_fingerprint(classes: Iterable[type | Callable[..., Any]]) -> dict[str, str]:
-    """SHA-256 of the source of each class's (or function's) module and its ``code_modules``.
+    """SHA-256 of the source of each class's (or function's) module and its ``code_modules``, and of what it binds.
 
     The whole defining module is hashed, not only the class body, because a
     transform's behaviour lives in the helpers beside it (and reading a file is
-    much cheaper than locating a class in its parsed source).
+    much cheaper than locating a class in its parsed source).  A callable is
+    more than its source: a closure's captured values, a function's defaults,
+    a ``functools.partial``'s arguments and a callable object's attributes are
+    hashed too (:func:`_bound`), so two lowerings made by one factory with
+    different values differ, and a value with no canonical form is a
+    :class:`CacheKeyError`, never a key by name alone.
     """
-    out: dict[str, str] = {}
-    for cls in classes:
-        h = hashlib.sha256(cls.__qualname__.encode())
-        modules = [cls.__module__, *getattr(cls, "code_modules", ())]
-        for modname in sorted(set(modules)):
-            h.update(b"\0" + modname.encode() + b"\0")
-            h.update(_module_source(modname))
-        out[f"{cls.__module__}.{cls.__qualname__}"] = h.hexdigest()
+    return dict(_fingerprint(obj) for obj in classes)
+
+
+def _fingerprint(obj: Any, stack: tuple[int, ...] = ()) -> tuple[str, str]:
+    """``(name, digest)`` of one class or callable (see :func:`code_fingerprint`); ``stack``: the callables
+    whose bound values led here (a function that captures itself is named, not followed)."""
+    if len(stack) > _MAX_DEPTH:
+        raise CacheKeyError(f"code: callables nested more than {_MAX_DEPTH} deep in {obj!r}")
+    stack = (*stack, id(obj))
+    code = obj.func if isinstance(obj, functools.partial) else obj
+    if not isinstance(code, type) and not hasattr(code, "__qualname__"):
+        code = type(code)  # a callable object: its class's code, its attributes below
+    name = f"{code.__module__}.{code.__qualname__}"
+    h = hashlib.sha256(code.__qualname__.encode())
+    for modname in sorted({code.__module__, *getattr(code, "code_modules", ())}):
+        h.update(b"\0" + modname.encode() + b"\0")
+        h.update(_module_source(modname))
+    bound = _bound(obj, stack)
+    if bound:  # nothing is added for a plain class or function: their digests stay what they were
+        h.update(b"\0bound\0" + canonical_json(bound).encode())
+    if isinstance(obj, functools.partial):
+        name = f"partial({name})"
+    return name, h.hexdigest()
+
+
+_MAX_DEPTH = 8
+
+
+def _bound(obj: Any, stack: tuple[int, ...]) -> dict[str, Any]:
+    """What a callable carries besides its code: closure cells, defaults, partial arguments, attributes."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, functools.partial):
+        out["args"] = [_value(v, stack) for v in obj.args]
+        out["keywords"] = {k: _value(v, stack) for k, v in sorted(obj.keywords.items())}
+        inner = _bound(obj.func, stack)
+        if inner:
+            out["func"] = inner
+        return out
+    if isinstance(obj, type):
+        return out
+    fn = getattr(obj, "__func__", obj)  # a bound method: its function, and what it is bound to
+    if fn is not obj:
+        out["self"] = _value(obj.__self__, stack)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        if cells:
+            out["closure"] = {n: _value(c.cell_contents, stack) for n, c in zip(code.co_freevars, cells, strict=True)}
+        if getattr(fn, "__defaults__", None):
+            out["defaults"] = [_value(v, stack) for v in fn.__defaults__]
+        if getattr(fn, "__kwdefaults__", None):
+            out["kwdefaults"] = {k: _value(v, stack) for k, v in sorted(fn.__kwdefaults__.items())}
+    elif not hasattr(obj, "__qualname__"):  # a callable object
+        out["attributes"] = (
+            {k: _value(v, stack) for k, v in sorted(vars(obj).items())} if hasattr(obj, "__dict__") else {}
+        )
     return out
+
+
+def _value(value: Any, stack: tuple[int, ...]) -> Any:
+    """A bound value in canonical form; callables by their own fingerprint, torch ops and modules by name."""
+    if isinstance(value, types.ModuleType):
+        return {"module": value.__name__}
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return {"op": str(value)}
+    if callable(value) and not isinstance(value, (torch.dtype, torch.device)):
+        if id(value) in stack:
+            return {"recursive": getattr(value, "__qualname__", type(value).__qualname__)}
+        return {"code": _fingerprint(value, stack)[1]}
+    try:
+        return canonical(value, "code")
+    except CacheKeyError:
+        raise CacheKeyError(
+            f"code: a callable binds a {type(value).__name__} value ({value!r:.60}) with no canonical form"
+        ) from None
 
 
 def environment_fingerprint(code: Iterable[type | Callable[..., Any]] = ()) -> dict[str, Any]:

@@ -168,14 +168,12 @@ class InferenceOptimizer:
             for t, (name, config) in zip(self.transforms[idx + 1 :], self._cache_key_config[idx + 1 :], strict=True)
             if t.config.enabled
         ]
-        continues = any(getattr(t, "caches_after_point", False) for t in self.transforms[idx + 1 :] if t.config.enabled)
         return AfterPoint(
             key=key,
             snapshot=getattr(self.cache, "snapshot", None),
             root=getattr(cfg, "root", None),
             remote=getattr(cfg, "remote", None),
             transforms=later,
-            continues=continues,
         )
 
     def cache_key(self) -> CacheKey | None:
@@ -199,12 +197,7 @@ class InferenceOptimizer:
             if restored is not None:
                 module, start = restored, idx + 1
                 self.resumed_at = self.transforms[start].name if start < len(self.transforms) else None
-        try:
-            module = self._run(module, start)
-        finally:
-            if self.ctx.point is not None and self.ctx.point.flight is not None:
-                self.ctx.point.flight.release()  # the stage meant to release the build lease did not run
-                self.ctx.point.flight = None
+        module = self._run(module, start)
         self.timings["total"] = time.perf_counter() - t_start
         if module is None:
             raise ConfigError("transforms", "the pipeline produced no module (is build_model missing?)")

@@ -106,7 +106,6 @@ class CachedPrefix(_Outcome):
             suffix=[{"name": "compile", "config": dict(key or {})}],
             code=list(code),
             decompositions=decompositions,
-            lease_key=self.key,
         )
         try:
             out = stage.run(module, tuple(example_inputs), topo)

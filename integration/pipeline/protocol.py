@@ -265,8 +265,9 @@ class SnapshotCache:
             self._event(EventKind.BYPASS, topo, reason=Reason.SAVE_DISABLED)
             return False
         t0 = time.perf_counter()
-        ok, reason, detail, kind = False, None, "", EventKind.BYPASS
-        published, nbytes, gen, ck, store = False, 0, 0, None, None
+        reason, detail, kind = None, "", EventKind.BYPASS
+        nbytes, gen, ck, store = 0, 0, None, None
+        refs: dict[str, Any] = {}
         try:
             ck = self._compute_key(key)
             store = self.store()
@@ -275,47 +276,43 @@ class SnapshotCache:
             reason, detail, local_gen = failure_reason(exc), str(exc), 0
         # agreement 0: rank 0's generation for every rank (0 = rank 0 cannot save)
         gen = agree.broadcast_int(local_gen)
-        if ck is not None and reason is None:
-            if gen <= 0:
-                reason = Reason.PEER_SAVE_FAILED
-            else:
-                try:
-                    from adstore.integration.snapshot import dump_module
 
-                    artifacts = dump_module(module)
-                    refs = {name: store.put_bytes(data) for name, data in artifacts.items()}
-                    nbytes = sum(r.size for r in refs.values())
-                    store.publish(
-                        ck.key,
-                        rank=topo.rank,
-                        world_size=topo.world_size,
-                        generation=gen,
-                        artifacts=refs,
-                        namespace=self.namespace,
-                        components=ck.components,
-                        meta={
-                            "prefix_seconds": prefix_seconds,
-                            **(meta or {}),
-                            "host": socket.gethostname(),
-                            "pid": os.getpid(),
-                        },
-                    )
-                    published, ok = True, True
-                except Exception as exc:
-                    reason, detail = failure_reason(exc), str(exc)
-        # agreement 1: every rank published; only then commit
-        if agree.all_true(ok):
+        def snapshot() -> dict[str, Any]:
+            from adstore.integration.snapshot import dump_module
+
+            refs.update({name: store.put_bytes(data) for name, data in dump_module(module).items()})
+            return refs
+
+        if ck is not None and reason is None and gen > 0:
+            # agreement 1 (inside the store's one publish path): every rank published; only then commit
             try:
-                store.commit(ck.key, rank=topo.rank, generation=gen)  # type: ignore[union-attr]
-                kind = EventKind.SAVE
-                self.snapshot = snapshot_digest(refs)
+                saved = store.save(
+                    ck.key,
+                    snapshot,
+                    rank=topo.rank,
+                    world_size=topo.world_size,
+                    generation=gen,
+                    namespace=self.namespace,
+                    components=ck.components,
+                    meta={
+                        "prefix_seconds": prefix_seconds,
+                        **(meta or {}),
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                    },
+                    agree=agree.all_true,
+                )
+                if saved is None:
+                    reason = Reason.PEER_SAVE_FAILED
+                else:
+                    kind = EventKind.SAVE
+                    self.snapshot = snapshot_digest(refs)
             except Exception as exc:
                 reason, detail = failure_reason(exc), str(exc)
-                self._abort(store, ck, topo, gen)  # leave nothing uncommitted behind
         else:
             reason = reason or Reason.PEER_SAVE_FAILED
-            if published:
-                self._abort(store, ck, topo, gen)
+            agree.all_true(False)  # agreement 1, joined by a rank that has nothing to publish
+        nbytes = sum(r.size for r in refs.values())
         # agreement 2: every rank committed (a lone commit is never restorable anyway)
         if not agree.all_true(kind == EventKind.SAVE) and kind == EventKind.SAVE:
             kind, reason = EventKind.BYPASS, Reason.PEER_COMMIT_FAILED
@@ -328,10 +325,3 @@ class SnapshotCache:
             detail=detail,
         )
         return kind == EventKind.SAVE
-
-    @staticmethod
-    def _abort(store: Any, ck: CacheKey | None, topo: Topology, gen: int) -> None:
-        try:
-            store.abort(ck.key, rank=topo.rank, generation=gen)  # type: ignore[union-attr]
-        except Exception as exc:  # gc sweeps an uncommitted manifest later
-            log.warning("abort of uncommitted manifest failed: %s", exc)

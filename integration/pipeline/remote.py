@@ -189,11 +189,6 @@ class HeldFlight:
     flight: Flight | None
     role: Role = Role.LEADER
 
-    def renew(self) -> None:
-        """Push the lease's expiry out again (a long build after a long prefix)."""
-        if self.flight is not None and self.flight.leader:
-            self.flights.renew(self.flight)
-
     def release(self) -> None:
         """Rank 0 drops the lease (no collective; see :meth:`finish`)."""
         if self.flight is not None and self.flight.leader:
@@ -210,11 +205,13 @@ class HeldFlight:
 
 
 def stage_flight(lease_key: str | None, remote: Remote | None, *, absent: bool, rank: int) -> HeldFlight | None:
-    """A stage after the cache point found nothing anywhere: lead, follow or build alone, on the prefix's lease.
+    """A stage after the cache point found nothing anywhere: lead, follow or build alone, on its own lease.
 
-    The cache point's build lease (its key) covers the stages after it that
-    cache what they make (the compile stage's engine), so when several
-    hosts start one cold key, one compiles.  A collective at world size > 1:
+    ``lease_key`` names what the stage makes, the same on every rank of a
+    host (the compile stage's: its key without the rank's own parts), so
+    when several hosts start one cold stage, one compiles, and a host that
+    compiles another stage under the same cache point (other options, other
+    input shapes) never waits for it.  A collective at world size > 1:
     call it on every rank whenever a remote is named, whatever happened on
     this rank (``absent``: this rank found nothing, locally or remotely).
     Returns the lease to lead under (``role`` leader: build, then
@@ -262,12 +259,7 @@ def push(cache: Any, ctx: Any) -> Outcome[int] | None:
         return _push(cache, ctx, cfg, events, leading=lead is not None)
     finally:
         if lead is not None:  # every rank's record went up (or the build failed): followers restore or build
-            held = HeldFlight(lead[0], lead[1])
-            point = getattr(ctx, "point", None)
-            if point is not None and point.continues:
-                point.flight = held  # a later stage caches what it makes: the lease covers it too
-            else:
-                held.finish()  # every rank of a leading host calls push() after its save
+            HeldFlight(lead[0], lead[1]).finish()  # every rank of a leading host calls push() after its save
 
 
 def _push(cache: Any, ctx: Any, cfg: Any, events: Any, *, leading: bool = False) -> Outcome[int] | None:

@@ -160,12 +160,6 @@ class AfterPoint:
     remote: str | None = None
     #: Enabled transforms after the point in run order: name, config copy (taken before anything ran), class.
     transforms: list[tuple[str, dict[str, Any], type]] = field(default_factory=list)
-    #: Whether a transform after the point caches what it makes (``caches_after_point``): then the
-    #: single-flight build lease of ``key`` covers it too.
-    continues: bool = False
-    #: The single-flight build lease this host leads under for ``key`` (the remote tier hands it over when
-    #: ``continues``; the stage that caches releases it, else the optimizer once the pipeline ran).
-    flight: Any = None
 
     def through(self, name: str) -> list[tuple[str, dict[str, Any], type]]:
         """The transforms after the point up to and including ``name``."""

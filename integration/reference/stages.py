@@ -336,11 +336,6 @@ class Compile(Transform):
         super().__init__(config)
         self.events: list[CacheEvent] = []
 
-    @property
-    def caches_after_point(self) -> bool:
-        """Whether this stage caches what it makes (the cache point's build lease then covers it)."""
-        return self.config.backend != "eager"  # type: ignore[attr-defined]
-
     def apply(self, module: nn.Module | None, ctx: PipelineContext) -> nn.Module:
         cfg: CompileConfig = self.config  # type: ignore[assignment]
         if module is None:
@@ -370,8 +365,6 @@ class Compile(Transform):
             suffix=[{"name": n, "config": c} for n, c, _ in through],
             code=[cls for _, _, cls in through] or [type(self)],
             decompositions=_reference_decompositions() if cfg.custom_ops == "lower" else None,
-            flight=point.flight if point is not None else None,
-            lease_key=point.key if point is not None else None,
             events=self.events,
         )
         try:
@@ -395,8 +388,6 @@ class Compile(Transform):
                     return torch.compile(module, dynamic=False)  # type: ignore[return-value]
                 return module
             assert inputs is not None
-            if point is not None:
-                point.flight = None  # the stage releases it (else the optimizer does, after the pipeline)
             out = stage.run(module, inputs, Topology(ctx.rank, ctx.world_size))
         finally:
             stage.close()

@@ -19,6 +19,7 @@ import os
 import pickle
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -163,8 +164,8 @@ __attribute__((constructor)) static void adstore_test_pwn(void) {
 """
 
 
-def _as_nobody(fn) -> None:
-    """Run ``fn()`` in a forked child as uid/gid 65534 (another user with group write access)."""
+def _as_nobody(fn, *, must_succeed: bool = True) -> bool:
+    """Run ``fn()`` in a forked child as uid/gid 65534 (another user with group write access); whether it did."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -182,35 +183,13 @@ def _as_nobody(fn) -> None:
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    done = os.waitstatus_to_exitcode(status) == 0
+    assert done or not must_succeed
+    return done
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("gcc") is None, reason="needs root (a second uid) and gcc")
-def test_engine_package_from_another_user_is_not_loaded(tmp_path, sentinel):
-    shared = Path(f"/tmp/adstore-engine-{os.getpid()}-{id(tmp_path)}")  # pytest's tmp is 0700: not shareable
-    shared.mkdir(mode=0o755)
-    try:
-        _engine_attack(shared, tmp_path, sentinel)
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
-
-
-def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
-    root = shared / "store"
-    root.mkdir()
-    os.chown(root, 0, 65534)
-    os.chmod(root, 0o2775)
-    model, x = Tiny(), torch.randn(2, 8)
-    with Store.open(root) as store:
-        cache = EngineCache(StoreEngineStorage(store))
-        honest = cache.compile(model, (x,))  # the victim's own engine, compiled once
-        h = honest.hash
-        res = store.lookup(h, count=False)
-        meta = json.loads(store.read_artifact(res.manifest, "engine.json"))
-        package = store.read_artifact(res.manifest, "engine.pt2")  # the content (its file may be a zstd frame)
-        cache.close()
-    # The attacker swaps the shared object inside the package for one with a constructor.
+def _evil_package_of(package: bytes, tmp_path: Path, sentinel: Path) -> bytes:
+    """``package`` with its shared object swapped for one whose constructor creates ``sentinel``."""
     src = tmp_path / "evil.c"
     src.write_text(_EVIL_C)
     so = tmp_path / "evil.so"
@@ -220,17 +199,65 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
         for info in zin.infolist():
             data = so.read_bytes() if info.filename.endswith(".so") else zin.read(info)
             zout.writestr(info, data)
-    evil_pkg = evil.getvalue()
-    meta["payload"] = {**meta["payload"], "sha256": hashlib.sha256(evil_pkg).hexdigest(), "size": len(evil_pkg)}
+    return evil.getvalue()
+
+
+def _share_with_nobody(root: Path) -> None:
+    """Make ``root`` a store shared with group 65534, as a group-shared store is: 2775 directories, the
+    index group-writable, blob files read-only (0444) as the store writes them."""
+    os.chown(root, 0, 65534)
+    os.chmod(root, 0o2775)
+    for path in root.rglob("*"):
+        os.chown(path, -1, 65534)
+        if path.is_dir() or "blobs" not in path.relative_to(root).parts:
+            os.chmod(path, os.stat(path).st_mode | (0o2070 if path.is_dir() else 0o060))
+
+
+_NEEDS_ROOT_AND_GCC = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("gcc") is None, reason="needs root (a second uid) and gcc"
+)
+
+
+@pytest.fixture(scope="module")
+def honest_engine(tmp_path_factory):
+    """The victim's own engine, compiled once: a store holding it (a template to copy), its hash, meta, package."""
+    template = tmp_path_factory.mktemp("honest") / "store"
+    with Store.open(template) as store:
+        cache = EngineCache(StoreEngineStorage(store))
+        h = cache.compile(Tiny(), (torch.randn(2, 8),)).hash
+        res = store.lookup(h, count=False)
+        meta = json.loads(store.read_artifact(res.manifest, "engine.json"))
+        package = store.read_artifact(res.manifest, "engine.pt2")  # the content (its file may be a zstd frame)
+        cache.close()
+    return template, h, meta, package
+
+
+@pytest.fixture
+def shared_store(honest_engine):
+    """A copy of the honest store, shared with the attacker's group (pytest's tmp is 0700: not shareable)."""
+    shared = Path(tempfile.mkdtemp(prefix="adstore-engine-", dir="/tmp"))
+    os.chmod(shared, 0o755)
+    root = shared / "store"
+    shutil.copytree(honest_engine[0], root, symlinks=True)
+    _share_with_nobody(root)
+    yield root
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.slow
+@_NEEDS_ROOT_AND_GCC
+def test_engine_package_from_another_user_is_not_loaded(honest_engine, shared_store, tmp_path, sentinel):
+    root, (_, h, meta, package) = shared_store, honest_engine
+    evil_pkg = _evil_package_of(package, tmp_path, sentinel)
+    meta = {**meta, "payload": {**meta["payload"], "sha256": hashlib.sha256(evil_pkg).hexdigest()}}
+    meta["payload"]["size"] = len(evil_pkg)
 
     def attack() -> None:  # as a file the attacker owns (a small package would be stored inline)
         with Store.open(root, inline_threshold=1024) as s:
             _publish_engine(s, h, meta, evil_pkg)
 
-    for path in root.rglob("*"):  # the store is shared with the attacker's group
-        os.chown(path, -1, 65534)
-        os.chmod(path, os.stat(path).st_mode | 0o060)
     _as_nobody(attack)
+    model, x = Tiny(), torch.randn(2, 8)
     with Store.open(root) as store:
         victim = EngineCache(StoreEngineStorage(store))
         engine, event = victim.lookup(model, (x,))
@@ -245,3 +272,126 @@ def _engine_attack(shared: Path, tmp_path: Path, sentinel: Path) -> None:
         outcome = pool.apply(_trusting_lookup, (str(root),))
     assert sentinel.exists(), f"control failed: the crafted package did not run ({outcome}), so the test proves nothing"
     sentinel.unlink()
+
+
+# ----------------------------------------------------------------------------- races on the way to the loader
+# In a group-shared store ``blobs/xx/`` and ``tmp/`` are group-writable without the sticky bit, so a member
+# can rename files there while the victim checks and loads.  The victim below runs in a fresh (spawned)
+# interpreter with the attacker's move hooked in at a step boundary of the real code (after the package is
+# copied out of the store; after the writer check), so each race is won every time, no timing loop.
+
+
+def _symlink_over(blob: str) -> None:
+    """As the attacker: replace the attacker's own blob file with a link to a root-owned file."""
+    link = f"{blob}.link"
+    os.symlink("/etc/passwd", link)
+    os.rename(link, blob)
+
+
+def _replace_copy(copy: str, evil: str) -> None:
+    """As the attacker: put the evil package where the victim's checked copy is, by a rename."""
+    planted = os.path.join(os.path.dirname(copy), "planted.pt2")
+    shutil.copyfile(evil, planted)
+    os.rename(planted, copy)
+
+
+def _racing_victim(root: str, race: str, evil: str) -> str:
+    """The victim looks its engine up while the attacker runs ``race`` (run in a spawned process)."""
+    if race == "symlink_after_copy":
+        load_record = StoreEngineStorage.load_record
+
+        def copied_then_raced(self, hash):
+            record = load_record(self, hash)  # the package is copied out of the store now
+            blob = str(self.store.blob_path(record.meta["payload"]["sha256"]))
+            _as_nobody(lambda: _symlink_over(blob))
+            return record
+
+        StoreEngineStorage.load_record = copied_then_raced
+    else:
+        check_loadable = StoreEngineStorage.check_loadable
+
+        def checked_then_raced(self, record):
+            check_loadable(self, record)  # the writer check passed: the honest engine
+            copy = str(record.payload_path)
+            _as_nobody(lambda: _replace_copy(copy, evil), must_succeed=False)
+            return None
+
+        StoreEngineStorage.check_loadable = checked_then_raced
+    with Store.open(root) as store:
+        victim = EngineCache(StoreEngineStorage(store))
+        engine, event = victim.lookup(Tiny(), (torch.randn(2, 8),))
+        victim.close()
+    return f"{event.kind} {event.reason or ''}: {event.detail or ''}"
+
+
+@pytest.mark.slow
+@_NEEDS_ROOT_AND_GCC
+@pytest.mark.parametrize("race", ["symlink_after_copy", "copy_swapped_before_load"])
+def test_a_racing_group_member_never_gets_a_package_loaded(honest_engine, shared_store, tmp_path, sentinel, race):
+    """(a) the attacker's blob becomes a link to a root-owned file once its copy is taken: the owner check
+    must judge the file the copy was read from; (b) the honest engine's checked copy is replaced before it is
+    loaded: the copy must sit where no other user can rename anything in."""
+    root, (_, h, meta, package) = shared_store, honest_engine
+    evil_pkg = _evil_package_of(package, tmp_path, sentinel)
+    evil = root.parent / "evil.pt2"  # where the attacker keeps it
+    evil.write_bytes(evil_pkg)
+    os.chmod(evil, 0o644)
+    if race == "symlink_after_copy":  # the attacker's package under the victim's hash, in a file it owns
+        meta = {**meta, "payload": {**meta["payload"], "sha256": hashlib.sha256(evil_pkg).hexdigest()}}
+        meta["payload"]["size"] = len(evil_pkg)
+
+        def publish() -> None:
+            with Store.open(root, inline_threshold=1024) as s:
+                _publish_engine(s, h, meta, evil_pkg)
+
+        _as_nobody(publish)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        outcome = pool.apply(_racing_victim, (str(root), race, str(evil)))
+    assert not sentinel.exists(), f"the attacker's package ran in the victim's process ({outcome})"
+    if race == "symlink_after_copy":
+        assert outcome.startswith("miss untrusted_engine"), outcome
+    else:  # the honest engine, loaded from the copy that was checked
+        assert outcome.startswith("hit"), outcome
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second uid)")
+def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypatch):
+    """The ``torch_compile`` stage's files (kernels, pickles) under the writer rule: the attacker's blob is a
+    link to a root-owned file while the victim judges its writer, and the attacker's file again around that.
+    Judged on the descriptor the bytes are read from, it is refused; judged on the path, it was read."""
+    from adstore.integration.engine import inductor
+    from adstore.integration.engine.index import StageEntries
+    from adstore.integration.errors import UntrustedEngine
+    from adstore.integration.pipeline.keys import CacheKey
+
+    shared = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir="/tmp"))
+    os.chmod(shared, 0o755)
+    try:
+        root = shared / "store"
+        root.mkdir()
+        _share_with_nobody(root)
+        Store.open(root).close()
+        _share_with_nobody(root)
+        key, files = CacheKey("c" * 64, {"stage": "torch_compile"}), b"\x7fELF attacker's kernels" * 10_000
+
+        def publish() -> None:
+            with Store.open(root) as s:
+                StageEntries(s, inductor.NAMESPACE, inductor.ARTIFACT).save(key, files, {})
+
+        _as_nobody(publish)
+        with Store.open(root) as store:
+            blob = str(store.blob_path(hashlib.sha256(files).hexdigest()))
+            judge = StoreEngineStorage.check_writer
+
+            def raced(self, *args):
+                _as_nobody(lambda: (os.rename(blob, f"{blob}.real"), os.symlink("/etc/passwd", blob)))
+                try:
+                    return judge(self, *args)
+                finally:
+                    _as_nobody(lambda: os.replace(f"{blob}.real", blob))
+
+            monkeypatch.setattr(StoreEngineStorage, "check_writer", raced)
+            with pytest.raises(UntrustedEngine, match="uid 65534"):
+                inductor._read(store, key)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

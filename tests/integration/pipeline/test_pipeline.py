@@ -20,6 +20,7 @@ from adstore.integration.reference.models import ModelFactory
 from adstore.integration.reference.pipeline import default_transforms, reference_registry
 from adstore.store import Store
 from adstore.store.errors import ConfigError
+from adstore.store.records.sync import RecordWriter
 
 MODEL = {"arch": "llama", "layers": 2, "hidden": 64}
 
@@ -250,7 +251,8 @@ def test_publish_failure_fails_open_and_leaves_no_temp_files(factory, checkpoint
     def full_disk(self, *a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Store, "publish", full_disk)
+    # The disk fills after the manifest's index row, at its record: the one publish path aborts the row.
+    monkeypatch.setattr(RecordWriter, "published", full_disk)
     opt, _, out = run(factory, checkpoint, default_transforms(pipeline_cache={"root": str(root)}))
     assert kinds(opt) == [("miss", "absent"), ("bypass", "io_error")]
     monkeypatch.undo()
@@ -258,6 +260,7 @@ def test_publish_failure_fails_open_and_leaves_no_temp_files(factory, checkpoint
     assert leftovers == []
     store = Store.open(root)
     assert not store.lookup(opt.events[0].key).hit
+    assert store.entry(opt.events[0].key) is None and store.manifests(opt.events[0].key) == []
     assert list(store.entries()) == []
     again, _, out2 = run(factory, checkpoint, default_transforms(pipeline_cache={"root": str(root)}))
     assert kinds(again) == [("miss", "absent"), ("save", None)]
