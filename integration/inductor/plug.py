@@ -160,6 +160,7 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     RECORDER.install()
     with _lock:
         _state = state
+    _at_exit_once()
     placed = entries.restore_toolchain()  # the ISA probes and headers run before any FX-graph lookup
     logger.info(
         "adstore: Inductor's caches go through %s (%d toolchain files placed, pid %d)",
@@ -173,6 +174,7 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
 def disable() -> None:
     """Undo :func:`enable`: torch's flags and backends as they were; an owned store is closed."""
     global _state
+    _save_toolchain()  # headers and probes a process met after its last save (a rebuilt header among them)
     with _lock:
         state, _state = _state, None
     if state is None:
@@ -198,6 +200,16 @@ def disable() -> None:
 
 
 _ABSENT = object()
+_exit_hook: list[bool] = []
+
+
+def _at_exit_once() -> None:
+    """At exit, keep what the process built and close an owned store (once per process)."""
+    if not _exit_hook:
+        import atexit
+
+        _exit_hook.append(True)
+        atexit.register(disable)
 
 
 def _module(name: str) -> Any:
