@@ -206,11 +206,14 @@ class InductorEntries:
 
         from adstore.integration.errors import CorruptKernel
 
-        data = b"".join(read_trusted(self.store, ref, self.trusted))
-        got = hashlib.sha256(data).hexdigest()
-        if got != ref.digest or len(data) != ref.size:
-            self.store.quarantine(ref.digest)
-            raise CorruptKernel(ref.digest, got, len(data))
+        try:
+            data = b"".join(read_trusted(self.store, ref, self.trusted))
+            got = hashlib.sha256(data).hexdigest()
+            if got != ref.digest or len(data) != ref.size:
+                raise CorruptKernel(ref.digest, got, len(data))
+        except CorruptKernel:
+            self.store.quarantine(ref.digest)  # proven damage: the entry misses until it is saved again
+            raise
         return data
 
     def _file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
