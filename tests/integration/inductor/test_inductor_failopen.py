@@ -33,7 +33,8 @@ def test_a_full_store_keeps_nothing_and_raises_nothing(tmp_path, caplog):
         assert entries.get(FX, "pt2:fx-graph-v1::k1:c1") is None
         store.flush()
         assert store.stats().counters.get("inductor.failopen.over_budget", 0) >= 2
-    assert len([r for r in caplog.records if "over_budget" in r.getMessage()]) <= 1
+    logged = len([r for r in caplog.records if "over_budget" in r.getMessage()])
+    assert logged == (1 if before == 0 else 0)  # once per reason and process
 
 
 def test_a_stored_value_round_trips_and_a_damaged_one_is_a_miss_then_replaced(tmp_path):
