@@ -127,3 +127,16 @@ def test_without_a_store_torch_compile_works_and_says_why_once(seed):
     assert b["enabled"] is False and sum(b["failopen"].values()) == 1, b["failopen"]
     assert len(b["warnings"]) == 1 and "without adstore" in b["warnings"][0], b["warnings"]
     assert b["output"] == a["output"] and b["builds"] == [] and b["inductor"].get("fxgraph_cache_hit") == 1
+
+
+def test_a_local_hit_does_not_ask_the_store(seed):
+    base, a = seed
+    env, root = copy_store(seed, "warm")
+    env = {**host_env(base, "a"), "ADSTORE_ROOT": str(root)}  # A's own Inductor directories: warm
+    with Store.open(root) as store:
+        before = {e.key: e.hits for e in store.entries() if e.namespace != "inductor_toolchain"}
+    b = on_host(compile_host, env, True, INLINE)
+    assert b["builds"] == [] and b["inductor"].get("fxgraph_cache_hit") == 1 and b["output"] == a["output"], b
+    with Store.open(root) as store:
+        after = {e.key: e.hits for e in store.entries() if e.namespace != "inductor_toolchain"}
+    assert after == before and len(before) == 2, (before, after)  # FX graph and AOTAutograd: never looked up
