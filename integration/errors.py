@@ -26,6 +26,10 @@ __all__ = [
     "EngineUnavailable",
     "UntrustedEngine",
     "RemoteEngineMiss",
+    "InductorCacheError",
+    "UntrustedKernel",
+    "CorruptKernel",
+    "UnsafeCacheDir",
     "ConfigError",
 ]
 
@@ -156,3 +160,48 @@ class RemoteEngineMiss(EngineCacheError):
         self.key = key
         self.reason = Reason(reason)
         super().__init__(f"engine {key} not restored from the remote tier: {reason}")
+
+
+class InductorCacheError(IntegrationError):
+    """Inductor's caches through adstore (``adstore.integration.inductor``) could not serve or keep an entry.
+
+    Never raised into ``torch.compile``: the adapter catches it, counts
+    ``inductor.failopen.<reason>`` and Inductor compiles as it would without adstore.
+    """
+
+
+class UntrustedKernel(InductorCacheError):
+    """A cache entry's file (a kernel, a pickled graph, a header) comes from a writer this process does not trust.
+
+    These files become code, so the engine cache's rule applies: only blob
+    files owned by this user, root or ``ADSTORE_TRUSTED_UIDS``, and inline
+    blobs only from an index no other user can write.
+    """
+
+    reason = Reason.UNTRUSTED_ENGINE
+
+    def __init__(self, digest: str, detail: str) -> None:
+        self.digest = digest
+        super().__init__(f"blob {digest[:12]} not loaded: {detail}")
+
+
+class CorruptKernel(InductorCacheError):
+    """A blob read for Inductor did not hash to its digest (or did not decode); it was quarantined."""
+
+    reason = Reason.CHECKSUM
+
+    def __init__(self, digest: str, got: str, size: int) -> None:
+        self.digest = digest
+        self.got = got
+        self.size = size
+        super().__init__(f"blob {digest[:12]}: content hashes to {got[:12]} ({size} bytes)")
+
+
+class UnsafeCacheDir(InductorCacheError):
+    """A directory files would be placed in is not this user's alone (another owner, group or world writable)."""
+
+    reason = Reason.UNSAFE_ROOT
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {detail}")

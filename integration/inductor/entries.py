@@ -1,0 +1,273 @@
+"""Inductor's cache entries as store entries: keys, values, kernel files, and failing open.
+
+One store entry per Inductor cache entry, in a namespace per cache
+(``inductor_fx_graph``, ``inductor_aot_autograd``, ...).  Its key is the
+SHA-256 of Inductor's own key (as the remote cache hands it to a backend)
+together with torch's build key (``torch_key``) and adstore's toolchain
+fingerprint (the engine cache's :func:`toolchain_identity`); those three are
+the entry's components, so ``adstore explain`` shows them.  Artifacts:
+
+* ``value``: the bytes Inductor gave the backend (JSON holding a base64 pickle
+  for FX-graph and AOTAutograd entries), returned as they were;
+* ``cache.<xx>.<file>``: a kernel file under Inductor's cache directory
+  (``<cache dir>/<xx>/<file>``), named by Inductor after its source's hash;
+* ``pch.<file>``: a precompiled header file (toolchain entry only).
+
+The store does the rest: deduplication (a kernel two graphs share is one
+blob), compression, LRU and budget, the remote tier with signed records,
+``adstore ls/stats/explain/rm``.  Nothing here caches or evicts on its own.
+
+Everything fails open: a problem is logged once per reason, counted as
+``inductor.failopen.<reason>`` (in the store when it can count, and in
+:data:`FAILOPEN` always), and Inductor goes on as it would without adstore.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from adstore.integration.errors import InductorCacheError
+from adstore.integration.inductor.files import place, read_trusted
+from adstore.store import AdstoreError, Reason
+
+__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "note_failure"]
+
+logger = logging.getLogger(__name__)
+
+#: Inductor's remote caches (by the class name torch looks them up by) and the namespace of each.
+NAMESPACES = {
+    "RemoteFxGraphCache": "inductor_fx_graph",
+    "RemoteAOTAutogradCache": "inductor_aot_autograd",
+    "RemoteAutotuneCache": "inductor_autotune",
+    "RemoteBundledAutotuneCache": "inductor_bundled_autotune",
+    "RemoteDynamoPGOCache": "inductor_dynamo_pgo",
+}
+TOOLCHAIN_NAMESPACE = "inductor_toolchain"
+VALUE = "value"
+
+#: Why adstore stood aside, this process (``inductor.failopen.<reason>`` in the store as well).
+FAILOPEN: Counter[str] = Counter()
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+_CACHE_FILE = re.compile(r"cache\.([a-z0-9]{2})\.([A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*)")
+_PCH_FILE = re.compile(r"pch\.([A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*)")
+
+
+def note_failure(reason: str, detail: str, store: Any = None) -> None:
+    """Count one fail-open under ``reason``; log it the first time this process meets the reason."""
+    FAILOPEN[reason] += 1
+    if store is not None:
+        try:
+            store.count({f"inductor.failopen.{reason}": 1})
+        except Exception:  # noqa: BLE001 - counting is best effort; the log line below still says why
+            pass
+    with _logged_lock:
+        first = reason not in _logged
+        _logged.add(reason)
+    if first:
+        logger.warning("adstore: Inductor compiles without adstore here (%s): %s", reason, detail)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, AdstoreError):
+        return str(getattr(exc, "reason", Reason.ERROR))
+    if isinstance(exc, OSError):
+        return str(Reason.IO_ERROR)
+    return str(Reason.INTEGRATION_ERROR)
+
+
+class InductorEntries:
+    """Reads and writes Inductor's entries in one store; every method fails open (never raises)."""
+
+    def __init__(self, store: Any, *, trusted: frozenset[int], owns_store: bool) -> None:
+        self.store = store
+        self.trusted = trusted
+        self.owns_store = owns_store
+
+    @functools.cached_property
+    def identity(self) -> dict[str, str]:
+        """torch's build key and the toolchain fingerprint: part of every key."""
+        from torch._inductor.codecache import torch_key
+
+        from adstore.integration.engine.toolchain import toolchain_identity
+        from adstore.integration.pipeline.keys import json_digest
+
+        return {"torch_key": torch_key().hex(), "toolchain": json_digest(toolchain_identity())}
+
+    def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, str]]:
+        """The store key of an Inductor key in ``namespace``, and its components."""
+        from adstore.integration.pipeline.keys import json_digest
+
+        components = {"namespace": namespace, "inductor_key": inductor_key, **self.identity}
+        return json_digest(components), components
+
+    # -- Inductor's get and put -------------------------------------------------
+    def get(self, namespace: str, inductor_key: str) -> bytes | None:
+        """The value stored for ``inductor_key``, its kernel files placed first; None on a miss or any problem."""
+        try:
+            key, _ = self.key(namespace, inductor_key)
+            res = self.store.lookup(key)
+            if not res.hit:
+                if res.reason != Reason.ABSENT:
+                    note_failure(str(res.reason), f"{namespace} entry {key[:12]} not served", self.store)
+                return None
+            manifest = res.manifest
+            if manifest is None or manifest.namespace != namespace or VALUE not in manifest.artifacts:
+                note_failure(str(Reason.STORE_ERROR), f"{key[:12]} is not an {namespace} entry", self.store)
+                return None
+            data = self._verified_bytes(manifest.artifacts[VALUE])
+            self.materialize(manifest.artifacts, Path(_cache_dir()), _header_dir())
+            return data
+        except Exception as exc:  # noqa: BLE001 - fail open: Inductor compiles
+            note_failure(_reason(exc), f"{namespace} get: {exc}", self.store)
+            return None
+
+    def put(self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = ()) -> None:
+        """Store ``data`` (and the kernel ``files``, paths under Inductor's cache directory) as one entry."""
+        try:
+            key, components = self.key(namespace, inductor_key)
+            artifacts = {VALUE: self.store.put_bytes(bytes(data))}
+            artifacts.update(self._file_refs(files, Path(_cache_dir()), _header_dir()))
+            self._publish(key, namespace, components, artifacts)
+        except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
+            note_failure(_reason(exc), f"{namespace} put: {exc}", self.store)
+
+    # -- the toolchain entry ------------------------------------------------------
+    def restore_toolchain(self) -> int:
+        """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
+        try:
+            key, _ = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            res = self.store.lookup(key)
+            if not res.hit or res.manifest is None:
+                if res.reason != Reason.ABSENT:
+                    note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
+                return 0
+            return self.materialize(res.manifest.artifacts, Path(_cache_dir()), _header_dir())
+        except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
+            note_failure(_reason(exc), f"toolchain restore: {exc}", self.store)
+            return 0
+
+    def save_toolchain(self, files: Iterable[str], stored: set[str]) -> None:
+        """Store the toolchain's files unless an entry with exactly these names is there (``stored``: seen)."""
+        try:
+            key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            cache_dir, header_dir = Path(_cache_dir()), _header_dir()
+            names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
+            if not names or names <= stored:
+                return
+            res = self.store.lookup(key, count=False)
+            if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
+                stored.update(res.manifest.artifacts)
+                return
+            artifacts = self._file_refs(files, cache_dir, header_dir)
+            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
+            stored.update(artifacts)
+        except Exception as exc:  # noqa: BLE001 - fail open
+            note_failure(_reason(exc), f"toolchain save: {exc}", self.store)
+
+    # -- files ----------------------------------------------------------------------
+    def materialize(self, artifacts: Any, cache_dir: Path, header_dir: Path | None) -> int:
+        """Place every file artifact (trusted writer, verified copy) before Inductor looks; how many were new.
+
+        Raises on the first file that cannot be placed: the caller treats the
+        whole entry as a miss, so Inductor compiles and the save replaces it.
+        """
+        placed = 0
+        for name, ref in artifacts.items():
+            target = _target(name, cache_dir, header_dir)
+            if target is None:
+                continue
+            directory, filename = target
+            if (directory / filename).exists():  # Inductor's own file; never loaded from us
+                continue
+            mode = 0o755 if filename.endswith(".so") else 0o644
+            chunks = read_trusted(self.store, ref, self.trusted)
+            try:
+                if place(chunks, digest=ref.digest, size=ref.size, directory=directory, name=filename, mode=mode):
+                    placed += 1
+            except InductorCacheError as exc:
+                if exc.reason == Reason.CHECKSUM:
+                    self.store.quarantine(ref.digest)  # proven damage: the entry misses until it is saved again
+                raise
+        if placed:
+            self.store.count({"inductor.files_placed": placed})
+        return placed
+
+    def _verified_bytes(self, ref: Any) -> bytes:
+        import hashlib
+
+        from adstore.integration.errors import CorruptKernel
+
+        try:
+            data = b"".join(read_trusted(self.store, ref, self.trusted))
+            got = hashlib.sha256(data).hexdigest()
+            if got != ref.digest or len(data) != ref.size:
+                raise CorruptKernel(ref.digest, got, len(data))
+        except CorruptKernel:
+            self.store.quarantine(ref.digest)  # proven damage: the entry misses until it is saved again
+            raise
+        return data
+
+    def _file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
+        refs: dict[str, Any] = {}
+        for path in files:
+            name = _artifact_name(path, cache_dir, header_dir)
+            if name is not None and name not in refs:
+                refs[name] = self.store.put_file(path)
+        return refs
+
+    def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
+        store = self.store
+        generation = store.new_generation()
+        meta = {"files": len(artifacts) - (VALUE in artifacts)}
+        store.publish(
+            key, generation=generation, artifacts=artifacts, namespace=namespace, components=components, meta=meta
+        )
+        try:
+            store.commit(key, generation=generation)
+        except BaseException:
+            store.abort(key, generation=generation)
+            raise
+        store.count_event("save")
+
+
+def _artifact_name(path: str, cache_dir: Path, header_dir: Path | None) -> str | None:
+    """``cache.<xx>.<file>`` or ``pch.<file>`` for a file Inductor wrote; None for anything else."""
+    p = Path(path)
+    if header_dir is not None and p.parent == header_dir:
+        name = f"pch.{p.name}"
+    elif p.parent.parent == cache_dir:
+        name = f"cache.{p.parent.name}.{p.name}"
+    else:
+        return None
+    return name if _target(name, cache_dir, header_dir) is not None and len(name) <= 128 else None
+
+
+def _target(name: str, cache_dir: Path, header_dir: Path | None) -> tuple[Path, str] | None:
+    """Where an artifact named by :func:`_artifact_name` goes; None for other names (validated whole)."""
+    if m := _CACHE_FILE.fullmatch(name):
+        return cache_dir / m.group(1), m.group(2)
+    if header_dir is not None and (m := _PCH_FILE.fullmatch(name)):
+        return header_dir, m.group(1)
+    return None
+
+
+def _cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())
+
+
+def _header_dir() -> Path | None:
+    from torch._inductor import codecache
+
+    found = getattr(codecache, "_HEADER_DIR", None)
+    return Path(found) if isinstance(found, str) else None

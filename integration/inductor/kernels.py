@@ -1,0 +1,135 @@
+"""Which files on disk an Inductor cache entry needs: the kernels it loaded, the ISA probes, the header.
+
+An FX-graph cache entry holds the graph's Python wrapper, not its kernels:
+on a hit Inductor loads the wrapper, which loads each C++ kernel's shared
+object from the cache directory, compiling it when absent (seconds each).
+So the adapter watches three of Inductor's own steps while it is enabled and
+stores the files they name with the entries:
+
+* ``CppCodeCache._load_library(path, key)``: the ``.so`` of a kernel (and its
+  ``.cpp`` and ``.o`` next to it) whenever one is loaded; an FX-graph entry
+  takes the kernels loaded between its lookup and its save (one compile);
+* ``VecISA._probe_load(path)``: the small programs Inductor compiles to pick
+  the CPU's vector ISA, once per process, before any kernel;
+* ``codecache._precompile_header(...)``: the precompiled C++ header (about
+  150 MB, under ``$TMPDIR/torchinductor_$USER/precompiled_headers``) that
+  every kernel compile, and every process's first kernel load, needs.
+
+The last two belong to the toolchain, not to a graph: they travel in one
+entry per toolchain.  The watch only records paths; it never changes what
+Inductor does.  A kernel an earlier graph of the same process loaded already
+is not loaded again, so it travels with that earlier graph's entry only.
+GPU kernels (Triton) are bundled into the FX-graph entry by Inductor itself
+(``bundle_triton_into_fx_graph_cache``); no GPU here, that path is untested.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Recorder", "RECORDER", "kernel_files"]
+
+#: Suffixes of the files a loaded ``.so`` comes with (same stem, same directory).
+_SIBLINGS = (".cpp", ".o")
+
+
+def kernel_files(so_path: str) -> list[str]:
+    """``so_path`` and the source and object files of the same stem that exist beside it."""
+    stem = so_path[: -len(".so")] if so_path.endswith(".so") else so_path
+    return [so_path, *(p for p in (stem + s for s in _SIBLINGS) if os.path.isfile(p))]
+
+
+class Recorder:
+    """The paths Inductor loaded kernels, probes and headers from while the watch was installed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kernels: list[str] = []
+        self.probes: dict[str, None] = {}
+        self.headers: dict[str, None] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    # -- what was seen ------------------------------------------------------
+    def mark(self) -> int:
+        """A position in the kernel log: :meth:`since` returns what was loaded after it."""
+        with self._lock:
+            return len(self._kernels)
+
+    def since(self, mark: int) -> list[str]:
+        with self._lock:
+            return list(dict.fromkeys(self._kernels[mark:]))
+
+    def toolchain_files(self) -> tuple[list[str], list[str]]:
+        """(ISA probe files, precompiled header files) seen so far, each with its siblings."""
+        with self._lock:
+            probes = [f for p in self.probes for f in kernel_files(p)]
+            headers = [f for h in self.headers for f in (h, h + ".gch") if os.path.isfile(f)]
+        return probes, headers
+
+    # -- the watch ------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap Inductor's three steps; each piece that this torch lacks is skipped."""
+        if self._undo:
+            return
+        from torch._inductor import codecache
+
+        rec = self
+
+        base = getattr(codecache, "CppCodeCache", None)
+        original = base.__dict__.get("_load_library") if base is not None else None
+        if isinstance(original, classmethod):
+            load = original.__func__
+
+            def _load_library(cls: Any, path: str, key: str) -> Any:
+                lib = load(cls, path, key)
+                rec._note_kernel(path)
+                return lib
+
+            base._load_library = classmethod(_load_library)  # type: ignore[union-attr]
+            self._undo.append(lambda: setattr(base, "_load_library", original))
+
+        header_fn = getattr(codecache, "_precompile_header", None)
+        if callable(header_fn):
+
+            def _precompile_header(*args: Any, **kwargs: Any) -> Any:
+                path = header_fn(*args, **kwargs)
+                if isinstance(path, str):
+                    with rec._lock:
+                        rec.headers[path] = None
+                return path
+
+            codecache._precompile_header = _precompile_header  # type: ignore[assignment]
+            self._undo.append(lambda: setattr(codecache, "_precompile_header", header_fn))
+
+        try:
+            from torch._inductor.cpu_vec_isa import VecISA
+        except ImportError:
+            return
+        probe = VecISA.__dict__.get("_probe_load")
+        if callable(probe):
+
+            def _probe_load(isa: Any, output_path: str) -> Any:
+                ok = probe(isa, output_path)
+                if ok:
+                    with rec._lock:
+                        rec.probes[output_path] = None
+                return ok
+
+            VecISA._probe_load = _probe_load  # type: ignore[method-assign]
+            self._undo.append(lambda: setattr(VecISA, "_probe_load", probe))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _note_kernel(self, path: str) -> None:
+        files = kernel_files(path)
+        with self._lock:
+            self._kernels.extend(files)
+
+
+#: The process's one recorder (Inductor's classes are process-wide too).
+RECORDER = Recorder()

@@ -1,0 +1,221 @@
+"""Plugging adstore into torch: one RemoteCacheBackend for all of Inductor's remote caches, and the flags.
+
+Inductor finds its remote caches by class name in ``torch._inductor.remote_cache``
+and builds each one's backend with ``backend_override_cls()`` when that is set.
+:func:`enable` sets it on every cache class this torch has, switches the
+matching configuration flags on (``fx_graph_remote_cache``,
+``autotune_remote_cache``, ``bundled_autotune_remote_cache``,
+``enable_remote_autograd_cache``, ``automatic_dynamic_remote_pgo``) and
+installs the kernel-file watch; :func:`disable` puts back exactly what was
+there.  Inductor reads its local caches first and asks a remote only on a
+local miss, so a local hit costs what it did.
+
+A backend holds no store: it asks the one enabled when it is called (torch
+caches some cache objects for the whole process, such as AOTAutograd's), and
+does nothing while adstore is disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch._inductor.remote_cache import RemoteCacheBackend
+
+from adstore.integration.inductor.entries import NAMESPACES, InductorEntries, note_failure
+from adstore.integration.inductor.files import trusted_uids
+from adstore.integration.inductor.kernels import RECORDER
+from adstore.store import Reason
+
+__all__ = ["AdstoreBackend", "enable", "disable", "active"]
+
+logger = logging.getLogger(__name__)
+
+#: (module, flag): the configuration switch of each remote cache.
+FLAGS = (
+    ("torch._inductor.config", "fx_graph_remote_cache"),
+    ("torch._functorch.config", "enable_remote_autograd_cache"),
+    ("torch._dynamo.config", "automatic_dynamic_remote_pgo"),
+)
+#: The autotuning caches hold Triton (GPU) kernels' configurations.  On a host without a GPU
+#: torch 2.13's bundled autotune cache fails every compile (``AutotuneCacheBundler.begin_compile``
+#: asserts a Triton backend hash), so these are switched on only where Triton can run.
+GPU_FLAGS = (
+    ("torch._inductor.config", "autotune_remote_cache"),
+    ("torch._inductor.config", "bundled_autotune_remote_cache"),
+)
+_FX = "inductor_fx_graph"
+
+
+@dataclass
+class _State:
+    entries: InductorEntries
+    saved_flags: dict[tuple[str, str], Any] = field(default_factory=dict)
+    saved_backends: dict[str, Any] = field(default_factory=dict)
+    toolchain_stored: set[str] = field(default_factory=set)
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+
+
+def active() -> InductorEntries | None:
+    """The entries of the store enabled now (None when adstore is disabled)."""
+    state = _state
+    return None if state is None else state.entries
+
+
+class AdstoreBackend(RemoteCacheBackend[bytes]):
+    """Inductor's remote-cache backend over the enabled store (one instance per cache object torch builds)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__()
+        self.namespace = namespace
+        # An FX-graph cache object lives for one compile: the kernels loaded from here to its put are its own.
+        self._mark = RECORDER.mark()
+
+    def _get(self, key: str) -> bytes | None:
+        entries = active()
+        if entries is None:
+            return None
+        if self.namespace == _FX:
+            self._mark = RECORDER.mark()
+        return entries.get(self.namespace, key)
+
+    def _put(self, key: str, data: bytes) -> None:
+        entries = active()
+        if entries is None:
+            return
+        if not isinstance(data, bytes | bytearray):
+            note_failure(str(Reason.INTEGRATION_ERROR), f"{self.namespace}: a value of type {type(data).__name__}")
+            return
+        files = RECORDER.since(self._mark) if self.namespace == _FX else []
+        entries.put(self.namespace, key, bytes(data), files)
+        if self.namespace == _FX:
+            _save_toolchain()
+
+
+def _factory(namespace: str) -> Any:
+    def make() -> AdstoreBackend:
+        return AdstoreBackend(namespace)
+
+    make.__qualname__ = f"AdstoreBackend[{namespace}]"
+    return make
+
+
+def _save_toolchain() -> None:
+    state = _state
+    if state is None:
+        return
+    probes, headers = RECORDER.toolchain_files()
+    state.entries.save_toolchain([*probes, *headers], state.toolchain_stored)
+
+
+def enable(store: Any = None, *, remote: Any = None) -> bool:
+    """Make every ``torch.compile`` of this process read and write Inductor's caches through adstore.
+
+    ``store``: a :class:`~adstore.store.Store` (kept open; the caller closes
+    it), else the store ``ADSTORE_ROOT`` and ``ADSTORE_REMOTE*`` name
+    (``Store.from_env``), or, with ``remote=`` (a URL, ``RemoteConfig`` or
+    ``Remote``), that store with this remote tier.  Enabling again replaces
+    the store.  Returns False, after one log line and with nothing changed,
+    when no store can be opened: Inductor then compiles as it would without adstore.
+    """
+    global _state
+    from adstore.store import Store
+
+    disable()
+    try:
+        if store is not None:
+            if remote is not None:
+                raise ValueError("give either store= or remote=, not both")
+            entries = InductorEntries(store, trusted=trusted_uids(), owns_store=False)
+        else:
+            opened = Store.from_env(**({"remote": remote} if remote is not None else {}))
+            entries = InductorEntries(opened, trusted=trusted_uids(), owns_store=True)
+    except Exception as exc:  # noqa: BLE001 - fail open: no store, no adstore
+        reason = getattr(exc, "reason", None) or (Reason.IO_ERROR if isinstance(exc, OSError) else Reason.ERROR)
+        note_failure(str(reason), f"no store ({type(exc).__name__}: {exc})")
+        return False
+    import torch._inductor.remote_cache as remote_cache
+
+    state = _State(entries)
+    for cls_name, namespace in NAMESPACES.items():
+        cls = getattr(remote_cache, cls_name, None)
+        if cls is None:
+            logger.debug("this torch has no %s; skipped", cls_name)
+            continue
+        state.saved_backends[cls_name] = cls.__dict__.get("backend_override_cls", _ABSENT)
+        cls.backend_override_cls = _factory(namespace)
+    import torch
+
+    for module_name, flag in FLAGS + (GPU_FLAGS if torch.cuda.is_available() else ()):
+        module = _module(module_name)
+        if module is not None and hasattr(module, flag):
+            state.saved_flags[(module_name, flag)] = getattr(module, flag)
+            setattr(module, flag, True)
+    RECORDER.install()
+    with _lock:
+        _state = state
+    _at_exit_once()
+    placed = entries.restore_toolchain()  # the ISA probes and headers run before any FX-graph lookup
+    logger.info(
+        "adstore: Inductor's caches go through %s (%d toolchain files placed, pid %d)",
+        entries.store,
+        placed,
+        os.getpid(),
+    )
+    return True
+
+
+def disable() -> None:
+    """Undo :func:`enable`: torch's flags and backends as they were; an owned store is closed."""
+    global _state
+    _save_toolchain()  # headers and probes a process met after its last save (a rebuilt header among them)
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    import torch._inductor.remote_cache as remote_cache
+
+    RECORDER.uninstall()
+    for (module_name, flag), value in state.saved_flags.items():
+        module = _module(module_name)
+        if module is not None:
+            setattr(module, flag, value)
+    for cls_name, value in state.saved_backends.items():
+        cls = getattr(remote_cache, cls_name)
+        if value is _ABSENT:
+            del cls.backend_override_cls
+        else:
+            cls.backend_override_cls = value
+    if state.entries.owns_store:
+        try:
+            state.entries.store.close()
+        except Exception as exc:  # noqa: BLE001 - closing is best effort at this point
+            logger.debug("closing the store: %s", exc)
+
+
+_ABSENT = object()
+_exit_hook: list[bool] = []
+
+
+def _at_exit_once() -> None:
+    """At exit, keep what the process built and close an owned store (once per process)."""
+    if not _exit_hook:
+        import atexit
+
+        _exit_hook.append(True)
+        atexit.register(disable)
+
+
+def _module(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -1,0 +1,107 @@
+"""Simulated hosts of the Inductor-cache tests: each compiles in a fresh spawned process with its own directories.
+
+A host is a store root, an Inductor cache directory and a ``TMPDIR`` (where
+the precompiled header lives) of its own; test modules run :func:`compile_host`
+through :func:`on_host` and compare what each host compiled and computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["host_env", "on_host", "compile_host"]
+
+
+def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of host ``name`` under ``base``: store root, Inductor cache directory, TMPDIR."""
+    home = base / name
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return {
+        "ADSTORE_ROOT": str(root if root is not None else home / "store"),
+        "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
+        "TMPDIR": str(home / "tmp"),
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # kernels build in the host's process, where they are counted
+        **extra,
+    }
+
+
+def on_host(fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` in a fresh spawned process (another "host")."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
+    """``torch.compile`` a small model under ``env`` (with adstore enabled unless ``enable=False``).
+
+    Returns a digest of the output, Inductor's cache counters, how many C++
+    builds ran (kernels, ISA probes and precompiled headers: every
+    ``CppBuilder.build`` of the process), the fail-open reasons and the store's
+    ``inductor.*`` and ``remote.*`` counters, and adstore's warnings.
+    """
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None  # TMPDIR is read again
+    t0 = time.perf_counter()
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor import cpp_builder
+
+    builds: list[str] = []
+    build = cpp_builder.CppBuilder.build
+
+    def counted(self: Any) -> Any:
+        builds.append(self.get_target_file_path())
+        return build(self)
+
+    cpp_builder.CppBuilder.build = counted  # type: ignore[method-assign]
+
+    import logging
+
+    from adstore.integration import inductor
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("adstore").addHandler(handler)
+
+    store = None
+    if enable and inline_threshold is not None:  # kernels as blob files (they are inline otherwise)
+        from adstore.store import Store
+
+        store = Store.from_env(inline_threshold=inline_threshold)
+    enabled = inductor.enable(store) if enable else False
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        out = torch.compile(m)(x)
+    seconds = time.perf_counter() - t0
+    store_counters: dict[str, int] = {}
+    entries = inductor.active()
+    if entries is not None:
+        entries.store.flush()
+        store_counters = {
+            k: v for k, v in entries.store.stats().counters.items() if k.startswith(("inductor.", "remote."))
+        }
+    inductor.disable()
+    if store is not None:
+        store.close()
+    return {
+        "enabled": enabled,
+        "output": hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest(),
+        "inductor": dict(counters["inductor"]),
+        "aot_autograd": dict(counters["aot_autograd"]),
+        "builds": [b for b in builds if not b.endswith(".i")],  # g++ -E of the header runs in every process
+        "failopen": dict(inductor.FAILOPEN),
+        "store": store_counters,
+        "seconds": seconds,
+        "warnings": warnings,
+    }

@@ -1,0 +1,107 @@
+"""The trust rule for Inductor's files, without a compile: who wrote a blob, where a copy may go, what it holds.
+
+These drive :mod:`adstore.integration.inductor.files` and the entries' file
+placement on a real store: a blob file owned by another uid, an inline blob
+in a group-writable index, a target directory others can write or that is a
+symlink, and content that does not hash to its digest are each refused, and
+nothing is left under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from adstore.integration.errors import CorruptKernel, UnsafeCacheDir, UntrustedKernel
+from adstore.integration.inductor.entries import InductorEntries
+from adstore.integration.inductor.files import place, read_trusted, trusted_uids
+from adstore.store import Store
+
+ME = frozenset({os.geteuid(), 0})
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    with Store.open(tmp_path / "store", inline_threshold=64) as s:
+        yield s
+
+
+def _place(data: bytes, directory: Path, name: str = "k.so", digest: str | None = None) -> bool:
+    return place(
+        iter([data]), digest=digest or hashlib.sha256(data).hexdigest(), size=len(data), directory=directory, name=name
+    )
+
+
+def test_a_file_blob_and_an_inline_blob_read_back_and_are_placed_once(small_store, tmp_path):
+    big, small = os.urandom(4096), b"tiny kernel source"
+    for data in (big, small):
+        ref = small_store.put_bytes(data)
+        out = tmp_path / "cache" / "ab"
+        assert place(read_trusted(small_store, ref, ME), digest=ref.digest, size=ref.size, directory=out, name="x")
+        assert (out / "x").read_bytes() == data
+        assert not _place(b"other bytes", out, "x")  # an existing file is never replaced
+        assert (out / "x").read_bytes() == data
+        (out / "x").unlink()
+    assert not [p for p in (tmp_path / "cache" / "ab").iterdir()], "no temp file left"
+
+
+def test_a_blob_file_another_uid_owns_is_refused_before_any_byte(small_store):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    ref = small_store.put_bytes(os.urandom(4096))
+    os.chown(small_store.blob_path(ref), 4242, 4242)
+    with pytest.raises(UntrustedKernel, match="uid 4242"):
+        next(read_trusted(small_store, ref, ME))
+    assert next(read_trusted(small_store, ref, ME | {4242}))  # ADSTORE_TRUSTED_UIDS admits it
+
+
+def test_an_inline_blob_of_an_index_others_can_write_is_refused(small_store):
+    ref = small_store.put_bytes(b"inline")
+    os.chmod(small_store.root / "index", 0o2775)  # a group-shared store: any member writes the index
+    with pytest.raises(UntrustedKernel, match="inline"):
+        next(read_trusted(small_store, ref, ME))
+
+
+def test_content_that_does_not_hash_to_its_digest_is_never_linked(tmp_path):
+    with pytest.raises(CorruptKernel):
+        _place(b"evil", tmp_path / "d", digest=hashlib.sha256(b"good").hexdigest())
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+@pytest.mark.parametrize("shape", ["group_writable", "symlink", "other_owner"])
+def test_a_target_directory_others_could_write_is_refused(shape, tmp_path):
+    target = tmp_path / "cache"
+    if shape == "group_writable":
+        target.mkdir(mode=0o775)
+        os.chmod(target, 0o775)
+    elif shape == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        target.mkdir(mode=0o755)
+        os.chown(target, 4242, 4242)
+    with pytest.raises(UnsafeCacheDir):
+        _place(b"kernel", target)
+    assert not (target / "k.so").exists() and not list(tmp_path.glob("elsewhere/*"))
+
+
+def test_artifact_names_only_lead_into_the_cache_and_header_directories(small_store, tmp_path):
+    entries = InductorEntries(small_store, trusted=ME, owns_store=False)
+    cache, headers = tmp_path / "cache", tmp_path / "headers"
+    good, bad = small_store.put_bytes(b"a" * 100), small_store.put_bytes(b"b" * 100)
+    artifacts = {"cache.ab.cabc.main.so": good, "pch.cxyz.h.gch": good, "value": bad, "cache.ab..so": bad}
+    artifacts |= {"cache.a.x.so": bad, "cache.abc.x.so": bad, "other.ab.x.so": bad}
+    assert entries.materialize(artifacts, cache, headers) == 2
+    placed = [p for d in (cache, headers, tmp_path / "ab") for p in d.rglob("*") if p.is_file()]
+    assert sorted(str(p.relative_to(tmp_path)) for p in placed) == ["cache/ab/cabc.main.so", "headers/cxyz.h.gch"]
+
+
+def test_trusted_uids_come_from_the_environment():
+    assert trusted_uids({"ADSTORE_TRUSTED_UIDS": "1001, 1002"}) == {os.geteuid(), 0, 1001, 1002}
+    with pytest.raises(Exception, match="ADSTORE_TRUSTED_UIDS"):
+        trusted_uids({"ADSTORE_TRUSTED_UIDS": "alice"})

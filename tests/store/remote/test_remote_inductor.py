@@ -1,0 +1,65 @@
+"""Inductor's caches through adstore with a remote tier: two spawned "hosts" share one real server.
+
+Host A (read-write, signing) runs plain ``torch.compile`` on a small MLP with
+``adstore.integration.inductor.enable()``; its FX-graph, AOTAutograd and
+toolchain entries (kernels inline in the index, the precompiled header a
+compressed blob file) are pushed as signed records.  Host B (read-only,
+trusting A's key, an empty store, empty Inductor cache directory and
+``TMPDIR``) builds no kernel, no ISA probe and no header, and computes A's
+outputs bit for bit.  In the slow run: a host trusting another key compiles
+everything itself (``untrusted_remote``), and a host whose remote is down
+compiles and says so once.  The S3 server (moto) in the default run; the
+Bazel HTTP protocol (WebDAV) in the slow run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from adstore.store.remote import write_keypair
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "inductor"))
+from inductor_hosts import compile_host, host_env, on_host  # noqa: E402
+
+
+@pytest.mark.parametrize("backend", ["s3", pytest.param("http", marks=pytest.mark.slow)])
+def test_host_b_builds_no_kernel_host_a_built(backend, request, tmp_path):
+    url = request.getfixturevalue(f"{backend}_url")
+    private, public = write_keypair(tmp_path / "keys")
+    writer = {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)}
+    a = on_host(compile_host, host_env(tmp_path, "a", **writer))
+    assert a["enabled"] and a["failopen"] == {} and a["builds"], a
+    assert a["store"]["remote.records_up"] >= 3, a["store"]  # FX graph, AOTAutograd, toolchain
+    b = on_host(compile_host, host_env(tmp_path, "b", ADSTORE_REMOTE=url, ADSTORE_TRUSTED_KEYS=str(public)))
+    assert b["builds"] == [], b["builds"]
+    assert b["output"] == a["output"] and b["failopen"] == {}, b
+    assert b["inductor"].get("fxgraph_cache_hit") == 1 and b["aot_autograd"].get("autograd_cache_hit") == 1, b
+    assert b["store"]["remote.hits"] >= 3 and b["store"]["inductor.files_placed"] > 0, b["store"]
+    assert "remote.bytes_up" not in b["store"]
+
+
+@pytest.mark.slow
+def test_an_untrusted_writers_entries_are_never_loaded(s3_url, tmp_path):
+    private, _ = write_keypair(tmp_path / "keys")
+    _, other_public = write_keypair(tmp_path / "other")
+    writer = {"ADSTORE_REMOTE": s3_url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)}
+    a = on_host(compile_host, host_env(tmp_path, "a", **writer))
+    c = on_host(compile_host, host_env(tmp_path, "c", ADSTORE_REMOTE=s3_url, ADSTORE_TRUSTED_KEYS=str(other_public)))
+    assert c["failopen"].get("untrusted_remote", 0) >= 2, c["failopen"]  # the toolchain's and the graph's records
+    assert len([w for w in c["warnings"] if "untrusted_remote" in w]) == 1, c["warnings"]
+    assert c["inductor"].get("fxgraph_cache_miss", 0) >= 1 and c["builds"], c
+    assert c["output"] == a["output"] and "remote.hits" not in c["store"]
+
+
+@pytest.mark.slow
+def test_a_remote_that_is_down_means_a_compile_and_one_log_line(tmp_path):
+    down = {"ADSTORE_REMOTE": "http://127.0.0.1:9/adstore", "ADSTORE_REMOTE_MODE": "read-write"}
+    c = on_host(compile_host, host_env(tmp_path, "c", **down))
+    assert c["enabled"] and c["builds"] and c["inductor"].get("fxgraph_cache_miss", 0) >= 1, c
+    reasons = {r for r in c["failopen"] if r.startswith("remote_")}
+    assert reasons and all(c["failopen"][r] >= 1 for r in reasons), c["failopen"]
+    assert len([w for w in c["warnings"] if "without adstore" in w]) == len(reasons), c["warnings"]
