@@ -106,9 +106,12 @@ def survey() -> str:
     handled: dict[str, list[int]] = data["HANDLED"]
     refused: dict[str, str] = data["REFUSED"]
     total = len(handled) + len(refused)
+    releases = ", ".join(
+        f"{len(types)} under {release}" for release, types in sorted(data["MEASURED_WITH"].items(), reverse=True)
+    )
     lines = [
-        f"Surveyed with transformers {data['TRANSFORMERS']} and torch {data['TORCH']}: **{len(handled)}** of "
-        f"{total} causal-LM model types handled, **{len(refused)}** refused.",
+        f"Surveyed with torch {data['TORCH']} and transformers {data['TRANSFORMERS']} (verdicts measured: "
+        f"{releases}): **{len(handled)}** of {total} causal-LM model types handled, **{len(refused)}** refused.",
         "",
         "| rewrite | handled types where it matches (two layers) |",
         "|---|---|",
