@@ -7,7 +7,7 @@ any optimizer drives through the ``CachePoint`` protocol.  Names are imported on
 use, so ``import adstore.integration`` does not import torch.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {
     "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
@@ -28,4 +28,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

@@ -33,7 +33,7 @@ from .errors import (
     UnsafeRoot,
     UnsupportedFilesystem,
 )
-from .lazy import exports
+from .lazy import lazy_exports
 from .names import is_digest, is_key, validate_artifact_name, validate_digest, validate_key, validate_namespace
 from .reasons import REMOTE_REASONS, Reason
 
@@ -64,47 +64,35 @@ if TYPE_CHECKING:
         parse_size,
     )
 
-#: Every other public name, and the module it comes from: imported on first use (``lazy``).
+#: Every other public name, by the module it comes from: imported on first use (``lazy``).
 _LAZY = {
-    "atomic_write": ".fsutil",
-    "is_disk_full": ".fsutil",
-    "BlobRef": ".index.rows",
-    "Entry": ".index.rows",
-    "LeaseRow": ".index.rows",
-    "Manifest": ".index.rows",
-    "Layout": ".layout",
-    "default_root": ".layout",
-    "hostname": ".leases",
-    "process_start_time": ".leases",
-    "LookupResult": ".lookup",
-    "DEFAULT_GRACE_PERIOD": ".maintenance.budget",
-    "Budget": ".maintenance.budget",
-    "EvictedBatch": ".maintenance.eviction",
-    "EvictionPlan": ".maintenance.eviction",
-    "PlanKind": ".maintenance.eviction",
-    "SweepPlan": ".maintenance.sweep",
-    "Finding": ".maintenance.verify",
-    "VerifyReport": ".maintenance.verify",
-    "StoreStats": ".stats",
-    "DEFAULT_INLINE_THRESHOLD": ".store",
-    "Store": ".store",
-    "Tier": ".tiered",
-    "open_tier": ".tiered",
-    "remote_restore": ".tiered",
-    "remote_save": ".tiered",
-    "DURATION_HELP": ".units",
-    "SIZE_HELP": ".units",
-    "MinFree": ".units",
-    "format_duration": ".units",
-    "human_size": ".units",
-    "parse_count": ".units",
-    "parse_duration": ".units",
-    "parse_fraction": ".units",
-    "parse_min_free": ".units",
-    "parse_percent": ".units",
-    "parse_size": ".units",
+    ".fsutil": ("atomic_write", "is_disk_full"),
+    ".index.rows": ("BlobRef", "Entry", "LeaseRow", "Manifest"),
+    ".layout": ("Layout", "default_root"),
+    ".leases": ("hostname", "process_start_time"),
+    ".lookup": ("LookupResult",),
+    ".maintenance.budget": ("DEFAULT_GRACE_PERIOD", "Budget"),
+    ".maintenance.eviction": ("EvictedBatch", "EvictionPlan", "PlanKind"),
+    ".maintenance.sweep": ("SweepPlan",),
+    ".maintenance.verify": ("Finding", "VerifyReport"),
+    ".stats": ("StoreStats",),
+    ".store": ("DEFAULT_INLINE_THRESHOLD", "Store"),
+    ".tiered": ("Tier", "open_tier", "remote_restore", "remote_save"),
+    ".units": (
+        "DURATION_HELP",
+        "SIZE_HELP",
+        "MinFree",
+        "format_duration",
+        "human_size",
+        "parse_count",
+        "parse_duration",
+        "parse_fraction",
+        "parse_min_free",
+        "parse_percent",
+        "parse_size",
+    ),
 }
-__getattr__, __dir__ = exports(__name__, _LAZY, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     # the store
@@ -158,6 +146,7 @@ __all__ = [
     "parse_duration",
     "format_duration",
     "human_size",
+    "lazy_exports",
     "MinFree",
     "SIZE_HELP",
     "DURATION_HELP",

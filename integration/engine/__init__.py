@@ -6,7 +6,7 @@ architecture hash; ``runtime`` the weights and refit; ``packages`` the
 in-process layer.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {
     "engine.cache": ("CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"),
@@ -16,4 +16,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

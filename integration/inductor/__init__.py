@@ -15,9 +15,9 @@ would have, with one log line per reason and a counter
 Names are imported on first use: importing this package does not import torch.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {"inductor.plug": ("enable", "disable", "active"), "inductor.entries": ("FAILOPEN", "NAMESPACES")}
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

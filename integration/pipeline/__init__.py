@@ -8,7 +8,7 @@ and ``fingerprints`` the cache keys, ``dist`` the rank agreement and
 ``events`` what a cache reports.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {
     "pipeline.optimizer": ("InferenceOptimizer", "default_registry", "register_transform"),
@@ -29,4 +29,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

@@ -5,7 +5,7 @@ lists the transforms in stage order; importing any module here registers
 nothing with the optimizer.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {
     "reference.models": ("ModelFactory",),
@@ -20,4 +20,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

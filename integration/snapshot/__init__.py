@@ -6,7 +6,7 @@ encode and decode; ``targets`` is the allow-list; ``hooks`` and
 ``hook_builtins`` the load-hook specs.
 """
 
-from adstore.integration._lazy import lazy_exports
+from adstore.store import lazy_exports
 
 _EXPORTS = {
     "snapshot.codec": (
@@ -24,4 +24,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

@@ -15,7 +15,7 @@ defaults.
 
 from typing import TYPE_CHECKING
 
-from ..lazy import exports
+from ..lazy import lazy_exports
 from .errors import (
     NotSupported,
     ReadOnlyRemote,
@@ -46,52 +46,33 @@ if TYPE_CHECKING:
     from .transfer import BlobSink, BlobSource
     from .uploader import BackgroundUploader
 
-#: Every other public name, and the module it comes from: imported on first use (``store.lazy``),
+#: Every other public name, by the module it comes from: imported on first use (``store.lazy``),
 #: so a process that only names a lease role or an address never loads the HTTP, S3 or signing code.
 _LAZY = {
-    "interruptible": ".calls",
-    "Kind": ".addresses",
-    "lease_address": ".addresses",
-    "object_name": ".addresses",
-    "record_address": ".addresses",
-    "ConditionalWrites": ".backend",
-    "RemoteBackend": ".backend",
-    "DEFAULT_COOLDOWN": ".breaker",
-    "BreakerState": ".breaker",
-    "CircuitBreaker": ".breaker",
-    "DEFAULT_CONNECT_TIMEOUT": ".client",
-    "DEFAULT_READ_TIMEOUT": ".client",
-    "MAX_ENVELOPE_BYTES": ".client",
-    "Remote": ".client",
-    "RemoteConfig": ".config",
-    "open_remote": ".config",
-    "parse_mode": ".config",
-    "register_scheme": ".config",
-    "DEFAULT_DEADLINE": ".deadline",
-    "DEFAULT_MIN_THROUGHPUT": ".deadline",
-    "Deadline": ".deadline",
-    "Limits": ".deadline",
-    "HttpBackend": ".httpcache",
-    "MemoryBackend": ".memory",
-    "S3Backend": ".s3",
-    "ENVELOPE_VERSION": ".signing",
-    "KeyPair": ".signing",
-    "Signer": ".signing",
-    "TrustedKeys": ".signing",
-    "Verified": ".signing",
-    "generate_keypair": ".signing",
-    "write_keypair": ".signing",
-    "DEFAULT_TTL": ".singleflight",
-    "Flight": ".singleflight",
-    "Lease": ".singleflight",
-    "Role": ".singleflight",
-    "SingleFlight": ".singleflight",
-    "WaitResult": ".singleflight",
-    "BlobSink": ".transfer",
-    "BlobSource": ".transfer",
-    "BackgroundUploader": ".uploader",
+    ".calls": ("interruptible",),
+    ".addresses": ("Kind", "lease_address", "object_name", "record_address"),
+    ".backend": ("ConditionalWrites", "RemoteBackend"),
+    ".breaker": ("DEFAULT_COOLDOWN", "BreakerState", "CircuitBreaker"),
+    ".client": ("DEFAULT_CONNECT_TIMEOUT", "DEFAULT_READ_TIMEOUT", "MAX_ENVELOPE_BYTES", "Remote"),
+    ".config": ("RemoteConfig", "open_remote", "parse_mode", "register_scheme"),
+    ".deadline": ("DEFAULT_DEADLINE", "DEFAULT_MIN_THROUGHPUT", "Deadline", "Limits"),
+    ".httpcache": ("HttpBackend",),
+    ".memory": ("MemoryBackend",),
+    ".s3": ("S3Backend",),
+    ".signing": (
+        "ENVELOPE_VERSION",
+        "KeyPair",
+        "Signer",
+        "TrustedKeys",
+        "Verified",
+        "generate_keypair",
+        "write_keypair",
+    ),
+    ".singleflight": ("DEFAULT_TTL", "Flight", "Lease", "Role", "SingleFlight", "WaitResult"),
+    ".transfer": ("BlobSink", "BlobSource"),
+    ".uploader": ("BackgroundUploader",),
 }
-__getattr__, __dir__ = exports(__name__, _LAZY, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "RemoteProtocolError",
