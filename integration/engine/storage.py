@@ -70,6 +70,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.engine import codefiles
 from adstore.integration.engine.codefiles import Writer, copy_code, private_path
 from adstore.integration.engine.record import EngineRecord, check_meta
 from adstore.integration.errors import (
@@ -254,11 +255,10 @@ class StoreEngineStorage(EngineStorage):
         self.store = store if store is not None else Store.open(root, remote=remote)
         self.max_size = None if max_size is None else parse_size(max_size, field="max_size")
         try:
-            extra = {int(u) for u in trusted_uids}
-        except (TypeError, ValueError) as exc:
+            #: Owners whose package blobs may be loaded: this user, root, and the ones given.
+            self.trusted_uids = codefiles.trusted_uids({}, extra=trusted_uids)
+        except ConfigError as exc:
             raise ConfigError("trusted_uids", f"expected user ids, got {trusted_uids!r}") from exc
-        #: Owners whose package blobs may be loaded: this user, root, and the ones given.
-        self.trusted_uids = frozenset({os.geteuid(), 0} | extra)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> StoreEngineStorage:
@@ -282,11 +282,7 @@ class StoreEngineStorage(EngineStorage):
         from adstore.store import Store
 
         env = os.environ if environ is None else environ
-        raw = env.get("ADSTORE_TRUSTED_UIDS", "")
-        try:
-            uids = [int(u) for u in raw.replace(" ", "").split(",") if u]
-        except ValueError as exc:
-            raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
+        uids = codefiles.trusted_uids(env)
         cache = cls(store=Store.from_env(env), max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None, trusted_uids=uids)
         cache._owns_store = True
         return cache

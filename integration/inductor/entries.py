@@ -33,7 +33,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.errors import InductorCacheError
 from adstore.integration.inductor.files import place, read_trusted
 from adstore.store import AdstoreError, Reason
 
@@ -123,7 +122,7 @@ class InductorEntries:
             if manifest is None or manifest.namespace != namespace or VALUE not in manifest.artifacts:
                 note_failure(str(Reason.STORE_ERROR), f"{key[:12]} is not an {namespace} entry", self.store)
                 return None
-            data = self._verified_bytes(manifest.artifacts[VALUE])
+            data = read_trusted(self.store, manifest.artifacts[VALUE], self.trusted)
             self.materialize(manifest.artifacts, Path(_cache_dir()), _header_dir())
             return data
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor compiles
@@ -189,32 +188,12 @@ class InductorEntries:
             if (directory / filename).exists():  # Inductor's own file; never loaded from us
                 continue
             mode = 0o755 if filename.endswith(".so") else 0o644
-            chunks = read_trusted(self.store, ref, self.trusted)
-            try:
-                if place(chunks, digest=ref.digest, size=ref.size, directory=directory, name=filename, mode=mode):
-                    placed += 1
-            except InductorCacheError as exc:
-                if exc.reason == Reason.CHECKSUM:
-                    self.store.quarantine(ref.digest)  # proven damage: the entry misses until it is saved again
-                raise
+            # The store's read path quarantines a damaged blob: the entry misses until it is saved again.
+            if place(self.store, ref, directory=directory, name=filename, trusted=self.trusted, mode=mode):
+                placed += 1
         if placed:
             self.store.count({"inductor.files_placed": placed})
         return placed
-
-    def _verified_bytes(self, ref: Any) -> bytes:
-        import hashlib
-
-        from adstore.integration.errors import CorruptKernel
-
-        try:
-            data = b"".join(read_trusted(self.store, ref, self.trusted))
-            got = hashlib.sha256(data).hexdigest()
-            if got != ref.digest or len(data) != ref.size:
-                raise CorruptKernel(ref.digest, got, len(data))
-        except CorruptKernel:
-            self.store.quarantine(ref.digest)  # proven damage: the entry misses until it is saved again
-            raise
-        return data
 
     def _file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
         refs: dict[str, Any] = {}

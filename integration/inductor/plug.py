@@ -25,8 +25,8 @@ from typing import Any
 
 from torch._inductor.remote_cache import RemoteCacheBackend
 
+from adstore.integration.engine.codefiles import trusted_uids
 from adstore.integration.inductor.entries import NAMESPACES, InductorEntries, note_failure
-from adstore.integration.inductor.files import trusted_uids
 from adstore.integration.inductor.kernels import RECORDER
 from adstore.store import Reason
 

@@ -3,22 +3,22 @@
 These drive :mod:`adstore.integration.inductor.files` and the entries' file
 placement on a real store: a blob file owned by another uid, an inline blob
 in a group-writable index, a target directory others can write or that is a
-symlink, and content that does not hash to its digest are each refused, and
-nothing is left under the final name.
+symlink, and a blob whose content no longer hashes to its digest are each
+refused, and nothing is left under the final name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
-from adstore.integration.errors import CorruptKernel, UnsafeCacheDir, UntrustedKernel
+from adstore.integration.engine.codefiles import trusted_uids
+from adstore.integration.errors import UnsafeCacheDir, UntrustedKernel
 from adstore.integration.inductor.entries import InductorEntries
-from adstore.integration.inductor.files import place, read_trusted, trusted_uids
-from adstore.store import Store
+from adstore.integration.inductor.files import place, read_trusted
+from adstore.store import ChecksumMismatch, Store
 
 ME = frozenset({os.geteuid(), 0})
 
@@ -29,10 +29,8 @@ def small_store(tmp_path):
         yield s
 
 
-def _place(data: bytes, directory: Path, name: str = "k.so", digest: str | None = None) -> bool:
-    return place(
-        iter([data]), digest=digest or hashlib.sha256(data).hexdigest(), size=len(data), directory=directory, name=name
-    )
+def _place(store: Store, data: bytes, directory: Path, name: str = "k.so") -> bool:
+    return place(store, store.put_bytes(data), directory=directory, name=name, trusted=ME)
 
 
 def test_a_file_blob_and_an_inline_blob_read_back_and_are_placed_once(small_store, tmp_path):
@@ -40,9 +38,10 @@ def test_a_file_blob_and_an_inline_blob_read_back_and_are_placed_once(small_stor
     for data in (big, small):
         ref = small_store.put_bytes(data)
         out = tmp_path / "cache" / "ab"
-        assert place(read_trusted(small_store, ref, ME), digest=ref.digest, size=ref.size, directory=out, name="x")
+        assert read_trusted(small_store, ref, ME) == data
+        assert place(small_store, ref, directory=out, name="x", trusted=ME)
         assert (out / "x").read_bytes() == data
-        assert not _place(b"other bytes", out, "x")  # an existing file is never replaced
+        assert not _place(small_store, b"other bytes", out, "x")  # an existing file is never replaced
         assert (out / "x").read_bytes() == data
         (out / "x").unlink()
     assert not [p for p in (tmp_path / "cache" / "ab").iterdir()], "no temp file left"
@@ -54,21 +53,28 @@ def test_a_blob_file_another_uid_owns_is_refused_before_any_byte(small_store):
     ref = small_store.put_bytes(os.urandom(4096))
     os.chown(small_store.blob_path(ref), 4242, 4242)
     with pytest.raises(UntrustedKernel, match="uid 4242"):
-        next(read_trusted(small_store, ref, ME))
-    assert next(read_trusted(small_store, ref, ME | {4242}))  # ADSTORE_TRUSTED_UIDS admits it
+        read_trusted(small_store, ref, ME)
+    assert read_trusted(small_store, ref, ME | {4242})  # ADSTORE_TRUSTED_UIDS admits it
 
 
 def test_an_inline_blob_of_an_index_others_can_write_is_refused(small_store):
     ref = small_store.put_bytes(b"inline")
     os.chmod(small_store.root / "index", 0o2775)  # a group-shared store: any member writes the index
     with pytest.raises(UntrustedKernel, match="inline"):
-        next(read_trusted(small_store, ref, ME))
+        read_trusted(small_store, ref, ME)
 
 
-def test_content_that_does_not_hash_to_its_digest_is_never_linked(tmp_path):
-    with pytest.raises(CorruptKernel):
-        _place(b"evil", tmp_path / "d", digest=hashlib.sha256(b"good").hexdigest())
+def test_a_blob_that_no_longer_hashes_to_its_digest_is_never_linked_and_is_quarantined(small_store, tmp_path):
+    data = os.urandom(4096)
+    ref = small_store.put_bytes(data)
+    path = small_store.blob_path(ref)
+    os.chmod(path, 0o600)
+    path.write_bytes(b"evil" + data[4:])  # same size, other bytes: proven damage
+    os.chmod(path, 0o444)
+    with pytest.raises(ChecksumMismatch):
+        place(small_store, ref, directory=tmp_path / "d", name="k.so", trusted=ME)
     assert list((tmp_path / "d").iterdir()) == []
+    assert list((small_store.root / "quarantine").iterdir())  # the store's read path quarantined it
 
 
 @pytest.mark.parametrize("shape", ["group_writable", "symlink", "other_owner"])
@@ -85,8 +91,8 @@ def test_a_target_directory_others_could_write_is_refused(shape, tmp_path):
             pytest.skip("chown to another uid needs root")
         target.mkdir(mode=0o755)
         os.chown(target, 4242, 4242)
-    with pytest.raises(UnsafeCacheDir):
-        _place(b"kernel", target)
+    with Store.open(tmp_path / "store") as store, pytest.raises(UnsafeCacheDir):
+        _place(store, b"kernel", target)
     assert not (target / "k.so").exists() and not list(tmp_path.glob("elsewhere/*"))
 
 
