@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..codec import Encoding
-from ..errors import BlobUnreadable, StoreError
+from ..errors import StoreError
 from ..fsutil import fsync_dir
 from ..index.ballast import Ballast
 from ..index.env import Index
@@ -94,6 +94,17 @@ class RebuildPlan:
         layout = self.layout
         if Index.users(layout.index):
             raise StoreError(f"cannot rebuild the index of {layout.root}: this process still has it open")
+        # Every blob file is read before anything moves: one the system will not read now (EMFILE, EIO,
+        # EACCES) is no proof of damage, and an index rebuilt without it would lose its entries and
+        # leave the file to the sweep as an orphan.  So such a rebuild stops with nothing changed.
+        good: list[BlobFile] = []
+        suspect: list[Path] = []
+        for path in self.blob_files:
+            found = identify_blob_file(path)  # BlobUnreadable propagates: try again once the system reads it
+            if found is not None and path.parent.name == path.name[:2]:
+                good.append(found)
+            else:
+                suspect.append(path)
         layout.mkdir(layout.quarantine)
         dest = self.destination
         if os.path.lexists(layout.index):
@@ -103,17 +114,8 @@ class RebuildPlan:
         layout.mkdir(layout.index)
         if shutil.disk_usage(layout.index).free < FRESH_INDEX_BYTES:
             Ballast(layout.root).release()  # what the ballast is for: room for the fresh index
-        good: list[BlobFile] = []
         bad: list[str] = []
-        for path in self.blob_files:
-            try:
-                found = identify_blob_file(path)
-            except BlobUnreadable as exc:  # not proof of damage: left where it is, unregistered
-                log.warning("rebuild: %s (left in place, not registered)", exc)
-                continue
-            if found is not None and path.parent.name == path.name[:2]:
-                good.append(found)
-                continue
+        for path in suspect:
             target = layout.quarantine / f"{path.name}.{time.time_ns()}"
             try:
                 os.replace(path, target)  # renames a symlink itself, never its target

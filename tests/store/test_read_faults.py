@@ -137,3 +137,51 @@ def test_verify_fix_out_of_descriptors_quarantines_nothing(stored):
     assert res.returncode == 0, res.stderr
     assert _quarantined(root) == []
     _served_again(root, digests)
+
+
+REBUILD_CHILD = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    from adstore.store.errors import StoreError
+    from adstore.store.layout import Layout
+    from adstore.store.records.rebuild import plan_rebuild
+
+    from pathlib import Path
+
+    plan = plan_rebuild(Layout(Path(sys.argv[1])), "test: a damaged index")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        plan.execute()
+        out = {"error": None}
+    except (StoreError, OSError) as exc:
+        out = {"error": type(exc).__name__, "errno": getattr(exc, "errno", None)}
+    for fd in held:
+        os.close(fd)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_rebuild_that_cannot_read_a_blob_changes_nothing(stored):
+    """A rebuild that cannot read a blob file now stops before it moves the index: had it gone on, the
+    blob would be left unregistered, its entries lost, and the file swept later as an orphan."""
+    root, digests = stored
+    with Store.open(root) as store:
+        ref = store.put_bytes(compressible(200_000, seed=3))
+        store.save("k", {"a": ref}, components={})
+    before = sorted(str(p.relative_to(root)) for p in (root / "blobs").rglob("*") if p.is_file())
+    res = subprocess.run([sys.executable, "-c", REBUILD_CHILD, str(root)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["error"] == "BlobUnreadable" and got["errno"] == errno.EMFILE, got
+    assert (root / "index" / "data.mdb").is_file() and _quarantined(root) == []  # the index was not moved aside
+    assert sorted(str(p.relative_to(root)) for p in (root / "blobs").rglob("*") if p.is_file()) == before
+    with Store.open(root) as store:
+        assert store.lookup("k").hit
