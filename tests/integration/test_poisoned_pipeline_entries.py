@@ -283,16 +283,17 @@ def test_traversal_digest_in_a_blob_row_key_is_never_a_path(pipeline, tmp_path):
 
 
 def test_a_failed_commit_leaves_no_uncommitted_manifest(pipeline, monkeypatch):
-    """The disk fills between publish and commit (ENOSPC injected at the commit call)."""
+    """The disk fills between publish and commit (ENOSPC injected at the commit of the one publish path)."""
     from adstore.store import StoreFull
+    from adstore.store.publishing import Publisher
 
     with Store.open(pipeline["root"]) as store:
         store.plan_remove([pipeline["key"]]).execute()
 
     def full(self, key, **kw):
-        raise StoreFull(str(self.root), "injected: no space left at commit")
+        raise StoreFull(pipeline["root"], "injected: no space left at commit")
 
-    monkeypatch.setattr(Store, "commit", full)
+    monkeypatch.setattr(Publisher, "commit", full)
     events, _ = _victim_run(pipeline)
     monkeypatch.undo()
     assert events[-1] == ("bypass", "disk_full"), events
