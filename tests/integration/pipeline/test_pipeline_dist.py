@@ -47,15 +47,17 @@ def _inject(fault):
 
         snap.load_module = load_module
         return lambda: setattr(snap, "load_module", original)
-    if fault == "kill_after_publish":
-        original = Store.publish
+    if fault == "kill_after_publish":  # the manifest's row and record written, then dead before agreeing
+        from adstore.store.records.sync import RecordWriter
 
-        def publish(self, *a, **kw):
+        original = RecordWriter.published
+
+        def published(self, *a, **kw):
             original(self, *a, **kw)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        Store.publish = publish
-        return lambda: setattr(Store, "publish", original)
+        RecordWriter.published = published
+        return lambda: setattr(RecordWriter, "published", original)
     raise ValueError(fault)
 
 
