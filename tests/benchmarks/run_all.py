@@ -53,6 +53,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_engine": ["--hidden", "256"],
     "bench_pipeline": ["--layers", "8"],
     "bench_restart": ["--quick"],
+    "bench_inductor": ["--quick"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -66,6 +67,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_remote": ["remote.json"],
     "bench_compression": ["compression.json"],
     "bench_scale": ["scale.json"],
+    "bench_inductor": ["inductor.json"],
 }
 
 Row = dict[str, Any]
@@ -930,6 +932,63 @@ def rows_scale(d: dict) -> list[Row]:
     return out
 
 
+def rows_inductor(d: dict) -> list[Row]:
+    floor = d["floor_s"]
+    out = [
+        row(
+            "inductor",
+            "Dynamo + Inductor import (`torch._dynamo`, `torch._inductor.compile_fx`), fresh process",
+            f"{_s(d['dynamo_inductor_import_s'])} (floor + {_s(d['dynamo_inductor_import_above_floor_s'])})",
+            f"floor (`import torch`) {_s(floor)}",
+            None,
+            "",
+            None,
+            "the floor of any `torch.compile` restart",
+        )
+    ]
+    for name, m in d.get("models", {}).items():
+        warm, plain, host = m["local_warm"], m["new_host_plain"], m["new_host_adstore"]
+        ratio = m.get("new_host_over_local_warm_above_floor")
+        same = f"outputs bit-identical to the cold run: {'yes' if m['outputs_bit_identical'] else 'NO'}"
+        out.append(
+            row(
+                "inductor",
+                f"plain `torch.compile`, new host with adstore from the HTTP remote ({name}), above the floor",
+                _s(host["above_floor_s"]),
+                f"local warm (adstore off) {_s(warm['above_floor_s'])}",
+                ratio,
+                "≤ 1.2× local warm",
+                m["meets_1_2x_local_warm"],
+                f"ratio = new host / local warm, time above the floor; cold {_s(m['cold']['seconds'])}; {same}",
+            )
+        )
+        out.append(
+            row(
+                "inductor",
+                f"plain `torch.compile`, new host: with adstore vs without ({name}), start to first output",
+                _s(host["seconds"]),
+                f"without adstore {_s(plain['seconds'])}",
+                m.get("new_host_plain_over_adstore"),
+                "",
+                None,
+                "ratio = without / with",
+            )
+        )
+        out.append(
+            row(
+                "inductor",
+                f"kernels compiled on a new host with adstore ({name})",
+                str(m["new_host_kernels_compiled"]),
+                f"without adstore {plain['kernels_compiled']}",
+                None,
+                "0",
+                m["meets_no_kernels_on_new_host"],
+                "C++ builds counted in the process (one compile thread); ISA probes and the header apart",
+            )
+        )
+    return out
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -967,6 +1026,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_remote": rows_remote,
     "bench_compression": rows_compression,
     "bench_scale": rows_scale,
+    "bench_inductor": rows_inductor,
 }
 
 

@@ -32,6 +32,7 @@ SMALL = {
     "bench_remote": (["--quick"], "remote.json"),
     "bench_compression": (["--quick", "--big-mib", "8"], "compression.json"),
     "bench_scale": (["--quick"], "scale.json"),
+    "bench_inductor": (["--quick"], "inductor.json"),
 }
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["host_env", "on_host", "compile_host"]
+__all__ = ["host_env", "on_host", "count_builds", "compile_host"]
 
 
 def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> dict[str, str]:
@@ -37,6 +37,27 @@ def on_host(fn: Any, *args: Any) -> Any:
         return pool.apply(fn, args)
 
 
+def count_builds() -> list[str]:
+    """From now on, the target of every ``CppBuilder.build`` of this process, in a list this returns.
+
+    Every C++ compile Inductor runs goes through it: kernels (``.so``), ISA
+    probes, the precompiled header (``.gch``) and the header's ``g++ -E``
+    (``.i``, run in every process).  Builds in compile workers are not seen:
+    a host counts with ``TORCHINDUCTOR_COMPILE_THREADS=1`` (:func:`host_env`).
+    """
+    from torch._inductor import cpp_builder
+
+    builds: list[str] = []
+    build = cpp_builder.CppBuilder.build
+
+    def counted(self: Any) -> Any:
+        builds.append(self.get_target_file_path())
+        return build(self)
+
+    cpp_builder.CppBuilder.build = counted  # type: ignore[method-assign]
+    return builds
+
+
 def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
     """``torch.compile`` a small model under ``env`` (with adstore enabled unless ``enable=False``).
 
@@ -52,16 +73,8 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
     t0 = time.perf_counter()
     import torch
     from torch._dynamo.utils import counters
-    from torch._inductor import cpp_builder
 
-    builds: list[str] = []
-    build = cpp_builder.CppBuilder.build
-
-    def counted(self: Any) -> Any:
-        builds.append(self.get_target_file_path())
-        return build(self)
-
-    cpp_builder.CppBuilder.build = counted  # type: ignore[method-assign]
+    builds = count_builds()
 
     import logging
 
