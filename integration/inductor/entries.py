@@ -205,18 +205,10 @@ class InductorEntries:
         return refs
 
     def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
-        store = self.store
-        generation = store.new_generation()
+        """One entry through the store's one publish path (a failed save leaves nothing)."""
         meta = {"files": len(artifacts) - (VALUE in artifacts)}
-        store.publish(
-            key, generation=generation, artifacts=artifacts, namespace=namespace, components=components, meta=meta
-        )
-        try:
-            store.commit(key, generation=generation)
-        except BaseException:
-            store.abort(key, generation=generation)
-            raise
-        store.count_event("save")
+        self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta)
+        self.store.count_event("save")
 
 
 def _artifact_name(path: str, cache_dir: Path, header_dir: Path | None) -> str | None:
