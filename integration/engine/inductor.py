@@ -1,23 +1,27 @@
-"""The compile stage's ``torch_compile`` backend: what Inductor wrote travels with the stage's entry.
+"""The compile stage's ``torch_compile`` backend: a standalone artifact and its kernels travel with the stage's entry.
 
-``torch.compile`` cannot be stored as one engine: Dynamo traces the module
-again in every process and guards what it traced.  What makes a second
-process fast is Inductor's on-disk caches (the compiled kernels, the
-FX-graph and AOTAutograd cache entries), which a new host does not have.
-So the stage compiles in a fresh, private Inductor cache directory, running
-the module once on the graph's example inputs (under ``no_grad``, as
-inference calls it), and stores every file Inductor wrote there as one blob
-(:mod:`~adstore.integration.engine.bundle`) under the stage's key
-(namespace ``inductor``, with the store's LRU, budget and remote tier).  A
-restart unpacks that blob into a fresh directory and compiles there: Dynamo
-traces, and every Inductor cache lookup hits.
+``torch.compile`` traces the module with Dynamo again in every process
+before any cache can answer.  The stage holds the FX graph already, so it
+compiles that graph with ``standalone_compile(..., aot=True)``
+(:mod:`~adstore.integration.engine.standalone`) in a fresh, private Inductor
+cache directory and stores, under the stage's key (namespace ``inductor``,
+with the store's LRU, budget and remote tier): the serialized artifact
+(``standalone.bin``) and each shared object Inductor built (``cache.<xx>.<file>``,
+named as the Inductor integration names them, so a kernel is one blob
+wherever it is used).  A restart places the shared objects into a fresh
+private directory and loads the artifact: no tracing and no kernel build.
 
-The files are code (shared objects, Python modules, pickles): they are only
-unpacked from a blob file a trusted user wrote (the engine cache's rule,
-judged on the descriptor the bytes are read from, :mod:`~adstore.integration.engine.codefiles`),
+A graph ``standalone_compile`` cannot serve goes through ``torch.compile``
+and every file Inductor wrote is stored as one blob
+(:mod:`~adstore.integration.engine.bundle`, ``inductor.bundle``); a restart
+unpacks it and compiles there, every Inductor cache lookup a hit.
+
+All of it is code (shared objects, pickles): loaded only from a private
+copy of a blob a trusted user wrote (the engine cache's rule, judged on the
+descriptor the bytes are read from, :mod:`~adstore.integration.engine.codefiles`),
 and from a remote only out of a signed record by a trusted key.  A damaged,
 missing or untrusted blob is a miss with its reason and a compile that
-replaces it (docs/engine-cache.md, "torch_compile: what Inductor produced travels with the entry").
+replaces it (docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
 """
 
 from __future__ import annotations
@@ -105,14 +109,14 @@ def compile(
     workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir=private_dir()))  # code: no other user may rename
     try:
         try:
-            compiled, data, files, stats = _standalone_in(workdir, module, example_inputs)
+            compiled, data, files, stats, meta = _standalone_in(workdir, module, example_inputs)
             artifact = STANDALONE
         except Exception as exc:  # noqa: BLE001 - a graph standalone_compile cannot serve: Dynamo's path
             logger.info("standalone_compile could not serve the stage (%s: %s); torch.compile", type(exc).__name__, exc)
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(mode=0o700)
             compiled, stats = _compile_in(workdir, module, example_inputs, probe=True)
-            data, files, artifact = bundle.pack(workdir), [], ARTIFACT
+            data, files, artifact, meta = bundle.pack(workdir), [], ARTIFACT, {}
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
             stats = f"standalone_compile failed ({why}), Inductor's files stored; {stats}"
         seconds = time.perf_counter() - t0
@@ -127,7 +131,7 @@ def compile(
         try:
             store = stage.store()
             refs = InductorEntries(store, trusted=trusted_uids(), owns_store=False).file_refs(files, workdir, None)
-            StageEntries(store, NAMESPACE, artifact).save(key, data, {"compile_seconds": seconds}, refs)
+            StageEntries(store, NAMESPACE, artifact).save(key, data, {"compile_seconds": seconds, **meta}, refs)
         except Exception as exc:  # noqa: BLE001 - the next restart compiles again, nothing else
             logger.warning("could not store the compiled stage %s: %s", key.key[:12], exc)
             return compiled, CacheEvent(
@@ -208,12 +212,13 @@ def _compile_in(
 
 def _standalone_in(
     workdir: Path, module: nn.Module, example_inputs: Sequence[Any]
-) -> tuple[nn.Module, bytes, list[str], str]:
+) -> tuple[nn.Module, bytes, list[str], str, dict[str, Any]]:
     """``standalone_compile`` of ``module``'s graph with ``workdir`` as Inductor's cache directory.
 
     Returns the module to run, the serialized artifact, the shared objects
     Inductor built in ``workdir`` (the kernels and the ISA probes: a load
-    without them compiles them again) and what it did.
+    without them compiles them again), what it did, and the entry's meta
+    (the ISA probes' answers, ``isa_probes``).
     """
     t0 = time.perf_counter()
     import torch._inductor.compile_fx  # noqa: F401 - timed apart: what every compiling process pays
@@ -227,14 +232,19 @@ def _standalone_in(
         logger.debug("Inductor's ISA probe not reset: %s", exc)
     t1 = time.perf_counter()
     flat = standalone.flat_graph(module)
-    with temporary_cache_dir(str(workdir)), torch._inductor.config.patch(compile_threads=1):
+    with (
+        temporary_cache_dir(str(workdir)),
+        torch._inductor.config.patch(compile_threads=1),
+        standalone.isa_probes({}, within=workdir) as probes,
+    ):
         artifact, data = standalone.compile_graph(flat, module, example_inputs)
     files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
     stats = (
         f"standalone_compile, {len(flat.weights)} weights as inputs, {len(files)} shared objects stored; "
         f"imports {t1 - t0:.2f}s, compile {time.perf_counter() - t1:.2f}s"
     )
-    return standalone.StandaloneModule(module, flat, artifact, example_inputs), data, files, stats
+    compiled = standalone.StandaloneModule(module, flat, artifact, example_inputs)
+    return compiled, data, files, stats, {"isa_probes": probes}
 
 
 def _restore_standalone(
@@ -262,12 +272,19 @@ def _restore_standalone(
         t1 = time.perf_counter()
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+        known = manifest.meta.get("isa_probes")
+        known = known if isinstance(known, dict) else {}
         try:
-            with temporary_cache_dir(str(workdir)), torch._inductor.config.patch(compile_threads=1):
+            with (
+                temporary_cache_dir(str(workdir)),
+                torch._inductor.config.patch(compile_threads=1),
+                standalone.isa_probes(known, within=workdir) as probes,
+            ):
                 artifact = standalone.load(path)
         except Exception as exc:  # noqa: BLE001 - an artifact torch rejects (another build) is a miss
             return None, Reason.LOAD_FAILED, f"{type(exc).__name__}: {exc}"
         loaded = time.perf_counter() - t1
+        answered = sum(1 for name in probes if name in known)
         built = sum(1 for p in workdir.glob("*/*.so")) - placed  # what the stored files lacked: compiled here
     finally:
         path.unlink(missing_ok=True)
@@ -281,7 +298,10 @@ def _restore_standalone(
         seconds=time.perf_counter() - t0,
         transferred=transferred or 0,
         bytes=size,
-        detail=f"standalone artifact, {placed} shared objects placed, {built} shared objects built; load {loaded:.2f}s",
+        detail=(
+            f"standalone artifact, {placed} shared objects placed, {built} shared objects built, "
+            f"{answered} of {len(probes)} ISA probes answered by the entry; load {loaded:.2f}s"
+        ),
     )
     return (compiled, event), None, ""
 

@@ -16,16 +16,22 @@ kernel whose ``.so`` is not in its cache directory (seconds each), so the
 stage stores those files beside it (:mod:`~adstore.integration.engine.inductor`).
 
 Loading the artifact imports ``torch._dynamo`` (torch's loader lives there)
-but traces nothing.  A call with other input shapes than the compiled ones
+but traces nothing.  Inductor also checks, once per process, which vector
+ISA the CPU and compiler support, by loading small probe libraries each in a
+fresh Python process (about 0.2 s each, over a second in all): the stage
+records those answers with the entry and gives them back on a restore
+(:func:`isa_probes`), whose key already pins the CPU's flags and the compiler.  A call with other input shapes than the compiled ones
 goes to ``torch.compile`` of the graph, as the stage did before
-(docs/engine-cache.md, "torch_compile: what Inductor produced travels with the entry").
+(docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +42,7 @@ from torch import fx, nn
 
 from adstore.integration.errors import IntegrationError
 
-__all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "load"]
+__all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "isa_probes", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,51 @@ def load(path: Path) -> Any:
     from torch._inductor.standalone_compile import CompiledArtifact
 
     return CompiledArtifact.load(path=str(path), format="binary")
+
+
+_PROBE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.so")
+
+
+@contextmanager
+def isa_probes(known: Mapping[str, Any], *, within: Path) -> Iterator[dict[str, bool]]:
+    """Inductor's vector-ISA probes in this block: each answered from ``known`` or run, and all recorded.
+
+    Inductor decides which vector ISA to compile for by building a probe
+    library per ISA and loading it in a fresh Python process
+    (``VecISA._probe_load``), which costs a restore over a second.  A probe
+    library under ``within`` (the stage's private Inductor directory, filled
+    from a trusted entry) named in ``known`` gets the answer recorded when
+    that entry was compiled: the entry's key holds the CPU's flags and the
+    compiler, so the answer is the one the probe would give.  Any other probe
+    runs.  Yields the answers seen, for the entry to record.  On a torch
+    without this probe the block runs unchanged.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    seen: dict[str, bool] = {}
+    owner = getattr(cpu_vec_isa, "VecISA", None)
+    original = getattr(owner, "_probe_load", None)
+    if owner is None or not callable(original):
+        yield seen
+        return
+    answers = {k: v for k, v in known.items() if isinstance(v, bool) and _PROBE_NAME.fullmatch(str(k))}
+    root = within.resolve()
+
+    def probe_load(self: Any, output_path: str) -> bool:
+        path = Path(output_path)
+        name = path.name
+        if name in answers and path.resolve().parent.parent == root and path.is_file():
+            result = answers[name]
+        else:
+            result = bool(original(self, output_path))
+        seen[name] = result
+        return result
+
+    owner._probe_load = probe_load
+    try:
+        yield seen
+    finally:
+        owner._probe_load = original
 
 
 class StandaloneModule(nn.Module):
