@@ -235,7 +235,7 @@ def _standalone_in(
     with (
         temporary_cache_dir(str(workdir)),
         torch._inductor.config.patch(compile_threads=1),
-        standalone.isa_probes({}, within=workdir) as probes,
+        standalone.isa_probes({}) as probes,
     ):
         artifact, data = standalone.compile_graph(flat, module, example_inputs)
     files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
@@ -278,7 +278,7 @@ def _restore_standalone(
             with (
                 temporary_cache_dir(str(workdir)),
                 torch._inductor.config.patch(compile_threads=1),
-                standalone.isa_probes(known, within=workdir) as probes,
+                standalone.isa_probes(known) as probes,
             ):
                 artifact = standalone.load(path)
         except Exception as exc:  # noqa: BLE001 - an artifact torch rejects (another build) is a miss

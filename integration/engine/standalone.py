@@ -20,13 +20,15 @@ but traces nothing.  Inductor also checks, once per process, which vector
 ISA the CPU and compiler support, by loading small probe libraries each in a
 fresh Python process (about 0.2 s each, over a second in all): the stage
 records those answers with the entry and gives them back on a restore
-(:func:`isa_probes`), whose key already pins the CPU's flags and the compiler.  A call with other input shapes than the compiled ones
-goes to ``torch.compile`` of the graph, as the stage did before
+(:func:`isa_probes`), whose key already pins the CPU's flags and the
+compiler.  A call with other input shapes than the compiled ones goes to
+``torch.compile`` of the graph, as the stage did before
 (docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 import re
@@ -128,49 +130,44 @@ def load(path: Path) -> Any:
     return CompiledArtifact.load(path=str(path), format="binary")
 
 
-_PROBE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}\.so")
+_PROBE_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 @contextmanager
-def isa_probes(known: Mapping[str, Any], *, within: Path) -> Iterator[dict[str, bool]]:
+def isa_probes(known: Mapping[str, Any]) -> Iterator[dict[str, bool]]:
     """Inductor's vector-ISA probes in this block: each answered from ``known`` or run, and all recorded.
 
     Inductor decides which vector ISA to compile for by building a probe
-    library per ISA and loading it in a fresh Python process
-    (``VecISA._probe_load``), which costs a restore over a second.  A probe
-    library under ``within`` (the stage's private Inductor directory, filled
-    from a trusted entry) named in ``known`` gets the answer recorded when
-    that entry was compiled: the entry's key holds the CPU's flags and the
-    compiler, so the answer is the one the probe would give.  Any other probe
-    runs.  Yields the answers seen, for the entry to record.  On a torch
-    without this probe the block runs unchanged.
+    library per ISA and extension and loading it in a fresh Python process
+    (``VecISA.check_build``), which costs a restore over a second.  A probe
+    whose key (the ISA, its compiler flags and the probe's source) is in
+    ``known`` gets the answer recorded when the entry was compiled: the
+    entry's key holds the CPU's flags and the compiler, so it is the answer
+    the probe would give here.  Any other probe runs.  Yields the answers
+    seen, for the entry to record.  On a torch without this probe the block
+    runs unchanged.
     """
     from torch._inductor import cpu_vec_isa
 
     seen: dict[str, bool] = {}
     owner = getattr(cpu_vec_isa, "VecISA", None)
-    original = getattr(owner, "_probe_load", None)
+    original = getattr(owner, "check_build", None)
     if owner is None or not callable(original):
         yield seen
         return
-    answers = {k: v for k, v in known.items() if isinstance(v, bool) and _PROBE_NAME.fullmatch(str(k))}
-    root = within.resolve()
+    answers = {k: v for k, v in known.items() if isinstance(v, bool) and _PROBE_KEY.fullmatch(str(k))}
 
-    def probe_load(self: Any, output_path: str) -> bool:
-        path = Path(output_path)
-        name = path.name
-        if name in answers and path.resolve().parent.parent == root and path.is_file():
-            result = answers[name]
-        else:
-            result = bool(original(self, output_path))
-        seen[name] = result
+    def check_build(self: Any, code: str) -> bool:
+        key = hashlib.sha256(f"{self}\0{self.build_arch_flags()}\0{code}".encode()).hexdigest()
+        result = answers[key] if key in answers else bool(original(self, code))
+        seen[key] = result
         return result
 
-    owner._probe_load = probe_load
+    owner.check_build = check_build
     try:
         yield seen
     finally:
-        owner._probe_load = original
+        owner.check_build = original
 
 
 class StandaloneModule(nn.Module):

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.slow  # two Inductor compiles
 
 
 class Block(nn.Module):
-
     def __init__(self, constant_out: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 16), requires_grad=False)
