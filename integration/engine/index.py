@@ -188,9 +188,13 @@ class StageEntries:
                 raise RemoteEngineMiss(key.key, res.reason)
             raise EngineUnavailable(key.key, f"{self.namespace} entry: {res.reason}")
         manifest = res.manifest
-        if manifest is None or manifest.namespace != self.namespace or self.artifact not in manifest.artifacts:
+        if manifest is None or manifest.namespace != self.namespace or not self.accepts(manifest.artifacts):
             raise EngineUnavailable(key.key, f"not a {self.namespace} entry")
         return manifest
+
+    def accepts(self, artifacts: Mapping[str, Any]) -> bool:
+        """Whether a manifest with these artifacts is an entry of this kind (it holds :attr:`artifact`)."""
+        return self.artifact in artifacts
 
     def read(
         self, key: CacheKey, manifest: Any, *, judge: Callable[[str, Writer], None] | None = None
@@ -239,11 +243,14 @@ class StageEntries:
                 out.append((listed.key, components))
         return out
 
-    def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any]) -> None:
-        """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier)."""
+    def save(self, key: CacheKey, data: bytes, meta: Mapping[str, Any], files: Mapping[str, Any] | None = None) -> None:
+        """Store ``data`` under ``key`` (a new generation replaces what was there; pushed by a remote tier).
+
+        ``files``: further artifacts of the entry (name -> blob ref the store holds already).
+        """
         self.store.save(
             key.key,
-            {self.artifact: self.store.put_bytes(data)},
+            {**(files or {}), self.artifact: self.store.put_bytes(data)},
             namespace=self.namespace,
             components=key.components,
             meta={**meta, "created": time.time()},

@@ -112,6 +112,8 @@ class EngineStage:
         "adstore.integration.engine.cache",
         "adstore.integration.engine.index",
         "adstore.integration.engine.runtime",
+        "adstore.integration.engine.standalone",
+        "adstore.integration.inductor.entries",
     )
 
     # ----------------------------------------------------------------- public

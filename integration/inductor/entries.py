@@ -134,7 +134,7 @@ class InductorEntries:
         try:
             key, components = self.key(namespace, inductor_key)
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
-            artifacts.update(self._file_refs(files, Path(_cache_dir()), _header_dir()))
+            artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
             self._publish(key, namespace, components, artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(_reason(exc), f"{namespace} put: {exc}", self.store)
@@ -166,7 +166,7 @@ class InductorEntries:
             if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
                 stored.update(res.manifest.artifacts)
                 return
-            artifacts = self._file_refs(files, cache_dir, header_dir)
+            artifacts = self.file_refs(files, cache_dir, header_dir)
             self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
             stored.update(artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open
@@ -195,7 +195,8 @@ class InductorEntries:
             self.store.count({"inductor.files_placed": placed})
         return placed
 
-    def _file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
+    def file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
+        """Each Inductor file among ``files`` as a blob, by artifact name (``cache.<xx>.<file>``, ``pch.<file>``)."""
         refs: dict[str, Any] = {}
         for path in files:
             name = _artifact_name(path, cache_dir, header_dir)
@@ -204,18 +205,10 @@ class InductorEntries:
         return refs
 
     def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
-        store = self.store
-        generation = store.new_generation()
+        """One entry through the store's one publish path (a failed save leaves nothing)."""
         meta = {"files": len(artifacts) - (VALUE in artifacts)}
-        store.publish(
-            key, generation=generation, artifacts=artifacts, namespace=namespace, components=components, meta=meta
-        )
-        try:
-            store.commit(key, generation=generation)
-        except BaseException:
-            store.abort(key, generation=generation)
-            raise
-        store.count_event("save")
+        self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta)
+        self.store.count_event("save")
 
 
 def _artifact_name(path: str, cache_dir: Path, header_dir: Path | None) -> str | None:

@@ -33,7 +33,7 @@ from typing import Any
 from adstore.integration.engine.codefiles import Writer, private_path
 from adstore.integration.errors import UnsafeCacheDir, UntrustedKernel
 
-__all__ = ["read_trusted", "place"]
+__all__ = ["read_trusted", "place", "refusal"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -79,11 +79,19 @@ def _judge(store: Any, digest: str, trusted: frozenset[int]) -> Callable[[os.sta
     """The ``check`` of ``Store.copy_blob_to``: refuse, before the first byte, a blob no trusted user wrote."""
 
     def check(st: os.stat_result | None) -> None:
-        why = _inline_refusal(store, trusted) if st is None else Writer(st.st_uid, st.st_mode).refusal(trusted)
+        why = refusal(store, Writer(None) if st is None else Writer(st.st_uid, st.st_mode), trusted)
         if why is not None:
             raise UntrustedKernel(digest, why)
 
     return check
+
+
+def refusal(store: Any, writer: Writer, trusted: frozenset[int]) -> str | None:
+    """Why code read from a blob that ``writer`` wrote must not be loaded (None: it may); the one rule here.
+
+    An inline blob (``writer.uid`` None) is judged by the index that holds it.
+    """
+    return _inline_refusal(store, trusted) if writer.uid is None else writer.refusal(trusted)
 
 
 def _inline_refusal(store: Any, trusted: frozenset[int]) -> str | None:

@@ -391,7 +391,8 @@ def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypat
                     _as_nobody(lambda: os.replace(f"{blob}.real", blob))
 
             monkeypatch.setattr(StoreEngineStorage, "check_writer", raced)
+            entries = inductor._entries(store)  # the bundle branch of inductor.restore
             with pytest.raises(UntrustedEngine, match="uid 65534"):
-                inductor._read(store, key)
+                entries.read(key, entries.manifest(key), judge=StoreEngineStorage(store).check_writer)
     finally:
         shutil.rmtree(shared, ignore_errors=True)

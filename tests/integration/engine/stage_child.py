@@ -3,7 +3,7 @@
 The job names the model, checkpoint, store root and the ``compile`` stage's
 options; the child runs the pipeline, calls the module once and prints one
 JSON line: the cache events, the output (hex of its bytes), and whether
-dynamo, Inductor or transformers were imported.  The compile-stage tests run
+dynamo, Inductor or transformers were imported and how many frames Dynamo traced.  The compile-stage tests run
 it cold and warm (:func:`run_child`), the way a user restarts a job.
 """
 
@@ -81,9 +81,19 @@ def main(argv: list[str]) -> int:
         "module": type(module).__name__,
         "output": out.detach().contiguous().numpy().tobytes().hex(),
         "imported": {name: name in sys.modules for name in (*HEAVY, *UNUSED)},
+        "dynamo_frames": _dynamo_frames(),
     }
     print(json.dumps(report), flush=True)
     return 0
+
+
+def _dynamo_frames() -> int:
+    """Frames Dynamo traced in this process (0 when it was never imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["frames"].values()))
 
 
 if __name__ == "__main__":

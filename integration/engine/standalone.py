@@ -1,0 +1,210 @@
+"""The stage's graph through ``torch._inductor.standalone_compile(..., aot=True)``: a warm restart loads, never traces.
+
+``torch.compile`` needs Dynamo to trace the module again in every process
+before any cache can answer.  The compile stage holds the FX graph already,
+so it hands that graph to Inductor directly: ``standalone_compile`` with
+``aot=True`` returns an artifact that serializes to bytes (a pickle of
+AOTAutograd's bundled entry, holding the Python wrapper Inductor generated
+and the C++ source of each kernel) and loads in another process without
+tracing.
+
+The graph is compiled with its weights as inputs (:func:`flat_graph`): the
+artifact then holds no tensor of this checkpoint, and a restart runs it on
+the module's own tensors, like the ``aoti`` backend's refit.  The artifact
+does not hold the kernels' shared objects: on load, Inductor compiles each
+kernel whose ``.so`` is not in its cache directory (seconds each), so the
+stage stores those files beside it (:mod:`~adstore.integration.engine.inductor`).
+
+Loading the artifact imports ``torch._dynamo`` (torch's loader lives there)
+but traces nothing.  Inductor also checks, once per process, which vector
+ISA the CPU and compiler support, by loading small probe libraries each in a
+fresh Python process (about 0.2 s each, over a second in all): the stage
+records those answers with the entry and gives them back on a restore
+(:func:`isa_probes`), whose key already pins the CPU's flags and the
+compiler.  A call with other input shapes than the compiled ones goes to
+``torch.compile`` of the graph, as the stage did before
+(docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from adstore.integration.errors import IntegrationError
+
+__all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "isa_probes", "load"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FlatGraph:
+    """A graph whose tensor attributes are leading inputs and whose output is a flat tuple.
+
+    ``weights``: the attribute names lifted, in input order; ``out_spec``: how
+    the original graph's output node nests its leaves.
+    """
+
+    module: fx.GraphModule
+    weights: tuple[str, ...]
+    out_spec: Any
+
+    def tensors(self, owner: nn.Module) -> list[torch.Tensor]:
+        """``owner``'s lifted tensors, detached (inference: no graph of gradients is compiled or kept)."""
+        return [operator.attrgetter(name)(owner).detach() for name in self.weights]
+
+
+def flat_graph(gm: fx.GraphModule) -> FlatGraph:
+    """``gm`` with every tensor it reads by ``get_attr`` lifted to an input, and its output leaves as one tuple.
+
+    Weights as inputs keep this checkpoint's tensors out of the stored
+    artifact (the key does not name them); the flat output is what
+    ``standalone_compile`` accepts.  The pytree calling convention of an
+    exported graph is kept by :class:`StandaloneModule`, not by the graph.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    names: list[str] = []
+    by_target: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(operator.attrgetter(node.target)(gm), torch.Tensor):
+            target = str(node.target)
+            if target not in by_target:
+                by_target[target] = graph.placeholder(f"_w{len(names)}")
+                names.append(target)
+            env[node] = by_target[target]
+    out_spec = None
+    for node in gm.graph.nodes:
+        if node in env:
+            continue
+        if node.op == "output":
+            leaves, out_spec = pytree.tree_flatten(node.args[0])
+            if not all(isinstance(leaf, fx.Node) for leaf in leaves):
+                raise IntegrationError("the graph returns a constant: standalone_compile needs tensor outputs")
+            graph.output(tuple(env[leaf] for leaf in leaves))
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return FlatGraph(fx.GraphModule(gm, graph), tuple(names), out_spec)
+
+
+def compile_graph(flat: FlatGraph, owner: nn.Module, example_inputs: Sequence[Any]) -> tuple[Any, bytes]:
+    """The standalone artifact of ``flat`` for ``example_inputs`` (static shapes), and its serialized form.
+
+    Raises whatever Inductor raises; ``RuntimeError`` when the result cannot
+    be serialized (a graph AOTAutograd's cache refuses).
+    """
+    from torch._inductor import standalone_compile
+
+    inputs = [*flat.tensors(owner), *example_inputs]
+    with torch.no_grad():
+        artifact: Any = standalone_compile(
+            flat.module, inputs, dynamic_shapes="from_example_inputs", options={}, aot=True
+        )
+    from torch._inductor.codecache import torch_key
+    from torch.utils._appending_byte_serializer import BytesWriter
+
+    # ``CompiledArtifact.save``'s binary format (header, torch's build key, artifact), in memory.
+    writer = BytesWriter()
+    writer.write_bytes(type(artifact).AOT_HEADER)
+    writer.write_bytes(torch_key())
+    writer.write_bytes(artifact.serialize())
+    return artifact, writer.to_bytes()
+
+
+def load(path: Path) -> Any:
+    """The artifact in the file ``path`` (a verified private copy), by torch's own loader; no tracing."""
+    from torch._inductor.standalone_compile import CompiledArtifact
+
+    return CompiledArtifact.load(path=str(path), format="binary")
+
+
+_PROBE_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+@contextmanager
+def isa_probes(known: Mapping[str, Any]) -> Iterator[dict[str, bool]]:
+    """Inductor's vector-ISA probes in this block: each answered from ``known`` or run, and all recorded.
+
+    Inductor decides which vector ISA to compile for by building a probe
+    library per ISA and extension and loading it in a fresh Python process
+    (``VecISA.check_build``), which costs a restore over a second.  A probe
+    whose key (the ISA, its compiler flags and the probe's source) is in
+    ``known`` gets the answer recorded when the entry was compiled: the
+    entry's key holds the CPU's flags and the compiler, so it is the answer
+    the probe would give here.  Any other probe runs.  Yields the answers
+    seen, for the entry to record.  On a torch without this probe the block
+    runs unchanged.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    seen: dict[str, bool] = {}
+    owner = getattr(cpu_vec_isa, "VecISA", None)
+    original = getattr(owner, "check_build", None)
+    if owner is None or not callable(original):
+        yield seen
+        return
+    answers = {k: v for k, v in known.items() if isinstance(v, bool) and _PROBE_KEY.fullmatch(str(k))}
+
+    def check_build(self: Any, code: str) -> bool:
+        key = hashlib.sha256(f"{self}\0{self.build_arch_flags()}\0{code}".encode()).hexdigest()
+        result = answers[key] if key in answers else bool(original(self, code))
+        seen[key] = result
+        return result
+
+    owner.check_build = check_build
+    try:
+        yield seen
+    finally:
+        owner.check_build = original
+
+
+class StandaloneModule(nn.Module):
+    """What the stage returns: the compiled artifact, called like the GraphModule it was made from.
+
+    ``graph`` keeps the weights (passed to the artifact on every call, so a
+    module moved or refit in place is what runs) and serves any call whose
+    inputs differ from the compiled ones, through ``torch.compile`` (made on
+    first need).
+    """
+
+    def __init__(self, graph: fx.GraphModule, flat: FlatGraph, compiled: Any, example_inputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.graph = graph
+        self._flat = flat
+        self._compiled = compiled
+        self._specs = [_spec(t) for t in example_inputs]
+        self._weights = [_spec(t) for t in flat.tensors(graph)]
+        self._fallback: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        weights = self._flat.tensors(self.graph)
+        if [_spec(t) for t in leaves] != self._specs or [_spec(t) for t in weights] != self._weights:
+            return self._other_inputs(*args, **kwargs)
+        out = pytree.tree_unflatten(list(self._compiled(*weights, *leaves)), self._flat.out_spec)
+        codegen = self.graph.graph._codegen
+        return codegen.process_outputs(out) if hasattr(codegen, "pytree_info") else out
+
+    def _other_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fallback is None:
+            logger.warning("compile stage: inputs other than the compiled ones; torch.compile serves them")
+            self._fallback = torch.compile(self.graph, dynamic=False)
+        return self._fallback(*args, **kwargs)
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device)
+    return ("value", type(value).__name__)
