@@ -30,6 +30,7 @@ __all__ = [
     "UntrustedKernel",
     "CorruptKernel",
     "UnsafeCacheDir",
+    "VllmTreeError",
     "ConfigError",
 ]
 
@@ -205,3 +206,17 @@ class UnsafeCacheDir(InductorCacheError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"{path}: {detail}")
+
+
+class VllmTreeError(IntegrationError):
+    """A directory tree of vLLM's compile artifacts could not be captured or restored.
+
+    Never raised into vLLM: :mod:`adstore.integration.vllm.trees` turns it into
+    an outcome (a miss, a refused capture) whose reason is ``why``
+    (``unsupported_file``, ``unsafe_path``, ``corrupt_tree``, ...), so the log
+    and the counters say what was wrong with which file.
+    """
+
+    def __init__(self, why: str, message: str) -> None:
+        self.why = why
+        super().__init__(message)

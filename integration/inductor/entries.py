@@ -36,7 +36,7 @@ from typing import Any
 from adstore.integration.inductor.files import place, read_trusted
 from adstore.store import AdstoreError, Reason
 
-__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "note_failure"]
+__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +60,31 @@ _CACHE_FILE = re.compile(r"cache\.([a-z0-9]{2})\.([A-Za-z0-9][A-Za-z0-9_-]*(?:\.
 _PCH_FILE = re.compile(r"pch\.([A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*)")
 
 
-def note_failure(reason: str, detail: str, store: Any = None) -> None:
-    """Count one fail-open under ``reason``; log it the first time this process meets the reason."""
-    FAILOPEN[reason] += 1
+def note_failure(
+    reason: str, detail: str, store: Any = None, *, scope: str = "inductor", fallback: str = "Inductor compiles"
+) -> None:
+    """Count one fail-open under ``reason``; log it the first time this process meets the reason.
+
+    ``scope`` names the integration (``<scope>.failopen.<reason>`` in the store; in :data:`FAILOPEN`
+    the bare reason for Inductor, ``<scope>.<reason>`` for the others) and ``fallback`` what happens
+    instead, so every integration that fails open counts and logs the same way.
+    """
+    counted = reason if scope == "inductor" else f"{scope}.{reason}"
+    FAILOPEN[counted] += 1
     if store is not None:
         try:
-            store.count({f"inductor.failopen.{reason}": 1})
+            store.count({f"{scope}.failopen.{reason}": 1})
         except Exception:  # noqa: BLE001 - counting is best effort; the log line below still says why
             pass
     with _logged_lock:
-        first = reason not in _logged
-        _logged.add(reason)
+        first = counted not in _logged
+        _logged.add(counted)
     if first:
-        logger.warning("adstore: Inductor compiles without adstore here (%s): %s", reason, detail)
+        logger.warning("adstore: %s without adstore here (%s): %s", fallback, reason, detail)
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
+    """The reason a fail-open counts for ``exc``: its own, ``io_error`` for an OSError, else ``integration_error``."""
     if isinstance(exc, AdstoreError):
         return str(getattr(exc, "reason", Reason.ERROR))
     if isinstance(exc, OSError):
@@ -126,7 +135,7 @@ class InductorEntries:
             self.materialize(manifest.artifacts, Path(_cache_dir()), _header_dir())
             return data
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor compiles
-            note_failure(_reason(exc), f"{namespace} get: {exc}", self.store)
+            note_failure(failure_reason(exc), f"{namespace} get: {exc}", self.store)
             return None
 
     def put(self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = ()) -> None:
@@ -137,7 +146,7 @@ class InductorEntries:
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
             self._publish(key, namespace, components, artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
-            note_failure(_reason(exc), f"{namespace} put: {exc}", self.store)
+            note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
 
     # -- the toolchain entry ------------------------------------------------------
     def restore_toolchain(self) -> int:
@@ -151,7 +160,7 @@ class InductorEntries:
                 return 0
             return self.materialize(res.manifest.artifacts, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
-            note_failure(_reason(exc), f"toolchain restore: {exc}", self.store)
+            note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
 
     def save_toolchain(self, files: Iterable[str], stored: set[str]) -> None:
@@ -170,7 +179,7 @@ class InductorEntries:
             self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
             stored.update(artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open
-            note_failure(_reason(exc), f"toolchain save: {exc}", self.store)
+            note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
 
     # -- files ----------------------------------------------------------------------
     def materialize(self, artifacts: Any, cache_dir: Path, header_dir: Path | None) -> int:

@@ -1,0 +1,370 @@
+"""Make vLLM restore its compile directories from adstore before it looks, and capture them after it writes.
+
+:func:`install` wraps these functions of vLLM 0.32.0 (each replaced on its
+module or class, the original kept and put back by :func:`uninstall`; each
+wrapper calls the original exactly once with the arguments it was given,
+and any adstore problem is logged and counted, never raised):
+
+``vllm.compilation.decorators._try_load_aot_compiled_fn(model, aot_compilation_path)``
+    The AOT path (``VLLM_USE_AOT_COMPILE``, on by default with torch 2.13).
+    ``__call__`` of every ``@support_torch_compile`` class calls it by its
+    module-global name, right after making
+    ``<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache``
+    (empty) and before anything is loaded or compiled.  From
+    ``aot_compilation_path`` = ``.../torch_aot_compile/<hash>/rank_<i>_<j>/model``
+    the wrapper takes vLLM's hash (``<hash>``), the rank (``rank_<i>_<j>``)
+    and the directories; it restores tree ``aot_inductor`` (rank ``shared``:
+    ranks of a host share it) into ``<hash>/inductor_cache`` and tree ``aot``
+    into ``<hash>/rank_<i>_<j>``, then calls the original, which loads what
+    is there.  When that returns None (vLLM compiles next), the wrapper wraps
+    ``save_aot_compiled_function`` of ``type(model)`` (on the class in its MRO
+    that defines it: ``_support_torch_compile`` sets it per decorated class,
+    so there is no module-level function to wrap; recorded, and put back
+    by :func:`uninstall`).
+
+``<decorated class>.save_aot_compiled_function(self)``
+    After the original wrote ``self._aot_compilation_path`` (unless
+    ``self.was_aot_compile_fn_loaded_from_disk``), captures the two trees
+    from ``os.path.dirname(self._aot_compilation_path)`` and its parent's
+    ``inductor_cache`` (what Inductor wrote so far).
+
+``vllm.compilation.backends.CompilerManager.initialize_cache(self, cache_dir, disable_cache=False, prefix="")``
+    The piecewise path (VllmBackend, where vLLM's own backend compiles; on
+    CPU vLLM 0.32 uses plain Inductor instead).  ``VllmBackend.__call__``
+    calls it with ``cache_dir`` = ``<VLLM_CACHE_ROOT>/torch_compile_cache/<hash>/rank_<i>_<j>/<prefix>``,
+    just made, before it reads ``vllm_compile_cache.py`` there.  Unless
+    ``disable_cache``, the wrapper restores tree ``piecewise`` (part
+    ``prefix``) into ``cache_dir``.
+
+``vllm.compilation.backends.CompilerManager.save_to_file(self)``
+    Called once compilation is done; when ``self.is_cache_updated`` and not
+    ``self.disable_cache`` (the original writes ``vllm_compile_cache.py``),
+    the wrapper captures ``self.cache_dir`` as tree ``piecewise``, part
+    ``self.prefix``.  (``computation_graph.py``, a debugging copy vLLM
+    writes after it, is captured only by a later save.)
+
+Only directories in vLLM's own layout under ``VLLM_CACHE_ROOT`` are handled
+(a user-chosen ``compilation_config.cache_dir`` is left alone); the hash is
+vLLM's directory name, never computed again here.  The anchors are the
+cache root, the vLLM package directory and ``sys.prefix``.
+
+vLLM is imported only inside :func:`install`: importing this module needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adstore.integration.engine.codefiles import trusted_uids
+from adstore.integration.inductor.entries import failure_reason, note_failure
+from adstore.integration.vllm import trees
+
+__all__ = ["install", "uninstall", "status", "aot_layout", "piecewise_layout", "Layout"]
+
+logger = logging.getLogger(__name__)
+
+_RANK = re.compile(r"rank_[0-9]{1,6}_[0-9]{1,6}", re.ASCII)
+_HASH = re.compile(r"[0-9a-f]{8,64}", re.ASCII)
+_ABSENT = object()
+_WRAPPED = "__adstore_original__"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One of vLLM's compile directories: its hash, rank, and the directories a tree goes to or comes from."""
+
+    vllm_hash: str
+    rank: str
+    rank_dir: Path
+    shared_dir: Path | None = None  # the AOT path's per-hash inductor_cache
+
+
+def aot_layout(aot_compilation_path: str, cache_root: str) -> Layout | None:
+    """``<cache_root>/torch_compile_cache/torch_aot_compile/<hash>/rank_<i>_<j>/model``; None for any other path."""
+    path = Path(os.path.normpath(os.path.abspath(aot_compilation_path)))
+    rank_dir = path.parent
+    hash_dir = rank_dir.parent
+    base = Path(os.path.normpath(os.path.abspath(cache_root))) / "torch_compile_cache" / "torch_aot_compile"
+    if path.name != "model" or hash_dir.parent != base:
+        return None
+    if _RANK.fullmatch(rank_dir.name) is None or _HASH.fullmatch(hash_dir.name) is None:
+        return None
+    return Layout(hash_dir.name, rank_dir.name, rank_dir, hash_dir / "inductor_cache")
+
+
+def piecewise_layout(cache_dir: str, prefix: str, cache_root: str) -> Layout | None:
+    """``<cache_root>/torch_compile_cache/<hash>/rank_<i>_<j>[/<prefix>]``; None for any other directory."""
+    local = Path(os.path.normpath(os.path.abspath(cache_dir)))
+    if prefix and local.name != prefix:
+        return None
+    rank_dir = local.parent if prefix else local
+    base = Path(os.path.normpath(os.path.abspath(cache_root))) / "torch_compile_cache"
+    if rank_dir.parent.parent != base or _RANK.fullmatch(rank_dir.name) is None:
+        return None
+    if _HASH.fullmatch(rank_dir.parent.name) is None:
+        return None
+    return Layout(rank_dir.parent.name, rank_dir.name, rank_dir)
+
+
+@dataclass
+class _State:
+    store: Any
+    owns_store: bool
+    envs: Any
+    vllm_dir: str
+    trusted: frozenset[int]
+    patched: list[tuple[Any, str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def anchors(self) -> dict[str, str]:
+        return {"cache_root": str(self.envs.VLLM_CACHE_ROOT), "vllm": self.vllm_dir, "sys_prefix": sys.prefix}
+
+    def patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """Replace ``owner.name`` by ``make(original)``, once; remembered for :func:`uninstall`."""
+        with self.lock:
+            current = getattr(owner, name)
+            if getattr(current, _WRAPPED, None) is not None:
+                return
+            self.patched.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+            wrapper = make(current)
+            setattr(wrapper, _WRAPPED, current)
+            setattr(owner, name, wrapper)
+
+    # -- the AOT path ---------------------------------------------------------------
+    def restore_aot(self, path: str) -> None:
+        layout = aot_layout(path, str(self.envs.VLLM_CACHE_ROOT))
+        if layout is None or layout.shared_dir is None:
+            return
+        anchors = self.anchors()
+        common = {"vllm_hash": layout.vllm_hash, "anchors": anchors, "trusted": self.trusted}
+        shared = trees.restore(self.store, kind="aot_inductor", rank="shared", target=layout.shared_dir, **common)
+        mine = trees.restore(self.store, kind="aot", rank=layout.rank, target=layout.rank_dir, **common)
+        logger.debug("adstore: vLLM AOT %s %s: inductor_cache %s, %s", layout.vllm_hash[:12], layout.rank, shared, mine)
+
+    def capture_aot(self, model: Any) -> None:
+        path = getattr(model, "_aot_compilation_path", None)
+        if getattr(model, "was_aot_compile_fn_loaded_from_disk", False) or not path or not os.path.isfile(path):
+            return
+        layout = aot_layout(str(path), str(self.envs.VLLM_CACHE_ROOT))
+        if layout is None or layout.shared_dir is None:
+            return
+        anchors = self.anchors()
+        trees.capture(
+            self.store,
+            kind="aot",
+            vllm_hash=layout.vllm_hash,
+            rank=layout.rank,
+            source=layout.rank_dir,
+            anchors=anchors,
+        )
+        if layout.shared_dir.is_dir():
+            trees.capture(
+                self.store,
+                kind="aot_inductor",
+                vllm_hash=layout.vllm_hash,
+                rank="shared",
+                source=layout.shared_dir,
+                anchors=anchors,
+            )
+
+    # -- the piecewise path ---------------------------------------------------------
+    def restore_piecewise(self, cache_dir: str, prefix: str) -> None:
+        layout = piecewise_layout(cache_dir, prefix, str(self.envs.VLLM_CACHE_ROOT))
+        if layout is not None:
+            target = layout.rank_dir / prefix if prefix else layout.rank_dir
+            trees.restore(
+                self.store,
+                kind="piecewise",
+                vllm_hash=layout.vllm_hash,
+                rank=layout.rank,
+                part=prefix,
+                target=target,
+                anchors=self.anchors(),
+                trusted=self.trusted,
+            )
+
+    def capture_piecewise(self, cache_dir: str, prefix: str) -> None:
+        layout = piecewise_layout(cache_dir, prefix, str(self.envs.VLLM_CACHE_ROOT))
+        if layout is not None:
+            source = layout.rank_dir / prefix if prefix else layout.rank_dir
+            trees.capture(
+                self.store,
+                kind="piecewise",
+                vllm_hash=layout.vllm_hash,
+                rank=layout.rank,
+                part=prefix,
+                source=source,
+                anchors=self.anchors(),
+            )
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+_status = "not installed"
+
+
+def _note(exc: BaseException, what: str) -> None:
+    state = _state
+    note_failure(failure_reason(exc), f"{what}: {exc}", None if state is None else state.store, scope="vllm")
+
+
+def _guarded(what: str, fn: Callable[[_State], None]) -> None:
+    """Run an adstore step if the hooks are installed; any exception is a counted fail-open, never vLLM's."""
+    state = _state
+    if state is None:
+        return
+    try:
+        fn(state)
+    except Exception as exc:  # noqa: BLE001 - fail open: vLLM goes on as without adstore
+        _note(exc, what)
+
+
+def _wrap_aot_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _try_load_aot_compiled_fn(model: Any, aot_compilation_path: Any, *args: Any, **kwargs: Any) -> Any:
+        _guarded("AOT restore", lambda s: s.restore_aot(str(aot_compilation_path)))
+        loaded = original(model, aot_compilation_path, *args, **kwargs)
+        if loaded is None:
+            _guarded("AOT save hook", lambda s: _watch_save(s, type(model)))
+        return loaded
+
+    return _try_load_aot_compiled_fn
+
+
+def _watch_save(state: _State, cls: type) -> None:
+    owner = next((c for c in cls.__mro__ if "save_aot_compiled_function" in c.__dict__), None)
+    if owner is not None:
+        state.patch(owner, "save_aot_compiled_function", _wrap_aot_save)
+
+
+def _wrap_aot_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_aot_compiled_function(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _guarded("AOT capture", lambda s: s.capture_aot(self))
+        return result
+
+    return save_aot_compiled_function
+
+
+def _wrap_initialize_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def restore(state: _State) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            if not bound.arguments["disable_cache"]:
+                state.restore_piecewise(str(bound.arguments["cache_dir"]), str(bound.arguments["prefix"] or ""))
+
+        _guarded("piecewise restore", restore)
+        return original(self, *args, **kwargs)
+
+    return initialize_cache
+
+
+def _wrap_save_to_file(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_to_file(self: Any, *args: Any, **kwargs: Any) -> Any:
+        updated = getattr(self, "is_cache_updated", False) is True and getattr(self, "disable_cache", True) is False
+        result = original(self, *args, **kwargs)
+        if updated:
+            _guarded("piecewise capture", lambda s: s.capture_piecewise(str(self.cache_dir), str(self.prefix or "")))
+        return result
+
+    return save_to_file
+
+
+def _vllm() -> tuple[Any, Any, Any, str]:
+    """vLLM's modules this hooks into, or an ImportError/AttributeError naming what is missing."""
+    decorators = importlib.import_module("vllm.compilation.decorators")
+    backends = importlib.import_module("vllm.compilation.backends")
+    envs = importlib.import_module("vllm.envs")
+    vllm = importlib.import_module("vllm")
+    for owner, name in ((decorators, "_try_load_aot_compiled_fn"), (backends, "CompilerManager")):
+        if not callable(getattr(owner, name, None)):
+            raise AttributeError(f"{owner.__name__}.{name} is missing: this vLLM is not the one the hooks know")
+    for name in ("initialize_cache", "save_to_file"):
+        if not callable(getattr(backends.CompilerManager, name, None)):
+            raise AttributeError(f"CompilerManager.{name} is missing: this vLLM is not the one the hooks know")
+    where = getattr(vllm, "__file__", None)
+    if not isinstance(where, str):
+        raise ImportError("vllm is a namespace package here, not an installed vLLM")
+    return decorators, backends, envs, os.path.dirname(os.path.abspath(where))
+
+
+def install(store: Any = None) -> bool:
+    """Wrap vLLM's functions (see the module docstring) so its compile directories go through ``store``.
+
+    ``store``: a :class:`~adstore.store.Store` (kept open; the caller closes
+    it), else the one ``ADSTORE_ROOT`` names (``Store.from_env``, closed by
+    :func:`uninstall`).  Returns False, with one log line and nothing
+    changed, when vLLM cannot be imported, is not the version these hooks
+    know, or no store can be opened; :func:`status` says why.
+    """
+    global _state, _status
+    uninstall()
+    try:
+        decorators, backends, envs, vllm_dir = _vllm()
+    except Exception as exc:  # noqa: BLE001 - no vLLM (or another one): nothing to hook
+        _status = f"vLLM not hooked: {type(exc).__name__}: {exc}"
+        logger.info("adstore: %s", _status)
+        return False
+    try:
+        from adstore.store import Store
+
+        owns = store is None
+        opened = Store.from_env() if store is None else store
+        state = _State(opened, owns, envs, vllm_dir, trusted_uids())
+    except Exception as exc:  # noqa: BLE001 - fail open: no store, no hooks
+        _status = f"vLLM not hooked: no store ({type(exc).__name__}: {exc})"
+        note_failure(failure_reason(exc), _status, scope="vllm", fallback="vLLM compiles")
+        return False
+    state.patch(decorators, "_try_load_aot_compiled_fn", _wrap_aot_load)
+    state.patch(backends.CompilerManager, "initialize_cache", _wrap_initialize_cache)
+    state.patch(backends.CompilerManager, "save_to_file", _wrap_save_to_file)
+    with _lock:
+        _state = state
+        _status = f"installed: vLLM's compile directories go through {opened}"
+    logger.info("adstore: %s", _status)
+    return True
+
+
+def uninstall() -> bool:
+    """Put back every function :func:`install` (or a later compile) replaced; whether anything was installed."""
+    global _state, _status
+    with _lock:
+        state, _state = _state, None
+    if state is None:
+        return False
+    with state.lock:
+        for owner, name, original in reversed(state.patched):
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        state.patched.clear()
+    if state.owns_store:
+        try:
+            state.store.close()
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            logger.debug("adstore: closing the store: %s", exc)
+    _status = "not installed"
+    return True
+
+
+def status() -> str:
+    """Whether the hooks are installed, or why :func:`install` left vLLM alone."""
+    return _status

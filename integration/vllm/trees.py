@@ -1,0 +1,280 @@
+"""vLLM's own compile artifacts as store entries: one directory tree, one entry, restored whole or not at all.
+
+vLLM keeps what it compiled as directories under ``VLLM_CACHE_ROOT`` (see
+:mod:`adstore.integration.vllm.hooks` for which).  A *tree entry* is one
+store entry, namespace ``vllm_tree``, whose manifest holds each regular file
+of such a directory as an artifact (named ``p.<hash of its relative path>``:
+store names cannot hold ``/``) and whose meta maps every relative path to its
+mode, lists the directories, and records the *anchors* found in the files.
+
+Key: the SHA-256 of canonical JSON of the components (kind, vLLM's hash,
+rank, part) together with torch's build key and adstore's toolchain
+fingerprint: the same scheme and the same identity as Inductor's entries
+(:class:`~adstore.integration.inductor.entries.InductorEntries`), so
+``adstore explain`` shows which part made two keys differ.
+
+Anchors: vLLM's pickles embed absolute paths (its cache directory, the
+venv's ``vllm/_custom_ops.py``).  Capture records which of the caller's
+anchors (role -> absolute path on this host) occur as bytes in any file;
+restore refuses the tree, as a miss saying which path differs, unless every
+recorded role has the same path here.  A tree that would load another
+host's files is never restored.
+
+Restore leaves a target that holds anything alone (vLLM's own; an empty
+directory, which vLLM makes before it looks, is replaced), builds the tree
+in a private directory beside the target (0700, the engine cache's rules
+for code: :func:`~adstore.integration.engine.codefiles.check_private`),
+copies each file through the trust rule (:func:`~adstore.integration.inductor.files.place`:
+verified bytes from a trusted writer), and publishes it with one
+``rename``; if another process got there first, ours is discarded.  No
+process sees half a tree, and a failure leaves nothing behind.
+
+Both directions never raise: a problem is an :class:`Outcome` with a
+reason, logged once and counted as ``vllm.failopen.<reason>``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adstore.integration.engine.codefiles import check_private, trusted_uids
+from adstore.integration.errors import UnsafeCacheDir, VllmTreeError
+from adstore.integration.inductor.entries import InductorEntries, failure_reason, note_failure
+from adstore.integration.inductor.files import place
+from adstore.integration.vllm.treefiles import FORMAT, Limits, Plan, artifact_name, find_anchors, plan_from, scan
+from adstore.store import Reason
+
+__all__ = ["NAMESPACE", "Outcome", "Limits", "capture", "restore", "tree_key", "identity"]
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "vllm_tree"
+_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}", re.ASCII)
+_NO_WRITE_BY_OTHERS = 0o755  # and no setuid, setgid or sticky bit
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a capture or a restore did: ``ok`` (captured / the tree is in place), why, and how many files."""
+
+    ok: bool
+    reason: str
+    files: int = 0
+    detail: str = ""
+
+    @property
+    def hit(self) -> bool:
+        """A restore: the tree is at the target now (ours, or another process's that won the rename)."""
+        return self.ok
+
+    @property
+    def captured(self) -> bool:
+        return self.ok
+
+
+@functools.cache
+def _identity() -> tuple[tuple[str, str], ...]:
+    found = InductorEntries(None, trusted=frozenset(), owns_store=False).identity
+    return tuple(sorted(found.items()))
+
+
+def identity() -> dict[str, str]:
+    """torch's build key and adstore's toolchain fingerprint (Inductor's entries'), once per process."""
+    return dict(_identity())
+
+
+def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[str, dict[str, str]]:
+    """The store key of one tree and its components (``InductorEntries.key``'s scheme: json_digest)."""
+    from adstore.integration.pipeline.keys import json_digest
+
+    for what, value in (("kind", kind), ("vllm_hash", vllm_hash), ("rank", rank)) + ((("part", part),) if part else ()):
+        if type(value) is not str or _TOKEN.fullmatch(value) is None:
+            raise VllmTreeError("bad_key", f"{what} {value!r} is not a plain name")
+    components = {"namespace": NAMESPACE, "kind": kind, "vllm_hash": vllm_hash, "rank": rank, "part": part}
+    components.update(identity())
+    return json_digest(components), components
+
+
+def _fail(store: Any, exc: BaseException, what: str) -> Outcome:
+    reason = getattr(exc, "why", None) or failure_reason(exc)
+    note_failure(reason, f"{what}: {exc}", store, scope="vllm", fallback="vLLM compiles (or keeps its own files)")
+    return Outcome(False, reason, detail=str(exc))
+
+
+def _anchor_bytes(anchors: Mapping[str, str]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for role, value in anchors.items():
+        if type(value) is not str or not os.path.isabs(value) or value.rstrip("/") == "" or "\x00" in value:
+            raise VllmTreeError("bad_key", f"anchor {role!r}: {value!r} is not an absolute path below /")
+        out[role] = os.fsencode(value)
+    return out
+
+
+# -- capture ---------------------------------------------------------------------
+def capture(
+    store: Any,
+    *,
+    kind: str,
+    vllm_hash: str,
+    rank: str,
+    source: Path,
+    anchors: Mapping[str, str],
+    part: str = "",
+    limits: Limits | None = None,
+) -> Outcome:
+    """Store the directory ``source`` as one tree entry, through ``Store.save``; never raises.
+
+    Refused whole (an outcome with the reason, nothing saved) when it holds
+    anything but regular files and directories, a name outside the plain
+    set, or more than ``limits``.  Two processes capturing one tree both
+    save whole entries; the last commit wins.
+    """
+    try:
+        key, components = tree_key(kind=kind, vllm_hash=vllm_hash, rank=rank, part=part)
+        wanted = _anchor_bytes(anchors)
+        tree = scan(Path(source), limits or Limits())
+        if not tree.files:
+            return Outcome(False, "empty", detail=f"{source} holds no file")
+        refs: dict[str, Any] = {}
+        found: set[str] = set()
+        for f in tree.files:
+            path = Path(source) / f.path
+            found |= find_anchors(path, {r: v for r, v in wanted.items() if r not in found})
+            refs[artifact_name(f.path)] = store.put_file(path)
+        meta = {
+            "tree": FORMAT,
+            "kind": kind,
+            "root_mode": tree.root_mode,
+            "files": {f.path: f.mode for f in tree.files},
+            "dirs": dict(tree.dirs),
+            "anchors": {role: anchors[role] for role in sorted(found)},
+        }
+        store.save(key, refs, namespace=NAMESPACE, components=components, meta=meta)
+        store.count({"vllm.trees_captured": 1})
+        return Outcome(True, "captured", len(tree.files))
+    except Exception as exc:  # noqa: BLE001 - fail open: vLLM's own files stay as they are
+        return _fail(store, exc, f"capture of {source}")
+
+
+# -- restore ---------------------------------------------------------------------
+def _occupied(target: Path) -> bool:
+    """Whether ``target`` holds something of vLLM's: anything but nothing or an empty real directory."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return True
+    with os.scandir(target) as it:
+        return next(it, None) is not None
+
+
+def _check_parent(parent: Path) -> None:
+    """The target's parent: an existing directory reached without any symlink (code is never placed through one)."""
+    walked = Path(parent.anchor)
+    for part in parent.parts[1:]:
+        walked = walked / part
+        st = os.lstat(walked)
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeCacheDir(str(walked), "a symlink on the way to the tree: its files would land elsewhere")
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeCacheDir(str(walked), "not a directory")
+
+
+def _anchor_mismatch(recorded: Mapping[str, str], here: Mapping[str, str]) -> str | None:
+    for role, value in sorted(recorded.items()):
+        if role not in here:
+            return f"absolute path {value} ({role}) is not known on this host; the tree's files embed it"
+        if os.path.normpath(here[role]) != os.path.normpath(value):
+            return f"absolute path {value} ({role}) differs on this host ({here[role]}); the tree's files embed it"
+    return None
+
+
+def _build(store: Any, plan: Plan, root: Path, trusted: frozenset[int]) -> int:
+    """Every file of ``plan`` under ``root`` (private, fresh), verified and trusted; then the modes."""
+    real_root = os.path.realpath(root)
+    for path in sorted(plan.dirs):
+        (root / path).mkdir(mode=0o700, parents=True, exist_ok=True)
+    for f, ref in plan.files:
+        dest = root / f.path
+        mode = f.mode & _NO_WRITE_BY_OTHERS
+        placed = place(store, ref, directory=dest.parent, name=dest.name, trusted=trusted, mode=mode)
+        if not placed or os.path.commonpath([real_root, os.path.realpath(dest)]) != real_root:
+            raise VllmTreeError("unsafe_path", f"{f.path} did not land as a new file under the tree")
+    for path in sorted(plan.dirs, key=lambda p: p.count("/"), reverse=True):
+        os.chmod(root / path, (plan.dirs[path] & _NO_WRITE_BY_OTHERS) | 0o700, follow_symlinks=False)
+    os.chmod(root, (plan.root_mode & _NO_WRITE_BY_OTHERS) | 0o700, follow_symlinks=False)
+    return len(plan.files)
+
+
+def restore(
+    store: Any,
+    *,
+    kind: str,
+    vllm_hash: str,
+    rank: str,
+    target: Path,
+    anchors: Mapping[str, str],
+    part: str = "",
+    trusted: frozenset[int] | None = None,
+) -> Outcome:
+    """Put the stored tree at ``target``, whole and atomically, or leave everything as it was; never raises.
+
+    A miss (``ok`` False) when ``target`` holds anything (``target_exists``),
+    no entry is stored, a recorded anchor's path differs here
+    (``incompatible_env``), a path or writer is refused, or a blob is
+    damaged (the store quarantines it).  ``hit_by_other``: another process
+    renamed its copy into place first; ours was discarded.
+    """
+    tmp: Path | None = None
+    try:
+        key, _ = tree_key(kind=kind, vllm_hash=vllm_hash, rank=rank, part=part)
+        target = Path(os.path.abspath(target))
+        if _occupied(target):
+            return Outcome(False, "target_exists", detail=f"{target} is vLLM's own")
+        res = store.lookup(key)
+        if not res.hit or res.manifest is None:
+            if res.reason != Reason.ABSENT:
+                note_failure(str(res.reason), f"tree {key[:12]} not served", store, scope="vllm")
+            return Outcome(False, str(res.reason))
+        manifest = res.manifest
+        if manifest.namespace != NAMESPACE:
+            raise VllmTreeError("corrupt_tree", f"entry {key[:12]} is in namespace {manifest.namespace}")
+        plan = plan_from(manifest.meta, manifest.artifacts)
+        why = _anchor_mismatch(plan.anchors, anchors)
+        if why is not None:
+            note_failure(str(Reason.INCOMPATIBLE_ENV), why, store, scope="vllm", fallback="vLLM compiles")
+            return Outcome(False, str(Reason.INCOMPATIBLE_ENV), detail=why)
+        _check_parent(target.parent)
+        trusted = trusted_uids() if trusted is None else trusted
+        with store.lease(key):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name[:40]}.adstore-", dir=target.parent))
+            check_private(tmp)
+            count = _build(store, plan, tmp, trusted)
+        try:
+            os.rename(tmp, target)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return Outcome(True, "hit_by_other", count, f"another process put {target} in place first")
+            if exc.errno == errno.ENOTDIR:
+                return Outcome(False, "target_exists", detail=f"{target} is vLLM's own")
+            raise
+        tmp = None
+        store.count({"vllm.trees_restored": 1})
+        return Outcome(True, "restored", count)
+    except Exception as exc:  # noqa: BLE001 - fail open: vLLM compiles
+        return _fail(store, exc, f"restore of {target}")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,199 @@
+"""The vLLM hooks against stand-ins for vLLM 0.32.0's call signatures (no vLLM is installed here).
+
+The fake ``vllm`` package below has only what the hooks wrap, with vLLM's
+names, signatures and file layout: ``_try_load_aot_compiled_fn(model, path)``
+returning None on a miss, a decorated class's ``save_aot_compiled_function``,
+and ``CompilerManager.initialize_cache`` / ``save_to_file``.  The drivers
+(:func:`_aot_call`, :func:`_piecewise_call`) do what vLLM's callers do
+around them, in the same order.  A real-vLLM run is another branch's test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from adstore.integration.inductor.entries import FAILOPEN
+from adstore.integration.vllm import hooks
+
+AOT_HASH = "c0ffee" * 10 + "abcd"
+FAKE = {
+    "vllm/__init__.py": "",
+    "vllm/envs.py": """
+        import os
+        def __getattr__(name):
+            if name == "VLLM_CACHE_ROOT":
+                return os.environ["VLLM_CACHE_ROOT"]
+            raise AttributeError(name)
+    """,
+    "vllm/compilation/__init__.py": "",
+    "vllm/compilation/decorators.py": """
+        import os
+        def _try_load_aot_compiled_fn(model, aot_compilation_path):
+            if not os.path.exists(aot_compilation_path):
+                return None
+            with open(aot_compilation_path, "rb") as f:
+                return f.read()
+
+        class Model:  # what _support_torch_compile makes of a model class
+            was_aot_compile_fn_loaded_from_disk = False
+            def save_aot_compiled_function(self):
+                os.makedirs(self._aot_cache_dir, exist_ok=True)
+                tmp = f"{self._aot_compilation_path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(b"compiled for " + os.environ["VLLM_CACHE_ROOT"].encode())
+                os.replace(tmp, self._aot_compilation_path)
+    """,
+    "vllm/compilation/backends.py": """
+        import os
+        class CompilerManager:
+            def __init__(self):
+                self.cache = {}
+                self.is_cache_updated = False
+            def initialize_cache(self, cache_dir, disable_cache=False, prefix=""):
+                self.disable_cache, self.cache_dir, self.prefix = disable_cache, cache_dir, prefix
+                self.cache_file_path = os.path.join(cache_dir, "vllm_compile_cache.py")
+                if not disable_cache and os.path.exists(self.cache_file_path):
+                    with open(self.cache_file_path) as f:
+                        self.cache = eval(f.read())  # vLLM: ast.literal_eval
+            def save_to_file(self):
+                if self.disable_cache or not self.is_cache_updated:
+                    return
+                with open(self.cache_file_path, "w") as f:
+                    f.write(repr(self.cache))
+    """,
+}
+
+
+@pytest.fixture
+def vllm(tmp_path, monkeypatch):
+    """The fake vLLM importable as ``vllm``, with ``VLLM_CACHE_ROOT`` in ``tmp_path``; gone afterwards."""
+    for name, text in FAKE.items():
+        path = tmp_path / "fake" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    yield importlib.import_module("vllm.compilation.decorators"), importlib.import_module("vllm.compilation.backends")
+    hooks.uninstall()
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def _aot_call(decorators, model_cls):
+    """What ``__call__`` of a decorated class does with VLLM_USE_AOT_COMPILE: look, else compile and save."""
+    root = os.environ["VLLM_CACHE_ROOT"]
+    cache_dir = os.path.join(root, "torch_compile_cache", "torch_aot_compile", AOT_HASH)
+    inductor_cache = os.path.join(cache_dir, "inductor_cache")
+    os.makedirs(inductor_cache, exist_ok=True)
+    rank_dir = os.path.join(cache_dir, "rank_0_0")
+    model = model_cls()
+    loaded = decorators._try_load_aot_compiled_fn(model, os.path.join(rank_dir, "model"))
+    if loaded is not None:
+        return "loaded", loaded
+    with open(os.path.join(inductor_cache, "kernel.so"), "wb") as f:  # Inductor compiles
+        f.write(os.urandom(100_000))
+    model._aot_compilation_path, model._aot_cache_dir = os.path.join(rank_dir, "model"), rank_dir
+    model.save_aot_compiled_function()
+    return "compiled", None
+
+
+def _piecewise_call(backends, prefix="backbone"):
+    """What ``VllmBackend.__call__`` does: make the rank/prefix directory, initialize, compile, save."""
+    root = os.environ["VLLM_CACHE_ROOT"]
+    local = os.path.join(root, "torch_compile_cache", "0123456789", "rank_0_0", prefix)
+    os.makedirs(local, exist_ok=True)
+    manager = backends.CompilerManager()
+    manager.initialize_cache(local, False, prefix)
+    if manager.cache:
+        return "loaded", manager.cache
+    manager.cache = {"graph": "artifact"}
+    with open(os.path.join(local, "artifact"), "wb") as f:
+        f.write(os.urandom(80_000))
+    manager.is_cache_updated = True
+    manager.save_to_file()
+    return "compiled", None
+
+
+def _wipe(tmp_path):
+    """A new host with the same layout: vLLM's cache directory is gone."""
+    import shutil
+
+    shutil.rmtree(tmp_path / "vllm-cache")
+
+
+def test_importing_and_installing_without_vllm_changes_nothing():
+    assert importlib.util.find_spec("vllm") is None
+    assert hooks.install() is False
+    assert "vLLM not hooked" in hooks.status() and "vllm" not in sys.modules
+
+
+def test_the_aot_path_restores_what_an_earlier_run_saved(vllm, store, tmp_path):
+    decorators, _ = vllm
+    original_load, original_save = decorators._try_load_aot_compiled_fn, decorators.Model.save_aot_compiled_function
+    assert hooks.install(store) and hooks.status().startswith("installed")
+    assert decorators._try_load_aot_compiled_fn is not original_load
+    assert _aot_call(decorators, decorators.Model)[0] == "compiled"  # captured after the save
+    _wipe(tmp_path)
+    how, loaded = _aot_call(decorators, decorators.Model)
+    assert how == "loaded" and loaded == b"compiled for " + os.environ["VLLM_CACHE_ROOT"].encode()
+    kernel = tmp_path / "vllm-cache/torch_compile_cache/torch_aot_compile" / AOT_HASH / "inductor_cache/kernel.so"
+    assert kernel.stat().st_size == 100_000  # the shared inductor_cache came back too
+    assert hooks.uninstall()
+    assert decorators._try_load_aot_compiled_fn is original_load
+    assert decorators.Model.__dict__["save_aot_compiled_function"] is original_save
+
+
+def test_an_aot_tree_from_another_cache_root_is_a_miss_and_vllm_compiles(vllm, store, tmp_path, monkeypatch):
+    decorators, _ = vllm
+    assert hooks.install(store)
+    assert _aot_call(decorators, decorators.Model)[0] == "compiled"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "other-root"))  # the pickle names the first root
+    before = FAILOPEN["vllm.incompatible_env"]
+    assert _aot_call(decorators, decorators.Model)[0] == "compiled"
+    assert FAILOPEN["vllm.incompatible_env"] == before + 1  # the rank's tree; the kernels alone embed no root
+
+
+def test_the_piecewise_path_restores_a_prefix_directory(vllm, store, tmp_path):
+    _, backends = vllm
+    original = backends.CompilerManager.__dict__["initialize_cache"]
+    assert hooks.install(store)
+    assert _piecewise_call(backends) == ("compiled", None)
+    _wipe(tmp_path)
+    assert _piecewise_call(backends) == ("loaded", {"graph": "artifact"})
+    assert _piecewise_call(backends, prefix="eagle_head")[0] == "compiled"  # another part, another tree
+    hooks.uninstall()
+    assert backends.CompilerManager.__dict__["initialize_cache"] is original
+
+
+def test_a_broken_store_never_reaches_vllm(vllm, store, tmp_path):
+    decorators, backends = vllm
+    assert hooks.install(store)
+    store.close()  # every adstore step now fails: the originals still run, unchanged
+    assert _aot_call(decorators, decorators.Model)[0] == "compiled"
+    assert _piecewise_call(backends)[0] == "compiled"
+    assert _aot_call(decorators, decorators.Model)[0] == "loaded"  # vLLM's own files, as without adstore
+    assert any(k.startswith("vllm.") for k in FAILOPEN), FAILOPEN
+
+
+def test_directories_outside_vllms_layout_are_left_alone(tmp_path):
+    root = str(tmp_path / "root")
+    assert hooks.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) == (
+        hooks.Layout(
+            AOT_HASH,
+            "rank_1_0",
+            Path(root, "torch_compile_cache/torch_aot_compile", AOT_HASH, "rank_1_0"),
+            Path(root, "torch_compile_cache/torch_aot_compile", AOT_HASH, "inductor_cache"),
+        )
+    )
+    assert hooks.aot_layout(f"/elsewhere/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) is None
+    assert hooks.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/../x/rank_1_0/model", root) is None
+    good = f"{root}/torch_compile_cache/0123456789/rank_0_0/backbone"
+    assert hooks.piecewise_layout(good, "backbone", root).vllm_hash == "0123456789"
+    assert hooks.piecewise_layout(f"{root}/torch_compile_cache/0123456789/rank_0_0/", "", root).rank == "rank_0_0"
+    assert hooks.piecewise_layout("/user/chosen/dir/rank_0_0/backbone", "backbone", root) is None
