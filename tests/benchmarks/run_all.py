@@ -631,6 +631,21 @@ def _rows_compile_stage(sections: dict) -> list[Row]:
                 )
             )
         else:
+            above = c.get("warm_above_floor_and_imports_s")
+            if above is not None:
+                imports = warm - floor - above
+                out.append(
+                    row(
+                        "restart",
+                        f"compile stage warm restart ({tag})",
+                        f"{_s(warm)} (floor + imports + {_s(above)})",
+                        f"floor + Dynamo/Inductor import {_s(floor + imports)}",
+                        None,
+                        "≤ floor + Dynamo/Inductor import + 1.0 s",
+                        above <= 1.0,
+                        same,
+                    )
+                )
             out.append(
                 row(
                     "restart",
