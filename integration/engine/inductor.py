@@ -89,14 +89,12 @@ def restore(
         built = len(set(workdir.rglob("*.so")) - shared)  # what the stored files lacked: compiled here
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    event = CacheEvent(
-        EventKind.HIT,
-        key=key.key,
-        source=Source.REMOTE if transferred is not None else Source.LOCAL,
-        seconds=time.perf_counter() - t0,
-        transferred=transferred or 0,
-        bytes=len(blob),
-        detail=f"{files} Inductor files ({fetched:.3f}s to fetch), {built} shared objects built; {stats}",
+    event = _hit(
+        key,
+        t0,
+        transferred,
+        len(blob),
+        f"{files} Inductor files ({fetched:.3f}s to fetch), {built} shared objects built; {stats}",
     )
     return (compiled, event), None, ""
 
@@ -291,19 +289,30 @@ def _restore_standalone(
         shutil.rmtree(workdir, ignore_errors=True)
     compiled = standalone.StandaloneModule(module, standalone.flat_graph(module), artifact, example_inputs)
     size = manifest.artifacts[STANDALONE].size
-    event = CacheEvent(
-        EventKind.HIT,
-        key=key.key,
-        source=Source.REMOTE if transferred is not None else Source.LOCAL,
-        seconds=time.perf_counter() - t0,
-        transferred=transferred or 0,
-        bytes=size,
-        detail=(
+    event = _hit(
+        key,
+        t0,
+        transferred,
+        size,
+        (
             f"standalone artifact, {placed} shared objects placed, {built} shared objects built, "
             f"{answered} of {len(probes)} ISA probes answered by the entry; load {loaded:.2f}s"
         ),
     )
     return (compiled, event), None, ""
+
+
+def _hit(key: CacheKey, t0: float, transferred: int | None, nbytes: int, detail: str) -> CacheEvent:
+    """The event of a restore from the stage's entry (``transferred``: what a remote sent, None for local)."""
+    return CacheEvent(
+        EventKind.HIT,
+        key=key.key,
+        source=Source.REMOTE if transferred is not None else Source.LOCAL,
+        seconds=time.perf_counter() - t0,
+        transferred=transferred or 0,
+        bytes=nbytes,
+        detail=detail,
+    )
 
 
 class _Entries(StageEntries):
