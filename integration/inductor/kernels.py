@@ -16,9 +16,12 @@ stores the files they name with the entries:
   every kernel compile, and every process's first kernel load, needs.
 
 The last two belong to the toolchain, not to a graph: they travel in one
-entry per toolchain.  The watch only records paths; it never changes what
-Inductor does.  A kernel an earlier graph of the same process loaded already
-is not loaded again, so it travels with that earlier graph's entry only.
+entry per toolchain, which :func:`~adstore.integration.inductor.plug.enable`
+restores in the background while Dynamo traces; Inductor's first ISA check
+and first header step wait for it (:attr:`Recorder.before_toolchain`).  The
+watch otherwise only records paths; it never changes what Inductor does.
+A kernel an earlier graph of the same process loaded already is not loaded
+again, so it travels with that earlier graph's entry only.
 GPU kernels (Triton) are bundled into the FX-graph entry by Inductor itself
 (``bundle_triton_into_fx_graph_cache``); no GPU here, that path is untested.
 """
@@ -51,6 +54,8 @@ class Recorder:
         self.probes: dict[str, None] = {}
         self.headers: dict[str, None] = {}
         self._undo: list[Callable[[], None]] = []
+        #: Called before Inductor's ISA check and header step (the toolchain restore's wait); never raises.
+        self.before_toolchain: Callable[[], None] | None = None
 
     # -- what was seen ------------------------------------------------------
     def mark(self) -> int:
@@ -95,6 +100,7 @@ class Recorder:
         if callable(header_fn):
 
             def _precompile_header(*args: Any, **kwargs: Any) -> Any:
+                rec._await_toolchain()
                 path = header_fn(*args, **kwargs)
                 if isinstance(path, str):
                     with rec._lock:
@@ -120,10 +126,24 @@ class Recorder:
 
             VecISA._probe_load = _probe_load  # type: ignore[method-assign]
             self._undo.append(lambda: setattr(VecISA, "_probe_load", probe))
+        check = VecISA.__dict__.get("check_build")
+        if callable(check):
+
+            def check_build(isa: Any, code: str) -> Any:
+                rec._await_toolchain()
+                return check(isa, code)
+
+            VecISA.check_build = check_build  # type: ignore[method-assign]
+            self._undo.append(lambda: setattr(VecISA, "check_build", check))
 
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def _await_toolchain(self) -> None:
+        wait = self.before_toolchain
+        if wait is not None:
+            wait()
 
     def _note_kernel(self, path: str) -> None:
         files = kernel_files(path)

@@ -56,6 +56,7 @@ class _State:
     saved_flags: dict[tuple[str, str], Any] = field(default_factory=dict)
     saved_backends: dict[str, Any] = field(default_factory=dict)
     toolchain_stored: set[str] = field(default_factory=set)
+    toolchain_restore: threading.Thread | None = None
 
 
 _lock = threading.Lock()
@@ -157,18 +158,41 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
         if module is not None and hasattr(module, flag):
             state.saved_flags[(module_name, flag)] = getattr(module, flag)
             setattr(module, flag, True)
+    # The toolchain entry (ISA probes, the ~150 MB precompiled header) is placed while Dynamo traces:
+    # Inductor needs it only at its first ISA check or header step, which wait for it.
+    state.toolchain_restore = threading.Thread(
+        target=_restore_toolchain, args=(entries,), name="adstore-inductor-toolchain", daemon=True
+    )
+    RECORDER.before_toolchain = _await_toolchain
     RECORDER.install()
     with _lock:
         _state = state
     _at_exit_once()
-    placed = entries.restore_toolchain()  # the ISA probes and headers run before any FX-graph lookup
-    logger.info(
-        "adstore: Inductor's caches go through %s (%d toolchain files placed, pid %d)",
-        entries.store,
-        placed,
-        os.getpid(),
-    )
+    state.toolchain_restore.start()
+    logger.info("adstore: Inductor's caches go through %s (pid %d)", entries.store, os.getpid())
     return True
+
+
+#: How long Inductor waits for the toolchain restore before it builds what it lacks itself (a slow remote).
+TOOLCHAIN_WAIT = 120.0
+
+
+def _restore_toolchain(entries: InductorEntries) -> None:
+    placed = entries.restore_toolchain()  # fails open: counted and logged there
+    logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
+
+
+def _await_toolchain() -> None:
+    """Wait for the toolchain restore, :data:`TOOLCHAIN_WAIT` at most (once over, returns at once); never raises."""
+    timeout = TOOLCHAIN_WAIT
+    state = _state
+    thread = None if state is None else state.toolchain_restore
+    if thread is None or thread is threading.current_thread() or not thread.is_alive():
+        return
+    thread.join(timeout)
+    if thread.is_alive():
+        why = f"toolchain restore still running after {timeout:.0f} s"
+        note_failure(str(Reason.REMOTE_TIMEOUT), why, state.entries.store)
 
 
 def disable() -> None:
@@ -179,8 +203,11 @@ def disable() -> None:
         state, _state = _state, None
     if state is None:
         return
+    if state.toolchain_restore is not None and state.toolchain_restore.is_alive():
+        state.toolchain_restore.join(TOOLCHAIN_WAIT)  # it uses the store closed below
     import torch._inductor.remote_cache as remote_cache
 
+    RECORDER.before_toolchain = None
     RECORDER.uninstall()
     for (module_name, flag), value in state.saved_flags.items():
         module = _module(module_name)

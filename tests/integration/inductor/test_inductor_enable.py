@@ -35,6 +35,7 @@ def _torch_state():
             vars(codecache.CppCodeCache)["_load_library"],
             codecache._precompile_header,
             vars(VecISA)["_probe_load"],
+            vars(VecISA)["check_build"],
         ),
     }
 
@@ -65,3 +66,35 @@ def test_enable_without_a_usable_store_changes_nothing(tmp_path, monkeypatch):
     before = _torch_state()
     assert inductor.enable() is False
     assert inductor.active() is None and _torch_state() == before
+
+
+def test_inductor_waits_for_the_toolchain_restore_and_a_stuck_one_only_costs_the_wait(tmp_path, monkeypatch):
+    """The toolchain entry is placed in the background; Inductor's first ISA check waits for it, boundedly."""
+    import threading
+
+    from adstore.integration.inductor import entries, plug
+
+    release, started = threading.Event(), threading.Event()
+
+    def stuck_restore(self) -> int:
+        started.set()
+        release.wait(60)
+        return 0
+
+    monkeypatch.setattr(entries.InductorEntries, "restore_toolchain", stuck_restore)
+    monkeypatch.setattr(plug, "TOOLCHAIN_WAIT", 0.05)
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    with Store.open(tmp_path / "store") as store:
+        assert inductor.enable(store) is True
+        try:
+            assert started.wait(30)
+            before = inductor.FAILOPEN["remote_timeout"]
+            VecAVX2().check_build("not C++")  # the watched check waits, gives up, and runs (and fails to build)
+            assert inductor.FAILOPEN["remote_timeout"] == before + 1
+            release.set()
+            plug._state.toolchain_restore.join(30)
+            plug._await_toolchain()  # over: returns at once
+        finally:
+            release.set()
+            inductor.disable()
