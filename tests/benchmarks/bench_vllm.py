@@ -10,7 +10,11 @@ cache root of its own, one Inductor compile thread).  Runs, in this order:
 * ``cold``: everything empty, the plugin on, pushing to an HTTP remote
   (WebDAV on 127.0.0.1) with a signing key;
 * ``local warm``: the cold host again, adstore off (``ADSTORE_VLLM=0``):
-  Inductor's own directories are warm;
+  Inductor's own directories are warm.  Run twice, the second is the
+  baseline: the first misses AOTAutograd's local cache, whose key hashes
+  functorch's configuration, where ``enable()`` switched
+  ``enable_remote_autograd_cache`` on in the cold run, and writes it
+  (``local_warm_first``, reported apart);
 * ``new host, no adstore``: empty directories, adstore off;
 * ``new host, adstore``: empty directories and store, entries from the
   remote (trusting the writer's key).
@@ -47,6 +51,7 @@ sys.path.insert(0, str(HERE))
 RUNS = (
     ("eager", "eager (no compile), floor", False, True),
     ("cold", "cold (adstore, pushes)", True, False),
+    ("local_warm_first", "local warm, 1st (adstore off)", False, False),
     ("local_warm", "local warm (adstore off)", False, False),
     ("new_host_plain", "new host, no adstore", False, False),
     ("new_host_adstore", "new host, adstore", True, False),
@@ -66,6 +71,7 @@ def measure(python: Path, model: Path, work: Path, repeat: int, remote: dict[str
         hosts = {
             "eager": vllm_host(work, f"{i}-e"),
             "cold": vllm_host(work, f"{i}-a", **writer),
+            "local_warm_first": vllm_host(work, f"{i}-a"),
             "local_warm": vllm_host(work, f"{i}-a"),
             "new_host_plain": vllm_host(work, f"{i}-b"),
             "new_host_adstore": vllm_host(work, f"{i}-c", **reader),
