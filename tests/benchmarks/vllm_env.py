@@ -3,10 +3,11 @@
 vLLM pins its own torch, transformers and friends; installing it into the
 project venv would change what every other test runs against.  The real-vLLM
 bench (``bench_vllm.py``) and slow test (``tests/integration/vllm``) share one
-venv instead, under ``~/.cache/adstore-vllm/vllm-<version>-<pyproject hash>``:
-a new vLLM pin or a change to this checkout's dependencies builds a new one,
-anything else reuses it.  This checkout is installed editable, so edits to the
-plugin need no rebuild.
+venv instead, under ``~/.cache/adstore-vllm/vllm-<version>-<hash>`` (the hash
+of this checkout's pyproject and path; ``ADSTORE_VLLM_VENVS`` moves the
+parent): a new vLLM pin, a change to the dependencies or another checkout
+builds a new one, anything else reuses it.  This checkout is installed
+editable, so edits to the plugin need no rebuild.
 
 What goes in: ``torch==2.13.0`` (the CPU build: this machine's pip resolves
 it from its local wheels; elsewhere pass ``--extra-index-url
@@ -43,7 +44,8 @@ MARKER = ".adstore-vllm-ready"
 
 def venv_dir() -> Path:
     """Where the venv for this vLLM version and this checkout's pyproject lives."""
-    digest = hashlib.sha256((CHECKOUT / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    # The checkout's path is part of the key: the venv's editable install points at one checkout.
+    digest = hashlib.sha256((CHECKOUT / "pyproject.toml").read_bytes() + bytes(CHECKOUT)).hexdigest()[:12]
     root = Path(os.environ.get("ADSTORE_VLLM_VENVS", Path.home() / ".cache" / "adstore-vllm"))
     return root / f"vllm-{VLLM_VERSION}-{digest}"
 
