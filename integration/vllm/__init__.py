@@ -1,8 +1,16 @@
-"""vLLM's own compile artifacts in adstore: directory trees as store entries, and the hooks that move them.
+"""vLLM with adstore: a general plugin that puts the compile caches of every vLLM process in the store.
 
-``trees`` stores a directory vLLM wrote as one entry and puts it back whole
-(or not at all); ``hooks`` wraps the vLLM functions that look for and write
-those directories.  Nothing here imports vLLM until ``hooks.install()`` runs.
+``plugin.register`` (the ``vllm.general_plugins`` entry point) enables the
+``torch.compile`` integration and installs ``hooks``, which make vLLM restore
+its own compile directories from tree entries (``trees``) before it looks and
+capture them after it writes.
+
+Names are imported on first use: importing this package imports neither vLLM nor torch.
 """
 
-__all__: list[str] = []
+from adstore.store import lazy_exports
+
+_EXPORTS = {"vllm.plugin": ("register",)}
+
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

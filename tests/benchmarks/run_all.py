@@ -54,6 +54,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_pipeline": ["--layers", "8"],
     "bench_restart": ["--quick"],
     "bench_inductor": ["--quick"],
+    "bench_vllm": ["--quick"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -68,6 +69,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_compression": ["compression.json"],
     "bench_scale": ["scale.json"],
     "bench_inductor": ["inductor.json"],
+    "bench_vllm": ["vllm.json"],
 }
 
 Row = dict[str, Any]
@@ -1004,6 +1006,53 @@ def rows_inductor(d: dict) -> list[Row]:
     return out
 
 
+def rows_vllm(d: dict) -> list[Row]:
+    warm, plain, host = d["local_warm"], d["new_host_plain"], d["new_host_adstore"]
+    same = f"tokens identical in every run: {'yes' if d['tokens_identical'] else 'NO'}"
+    return [
+        row(
+            "vllm",
+            f"vLLM {d['vllm']} engine init, new host with adstore from the HTTP remote (tiny Llama, CPU)",
+            _s(host["engine_init_s"]),
+            f"local warm (adstore off) {_s(warm['engine_init_s'])}",
+            d["new_host_over_local_warm_engine_init"],
+            "≤ 1.3× local warm",
+            d["meets_1_3x_local_warm"],
+            f"vLLM's figure; cold {_s(d['cold']['engine_init_s'])}, eager {_s(d['eager']['engine_init_s'])}; {same}",
+        ),
+        row(
+            "vllm",
+            "vLLM new host: process start to first output, with adstore",
+            _s(host["to_output_s"]),
+            f"local warm {_s(warm['to_output_s'])}",
+            d["new_host_over_local_warm_to_output"],
+            "",
+            None,
+            f"without adstore {_s(plain['to_output_s'])}; eager {_s(d['eager']['to_output_s'])}",
+        ),
+        row(
+            "vllm",
+            "vLLM new host: engine init with adstore vs without",
+            _s(host["engine_init_s"]),
+            f"without adstore {_s(plain['engine_init_s'])}",
+            d["new_host_plain_over_adstore_engine_init"],
+            "",
+            None,
+            "ratio = without / with",
+        ),
+        row(
+            "vllm",
+            "kernels compiled on a new vLLM host with adstore",
+            str(d["new_host_kernels_compiled"]),
+            f"without adstore {plain['kernels_compiled']}",
+            None,
+            "0",
+            d["meets_no_kernels_on_new_host"],
+            "C++ compiler runs of every process of the run; ISA probes and the header apart",
+        ),
+    ]
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -1042,6 +1091,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_compression": rows_compression,
     "bench_scale": rows_scale,
     "bench_inductor": rows_inductor,
+    "bench_vllm": rows_vllm,
 }
 
 

