@@ -33,8 +33,9 @@ SMALL = {
     "bench_compression": (["--quick", "--big-mib", "8"], "compression.json"),
     "bench_scale": (["--quick"], "scale.json"),
     "bench_inductor": (["--quick"], "inductor.json"),
-    "bench_vllm": (["--quick"], "vllm.json"),  # builds the vLLM venv (vllm_env.py) when it is absent
 }
+# bench_vllm is not here: its runs take minutes each (vLLM's processes), more than CI's slow tier can spare;
+# its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm/test_vllm_real.py.
 
 
 @pytest.mark.slow
