@@ -2,7 +2,7 @@
 
 vLLM pins its own torch, transformers and friends; installing it into the
 project venv would change what every other test runs against.  The real-vLLM
-bench (``bench_vllm.py``) and slow test (``tests/integration/vllm``) share one
+bench (``bench_vllm.py``) and slow test (``tests/integration/vllm_plugin``) share one
 venv instead, under ``~/.cache/adstore-vllm/vllm-<version>-<hash>`` (the hash
 of this checkout's pyproject and path; ``ADSTORE_VLLM_VENVS`` moves the
 parent): a new vLLM pin, a change to the dependencies or another checkout

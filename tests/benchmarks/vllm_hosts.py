@@ -1,6 +1,6 @@
 """Simulated hosts for real vLLM runs: each run is a fresh ``vllm_run.py`` process in the vLLM venv.
 
-Shared by ``bench_vllm.py`` and ``tests/integration/vllm/test_vllm_real.py``.
+Shared by ``bench_vllm.py`` and ``tests/integration/vllm_plugin/test_vllm_real.py``.
 A host is ``inductor_hosts.host_env``'s store root, Inductor cache directory
 and ``TMPDIR`` (with one compile thread), plus vLLM's cache root.
 

@@ -35,7 +35,7 @@ SMALL = {
     "bench_inductor": (["--quick"], "inductor.json"),
 }
 # bench_vllm is not here: its runs take minutes each (vLLM's processes), more than CI's slow tier can spare;
-# its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm/test_vllm_real.py.
+# its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm_plugin/test_vllm_real.py.
 
 
 @pytest.mark.slow

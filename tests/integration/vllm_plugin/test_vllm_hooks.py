@@ -5,7 +5,7 @@ names, signatures and file layout: ``_try_load_aot_compiled_fn(model, path)``
 returning None on a miss, a decorated class's ``save_aot_compiled_function``,
 and ``CompilerManager.initialize_cache`` / ``save_to_file``.  The drivers
 (:func:`_aot_call`, :func:`_piecewise_call`) do what vLLM's callers do
-around them, in the same order.  A real-vLLM run is another branch's test.
+around them, in the same order.  The real-vLLM run is ``test_vllm_real.py`` (slow).
 """
 
 from __future__ import annotations
