@@ -55,6 +55,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_restart": ["--quick"],
     "bench_inductor": ["--quick"],
     "bench_vllm": ["--quick"],
+    "bench_fleet": ["--repeat", "1"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -70,6 +71,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_scale": ["scale.json"],
     "bench_inductor": ["inductor.json"],
     "bench_vllm": ["vllm.json"],
+    "bench_fleet": ["fleet.json"],
 }
 
 Row = dict[str, Any]
@@ -1006,6 +1008,25 @@ def rows_inductor(d: dict) -> list[Row]:
     return out
 
 
+def rows_fleet(d: dict) -> list[Row]:
+    warm = d["local_warm"]["seconds"]
+    out = []
+    for h in d.get("hosts", {}).values():
+        out.append(
+            row(
+                "fleet",
+                f"host {h['label']} ({h['differs_by']}): start to first output, {h['compiler_runs']} compiler runs",
+                _s(h["seconds"]),
+                f"A's local warm restart {_s(warm)}",
+                h["over_local_warm"],
+                "≤ 1.3× warm + 0.5 s, 0 compiler runs",
+                h["within_goal"],
+                f"{d['model']}; ratio = host / A warm; identical output: {'yes' if h['identical'] else 'NO'}",
+            )
+        )
+    return out
+
+
 def rows_vllm(d: dict) -> list[Row]:
     warm, plain, host = d["local_warm"], d["new_host_plain"], d["new_host_adstore"]
     same = f"tokens identical in every run: {'yes' if d['tokens_identical'] else 'NO'}"
@@ -1092,6 +1113,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_scale": rows_scale,
     "bench_inductor": rows_inductor,
     "bench_vllm": rows_vllm,
+    "bench_fleet": rows_fleet,
 }
 
 
