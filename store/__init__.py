@@ -28,6 +28,7 @@ from .errors import (
     KeyNotFound,
     NoStore,
     OverBudget,
+    ReadOnlyStore,
     StoreError,
     StoreFull,
     UnsafeRoot,
@@ -167,5 +168,6 @@ __all__ = [
     "IncompatibleStore",
     "OverBudget",
     "StoreFull",
+    "ReadOnlyStore",
     "ConfigError",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "NETWORK_FILESYSTEMS",
     "check_local_filesystem",
     "check_root_permissions",
+    "read_only_filesystem",
 ]
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,16 @@ def check_local_filesystem(root: Path) -> str:
     if fstype.lower() in NETWORK_FILESYSTEMS:
         raise UnsupportedFilesystem(str(root), fstype)
     return fstype
+
+
+def read_only_filesystem(path: str | os.PathLike[str]) -> bool:
+    """Is ``path`` on a filesystem mounted read-only (``ST_RDONLY``: a read-only mount or bind mount, an image's
+    ``readOnlyRootFilesystem``)?  Nobody can write there, so no writer of the store can exist: what makes a
+    lock-free LMDB reader safe (``index.env``).  False when ``path`` cannot be examined."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_root_permissions(root: Path) -> list[str]:

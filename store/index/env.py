@@ -20,6 +20,13 @@ asks its users for care that this module concentrates in one place:
 * a killed reader leaves a stale slot in the reader table that pins old pages:
   ``reader_check()`` runs at open and periodically;
 * one write transaction at a time, read transactions kept short.
+
+An index opened ``read_only`` (a store on a read-only mount, a seed store)
+writes nothing: LMDB opens it ``readonly``, without its lock file when the
+filesystem is mounted read-only (no writer can exist there, so readers need
+no lock table), the schema is checked but never written or migrated, and
+:meth:`Index.write` raises :class:`ReadOnlyStore`.  The damage checks of
+``index.file`` run as for any index.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import AccessDenied, CorruptRow, IncompatibleStore, StoreError, StoreFull
+from ..errors import AccessDenied, CorruptRow, IncompatibleStore, ReadOnlyStore, StoreError, StoreFull
+from ..fsutil import read_only_filesystem
 from .ballast import Ballast, may_spend
 from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
@@ -208,9 +216,19 @@ class Index:
     """An LMDB environment with the store's named databases."""
 
     def __init__(
-        self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024, group_shared: bool = False
+        self,
+        path: Path,
+        *,
+        map_size: int = 1 << 30,
+        max_readers: int = 1024,
+        group_shared: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.path = path
+        #: Opened for reading only (``read_only``): every write raises :class:`ReadOnlyStore`.
+        self.read_only = read_only
+        #: Opened without LMDB's lock file: the filesystem is mounted read-only (set at open).
+        self.lockless = False
         self._group_shared = group_shared
         self._initial_map_size = map_size
         self._max_readers = max_readers
@@ -226,13 +244,22 @@ class Index:
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
-    def acquire(cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False) -> Index:
-        """The process's one Index for ``path`` (LMDB forbids opening it twice)."""
+    def acquire(
+        cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False, read_only: bool = False
+    ) -> Index:
+        """The process's one Index for ``path`` (LMDB forbids opening it twice).
+
+        A read-only store may share an index this process opened for writing (the store refuses its writes);
+        a store that writes may not share one opened read-only: :class:`ReadOnlyStore`.
+        """
         key = (os.getpid(), os.path.realpath(path))
         with _SHARED_LOCK:
             slot = _SHARED.get(key)
+            if slot is not None and slot[0]._env is not None and slot[0].read_only and not read_only:
+                raise ReadOnlyStore(str(path.parent), "opening it for writing while it is open read-only")
             if slot is None or slot[0]._env is None:
-                slot = _SHARED[key] = [cls(path, map_size=map_size, group_shared=group_shared), 0]
+                opened = cls(path, map_size=map_size, group_shared=group_shared, read_only=read_only)
+                slot = _SHARED[key] = [opened, 0]
             slot[1] += 1
             index: Index = slot[0]
             return index
@@ -258,6 +285,9 @@ class Index:
                 self.close()
 
     def _open(self) -> None:
+        if self.read_only:
+            self._open_read_only()
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         check_data_file(self.path)  # a short file would SIGBUS at the first read
         if needs_creating(self.path) and shutil.disk_usage(self.path).free < FRESH_INDEX_BYTES:
@@ -313,6 +343,44 @@ class Index:
                         os.chmod(f, f.stat().st_mode | 0o060)
                 except OSError:
                     pass
+        self._env = env
+        self._pid = os.getpid()
+        self.reader_check()
+
+    def _open_read_only(self) -> None:
+        """Open an existing index without writing anything (see the module docstring)."""
+        check_data_file(self.path)  # a short file would SIGBUS at the first read, read-only or not
+        if needs_creating(self.path) and not (self.path / "data.mdb").is_file():
+            raise ReadOnlyStore(str(self.path.parent), "creating its index")
+        self.lockless = read_only_filesystem(self.path)
+        try:
+            env = lmdb.open(
+                str(self.path),
+                map_size=self._initial_map_size,
+                max_dbs=len(DATABASES) + 4,
+                max_readers=self._max_readers,
+                subdir=True,
+                readonly=True,
+                lock=not self.lockless,  # lock-free only where no writer can exist
+                readahead=False,
+            )
+        except lmdb.Error as exc:
+            raise _open_error(exc, self.path) from exc
+        try:
+            try:
+                meta = env.open_db(b"meta", create=False)
+            except lmdb.NotFoundError:
+                meta = None
+            with env.begin() as txn:
+                schema = None if meta is None else txn.get(b"schema", db=meta)
+            if schema != str(SCHEMA_VERSION).encode():  # an older index is migrated by its writers only
+                env.close()
+                found = "none" if schema is None else schema.decode(errors="replace")
+                raise IncompatibleStore(str(self.path.parent), found, SCHEMA_VERSION)
+            self.db = {name: env.open_db(name.encode(), create=False) for name in DATABASES}
+        except lmdb.Error as exc:
+            env.close()
+            raise _open_error(exc, self.path) from exc
         self._env = env
         self._pid = os.getpid()
         self.reader_check()
@@ -409,7 +477,10 @@ class Index:
         touch the transaction; any file work belongs before or after (or must
         be idempotent, like unlinking).  A commit that fails for lack of space
         inside ``ballast.spending_allowed`` releases the ballast and runs again.
+        A read-only index raises :class:`ReadOnlyStore` before anything starts.
         """
+        if self.read_only:
+            raise ReadOnlyStore(str(self.path.parent), "a write to its index")
         env = self.env
         for _ in range(_MAX_RETRIES):
             resize: int | None = None
