@@ -1,0 +1,168 @@
+"""A store on a read-only mount serves hits; every write is ``read_only``, never ``corrupt_index``.
+
+The store is built as root, then bind-mounted read-only in a private mount
+namespace (``unshare -m``; a plain bind mount, unmounted afterwards, where
+namespaces are unavailable) and read by a child process
+(``read_only_child.py``): as root, and as uid 1001 reading a store root baked.
+A seed store (``ADSTORE_SEED``) on the read-only mount serves a writable
+store's misses, and new saves go to the writable one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adstore.store import Store
+
+CHILD = Path(__file__).with_name("read_only_child.py")
+OTHER_UID = 1001
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+NAMESPACES = _unshare_works()
+
+
+def run_on_read_only_mount(src: Path, dst: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Bind-mount ``src`` read-only at ``dst`` and run the child there; its JSON report."""
+    dst.mkdir(exist_ok=True)
+    child = [sys.executable, str(CHILD), json.dumps({**spec, "ro": str(dst)})]
+    mount = f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))} && mount -o remount,bind,ro {shlex.quote(str(dst))}"
+    if NAMESPACES:  # the mount lives and dies with the namespace
+        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(child)}"]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    else:
+        subprocess.run(["sh", "-c", mount], check=True)
+        try:
+            res = subprocess.run(child, capture_output=True, text=True, timeout=300, check=False)
+        finally:
+            subprocess.run(["umount", str(dst)], check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory every uid may traverse (pytest's own tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="adstore-ro-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def build(root: Path) -> dict[str, dict[str, str]]:
+    """A store with an inline blob, a raw file blob, a compressed file blob, and an entry of two ranks."""
+    artifacts = {
+        "small": b"tiny",
+        "random": os.urandom(300_000),
+        "text": b"compressible kernel source\n" * 20_000,
+    }
+    keys: dict[str, dict[str, str]] = {}
+    with Store.open(root) as store:
+        refs = {name: store.put_bytes(data) for name, data in artifacts.items()}
+        store.save("a" * 64, refs, namespace="inductor", components={"torch": "2.9", "isa": "avx2"})
+        keys["a" * 64] = {name: hashlib.sha256(data).hexdigest() for name, data in artifacts.items()}
+        gen = store.new_generation()
+        for rank in range(2):
+            blob = f"rank {rank} shard".encode() * 10_000
+            store.save("b" * 64, {"shard": store.put_bytes(blob)}, rank=rank, world_size=2, generation=gen)
+        keys["b" * 64] = {"shard": hashlib.sha256(b"rank 0 shard" * 10_000).hexdigest()}
+    return keys
+
+
+def test_hits_and_verified_reads_from_a_read_only_mount_and_every_write_is_read_only(shared_tmp):
+    keys = build(shared_tmp / "src")
+    report = run_on_read_only_mount(shared_tmp / "src", shared_tmp / "ro", {"keys": keys, "cli": True})
+    assert report["read_only"] and report["lockless"]
+    for reads in (report["reads"], report["again"]):
+        assert reads == {k: {"hit": True, "reason": None, "intact": True} for k in keys}, reads
+    assert report["writes"] == {
+        "put_bytes": "ReadOnlyStore:read_only",
+        "save": "ReadOnlyStore:read_only",
+        "pin": "ReadOnlyStore:read_only",
+        "gc": "ReadOnlyStore:read_only",
+        "verify_fix": "ReadOnlyStore:read_only",
+    }
+    assert report["verify_ok"] and report["hits_in_memory"] == 4  # counted in memory: nothing is written
+    cli = report["cli"]
+    for name in ("ls", "stats", "inspect", "explain", "verify"):
+        assert cli[name]["code"] == 0, (name, cli[name])
+        assert "corrupt" not in cli[name]["out"] + cli[name]["err"]
+    assert {e["key"] for e in json.loads(cli["ls_json"]["out"])["entries"]} == set(keys)
+    assert "store is consistent" in cli["verify"]["out"] and "inductor" in cli["ls"]["out"]
+    assert "torch" in cli["explain"]["out"] and "Entries        2" in cli["stats"]["out"]
+    for name in ("verify_fix", "gc", "rm", "pin"):
+        assert cli[name]["code"] == 15 and "read-only" in cli[name]["err"], (name, cli[name])
+        assert len(cli[name]["err"].strip().splitlines()) == 1
+    built = sorted(str(p.relative_to(shared_tmp / "src")) for p in (shared_tmp / "src").rglob("*"))
+    assert report["files_after"] == built  # no lock file, temp file, ballast or stats file appeared
+
+
+def test_another_uid_reads_a_store_root_baked(shared_tmp):
+    keys = build(shared_tmp / "src")
+    report = run_on_read_only_mount(shared_tmp / "src", shared_tmp / "ro", {"keys": keys, "uid": OTHER_UID})
+    assert report["uid"] == OTHER_UID and report["read_only"]
+    assert report["reads"] == {k: {"hit": True, "reason": None, "intact": True} for k in keys}
+    assert set(report["writes"].values()) == {"ReadOnlyStore:read_only"}
+
+
+def test_a_seed_store_serves_a_writable_store_and_new_saves_stay_in_the_writable_one(shared_tmp):
+    keys = build(shared_tmp / "src")
+    writable = shared_tmp / "home-cache"
+    writable.mkdir()
+    os.chown(writable, OTHER_UID, OTHER_UID)
+    spec = {"keys": keys, "uid": OTHER_UID, "writable": str(writable / "adstore")}
+    report = run_on_read_only_mount(shared_tmp / "src", shared_tmp / "ro", spec)
+    assert report["seeded"] == {k: {"hit": True, "reason": None, "intact": True} for k in keys}, report
+    assert set(report["seed_meta"].values()) == {str(shared_tmp / "ro")}
+    assert report["new_in_writable"] and report["new_in_seed"] == "absent"
+    assert report["counters"]["seed.hits"] == 2
+    with Store.open(writable / "adstore", create=False) as store:  # the copies are the writable store's own
+        assert {e.key for e in store.entries()} == {*keys, "new-key"}
+        assert store.entry("a" * 64).components == {"torch": "2.9", "isa": "avx2"}
+        for ref in store.manifests("a" * 64)[0].artifacts.values():
+            path = store.blob_path(ref)
+            assert path is None or path.stat().st_uid == OTHER_UID
+    with Store.open(shared_tmp / "src", create=False) as seed:
+        assert {e.key for e in seed.entries()} == set(keys)
+
+
+def test_a_seed_is_another_store_and_a_missing_one_is_logged_not_raised(tmp_path, caplog):
+    from adstore.store import ConfigError
+
+    with pytest.raises(ConfigError):
+        Store.open(tmp_path / "s", seed=tmp_path / "s")
+    env = {"ADSTORE_ROOT": str(tmp_path / "w"), "ADSTORE_SEED": str(tmp_path / "none")}
+    with Store.from_env(env) as store:
+        assert store.seed is None and not store.lookup("c" * 64).hit
+    assert "seed store disabled" in caplog.text
+
+
+def test_an_explicitly_read_only_store_on_a_writable_disk_keeps_its_lock_and_refuses_writes(tmp_path):
+    keys = build(tmp_path / "s")
+    with Store.open(tmp_path / "s", read_only=True) as store:
+        assert store.read_only and not store.index.lockless
+        assert store.lookup("a" * 64).hit
+        with pytest.raises(Exception) as info:
+            store.put_bytes(b"x")
+        assert getattr(info.value, "reason", None) == "read_only"
+    assert keys
