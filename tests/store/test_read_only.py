@@ -46,7 +46,8 @@ def run_on_read_only_mount(src: Path, dst: Path, spec: dict[str, Any]) -> dict[s
     """Bind-mount ``src`` read-only at ``dst`` and run the child there; its JSON report."""
     dst.mkdir(exist_ok=True)
     child = [sys.executable, str(CHILD), json.dumps({**spec, "ro": str(dst)})]
-    mount = f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))} && mount -o remount,bind,ro {shlex.quote(str(dst))}"
+    s, d = shlex.quote(str(src)), shlex.quote(str(dst))
+    mount = f"mount --bind {s} {d} && mount -o remount,bind,ro {d}"
     if NAMESPACES:  # the mount lives and dies with the namespace
         argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(child)}"]
         res = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
@@ -71,11 +72,7 @@ def shared_tmp() -> Iterator[Path]:
 
 def build(root: Path) -> dict[str, dict[str, str]]:
     """A store with an inline blob, a raw file blob, a compressed file blob, and an entry of two ranks."""
-    artifacts = {
-        "small": b"tiny",
-        "random": os.urandom(300_000),
-        "text": b"compressible kernel source\n" * 20_000,
-    }
+    artifacts = {"small": b"tiny", "random": os.urandom(300_000), "text": b"compressible kernel source\n" * 20_000}
     keys: dict[str, dict[str, str]] = {}
     with Store.open(root) as store:
         refs = {name: store.put_bytes(data) for name, data in artifacts.items()}
