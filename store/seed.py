@@ -15,19 +15,24 @@ the writable store; the seed is never written (docs/configuration.md,
 
 Copying, not reading in place, keeps one store behind every reader: the
 integrations read blob files by path (``Store.stored_blob``) and judge the
-file's owner, and the copy is theirs.  The seed's own files may be owned by
-whoever baked the image (often root), which the trust rules accept for the
-bytes they verify.  A seed searched first, before the remote tier, costs a
-local disk read instead of a download.  Anything short of a complete copy is
-the writable store's miss reason (nothing half-committed: unreferenced copies
-are its gc's), and a seed that fails is counted (``seed.misses.<reason>``),
-logged once, and never raised.
+file's owner, and the copy is theirs.  So the copy judges first, by the same
+rule (``fsutil.trusted_uids``): a seed blob file, and the seed's index for
+the blobs kept inline in it, must belong to root (who usually bakes an
+image), this user or a uid of ``ADSTORE_TRUSTED_UIDS``, and be writable by
+no one else; anything else is a miss ``unsafe_root`` and nothing is copied.
+A seed searched first, before the remote tier, costs a local disk read
+instead of a download.  A key the seed lacks keeps the writable store's
+miss reason; a copy that fails is a miss with the seed's reason
+(``unsafe_root``, ``disk_full``...), nothing half-committed (unreferenced
+copies are the writable store's gc's), counted (``seed.misses.<reason>``),
+logged once per reason, never raised.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +41,7 @@ from typing import Any, Protocol
 from .blobs import StoredBlob
 from .blobwriter import BlobWriter
 from .codec import Encoding
-from .errors import AdstoreError, ConfigError
+from .errors import AdstoreError, ConfigError, UnsafeRoot
 from .index.rows import BlobRef, Entry, Manifest
 from .lookup import LookupResult
 from .maintenance.reservations import Reservation
@@ -97,8 +102,9 @@ class SeedStore(Protocol):
 class Seed:
     """The read-only store behind a writable one (see the module docstring); ``store`` is opened read-only."""
 
-    def __init__(self, store: SeedStore) -> None:
+    def __init__(self, store: SeedStore, *, trusted: frozenset[int]) -> None:
         self.store = store
+        self.trusted = trusted  #: who may have written the files copied (``fsutil.trusted_uids``)
         self._busy = False
         self._warned: set[str] = set()
 
@@ -141,7 +147,7 @@ class Seed:
         if str(reason) not in self._warned:  # logged once per reason: a seed that fails keeps failing
             self._warned.add(str(reason))
             log.warning("seed store %s: %s", self.store.root, exc)
-        return missed
+        return type(missed)(False, reason, entry=missed.entry)
 
     def _copy(self, store: SeedStore, key: str, found: LookupResult) -> None:
         """Copy every blob of ``found``'s manifests the store lacks, then commit each rank under its generation."""
@@ -166,12 +172,14 @@ class Seed:
     def _copy_blob(self, store: SeedStore, ref: BlobRef) -> None:
         """One blob, as the seed stores it (raw or zstd frames), checked against ``ref`` by the writer."""
         where = self.store.stored_blob(ref)
-        if where is None:  # inline in the seed's index: small, read verified
+        if where is None:  # inline in the seed's index: small, read verified; the index's writer wrote it
+            self._judge(os.stat(self.store.root / "index" / "data.mdb", follow_symlinks=False), "its index")
             store.put_bytes(self.store.get_bytes(ref))
             return
         with store.admit(where.stored) as reservation:
             fd = open_blob(where.path, ref.digest)  # never follows a symlink (invariant 10)
             try:
+                self._judge(os.fstat(fd), f"blob {ref.digest[:16]}")  # the very file the bytes come from
                 source = Encoding.ZSTD if where.encoding is Encoding.ZSTD else Encoding.RAW
                 frame = where.stored if source is Encoding.ZSTD else None
                 with store.blob_writer(ref, source=source, frame_size=frame) as writer:
@@ -181,6 +189,15 @@ class Seed:
             finally:
                 os.close(fd)
             reservation.consume(where.stored)
+
+    def _judge(self, st: os.stat_result, what: str) -> None:
+        if st.st_uid not in self.trusted:
+            raise UnsafeRoot(
+                str(self.store.root),
+                f"{what} is owned by uid {st.st_uid}, not a trusted user (root, you, ADSTORE_TRUSTED_UIDS)",
+            )
+        if what != "its index" and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # a shared store's index is 0664
+            raise UnsafeRoot(str(self.store.root), f"{what} is writable by others ({stat.filemode(st.st_mode)})")
 
     def close(self) -> None:
         self.store.close()

@@ -24,7 +24,7 @@ from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
 from .errors import AdstoreError, CorruptRow, InvalidKey, NoStore, ReadOnlyStore, StoreError
-from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, unique_temp
+from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, trusted_uids, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.rows import BlobRef, Entry, LeaseRow, Manifest
@@ -126,8 +126,9 @@ class Store(Upkeep):
         if isinstance(seed, Seed):
             return seed
         path = check_seed(self.root, seed)
+        trusted = trusted_uids()
         opened = Store(path, read_only=True, create=False, check_permissions=False, clock=self.clock)
-        return Seed(opened)
+        return Seed(opened, trusted=trusted)
 
     def _attach(self, layout: Layout) -> None:
         """Open the index and wire every part of the store to it (again after a rebuild)."""
@@ -176,7 +177,7 @@ class Store(Upkeep):
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
         if env.get("ADSTORE_SEED", "").strip() and "seed" not in overrides:
-            settings["seed"] = _seed_from_env(default_root(env), env["ADSTORE_SEED"].strip())
+            settings["seed"] = _seed_from_env(default_root(env), env["ADSTORE_SEED"].strip(), env)
         if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
             from .tiered import tier_from_env
 
@@ -497,12 +498,15 @@ class Store(Upkeep):
         return self._index
 
 
-def _seed_from_env(root: Path, path: str) -> Seed | None:
+def _seed_from_env(root: Path, path: str, env: Mapping[str, str]) -> Seed | None:
     """The seed ``ADSTORE_SEED`` names, or None, logged: a missing or unreadable seed must not fail a process."""
     from .seed import Seed, check_seed
 
     try:
-        return Seed(Store(check_seed(root, path), read_only=True, create=False, check_permissions=False))
+        trusted = trusted_uids(env)
+        return Seed(
+            Store(check_seed(root, path), read_only=True, create=False, check_permissions=False), trusted=trusted
+        )
     except AdstoreError as exc:
         log.warning("seed store disabled (ADSTORE_SEED): %s", exc)
     return None

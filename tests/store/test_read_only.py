@@ -163,3 +163,22 @@ def test_an_explicitly_read_only_store_on_a_writable_disk_keeps_its_lock_and_ref
             store.put_bytes(b"x")
         assert getattr(info.value, "reason", None) == "read_only"
     assert keys
+
+
+def test_a_seed_blob_no_trusted_user_wrote_is_not_copied(tmp_path, monkeypatch):
+    keys = build(tmp_path / "seed")
+    with Store.open(tmp_path / "seed", create=False) as seed:
+        refs = seed.manifests("a" * 64)[0].artifacts
+        path = seed.blob_path(refs["random"])
+    assert path is not None
+    os.chown(path, 65534, 65534)  # planted by another user
+    monkeypatch.delenv("ADSTORE_TRUSTED_UIDS", raising=False)
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed") as store:
+        missed = store.lookup("a" * 64)
+        assert not missed.hit and missed.reason == "unsafe_root"
+        assert store.lookup("b" * 64).hit  # the other entry's blobs are root's
+        assert not store.has_blob(refs["random"]) and store.stats().counters["seed.misses.unsafe_root"] == 1
+    monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "65534")
+    with Store.open(tmp_path / "w2", seed=tmp_path / "seed") as store:
+        assert store.lookup("a" * 64).hit
+    assert keys
