@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from .errors import ConfigError, StoreFull, UnsafeRoot, UnsupportedFilesystem
+from .errors import ConfigError, ReadOnlyStore, StoreFull, UnsafeRoot, UnsupportedFilesystem
 from .units import parse_count
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "check_local_filesystem",
     "check_root_permissions",
     "read_only_filesystem",
+    "refuse_read_only",
     "trusted_uids",
 ]
 
@@ -224,6 +225,13 @@ def read_only_filesystem(path: str | os.PathLike[str]) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def refuse_read_only(exc: OSError, root: Path) -> None:
+    """No store can be created on a read-only filesystem: :class:`ReadOnlyStore` for EROFS (the caller
+    re-raises any other OSError)."""
+    if exc.errno == errno.EROFS:
+        raise ReadOnlyStore(str(root), "creating a store") from exc
 
 
 def trusted_uids(environ: Mapping[str, str] | None = None, extra: Iterable[int] = ()) -> frozenset[int]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,13 +42,14 @@ from .blobs import StoredBlob
 from .blobwriter import BlobWriter
 from .codec import Encoding
 from .errors import AdstoreError, ConfigError, UnsafeRoot
+from .fsutil import trusted_uids
 from .index.rows import BlobRef, Entry, Manifest
 from .lookup import LookupResult
 from .maintenance.reservations import Reservation
 from .reading import CHUNK_SIZE, open_blob
 from .reasons import Reason
 
-__all__ = ["Seed", "SeedStore", "SEED_ENV", "check_seed"]
+__all__ = ["Seed", "SeedStore", "SEED_ENV", "open_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +204,29 @@ class Seed:
         self.store.close()
 
 
-def check_seed(root: Path, seed: str | os.PathLike[str]) -> Path:
-    """The seed's absolute path; a store cannot be its own seed (:class:`ConfigError`)."""
-    path = Path(seed).expanduser().absolute()
-    if os.path.realpath(root) == os.path.realpath(path):
-        raise ConfigError(SEED_ENV, f"{path} is the store itself; a seed is another store, searched after it")
-    return path
+def open_seed(
+    seed: str | os.PathLike[str] | Seed,
+    *,
+    root: Path,
+    opener: Callable[[Path], SeedStore],
+    environ: Mapping[str, str] | None = None,
+) -> Seed | None:
+    """The seed at ``seed`` for the store at ``root``, opened read-only by ``opener``.
+
+    ``environ`` (``Store.from_env``'s): a seed that cannot be opened is logged and None, since a missing
+    seed must not fail a process; without it (``Store.open(seed=...)``) the error is raised.  A store
+    cannot be its own seed (:class:`ConfigError`).
+    """
+    if isinstance(seed, Seed):
+        return seed
+    try:
+        path = Path(seed).expanduser().absolute()
+        if os.path.realpath(root) == os.path.realpath(path):
+            raise ConfigError(SEED_ENV, f"{path} is the store itself; a seed is another store, searched after it")
+        trusted = trusted_uids(environ)
+        return Seed(opener(path), trusted=trusted)
+    except AdstoreError as exc:
+        if environ is None:
+            raise
+        log.warning("seed store disabled (%s): %s", SEED_ENV, exc)
+        return None

@@ -7,7 +7,6 @@ Each concern lives in its own module; this class wires them to one root (docs/ar
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -23,8 +22,8 @@ from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
-from .errors import AdstoreError, CorruptRow, InvalidKey, NoStore, ReadOnlyStore, StoreError
-from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, trusted_uids, unique_temp
+from .errors import CorruptRow, InvalidKey, NoStore, ReadOnlyStore, StoreError
+from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, refuse_read_only, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.rows import BlobRef, Entry, LeaseRow, Manifest
@@ -42,12 +41,12 @@ from .publishing import Artifacts, Publisher
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
+from .seed import Seed, open_seed
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
 
-if TYPE_CHECKING:  # the remote tier and the seed load with the first store that has one
-    from .seed import Seed
+if TYPE_CHECKING:  # the remote tier loads with the first store that has one
     from .tiered import Tier
 
 __all__ = ["Store", "DEFAULT_INLINE_THRESHOLD"]
@@ -90,16 +89,20 @@ class Store(Upkeep):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                if exc.errno == errno.EROFS:
-                    raise ReadOnlyStore(str(self.root), "creating a store") from exc
+                refuse_read_only(exc, self.root)
                 raise
         check_local_filesystem(self.root)
         if check_permissions:  # before anything is created inside the root
             for warning in check_root_permissions(self.root):
-                log.warning("%s", warning)
+                if not self.read_only:  # a read-only store belongs to whoever baked it (root, usually)
+                    log.warning("%s", warning)
         layout.check_no_symlinks()  # invariant 10: nothing of the store may lead outside it
         if not self.read_only:
-            layout.create()
+            try:
+                layout.create()
+            except OSError as exc:
+                refuse_read_only(exc, self.root)
+                raise
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
         #: The hard limit of this writer (else the persisted budget's; see ``inline``).
@@ -113,22 +116,14 @@ class Store(Upkeep):
             from .tiered import open_tier  # the remote tier is imported only by stores that have one
 
             self.tier = open_tier(remote)
-        self.seed: Seed | None = None  # a read-only store searched after this one, before the remote (``seed``)
-        if seed is not None:
-            self.seed = self._open_seed(seed)
+        # A read-only store searched after this one, before the remote (``seed``).
+        self.seed = None if seed is None else open_seed(seed, root=self.root, opener=Store._seed_opener(clock))
         self._attach(layout)
         self._open = True
 
-    def _open_seed(self, seed: str | os.PathLike[str] | Seed) -> Seed:
-        """The seed store at ``seed``, opened read-only (``seed.Seed``); raises if it cannot be opened."""
-        from .seed import Seed, check_seed
-
-        if isinstance(seed, Seed):
-            return seed
-        path = check_seed(self.root, seed)
-        trusted = trusted_uids()
-        opened = Store(path, read_only=True, create=False, check_permissions=False, clock=self.clock)
-        return Seed(opened, trusted=trusted)
+    @staticmethod
+    def _seed_opener(clock: Clock = system_clock) -> Callable[[Path], Store]:
+        return lambda path: Store(path, read_only=True, create=False, check_permissions=False, clock=clock)
 
     def _attach(self, layout: Layout) -> None:
         """Open the index and wire every part of the store to it (again after a rebuild)."""
@@ -176,8 +171,11 @@ class Store(Upkeep):
         ``ADSTORE_REMOTE*`` name.  A seed or remote that cannot be opened is logged and left out."""
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
-        if env.get("ADSTORE_SEED", "").strip() and "seed" not in overrides:
-            settings["seed"] = _seed_from_env(default_root(env), env["ADSTORE_SEED"].strip(), env)
+        if env.get("ADSTORE_SEED", "").strip() and "seed" not in overrides:  # logged and left out if it fails
+            opener = cls._seed_opener(overrides.get("clock", system_clock))
+            settings["seed"] = open_seed(
+                env["ADSTORE_SEED"].strip(), root=default_root(env), opener=opener, environ=env
+            )
         if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
             from .tiered import tier_from_env
 
@@ -496,17 +494,3 @@ class Store(Upkeep):
     @property
     def index(self) -> Index:
         return self._index
-
-
-def _seed_from_env(root: Path, path: str, env: Mapping[str, str]) -> Seed | None:
-    """The seed ``ADSTORE_SEED`` names, or None, logged: a missing or unreadable seed must not fail a process."""
-    from .seed import Seed, check_seed
-
-    try:
-        trusted = trusted_uids(env)
-        return Seed(
-            Store(check_seed(root, path), read_only=True, create=False, check_permissions=False), trusted=trusted
-        )
-    except AdstoreError as exc:
-        log.warning("seed store disabled (ADSTORE_SEED): %s", exc)
-    return None

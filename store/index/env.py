@@ -20,13 +20,6 @@ asks its users for care that this module concentrates in one place:
 * a killed reader leaves a stale slot in the reader table that pins old pages:
   ``reader_check()`` runs at open and periodically;
 * one write transaction at a time, read transactions kept short.
-
-An index opened ``read_only`` (a store on a read-only mount, a seed store)
-writes nothing: LMDB opens it ``readonly``, without its lock file when the
-filesystem is mounted read-only (no writer can exist there, so readers need
-no lock table), the schema is checked but never written or migrated, and
-:meth:`Index.write` raises :class:`ReadOnlyStore`.  The damage checks of
-``index.file`` run as for any index.
 """
 
 from __future__ import annotations
@@ -45,10 +38,10 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..errors import AccessDenied, CorruptRow, IncompatibleStore, ReadOnlyStore, StoreError, StoreFull
-from ..fsutil import read_only_filesystem
 from .ballast import Ballast, may_spend
 from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
+from .readonly import open_read_only
 from .schema import DATABASES, SCHEMA_VERSION
 
 __all__ = ["Index", "index_error"]
@@ -247,11 +240,7 @@ class Index:
     def acquire(
         cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False, read_only: bool = False
     ) -> Index:
-        """The process's one Index for ``path`` (LMDB forbids opening it twice).
-
-        A read-only store may share an index this process opened for writing (the store refuses its writes);
-        a store that writes may not share one opened read-only: :class:`ReadOnlyStore`.
-        """
+        """The process's one Index for ``path`` (LMDB forbids opening it twice); a writer never gets a read-only one."""
         key = (os.getpid(), os.path.realpath(path))
         with _SHARED_LOCK:
             slot = _SHARED.get(key)
@@ -285,8 +274,14 @@ class Index:
                 self.close()
 
     def _open(self) -> None:
-        if self.read_only:
-            self._open_read_only()
+        if self.read_only:  # nothing is created or written (``index.readonly``)
+            try:
+                opened = open_read_only(self.path, map_size=self._initial_map_size, max_readers=self._max_readers)
+            except lmdb.Error as exc:
+                raise _open_error(exc, self.path) from exc
+            self._env, self.db, self.lockless = opened
+            self._pid = os.getpid()
+            self.reader_check()
             return
         self.path.mkdir(parents=True, exist_ok=True)
         check_data_file(self.path)  # a short file would SIGBUS at the first read
@@ -343,44 +338,6 @@ class Index:
                         os.chmod(f, f.stat().st_mode | 0o060)
                 except OSError:
                     pass
-        self._env = env
-        self._pid = os.getpid()
-        self.reader_check()
-
-    def _open_read_only(self) -> None:
-        """Open an existing index without writing anything (see the module docstring)."""
-        check_data_file(self.path)  # a short file would SIGBUS at the first read, read-only or not
-        if needs_creating(self.path) and not (self.path / "data.mdb").is_file():
-            raise ReadOnlyStore(str(self.path.parent), "creating its index")
-        self.lockless = read_only_filesystem(self.path)
-        try:
-            env = lmdb.open(
-                str(self.path),
-                map_size=self._initial_map_size,
-                max_dbs=len(DATABASES) + 4,
-                max_readers=self._max_readers,
-                subdir=True,
-                readonly=True,
-                lock=not self.lockless,  # lock-free only where no writer can exist
-                readahead=False,
-            )
-        except lmdb.Error as exc:
-            raise _open_error(exc, self.path) from exc
-        try:
-            try:
-                meta = env.open_db(b"meta", create=False)
-            except lmdb.NotFoundError:
-                meta = None
-            with env.begin() as txn:
-                schema = None if meta is None else txn.get(b"schema", db=meta)
-            if schema != str(SCHEMA_VERSION).encode():  # an older index is migrated by its writers only
-                env.close()
-                found = "none" if schema is None else schema.decode(errors="replace")
-                raise IncompatibleStore(str(self.path.parent), found, SCHEMA_VERSION)
-            self.db = {name: env.open_db(name.encode(), create=False) for name in DATABASES}
-        except lmdb.Error as exc:
-            env.close()
-            raise _open_error(exc, self.path) from exc
         self._env = env
         self._pid = os.getpid()
         self.reader_check()
