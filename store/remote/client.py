@@ -99,9 +99,10 @@ class Remote:
         self,
         op: str,
         kind: Kind,
-        digest: str | None,
+        digest: str,
         fn: Callable[[], T],
         *,
+        listing: bool = False,
         write: bool = False,
         deadline: Deadline | None = None,
         on_expire: Callable[[], None] | None = None,
@@ -113,9 +114,9 @@ class Remote:
         timeout), ``on_expire`` runs and the call is cut short
         (``calls.run_bounded``).  A socket timeout the backend let through
         is the call's own ``remote_timeout``, with its own message.
-        ``digest`` None: a call about every object of ``kind`` (a listing).
+        ``listing``: a call about every object of ``kind`` (``digest`` is ignored).
         """
-        target = object_name(kind, digest) if digest is not None else f"{Kind(kind).value}/"
+        target = f"{Kind(kind).value}/" if listing else object_name(kind, digest)
         if write and self.mode is not Mode.READ_WRITE:
             raise ReadOnlyRemote(op, target)
         try:
@@ -324,7 +325,12 @@ class Remote:
                 raise UntrustedRecord("no trusted keys are configured (ADSTORE_TRUSTED_KEYS)", target="ac/")
             trusted = self.trusted
             digests = self._call(
-                "list", Kind.AC, None, lambda: self.backend.list_digests(Kind.AC), deadline=self.limits.start(1 << 26)
+                "list",
+                Kind.AC,
+                "",
+                lambda: self.backend.list_digests(Kind.AC),
+                listing=True,
+                deadline=self.limits.start(1 << 26),
             )
             found: list[Verified] = []
             nbytes = 0

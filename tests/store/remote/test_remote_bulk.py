@@ -147,3 +147,18 @@ def test_a_backend_without_listing_is_remote_unsupported():
     out = remote.list_records()
     assert not out.ok and out.reason == "remote_unsupported"
     assert Kind.AC.value == "ac"
+
+
+def test_every_listing_backend_lists_the_digests_of_one_kind(remote_url):
+    from adstore.store.remote import open_remote
+
+    r = open_remote(remote_url, mode="read-write", timeout=5)
+    b = r.backend
+    assert b.list_digests(Kind.AC) == []  # nothing yet (WebDAV: no collection yet)
+    records = sorted(hashlib.sha256(n).hexdigest() for n in (b"one", b"two"))
+    blob = hashlib.sha256(b"blob").hexdigest()
+    for d in records:
+        b.put(Kind.AC, d, b"record")
+    b.put(Kind.CAS, blob, b"blob")
+    assert b.list_digests(Kind.AC) == records and b.list_digests(Kind.CAS) == [blob]
+    r.close()
