@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,7 +107,7 @@ class Seed:
     def __init__(self, store: SeedStore, *, trusted: frozenset[int]) -> None:
         self.store = store
         self.trusted = trusted  #: who may have written the files copied (``fsutil.trusted_uids``)
-        self._busy = False
+        self._local = threading.local()  # this thread is copying: its own lookups stay local
         self._warned: set[str] = set()
 
     def __repr__(self) -> str:
@@ -114,15 +115,15 @@ class Seed:
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        self._busy = True
+        self._local.busy = True
         try:
             yield
         finally:
-            self._busy = False
+            self._local.busy = False
 
     def fallback(self, store: SeedStore, key: str, rank: int | None, missed: LookupResult) -> LookupResult:
         """After a local miss a seed can mend: copy the seed's committed ranks of ``key`` in and look again."""
-        if self._busy or missed.reason not in _MENDABLE:
+        if getattr(self._local, "busy", False) or missed.reason not in _MENDABLE:
             return missed
         try:
             found = self.store.lookup(key, rank=rank, count=False)  # the ranks the caller asks for

@@ -13,7 +13,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -378,7 +378,8 @@ class Store(Upkeep):
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
         if self.seed is not None and not result.hit and not self.read_only:  # a copy would write
-            result = self.seed.fallback(self, key, rank, result)
+            with self.tier.local_only() if self.tier is not None else nullcontext():  # a copy is not pushed
+                result = self.seed.fallback(self, key, rank, result)
         if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:

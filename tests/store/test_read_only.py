@@ -182,3 +182,25 @@ def test_a_seed_blob_no_trusted_user_wrote_is_not_copied(tmp_path, monkeypatch):
     with Store.open(tmp_path / "w2", seed=tmp_path / "seed") as store:
         assert store.lookup("a" * 64).hit
     assert keys
+
+
+def test_the_seed_is_searched_before_the_remote_and_its_copies_are_not_pushed(tmp_path):
+    from adstore.store.remote import MemoryBackend, Remote, Signer, TrustedKeys, generate_keypair
+
+    keys = build(tmp_path / "seed")
+    pair = generate_keypair()
+    backend = MemoryBackend()
+    signer, trusted = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
+    remote = Remote(backend, mode="read-write", signer=signer, trusted=trusted)
+    with Store.open(tmp_path / "builder", remote=remote) as builder:  # a key only the remote has
+        builder.save("c" * 64, {"x": builder.put_bytes(b"from the remote")})
+    pushed = len(backend.writes())
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed", remote=remote) as store:
+        assert store.lookup("a" * 64).hit and store.lookup("b" * 64).hit  # from the seed, no remote call
+        assert len(backend.writes()) == pushed  # the copies were not pushed back
+        assert not any(op == "get" for op, _ in backend.ops)
+        found = store.lookup("c" * 64)  # the seed misses; the remote restores it
+        assert found.hit and store.read_artifact(found.manifest, "x") == b"from the remote"
+        counters = store.stats().counters
+        assert counters["seed.hits"] == 2 and counters["remote.hits"] == 1
+    assert keys
