@@ -171,13 +171,15 @@ def index_error(exc: lmdb.Error, path: Path, what: str = "cannot use the LMDB in
     A full disk is :class:`StoreFull`, a refused open :class:`AccessDenied`;
     everything else LMDB raises (``CorruptedError``, ``PageNotFoundError``,
     ``BadValsizeError``, ``BadTxnError``, ``InvalidError``...) means the index
-    is damaged: :class:`CorruptRow`, reason ``corrupt_index``.  No raw
-    ``lmdb`` exception leaves the store.
+    is damaged: :class:`CorruptRow`, reason ``corrupt_index``; a read-only
+    filesystem is :class:`ReadOnlyStore`.  No raw ``lmdb`` exception leaves the store.
     """
     if _is_disk_full(exc, path):
         return StoreFull(str(path), str(exc))
     if "Permission denied" in str(exc) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
         return AccessDenied(str(path), what)
+    if "Read-only file system" in str(exc) or getattr(exc, "errno", None) == errno.EROFS:
+        return ReadOnlyStore(str(path.parent), what)  # not damage: a read-only mount the store did not expect
     return CorruptRow("index", str(path), f"{what}: {exc}")
 
 

@@ -204,3 +204,20 @@ def test_the_seed_is_searched_before_the_remote_and_its_copies_are_not_pushed(tm
         counters = store.stats().counters
         assert counters["seed.hits"] == 2 and counters["remote.hits"] == 1
     assert keys
+
+
+def test_an_index_on_a_read_only_mount_under_a_writable_root_is_read_only_not_corrupt(shared_tmp):
+    build(shared_tmp / "src")
+    index = shlex.quote(str(shared_tmp / "src" / "index"))
+    code = (
+        "import sys; from adstore.store import Store, StoreError\n"
+        "try:\n    Store.open(sys.argv[1])\nexcept StoreError as exc:\n    print(exc.reason)\n"
+    )
+    script = f"mount --bind {index} {index} && mount -o remount,bind,ro {index} && exec {shlex.quote(sys.executable)}"
+    argv = ["sh", "-c", f"{script} -c {shlex.quote(code)} {shlex.quote(str(shared_tmp / 'src'))}"]
+    if not NAMESPACES:
+        pytest.skip("needs a private mount namespace (unshare -m)")
+    res = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", *argv], capture_output=True, text=True, check=False
+    )
+    assert res.stdout.strip() == "read_only", res.stderr[-2000:]
