@@ -221,3 +221,26 @@ def test_an_index_on_a_read_only_mount_under_a_writable_root_is_read_only_not_co
         ["unshare", "-m", "--propagation", "private", *argv], capture_output=True, text=True, check=False
     )
     assert res.stdout.strip() == "read_only", res.stderr[-2000:]
+
+
+def test_a_damaged_index_on_a_read_only_mount_is_still_corrupt_index(shared_tmp):
+    build(shared_tmp / "src")
+    data = shared_tmp / "src" / "index" / "data.mdb"
+    with open(data, "r+b") as f:  # cut the file short of its last pages: a read there would be a SIGBUS
+        f.truncate(data.stat().st_size // 2)
+    if not NAMESPACES:
+        pytest.skip("needs a private mount namespace (unshare -m)")
+    src, dst = shlex.quote(str(shared_tmp / "src")), shlex.quote(str(shared_tmp / "ro"))
+    (shared_tmp / "ro").mkdir()
+    code = (
+        "import sys; from adstore.store import Store, StoreError\n"
+        "try:\n    Store.open(sys.argv[1], create=False)\nexcept StoreError as exc:\n    print(exc.reason)\n"
+    )
+    script = f"mount --bind {src} {dst} && mount -o remount,bind,ro {dst} && exec {shlex.quote(sys.executable)}"
+    res = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{script} -c {shlex.quote(code)} {dst}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "corrupt_index", (res.stdout, res.stderr[-2000:])
