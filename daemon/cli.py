@@ -33,7 +33,7 @@ from adstore.daemon.errors import (
 )
 from adstore.daemon.explain import cmd_explain
 from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
-from adstore.daemon.remote_cmds import add_remote_arguments, cmd_pull, cmd_push, cmd_remote
+from adstore.daemon.remote_cmds import add_remote_arguments, add_selection_arguments, cmd_pull, cmd_push, cmd_remote
 from adstore.store import (
     DURATION_HELP,
     SIZE_HELP,
@@ -47,6 +47,7 @@ from adstore.store import (
     InvalidKey,
     NoStore,
     OverBudget,
+    ReadOnlyStore,
     Reason,
     StoreError,
     StoreFull,
@@ -85,6 +86,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (BlobMissing, 9),
     (CorruptRow, 9),
     (AccessDenied, 11),
+    (ReadOnlyStore, 15),  # a write asked of a read-only store (a read-only mount, a seed store)
     (NoStore, 13),
     (StoreError, 10),
     (AdstoreError, 10),
@@ -337,11 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     p = add("push", cmd_push, "upload committed entries to the remote tier (blobs it lacks, then signed records)")
-    p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
+    p.add_argument("keys", nargs="*", metavar="KEY", help=_KEYS)
+    add_selection_arguments(p, "push", "every committed entry of the local store")
     add_remote_arguments(p)
 
     p = add("pull", cmd_pull, "prefetch entries from the remote tier into the local store")
-    p.add_argument("keys", nargs="+", metavar="KEY", help="full cache key (the local store may not have it)")
+    p.add_argument("keys", nargs="*", metavar="KEY", help="full cache key (the local store may not have it)")
+    add_selection_arguments(p, "pull", "every record the remote holds signed by a trusted key (a WebDAV or S3 remote)")
     p.add_argument(
         "--world-size",
         type=_positive_int,

@@ -94,6 +94,8 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
             min_free = cfg.min_free_bytes
         older_than = older_than if older_than is not None else cfg.max_age
     store = ctx.store()
+    if not args.dry_run:
+        store.require_writable("gc")  # a read-only store: refused before planning, not half-way
     evict = None
     if max_size is not None or min_free is not None or older_than is not None:
         evict = store.plan_eviction(max_size=max_size, min_free=min_free, older_than=older_than)
@@ -205,6 +207,8 @@ def _check_budget(
 
 def cmd_rm(args: argparse.Namespace, ctx: Context) -> int:
     store = ctx.store(create=False)
+    if not args.dry_run:
+        store.require_writable("rm")
     keys = list(dict.fromkeys(resolve_key(store, k) for k in args.keys))
     plan = store.plan_remove(keys)
     data: dict[str, Any] = {"dry_run": args.dry_run, "plan": plan.to_dict(), "bytes_freed": 0}

@@ -20,12 +20,12 @@ from typing import Any
 
 from adstore.daemon.commands import Context
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.errors import RemoteFailed
+from adstore.daemon.errors import RemoteFailed, UsageError
 from adstore.daemon.format import human_size, kv_block, remote_counters, remote_stats_rows, table
-from adstore.store import ConfigError, remote_restore, remote_save
+from adstore.store import ConfigError, remote_restore, remote_save, validate_namespace
 from adstore.store.remote import Remote, RemoteConfig
 
-__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments"]
+__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments", "add_selection_arguments"]
 
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,24 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
         help="TOML configuration whose remote and remote_mode apply when neither the flags nor "
         "$ADSTORE_REMOTE* give them (default: $ADSTORE_CONFIG)",
     )
+
+
+def add_selection_arguments(p: argparse.ArgumentParser, verb: str, every: str) -> None:
+    """``--all`` and ``--namespace``: what ``push``/``pull`` transfer when no KEY is given."""
+    p.add_argument("--all", action="store_true", help=f"{verb} {every} (instead of KEYs)")
+    p.add_argument("--namespace", metavar="NS", help=f"{verb} only the entries of namespace NS (with --all, or alone)")
+
+
+def _selection(args: argparse.Namespace, verb: str) -> str | None:
+    """Check KEYs against ``--all``/``--namespace``; the namespace to select (None: all, or the KEYs)."""
+    whole = bool(args.all) or args.namespace is not None
+    if args.keys and whole:
+        raise UsageError("give KEYs, or --all / --namespace NS, not both", prog=f"adstore {verb}")
+    if not args.keys and not whole:
+        raise UsageError("give KEYs, or --all / --namespace NS", prog=f"adstore {verb}")
+    if args.namespace is not None:
+        validate_namespace(args.namespace)
+    return args.namespace
 
 
 def _config(args: argparse.Namespace) -> RemoteConfig:
@@ -86,14 +104,20 @@ def _finish(ctx: Context, rows: list[dict[str, Any]], remote: Remote, verb: str)
 
 
 def cmd_push(args: argparse.Namespace, ctx: Context) -> int:
-    """Upload every committed rank of each KEY (read-write remotes only)."""
+    """Upload every committed rank of each KEY, or of every entry (``--all``, ``--namespace``), read-write only.
+
+    ``--all`` uploads what was built before a remote was set: entries the remote holds already cost a HEAD
+    per blob and a record each (records are small; blobs are never sent twice).
+    """
+    namespace = _selection(args, "push")
     _cfg, remote = _open(args)
     if not remote.writable:
         raise ConfigError("ADSTORE_REMOTE_MODE", "push writes the remote: use --mode read-write")
     store = ctx.store(create=False)
     rows: list[dict[str, Any]] = []
+    texts = args.keys or [e.key for e in store.entries(namespace)]
     try:
-        for text in args.keys:
+        for text in texts:
             key = store.resolve_key(text)
             entry = store.entry(key)
             ranks = sorted(entry.ranks) if entry is not None else [0]
@@ -106,22 +130,48 @@ def cmd_push(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def cmd_pull(args: argparse.Namespace, ctx: Context) -> int:
-    """Restore each KEY's ranks from the remote into the local store (full keys: the store may not have them)."""
+    """Restore each KEY's ranks from the remote into the local store (full keys: the store may not have them).
+
+    ``--all`` / ``--namespace NS`` (filling a store at image build time): every record the remote lists that a
+    trusted key signed (``Remote.list_records``), each rank at the record's world size.
+    """
+    namespace = _selection(args, "pull")
     _cfg, remote = _open(args)
     store = ctx.store()
-    ranks = [args.rank] if args.rank is not None else list(range(args.world_size))
     rows: list[dict[str, Any]] = []
     try:
-        for key in args.keys:
-            for rank in ranks:
-                if store.lookup(key, rank=rank, count=False).hit:
-                    rows.append({"key": key, "rank": rank, "bytes": 0, "reason": None, "source": "local"})
-                    continue
-                out = remote_restore(store, remote, key, rank, args.world_size)
-                rows.append({"key": key, "rank": rank, "bytes": out.nbytes, "reason": out.reason, "source": "remote"})
+        if args.keys:
+            ranks = [args.rank] if args.rank is not None else list(range(args.world_size))
+            wanted = [(key, rank, args.world_size) for key in args.keys for rank in ranks]
+        else:
+            wanted = _listed(remote, namespace, args.rank)
+        for key, rank, world_size in wanted:
+            if store.lookup(key, rank=rank, count=False).hit:
+                rows.append({"key": key, "rank": rank, "bytes": 0, "reason": None, "source": "local"})
+                continue
+            out = remote_restore(store, remote, key, rank, world_size)
+            rows.append({"key": key, "rank": rank, "bytes": out.nbytes, "reason": out.reason, "source": "remote"})
     finally:
         remote.close()
     return _finish(ctx, rows, remote, "received")
+
+
+def _listed(remote: Remote, namespace: str | None, rank: int | None) -> list[tuple[str, int, int | None]]:
+    """(key, rank, world size) of every trusted record on the remote, of ``namespace`` and ``rank`` if given."""
+    listed = remote.list_records()
+    if not listed.ok or listed.value is None:
+        failure = {"key": "(listing)", "rank": "-", "bytes": listed.nbytes, "reason": listed.reason}
+        raise RemoteFailed("pull --all", [failure])
+    wanted = []
+    for record in listed.value:
+        payload = record.payload
+        if namespace is not None and payload.get("namespace") != namespace:
+            continue
+        if rank is not None and payload["rank"] != rank:
+            continue
+        world = payload.get("world_size")
+        wanted.append((str(payload["key"]), int(payload["rank"]), world if type(world) is int else None))
+    return sorted(wanted)
 
 
 def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:

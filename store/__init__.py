@@ -28,6 +28,7 @@ from .errors import (
     KeyNotFound,
     NoStore,
     OverBudget,
+    ReadOnlyStore,
     StoreError,
     StoreFull,
     UnsafeRoot,
@@ -38,7 +39,7 @@ from .names import is_digest, is_key, validate_artifact_name, validate_digest, v
 from .reasons import REMOTE_REASONS, Reason
 
 if TYPE_CHECKING:
-    from .fsutil import atomic_write, is_disk_full
+    from .fsutil import atomic_write, is_disk_full, trusted_uids
     from .index.rows import BlobRef, Entry, LeaseRow, Manifest
     from .layout import Layout, default_root
     from .leases import hostname, process_start_time
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 #: Every other public name, by the module it comes from: imported on first use (``lazy``).
 _LAZY = {
-    ".fsutil": ("atomic_write", "is_disk_full"),
+    ".fsutil": ("atomic_write", "is_disk_full", "trusted_uids"),
     ".index.rows": ("BlobRef", "Entry", "LeaseRow", "Manifest"),
     ".layout": ("Layout", "default_root"),
     ".leases": ("hostname", "process_start_time"),
@@ -136,6 +137,7 @@ __all__ = [
     # files, processes, units
     "atomic_write",
     "is_disk_full",
+    "trusted_uids",
     "hostname",
     "process_start_time",
     "parse_size",
@@ -167,5 +169,6 @@ __all__ = [
     "IncompatibleStore",
     "OverBudget",
     "StoreFull",
+    "ReadOnlyStore",
     "ConfigError",
 ]

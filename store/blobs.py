@@ -12,7 +12,9 @@ digest.  Proven damage (a mismatch, a file the codec refuses, something
 other than a regular file) moves the file to ``quarantine/``, flags the
 row and raises; the next writer of the same content repairs it.  Any other
 failure (out of descriptors, an I/O error) is a ``BlobUnreadable`` and the
-blob stays.
+blob stays.  A read-only store writes nothing: its puts raise
+:class:`ReadOnlyStore`, and damage found by a read raises as anywhere else
+but the file stays where it is (there is no ``quarantine/`` to move it to).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import NamedTuple
 
 from .blobwriter import BlobWriter
 from .codec import Encoding
-from .errors import BlobMissing, ChecksumMismatch, StoreError
+from .errors import BlobMissing, ChecksumMismatch, ReadOnlyStore, StoreError
 from .fsutil import atomic_write, fsync_dir, publish_temp
 from .index.rows import FLAG_INLINE, FLAG_ZSTD, BlobRef, BlobRow, pack_inline, unpack_inline
 from .index.tables import Tables, Txn
@@ -79,8 +81,10 @@ class Blobs:
         grace_period: float,
         reserve: Callable[[int], None],
         on_dedup: Callable[[int], None],
+        read_only: bool = False,
     ) -> None:
         self._tables = tables
+        self._read_only = read_only
         self._layout = tables.layout
         self.layout = tables.layout
         self.file_ok = tables.layout.has_file
@@ -90,7 +94,12 @@ class Blobs:
         self._on_dedup = on_dedup
 
     # -- write -----------------------------------------------------------
+    def _writable(self) -> None:
+        if self._read_only:
+            raise ReadOnlyStore(str(self._layout.root), "storing a blob")
+
     def put_bytes(self, data: bytes | bytearray | memoryview) -> BlobRef:
+        self._writable()
         view = memoryview(data).cast("B")
         ref = BlobRef(hashlib.sha256(view).hexdigest(), view.nbytes)
         if self._existing(ref):
@@ -107,6 +116,7 @@ class Blobs:
         Two passes instead of one: re-putting a stored blob costs one read and
         a hash, no write; a new blob's second read comes from the page cache.
         """
+        self._writable()
         src = Path(path)
         h = hashlib.sha256()
         size = 0
@@ -127,6 +137,7 @@ class Blobs:
 
     def put_stream(self, chunks: Iterable[bytes]) -> BlobRef:
         """Store a stream of chunks, hashing while writing (one pass, bounded memory)."""
+        self._writable()
         with self.writer(None) as w:
             for chunk in chunks:
                 w.write(chunk)
@@ -145,6 +156,7 @@ class Blobs:
         ``ref`` None: whatever the content hashes to.  ``source=ZSTD``: the
         bytes are a compressed file of ``frame_size`` bytes (a remote's object, ``codec``).
         """
+        self._writable()
         return BlobWriter(self, ref, source=source, frame_size=frame_size, cancelled=cancelled)
 
     def register_inline(self, ref: BlobRef, data: bytes) -> None:
@@ -393,8 +405,11 @@ class Blobs:
         return atomic_write(dest, verified())
 
     def quarantine(self, digest: str, *, content: bytes | None = None) -> None:
-        """Move a corrupt blob aside and flag its row; manifests then miss on it."""
+        """Move a corrupt blob aside and flag its row; manifests then miss on it (a read-only store: neither)."""
         validate_digest(digest)
+        if self._read_only:
+            log.warning("corrupt blob %s left in place: the store is read-only", digest)
+            return
         qpath = self._layout.quarantine / f"{digest}.{time.time_ns()}"
         try:
             if content is not None:

@@ -4,6 +4,8 @@ A hit refreshes the entry's last access and bumps counters in memory; a
 background thread writes them at most once per ``flush_interval`` (and at
 ``close``/exit).  A lookup therefore never waits for a disk write, and LRU
 order is exact to within that interval (docs/architecture.md, "How an entry lives").
+A read-only store (``persist=False``) keeps them in memory for the life of
+the process: no thread, no write (``Store.stats`` adds them to what it reads).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ _OPEN: weakref.WeakSet[Bookkeeping] = weakref.WeakSet()
 class Bookkeeping:
     """Pending counters and access times of one store, and the thread that writes them."""
 
-    def __init__(self, tables: Tables, *, flush_interval: float) -> None:
+    def __init__(self, tables: Tables, *, flush_interval: float, persist: bool = True) -> None:
         self._tables = tables
+        self._persist = persist
         self.flush_interval = flush_interval
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
@@ -60,7 +63,7 @@ class Bookkeeping:
 
     def _ensure_flusher(self) -> None:
         """Make sure this process runs a flusher thread (started lazily, again after fork)."""
-        if self._started or self._closed.is_set() or not self._claim_flusher():
+        if not self._persist or self._started or self._closed.is_set() or not self._claim_flusher():
             return
         with self._lock:
             ref = weakref.ref(self)
@@ -88,6 +91,8 @@ class Bookkeeping:
 
     def flush(self) -> None:
         """Write pending counters and access times; bookkeeping never fails a cache operation."""
+        if not self._persist:
+            return  # a read-only store: they stay in memory (``pending``)
         with self._lock:
             counters, self._counters = self._counters, Counter()
             access, self._access = self._access, {}
@@ -109,6 +114,11 @@ class Bookkeeping:
             self._tables.write(fn)
         except Exception as exc:
             log.warning("could not flush store counters: %s", exc)
+
+    def pending(self) -> dict[str, int]:
+        """Counters counted and not written yet (a read-only store's, all of them)."""
+        with self._lock:
+            return dict(self._counters)
 
     def close(self, *, flush: bool = True) -> None:
         """Stop the flusher, then write what is pending (``flush=False``: drop it, the index is damaged).

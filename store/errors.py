@@ -33,6 +33,7 @@ __all__ = [
     "OverBudget",
     "StoreFull",
     "AccessDenied",
+    "ReadOnlyStore",
     "ConfigError",
 ]
 
@@ -255,6 +256,25 @@ class AccessDenied(StoreError):
         self.path = path
         self.detail = detail
         super().__init__(f"permission denied on {path}" + (f": {detail}" if detail else ""))
+
+
+class ReadOnlyStore(StoreError):
+    """A write (save, put, gc, rm, pin, a repair) asked of a store that is read-only.
+
+    The store sits on a read-only mount (a store baked into an image) or was
+    opened read-only (a seed store): it serves hits, and nothing is written.
+    ``what`` names the refused operation.
+    """
+
+    reason: Reason = Reason.READ_ONLY
+
+    def __init__(self, root: str, what: str = "write") -> None:
+        self.root = root
+        self.what = what
+        super().__init__(
+            f"store {root} is read-only, {what} refused: it serves hits and takes no writes; "
+            "write to another store (ADSTORE_ROOT), with this one as its seed (ADSTORE_SEED)"
+        )
 
 
 class ConfigError(AdstoreError, ValueError):

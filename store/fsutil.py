@@ -12,14 +12,15 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from .errors import StoreFull, UnsafeRoot, UnsupportedFilesystem
+from .errors import ConfigError, ReadOnlyStore, StoreFull, UnsafeRoot, UnsupportedFilesystem
+from .units import parse_count
 
 __all__ = [
     "atomic_write",
@@ -34,6 +35,9 @@ __all__ = [
     "NETWORK_FILESYSTEMS",
     "check_local_filesystem",
     "check_root_permissions",
+    "read_only_filesystem",
+    "refuse_read_only",
+    "trusted_uids",
 ]
 
 log = logging.getLogger(__name__)
@@ -211,6 +215,39 @@ def check_local_filesystem(root: Path) -> str:
     if fstype.lower() in NETWORK_FILESYSTEMS:
         raise UnsupportedFilesystem(str(root), fstype)
     return fstype
+
+
+def read_only_filesystem(path: str | os.PathLike[str]) -> bool:
+    """Is ``path`` on a filesystem mounted read-only (``ST_RDONLY``: a read-only mount or bind mount, an image's
+    ``readOnlyRootFilesystem``)?  Nobody can write there, so no writer of the store can exist: what makes a
+    lock-free LMDB reader safe (``index.env``).  False when ``path`` cannot be examined."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def refuse_read_only(exc: OSError, root: Path) -> None:
+    """No store can be created on a read-only filesystem: :class:`ReadOnlyStore` for EROFS (the caller
+    re-raises any other OSError)."""
+    if exc.errno == errno.EROFS:
+        raise ReadOnlyStore(str(root), "creating a store") from exc
+
+
+def trusted_uids(environ: Mapping[str, str] | None = None, extra: Iterable[int] = ()) -> frozenset[int]:
+    """Whose files may become code here: this user, root, ``extra`` and ``ADSTORE_TRUSTED_UIDS`` (comma-separated).
+
+    The integrations judge the blob files they place by it, and a seed store's files are copied only if one
+    of these users owns them (``seed``).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("ADSTORE_TRUSTED_UIDS", "")
+    try:
+        uids = {parse_count(u, field="ADSTORE_TRUSTED_UIDS") for u in raw.replace(" ", "").split(",") if u}
+        uids |= {int(u) for u in extra}
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
+    return frozenset({os.geteuid(), 0} | uids)
 
 
 def check_root_permissions(root: Path) -> list[str]:

@@ -44,6 +44,7 @@ class Reason(enum.StrEnum):
     )
     DISK_FULL = "disk_full"  # the filesystem under the store is full (ENOSPC, EDQUOT)
     PERMISSION_DENIED = "permission_denied"  # this user may not open or write the store
+    READ_ONLY = "read_only"  # a write asked of a store opened read-only (a read-only mount, a seed store)
     CONFIG = "config"  # an invalid setting
     UNKNOWN_KEY = "unknown_key"  # no entry's key equals or starts with the given text
     AMBIGUOUS_KEY = "ambiguous_key"  # a key prefix matches more than one entry

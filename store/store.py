@@ -13,7 +13,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,8 @@ from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
-from .errors import CorruptRow, InvalidKey, NoStore, StoreError
-from .fsutil import check_local_filesystem, check_root_permissions, unique_temp
+from .errors import CorruptRow, InvalidKey, NoStore, ReadOnlyStore, StoreError
+from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, refuse_read_only, unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.rows import BlobRef, Entry, LeaseRow, Manifest
@@ -41,6 +41,7 @@ from .publishing import Artifacts, Publisher
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
+from .seed import Seed, open_seed
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
@@ -72,19 +73,36 @@ class Store(Upkeep):
         create: bool = True,
         memoize_lookups: bool = True,
         remote: Any = None,
+        seed: str | os.PathLike[str] | Seed | None = None,
+        read_only: bool = False,
         clock: Clock = system_clock,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
-        if not create and not layout.exists():  # read-only callers must not leave an empty store
+        exists = layout.exists()
+        #: Serves lookups and reads, writes nothing (``read_only=True``, or the root is on a read-only mount);
+        #: every write raises :class:`ReadOnlyStore` (docs/operations.md, "A read-only store").
+        self.read_only = bool(read_only) or (exists and read_only_filesystem(self.root))
+        if (not create or self.read_only) and not exists:  # read-only callers must not leave an empty store
             raise NoStore(str(self.root))
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.read_only:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                refuse_read_only(exc, self.root)
+                raise
         check_local_filesystem(self.root)
         if check_permissions:  # before anything is created inside the root
             for warning in check_root_permissions(self.root):
-                log.warning("%s", warning)
+                if not self.read_only:  # a read-only store belongs to whoever baked it (root, usually)
+                    log.warning("%s", warning)
         layout.check_no_symlinks()  # invariant 10: nothing of the store may lead outside it
-        layout.create()
+        if not self.read_only:
+            try:
+                layout.create()
+            except OSError as exc:
+                refuse_read_only(exc, self.root)
+                raise
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
         #: The hard limit of this writer (else the persisted budget's; see ``inline``).
@@ -98,17 +116,26 @@ class Store(Upkeep):
             from .tiered import open_tier  # the remote tier is imported only by stores that have one
 
             self.tier = open_tier(remote)
+        # A read-only store searched after this one, before the remote (``seed``).
+        self.seed = None if seed is None else open_seed(seed, root=self.root, opener=Store._seed_opener(clock))
         self._attach(layout)
         self._open = True
 
+    @staticmethod
+    def _seed_opener(clock: Clock = system_clock) -> Callable[[Path], Store]:
+        return lambda path: Store(path, read_only=True, create=False, check_permissions=False, clock=clock)
+
     def _attach(self, layout: Layout) -> None:
         """Open the index and wire every part of the store to it (again after a rebuild)."""
-        self._index = Index.acquire(layout.index, map_size=self._map_size, group_shared=layout.group_shared)
-        if self._index.ballast is None:
+        self._index = Index.acquire(
+            layout.index, map_size=self._map_size, group_shared=layout.group_shared, read_only=self.read_only
+        )
+        if self._index.ballast is None and not self.read_only:
             self._index.ballast = Ballast(layout.root)
             self._index.ballast.ensure()
         self._tables = Tables(self._index, layout, self.clock, after_commit=obsolete_dropped)
-        self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval)
+        # A read-only store keeps its counters and access times in memory (``stats`` adds them).
+        self._book = Bookkeeping(self._tables, flush_interval=self._flush_interval, persist=not self.read_only)
         # Measured in bench_store.py: the memo halves a repeated lookup (docs/architecture.md, "How an entry lives").
         self._memo: LookupMemo | None = LookupMemo() if self._memoize else None
         self._inline = InlineEviction(self._tables, max_size=self.max_size, grace_period=self.grace_period)
@@ -118,6 +145,7 @@ class Store(Upkeep):
             grace_period=self.grace_period,
             reserve=self._inline.reserve,
             on_dedup=self._count_dedup,
+            read_only=self.read_only,
         )
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
         push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
@@ -131,14 +159,23 @@ class Store(Upkeep):
         With ``create=False`` (the CLI's read-only commands) a root without a
         store raises :class:`NoStore` and nothing is created.  ``remote=`` (URL, ``RemoteConfig``,
         ``Remote``): a lookup that finds nothing restores from it, a commit is pushed (``tiered.Tier``).
+        ``seed=PATH``: a read-only store searched after this one and before the remote; its hits are copied
+        in (``seed.Seed``).  ``read_only=True``: serve lookups and reads, refuse every write (a store on a
+        read-only mount is read-only whatever this says).
         """
         return cls(default_root() if root is None else root, **settings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Store:
-        """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_REMOTE*`` name."""
+        """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_SEED``,
+        ``ADSTORE_REMOTE*`` name.  A seed or remote that cannot be opened is logged and left out."""
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
+        if env.get("ADSTORE_SEED", "").strip() and "seed" not in overrides:  # logged and left out if it fails
+            opener = cls._seed_opener(overrides.get("clock", system_clock))
+            settings["seed"] = open_seed(
+                env["ADSTORE_SEED"].strip(), root=default_root(env), opener=opener, environ=env
+            )
         if env.get("ADSTORE_REMOTE", "").strip() and "remote" not in overrides:
             from .tiered import tier_from_env
 
@@ -156,6 +193,8 @@ class Store(Upkeep):
         self._open = False
         if self.tier is not None:
             self.tier.close()
+        if self.seed is not None:
+            self.seed.close()
         self._book.close()
         self._index.release()
 
@@ -199,6 +238,11 @@ class Store(Upkeep):
             self._forget_checks()
             raise
 
+    def require_writable(self, what: str) -> None:
+        """Refuse ``what`` on a read-only store, before anything is written (:class:`ReadOnlyStore`)."""
+        if self.read_only:
+            raise ReadOnlyStore(str(self.root), what)
+
     def _forget_checks(self) -> None:
         """A read failed: re-check every entry in full from now on."""
         if self._memo is not None:
@@ -231,10 +275,12 @@ class Store(Upkeep):
 
     def admit(self, nbytes: int) -> Reservation:
         """Reserve room for ``nbytes`` to download (until consumed or released), or OverBudget / StoreFull."""
+        self.require_writable("storing a blob")
         return self._inline.admit(nbytes)
 
     def temp_path(self, suffix: str = ".tmp") -> Path:
         """A unique path in the store's ``tmp/`` (same filesystem as the blobs; swept past the grace period)."""
+        self.require_writable("a temp file")
         return unique_temp(self._tables.layout.tmp, suffix)
 
     def quarantine(self, digest: str) -> None:
@@ -262,6 +308,7 @@ class Store(Upkeep):
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
         """Record this rank's manifest, uncommitted (blobs stored already): :meth:`save` short of its commit."""
+        self.require_writable("publish")
         manifest = self._publisher.save(
             key,
             artifacts,
@@ -294,6 +341,7 @@ class Store(Upkeep):
         ``artifacts``: stored blobs, or a function storing them.  ``agree``: for ranks saving together, the
         collective told whether this rank published, answering whether all did (None when they did not).
         """
+        self.require_writable("save")
         generation = self.new_generation() if generation is None else generation
         return self._publisher.save(
             key,
@@ -311,10 +359,12 @@ class Store(Upkeep):
         self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
     ) -> Manifest:
         """Make a published manifest restorable; releases the rank's older generation."""
+        self.require_writable("commit")
         return self._publisher.commit(key, rank=rank, generation=generation, components=components)
 
     def abort(self, key: str, *, rank: int = 0, generation: int) -> bool:
         """Drop an uncommitted manifest (a failed save); returns whether one was dropped."""
+        self.require_writable("abort")
         return self._publisher.abort(key, rank=rank, generation=generation)
 
     def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
@@ -327,7 +377,10 @@ class Store(Upkeep):
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
-        if self.tier is not None and not result.hit:
+        if self.seed is not None and not result.hit and not self.read_only:  # a copy would write
+            with self.tier.local_only() if self.tier is not None else nullcontext():  # a copy is not pushed
+                result = self.seed.fallback(self, key, rank, result)
+        if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
         if result.hit:
             self._book.hit(key, count=count)
@@ -374,6 +427,7 @@ class Store(Upkeep):
 
     def _set_pinned(self, key: str, pinned: bool) -> None:
         validate_key(key)
+        self.require_writable("pin" if pinned else "unpin")
         self._tables.write(lambda t: set_pinned(t, key, pinned))
         self._records.pinned(key, pinned)
 
@@ -386,8 +440,11 @@ class Store(Upkeep):
 
     @contextmanager
     def lease(self, key: str, *, ttl: float = 86400.0) -> Iterator[LeaseRow]:
-        """Pin ``key`` against gc while this process lives (or until ``ttl``)."""
+        """Pin ``key`` against gc while this process lives (or until ``ttl``); a read-only store has no gc: no-op."""
         validate_key(key)
+        if self.read_only:
+            yield new_lease_row(key, ttl, self._tables.clock())
+            return
         record = new_lease_row(key, ttl, self._tables.clock())
         lease_id = uuid.uuid4().bytes
         self._tables.write(lambda t: t.put_lease(lease_id, record))
@@ -417,7 +474,10 @@ class Store(Upkeep):
     def stats(self, *, unreferenced: bool = False) -> StoreStats:
         """Counters and totals of this root (``unreferenced``: also scan for blobs no manifest references)."""
         flush_root(self._tables.layout.root)
-        return read_stats(self._tables, unreferenced=unreferenced)
+        stats = read_stats(self._tables, unreferenced=unreferenced)
+        for name, n in self._book.pending().items():  # a read-only store's counters live in memory only
+            stats.counters[name] = stats.counters.get(name, 0) + n
+        return stats
 
     def set_budget(self, budget: Budget) -> None:
         """Persist the budget the daemon enforces (``adstore stats`` and writers read it)."""

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -312,6 +312,10 @@ class Tier:
     @property
     def busy(self) -> bool:
         return bool(getattr(self._local, "busy", False))
+
+    def local_only(self) -> AbstractContextManager[None]:
+        """While it is open, this thread's lookups and commits do not reach the remote (a seed's copy)."""
+        return self._busy()
 
     @contextmanager
     def _busy(self) -> Iterator[None]:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import ReadOnlyStore
+from .fsutil import read_only_filesystem
 from .index.file import probe_index
 from .layout import Layout, default_root
 from .units import MinFree, parse_duration, parse_size
@@ -34,6 +36,7 @@ class Upkeep:
     """gc and verify for :class:`~adstore.store.store.Store` (a mixin: the store's state, no state of its own)."""
 
     root: Path
+    read_only: bool
     grace_period: float
     _tables: Tables
     _blobs: Blobs
@@ -84,8 +87,10 @@ class Upkeep:
         from .maintenance.repair import verify_or_rebuild
         from .maintenance.verify import verify_store
 
+        if fix and self.read_only:
+            raise ReadOnlyStore(str(self.root), "verify --fix (run it where the store is writable)")
         self.flush()
-        probe = probe_index(self.root)
+        probe = probe_index(self.root, lock=not self._index.lockless)
         return verify_or_rebuild(
             None if probe.ok else probe.detail,
             fix=fix,
@@ -117,4 +122,7 @@ class Upkeep:
         index is sound or there is no store."""
         from .records.rebuild import repair_unopenable
 
-        return repair_unopenable(Layout(Path(default_root() if root is None else root).expanduser().absolute()))
+        layout = Layout(Path(default_root() if root is None else root).expanduser().absolute())
+        if layout.exists() and read_only_filesystem(layout.root):
+            raise ReadOnlyStore(str(layout.root), "verify --fix (run it where the store is writable)")
+        return repair_unopenable(layout)

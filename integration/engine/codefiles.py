@@ -25,13 +25,12 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.errors import ConfigError, EngineCacheError
-from adstore.store import parse_count
+from adstore.integration.errors import EngineCacheError
+from adstore.store import trusted_uids  # trusted_uids: the store's seed copies by the same rule
 
 __all__ = ["Writer", "check_private", "copy_code", "private_dir", "private_path", "trusted_uids"]
 
@@ -61,18 +60,6 @@ class Writer:
         if self.mode & (stat.S_IWGRP | stat.S_IWOTH):
             return f"its blob is writable by others (mode {stat.filemode(self.mode)})"
         return None
-
-
-def trusted_uids(environ: Mapping[str, str] | None = None, extra: Iterable[int] = ()) -> frozenset[int]:
-    """Whose files may become code here: this user, root, ``extra`` and ``ADSTORE_TRUSTED_UIDS`` (comma-separated)."""
-    env = os.environ if environ is None else environ
-    raw = env.get("ADSTORE_TRUSTED_UIDS", "")
-    try:
-        uids = {parse_count(u, field="ADSTORE_TRUSTED_UIDS") for u in raw.replace(" ", "").split(",") if u}
-        uids |= {int(u) for u in extra}
-    except (ValueError, TypeError) as exc:
-        raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
-    return frozenset({os.geteuid(), 0} | uids)
 
 
 def copy_code(store: Any, ref: Any, dest: Path) -> Writer:

@@ -37,10 +37,11 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import AccessDenied, CorruptRow, IncompatibleStore, StoreError, StoreFull
+from ..errors import AccessDenied, CorruptRow, IncompatibleStore, ReadOnlyStore, StoreError, StoreFull
 from .ballast import Ballast, may_spend
 from .file import FRESH_INDEX_BYTES, check_data_file, needs_creating
 from .migrations import migrate
+from .readonly import open_read_only
 from .schema import DATABASES, SCHEMA_VERSION
 
 __all__ = ["Index", "index_error"]
@@ -170,13 +171,15 @@ def index_error(exc: lmdb.Error, path: Path, what: str = "cannot use the LMDB in
     A full disk is :class:`StoreFull`, a refused open :class:`AccessDenied`;
     everything else LMDB raises (``CorruptedError``, ``PageNotFoundError``,
     ``BadValsizeError``, ``BadTxnError``, ``InvalidError``...) means the index
-    is damaged: :class:`CorruptRow`, reason ``corrupt_index``.  No raw
-    ``lmdb`` exception leaves the store.
+    is damaged: :class:`CorruptRow`, reason ``corrupt_index``; a read-only
+    filesystem is :class:`ReadOnlyStore`.  No raw ``lmdb`` exception leaves the store.
     """
     if _is_disk_full(exc, path):
         return StoreFull(str(path), str(exc))
     if "Permission denied" in str(exc) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
         return AccessDenied(str(path), what)
+    if "Read-only file system" in str(exc) or getattr(exc, "errno", None) == errno.EROFS:
+        return ReadOnlyStore(str(path.parent), what)  # not damage: a read-only mount the store did not expect
     return CorruptRow("index", str(path), f"{what}: {exc}")
 
 
@@ -208,9 +211,19 @@ class Index:
     """An LMDB environment with the store's named databases."""
 
     def __init__(
-        self, path: Path, *, map_size: int = 1 << 30, max_readers: int = 1024, group_shared: bool = False
+        self,
+        path: Path,
+        *,
+        map_size: int = 1 << 30,
+        max_readers: int = 1024,
+        group_shared: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.path = path
+        #: Opened for reading only (``read_only``): every write raises :class:`ReadOnlyStore`.
+        self.read_only = read_only
+        #: Opened without LMDB's lock file: the filesystem is mounted read-only (set at open).
+        self.lockless = False
         self._group_shared = group_shared
         self._initial_map_size = map_size
         self._max_readers = max_readers
@@ -226,13 +239,18 @@ class Index:
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
-    def acquire(cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False) -> Index:
-        """The process's one Index for ``path`` (LMDB forbids opening it twice)."""
+    def acquire(
+        cls, path: Path, *, map_size: int = 1 << 30, group_shared: bool = False, read_only: bool = False
+    ) -> Index:
+        """The process's one Index for ``path`` (LMDB forbids opening it twice); a writer never gets a read-only one."""
         key = (os.getpid(), os.path.realpath(path))
         with _SHARED_LOCK:
             slot = _SHARED.get(key)
+            if slot is not None and slot[0]._env is not None and slot[0].read_only and not read_only:
+                raise ReadOnlyStore(str(path.parent), "opening it for writing while it is open read-only")
             if slot is None or slot[0]._env is None:
-                slot = _SHARED[key] = [cls(path, map_size=map_size, group_shared=group_shared), 0]
+                opened = cls(path, map_size=map_size, group_shared=group_shared, read_only=read_only)
+                slot = _SHARED[key] = [opened, 0]
             slot[1] += 1
             index: Index = slot[0]
             return index
@@ -258,6 +276,15 @@ class Index:
                 self.close()
 
     def _open(self) -> None:
+        if self.read_only:  # nothing is created or written (``index.readonly``)
+            try:
+                opened = open_read_only(self.path, map_size=self._initial_map_size, max_readers=self._max_readers)
+            except lmdb.Error as exc:
+                raise _open_error(exc, self.path) from exc
+            self._env, self.db, self.lockless = opened
+            self._pid = os.getpid()
+            self.reader_check()
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         check_data_file(self.path)  # a short file would SIGBUS at the first read
         if needs_creating(self.path) and shutil.disk_usage(self.path).free < FRESH_INDEX_BYTES:
@@ -409,7 +436,10 @@ class Index:
         touch the transaction; any file work belongs before or after (or must
         be idempotent, like unlinking).  A commit that fails for lack of space
         inside ``ballast.spending_allowed`` releases the ballast and runs again.
+        A read-only index raises :class:`ReadOnlyStore` before anything starts.
         """
+        if self.read_only:
+            raise ReadOnlyStore(str(self.path.parent), "a write to its index")
         env = self.env
         for _ in range(_MAX_RETRIES):
             resize: int | None = None

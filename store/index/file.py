@@ -364,12 +364,12 @@ class ProbeResult:
 # The child imports nothing of adstore (importing the package costs ~0.1 s): only lmdb.
 _PROBE = """
 import errno, os, sys, lmdb
-path, names = sys.argv[1], sys.argv[2:]
+path, lock, names = sys.argv[1], sys.argv[2] == "lock", sys.argv[3:]
 # What the system says when it cannot serve the probe: no proof of damage (out of descriptors or
 # memory, an I/O error, no access), so inconclusive (exit 3), never a reason to quarantine the index.
 TRANSIENT = [os.strerror(e) for e in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO, errno.EAGAIN)]
 try:
-    env = lmdb.open(path, readonly=True, lock=True, max_dbs=len(names) + 4, subdir=True, readahead=False)
+    env = lmdb.open(path, readonly=True, lock=lock, max_dbs=len(names) + 4, subdir=True, readahead=False)
     with env.begin() as txn:
         for name in names:
             try:
@@ -394,7 +394,7 @@ except (OSError, MemoryError):
 """
 
 
-def probe_index(root: Path) -> ProbeResult:
+def probe_index(root: Path, *, lock: bool = True) -> ProbeResult:
     """Read every row of every table of ``root``'s index in a child process.
 
     A signal death of the child (LMDB faulting on a damaged page) or any
@@ -404,7 +404,9 @@ def probe_index(root: Path) -> ProbeResult:
     A user who may not write ``lock.mdb`` or run the interpreter, or a
     child the system refuses descriptors, memory or I/O, cannot probe: that
     counts as sound (``verify`` then scans in-process as before), since it
-    proves nothing about the index.
+    proves nothing about the index.  ``lock=False``: the index is on a
+    read-only mount (no writer can exist), so the child opens it without
+    LMDB's lock file, which it could not create there.
     """
 
     try:
@@ -416,7 +418,7 @@ def probe_index(root: Path) -> ProbeResult:
         return ProbeResult(False, why)
     try:
         res = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(root / "index"), *DATABASES],
+            [sys.executable, "-c", _PROBE, str(root / "index"), "lock" if lock else "nolock", *DATABASES],
             check=False,
             capture_output=True,
             text=True,

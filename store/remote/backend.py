@@ -174,6 +174,14 @@ class RemoteBackend(abc.ABC):
         """
         raise NotSupported(type(self).__name__, "put_if_absent")
 
+    def list_digests(self, kind: Kind) -> list[str]:
+        """The digests of every ``kind`` object (``adstore pull --all``); names that are not digests are left out.
+
+        Optional: the Bazel HTTP protocol has no listing, so the default raises
+        NotSupported (``remote_unsupported``); S3, WebDAV servers and memory list.
+        """
+        raise NotSupported(type(self).__name__, f"listing {kind.value}/")
+
     @abc.abstractmethod
     def delete(self, kind: Kind, digest: str) -> None:
         """Remove the object if it exists (lease release; remote eviction is the server's job)."""

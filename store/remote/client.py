@@ -102,6 +102,7 @@ class Remote:
         digest: str,
         fn: Callable[[], T],
         *,
+        listing: bool = False,
         write: bool = False,
         deadline: Deadline | None = None,
         on_expire: Callable[[], None] | None = None,
@@ -113,8 +114,9 @@ class Remote:
         timeout), ``on_expire`` runs and the call is cut short
         (``calls.run_bounded``).  A socket timeout the backend let through
         is the call's own ``remote_timeout``, with its own message.
+        ``listing``: a call about every object of ``kind`` (``digest`` is ignored).
         """
-        target = object_name(kind, digest)
+        target = f"{Kind(kind).value}/" if listing else object_name(kind, digest)
         if write and self.mode is not Mode.READ_WRITE:
             raise ReadOnlyRemote(op, target)
         try:
@@ -308,6 +310,53 @@ class Remote:
             log.warning("remote %s: %s", self.url, exc)
             raise
         return verified
+
+    def list_records(self) -> Outcome[list[Verified]]:
+        """Every record on the remote signed by a trusted key and found at its own address (``adstore pull --all``).
+
+        The backend lists ``ac/`` (``RemoteBackend.list_digests``; ``remote_unsupported`` where it cannot),
+        then each object is read and checked as :meth:`fetch_record` checks one: what is not such a record
+        (a build lease, an unsigned or untrusted record, one copied to another address) is skipped and
+        counted ``records_skipped``.  The listing is only a list of names: nothing in it is trusted.
+        """
+
+        def run() -> Outcome[list[Verified]]:
+            if self.trusted is None or not len(self.trusted):
+                raise UntrustedRecord("no trusted keys are configured (ADSTORE_TRUSTED_KEYS)", target="ac/")
+            trusted = self.trusted
+            digests = self._call(
+                "list",
+                Kind.AC,
+                "",
+                lambda: self.backend.list_digests(Kind.AC),
+                listing=True,
+                deadline=self.limits.start(1 << 26),
+            )
+            found: list[Verified] = []
+            nbytes = 0
+            for digest in digests:
+                got = self.get(Kind.AC, digest)
+                if not got.ok:
+                    if got.reason == Reason.REMOTE_CHECKSUM:  # past max_envelope_bytes: not a record we wrote
+                        self.count("records_skipped")
+                        continue
+                    return Outcome(reason=got.reason, error=got.error, nbytes=nbytes)
+                nbytes += got.nbytes
+                if got.value is None:
+                    continue  # removed since the listing (a lease released)
+                try:
+                    verified = trusted.open(got.value, target=f"ac/{digest}")
+                except UntrustedRecord:
+                    self.count("records_skipped")
+                    continue
+                key, rank = verified.payload.get("key"), verified.payload.get("rank")
+                if not isinstance(key, str) or type(rank) is not int or record_address(key, rank) != digest:
+                    self.count("records_skipped")  # a lease, or a record found at another record's address
+                    continue
+                found.append(verified)
+            return Outcome(value=found, nbytes=nbytes)
+
+        return self._guard("list_records", run)
 
     def push_record(self, key: str, rank: int, payload: Mapping[str, Any]) -> Outcome[int]:
         """Sign and upload this rank's record (``key`` and ``rank`` are added to the payload)."""

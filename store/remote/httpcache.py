@@ -12,6 +12,10 @@ and read timeouts (the socket's timeout is switched after connecting),
 streams request and response bodies in bounded chunks, and keeps one
 keep-alive connection per thread, which is all a cache client needs.
 
+``list`` (``adstore pull --all``) asks a WebDAV server for the members of
+``{prefix}/ac/`` (``PROPFIND``, ``Depth: 1``); a server that does not speak
+WebDAV (bazel-remote) answers it with an error: ``remote_unsupported``.
+
 ``put_if_absent`` sends ``If-None-Match: *``.  Whether that is honoured, and
 atomically, is the server's business: wsgidav answers 412 for an existing
 object but checks and writes in two steps; bazel-remote ignores the header.
@@ -31,8 +35,10 @@ import urllib.parse
 import weakref
 from collections.abc import Callable
 from typing import Any, BinaryIO
+from xml.etree import ElementTree
 
 from ..errors import ConfigError
+from ..names import is_digest
 from .addresses import Kind, object_name
 from .backend import (
     CHUNK,
@@ -47,7 +53,7 @@ from .backend import (
     transport_error,
 )
 from .calls import interruptible
-from .errors import RemoteChecksumMismatch, RemoteError, RemoteProtocolError
+from .errors import NotSupported, RemoteChecksumMismatch, RemoteError, RemoteProtocolError
 
 __all__ = ["HttpBackend"]
 
@@ -55,6 +61,11 @@ log = logging.getLogger(__name__)
 
 #: A Content-Length: ASCII digits only (``str.isdigit`` also takes "²" and "٣", which ``int`` refuses or reads).
 _LENGTH = re.compile(r"[0-9]{1,19}", re.ASCII)
+
+#: A WebDAV listing asks for no property: the names (``href``) are all ``list`` needs.
+_PROPFIND = b'<?xml version="1.0" encoding="utf-8"?><propfind xmlns="DAV:"><propname/></propfind>'
+#: Largest listing read: about 150 bytes a member, so a million records.
+_LISTING_LIMIT = 256 << 20
 
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 _ERROR_BODY_LIMIT = 64 << 10
@@ -87,6 +98,20 @@ class _HTTP(_Timeouts, http.client.HTTPConnection):
 
 class _HTTPS(_Timeouts, http.client.HTTPSConnection):
     pass
+
+
+def _hrefs(body: bytes, path: str) -> list[str]:
+    """The digests named by the ``href`` elements of a WebDAV multistatus answer (the collection itself is not one)."""
+    try:
+        root = ElementTree.fromstring(body)  # expat refuses entity expansion bombs since Python 3.7.1 / expat 2.4
+    except ElementTree.ParseError as exc:
+        raise RemoteProtocolError(f"unparseable PROPFIND answer: {exc}", op="PROPFIND", target=path) from exc
+    found = set()
+    for href in root.iter("{DAV:}href"):
+        name = urllib.parse.unquote(urllib.parse.urlsplit((href.text or "").strip()).path).rstrip("/").rsplit("/", 1)
+        if is_digest(name[-1]):
+            found.add(name[-1])
+    return sorted(found)
 
 
 class HttpBackend(RemoteBackend):
@@ -319,6 +344,33 @@ class HttpBackend(RemoteBackend):
         if status not in (200, 201, 204):
             raise self._fail(status, "PUT", self._path(kind, digest))
         return True
+
+    def list_digests(self, kind: Kind) -> list[str]:
+        path = f"{self._prefix}/{kind.value}/"
+        with self._interruptible():
+            resp = self._request("PROPFIND", path, body=_PROPFIND, headers={"Depth": "1", "Content-Type": "text/xml"})
+            try:
+                if resp.status == 404:
+                    self._finish(resp)
+                    return []
+                if resp.status in (400, 403, 405, 501):  # not a WebDAV server: no listing
+                    self._finish(resp)
+                    raise NotSupported(self.url, f"listing {kind.value}/ (PROPFIND answered HTTP {resp.status})")
+                if resp.status != 207:
+                    self._finish(resp)
+                    raise self._fail(resp.status, "PROPFIND", path, resp.reason)
+                try:
+                    body = resp.read(_LISTING_LIMIT + 1)
+                except (OSError, http.client.HTTPException) as exc:
+                    self._drop()
+                    raise transport_error(exc, op="PROPFIND", target=path) from exc
+                if not resp.isclosed():
+                    self._drop()
+            finally:
+                resp.close()
+        if len(body) > _LISTING_LIMIT:
+            raise RemoteProtocolError(f"listing larger than {_LISTING_LIMIT} bytes", op="PROPFIND", target=path)
+        return _hrefs(body, path)
 
     def delete(self, kind: Kind, digest: str) -> None:
         path = self._path(kind, digest)

@@ -13,6 +13,7 @@ import threading
 from typing import BinaryIO
 
 from ..codec import Encoding
+from ..names import is_digest
 from .addresses import Kind, object_name
 from .backend import CHUNK, Body, ConditionalWrites, RemoteBackend, copy_limited
 from .errors import RemoteError
@@ -80,6 +81,15 @@ class MemoryBackend(RemoteBackend):
                 return False
             self.objects[name] = raw
         return True
+
+    def list_digests(self, kind: Kind) -> list[str]:
+        with self._lock:
+            self.ops.append(("list", f"{kind.value}/"))
+            names = list(self.objects)
+        if self.fail is not None:
+            raise self.fail
+        prefix = f"{kind.value}/"
+        return sorted(n[len(prefix) :] for n in names if n.startswith(prefix) and is_digest(n[len(prefix) :]))
 
     def delete(self, kind: Kind, digest: str) -> None:
         name = self._enter("delete", kind, digest)

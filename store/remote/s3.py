@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 
 from ..codec import Encoding
 from ..errors import AdstoreError, ConfigError
+from ..names import is_digest
 from .addresses import Kind, object_name
 from .backend import (
     CHUNK,
@@ -284,6 +285,17 @@ class S3Backend(RemoteBackend):
                     raise NotSupported(self.url, "put_if_absent (If-None-Match)") from exc
                 raise
         return True
+
+    def list_digests(self, kind: Kind) -> list[str]:
+        prefix = f"{self.prefix}/{kind.value}/" if self.prefix else f"{kind.value}/"
+        found: list[str] = []
+        with self._translated("list", prefix):
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", ()):
+                    name = str(obj.get("Key", ""))[len(prefix) :]
+                    if is_digest(name):
+                        found.append(name)
+        return sorted(found)
 
     def delete(self, kind: Kind, digest: str) -> None:
         key = self._key(kind, digest)
