@@ -28,6 +28,9 @@ class Reason(enum.StrEnum):
     INCOMPATIBLE_ENV = (
         "incompatible_env"  # an entry for this request was built in another environment (torch, ABI, CPU, GPU)
     )
+    UNSEALED_ENTRY = (
+        "unsealed_entry"  # a code entry's index rows disagree with its record, or no trusted user wrote that record
+    )
 
     # -- store errors ------------------------------------------------------
     ERROR = "error"  # an adstore error without a more precise reason
