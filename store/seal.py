@@ -26,11 +26,10 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from .blobs import StoredBlob
 from .index.rows import BlobRef, Entry, Manifest, encode_json
-from .records.files import RecordFiles
+from .records.files import PENDING, RecordFiles, shard_of
 from .records.format import MAX_RECORD_BYTES, BadRecord, Record, decode_record
 
 __all__ = ["Seals", "writer_refusal", "unowned_blob", "log_once"]
@@ -91,69 +90,81 @@ def log_once(what: str, message: str, *args: object) -> None:
 class Seals:
     """Checks committed manifests against their record files (one store root)."""
 
-    __slots__ = ("_files", "_decoded")
+    __slots__ = ("_files", "_root", "_decoded")
 
     def __init__(self, files: RecordFiles) -> None:
         self._files = files
-        self._decoded: dict[tuple[int, ...], Record] = {}
+        self._root = str(files.root)
+        # fstat identity -> (record, the manifest object last found to agree with it, or None)
+        self._decoded: dict[tuple[int, ...], tuple[Record, Manifest | None]] = {}
 
     def refusal(self, manifest: Manifest, entry: Entry | None, trusted: frozenset[int]) -> str | None:
         """Why ``manifest`` (of ``entry``) is not what its trusted writer committed; None when it is."""
         key, rank, generation = manifest.key, manifest.rank, manifest.generation
-        for path in (
-            self._files.committed_path(key, rank, generation),
-            self._files.pending_path(key, rank, generation),  # committed in the index, not yet renamed
-        ):
+        name = f"{key}.{int(rank)}.{int(generation)}"  # the key was validated by the lookup that found it
+        for path in (f"{self._root}/{shard_of(key)}/{name}", f"{self._root}/{PENDING}/{name}"):
             try:
                 fd = os.open(path, _OPEN)
             except FileNotFoundError:
-                continue
+                continue  # not renamed yet (committed in the index a moment ago): its pending record
             except OSError as exc:  # ELOOP: a symlink, never followed
                 return f"its record {path} cannot be opened ({exc.strerror})"
             try:
-                record = self._read(fd, path, trusted)
+                ident, record, agreed = self._read(fd, path, trusted)
             except BadRecord as exc:
                 return f"its record {exc}"
             finally:
                 os.close(fd)
-            return _disagreement(record, manifest, entry)
+            if agreed is manifest:  # the same decoded row found to agree before (decoded rows are never mutated)
+                return _entry_disagreement(record, entry)
+            why = _disagreement(record, manifest, entry)
+            if why is None:
+                self._decoded[ident] = (record, manifest)
+            return why
         return f"it has no record of rank {rank} generation {generation} (written by the saving process)"
 
-    def _read(self, fd: int, path: Path, trusted: frozenset[int]) -> Record:
+    def _read(self, fd: int, path: str, trusted: frozenset[int]) -> tuple[tuple[int, ...], Record, Manifest | None]:
         st = os.fstat(fd)
         why = writer_refusal(st, trusted)
         if why is not None:
-            raise BadRecord(str(path), why)
+            raise BadRecord(path, why)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode)
-        record = self._decoded.get(ident)
-        if record is not None:
-            return record
+        known = self._decoded.get(ident)
+        if known is not None:
+            return ident, *known
         if st.st_size > MAX_RECORD_BYTES:
-            raise BadRecord(str(path), f"{st.st_size} bytes, more than any record")
+            raise BadRecord(path, f"{st.st_size} bytes, more than any record")
         chunks = []
         try:
             while chunk := os.read(fd, 1 << 20):
                 chunks.append(chunk)
         except OSError as exc:
-            raise BadRecord(str(path), f"cannot be read ({exc.strerror})") from None
-        record = decode_record(b"".join(chunks), str(path))
+            raise BadRecord(path, f"cannot be read ({exc.strerror})") from None
+        record = decode_record(b"".join(chunks), path)
         if len(self._decoded) >= _CACHE_MAX:
             self._decoded.clear()
-        self._decoded[ident] = record
-        return record
+        self._decoded[ident] = (record, None)
+        return ident, record, None
 
 
 def _disagreement(record: Record, m: Manifest, entry: Entry | None) -> str | None:
     """The first field in which the index rows differ from the record; None when they agree."""
     if (record.key, record.rank, record.generation) != (m.key, m.rank, m.generation):
         return f"its record holds {record.key} rank {record.rank} generation {record.generation}"
-    if record.world_size != m.world_size or (entry is not None and entry.world_size != record.world_size):
+    if record.world_size != m.world_size:
         return f"its record says world size {record.world_size}, the index {m.world_size}"
-    if record.namespace != m.namespace or (entry is not None and entry.namespace != record.namespace):
+    if record.namespace != m.namespace:
         return f"its record says namespace {record.namespace}, the index {m.namespace}"
     if record.artifacts != m.artifacts:
         changed = sorted({n for n, _ in set(record.artifacts.items()) ^ set(m.artifacts.items())})
         return f"the index's artifacts differ from its record's ({', '.join(changed)[:200]})"
     if encode_json(record.meta) != encode_json(m.meta):
         return "the index's meta differs from its record's"
+    return _entry_disagreement(record, entry)
+
+
+def _entry_disagreement(record: Record, entry: Entry | None) -> str | None:
+    """The entry row's part: its world size and namespace are the record's."""
+    if entry is not None and (entry.world_size, entry.namespace) != (record.world_size, record.namespace):
+        return f"its entry says world size {entry.world_size}, namespace {entry.namespace}; its record does not"
     return None
