@@ -158,7 +158,9 @@ def test_a_vllm_tree_whose_paths_or_modes_were_rewritten_is_not_restored(root, t
     trees.identity()  # torch's key, computed before the fork
     src = _make_tree(root.parent / "src")
     assert as_uid(ALICE, _capture, str(root), str(src))["captured"]
-    target = f"{_home(root.parent)}/out"
+    home = _home(root.parent)
+    assert as_uid(ALICE, _restore, str(root), f"{home}/before")["reason"] == "restored"  # as alice stored it
+    target = f"{home}/out"
     as_uid(BOB, _tamper_tree, str(root))
     refused = as_uid(ALICE, _restore, str(root), target)
     assert refused["reason"] == "unsealed_entry", refused
