@@ -112,7 +112,7 @@ class Seals:
             try:
                 ident, record, agreed = self._read(fd, path, trusted)
             except BadRecord as exc:
-                return f"its record {exc}"
+                return f"its record {path}: {exc.detail}"
             finally:
                 os.close(fd)
             if agreed is manifest:  # the same decoded row found to agree before (decoded rows are never mutated)
