@@ -31,6 +31,7 @@ from .blobs import StoredBlob
 from .index.rows import BlobRef, Entry, Manifest, encode_json
 from .records.files import PENDING, RecordFiles, shard_of
 from .records.format import MAX_RECORD_BYTES, BadRecord, Record, decode_record
+from .records.sync import REPAIRED
 
 __all__ = ["Seals", "writer_refusal", "unowned_blob", "log_once"]
 
@@ -149,6 +150,8 @@ class Seals:
 
 def _disagreement(record: Record, m: Manifest, entry: Entry | None) -> str | None:
     """The first field in which the index rows differ from the record; None when they agree."""
+    if record.producer.get(REPAIRED):
+        return "its record was written from the index by verify --fix, not by the process that saved it"
     if (record.key, record.rank, record.generation) != (m.key, m.rank, m.generation):
         return f"its record holds {record.key} rank {record.rank} generation {record.generation}"
     if record.world_size != m.world_size:

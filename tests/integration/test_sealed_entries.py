@@ -108,6 +108,21 @@ def test_the_lookup_memo_does_not_skip_the_seal(store):
     assert store.lookup("k", trusted=me | {65534}).hit
 
 
+def test_a_record_that_verify_fix_wrote_from_the_index_seals_nothing(store):
+    """A member deletes the record (its shard directory is group-writable) and rewrites the rows; whoever
+    runs ``verify --fix`` then writes a record from those rows, owned by them: it must not vouch for them."""
+    store.save("k", {"x": store.put_bytes(A)}, namespace="code")
+    me = frozenset({os.geteuid()})
+    record = next((store.root / "records").glob("*/k.0.*"))
+    record.unlink()
+    assert store.lookup("k", trusted=me).reason == "unsealed_entry"  # no record, nothing vouches
+    assert store.verify(fix=True).ok and record.exists()  # the rebuildable store is repaired ...
+    assert store.lookup("k").hit
+    assert store.lookup("k", trusted=me).reason == "unsealed_entry"  # ... and code still misses
+    store.save("k", {"x": store.put_bytes(A)}, namespace="code")  # until it is saved again
+    assert store.lookup("k", trusted=me).hit
+
+
 # -- integrations ----------------------------------------------------------------
 
 
