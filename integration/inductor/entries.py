@@ -216,8 +216,8 @@ class InductorEntries:
     def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
         """One entry through the store's one publish path (a failed save leaves nothing)."""
         meta = {"files": len(artifacts) - (VALUE in artifacts)}
-        self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta, trusted=self.trusted)
-        self.store.count_event("save")
+        if self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta, trusted=self.trusted):
+            self.store.count_event("save")  # not when skipped: a blob another user owns (untrusted_dedup)
 
 
 def _artifact_name(path: str, cache_dir: Path, header_dir: Path | None) -> str | None:
