@@ -49,6 +49,12 @@ COUNTERS: tuple[tuple[str, str, str, float], ...] = (
         1,
     ),
     (
+        "unsealed_entry",
+        "adstore_unsealed_entries_total",
+        "Lookups of code entries refused: index rows that disagree with the record, or a record no trusted user wrote.",
+        1,
+    ),
+    (
         "untrusted_dedup",
         "adstore_untrusted_dedup_total",
         "Saves of code entries skipped: a deduplicated blob file belongs to a user the saver does not trust.",

@@ -371,7 +371,8 @@ class Store(Upkeep):
         """``result``, or a miss ``unsealed_entry`` when a manifest disagrees with its trusted record."""
         for m in result.manifests.values() or ([result.manifest] if result.manifest is not None else []):
             why = self._seals.refusal(m, result.entry, trusted)
-            if why is not None:
+            if why is not None:  # counted even when the caller counts its own misses (count=False)
+                self._book.count({"unsealed_entry": 1})
                 log_once("unsealed_entry", "entry %s refused (unsealed_entry): %s", key, why)
                 return LookupResult(False, Reason.UNSEALED_ENTRY, entry=result.entry)
         return result
