@@ -48,6 +48,18 @@ COUNTERS: tuple[tuple[str, str, str, float], ...] = (
         "Blob bytes not written because the content was stored already.",
         1,
     ),
+    (
+        "unsealed_entry",
+        "adstore_unsealed_entries_total",
+        "Lookups of code entries refused: index rows that disagree with the record, or a record no trusted user wrote.",
+        1,
+    ),
+    (
+        "untrusted_dedup",
+        "adstore_untrusted_dedup_total",
+        "Saves of code entries skipped: a deduplicated blob file belongs to a user the saver does not trust.",
+        1,
+    ),
     ("remote.bytes_down", "adstore_remote_downloaded_bytes_total", "Blob bytes fetched from the remote tier.", 1),
     ("remote.bytes_up", "adstore_remote_uploaded_bytes_total", "Blob bytes uploaded to the remote tier.", 1),
     ("remote.blobs_down", "adstore_remote_downloaded_blobs_total", "Blobs fetched from the remote tier.", 1),

@@ -11,13 +11,24 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from collections.abc import Mapping
+from typing import Any
 
 import psutil
 
 from .index.rows import LeaseRow
 from .index.tables import Txn
 
-__all__ = ["process_start_time", "lease_is_live", "holder_is_live", "hostname", "new_lease_row", "live_leases"]
+__all__ = [
+    "process_start_time",
+    "lease_is_live",
+    "holder_is_live",
+    "hostname",
+    "new_lease_row",
+    "live_leases",
+    "publisher",
+    "in_flight",
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,6 +69,31 @@ def new_lease_row(key: str, ttl: float, now: float) -> LeaseRow:
     return LeaseRow(
         key=key, pid=os.getpid(), start_time=process_start_time(), host=hostname(), created=now, expires=now + ttl
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _own_start(pid: int) -> float:
+    return process_start_time(pid)
+
+
+def publisher() -> dict[str, Any]:
+    """Who publishes a manifest (its ``producer``): host, pid and start time (as a lease's), uid."""
+    pid = os.getpid()  # per call: a forked child is another publisher
+    return {"host": hostname(), "pid": pid, "start": _own_start(pid), "uid": os.geteuid()}
+
+
+def in_flight(producer: Mapping[str, Any]) -> bool:
+    """Whether the process that published an uncommitted manifest still runs here: its save is in flight.
+
+    A sweep or an eviction never drops such a manifest, whatever the grace
+    period: only a writer that died leaves an orphan.  A producer from
+    another host, or one recorded without a start time (an older adstore),
+    cannot be checked; the grace period alone protects it.
+    """
+    pid, start, host = producer.get("pid"), producer.get("start"), producer.get("host")
+    if type(pid) is not int or not isinstance(start, (int, float)) or host != hostname():
+        return False
+    return holder_is_live(pid, float(start), host, 0.0, now=0.0)
 
 
 def live_leases(t: Txn, now: float) -> tuple[set[str], list[bytes]]:

@@ -11,7 +11,6 @@ generation with it (invariant 4).  All of it runs inside one
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ from .index.entryrows import Removal
 from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .index.shadows import PINNED, Head, to_entry
 from .index.tables import Txn
-from .leases import hostname
+from .leases import in_flight, publisher
 from .names import (
     validate_artifact_name,
     validate_generation,
@@ -94,7 +93,7 @@ def publish(
         artifacts=dict(artifacts),
         committed=False,
         namespace=namespace,
-        producer={"host": hostname(), "pid": os.getpid(), "uid": os.geteuid()},
+        producer=publisher(),  # a sweep or eviction leaves the manifest alone while this process runs
         created=now,
         meta=dict(meta),
     )
@@ -175,6 +174,14 @@ def drop_if_empty(t: Txn, key: str) -> None:
         t.drop_entry(key, entry)
 
 
+def _in_flight_row(mk: bytes, raw: bytes) -> bool:
+    """Whether the uncommitted manifest row ``raw`` belongs to a save in flight (undecodable: no)."""
+    try:
+        return in_flight(Manifest.decode(mk, raw).producer)
+    except CorruptRow:
+        return False
+
+
 def drop_entry(
     t: Txn,
     key: str,
@@ -190,11 +197,14 @@ def drop_entry(
     them once).
     ``entry`` is the decoded row when the caller has it, ``shadow`` its
     shadow and head (see :meth:`Txn.take_manifests_of`).  With
-    ``keep_pending_since``, uncommitted manifests created since then (a save
-    in flight) are kept with an empty entry, so eviction does not make that
-    save's commit fail.
+    ``keep_pending_since``, uncommitted manifests created since then, or
+    published by a process that still runs here (a save in flight,
+    :func:`~.leases.in_flight`), are kept with an empty entry, so eviction
+    does not make that save's commit fail.
     """
-    taken, kept = t.take_manifests_of(key, keep_pending_since=keep_pending_since, shadow=shadow)
+    taken, kept = t.take_manifests_of(
+        key, keep_pending_since=keep_pending_since, shadow=shadow, in_flight=_in_flight_row
+    )
     if entry is None and shadow is not None:
         if not kept:  # the usual case: no objects needed
             head = shadow[1]

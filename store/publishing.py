@@ -55,6 +55,7 @@ class Publisher:
         meta: Mapping[str, Any] | None = None,
         agree: Callable[[bool], bool] | None = None,
         commit: bool = True,
+        vet: Callable[[Mapping[str, BlobRef]], str | None] | None = None,
     ) -> Manifest | None:
         """Publish this rank's manifest (index row, then record), then commit it; see ``Store.save``.
 
@@ -62,23 +63,27 @@ class Publisher:
         raised (an abort that fails too is logged: gc sweeps the manifest past
         the grace period).  ``agree`` is called exactly once, whatever
         happened here, so no peer waits in vain; when it says no, the
-        manifest is aborted and None returned.
+        manifest is aborted and None returned.  ``vet(refs)``: why these blobs must not be
+        published (nothing is, None returned, and ``agree`` told this rank did not publish).
         """
         published = done = False
         failure: Exception | None = None
         manifest: Manifest | None = None
+        refused: str | None = None
         try:
             try:
                 refs = artifacts() if callable(artifacts) else artifacts
-                manifest, inputs = self._rows(key, refs, rank, world_size, generation, namespace, components, meta)
-                published = True
-                self._records.published(manifest, inputs)  # no record, no commit: the save fails whole
+                refused = vet(refs) if vet is not None else None
+                if refused is None:
+                    manifest, inputs = self._rows(key, refs, rank, world_size, generation, namespace, components, meta)
+                    published = True
+                    self._records.published(manifest, inputs)  # no record, no commit: the save fails whole
             except Exception as exc:
                 failure = exc
-            agreed = agree(failure is None) if agree is not None else True
+            agreed = agree(failure is None and refused is None) if agree is not None else True
             if failure is not None:
                 raise failure
-            if not agreed:
+            if not agreed or refused is not None:
                 return None
             if commit:
                 manifest = self.commit(key, rank=rank, generation=generation, components=components)

@@ -28,6 +28,9 @@ class Reason(enum.StrEnum):
     INCOMPATIBLE_ENV = (
         "incompatible_env"  # an entry for this request was built in another environment (torch, ABI, CPU, GPU)
     )
+    UNSEALED_ENTRY = (
+        "unsealed_entry"  # a code entry's index rows disagree with its record, or no trusted user wrote that record
+    )
 
     # -- store errors ------------------------------------------------------
     ERROR = "error"  # an adstore error without a more precise reason
@@ -108,7 +111,7 @@ class Reason(enum.StrEnum):
     DANGLING_MANIFEST = "dangling_manifest"  # a manifest references a missing or corrupt blob
     NOT_CURRENT = "not_current"  # a committed manifest is not its entry's current generation
     REFCOUNT = "refcount"  # a blob's refcount differs from the manifests referencing it
-    STALE_MANIFEST = "stale_manifest"  # an uncommitted manifest older than the grace period
+    STALE_MANIFEST = "stale_manifest"  # an uncommitted manifest older than the grace period, its publisher gone
     TOTALS_DRIFT = "totals_drift"  # the stored physical/logical totals differ from a recount
     STRAY_ROWS = "stray_rows"  # access or shadow rows whose entry or manifest is gone
     ORPHAN_FILES = "orphan_files"  # blob files without an index row

@@ -42,6 +42,7 @@ from .reasons import Reason
 from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
 from .seed import Seed, open_seed
+from .seal import Seals, log_once, unowned_blob
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
@@ -148,6 +149,7 @@ class Store(Upkeep):
             read_only=self.read_only,
         )
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
+        self._seals = Seals(self._records.files)  # entries that become code: rows checked against the record
         push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
         self._publisher = Publisher(self._tables, self._records, self._blobs.file_ok, pushed=push)
 
@@ -335,11 +337,15 @@ class Store(Upkeep):
         components: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        trusted: frozenset[int] | None = None,
     ) -> Manifest | None:
         """Publish this rank's manifest and commit it; on any failure nothing stays: the one publish path.
 
         ``artifacts``: stored blobs, or a function storing them.  ``agree``: for ranks saving together, the
         collective told whether this rank published, answering whether all did (None when they did not).
+        ``trusted``: the entry becomes code, read by users who trust these uids; a blob file another user
+        owns (deduplicated) or others may write is one those readers refuse, so nothing is published and
+        None returned (counted ``untrusted_dedup``; docs/architecture.md, "Records").
         """
         self.require_writable("save")
         generation = self.new_generation() if generation is None else generation
@@ -353,7 +359,23 @@ class Store(Upkeep):
             components=components,
             meta=meta,
             agree=agree,
+            vet=None if trusted is None else lambda refs: self._untrusted_blobs(key, refs, trusted),
         )
+
+    def _untrusted_blobs(self, key: str, refs: Mapping[str, BlobRef], trusted: frozenset[int]) -> str | None:
+        """Why a save of ``refs`` would publish what readers trusting ``trusted`` refuse (counted, logged once)."""
+        why = unowned_blob(self._blobs.stored, refs, trusted)
+        if why is not None:
+            self._book.count({"untrusted_dedup": 1})
+            log_once(
+                "untrusted_dedup",
+                "not saving %s (untrusted_dedup): %s; a reader trusting only uids %s would refuse it. "
+                "Trust that writer with ADSTORE_TRUSTED_UIDS, or use a store of your own",
+                key,
+                why,
+                sorted(trusted),
+            )
+        return why
 
     def commit(
         self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
@@ -367,8 +389,16 @@ class Store(Upkeep):
         self.require_writable("abort")
         return self._publisher.abort(key, rank=rank, generation=generation)
 
-    def lookup(self, key: str, *, rank: int | None = None, count: bool = True) -> LookupResult:
-        """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted."""
+    def lookup(
+        self, key: str, *, rank: int | None = None, count: bool = True, trusted: frozenset[int] | None = None
+    ) -> LookupResult:
+        """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted.
+
+        ``trusted``: the entry becomes code.  Each manifest hit must then agree
+        with its record file, written by a trusted uid and writable by no one
+        else, else the lookup is a miss ``unsealed_entry`` (:mod:`.seal`).
+        None: the index rows are believed as they are.
+        """
         validate_key(key)
         try:
             with self._tables.read() as t:
@@ -382,10 +412,22 @@ class Store(Upkeep):
                 result = self.seed.fallback(self, key, rank, result)
         if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
+        if result.hit and trusted is not None:  # after the memo and the remote: every trusted hit is checked
+            result = self._sealed(key, result, trusted)
         if result.hit:
             self._book.hit(key, count=count)
         elif count:
             self._book.count({"misses": 1, f"misses.{result.reason}": 1})
+        return result
+
+    def _sealed(self, key: str, result: LookupResult, trusted: frozenset[int]) -> LookupResult:
+        """``result``, or a miss ``unsealed_entry`` when a manifest disagrees with its trusted record."""
+        for m in result.manifests.values() or ([result.manifest] if result.manifest is not None else []):
+            why = self._seals.refusal(m, result.entry, trusted)
+            if why is not None:  # counted even when the caller counts its own misses (count=False)
+                self._book.count({"unsealed_entry": 1})
+                log_once("unsealed_entry", "entry %s refused (unsealed_entry): %s", key, why)
+                return LookupResult(False, Reason.UNSEALED_ENTRY, entry=result.entry)
         return result
 
     def read_artifact(self, manifest: Manifest, name: str) -> bytes:

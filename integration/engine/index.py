@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adstore.integration.engine.codefiles import Writer, copy_code, private_path
+from adstore.integration.engine.codefiles import Writer, copy_code, private_path, trusted_uids
 from adstore.integration.engine.hashing import HASH_VERSION
 from adstore.integration.engine.toolchain import index_settings, toolchain_identity
 from adstore.integration.errors import (
@@ -180,7 +180,7 @@ class StageEntries:
         signed record from a trusted key only; anything else is that reason).
         """
         store = self.store
-        res = store.lookup(key.key, count=False)
+        res = store.lookup(key.key, count=False, trusted=trusted_uids())  # rows checked against the record
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None
@@ -254,6 +254,7 @@ class StageEntries:
             namespace=self.namespace,
             components=key.components,
             meta={**meta, "created": time.time()},
+            trusted=trusted_uids(),
         )
 
 

@@ -317,6 +317,7 @@ class StoreEngineStorage(EngineStorage):
             namespace=self.NAMESPACE,
             components=record.meta.get("components") or {},
             meta=summary,
+            trusted=self.trusted_uids,
         )
         store.count_event(EventKind.SAVE)
         if self.max_size is not None:
@@ -324,7 +325,7 @@ class StoreEngineStorage(EngineStorage):
 
     def load_record(self, hash: str) -> EngineRecord | None:
         store = self.store
-        res = store.lookup(hash, count=False)  # with a remote tier, a local absence asks the remote
+        res = store.lookup(hash, count=False, trusted=self.trusted_uids)  # remote on an absence; sealed rows
         if not res.hit:
             if res.reason == Reason.ABSENT:
                 return None

@@ -122,7 +122,7 @@ class InductorEntries:
         """The value stored for ``inductor_key``, its kernel files placed first; None on a miss or any problem."""
         try:
             key, _ = self.key(namespace, inductor_key)
-            res = self.store.lookup(key)
+            res = self.store.lookup(key, trusted=self.trusted)  # code: the rows must agree with a trusted record
             if not res.hit:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"{namespace} entry {key[:12]} not served", self.store)
@@ -153,7 +153,7 @@ class InductorEntries:
         """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
         try:
             key, _ = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
-            res = self.store.lookup(key)
+            res = self.store.lookup(key, trusted=self.trusted)
             if not res.hit or res.manifest is None:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
@@ -171,7 +171,7 @@ class InductorEntries:
             names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
             if not names or names <= stored:
                 return
-            res = self.store.lookup(key, count=False)
+            res = self.store.lookup(key, count=False, trusted=self.trusted)
             if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
                 stored.update(res.manifest.artifacts)
                 return
@@ -216,8 +216,8 @@ class InductorEntries:
     def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
         """One entry through the store's one publish path (a failed save leaves nothing)."""
         meta = {"files": len(artifacts) - (VALUE in artifacts)}
-        self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta)
-        self.store.count_event("save")
+        if self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta, trusted=self.trusted):
+            self.store.count_event("save")  # not when skipped: a blob another user owns (untrusted_dedup)
 
 
 def _artifact_name(path: str, cache_dir: Path, header_dir: Path | None) -> str | None:

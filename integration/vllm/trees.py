@@ -160,7 +160,7 @@ def capture(
             "dirs": dict(tree.dirs),
             "anchors": {role: anchors[role] for role in sorted(found)},
         }
-        store.save(key, refs, namespace=NAMESPACE, components=components, meta=meta)
+        store.save(key, refs, namespace=NAMESPACE, components=components, meta=meta, trusted=trusted_uids())
         store.count({"vllm.trees_captured": 1})
         return Outcome(True, "captured", len(tree.files))
     except Exception as exc:  # noqa: BLE001 - fail open: vLLM's own files stay as they are
@@ -243,7 +243,7 @@ def restore(
         target = Path(os.path.abspath(target))
         if _occupied(target):
             return Outcome(False, "target_exists", detail=f"{target} is vLLM's own")
-        res = store.lookup(key)
+        res = store.lookup(key, trusted=trusted_uids() if trusted is None else trusted)  # meta: paths and modes
         if not res.hit or res.manifest is None:
             if res.reason != Reason.ABSENT:
                 note_failure(str(res.reason), f"tree {key[:12]} not served", store, scope="vllm")

@@ -40,7 +40,11 @@ __all__ = [
     "RecordIssues",
     "check_records",
     "fix_records",
+    "REPAIRED",
 ]
+
+#: In a record's ``producer``: written from the index by ``verify --fix``, not by the process that saved it.
+REPAIRED = "repaired_from_index"
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +128,23 @@ class RecordWriter:
         if drops:
             obsolete_dropped(self._tables, drops)
 
-    def write_from_index(self, key: str, rank: int, generation: int) -> bool:
-        """Write the committed record of (key, rank, generation) from the index; False if it has none."""
+    def write_from_index(self, key: str, rank: int, generation: int, *, repair: bool = False) -> bool:
+        """Write the committed record of (key, rank, generation) from the index; False if it has none.
+
+        ``repair`` (``verify --fix``): not the saving process, so its producer
+        says :data:`REPAIRED`, and a reader that must trust the entry refuses
+        it (``seal``): rows anyone in the group could have rewritten are not
+        sealed by whoever repairs them.
+        """
         with self._tables.read() as t:
             manifest = t.manifest(key, rank, generation)
             if manifest is None or not manifest.committed:
                 return False
             inputs = record_inputs(t, manifest)
-        self.files.write_committed(
-            payload_of(manifest, inputs.components, local=True, inline=inputs.inline, stored=inputs.stored)
-        )
+        payload = payload_of(manifest, inputs.components, local=True, inline=inputs.inline, stored=inputs.stored)
+        if repair:
+            payload["producer"] = {**payload["producer"], REPAIRED: True}
+        self.files.write_committed(payload)
         return True
 
     def pinned(self, key: str, pinned: bool) -> None:
@@ -336,7 +347,7 @@ def fix_records(tables: Tables, issues: RecordIssues, *, grace_period: float | N
     ]
     for key, rank, gen in rewrite:
         try:
-            if writer.write_from_index(key, rank, gen):
+            if writer.write_from_index(key, rank, gen, repair=True):
                 done.append(f"wrote the record of {key} rank {rank} gen {gen} from the index")
         except (OSError, CorruptRow) as exc:
             log.warning("could not write the record of %s rank %d: %s", key, rank, exc)

@@ -361,7 +361,7 @@ def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypat
     Judged on the descriptor the bytes are read from, it is refused; judged on the path, it was read."""
     from adstore.integration.engine import inductor
     from adstore.integration.engine.index import StageEntries
-    from adstore.integration.errors import UntrustedEngine
+    from adstore.integration.errors import EngineUnavailable, UntrustedEngine
     from adstore.integration.pipeline.keys import CacheKey
 
     shared = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir="/tmp"))
@@ -392,7 +392,9 @@ def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypat
 
             monkeypatch.setattr(StoreEngineStorage, "check_writer", raced)
             entries = inductor._entries(store)  # the bundle branch of inductor.restore
-            with pytest.raises(UntrustedEngine, match="uid 65534"):
-                entries.read(key, entries.manifest(key), judge=StoreEngineStorage(store).check_writer)
+            with pytest.raises(EngineUnavailable, match="unsealed_entry"):  # its record is not a trusted user's
+                entries.manifest(key)
+            with pytest.raises(UntrustedEngine, match="uid 65534"):  # and its blob, were the rows believed
+                entries.read(key, store.lookup(key.key).manifest, judge=StoreEngineStorage(store).check_writer)
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -132,6 +132,21 @@ def writer_forever(root: str, seed: int) -> None:
             store.plan_eviction(max_size=500_000).execute()
 
 
+def publish_and_exit(root: str, key: str, data: bytes, generation: int) -> None:
+    """A writer that publishes ``key`` (uncommitted) and exits before its commit: what a killed save leaves."""
+    with Store.open(root, grace_period=0.0) as store:
+        store.publish(key, generation=generation, artifacts={"u": store.put_bytes(data)})
+
+
+def gc_pass(root: str, what: str) -> None:
+    """Another process's sweep or eviction of all it may take, grace period 0, a minute later by its clock."""
+    with Store.open(root, grace_period=0.0, clock=lambda: time.time() + 60) as store:
+        if what == "sweep":
+            store.plan_sweep().execute()
+        else:
+            store.plan_eviction(max_size=0).execute()
+
+
 def damage_inline_and_read(root: str, digest: str) -> str:
     """In another process: flip a byte of an inline blob in the index, then read it.
 

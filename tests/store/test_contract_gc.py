@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import os
 
 import pytest
+import store_helpers
 from store_helpers import check_hit, save
 
 from adstore.store import InvalidKey, OverBudget, Store
+
+CTX = mp.get_context("spawn")
 
 
 def test_verify_fix_repairs_corruption(store):
@@ -128,9 +132,7 @@ def test_sweep_collects_leftovers_of_killed_writers(store):
     digest = hashlib.sha256(orphan).hexdigest()
     (store.root / "blobs" / digest[:2]).mkdir(exist_ok=True)
     (store.root / "blobs" / digest[:2] / digest).write_bytes(orphan)
-    ref = store.put_bytes(b"u" * 80_000)
-    gen = store.new_generation()
-    store.publish("pending", generation=gen, artifacts={"u": ref})
+    ref = _published_by_a_writer_that_died(store, "pending", b"u" * 80_000)
     rep = store.verify()
     assert rep.ok and rep.warnings  # leftovers are warnings, not violations
     plan = store.plan_sweep()
@@ -148,16 +150,19 @@ def test_sweep_collects_leftovers_of_killed_writers(store):
 def test_sweep_releases_what_a_stale_manifest_holds_when_it_runs(store):
     """A save that published again under the same generation after the sweep planned: the sweep
     releases the references of the row it drops, not those it planned (once each, never twice)."""
-    first, second = store.put_bytes(b"1" * 70_000), store.put_bytes(b"2" * 70_000)
     gen = store.new_generation()
-    store.publish("pending", generation=gen, artifacts={"a": first})
+    first = _published_by_a_writer_that_died(store, "pending", b"1" * 70_000, generation=gen)
+    second = store.put_bytes(b"2" * 70_000)
     plan = store.plan_sweep()
     assert plan.to_dict()["stale_manifests"] == 1
     store.publish("pending", generation=gen, artifacts={"a": second})  # releases `first`, holds `second`
-    plan.execute()
-    assert store.manifests("pending") == []
-    rep = store.verify()
-    assert rep.ok and not rep.findings, rep.to_dict()
+    plan.execute()  # the row is this live process's save now: left alone, holding `second` only
+    (m,) = store.manifests("pending")
+    assert not m.committed and m.artifacts == {"a": second}
+    store.commit("pending", generation=gen)
+    res = store.lookup("pending")
+    assert res.hit and store.read_artifact(res.manifest, "a") == b"2" * 70_000 and store.verify().ok
+    assert first != second
 
 
 def test_sweep_respects_grace_period(store_root):
@@ -180,3 +185,32 @@ def test_hard_limit_evicts_inline_then_refuses(store_root):
             store.put_bytes(os.urandom(300_000))
     assert exc.value.reason == "over_budget"
     assert store.verify().ok
+
+
+def _in_another_process(fn, *args) -> None:
+    p = CTX.Process(target=fn, args=args)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+
+
+def _published_by_a_writer_that_died(store: Store, key: str, data: bytes, *, generation: int | None = None):
+    """Publish ``key`` (uncommitted) from a writer process that then exits: what a killed save leaves."""
+    gen = store.new_generation() if generation is None else generation
+    _in_another_process(store_helpers.publish_and_exit, str(store.root), key, data, gen)
+    return store.manifests(key)[0].artifacts["u"]
+
+
+@pytest.mark.parametrize("gc", ["sweep", "eviction"])
+def test_a_save_in_flight_survives_a_concurrent_sweep_or_eviction_at_zero_grace(store_root, gc):
+    """Between its publish and its commit, a save was cut by another process's sweep or eviction whenever
+    the grace period (0 s in the tests' writers) had passed: ``StoreError: no manifest to commit for k0
+    rank 0 generation …`` (two ``writer_forever`` processes evicting, as the free-list test runs them).
+    A manifest whose publisher still runs is not an orphan: only a dead writer's is swept."""
+    with Store.open(store_root, grace_period=0.0) as writer:
+        gen = writer.new_generation()
+        writer.publish("k0", generation=gen, artifacts={"a": writer.put_bytes(b"w" * 70_000)})
+        _in_another_process(store_helpers.gc_pass, str(store_root), gc)
+        writer.commit("k0", generation=gen)
+        res = writer.lookup("k0")
+        assert res.hit and writer.read_artifact(res.manifest, "a") == b"w" * 70_000 and writer.verify().ok

@@ -143,10 +143,14 @@ def test_the_free_list_check_passes_sound_indexes_even_under_writers(tmp_path, m
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
             verdicts.append(check_free_list(data))
+        # Each writer saved until killed: one evicting cut the other's save between its publish and its
+        # commit ("no manifest to commit for k0 rank 0 generation ..."), and the writer died of it.
+        died = [w.exitcode for w in writers if not w.is_alive()]
     finally:
         for w in writers:
             w.kill()
             w.join()
+    assert not died, f"a writer died (exit {died}); its traceback is in the captured stderr"
     assert len(verdicts) > 50 and not [v for v in verdicts if v is not None], set(verdicts)
 
 

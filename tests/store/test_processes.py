@@ -51,6 +51,7 @@ def test_sigkilled_writer_never_leaves_a_partial_entry(store_root, evict, monkey
         p = CTX.Process(target=store_helpers.writer_forever, args=(str(store_root), round_))
         p.start()
         time.sleep(1.0 + rng.random() * 1.5)  # interpreter start-up, then a random point
+        assert p.is_alive(), f"the writer died on its own (exit {p.exitcode}): see the captured stderr"
         os.kill(p.pid, signal.SIGKILL)
         p.join()
         kills += 1
