@@ -11,15 +11,18 @@ docs/architecture.md, "Invariants").
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UnsafeRoot
-from .fsutil import atomic_write
+from .errors import NoStore, UnsafeRoot
+from .fsutil import atomic_write, check_local_filesystem, check_root_permissions, read_only_filesystem, refuse_read_only
 from .names import validate_digest
+
+_log = logging.getLogger("adstore.store.store")  # the store's own warnings, wherever they are checked
 
 __all__ = ["Layout", "default_root"]
 
@@ -139,6 +142,37 @@ class Layout:
                     f"{d.name}/ is a symlink (to {os.readlink(d)!r}); "
                     "a store's directories must be real directories inside its root",
                 )
+
+    def prepare(self, *, read_only: bool, create: bool, check_permissions: bool) -> bool:
+        """Check the root (and make it unless the store is read-only); whether the store is read-only.
+
+        Read-only: asked for, or the root is on a read-only mount.  A read-only
+        store or ``create=False`` never makes a root (:class:`NoStore`), and a
+        write that meets a read-only filesystem raises ``ReadOnlyStore``.
+        """
+        exists = self.exists()
+        read_only = bool(read_only) or (exists and read_only_filesystem(self.root))
+        if (not create or read_only) and not exists:  # read-only callers must not leave an empty store
+            raise NoStore(str(self.root))
+        if not read_only:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                refuse_read_only(exc, self.root)
+                raise
+        check_local_filesystem(self.root)
+        if check_permissions:  # before anything is created inside the root
+            for warning in check_root_permissions(self.root):
+                if not read_only:  # a read-only store belongs to whoever baked it (root, usually)
+                    _log.warning("%s", warning)
+        self.check_no_symlinks()  # invariant 10: nothing of the store may lead outside it
+        if not read_only:
+            try:
+                self.create()
+            except OSError as exc:
+                refuse_read_only(exc, self.root)
+                raise
+        return read_only
 
     def create(self) -> None:
         """Create the layout (call after the root passed its permission checks)."""

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping
 
 from .blobs import StoredBlob
 from .index.rows import BlobRef, Entry, Manifest, encode_json
+from .lookup import LookupResult
+from .reasons import Reason
 from .records.files import PENDING, RecordFiles, shard_of
 from .records.format import MAX_RECORD_BYTES, BadRecord, Record, decode_record
 from .records.sync import REPAIRED
@@ -91,13 +93,45 @@ def log_once(what: str, message: str, *args: object) -> None:
 class Seals:
     """Checks committed manifests against their record files (one store root)."""
 
-    __slots__ = ("_files", "_root", "_decoded")
+    __slots__ = ("_files", "_root", "_decoded", "_count")
 
-    def __init__(self, files: RecordFiles) -> None:
+    def __init__(self, files: RecordFiles, count: Callable[[dict[str, int]], None]) -> None:
         self._files = files
+        self._count = count
         self._root = str(files.root)
         # fstat identity -> (record, the manifest object last found to agree with it, or None)
         self._decoded: dict[tuple[int, ...], tuple[Record, Manifest | None]] = {}
+
+    def sealed(self, key: str, result: LookupResult, trusted: frozenset[int]) -> LookupResult:
+        """``result``, or a miss ``unsealed_entry`` when a manifest disagrees with its trusted record."""
+        for m in result.manifests.values() or ([result.manifest] if result.manifest is not None else []):
+            why = self.refusal(m, result.entry, trusted)
+            if why is not None:  # counted even when the caller counts its own misses (count=False)
+                self._count({"unsealed_entry": 1})
+                log_once("unsealed_entry", "entry %s refused (unsealed_entry): %s", key, why)
+                return LookupResult(False, Reason.UNSEALED_ENTRY, entry=result.entry)
+        return result
+
+    def vet(
+        self,
+        key: str,
+        refs: Mapping[str, BlobRef],
+        trusted: frozenset[int],
+        stored: Callable[[BlobRef], StoredBlob | None],
+    ) -> str | None:
+        """Why a save of ``refs`` would publish what readers trusting ``trusted`` refuse (counted, logged once)."""
+        why = unowned_blob(stored, refs, trusted)
+        if why is not None:
+            self._count({"untrusted_dedup": 1})
+            log_once(
+                "untrusted_dedup",
+                "not saving %s (untrusted_dedup): %s; a reader trusting only uids %s would refuse it. "
+                "Trust that writer with ADSTORE_TRUSTED_UIDS, or use a store of your own",
+                key,
+                why,
+                sorted(trusted),
+            )
+        return why
 
     def refusal(self, manifest: Manifest, entry: Entry | None, trusted: frozenset[int]) -> str | None:
         """Why ``manifest`` (of ``entry``) is not what its trusted writer committed; None when it is."""

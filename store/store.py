@@ -22,8 +22,8 @@ from .blobwriter import BlobWriter
 from .bookkeeping import Bookkeeping, flush_root
 from .clock import Clock, system_clock
 from .codec import Encoding
-from .errors import CorruptRow, InvalidKey, NoStore, ReadOnlyStore, StoreError
-from .fsutil import check_local_filesystem, check_root_permissions, read_only_filesystem, refuse_read_only, unique_temp
+from .errors import CorruptRow, InvalidKey, ReadOnlyStore, StoreError
+from .fsutil import unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.rows import BlobRef, Entry, LeaseRow, Manifest
@@ -41,8 +41,8 @@ from .publishing import Artifacts, Publisher
 from .reasons import Reason
 from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
+from .seal import Seals
 from .seed import Seed, open_seed
-from .seal import Seals, log_once, unowned_blob
 from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
@@ -80,30 +80,9 @@ class Store(Upkeep):
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
-        exists = layout.exists()
         #: Serves lookups and reads, writes nothing (``read_only=True``, or the root is on a read-only mount);
         #: every write raises :class:`ReadOnlyStore` (docs/operations.md, "A read-only store").
-        self.read_only = bool(read_only) or (exists and read_only_filesystem(self.root))
-        if (not create or self.read_only) and not exists:  # read-only callers must not leave an empty store
-            raise NoStore(str(self.root))
-        if not self.read_only:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                refuse_read_only(exc, self.root)
-                raise
-        check_local_filesystem(self.root)
-        if check_permissions:  # before anything is created inside the root
-            for warning in check_root_permissions(self.root):
-                if not self.read_only:  # a read-only store belongs to whoever baked it (root, usually)
-                    log.warning("%s", warning)
-        layout.check_no_symlinks()  # invariant 10: nothing of the store may lead outside it
-        if not self.read_only:
-            try:
-                layout.create()
-            except OSError as exc:
-                refuse_read_only(exc, self.root)
-                raise
+        self.read_only = layout.prepare(read_only=read_only, create=create, check_permissions=check_permissions)
         self.grace_period = float(grace_period)
         self.inline_threshold = int(inline_threshold)
         #: The hard limit of this writer (else the persisted budget's; see ``inline``).
@@ -149,7 +128,7 @@ class Store(Upkeep):
             read_only=self.read_only,
         )
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
-        self._seals = Seals(self._records.files)  # entries that become code: rows checked against the record
+        self._seals = Seals(self._records.files, self._book.count)  # entries that become code: rows vs record
         push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
         self._publisher = Publisher(self._tables, self._records, self._blobs.file_ok, pushed=push)
 
@@ -359,23 +338,8 @@ class Store(Upkeep):
             components=components,
             meta=meta,
             agree=agree,
-            vet=None if trusted is None else lambda refs: self._untrusted_blobs(key, refs, trusted),
+            vet=None if trusted is None else lambda refs: self._seals.vet(key, refs, trusted, self._blobs.stored),
         )
-
-    def _untrusted_blobs(self, key: str, refs: Mapping[str, BlobRef], trusted: frozenset[int]) -> str | None:
-        """Why a save of ``refs`` would publish what readers trusting ``trusted`` refuse (counted, logged once)."""
-        why = unowned_blob(self._blobs.stored, refs, trusted)
-        if why is not None:
-            self._book.count({"untrusted_dedup": 1})
-            log_once(
-                "untrusted_dedup",
-                "not saving %s (untrusted_dedup): %s; a reader trusting only uids %s would refuse it. "
-                "Trust that writer with ADSTORE_TRUSTED_UIDS, or use a store of your own",
-                key,
-                why,
-                sorted(trusted),
-            )
-        return why
 
     def commit(
         self, key: str, *, rank: int = 0, generation: int, components: Mapping[str, Any] | None = None
@@ -413,21 +377,11 @@ class Store(Upkeep):
         if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
         if result.hit and trusted is not None:  # after the memo and the remote: every trusted hit is checked
-            result = self._sealed(key, result, trusted)
+            result = self._seals.sealed(key, result, trusted)
         if result.hit:
             self._book.hit(key, count=count)
         elif count:
             self._book.count({"misses": 1, f"misses.{result.reason}": 1})
-        return result
-
-    def _sealed(self, key: str, result: LookupResult, trusted: frozenset[int]) -> LookupResult:
-        """``result``, or a miss ``unsealed_entry`` when a manifest disagrees with its trusted record."""
-        for m in result.manifests.values() or ([result.manifest] if result.manifest is not None else []):
-            why = self._seals.refusal(m, result.entry, trusted)
-            if why is not None:  # counted even when the caller counts its own misses (count=False)
-                self._book.count({"unsealed_entry": 1})
-                log_once("unsealed_entry", "entry %s refused (unsealed_entry): %s", key, why)
-                return LookupResult(False, Reason.UNSEALED_ENTRY, entry=result.entry)
         return result
 
     def read_artifact(self, manifest: Manifest, name: str) -> bytes:
