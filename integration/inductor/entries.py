@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.integration.inductor.files import place, read_trusted
+from adstore.integration.inductor.toolchain_entry import choose, explain_paths, install_paths, merge
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
@@ -99,18 +100,19 @@ class InductorEntries:
         self.store = store
         self.trusted = trusted
         self.owns_store = owns_store
+        #: Hits served, by namespace, this process (``inductor.hits.<namespace>`` in the store).
+        self.served: Counter[str] = Counter()
 
     @functools.cached_property
-    def identity(self) -> dict[str, str]:
+    def identity(self) -> dict[str, Any]:
         """torch's build key and the toolchain fingerprint: part of every key."""
         from torch._inductor.codecache import torch_key
 
         from adstore.integration.engine.toolchain import toolchain_identity
-        from adstore.integration.pipeline.keys import json_digest
 
-        return {"torch_key": torch_key().hex(), "toolchain": json_digest(toolchain_identity())}
+        return {"torch_key": torch_key().hex(), "toolchain": toolchain_identity()}
 
-    def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, str]]:
+    def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, Any]]:
         """The store key of an Inductor key in ``namespace``, and its components."""
         from adstore.integration.pipeline.keys import json_digest
 
@@ -133,20 +135,41 @@ class InductorEntries:
                 return None
             data = read_trusted(self.store, manifest.artifacts[VALUE], self.trusted)
             self.materialize(manifest.artifacts, Path(_cache_dir()), _header_dir())
+            self._served(namespace, manifest.meta)
             return data
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor compiles
             note_failure(failure_reason(exc), f"{namespace} get: {exc}", self.store)
             return None
 
-    def put(self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = ()) -> None:
-        """Store ``data`` (and the kernel ``files``, paths under Inductor's cache directory) as one entry."""
+    def put(
+        self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = (), seconds: float | None = None
+    ) -> None:
+        """Store ``data`` (and the kernel ``files``, paths under Inductor's cache directory) as one entry.
+
+        ``seconds``: how long Inductor took from its lookup to this save (the
+        compile a later hit saves; in the entry's meta as ``compile_seconds``).
+        """
         try:
             key, components = self.key(namespace, inductor_key)
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
-            self._publish(key, namespace, components, artifacts)
+            meta = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
+            self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
+
+    def _served(self, namespace: str, meta: Any) -> None:
+        """Count a hit adstore served: per namespace, and the compile it saved (FX-graph entries only).
+
+        An AOTAutograd hit loads its FX graphs through the FX-graph cache, so
+        counting both entries' compile time would count the same compile twice.
+        """
+        self.served[namespace] += 1
+        counts = {f"inductor.hits.{namespace}": 1}
+        seconds = meta.get("compile_seconds") if isinstance(meta, dict) else None
+        if namespace == NAMESPACES["RemoteFxGraphCache"] and isinstance(seconds, int | float) and seconds > 0:
+            counts["ms_saved"] = int(seconds * 1000)
+        self.store.count(counts)
 
     # -- the toolchain entry ------------------------------------------------------
     def restore_toolchain(self) -> int:
@@ -158,7 +181,9 @@ class InductorEntries:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
                 return 0
-            return self.materialize(res.manifest.artifacts, Path(_cache_dir()), _header_dir())
+            chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
+            explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
+            return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
@@ -175,8 +200,14 @@ class InductorEntries:
             if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
                 stored.update(res.manifest.artifacts)
                 return
-            artifacts = self.file_refs(files, cache_dir, header_dir)
-            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
+            old = res.manifest if res.hit else None
+            artifacts, meta = merge(
+                old.artifacts if old else None,
+                old.meta if old else None,
+                self.file_refs(files, cache_dir, header_dir),
+                install_paths(),
+            )
+            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts, meta)
             stored.update(artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
@@ -213,9 +244,11 @@ class InductorEntries:
                 refs[name] = self.store.put_file(path)
         return refs
 
-    def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
+    def _publish(
+        self, key: str, namespace: str, components: dict[str, Any], artifacts: dict[str, Any], meta: Any = None
+    ) -> None:
         """One entry through the store's one publish path (a failed save leaves nothing)."""
-        meta = {"files": len(artifacts) - (VALUE in artifacts)}
+        meta = {"files": len(artifacts) - (VALUE in artifacts), **(meta or {})}
         self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta)
         self.store.count_event("save")
 
