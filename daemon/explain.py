@@ -1,5 +1,9 @@
 """``adstore explain KEY [KEY]``: an entry's key components, or how two entries differ (docs/cli.md, "adstore explain").
 
+A single key that is not in the store but that this user's processes missed
+is compared with the nearest stored entry (:mod:`adstore.daemon.crosshost`);
+``--host`` prints this host's key components.
+
 Two entries that differ only in their environment (torch, Python ABI, CPU,
 GPU: the ``env`` component of pipeline entries, ``toolchain`` of engines)
 are the same request built in two environments, the case a lookup reports
@@ -13,8 +17,10 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, _flatten, _short, resolve_key
-from adstore.daemon.errors import UnknownKey
+from adstore.daemon.crosshost import host_view, one_line
+from adstore.daemon.errors import UnknownKey, UsageError
 from adstore.daemon.format import table
+from adstore.store import AdstoreError, Store
 
 __all__ = ["ENV_COMPONENTS", "cmd_explain", "compare_components", "environment_differences"]
 
@@ -54,7 +60,19 @@ def environment_differences(a: dict[str, Any], b: dict[str, Any], cmp: dict[str,
 
 
 def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
+    if getattr(args, "host", False):
+        if args.keys:
+            raise UsageError("--host takes no KEY", prog="adstore explain")
+        return _explain_host(ctx)
+    if not args.keys:
+        raise UsageError("give one or two keys, or --host", prog="adstore explain")
     store = ctx.store(create=False)
+    if len(args.keys) == 1:
+        missed = _missed(store, args.keys[0])
+        if missed is not None:
+            text, data = one_line(missed["key"], missed["components"], store)
+            ctx.emit({"key": missed["key"], "in_store": False, "components": missed["components"], **data}, text)
+            return 0
     keys = [resolve_key(store, k) for k in args.keys]
     entries = []
     for key in keys:
@@ -115,4 +133,29 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
     else:
         lines.append(f"\ndiffering: {', '.join(differing)}")
     ctx.emit(data, "\n".join(lines))
+    return 0
+
+
+def _missed(store: Store, text: str) -> dict[str, Any] | None:
+    """A key this user's processes missed (journalled with its components) that the store does not hold."""
+    try:
+        resolve_key(store, text)
+        return None  # in the store: explained as an entry
+    except UnknownKey:
+        pass
+    from adstore.integration.inductor.hostview import missed_components  # no torch
+
+    found = missed_components(text)
+    if found is None:
+        raise UnknownKey(text)
+    return found
+
+
+def _explain_host(ctx: Context) -> int:
+    try:
+        store: Store | None = ctx.store(create=False)
+    except AdstoreError:  # no store here: the host's components are still worth printing
+        store = None
+    text, data = host_view(store)
+    ctx.emit(data, text)
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.integration.inductor.files import place, read_trusted
+from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import choose, explain_paths, install_paths, merge
 from adstore.store import AdstoreError, Reason
 
@@ -123,11 +124,12 @@ class InductorEntries:
     def get(self, namespace: str, inductor_key: str) -> bytes | None:
         """The value stored for ``inductor_key``, its kernel files placed first; None on a miss or any problem."""
         try:
-            key, _ = self.key(namespace, inductor_key)
+            key, components = self.key(namespace, inductor_key)
             res = self.store.lookup(key)
             if not res.hit:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"{namespace} entry {key[:12]} not served", self.store)
+                note_miss(key, components)  # for `adstore explain KEY`: the nearest entry and what differs
                 return None
             manifest = res.manifest
             if manifest is None or manifest.namespace != namespace or VALUE not in manifest.artifacts:
@@ -175,11 +177,12 @@ class InductorEntries:
     def restore_toolchain(self) -> int:
         """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
         try:
-            key, _ = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             res = self.store.lookup(key)
             if not res.hit or res.manifest is None:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
+                note_miss(key, components)
                 return 0
             chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
             explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
