@@ -35,7 +35,14 @@ from typing import Any
 
 from adstore.integration.inductor.files import place, read_trusted
 from adstore.integration.inductor.hostview import note_miss
-from adstore.integration.inductor.toolchain_entry import choose, explain_paths, install_paths, merge
+from adstore.integration.inductor.toolchain_entry import (
+    choose,
+    explain_paths,
+    install_paths,
+    keyed_paths,
+    merge,
+    path_differences,
+)
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
@@ -155,7 +162,9 @@ class InductorEntries:
             key, components = self.key(namespace, inductor_key)
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
-            meta = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
+            meta: dict[str, Any] = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
+            if namespace == NAMESPACES["RemoteFxGraphCache"]:
+                meta["paths"] = keyed_paths()  # its kernels' names hold them: a hit elsewhere says which differs
             self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
@@ -167,6 +176,8 @@ class InductorEntries:
         counting both entries' compile time would count the same compile twice.
         """
         self.served[namespace] += 1
+        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict):
+            explain_paths(path_differences(meta["paths"], keyed_paths()), self.store)
         counts = {f"inductor.hits.{namespace}": 1}
         seconds = meta.get("compile_seconds") if isinstance(meta, dict) else None
         if namespace == NAMESPACES["RemoteFxGraphCache"] and isinstance(seconds, int | float) and seconds > 0:

@@ -13,13 +13,17 @@ be made not to matter there.  This module makes that cheap and visible:
   remote do not replace each other's 150 MB header on every run;
 * :func:`choose` places only the headers built under this host's paths
   (:data:`KEYED_PATHS`), and when there are none says which path differs,
-  in one log line (:func:`explain_paths`) and in ``adstore explain --host``.
+  in one log line (:func:`explain_paths`) and in ``adstore explain --host``;
+* an FX-graph entry records the paths its kernels were built under, so a
+  hit on a host with other paths (where Inductor compiles the kernels again
+  under other names) says so in the same line.
 
 An entry written before headers carried their paths is placed whole, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -34,6 +38,7 @@ __all__ = [
     "explain_paths",
     "header_of",
     "install_paths",
+    "keyed_paths",
     "merge",
     "path_differences",
 ]
@@ -46,16 +51,21 @@ HEADER_CAP = 4
 KEYED_PATHS = ("torch", "python_include", "python_lib")
 
 
-def install_paths() -> dict[str, str]:
-    """Where this process's torch and Python live, and Inductor's directories (its cache and header directories)."""
+@functools.cache
+def keyed_paths() -> dict[str, str]:
+    """The :data:`KEYED_PATHS` of this process (once: they do not change while it runs)."""
     import torch
 
-    paths = {
+    return {
         "torch": os.path.dirname(os.path.abspath(torch.__file__)),
         "python_include": str(sysconfig.get_paths().get("include", "")),
         "python_lib": str(sysconfig.get_config_var("LIBDIR") or ""),
-        "prefix": sys.prefix,
     }
+
+
+def install_paths() -> dict[str, str]:
+    """Where this process's torch and Python live, and Inductor's directories (its cache and header directories)."""
+    paths = {**keyed_paths(), "prefix": sys.prefix}
     try:
         from torch._inductor import codecache
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -149,7 +159,7 @@ def explain_paths(differences: list[str], store: Any = None) -> None:
     _told.add(line)
     logger.warning(
         "adstore: Inductor builds its precompiled header and kernels again on this host: the stored ones "
-        "were built under another install path (%s); Inductor's own keys hold these paths "
+        "were built under another install path (%s); Inductor's names for them hold these paths "
         '(docs/torch-compile.md, "Install paths")',
         line,
     )

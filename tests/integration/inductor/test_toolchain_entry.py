@@ -123,3 +123,18 @@ def test_a_hit_counts_its_namespace_and_the_compile_time_it_saved(tmp_path):
         # The AOTAutograd hit's compile contains the FX graph's: only the FX-graph entry's time is counted.
         assert counters["ms_saved"] == 2500
         assert counters["inductor.hits.inductor_fx_graph"] == 1 and counters["inductor.hits.inductor_aot_autograd"] == 1
+
+
+def test_a_graph_hit_under_another_install_path_names_the_path(tmp_path, monkeypatch, caplog):
+    keyed = ("torch", "python_include", "python_lib")
+    with Store.open(tmp_path / "store", inline_threshold=1024) as store:
+        entries = InductorEntries(store, trusted=ME, owns_store=False)
+        monkeypatch.setattr(entries_mod, "keyed_paths", lambda: {k: A[k] for k in keyed})
+        entries.put("inductor_fx_graph", "pt2:fx-graph-v1::g:c1", b"graph", seconds=1.0)
+        with caplog.at_level(logging.WARNING, logger="adstore.integration.inductor"):
+            assert entries.get("inductor_fx_graph", "pt2:fx-graph-v1::g:c1") == b"graph"  # same paths: silent
+            assert not [r for r in caplog.records if "install path" in r.getMessage()]
+            monkeypatch.setattr(entries_mod, "keyed_paths", lambda: {k: C[k] for k in keyed})
+            assert entries.get("inductor_fx_graph", "pt2:fx-graph-v1::g:c1") == b"graph"  # a hit, kernels rebuilt
+        (line,) = [r.getMessage() for r in caplog.records if "install path" in r.getMessage()]
+        assert "torch: /opt/venv/lib/python3.11/site-packages/torch (builder) vs /srv/venv/" in line
