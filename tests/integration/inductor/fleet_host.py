@@ -46,6 +46,10 @@ def main() -> None:
     env = json.loads(sys.argv[1])
     result = compile_host(env, True)
     result["compiler_runs"] = list(RUNS)
+    from adstore.store import Store
+
+    with Store.open(env["ADSTORE_ROOT"]) as store:  # after disable(): what it counted at the end too
+        result["counters"] = dict(store.stats().counters)
     result["prefix"] = sys.prefix
     print("RESULT " + json.dumps(result, default=str))
 

@@ -7,6 +7,7 @@ of A's store and counts its compiler runs (:mod:`fleet_host`'s audit hook):
 * C: ``/proc/cpuinfo`` without ``hypervisor``/``tsc_known_freq`` and with
   another model string (bare metal against a VM), through a mount namespace:
   no compiler run;
+* A again, on its own directories: Inductor's local hit, counted as such;
 * F: the same venv at another path (a symlink): Inductor's header and kernel
   names hold the path, so it compiles, and one log line names the path; the
   toolchain entry then holds both paths' headers, so neither path builds a
@@ -80,7 +81,16 @@ def test_a_host_whose_cpuinfo_lacks_hypervisor_runs_no_compiler(seed, tmp_path):
     c = run_host(store_copy(base, base / "a" / "store", "c"), prefix=[*_namespace(), *mount])
     assert c["compiler_runs"] == [], c["compiler_runs"]
     assert c["inductor"].get("fxgraph_cache_hit") == 1 and c["output"] == a["output"], c
-    assert c["store"].get("inductor.hits.inductor_fx_graph") == 1
+    assert c["counters"].get("inductor.hits.inductor_fx_graph") == 1
+    assert c["counters"].get("ms_saved", 0) > 0  # A's compile time, recorded with its entry
+
+
+def test_a_restart_that_inductor_serves_from_its_own_directory_is_counted(seed):
+    base, _ = seed
+    again = run_host(host_env(base, "a"))  # A's own Inductor directory and store
+    assert again["compiler_runs"] == [] and again["inductor"].get("fxgraph_cache_hit") == 1
+    assert again["counters"].get("inductor.local_hits") == 1
+    assert again["counters"].get("inductor.hits.inductor_fx_graph", 0) == 0  # adstore was never asked
 
 
 def test_the_venv_at_another_path_names_the_path_and_keeps_both_headers(seed, tmp_path):
