@@ -288,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="this host's key components: toolchain, torch key, paths, user (imports torch)",
     )
+    p.add_argument(
+        "--misses",
+        type=_positive_int,
+        nargs="?",
+        const=5,
+        metavar="N",
+        help="the last N keys this user's processes missed, each against its nearest entry (default 5)",
+    )
 
     p = add("verify", cmd_verify, "rehash blobs and check every invariant")
     p.add_argument("--fix", action="store_true", help="repair what can be repaired")

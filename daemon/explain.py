@@ -60,12 +60,12 @@ def environment_differences(a: dict[str, Any], b: dict[str, Any], cmp: dict[str,
 
 
 def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
-    if getattr(args, "host", False):
-        if args.keys:
-            raise UsageError("--host takes no KEY", prog="adstore explain")
-        return _explain_host(ctx)
+    if getattr(args, "host", False) or getattr(args, "misses", None):
+        if args.keys or (args.host and args.misses):
+            raise UsageError("--host and --misses take no KEY, and not each other", prog="adstore explain")
+        return _explain_host(ctx) if args.host else _explain_misses(ctx, args.misses)
     if not args.keys:
-        raise UsageError("give one or two keys, or --host", prog="adstore explain")
+        raise UsageError("give one or two keys, --host or --misses", prog="adstore explain")
     store = ctx.store(create=False)
     if len(args.keys) == 1:
         missed = _missed(store, args.keys[0])
@@ -158,4 +158,22 @@ def _explain_host(ctx: Context) -> int:
         store = None
     text, data = host_view(store)
     ctx.emit(data, text)
+    return 0
+
+
+def _explain_misses(ctx: Context, limit: int) -> int:
+    """The last ``limit`` keys this user's processes missed, each against its nearest entry (one line each)."""
+    from adstore.integration.inductor.hostview import recent_misses  # no torch
+
+    store = ctx.store(create=False)
+    lines, data = [], []
+    for record in recent_misses(limit):
+        if store.entry(record["key"]) is not None:
+            lines.append(f"{record['key'][:12]}: stored since (a later run saved it)")
+            data.append({"key": record["key"], "in_store": True})
+            continue
+        text, found = one_line(record["key"], record["components"], store)
+        lines.append(text)
+        data.append({"key": record["key"], "in_store": False, **found})
+    ctx.emit({"misses": data}, "\n".join(lines) or "no missed keys journalled")
     return 0

@@ -22,7 +22,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MISS_LOG_VAR", "MISS_LOG_BYTES", "host_report", "miss_log", "missed_components", "note_miss"]
+__all__ = [
+    "MISS_LOG_VAR",
+    "MISS_LOG_BYTES",
+    "host_report",
+    "miss_log",
+    "missed_components",
+    "note_miss",
+    "recent_misses",
+]
 
 #: The environment variable naming the miss journal (a file path; empty: no journal).
 MISS_LOG_VAR = "ADSTORE_MISS_LOG"
@@ -70,22 +78,37 @@ def _lines(path: Path) -> Iterator[str]:
         yield from reversed(text.splitlines())
 
 
-def missed_components(key: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """The components a lookup of ``key`` (a full key, or a prefix of one) recorded when it missed; None if none."""
+def _records(environ: Mapping[str, str] | None) -> Iterator[dict[str, Any]]:
+    """The journal's well-formed records, newest first."""
     path = miss_log(environ)
     if path is None:
-        return None
+        return
     for line in _lines(path):
-        if key not in line:
-            continue
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and str(record.get("key", "")).startswith(key):
-            components = record.get("components")
-            return {"key": record["key"], "components": components} if isinstance(components, dict) else None
-    return None
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("key"), str)
+            and isinstance(record.get("components"), dict)
+        ):
+            yield {"key": record["key"], "components": record["components"]}
+
+
+def missed_components(key: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The components a lookup of ``key`` (a full key, or a prefix of one) recorded when it missed; None if none."""
+    return next((r for r in _records(environ) if r["key"].startswith(key)), None)
+
+
+def recent_misses(limit: int, environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The ``limit`` most recently missed keys (each once) with their components, newest first."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in _records(environ):
+        if len(out) >= limit:
+            break
+        out.setdefault(record["key"], record)
+    return list(out.values())
 
 
 def host_report() -> dict[str, Any]:

@@ -93,3 +93,19 @@ def test_host_prints_this_hosts_key_components_and_the_cli_imports_no_torch_with
     assert {"toolchain", "torch_key", "paths", "user", "toolchain_entry"} <= set(data)
     assert data["toolchain"]["cpu"]["isa"] and "model" not in data["toolchain"]["cpu"]
     assert data["paths"]["prefix"] == sys.prefix and data["user"]["uid"] >= 0
+
+
+def test_misses_lists_the_last_missed_keys_each_against_its_nearest_entry(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ADSTORE_MISS_LOG", str(tmp_path / "misses.jsonl"))
+    publish(tmp_path / "store", "a" * 64, components("graph-1"))
+    note_miss("1" * 64, components("graph-1", capability="AVX2"))
+    note_miss("2" * 64, components("graph-1", isa="avx avx2"))
+    note_miss("2" * 64, components("graph-1", isa="avx avx2"))  # the same key twice: listed once
+    note_miss("a" * 64, components("graph-1"))  # missed then, stored since
+    lines = explain(capsys, tmp_path / "store", "--misses").splitlines()
+    assert lines[0] == "aaaaaaaaaaaa: stored since (a later run saved it)"
+    assert lines[1].startswith(
+        "222222222222: not in the store; nearest entry aaaaaaaaaaaa differs in toolchain.cpu.isa"
+    )
+    assert 'toolchain.cpu.capability (entry "AVX512", here "AVX2")' in lines[2] and len(lines) == 3
+    assert len(json.loads(explain(capsys, tmp_path / "store", "--json", "--misses", "1"))["misses"]) == 1
