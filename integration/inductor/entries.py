@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 from collections import Counter
@@ -33,11 +34,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.inductor.files import place, read_trusted
+from adstore.integration.engine.codefiles import Writer
+from adstore.integration.inductor.files import place, read_trusted, refusal
 from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import (
     choose,
     explain_paths,
+    header_of,
     install_paths,
     keyed_paths,
     merge,
@@ -216,7 +219,7 @@ class InductorEntries:
                 return
             old = res.manifest if res.hit else None
             artifacts, meta = merge(
-                old.artifacts if old else None,
+                self._trusted_refs(old.artifacts) if old else None,
                 old.meta if old else None,
                 self.file_refs(files, cache_dir, header_dir),
                 install_paths(),
@@ -225,6 +228,25 @@ class InductorEntries:
             stored.update(artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
+
+    def _trusted_refs(self, artifacts: Any) -> dict[str, Any]:
+        """The artifacts whose blobs this user would load: a merged entry never republishes what it would refuse.
+
+        A header goes whole (its ``.h`` with its ``.gch``) when any of its files is refused.
+        """
+        refused: set[str] = set()
+        for name, ref in artifacts.items():
+            path = self.store.blob_path(ref)
+            try:
+                st = None if path is None else os.stat(path, follow_symlinks=False)
+            except OSError:
+                refused.add(name)
+                continue
+            writer = Writer(None) if st is None else Writer(st.st_uid, st.st_mode)
+            if refusal(self.store, writer, self.trusted) is not None:
+                refused.add(name)
+        gone = {header_of(n) for n in refused} - {None}
+        return {n: r for n, r in artifacts.items() if n not in refused and header_of(n) not in gone}
 
     # -- files ----------------------------------------------------------------------
     def materialize(self, artifacts: Any, cache_dir: Path, header_dir: Path | None) -> int:

@@ -138,3 +138,19 @@ def test_a_graph_hit_under_another_install_path_names_the_path(tmp_path, monkeyp
             assert entries.get("inductor_fx_graph", "pt2:fx-graph-v1::g:c1") == b"graph"  # a hit, kernels rebuilt
         (line,) = [r.getMessage() for r in caplog.records if "install path" in r.getMessage()]
         assert "torch: /opt/venv/lib/python3.11/site-packages/torch (builder) vs /srv/venv/" in line
+
+
+def test_a_merge_never_republishes_a_header_this_user_would_refuse(tmp_path, monkeypatch):
+    with Store.open(tmp_path / "store", inline_threshold=1024) as store:
+        entries = InductorEntries(store, trusted=ME, owns_store=False)
+        _, headers = _host(tmp_path, "a", monkeypatch, A)
+        entries.save_toolchain(_build_header(headers, "ha.h"), set())
+        key, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
+        gch = store.blob_path(store.lookup(key, count=False).manifest.artifacts["pch.ha.h.gch"])
+        os.chown(gch, 1001, 1001)  # as if another user had written A's header
+
+        _, headers = _host(tmp_path, "b", monkeypatch, B)
+        entries.save_toolchain(_build_header(headers, "hb.h"), set())
+        manifest = store.lookup(key, count=False).manifest
+        assert {a for a in manifest.artifacts if a.startswith("pch.")} == {"pch.hb.h", "pch.hb.h.gch"}
+        assert [h["name"] for h in manifest.meta["headers"]] == ["hb.h"]
