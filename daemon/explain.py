@@ -90,6 +90,13 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
             lines.append(f"  {name}:")
             for path, value in _flatten(comps[name]).items():
                 lines.append(f"    {path or name} = {_short(value, 100)}")
+        built = _built_under(store, keys[0])
+        if built:  # not key components, but Inductor's names for the entry's files hold them
+            data["built_under"] = built
+            lines.append(
+                "  built under (Inductor's names hold these paths; `adstore explain --host` shows this host's):"
+            )
+            lines.extend(f"    {p}" for p in built)
         ctx.emit(data, "\n".join(lines))
         return 0
     a, b = entries
@@ -177,3 +184,16 @@ def _explain_misses(ctx: Context, limit: int) -> int:
         data.append({"key": record["key"], "in_store": False, **found})
     ctx.emit({"misses": data}, "\n".join(lines) or "no missed keys journalled")
     return 0
+
+
+def _built_under(store: Store, key: str) -> list[str]:
+    """The install paths an Inductor entry's files were built under (an FX graph's kernels, each stored header)."""
+    out: list[str] = []
+    for manifest in store.manifests(key)[:1]:
+        meta = manifest.meta if isinstance(manifest.meta, dict) else {}
+        sets = [("kernels", meta.get("paths"))]
+        sets += [(f"header {h.get('name')}", h.get("paths")) for h in meta.get("headers", []) if isinstance(h, dict)]
+        for label, paths in sets:
+            if isinstance(paths, dict):
+                out.extend(f"{label}: {k} = {v}" for k, v in sorted(paths.items()))
+    return out

@@ -109,3 +109,12 @@ def test_misses_lists_the_last_missed_keys_each_against_its_nearest_entry(capsys
     )
     assert 'toolchain.cpu.capability (entry "AVX512", here "AVX2")' in lines[2] and len(lines) == 3
     assert len(json.loads(explain(capsys, tmp_path / "store", "--json", "--misses", "1"))["misses"]) == 1
+
+
+def test_an_inductor_entry_shows_the_paths_its_files_were_built_under(capsys, tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        ref = store.put_bytes(b"graph")
+        paths = {"torch": "/opt/venv/lib/python3.11/site-packages/torch", "python_include": "/usr/include/python3.11"}
+        store.save("a" * 64, {"value": ref}, namespace=FX, components=components("g"), meta={"paths": paths})
+    out = explain(capsys, tmp_path, "a" * 64)
+    assert "kernels: torch = /opt/venv/lib/python3.11/site-packages/torch" in out
