@@ -277,8 +277,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", help=_KEYS)
     p.add_argument("--no-summary", action="store_true", help="do not summarize snapshots (avoids importing torch)")
 
-    p = add("explain", cmd_explain, "show an entry's key components, or which differ between two")
-    p.add_argument("keys", nargs="+", action=_at_most(2), metavar="KEY", help=f"one or two keys: {_KEYS}")
+    p = add("explain", cmd_explain, "show an entry's key components, which differ between two, or this host's")
+    p.add_argument(
+        "keys",
+        nargs="*",
+        action=_at_most(2),
+        metavar="KEY",
+        help=f"one or two keys: {_KEYS}; a key not in the store is compared with the nearest entry",
+    )
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="this host's key components: toolchain, torch key, paths, user (imports torch)",
+    )
+    p.add_argument(
+        "--misses",
+        type=_positive_int,
+        nargs="?",
+        const=5,
+        metavar="N",
+        help="the last N keys this user's processes missed, each against its nearest entry (default 5)",
+    )
 
     p = add("verify", cmd_verify, "rehash blobs and check every invariant")
     p.add_argument("--fix", action="store_true", help="repair what can be repaired")

@@ -1,5 +1,9 @@
 """``adstore explain KEY [KEY]``: an entry's key components, or how two entries differ (docs/cli.md, "adstore explain").
 
+A single key that is not in the store but that this user's processes missed
+is compared with the nearest stored entry (:mod:`adstore.daemon.crosshost`);
+``--host`` prints this host's key components.
+
 Two entries that differ only in their environment (torch, Python ABI, CPU,
 GPU: the ``env`` component of pipeline entries, ``toolchain`` of engines)
 are the same request built in two environments, the case a lookup reports
@@ -13,8 +17,10 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, _flatten, _short, resolve_key
-from adstore.daemon.errors import UnknownKey
+from adstore.daemon.crosshost import host_view, one_line
+from adstore.daemon.errors import UnknownKey, UsageError
 from adstore.daemon.format import table
+from adstore.store import AdstoreError, Store
 
 __all__ = ["ENV_COMPONENTS", "cmd_explain", "compare_components", "environment_differences"]
 
@@ -54,7 +60,19 @@ def environment_differences(a: dict[str, Any], b: dict[str, Any], cmp: dict[str,
 
 
 def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
+    if getattr(args, "host", False) or getattr(args, "misses", None):
+        if args.keys or (args.host and args.misses):
+            raise UsageError("--host and --misses take no KEY, and not each other", prog="adstore explain")
+        return _explain_host(ctx) if args.host else _explain_misses(ctx, args.misses)
+    if not args.keys:
+        raise UsageError("give one or two keys, --host or --misses", prog="adstore explain")
     store = ctx.store(create=False)
+    if len(args.keys) == 1:
+        missed = _missed(store, args.keys[0])
+        if missed is not None:
+            text, data = one_line(missed["key"], missed["components"], store)
+            ctx.emit({"key": missed["key"], "in_store": False, "components": missed["components"], **data}, text)
+            return 0
     keys = [resolve_key(store, k) for k in args.keys]
     entries = []
     for key in keys:
@@ -72,6 +90,13 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
             lines.append(f"  {name}:")
             for path, value in _flatten(comps[name]).items():
                 lines.append(f"    {path or name} = {_short(value, 100)}")
+        built = _built_under(store, keys[0])
+        if built:  # not key components, but Inductor's names for the entry's files hold them
+            data["built_under"] = built
+            lines.append(
+                "  built under (Inductor's names hold these paths; `adstore explain --host` shows this host's):"
+            )
+            lines.extend(f"    {p}" for p in built)
         ctx.emit(data, "\n".join(lines))
         return 0
     a, b = entries
@@ -116,3 +141,59 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
         lines.append(f"\ndiffering: {', '.join(differing)}")
     ctx.emit(data, "\n".join(lines))
     return 0
+
+
+def _missed(store: Store, text: str) -> dict[str, Any] | None:
+    """A key this user's processes missed (journalled with its components) that the store does not hold."""
+    try:
+        resolve_key(store, text)
+        return None  # in the store: explained as an entry
+    except UnknownKey:
+        pass
+    from adstore.integration.inductor.hostview import missed_components  # no torch
+
+    found = missed_components(text)
+    if found is None:
+        raise UnknownKey(text)
+    return found
+
+
+def _explain_host(ctx: Context) -> int:
+    try:
+        store: Store | None = ctx.store(create=False)
+    except AdstoreError:  # no store here: the host's components are still worth printing
+        store = None
+    text, data = host_view(store)
+    ctx.emit(data, text)
+    return 0
+
+
+def _explain_misses(ctx: Context, limit: int) -> int:
+    """The last ``limit`` keys this user's processes missed, each against its nearest entry (one line each)."""
+    from adstore.integration.inductor.hostview import recent_misses  # no torch
+
+    store = ctx.store(create=False)
+    lines, data = [], []
+    for record in recent_misses(limit):
+        if store.entry(record["key"]) is not None:
+            lines.append(f"{record['key'][:12]}: stored since (a later run saved it)")
+            data.append({"key": record["key"], "in_store": True})
+            continue
+        text, found = one_line(record["key"], record["components"], store)
+        lines.append(text)
+        data.append({"key": record["key"], "in_store": False, **found})
+    ctx.emit({"misses": data}, "\n".join(lines) or "no missed keys journalled")
+    return 0
+
+
+def _built_under(store: Store, key: str) -> list[str]:
+    """The install paths an Inductor entry's files were built under (an FX graph's kernels, each stored header)."""
+    out: list[str] = []
+    for manifest in store.manifests(key)[:1]:
+        meta = manifest.meta if isinstance(manifest.meta, dict) else {}
+        sets = [("kernels", meta.get("paths"))]
+        sets += [(f"header {h.get('name')}", h.get("paths")) for h in meta.get("headers", []) if isinstance(h, dict)]
+        for label, paths in sets:
+            if isinstance(paths, dict):
+                out.extend(f"{label}: {k} = {v}" for k, v in sorted(paths.items()))
+    return out

@@ -7,6 +7,15 @@ import pytest
 from adstore.store import ManualClock, Store
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _miss_log(tmp_path_factory):
+    """Keys Inductor missed are journalled for ``adstore explain``: under the session's tmp, never in ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ADSTORE_MISS_LOG", str(tmp_path_factory.mktemp("misses") / "misses.jsonl"))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def store_root(tmp_path, monkeypatch):
     root = tmp_path / "store"

@@ -7,13 +7,16 @@ Both are components of the engine hash (docs/engine-cache.md, "The engine cache"
   package and refittable), and a digest of the rest of the inductor
   configuration, so a global ``torch._inductor.config`` change is a miss, not
   a stale hit;
-* the toolchain: torch version, commit and C++ ABI, the Python ABI, the C++
-  compiler and its version, the CPU instruction set and CPU flags
-  (AOTInductor compiles with ``-march=native``: a package built on one CPU
-  may crash with an illegal instruction on another) and, with a GPU, the GPU
-  names and compute capabilities, the CUDA driver and the Triton version.
-  Stored with each engine, so a miss in another environment is
-  ``incompatible_env`` naming the field.
+* the toolchain: what decides whether built code runs here, and nothing
+  else.  Torch's version, commit and C++ ABI, the Python ABI, the C library,
+  the C++ compiler (version line and target), the CPU's instruction sets
+  (:mod:`~adstore.integration.engine.cpuid`: code is compiled with
+  ``-march=native`` and may crash with an illegal instruction on a CPU that
+  lacks one) and, with a GPU, the devices' architectures, the CUDA driver
+  and the Triton version.  Never the CPU model, kernel- or
+  microcode-dependent flags, host names, paths or uids: a fleet of
+  near-identical hosts shares its code.  Stored with each engine, so a miss
+  in another environment is ``incompatible_env`` naming the field.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from adstore.integration.engine.cpuid import cpu_identity
 from adstore.integration.errors import CacheKeyError, ConfigError
 from adstore.integration.pipeline.envcheck import apply_overrides
 from adstore.integration.pipeline.keys import canonical_json, code_fingerprint, json_digest
@@ -240,40 +244,22 @@ def _default_compiler() -> dict[str, str]:
 
 @functools.cache
 def _compiler_version(cxx: str) -> dict[str, str]:
+    """The compiler's version line and target triple, from one ``cxx -v`` (gcc and clang both print them)."""
+    version = target = ""
     try:
-        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
-        version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr) else ""
+        proc = subprocess.run([cxx, "-v"], capture_output=True, text=True, timeout=30, check=False)
+        lines = (proc.stderr + proc.stdout).splitlines()
+        target = next((ln.partition(":")[2].strip() for ln in lines if ln.startswith("Target:")), "")
+        version = next((ln.strip() for ln in lines if " version " in f" {ln} " and "Configured" not in ln), "")
+        version = version or (lines[0].strip() if lines else "")
     except (OSError, subprocess.SubprocessError) as exc:
         version = f"error: {type(exc).__name__}"
-    return {"cxx": os.path.basename(cxx), "version": version}
+    return {"cxx": os.path.basename(cxx), "version": version, "target": target}
 
 
 @functools.cache
-def _cpu_identity() -> dict[str, str]:
-    model, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    # Inductor's own ISA pick (cpu_vec_isa.pick_vec_isa) is a function of the CPU
-    # flags, the compiler and ATEN_CPU_CAPABILITY, all recorded here; calling it
-    # would cost ~2 s per process (it compiles probe programs) on every hit.
-    return {
-        "machine": platform.machine(),
-        "model": model,
-        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16] if flags else "",
-        "capability": str(torch.backends.cpu.get_cpu_capability()),
-        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-    }
+def _cpu_identity() -> dict[str, Any]:
+    return cpu_identity()
 
 
 def _cuda_driver() -> str:
@@ -294,6 +280,16 @@ def _cuda_driver() -> str:
         return "unknown"
 
 
+def _gpu_arch(index: int) -> str:
+    """A GPU's architecture: ``sm_90`` (CUDA) or the ROCm arch name with its features (``gfx90a:xnack-``)."""
+    if getattr(torch.version, "hip", None):
+        name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "")
+        if name:
+            return str(name)
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
 def _triton_version() -> str | None:
     for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
         try:
@@ -305,11 +301,9 @@ def _triton_version() -> str | None:
 
 @functools.cache
 def _observed_toolchain() -> dict[str, Any]:
-    gpus: list[Any] = []
     gpu = torch.cuda.is_available()
-    if gpu:
-        for i in range(torch.cuda.device_count()):
-            gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
+    # GPU code runs on a device of its architecture: the arch, not the device's name or count.
+    gpus = sorted({_gpu_arch(i) for i in range(torch.cuda.device_count())}) if gpu else []
     return {
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", ""),
@@ -320,6 +314,8 @@ def _observed_toolchain() -> dict[str, Any]:
         "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
         "python_abi": importlib.machinery.EXTENSION_SUFFIXES[0] if importlib.machinery.EXTENSION_SUFFIXES else "",
         "system": platform.system(),
+        # A kernel built against a newer C library needs its symbol versions (dlopen fails otherwise).
+        "libc": " ".join(platform.libc_ver()).strip(),
         "compiler": _compiler_identity(),
         "cpu": _cpu_identity(),
         "gpus": gpus,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 from collections import Counter
@@ -33,7 +34,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.inductor.files import place, read_trusted
+from adstore.integration.engine.codefiles import Writer
+from adstore.integration.inductor.files import place, read_trusted, refusal
+from adstore.integration.inductor.hostview import note_miss
+from adstore.integration.inductor.toolchain_entry import (
+    choose,
+    explain_paths,
+    header_of,
+    install_paths,
+    keyed_paths,
+    merge,
+    path_differences,
+)
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
@@ -99,18 +111,19 @@ class InductorEntries:
         self.store = store
         self.trusted = trusted
         self.owns_store = owns_store
+        #: Hits served, by namespace, this process (``inductor.hits.<namespace>`` in the store).
+        self.served: Counter[str] = Counter()
 
     @functools.cached_property
-    def identity(self) -> dict[str, str]:
+    def identity(self) -> dict[str, Any]:
         """torch's build key and the toolchain fingerprint: part of every key."""
         from torch._inductor.codecache import torch_key
 
         from adstore.integration.engine.toolchain import toolchain_identity
-        from adstore.integration.pipeline.keys import json_digest
 
-        return {"torch_key": torch_key().hex(), "toolchain": json_digest(toolchain_identity())}
+        return {"torch_key": torch_key().hex(), "toolchain": toolchain_identity()}
 
-    def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, str]]:
+    def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, Any]]:
         """The store key of an Inductor key in ``namespace``, and its components."""
         from adstore.integration.pipeline.keys import json_digest
 
@@ -121,11 +134,12 @@ class InductorEntries:
     def get(self, namespace: str, inductor_key: str) -> bytes | None:
         """The value stored for ``inductor_key``, its kernel files placed first; None on a miss or any problem."""
         try:
-            key, _ = self.key(namespace, inductor_key)
+            key, components = self.key(namespace, inductor_key)
             res = self.store.lookup(key, trusted=self.trusted)  # code: the rows must agree with a trusted record
             if not res.hit:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"{namespace} entry {key[:12]} not served", self.store)
+                note_miss(key, components)  # for `adstore explain KEY`: the nearest entry and what differs
                 return None
             manifest = res.manifest
             if manifest is None or manifest.namespace != namespace or VALUE not in manifest.artifacts:
@@ -133,32 +147,60 @@ class InductorEntries:
                 return None
             data = read_trusted(self.store, manifest.artifacts[VALUE], self.trusted)
             self.materialize(manifest.artifacts, Path(_cache_dir()), _header_dir())
+            self._served(namespace, manifest.meta)
             return data
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor compiles
             note_failure(failure_reason(exc), f"{namespace} get: {exc}", self.store)
             return None
 
-    def put(self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = ()) -> None:
-        """Store ``data`` (and the kernel ``files``, paths under Inductor's cache directory) as one entry."""
+    def put(
+        self, namespace: str, inductor_key: str, data: bytes, files: Iterable[str] = (), seconds: float | None = None
+    ) -> None:
+        """Store ``data`` (and the kernel ``files``, paths under Inductor's cache directory) as one entry.
+
+        ``seconds``: how long Inductor took from its lookup to this save (the
+        compile a later hit saves; in the entry's meta as ``compile_seconds``).
+        """
         try:
             key, components = self.key(namespace, inductor_key)
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
-            self._publish(key, namespace, components, artifacts)
+            meta: dict[str, Any] = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
+            if namespace == NAMESPACES["RemoteFxGraphCache"]:
+                meta["paths"] = keyed_paths()  # its kernels' names hold them: a hit elsewhere says which differs
+            self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
+
+    def _served(self, namespace: str, meta: Any) -> None:
+        """Count a hit adstore served: per namespace, and the compile it saved (FX-graph entries only).
+
+        An AOTAutograd hit loads its FX graphs through the FX-graph cache, so
+        counting both entries' compile time would count the same compile twice.
+        """
+        self.served[namespace] += 1
+        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict):
+            explain_paths(path_differences(meta["paths"], keyed_paths()), self.store)
+        counts = {f"inductor.hits.{namespace}": 1}
+        seconds = meta.get("compile_seconds") if isinstance(meta, dict) else None
+        if namespace == NAMESPACES["RemoteFxGraphCache"] and isinstance(seconds, int | float) and seconds > 0:
+            counts["ms_saved"] = int(seconds * 1000)
+        self.store.count(counts)
 
     # -- the toolchain entry ------------------------------------------------------
     def restore_toolchain(self) -> int:
         """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
         try:
-            key, _ = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             res = self.store.lookup(key, trusted=self.trusted)
             if not res.hit or res.manifest is None:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
+                note_miss(key, components)
                 return 0
-            return self.materialize(res.manifest.artifacts, Path(_cache_dir()), _header_dir())
+            chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
+            explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
+            return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
@@ -175,11 +217,36 @@ class InductorEntries:
             if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
                 stored.update(res.manifest.artifacts)
                 return
-            artifacts = self.file_refs(files, cache_dir, header_dir)
-            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
+            old = res.manifest if res.hit else None
+            artifacts, meta = merge(
+                self._trusted_refs(old.artifacts) if old else None,
+                old.meta if old else None,
+                self.file_refs(files, cache_dir, header_dir),
+                install_paths(),
+            )
+            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts, meta)
             stored.update(artifacts)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
+
+    def _trusted_refs(self, artifacts: Any) -> dict[str, Any]:
+        """The artifacts whose blobs this user would load: a merged entry never republishes what it would refuse.
+
+        A header goes whole (its ``.h`` with its ``.gch``) when any of its files is refused.
+        """
+        refused: set[str] = set()
+        for name, ref in artifacts.items():
+            path = self.store.blob_path(ref)
+            try:
+                st = None if path is None else os.stat(path, follow_symlinks=False)
+            except OSError:
+                refused.add(name)
+                continue
+            writer = Writer(None) if st is None else Writer(st.st_uid, st.st_mode)
+            if refusal(self.store, writer, self.trusted) is not None:
+                refused.add(name)
+        gone = {header_of(n) for n in refused} - {None}
+        return {n: r for n, r in artifacts.items() if n not in refused and header_of(n) not in gone}
 
     # -- files ----------------------------------------------------------------------
     def materialize(self, artifacts: Any, cache_dir: Path, header_dir: Path | None) -> int:
@@ -213,9 +280,11 @@ class InductorEntries:
                 refs[name] = self.store.put_file(path)
         return refs
 
-    def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
+    def _publish(
+        self, key: str, namespace: str, components: dict[str, Any], artifacts: dict[str, Any], meta: Any = None
+    ) -> None:
         """One entry through the store's one publish path (a failed save leaves nothing)."""
-        meta = {"files": len(artifacts) - (VALUE in artifacts)}
+        meta = {"files": len(artifacts) - (VALUE in artifacts), **(meta or {})}
         if self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta, trusted=self.trusted):
             self.store.count_event("save")  # not when skipped: a blob another user owns (untrusted_dedup)
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,7 @@ class _State:
     saved_backends: dict[str, Any] = field(default_factory=dict)
     toolchain_stored: set[str] = field(default_factory=set)
     toolchain_restore: threading.Thread | None = None
+    local_hits_before: int = 0
 
 
 _lock = threading.Lock()
@@ -77,6 +80,7 @@ class AdstoreBackend(RemoteCacheBackend[bytes]):
         self.namespace = namespace
         # An FX-graph cache object lives for one compile: the kernels loaded from here to its put are its own.
         self._mark = RECORDER.mark()
+        self._asked = time.monotonic()  # a put's compile time runs from the lookup that missed
 
     def _get(self, key: str) -> bytes | None:
         entries = active()
@@ -84,6 +88,7 @@ class AdstoreBackend(RemoteCacheBackend[bytes]):
             return None
         if self.namespace == _FX:
             self._mark = RECORDER.mark()
+        self._asked = time.monotonic()
         return entries.get(self.namespace, key)
 
     def _put(self, key: str, data: bytes) -> None:
@@ -94,7 +99,7 @@ class AdstoreBackend(RemoteCacheBackend[bytes]):
             note_failure(str(Reason.INTEGRATION_ERROR), f"{self.namespace}: a value of type {type(data).__name__}")
             return
         files = RECORDER.since(self._mark) if self.namespace == _FX else []
-        entries.put(self.namespace, key, bytes(data), files)
+        entries.put(self.namespace, key, bytes(data), files, seconds=time.monotonic() - self._asked)
         if self.namespace == _FX:
             _save_toolchain()
 
@@ -143,7 +148,7 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
         return False
     import torch._inductor.remote_cache as remote_cache
 
-    state = _State(entries)
+    state = _State(entries, local_hits_before=_fx_hits())
     for cls_name, namespace in NAMESPACES.items():
         cls = getattr(remote_cache, cls_name, None)
         if cls is None:
@@ -209,6 +214,7 @@ def disable() -> None:
 
     RECORDER.before_toolchain = None
     RECORDER.uninstall()
+    _count_local_hits(state)
     for (module_name, flag), value in state.saved_flags.items():
         module = _module(module_name)
         if module is not None:
@@ -224,6 +230,22 @@ def disable() -> None:
             state.entries.store.close()
         except Exception as exc:  # noqa: BLE001 - closing is best effort at this point
             logger.debug("closing the store: %s", exc)
+
+
+def _fx_hits() -> int:
+    """Inductor's own count of FX-graph cache hits in this process (local and adstore's); 0 before Dynamo loads."""
+    utils = sys.modules.get("torch._dynamo.utils")  # never imported here: Dynamo costs ~1 s
+    return 0 if utils is None else int(utils.counters["inductor"]["fxgraph_cache_hit"])
+
+
+def _count_local_hits(state: _State) -> None:
+    """Count ``inductor.local_hits``: FX-graph hits Inductor served from its own directory while enabled."""
+    try:
+        local = _fx_hits() - state.local_hits_before - state.entries.served[_FX]
+        if local > 0:
+            state.entries.store.count({"inductor.local_hits": local})
+    except Exception as exc:  # noqa: BLE001 - counting is best effort
+        logger.debug("counting Inductor's local hits: %s", exc)
 
 
 _ABSENT = object()

@@ -1,0 +1,121 @@
+"""``adstore explain`` across hosts: a missed key against its nearest entry, and ``--host`` (docs/cli.md).
+
+A key that is not in the store has no components here, but the host that
+missed it journalled them (:mod:`adstore.integration.inductor.hostview`);
+:func:`nearest` finds the stored entry of the same namespace sharing most
+components with it and :func:`one_line` names what differs, in one line.
+``--host`` prints this host's key components and, when the store holds this
+toolchain's Inductor entry, whether its headers were built under this
+host's install paths.  Only ``--host`` imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from adstore.daemon.commands import _flatten, _short
+from adstore.store import Store
+
+__all__ = ["SCAN_LIMIT", "describe_difference", "host_view", "nearest", "one_line"]
+
+#: Entries of the namespace a miss compares with (most recently used first).
+SCAN_LIMIT = 512
+
+_MISSING = object()
+
+
+def describe_difference(path: str, stored: Any, here: Any) -> str:
+    """One field's difference; word lists (instruction-set flags) as the words only one side has."""
+    if isinstance(stored, str) and isinstance(here, str) and " " in stored + here:
+        a, b = set(stored.split()), set(here.split())
+        parts = []
+        if a - b:
+            parts.append("missing here: " + " ".join(sorted(a - b)[:12]))
+        if b - a:
+            parts.append("only here: " + " ".join(sorted(b - a)[:12]))
+        return f"{path} ({'; '.join(parts)})"
+    return f"{path} (entry {_short(stored, 48)}, here {_short(here, 48)})"
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    fa, fb = _flatten(dict(a)), _flatten(dict(b))
+    return [
+        (p, fa.get(p, "<absent>"), fb.get(p, "<absent>"))
+        for p in sorted(set(fa) | set(fb))
+        if fa.get(p, _MISSING) != fb.get(p, _MISSING)
+    ]
+
+
+def nearest(store: Store, components: Mapping[str, Any], namespace: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The stored entry (of ``namespace``) whose components share most with ``components``, and its components."""
+    entries = sorted(store.entries(namespace=namespace), key=lambda e: getattr(e, "last_access", 0.0), reverse=True)
+    best: tuple[tuple[int, int], str, dict[str, Any]] | None = None
+    for entry in entries[:SCAN_LIMIT]:
+        full = store.entry(entry.key)
+        theirs = dict(full.components) if full is not None and full.components else {}
+        if not theirs:
+            continue
+        shared = sum(1 for k in components if k in theirs and theirs[k] == components[k])
+        leaves = -len(_differences(theirs, components))
+        score = (shared, leaves)
+        if best is None or score > best[0]:
+            best = (score, entry.key, theirs)
+    return None if best is None else (best[1], best[2])
+
+
+def one_line(key: str, components: Mapping[str, Any], store: Store) -> tuple[str, dict[str, Any]]:
+    """The line naming why ``key`` (not in the store, ``components`` journalled) missed, and its data."""
+    namespace = components.get("namespace") if isinstance(components.get("namespace"), str) else None
+    found = nearest(store, components, namespace)
+    if found is None:
+        where = f"namespace {namespace}" if namespace else "the store"
+        return f"{key[:12]}: not in the store, and {where} holds no entry to compare with", {"nearest": None}
+    other, theirs = found
+    diffs = _differences(theirs, components)
+    named = [describe_difference(p, a, b) for p, a, b in diffs[:3]]
+    more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    text = (
+        f"{key[:12]}: not in the store; nearest entry {other[:12]} differs in {', '.join(named)}{more}"
+        if diffs
+        else f"{key[:12]}: not in the store; entry {other[:12]} has the same components (stored under another key)"
+    )
+    data = {"nearest": other, "differences": [{"path": p, "entry": a, "here": b} for p, a, b in diffs]}
+    return text, data
+
+
+def host_view(store: Store | None) -> tuple[str, dict[str, Any]]:
+    """``adstore explain --host``: this host's key components, and its toolchain entry's install paths."""
+    from adstore.integration.inductor.hostview import host_report
+    from adstore.integration.inductor.toolchain_entry import choose, path_differences
+
+    report = host_report()
+    lines = ["this host's key components:"]
+    for path, value in _flatten({k: report[k] for k in ("toolchain", "torch_key", "user")}).items():
+        lines.append(f"  {path} = {_short(value, 100)}")
+    lines.append("install paths (Inductor's header and kernel names hold those marked *):")
+    for name, value in report["paths"].items():
+        lines.append(f"  {'*' if name in report['keyed_paths'] else ' '} {name} = {value}")
+    report["toolchain_entry_paths"] = None
+    key = report["toolchain_entry"]
+    if store is None:
+        lines.append("toolchain entry: no store to look in")
+    else:
+        manifests = store.manifests(key) if store.entry(key) is not None else []
+        if not manifests:
+            lines.append(f"toolchain entry {key[:12]}: not in the store (this toolchain compiled nothing here yet)")
+        else:
+            meta, artifacts = manifests[0].meta, manifests[0].artifacts
+            chosen, differs = choose(artifacts, meta, report["paths"])
+            headers = [h for h in meta.get("headers", []) if isinstance(h, dict)]
+            report["toolchain_entry_paths"] = [h.get("paths") for h in headers]
+            if differs:
+                lines.append(
+                    f"toolchain entry {key[:12]}: no header built under this host's paths: " + "; ".join(differs)
+                )
+            elif headers:
+                fits = sum(1 for h in headers if not path_differences(h.get("paths") or {}, report["paths"]))
+                lines.append(f"toolchain entry {key[:12]}: {fits} of {len(headers)} header(s) built under these paths")
+            else:
+                lines.append(f"toolchain entry {key[:12]}: {len(chosen)} file(s), built before headers recorded paths")
+    return "\n".join(lines), report
