@@ -11,16 +11,15 @@ generation with it (invariant 4).  All of it runs inside one
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BlobMissing, CorruptRow, InvalidKey, KeyNotFound, StoreError
+from .errors import BlobMissing, CorruptRow, InvalidKey, KeyNotFound, ManifestGone, StoreError
 from .index.entryrows import Removal
-from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
+from .index.rows import BlobRef, Entry, Manifest, manifest_key, manifest_producer, validate_json
 from .index.shadows import PINNED, Head, to_entry
 from .index.tables import Txn
-from .leases import hostname
+from .leases import producer, producer_is_live
 from .names import (
     validate_artifact_name,
     validate_generation,
@@ -30,7 +29,17 @@ from .names import (
     validate_world_size,
 )
 
-__all__ = ["FileCheck", "validate_publish", "publish", "commit", "abort", "drop_entry", "drop_if_empty", "set_pinned"]
+__all__ = [
+    "FileCheck",
+    "validate_publish",
+    "publish",
+    "commit",
+    "abort",
+    "drop_entry",
+    "drop_if_empty",
+    "in_flight_row",
+    "set_pinned",
+]
 
 #: ``file_ok(digest, size)``: is the blob file of that digest on disk with that size?
 FileCheck = Callable[[str, int], bool]
@@ -94,7 +103,7 @@ def publish(
         artifacts=dict(artifacts),
         committed=False,
         namespace=namespace,
-        producer={"host": hostname(), "pid": os.getpid(), "uid": os.geteuid()},
+        producer=producer(),
         created=now,
         meta=dict(meta),
     )
@@ -117,7 +126,7 @@ def commit(
     """
     manifest = t.manifest(key, rank, generation)
     if manifest is None:
-        raise StoreError(f"no manifest to commit for {key} rank {rank} generation {generation}")
+        raise ManifestGone(key, rank, generation)
     manifest.committed = True
     t.put_manifest(manifest)
     now = t.clock()
@@ -190,11 +199,13 @@ def drop_entry(
     them once).
     ``entry`` is the decoded row when the caller has it, ``shadow`` its
     shadow and head (see :meth:`Txn.take_manifests_of`).  With
-    ``keep_pending_since``, uncommitted manifests created since then (a save
-    in flight) are kept with an empty entry, so eviction does not make that
-    save's commit fail.
+    ``keep_pending_since``, uncommitted manifests created since then, or
+    published by a process of this host that still runs (a save in flight,
+    :func:`in_flight_row`), are kept with an empty entry, so eviction does
+    not make that save's commit fail.
     """
-    taken, kept = t.take_manifests_of(key, keep_pending_since=keep_pending_since, shadow=shadow)
+    in_flight = in_flight_row if keep_pending_since is not None else None
+    taken, kept = t.take_manifests_of(key, keep_pending_since=keep_pending_since, in_flight=in_flight, shadow=shadow)
     if entry is None and shadow is not None:
         if not kept:  # the usual case: no objects needed
             head = shadow[1]
@@ -211,6 +222,16 @@ def drop_entry(
     else:
         t.drop_entry(key, entry)
     return taken
+
+
+def in_flight_row(raw: bytes) -> bool:
+    """Whether an uncommitted manifest row is a save in flight: its producer still runs on this host.
+
+    gc (sweep, eviction) never takes such a row, whatever the grace period:
+    only its publisher commits or aborts it, and a killed publisher's row
+    goes once it is past the grace period.
+    """
+    return producer_is_live(manifest_producer(raw))
 
 
 def set_pinned(t: Txn, key: str, pinned: bool) -> None:

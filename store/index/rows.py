@@ -33,6 +33,7 @@ __all__ = [
     "split_manifest_key",
     "manifest_refs",
     "ManifestRefs",
+    "manifest_producer",
     "BLOB_ROW",
     "pack_inline",
     "unpack_inline",
@@ -257,6 +258,13 @@ def manifest_refs(raw: bytes) -> ManifestRefs:
     if all(is_digest(d) for d in found):
         return found, committed, created
     return tuple(d for d in found if is_digest(d)), committed, created
+
+
+def manifest_producer(raw: bytes) -> dict[str, Any]:
+    """The ``producer`` of a manifest row (host, pid, start time), decoding only that; {} when unreadable."""
+    obj = _json_object(raw)
+    found = obj.get("p") if isinstance(obj, dict) else None
+    return dict(found) if isinstance(found, dict) else {}
 
 
 @dataclass(slots=True)

@@ -202,14 +202,20 @@ class Txn(EntryRows, BlobRows):
             self._drops().manifests.append((mk, BOTH_RECORDS))
 
     def take_manifests_of(
-        self, key: str, *, keep_pending_since: float | None = None, shadow: tuple[bytes, Head] | None = None
+        self,
+        key: str,
+        *,
+        keep_pending_since: float | None = None,
+        in_flight: Callable[[bytes], bool] | None = None,
+        shadow: tuple[bytes, Head] | None = None,
     ) -> tuple[Sequence[bytes], bool]:
         """Delete every manifest row of ``key``; returns the references they held and whether one was kept.
 
         References are 32-byte digests, one per manifest and digest; they
         are *not* released here (a batch counts them and calls
         :meth:`release_counts` once).  With ``keep_pending_since``,
-        uncommitted rows created since then (a save in flight) are kept.
+        uncommitted rows created since then, or for which ``in_flight(row)``
+        says a live process is still saving them, are kept.
         When the rows are exactly the ones the entry's ``shadow`` (and its
         head) was made from, their references come from it; otherwise each
         row is decoded.
@@ -226,7 +232,11 @@ class Txn(EntryRows, BlobRows):
         kept = False
         for mk, raw in zip(keys, rows, strict=True):
             digests, committed, created = manifest_refs(raw)
-            if keep_pending_since is not None and not committed and created >= keep_pending_since:
+            if (
+                keep_pending_since is not None
+                and not committed
+                and (created >= keep_pending_since or (in_flight is not None and in_flight(raw)))
+            ):
                 kept = True
                 continue
             taken += [bytes.fromhex(d) for d in digests]

@@ -24,7 +24,7 @@ from ..errors import CorruptRow
 from ..index.ballast import spending_allowed
 from ..index.rows import BlobRef, BlobRow, Manifest, manifest_key
 from ..index.tables import Tables, Txn
-from ..leases import live_leases
+from ..leases import live_leases, producer_is_live
 from ..manifests import drop_if_empty
 from ..names import is_digest
 from ..records.files import RecordFiles, mtime_of
@@ -132,8 +132,8 @@ class Sweeper:
                     m = Manifest.decode(mk, raw)
                 except CorruptRow:
                     continue
-                if not m.committed and m.created <= old:
-                    stale.append(m)
+                if not m.committed and m.created <= old and not producer_is_live(m.producer):
+                    stale.append(m)  # a save in flight on this host is never stale
             _, dead = live_leases(t, now)
         orphans: list[Path] = []
         for sub in sorted(layout.blobs.iterdir()) if layout.blobs.exists() else []:
@@ -162,8 +162,8 @@ class Sweeper:
                 mk = manifest_key(planned.key, planned.rank, planned.generation)
                 raw = t.manifest_row(mk)
                 m = Manifest.decode(mk, raw) if raw is not None else None
-                if m is None or m.committed or m.created > now - self.grace:  # committed or published again
-                    continue
+                if m is None or m.committed or m.created > now - self.grace or producer_is_live(m.producer):
+                    continue  # committed, published again, or by a process saving it now
                 zero += t.drop_manifest(m)  # the references the row holds now, not the ones planned
                 drop_if_empty(t, m.key)
             _, dead = live_leases(t, now)

@@ -28,6 +28,7 @@ from ..index.rows import BlobRow, Entry, Manifest, manifest_key, split_manifest_
 from ..index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
 from ..index.tables import Tables, Txn
 from ..layout import Layout
+from ..leases import producer_is_live
 from ..names import validate_key
 from ..reading import VerifiedRead, open_blob
 from ..reasons import Reason
@@ -319,7 +320,7 @@ def _check_references(
                 f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current",
             )
             doomed.append(m)
-        if not m.committed and now - m.created > grace_period:
+        if not m.committed and now - m.created > grace_period and not producer_is_live(m.producer):
             rep.add(
                 Reason.STALE_MANIFEST,
                 m.key,

@@ -121,6 +121,21 @@ def test_plan_remove(store):
         store.plan_remove(["nope"])
 
 
+def in_killed_writer(publish) -> None:
+    """``publish()`` in a forked writer that exits before its commit: a manifest gc may sweep (its producer is
+    dead; a live producer's save is in flight and kept, test_save_in_flight.py)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            publish()
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_sweep_collects_leftovers_of_killed_writers(store):
     save(store, "k")
     (store.root / "tmp" / "123-dead.tmp").write_bytes(b"x" * 1000)
@@ -130,7 +145,7 @@ def test_sweep_collects_leftovers_of_killed_writers(store):
     (store.root / "blobs" / digest[:2] / digest).write_bytes(orphan)
     ref = store.put_bytes(b"u" * 80_000)
     gen = store.new_generation()
-    store.publish("pending", generation=gen, artifacts={"u": ref})
+    in_killed_writer(lambda: store.publish("pending", generation=gen, artifacts={"u": ref}))
     rep = store.verify()
     assert rep.ok and rep.warnings  # leftovers are warnings, not violations
     plan = store.plan_sweep()
@@ -150,10 +165,11 @@ def test_sweep_releases_what_a_stale_manifest_holds_when_it_runs(store):
     releases the references of the row it drops, not those it planned (once each, never twice)."""
     first, second = store.put_bytes(b"1" * 70_000), store.put_bytes(b"2" * 70_000)
     gen = store.new_generation()
-    store.publish("pending", generation=gen, artifacts={"a": first})
+    in_killed_writer(lambda: store.publish("pending", generation=gen, artifacts={"a": first}))
     plan = store.plan_sweep()
     assert plan.to_dict()["stale_manifests"] == 1
-    store.publish("pending", generation=gen, artifacts={"a": second})  # releases `first`, holds `second`
+    # releases `first`, holds `second`
+    in_killed_writer(lambda: store.publish("pending", generation=gen, artifacts={"a": second}))
     plan.execute()
     assert store.manifests("pending") == []
     rep = store.verify()
