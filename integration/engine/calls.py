@@ -63,7 +63,15 @@ class CallBinding:
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule) -> CallBinding:
-        """The binding of ``gm``'s own ``forward`` (its codegen's ``orig_args`` and ``in_spec``, if it has them)."""
+        """The binding of ``gm``'s own ``forward`` (its codegen's ``orig_args`` and ``in_spec``, if it has them).
+
+        A lazy GraphModule (a restored snapshot, a graph recompiled by the
+        pipeline) has a ``forward(*args, **kwargs)`` stand-in until its code
+        is generated: it is generated here, as its first call would.
+        """
+        needs, generate = getattr(gm, "_needs_recompile", None), getattr(gm, "real_recompile", None)
+        if callable(needs) and callable(generate) and needs():
+            generate()
         signature = inspect.signature(gm.forward)
         info = getattr(gm.graph._codegen, "pytree_info", None)
         if info is not None and info.in_spec is not None:
