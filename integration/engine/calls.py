@@ -69,10 +69,7 @@ class CallBinding:
         pipeline) has a ``forward(*args, **kwargs)`` stand-in until its code
         is generated: it is generated here, as its first call would.
         """
-        needs, generate = getattr(gm, "_needs_recompile", None), getattr(gm, "real_recompile", None)
-        if callable(needs) and callable(generate) and needs():
-            generate()
-        signature = inspect.signature(gm.forward)
+        signature = inspect.signature(_generated(gm).forward)
         info = getattr(gm.graph._codegen, "pytree_info", None)
         if info is not None and info.in_spec is not None:
             return cls(signature, tuple(info.orig_args), info.in_spec)
@@ -94,7 +91,7 @@ class CallBinding:
             except Exception:  # noqa: BLE001 - no signature: calls bind as export's spec says
                 return None
         form = _args_kwargs(in_spec)
-        forward = getattr(module, "forward", None)
+        forward = getattr(_generated(module), "forward", None)
         if form is None or forward is None:
             return None
         try:
@@ -208,6 +205,14 @@ def first_difference(specs: Sequence[CompiledInput], values: Sequence[Any]) -> s
         if why is not None:
             return f"input {i}: {why}"
     return None
+
+
+def _generated(module: Any) -> Any:
+    """``module``, its code generated first if it is a lazy GraphModule (whose ``forward`` is a stand-in)."""
+    needs, generate = getattr(module, "_needs_recompile", None), getattr(module, "real_recompile", None)
+    if callable(needs) and callable(generate) and needs():
+        generate()
+    return module
 
 
 def _same_value(a: Any, b: Any) -> bool:

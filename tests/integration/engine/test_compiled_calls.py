@@ -69,6 +69,12 @@ def test_a_lazy_graph_module_binds_by_its_generated_forward():
     assert lazy._needs_recompile()
     binding = CallBinding.of_graph(lazy)
     assert binding.names == ("x", "y") and binding.flatten((), {"y": Y, "x": X}) == [X, Y]
+    again = _LazyGraphModule(gm, gm.graph)  # an engine made from a lazy module binds by its names too
+    again.graph._codegen = gm.graph._codegen
+    again.recompile()
+    in_spec = torch.export.export(Sub(), (X, Y)).call_spec.in_spec
+    engine_binding = CallBinding.of_model(again, in_spec)
+    assert engine_binding is not None and engine_binding.flatten((), {"y": Y, "x": X}) == [X, Y]
 
 
 def test_the_binding_follows_python_and_the_exported_spec():
