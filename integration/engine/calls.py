@@ -188,7 +188,9 @@ class CompiledInput:
                 return f"compiled for {self.dtype} {len(self.shape)}-d on {self.device}, got {_tensor(value)}"
             if any(want is not None and want != got for want, got in zip(self.shape, value.shape, strict=True)):
                 return f"compiled for sizes {list(self.shape)}, got {list(value.shape)}"
-            if self.stride is not None and tuple(value.stride()) != self.stride:
+            if self.stride is not None and any(  # a dimension of size 1 is never stepped over
+                n > 1 and got != want for n, got, want in zip(value.shape, value.stride(), self.stride, strict=True)
+            ):
                 return f"compiled for strides {list(self.stride)}, got {list(value.stride())}"
             return None
         if isinstance(value, torch.Tensor) or not _same_value(value, self.value):

@@ -98,6 +98,7 @@ def test_other_values_are_not_the_compiled_inputs():
     assert "sizes [2], got [3]" in first_difference(specs, [torch.ones(3), 2.0])
     assert "torch.float64" in first_difference(specs, [X.double(), 2.0])
     assert "strides" in first_difference([CompiledInput.of(torch.ones(2, 3))], [torch.ones(3, 2).t()])
+    assert first_difference([CompiledInput.of(torch.ones(1, 3))], [torch.ones(3, 1).t()]) is None  # size-1 dim
     assert first_difference([CompiledInput.of(torch.ones(2, 3), dynamic=[True, False])], [torch.ones(5, 3)]) is None
     assert "3 inputs" not in (first_difference(specs, [X]) or "")
     assert first_difference(specs, [X]) == "2 inputs were compiled, the call has 1"
