@@ -115,7 +115,9 @@ class StillOverBudget(DaemonError):
             reasons.append(f"the whole store is {human_size(store_bytes)}, other files fill the filesystem")
         if parts:
             reasons.append("kept by " + ", ".join(parts))
-        why = "; ".join(reasons) or "kept by unreferenced blobs inside the grace period (a later sweep frees them)"
+        why = "; ".join(reasons) or (
+            "kept by unreferenced blobs inside the grace period (a later sweep frees them) or by saves in flight"
+        )
         amount = human_size(over) + (f" ({over} bytes)" if over >= 1024 else "")
         super().__init__(f"still {amount} over {limit}: {why}")
 

@@ -20,6 +20,7 @@ __all__ = [
     "CacheKeyError",
     "IncompatibleEnv",
     "EngineCacheError",
+    "InputMismatch",
     "CorruptEngine",
     "TruncatedEngine",
     "EngineMismatch",
@@ -126,6 +127,18 @@ class EngineMismatch(EngineCacheError):
     def __init__(self, what: str, message: str) -> None:
         self.what = what
         super().__init__(f"engine {what} mismatch: {message}")
+
+
+class InputMismatch(EngineMismatch, TypeError):
+    """A call of an engine with inputs other than those it was compiled for (a size, a dtype, another scalar).
+
+    The engine would read them as the compiled ones and answer wrongly, so it
+    refuses the call instead; compile for these inputs (docs/engine-cache.md,
+    "How a compiled stage is called").
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("inputs", message)
 
 
 class EngineUnavailable(EngineCacheError):

@@ -21,6 +21,7 @@ __all__ = [
     "KeyNotFound",
     "AmbiguousKey",
     "BlobMissing",
+    "ManifestGone",
     "NotABlobFile",
     "Unreadable",
     "BlobUnreadable",
@@ -118,6 +119,22 @@ class BlobMissing(StoreError):
         self.digest = digest
         self.detail = detail
         super().__init__(f"blob {digest} is missing" + (f": {detail}" if detail else ""))
+
+
+class ManifestGone(StoreError):
+    """A commit found no published manifest: something removed it between the publish and the commit.
+
+    gc never takes the manifest of a save in flight on this host (its
+    producer is a live process); what is left is a save from another host
+    cut past the grace period, an entry removed by name, or a manifest
+    aborted.  The save failed whole: nothing of it is restorable.
+    """
+
+    reason: Reason = Reason.STALE_MANIFEST
+
+    def __init__(self, key: str, rank: int, generation: int) -> None:
+        self.key, self.rank, self.generation = key, rank, generation
+        super().__init__(f"no manifest to commit for {key} rank {rank} generation {generation}")
 
 
 class NotABlobFile(BlobMissing):

@@ -3,7 +3,9 @@
 A lease records pid *and* the process start time (psutil), so a pid reused
 by another process after the holder died does not keep the entry pinned.
 Leases from another host cannot be checked, so they count until they expire
-(docs/architecture.md, "How an entry lives").
+(docs/architecture.md, "How an entry lives").  A published manifest names
+its producer the same way, so a save in flight is never cut by gc
+(:func:`in_flight`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import BlobMissing, CorruptRow, InvalidKey, KeyNotFound, StoreError
+from .errors import BlobMissing, CorruptRow, InvalidKey, KeyNotFound, ManifestGone, StoreError
 from .index.entryrows import Removal
 from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .index.shadows import PINNED, Head, to_entry
@@ -116,7 +116,7 @@ def commit(
     """
     manifest = t.manifest(key, rank, generation)
     if manifest is None:
-        raise StoreError(f"no manifest to commit for {key} rank {rank} generation {generation}")
+        raise ManifestGone(key, rank, generation)
     manifest.committed = True
     t.put_manifest(manifest)
     now = t.clock()

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from adstore.integration.engine.calls import CallBinding
 from adstore.integration.engine.codefiles import private_path
 from adstore.integration.engine.index import EngineIndex, component_digests
 from adstore.integration.engine.runtime import (
@@ -31,6 +32,7 @@ from adstore.integration.engine.runtime import (
     load_runner,
     module_weights,
     refit,
+    runner_in_spec,
     validate_record,
     validate_runner,
 )
@@ -48,8 +50,12 @@ logger = logging.getLogger(__name__)
 class EngineModule(nn.Module):
     """What the ``aoti`` compile stage returns: the engine, called like the module it replaced.
 
-    The weights live in the engine (a refit copies them in), so the module
-    the engine was made from can be dropped.
+    A call is bound as that module binds it (keyword arguments by name) and
+    runs only with the inputs the engine was compiled for; any other (a
+    size, a dtype, another scalar) raises
+    :class:`~adstore.integration.errors.InputMismatch` instead of a wrong
+    answer.  The weights live in the engine (a refit copies them in), so the
+    module the engine was made from can be dropped.
     """
 
     def __init__(self, engine: CompiledEngine) -> None:
@@ -133,7 +139,17 @@ def restore(
         transferred=(entry.transferred or 0) + (record.transferred or 0),
         detail=f"engine {entry.engine[:12]}",
     )
-    engine = CompiledEngine(runner, hash=entry.engine, meta=meta, event=event, code_constants={}, timings=timings)
+    binding = CallBinding.of_model(module, runner_in_spec(runner))  # how ``module`` is called
+    engine = CompiledEngine(
+        runner,
+        hash=entry.engine,
+        meta=meta,
+        event=event,
+        code_constants={},
+        timings=timings,
+        binding=binding,
+        example_inputs=example_inputs,
+    )
     return (EngineModule(engine), event), None, ""
 
 

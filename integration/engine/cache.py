@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from adstore.integration.engine.calls import CallBinding
 from adstore.integration.engine.hashing import as_tuple, hash_components
 from adstore.integration.engine.packages import PackageLRU
 from adstore.integration.engine.record import EngineRecord, check_package_file
@@ -80,6 +81,14 @@ class _Request:
     code_consts: dict[str, torch.Tensor]
     timings: dict[str, float]
     start: float
+    inputs: tuple[Any, ...] = ()
+    binding: CallBinding | None = None
+
+    def engine(self, runner: Any, **fields: Any) -> CompiledEngine:
+        """The engine of this request: ``runner``, called like the model (its binding, checked against its inputs)."""
+        return CompiledEngine(
+            runner, code_constants=self.code_consts, binding=self.binding, example_inputs=self.inputs, **fields
+        )
 
 
 class EngineCache:
@@ -200,6 +209,8 @@ class EngineCache:
             code_consts=code_consts,
             timings={"export": export_seconds, "hash": time.perf_counter() - t_hash},
             start=start,
+            inputs=example_inputs,
+            binding=CallBinding.of_model(model, ep.call_spec.in_spec),
         )
 
     # -- hit ---------------------------------------------------------------
@@ -207,7 +218,7 @@ class EngineCache:
         h = req.hash
         assert h is not None
         ep, weights, spec, timings = req.ep, req.weights, req.spec, req.timings
-        inductor_configs, code_consts = req.inductor_configs, req.code_consts
+        inductor_configs = req.inductor_configs
         t0 = time.perf_counter()
         source = Source.MEMORY
         cached = self._memory.get(h)
@@ -279,7 +290,7 @@ class EngineCache:
             transferred=(record.transferred or 0) if record is not None else 0,
         )
         logger.info("engine cache hit %s from %s (%.3fs, ~%.1fs saved)", h[:12], source, elapsed, saved)
-        engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
+        engine = req.engine(runner, hash=h, meta=meta, event=event, timings=timings)
         return engine, None, ""
 
     def _why_absent(self, req: _Request) -> tuple[Reason, str]:
@@ -336,7 +347,7 @@ class EngineCache:
 
     def _compile_miss(self, req: _Request, reason: Reason | None, detail: str) -> CompiledEngine:
         h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
-        inductor_configs, code_consts, components = req.inductor_configs, req.code_consts, req.components
+        inductor_configs, components = req.inductor_configs, req.components
         backend = self.backend
         path = self._memory.new_path()
         try:
@@ -377,7 +388,7 @@ class EngineCache:
             kind, reason=reason, key=h, source=Source.COMPILED, detail=detail, seconds=compile_seconds, saved=saved
         )
         logger.info("engine cache %s (%s): compiled %s in %.1fs", kind, reason, h and h[:12], compile_seconds)
-        engine = CompiledEngine(runner, hash=h, meta=meta, event=event, code_constants=code_consts, timings=timings)
+        engine = req.engine(runner, hash=h, meta=meta, event=event, timings=timings)
         engine.timings["total"] = time.perf_counter() - req.start
         return engine
 
@@ -406,14 +417,7 @@ class EngineCache:
             seconds=seconds,
         )
         meta = {"constants": req.spec, "payload": {"weights_included": True}}
-        return CompiledEngine(
-            runner,
-            hash=None,
-            meta=meta,
-            event=event,
-            code_constants=req.code_consts,
-            timings={**req.timings, "compile": seconds},
-        )
+        return req.engine(runner, hash=None, meta=meta, event=event, timings={**req.timings, "compile": seconds})
 
 
 # --------------------------------------------------------------------------- module API

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
+from adstore.integration.engine.calls import CallBinding, CompiledInput, first_difference
 from adstore.integration.engine.hashing import call_spec
 from adstore.integration.engine.toolchain import toolchain_identity
-from adstore.integration.errors import EngineMismatch
+from adstore.integration.errors import EngineMismatch, InputMismatch
 from adstore.integration.pipeline.envcheck import env_differences
 from adstore.integration.pipeline.events import CacheEvent, Source
 from adstore.integration.pipeline.keys import json_digest
@@ -41,6 +42,7 @@ __all__ = [
     "module_weights",
     "record_components",
     "refit",
+    "runner_in_spec",
     "validate_meta",
     "validate_record",
     "validate_runner",
@@ -246,6 +248,8 @@ class CompiledEngine:
         event: CacheEvent,
         code_constants: Mapping[str, torch.Tensor],
         timings: Mapping[str, float],
+        binding: CallBinding | None = None,
+        example_inputs: Sequence[Any] | None = None,
     ) -> None:
         self._runner = runner
         self.hash = hash
@@ -253,13 +257,34 @@ class CompiledEngine:
         self.event = event
         self._code_constants = dict(code_constants)
         self.timings = dict(timings)
+        self._in_spec = runner_in_spec(runner)
+        self._binding = binding
+        self._inputs = _input_specs(example_inputs, self._in_spec, self.meta)
 
     @property
     def source(self) -> Source:
         return self.event.source
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runner(*args, **kwargs)
+        """Run the engine on a call bound as the model binds it; InputMismatch for inputs it was not compiled for.
+
+        The package takes its tensors flat and reads them as the compiled
+        ones, whatever they are: keyword arguments are bound by name (the
+        model's signature, then the exported input spec) and every input is
+        checked against the example it was compiled for before it runs.  An
+        engine made without its example inputs runs the call as given.
+        """
+        if self._inputs is None:
+            return self._runner(*args, **kwargs)
+        if self._binding is not None:
+            flat = self._binding.flatten(args, kwargs)
+        else:
+            flat = CallBinding.positional(self._in_spec, args, kwargs)
+        why = first_difference(self._inputs, flat)
+        if why is not None:
+            raise InputMismatch(f"engine {self.hash and self.hash[:12]}: {why}")
+        call_args, call_kwargs = pytree.tree_unflatten(flat, self._in_spec)
+        return self._runner(*call_args, **call_kwargs)
 
     def refit(self, weights: Any) -> float:
         """Swap in new weights (an nn.Module, ExportedProgram or fqn->tensor mapping); returns seconds.
@@ -273,6 +298,39 @@ class CompiledEngine:
 
     def __repr__(self) -> str:
         return f"CompiledEngine(hash={self.hash and self.hash[:12]}, source={self.source})"
+
+
+def runner_in_spec(runner: Any) -> Any:
+    """The exported input spec of a loaded package (None if its loader does not say)."""
+    try:
+        return pytree.treespec_loads(runner.loader.get_call_spec()[0])
+    except Exception:  # noqa: BLE001 - a runner without torch's loader: calls go through as given
+        return None
+
+
+def _input_specs(
+    example_inputs: Sequence[Any] | None, in_spec: Any, meta: Mapping[str, Any]
+) -> list[CompiledInput] | None:
+    """What each flat input was compiled for: the example's leaves, a tensor's symbolic sizes left free.
+
+    None (no check) without example inputs, or when they do not flatten to the package's input spec.
+    """
+    if example_inputs is None or in_spec is None:
+        return None
+    leaves, spec = pytree.tree_flatten((tuple(example_inputs), {}))
+    if spec != in_spec:
+        return None
+    shapes = [i.get("shape") for i in meta.get("inputs") or () if isinstance(i, Mapping) and "shape" in i]
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    dims = iter(shapes if len(shapes) == len(tensors) else [None] * len(tensors))
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = next(dims)
+            out.append(CompiledInput.of(leaf, dynamic=[not str(d).isdigit() for d in shape] if shape else None))
+        else:
+            out.append(CompiledInput.of(leaf))
+    return out
 
 
 def _io_meta(ep: torch.export.ExportedProgram) -> tuple[list[Any], list[Any]]:

@@ -21,7 +21,8 @@ ISA the CPU and compiler support, by loading small probe libraries each in a
 fresh Python process (about 0.2 s each, over a second in all): the stage
 records those answers with the entry and gives them back on a restore
 (:func:`isa_probes`), whose key already pins the CPU's flags and the
-compiler.  A call with other input shapes than the compiled ones goes to
+compiler.  A call is bound by name as the graph binds it, and one with
+other inputs than the compiled ones (shapes, another scalar) goes to
 ``torch.compile`` of the graph, as the stage did before
 (docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
 """
@@ -42,6 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from adstore.integration.engine.calls import CallBinding, CompiledInput, first_difference
 from adstore.integration.errors import IntegrationError
 
 __all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "isa_probes", "load"]
@@ -173,10 +175,16 @@ def isa_probes(known: Mapping[str, Any]) -> Iterator[dict[str, bool]]:
 class StandaloneModule(nn.Module):
     """What the stage returns: the compiled artifact, called like the GraphModule it was made from.
 
-    ``graph`` keeps the weights (passed to the artifact on every call, so a
-    module moved or refit in place is what runs) and serves any call whose
-    inputs differ from the compiled ones, through ``torch.compile`` (made on
-    first need).
+    A call is bound as the GraphModule's own ``forward`` binds it
+    (:class:`~adstore.integration.engine.calls.CallBinding`: keyword
+    arguments by name, through the exported input spec), and runs the
+    artifact only when every input is what was compiled: tensors of the same
+    dtype, device, sizes and strides, any other value equal and of the same
+    type.  Any other call (other shapes, another scalar, an argument the
+    graph does not take) goes to ``torch.compile`` of the graph, made on
+    first need, which binds and guards as the graph does.  ``graph`` keeps
+    the weights (passed to the artifact on every call, so a module moved or
+    refit in place is what runs).
     """
 
     def __init__(self, graph: fx.GraphModule, flat: FlatGraph, compiled: Any, example_inputs: Sequence[Any]) -> None:
@@ -184,27 +192,26 @@ class StandaloneModule(nn.Module):
         self.graph = graph
         self._flat = flat
         self._compiled = compiled
-        self._specs = [_spec(t) for t in example_inputs]
-        self._weights = [_spec(t) for t in flat.tensors(graph)]
+        self._binding = CallBinding.of_graph(graph)
+        self._specs = [CompiledInput.of(v) for v in example_inputs]
+        self._weights = [CompiledInput.of(t) for t in flat.tensors(graph)]
         self._fallback: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        try:
+            inputs = self._binding.flatten(args, kwargs)
+        except TypeError as exc:  # the graph refuses it too: torch.compile of the graph raises the graph's error
+            return self._other_inputs(f"the call does not bind ({exc})", args, kwargs)
         weights = self._flat.tensors(self.graph)
-        if [_spec(t) for t in leaves] != self._specs or [_spec(t) for t in weights] != self._weights:
-            return self._other_inputs(*args, **kwargs)
-        out = pytree.tree_unflatten(list(self._compiled(*weights, *leaves)), self._flat.out_spec)
+        why = first_difference(self._specs, inputs) or first_difference(self._weights, weights)
+        if why is not None:
+            return self._other_inputs(why, args, kwargs)
+        out = pytree.tree_unflatten(list(self._compiled(*weights, *inputs)), self._flat.out_spec)
         codegen = self.graph.graph._codegen
         return codegen.process_outputs(out) if hasattr(codegen, "pytree_info") else out
 
-    def _other_inputs(self, *args: Any, **kwargs: Any) -> Any:
+    def _other_inputs(self, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._fallback is None:
-            logger.warning("compile stage: inputs other than the compiled ones; torch.compile serves them")
+            logger.warning("compile stage: inputs other than the compiled ones (%s); torch.compile serves them", why)
             self._fallback = torch.compile(self.graph, dynamic=False)
         return self._fallback(*args, **kwargs)
-
-
-def _spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device)
-    return ("value", type(value).__name__)

@@ -144,9 +144,28 @@ class RestoredGuards(torch.nn.Module):
         if gm is None:
             return None
         placeholders = gm.graph.find_nodes(op="placeholder")
-        flat = [((pytree.SequenceKey(i),), a) for i, a in enumerate(args)]
-        _check_input_constraints_for_graph(placeholders, flat, getattr(gm, "range_constraints", {}) or {})
+        _check_input_constraints_for_graph(
+            placeholders, _with_paths(gm, args), getattr(gm, "range_constraints", {}) or {}
+        )
         return None
+
+
+def _with_paths(gm: torch.fx.GraphModule, args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+    """The placeholders' values with export's key paths (``*args[0]``, ``y``), which torch's error names.
+
+    Paths of the form ``(args or kwargs, key, ...)``, from the graph's input
+    spec: a 1-element path made torch's message itself fail (``IndexError``)
+    where it should say which input was not the exported value.
+    """
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None:
+        try:
+            flat = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(args), spec))[0]
+        except (TypeError, ValueError, IndexError):
+            flat = []
+        if len(flat) == len(args):
+            return flat
+    return [((pytree.SequenceKey(0), pytree.SequenceKey(i)), a) for i, a in enumerate(args)]
 
 
 def _is_export_hook_lambda(fn: Any) -> bool:

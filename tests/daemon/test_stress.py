@@ -9,8 +9,9 @@ classified:
 * errors — any exception other than the fail-open ones below (must be 0);
 * wrong reads — bytes or modules of another key/generation/rank (must be 0);
 * fail-open misses — a lookup miss, a read that finds the entry evicted after
-  an unleased lookup (``BlobMissing``), a save whose entry was evicted between
-  publish and commit: counted and reported, they are what a cache may do
+  an unleased lookup (``BlobMissing``), a save whose blob was swept between
+  put and publish or whose manifest was swept past the grace period
+  (``ManifestGone``): counted and reported, they are what a cache may do
   under a tight budget;
 * reads under a lease must never miss (the daemon must skip leased entries).
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import pytest
 from daemon_support import wait_until, write_config
 
-from adstore.store import BlobMissing, ChecksumMismatch, OverBudget, Store, StoreError
+from adstore.store import BlobMissing, ChecksumMismatch, ManifestGone, OverBudget, Store, StoreError
 from adstore.store.fsutil import atomic_write
 from adstore.store.index.rows import ACCESS_ROW
 
@@ -157,8 +158,8 @@ class _Worker:
                 try:
                     self.snap_save(key, n)
                 except StoreError as exc:
-                    if "no manifest to commit" in str(exc) or isinstance(exc, BlobMissing):
-                        return "snapshot_dump", f"raced.{exc.reason}"  # evicted between publish and commit
+                    if isinstance(exc, ManifestGone | BlobMissing):
+                        return "snapshot_dump", f"raced.{exc.reason}"  # cut between put, publish and commit
                     if isinstance(exc, OverBudget):
                         return "snapshot_dump", "over_budget"
                     raise
@@ -171,8 +172,9 @@ class _Worker:
                 self.save(key)
                 return "save", "ok"
             except StoreError as exc:
-                # The daemon evicted the entry between publish and commit: a failed save, fail-open.
-                if "no manifest to commit" in str(exc) or isinstance(exc, BlobMissing):
+                # gc took a blob between put and publish, or (past the grace period) the manifest between
+                # publish and commit: a failed save, fail-open.  A save in flight is otherwise never cut.
+                if isinstance(exc, ManifestGone | BlobMissing):
                     return "save", f"raced.{exc.reason}"
                 if isinstance(exc, OverBudget):  # at the daemon's hard limit, nothing evictable: skipped
                     return "save", "over_budget"

@@ -107,3 +107,43 @@ def test_a_graph_standalone_compile_cannot_serve_is_compiled_by_torch_compile_an
     with torch.no_grad():
         got = module(x)
     assert torch.equal(got[0], compiled(x)[0]) and got[1] == 3
+
+
+class Scaled(nn.Module):
+    """A graph whose Python scalar is an input: ``standalone_compile`` specialises the example's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0]), requires_grad=False)
+
+    def forward(self, x, y, s):  # no annotations: FX would keep this module's string annotations as globals
+        return (x - y) * s + self.w
+
+
+def test_keywords_in_another_order_and_another_scalar_answer_as_the_graph(tmp_path):
+    """Through the stage, cold (compiled) and warm (loaded): ``m(y=y, x=x, s=2.0)`` is ``m(x, y, 2.0)``, and
+    ``s=3.0`` (the artifact holds 2.0) is served by ``torch.compile`` of the graph, as the graph answers it."""
+    from adstore.integration.engine.stage import EngineStage
+    from adstore.integration.pipeline.dist import Topology
+
+    x, y = torch.ones(2), torch.full((2,), 3.0)
+    gm = fx.symbolic_trace(Scaled())
+    modules = []
+    for _ in ("cold", "warm"):
+        torch._dynamo.reset()
+        stage = EngineStage(
+            root=str(tmp_path / "store"), backend="torch_compile", prefix={"key": "c" * 64, "snapshot": "d" * 64}
+        )
+        try:
+            modules.append(stage.run(gm, [x, y, 2.0], Topology(0, 1)))
+        finally:
+            stage.close()
+        assert type(modules[-1]).__name__ == "StandaloneModule", stage.events
+    assert [e.kind for e in stage.events] == ["hit"]
+    with torch.no_grad():
+        for module in modules:
+            torch.testing.assert_close(module(y=y, x=x, s=2.0), gm(x, y, 2.0))  # [-3., -2.]
+            torch.testing.assert_close(module(x, s=2.0, y=y), gm(x, y, 2.0))
+            assert module._fallback is None
+            torch.testing.assert_close(module(x, y, 3.0), gm(x, y, 3.0))  # [-5., -4.], not the artifact's 2.0
+            torch.testing.assert_close(module(x, y, s=2), gm(x, y, 2))  # an int, though equal: the graph's answer
