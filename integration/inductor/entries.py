@@ -11,7 +11,13 @@ the entry's components, so ``adstore explain`` shows them.  Artifacts:
   for FX-graph and AOTAutograd entries), returned as they were;
 * ``cache.<xx>.<file>``: a kernel file under Inductor's cache directory
   (``<cache dir>/<xx>/<file>``), named by Inductor after its source's hash;
-* ``pch.<file>``: a precompiled header file (toolchain entry only).
+* ``pch.<file>``: a precompiled header file (toolchain entry only), whose
+  meta also records the answers to Inductor's ISA probes (``isa_probes``,
+  :mod:`~adstore.integration.placement.probes`).
+
+Kernel files are captured and placed under the rule for files that become
+code (:mod:`~adstore.integration.placement`): a file in a directory another
+user could write in, or that a trusted user does not own, is never stored.
 
 The store does the rest: deduplication (a kernel two graphs share is one
 blob), compression, LRU and budget, the remote tier with signed records,
@@ -29,14 +35,17 @@ import logging
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.inductor.files import place, read_trusted
-from adstore.store import AdstoreError, Reason
+from adstore.integration.errors import failure_reason
+from adstore.integration.placement.capture import capture_files
+from adstore.integration.placement.place import place, read_trusted
+from adstore.integration.placement.probes import PROBES, valid_answers
+from adstore.store import Reason
 
-__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
+__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "TOOLCHAIN_NAMESPACE", "VALUE", "note_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +90,6 @@ def note_failure(
         _logged.add(counted)
     if first:
         logger.warning("adstore: %s without adstore here (%s): %s", fallback, reason, detail)
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The reason a fail-open counts for ``exc``: its own, ``io_error`` for an OSError, else ``integration_error``."""
-    if isinstance(exc, AdstoreError):
-        return str(getattr(exc, "reason", Reason.ERROR))
-    if isinstance(exc, OSError):
-        return str(Reason.IO_ERROR)
-    return str(Reason.INTEGRATION_ERROR)
 
 
 class InductorEntries:
@@ -149,8 +149,12 @@ class InductorEntries:
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
 
     # -- the toolchain entry ------------------------------------------------------
-    def restore_toolchain(self) -> int:
-        """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
+    def restore_toolchain(self, answered: threading.Event | None = None) -> int:
+        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain.
+
+        ``answered`` is set once the answers are known (or known to be
+        absent), before the headers are placed.  Returns how many files were placed.
+        """
         try:
             key, _ = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             res = self.store.lookup(key)
@@ -158,26 +162,45 @@ class InductorEntries:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
                 return 0
+            PROBES.learn(res.manifest.meta.get("isa_probes"))
+            if answered is not None:
+                answered.set()
             return self.materialize(res.manifest.artifacts, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
+        finally:
+            if answered is not None:
+                answered.set()
 
-    def save_toolchain(self, files: Iterable[str], stored: set[str]) -> None:
-        """Store the toolchain's files unless an entry with exactly these names is there (``stored``: seen)."""
+    def save_toolchain(self, files: Iterable[str], answers: Mapping[str, bool], stored: set[str]) -> None:
+        """Store the toolchain's files and ISA answers unless the entry holds them all (``stored``: seen).
+
+        The entry is merged: what it holds already stays, answers and headers
+        this process met are added.
+        """
         try:
             key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             cache_dir, header_dir = Path(_cache_dir()), _header_dir()
             names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
-            if not names or names <= stored:
+            mine = valid_answers(answers)
+            if names | set(mine) <= stored:
                 return
             res = self.store.lookup(key, count=False)
-            if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
-                stored.update(res.manifest.artifacts)
+            held: dict[str, Any] = {}
+            known: dict[str, bool] = {}
+            if res.hit and res.manifest is not None:
+                held = {n: r for n, r in res.manifest.artifacts.items() if _target(n, cache_dir, header_dir)}
+                known = valid_answers(res.manifest.meta.get("isa_probes"))
+                if names <= set(held) and mine.items() <= known.items():
+                    stored.update(held, known)
+                    return
+            artifacts = {**held, **self.file_refs(files, cache_dir, header_dir)}
+            if not artifacts and not mine:
                 return
-            artifacts = self.file_refs(files, cache_dir, header_dir)
-            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts)
-            stored.update(artifacts)
+            merged = {**known, **mine}
+            self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts, {"isa_probes": merged})
+            stored.update(artifacts, merged)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
 
@@ -205,17 +228,31 @@ class InductorEntries:
         return placed
 
     def file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
-        """Each Inductor file among ``files`` as a blob, by artifact name (``cache.<xx>.<file>``, ``pch.<file>``)."""
-        refs: dict[str, Any] = {}
+        """Each Inductor file among ``files`` as a blob, by artifact name (``cache.<xx>.<file>``, ``pch.<file>``).
+
+        Captured under the rule for code (:func:`~adstore.integration.placement.capture.capture_files`):
+        a file refused is left out, counted and logged once (``inductor.failopen.<reason>``).
+        """
+        named: dict[str, str] = {}
         for path in files:
             name = _artifact_name(path, cache_dir, header_dir)
-            if name is not None and name not in refs:
-                refs[name] = self.store.put_file(path)
-        return refs
+            if name is not None and name not in named.values():
+                named[path] = name
+        captured = capture_files(self.store, named, self.trusted)
+        for path, exc in captured.refused.items():
+            note_failure(failure_reason(exc), f"{path} not stored: {exc}", self.store)
+        return {named[path]: ref for path, ref in captured.refs.items()}
 
-    def _publish(self, key: str, namespace: str, components: dict[str, str], artifacts: dict[str, Any]) -> None:
+    def _publish(
+        self,
+        key: str,
+        namespace: str,
+        components: dict[str, str],
+        artifacts: dict[str, Any],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """One entry through the store's one publish path (a failed save leaves nothing)."""
-        meta = {"files": len(artifacts) - (VALUE in artifacts)}
+        meta = {"files": len(artifacts) - (VALUE in artifacts), **(extra or {})}
         self.store.save(key, artifacts, namespace=namespace, components=components, meta=meta)
         self.store.count_event("save")
 
