@@ -28,7 +28,8 @@ code = private_dir()
 kernel = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "ab" / temp_name()
 kernel.parent.mkdir(parents=True, exist_ok=True)
 kernel.write_bytes(b"y" * 100)
-tree = Path(os.environ["VLLM_CACHE_ROOT"]) / "torch_compile_cache" / "h" / "rank_0_0" / f".adstore-{os.getpid()}-q.backbone"
+rank = Path(os.environ["VLLM_CACHE_ROOT"]) / "torch_compile_cache" / "h" / "rank_0_0"
+tree = rank / f".adstore-{os.getpid()}-q.backbone"
 tree.mkdir(parents=True)
 (tree / "model").write_bytes(b"z" * 10)
 print(str(code), str(kernel), str(tree), flush=True)
