@@ -129,8 +129,9 @@ def blob_refusal(store: Any, writer: Writer, trusted: frozenset[int]) -> str | N
     """Why a blob that ``writer`` wrote must not become code (None: it may).
 
     An inline blob (``writer.uid`` None) is as trustworthy as the index that
-    holds it: trusted when no untrusted user can write the index directory
-    (a group-shared store's inline blobs are refused).
+    holds it: trusted when a trusted user owns the index directory and no
+    untrusted user can write it (a group-shared store's inline blobs are
+    refused; umask 002 with a user-private group is fine).
     """
     if writer.uid is not None:
         return writer.refusal(trusted)
@@ -142,6 +143,6 @@ def blob_refusal(store: Any, writer: Writer, trusted: frozenset[int]) -> str | N
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    if st.st_uid not in trusted or st.st_mode & 0o022 or st.st_mode & stat.S_ISGID:
+    if st.st_uid not in trusted or _others_may_write(st.st_mode, st.st_gid, trusted) is not None:
         return "inline blob in an index other users can write: its writer is unknown"
     return None

@@ -65,6 +65,7 @@ def test_a_new_host_builds_no_kernel_and_gets_the_same_outputs(seed):
     env, root = copy_store(seed, "b")
     b = on_host(compile_host, env, True, INLINE)
     assert b["builds"] == [], b["builds"]
+    assert b["probes"] == 0 and seed[1]["probes"] > 0, (b["probes"], seed[1]["probes"])  # answered from the store
     assert b["inductor"].get("fxgraph_cache_hit") == 1 and b["aot_autograd"].get("autograd_cache_hit") == 1, b
     assert b["output"] == seed[1]["output"] and b["failopen"] == {}
     assert b["store"]["inductor.files_placed"] > 0

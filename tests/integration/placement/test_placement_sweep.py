@@ -86,12 +86,13 @@ def test_adstore_gc_sweeps_them(tmp_path):
     Store.open(env["ADSTORE_ROOT"]).close()
     left = _killed_child(env)
     live = _alive_leftover(env)
+    adstore = [sys.executable, "-m", "adstore.daemon"]
     dry = subprocess.run(
-        ["adstore", "gc", "--grace-period", "0", "--dry-run", "--json"], env=env, capture_output=True, text=True
+        [*adstore, "gc", "--grace-period", "0", "--dry-run", "--json"], env=env, capture_output=True, text=True
     )
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["dead_temps"]["dead_temps"] == 3 and all(p.exists() for p in left)
-    done = subprocess.run(["adstore", "gc", "--grace-period", "0", "--json"], env=env, capture_output=True, text=True)
+    done = subprocess.run([*adstore, "gc", "--grace-period", "0", "--json"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["dead_temps"]["bytes_freed"] == 1110
     assert not any(p.exists() for p in left) and live.exists()
