@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -49,10 +50,29 @@ def _home(base: Path, name: str, uid: int) -> Path:
     return home
 
 
+def _interpreter() -> tuple[str, str]:
+    """A Python other users may run, and the code that gives it this environment's packages.
+
+    This interpreter, unless it lives under a directory other users cannot
+    enter (a pyenv under ``/root``): then the system's of the same version,
+    with this environment's site-packages added (a probe subprocess of
+    Inductor's runs ``sys.executable`` as the other user too).
+    """
+    real = Path(os.path.realpath(sys.executable))
+    if all(os.stat(p).st_mode & 0o001 for p in [real, *real.parents]):
+        return sys.executable, ""
+    name = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = shutil.which(name, path="/usr/local/bin:/usr/bin")
+    if system is None:
+        pytest.skip(f"no {name} other users can run")
+    return system, f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
+
+
 def as_user(uid: int, code: str, env: dict[str, str], *, umask: int = 0o022) -> dict:
     """Run ``code`` (which prints one JSON line last) as ``uid`` with ``umask``; its result."""
-    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", sys.executable, "-c"]
-    cmd.append(f"import os; os.umask({umask:#o})\n{code}")
+    python, prelude = _interpreter()
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", python, "-c"]
+    cmd.append(f"import os; os.umask({umask:#o})\n{prelude}{code}")
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": env.get("HOME", "/nonexistent"), **env}
     done = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
