@@ -34,7 +34,7 @@ from adstore.integration.placement.dirs import open_dir
 from adstore.integration.placement.rule import Writer
 from adstore.store import AdstoreError, BlobRef, StoreError
 
-__all__ = ["Captured", "capture_files"]
+__all__ = ["Captured", "capture_files", "read_files"]
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CHUNK = 1 << 20
@@ -48,6 +48,45 @@ class Captured:
     refused: dict[str, AdstoreError] = field(default_factory=dict)
 
 
+class _Reader:
+    """Opens files under the rule, each directory walked and judged once (its descriptor kept until :meth:`close`)."""
+
+    def __init__(self, trusted: frozenset[int]) -> None:
+        self.trusted = trusted
+        self._dirs: dict[Path, int | UnsafeCacheDir] = {}
+
+    def open(self, path: str | os.PathLike[str]) -> int:
+        """A descriptor of the file ``path`` that the rule accepts (the caller closes it); raises why not."""
+        p = Path(os.path.abspath(path))
+        dfd = self._dirs.get(p.parent)
+        if dfd is None:
+            try:
+                dfd = open_dir(p.parent, self.trusted, own=False)
+            except UnsafeCacheDir as exc:
+                dfd = exc
+            self._dirs[p.parent] = dfd
+        if isinstance(dfd, UnsafeCacheDir):
+            raise dfd
+        try:
+            fd = os.open(p.name, _FILE_FLAGS, dir_fd=dfd)
+        except OSError as exc:  # ELOOP: a symlink; ENOENT: gone; ENXIO: a socket
+            raise UnsafeCacheDir(str(p), f"not opened as a file without following links ({exc.strerror})") from None
+        try:
+            why = Writer.of(os.fstat(fd)).refusal(self.trusted)
+            if why is not None:
+                raise UntrustedKernel(hashlib.sha256(str(p).encode()).hexdigest(), f"{p} not stored: {why}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def close(self) -> None:
+        for dfd in self._dirs.values():
+            if isinstance(dfd, int):
+                os.close(dfd)
+        self._dirs.clear()
+
+
 def capture_files(store: Any, paths: Iterable[str], trusted: frozenset[int]) -> Captured:
     """Store each file of ``paths`` that the rule accepts, read from the descriptor judged; never raises for a file.
 
@@ -57,53 +96,53 @@ def capture_files(store: Any, paths: Iterable[str], trusted: frozenset[int]) -> 
     A store error (disk full, ...) is raised: nothing more can be stored.
     """
     out = Captured()
-    dirs: dict[Path, int | UnsafeCacheDir] = {}
+    reader = _Reader(trusted)
     try:
         for path in dict.fromkeys(str(p) for p in paths):
-            p = Path(os.path.abspath(path))
-            if p.parent not in dirs:
-                try:
-                    dirs[p.parent] = open_dir(p.parent, trusted, own=False)
-                except UnsafeCacheDir as exc:
-                    dirs[p.parent] = exc
-            dfd = dirs[p.parent]
-            if isinstance(dfd, UnsafeCacheDir):
-                out.refused[path] = dfd
-                continue
             try:
-                out.refs[path] = _capture_one(store, dfd, p, trusted)
+                fd = reader.open(path)
             except (UntrustedKernel, UnsafeCacheDir) as exc:
                 out.refused[path] = exc
+                continue
+            try:
+                out.refs[path] = _store(store, fd, path)
+            finally:
+                os.close(fd)
     finally:
-        for dfd in dirs.values():
-            if isinstance(dfd, int):
-                os.close(dfd)
+        reader.close()
     return out
 
 
-def _capture_one(store: Any, dfd: int, path: Path, trusted: frozenset[int]) -> BlobRef:
+def read_files(paths: Iterable[str], trusted: frozenset[int]) -> dict[str, bytes]:
+    """The bytes of each file of ``paths``, read under the rule (raises for the first it refuses)."""
+    reader = _Reader(trusted)
+    out: dict[str, bytes] = {}
     try:
-        fd = os.open(path.name, _FILE_FLAGS, dir_fd=dfd)
-    except OSError as exc:  # ELOOP: a symlink; ENOENT: gone; ENXIO: a socket
-        raise UnsafeCacheDir(str(path), f"not opened as a file without following links ({exc.strerror})") from None
-    try:
-        why = Writer.of(os.fstat(fd)).refusal(trusted)
-        if why is not None:
-            raise UntrustedKernel(hashlib.sha256(str(path).encode()).hexdigest(), f"{path} not stored: {why}")
-        h = hashlib.sha256()
-        size = 0
-        for chunk in _chunks(fd):
-            h.update(chunk)
-            size += len(chunk)
-        ref = BlobRef(h.hexdigest(), size)
-        if store.has_blob(ref):
-            return ref
-        stored = store.put_stream(_chunks(fd))
-        if (stored.digest, stored.size) != (ref.digest, ref.size):
-            raise StoreError(f"{path} changed while it was being stored")
-        return stored
+        for path in paths:
+            fd = reader.open(path)
+            try:
+                out[path] = b"".join(_chunks(fd))
+            finally:
+                os.close(fd)
     finally:
-        os.close(fd)
+        reader.close()
+    return out
+
+
+def _store(store: Any, fd: int, path: str) -> BlobRef:
+    """The blob of the file open at ``fd``: hashed once, sent to the store only when it lacks it."""
+    h = hashlib.sha256()
+    size = 0
+    for chunk in _chunks(fd):
+        h.update(chunk)
+        size += len(chunk)
+    ref = BlobRef(h.hexdigest(), size)
+    if store.has_blob(ref):
+        return ref
+    stored = store.put_stream(_chunks(fd))
+    if (stored.digest, stored.size) != (ref.digest, ref.size):
+        raise StoreError(f"{path} changed while it was being stored")
+    return stored
 
 
 def _chunks(fd: int) -> Iterator[bytes]:
