@@ -189,7 +189,7 @@ def _plug(state: _State) -> None:
 
 #: How long, in all, a process waits for the toolchain restore before Inductor builds what it lacks itself:
 #: one deadline from ``enable()``, however many ISA probes and header steps ask (a slow or stuck remote).
-TOOLCHAIN_WAIT = 10.0
+TOOLCHAIN_WAIT = 30.0
 
 
 def _await_toolchain() -> None:

@@ -2,12 +2,15 @@
 
 :func:`~adstore.integration.inductor.plug.enable` restores the toolchain
 entry (the answers to Inductor's ISA probes, the ~150 MB precompiled
-header) in a daemon thread while Dynamo traces.  Inductor's ISA probes
-wait for the answers and its header step for the whole restore, but the
-process waits :attr:`Toolchain.wait` seconds *in all*, counted from
-:meth:`Toolchain.start`: once that deadline is past, every later probe or
-header step goes on at once (a stuck remote costs one wait, not one per
-step), and the timeout is counted once (``inductor.failopen.remote_timeout``).
+header) in a daemon thread while Dynamo traces.  Inductor's header step
+waits for the whole restore, but the process waits :attr:`Toolchain.wait`
+seconds *in all*, counted from :meth:`Toolchain.start`: once that deadline
+is past, every later step goes on at once (a stuck remote costs one wait,
+not one per step), and the timeout is counted once
+(``inductor.failopen.remote_timeout``).  An ISA probe without a recorded
+answer waits for the entry's answers at most :attr:`Toolchain.answers_wait`
+of that deadline, once: the probes themselves cost about a second, so a
+slow download of the header does not hold them longer than that.
 
 The same thread then sweeps what killed processes left in Inductor's and
 vLLM's directories (``adstore.store.plan_dead_temps``).
@@ -45,12 +48,15 @@ class Toolchain:
         entries: InductorEntries,
         *,
         wait: float,
+        answers_wait: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         waiter: Callable[[threading.Event, float], bool] = _event_wait,
         sweep: bool = True,
     ) -> None:
         self.entries = entries
         self.wait = wait
+        self.answers_wait = answers_wait
+        self._answers_given_up = False
         self.answered = threading.Event()
         self.done = threading.Event()
         self._clock = clock
@@ -77,17 +83,23 @@ class Toolchain:
             sweep_dead_temps(self.entries.store)
 
     def wait_answers(self) -> None:
-        """Until the ISA answers are known, or the process's deadline; never raises."""
-        self._until(self.answered, "the ISA probes' answers")
+        """Until the ISA answers are known: :attr:`answers_wait` at most, once, within the deadline; never raises."""
+        if self._answers_given_up or self.answered.is_set():
+            return
+        self._until(self.answered, "the ISA probes' answers", cap=self.answers_wait)
+        self._answers_given_up = not self.answered.is_set()
 
     def wait_done(self) -> None:
         """Until the whole restore is done (the header placed), or the process's deadline; never raises."""
         self._until(self.done, "the precompiled header")
 
-    def _until(self, event: threading.Event, what: str) -> None:
+    def _until(self, event: threading.Event, what: str, *, cap: float | None = None) -> None:
         if event.is_set() or self._expired or self._deadline is None or threading.current_thread() is self.thread:
             return
         left = self._deadline - self._clock()
+        if cap is not None and cap < left:
+            self._waiter(event, cap)  # the probes run without the answers; the deadline stands for the header
+            return
         if left > 0 and self._waiter(event, left):
             return
         with self._lock:

@@ -159,12 +159,13 @@ def test_the_toolchain_wait_is_one_deadline_per_process():
         def restore_toolchain(self, answered=None):
             threading.Event().wait(30)  # never sets anything within the test
 
-    chain = Toolchain(Stuck(), wait=10.0, clock=lambda: now[0], waiter=waiter, sweep=False)  # type: ignore[arg-type]
+    chain = Toolchain(Stuck(), wait=10.0, answers_wait=1.0, clock=lambda: now[0], waiter=waiter, sweep=False)  # type: ignore[arg-type]
     before = inductor.FAILOPEN["remote_timeout"]
     chain.start()
     now[0] += 4.0  # Dynamo traced for 4 s before the first ISA probe
-    chain.wait_answers()
+    for _ in range(3):
+        chain.wait_answers()  # ten probes ask: the first waits its second, the others run at once
     chain.wait_done()
     chain.wait_done()
-    assert waits == [6.0], waits  # the rest of the one deadline, once
+    assert waits == [1.0, 5.0], waits  # the answers' second, then the rest of the one deadline, once
     assert inductor.FAILOPEN["remote_timeout"] == before + 1
