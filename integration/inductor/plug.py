@@ -148,6 +148,8 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     state = _State(entries)
     try:
         _plug(state)
+        assert state.toolchain is not None
+        state.toolchain.start()
     except Exception as exc:  # noqa: BLE001 - fail open all the way: torch as it was
         _unplug(state)
         note_failure(failure_reason(exc), f"enable failed ({type(exc).__name__}: {exc}); torch left as it was")
@@ -155,8 +157,6 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     with _lock:
         _state = state
     _at_exit_once()
-    assert state.toolchain is not None
-    state.toolchain.start()
     logger.info("adstore: Inductor's caches go through %s (pid %d)", entries.store, os.getpid())
     return True
 
