@@ -18,7 +18,7 @@ from adstore.daemon.commands import Context, entry_dict, resolve_key
 from adstore.daemon.config import SETTINGS, DaemonConfig
 from adstore.daemon.errors import FeatureUnavailable, StillOverBudget
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
-from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free
+from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free, plan_dead_temps
 
 __all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
 
@@ -100,10 +100,14 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
     if max_size is not None or min_free is not None or older_than is not None:
         evict = store.plan_eviction(max_size=max_size, min_free=min_free, older_than=older_than)
     sweep = store.plan_sweep() if not args.no_sweep else None
+    # What killed processes left outside the store (Inductor's and vLLM's directories, private code dirs).
+    temps = plan_dead_temps(**({"grace": ctx.grace_period} if ctx.grace_period is not None else {}))
+    temps = temps if not args.no_sweep else None
     data: dict[str, Any] = {
         "dry_run": args.dry_run,
         "eviction": evict.to_dict() if evict is not None else None,
         "sweep": sweep.to_dict() if sweep is not None else None,
+        "dead_temps": temps.to_dict() if temps is not None else None,
         "bytes_to_free": (evict.bytes_to_free if evict else 0) + (sweep.bytes_to_free if sweep else 0),
         "bytes_freed": 0,
     }
@@ -116,6 +120,10 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
         sd = sweep.to_dict()
         parts = [f"{v} {k.replace('_', ' ')}" for k, v in sd.items() if k != "bytes_to_free" and v]
         lines.append(f"sweep: {', '.join(parts) or 'nothing'}; {human_size(sweep.bytes_to_free)} to free")
+    if temps is not None and temps.victims:
+        lines.append(
+            f"dead processes' temporary files: {len(temps.victims)}; {human_size(temps.bytes_to_free)} to free"
+        )
     if args.dry_run:
         lines.append(f"dry run: nothing removed (would free {human_size(data['bytes_to_free'])})")
     else:
@@ -124,6 +132,8 @@ def cmd_gc(args: argparse.Namespace, ctx: Context) -> int:
             freed += evict.execute(batch_size=args.batch_size)
         if sweep is not None:
             freed += sweep.execute()
+        if temps is not None:
+            data["dead_temps"]["bytes_freed"] = temps.execute()
         data["bytes_freed"] = freed
         lines.append(f"freed {human_size(freed)}")
     if evict is not None:

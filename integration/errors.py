@@ -33,6 +33,7 @@ __all__ = [
     "UnsafeCacheDir",
     "VllmTreeError",
     "ConfigError",
+    "failure_reason",
 ]
 
 
@@ -233,3 +234,20 @@ class VllmTreeError(IntegrationError):
     def __init__(self, why: str, message: str) -> None:
         self.why = why
         super().__init__(message)
+
+
+def failure_reason(exc: BaseException, default: Reason = Reason.INTEGRATION_ERROR) -> str:
+    """The reason a fail-open counts for ``exc``: the one mapping from an exception to a reason.
+
+    A :class:`VllmTreeError`'s ``why``; else the exception's own ``reason``
+    when it names one of :class:`~adstore.store.Reason`; else ``io_error``
+    for an ``OSError``; else ``default``.
+    """
+    if isinstance(exc, VllmTreeError):
+        return exc.why
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str) and reason in Reason._value2member_map_:
+        return str(Reason(reason))
+    if isinstance(exc, OSError):
+        return str(Reason.IO_ERROR)
+    return str(default)

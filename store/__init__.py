@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .leases import hostname, process_start_time
     from .lookup import LookupResult
     from .maintenance.budget import DEFAULT_GRACE_PERIOD, Budget
+    from .maintenance.deadtemps import DeadTempPlan, default_temp_dirs, plan_dead_temps
     from .maintenance.eviction import EvictedBatch, EvictionPlan, PlanKind
     from .maintenance.sweep import SweepPlan
     from .maintenance.verify import Finding, VerifyReport
@@ -74,6 +75,7 @@ _LAZY = {
     ".leases": ("hostname", "process_start_time"),
     ".lookup": ("LookupResult",),
     ".maintenance.budget": ("DEFAULT_GRACE_PERIOD", "Budget"),
+    ".maintenance.deadtemps": ("DeadTempPlan", "default_temp_dirs", "plan_dead_temps"),
     ".maintenance.eviction": ("EvictedBatch", "EvictionPlan", "PlanKind"),
     ".maintenance.sweep": ("SweepPlan",),
     ".maintenance.verify": ("Finding", "VerifyReport"),
@@ -128,6 +130,9 @@ __all__ = [
     "EvictionPlan",
     "EvictedBatch",
     "SweepPlan",
+    "DeadTempPlan",
+    "plan_dead_temps",
+    "default_temp_dirs",
     "VerifyReport",
     "Finding",
     # the remote tier behind a store (the remote itself: adstore.store.remote)

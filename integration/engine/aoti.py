@@ -25,7 +25,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from adstore.integration.engine.calls import CallBinding
-from adstore.integration.engine.codefiles import private_path
 from adstore.integration.engine.index import EngineIndex, component_digests
 from adstore.integration.engine.runtime import (
     CompiledEngine,
@@ -40,6 +39,7 @@ from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, EngineMismatch
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.placement.dirs import private_path
 from adstore.store import Reason
 
 __all__ = ["EngineModule", "compile", "restore"]

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from adstore.integration.engine.record import frame, unframe
 from adstore.integration.errors import CorruptEngine
+from adstore.integration.placement.capture import read_files
+from adstore.integration.placement.rule import trusted_uids
 from adstore.store import is_digest
 
 __all__ = ["BUNDLE_VERSION", "MAX_FILES", "pack", "unpack"]
@@ -35,8 +37,12 @@ _MAX_DEPTH = 16
 
 
 def pack(root: Path) -> bytes:
-    """Every regular file under ``root`` (symlinks and other kinds are left out), sorted by path."""
-    files: list[tuple[str, bytes]] = []
+    """Every regular file under ``root`` (symlinks and other kinds are left out), sorted by path.
+
+    Read under the rule for files that become code (``placement.capture.read_files``):
+    a file no trusted user owns, or in a directory another user could rename in, is refused.
+    """
+    paths: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames.sort()
         for name in sorted(filenames):
@@ -45,7 +51,9 @@ def pack(root: Path) -> bytes:
                 continue
             rel = path.relative_to(root).as_posix()
             _check_path(rel)
-            files.append((rel, path.read_bytes()))
+            paths.append((rel, str(path)))
+    read = read_files([p for _, p in paths], trusted_uids())
+    files = [(rel, read[p]) for rel, p in paths]
     header = json.dumps(
         {
             "format": BUNDLE_VERSION,

@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adstore.integration.engine.codefiles import Writer, copy_code, private_path, trusted_uids
 from adstore.integration.engine.hashing import HASH_VERSION
 from adstore.integration.engine.toolchain import index_settings, toolchain_identity
 from adstore.integration.errors import (
@@ -42,6 +41,9 @@ from adstore.integration.errors import (
 )
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
 from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
+from adstore.integration.placement.dirs import private_path
+from adstore.integration.placement.place import copy_code
+from adstore.integration.placement.rule import Writer, trusted_uids
 from adstore.store import REMOTE_REASONS, AdstoreError, Reason, is_digest
 
 __all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key", "lease_key"]
@@ -203,7 +205,7 @@ class StageEntries:
 
         ``judge(key, writer)``: the artifact becomes code; it is read through a
         private copy, and ``judge`` sees who wrote the blob file that copy was
-        read from and raises to refuse it (:mod:`~adstore.integration.engine.codefiles`).
+        read from and raises to refuse it (:mod:`~adstore.integration.placement`).
         """
         try:
             if judge is None:

@@ -18,7 +18,7 @@ unpacks it and compiles there, every Inductor cache lookup a hit.
 
 All of it is code (shared objects, pickles): loaded only from a private
 copy of a blob a trusted user wrote (the engine cache's rule, judged on the
-descriptor the bytes are read from, :mod:`~adstore.integration.engine.codefiles`),
+descriptor the bytes are read from, :mod:`~adstore.integration.placement`),
 and from a remote only out of a signed record by a trusted key.  A damaged,
 missing or untrusted blob is a miss with its reason and a compile that
 replaces it (docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
@@ -38,14 +38,16 @@ import torch
 from torch import nn
 
 from adstore.integration.engine import bundle, standalone
-from adstore.integration.engine.codefiles import copy_code, private_dir, private_path, trusted_uids
 from adstore.integration.engine.index import StageEntries
 from adstore.integration.engine.storage import StoreEngineStorage
-from adstore.integration.errors import EngineCacheError, InductorCacheError, UntrustedEngine
+from adstore.integration.errors import EngineCacheError, InductorCacheError, UntrustedEngine, failure_reason
 from adstore.integration.inductor.entries import InductorEntries
-from adstore.integration.inductor.files import refusal
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.placement import probes as isa
+from adstore.integration.placement.dirs import private_dir, private_path
+from adstore.integration.placement.place import copy_code
+from adstore.integration.placement.rule import blob_refusal, trusted_uids
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["ARTIFACT", "NAMESPACE", "STANDALONE", "compile", "restore"]
@@ -68,7 +70,7 @@ def restore(
     try:
         manifest = entries.manifest(key)
     except AdstoreError as exc:
-        return None, _reason(exc), str(exc)
+        return None, Reason(failure_reason(exc, Reason.ENGINE_ERROR)), str(exc)
     if manifest is None:
         return None, *entries.why_absent(key)
     if STANDALONE in manifest.artifacts:
@@ -76,7 +78,7 @@ def restore(
     try:
         blob, transferred = entries.read(key, manifest, judge=StoreEngineStorage(store).check_writer)  # code
     except AdstoreError as exc:
-        return None, _reason(exc), str(exc)
+        return None, Reason(failure_reason(exc, Reason.ENGINE_ERROR)), str(exc)
     fetched = time.perf_counter() - t0
     workdir = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir=private_dir()))  # code: no other user may rename
     try:
@@ -147,29 +149,6 @@ def compile(
     )
 
 
-def _forget_isa_probe() -> None:
-    """Make Inductor probe the CPU's vector ISA again, so the probe's programs land in the new cache directory.
-
-    Inductor picks the ISA by compiling and loading small test programs in
-    its cache directory, once per process (functools caches).  A process
-    that probed before the stage would leave them out of the stored files,
-    and every restart from those files would compile them again (seconds).
-    Another torch without these caches: nothing to clear.
-    """
-    from torch._inductor import cpu_vec_isa
-
-    for obj in list(vars(cpu_vec_isa).values()):
-        for fn in [obj, *(vars(obj).values() if isinstance(obj, type) else ())]:
-            clear = getattr(fn, "cache_clear", None)
-            if callable(clear):
-                clear()
-    # What an earlier probe learnt about extensions (bf16, AMX) changes the flags of the next one,
-    # and with them the programs' names: back to the state of a fresh process.
-    for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", ()):
-        for name in [n for n in vars(isa) if n.startswith("_is_")]:
-            delattr(isa, name)
-
-
 def _compile_in(
     workdir: Path, module: nn.Module, example_inputs: Sequence[Any], *, probe: bool = False
 ) -> tuple[nn.Module, str]:
@@ -184,7 +163,7 @@ def _compile_in(
 
     if probe:
         try:
-            _forget_isa_probe()
+            isa.forget()
         except Exception as exc:  # noqa: BLE001 - at worst a restart from these files probes again
             logger.debug("Inductor's ISA probe not reset: %s", exc)
 
@@ -225,7 +204,7 @@ def _standalone_in(
     if not isinstance(module, torch.fx.GraphModule):
         raise EngineCacheError(f"standalone_compile needs a GraphModule, got {type(module).__name__}")
     try:
-        _forget_isa_probe()
+        isa.forget()
     except Exception as exc:  # noqa: BLE001 - at worst a restart from these files probes again
         logger.debug("Inductor's ISA probe not reset: %s", exc)
     t1 = time.perf_counter()
@@ -233,7 +212,7 @@ def _standalone_in(
     with (
         temporary_cache_dir(str(workdir)),
         torch._inductor.config.patch(compile_threads=1),
-        standalone.isa_probes({}) as probes,
+        isa.PROBES.scope({}) as probes,
     ):
         artifact, data = standalone.compile_graph(flat, module, example_inputs)
     files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
@@ -260,23 +239,22 @@ def _restore_standalone(
             placed = InductorEntries(store, trusted=trusted, owns_store=False).materialize(
                 manifest.artifacts, workdir, None
             )
-            why = refusal(store, copy_code(store, manifest.artifacts[STANDALONE], path), trusted)
+            why = blob_refusal(store, copy_code(store, manifest.artifacts[STANDALONE], path), trusted)
             if why is not None:
                 raise UntrustedEngine(key.key, None, f"artifact refused: {why}")
         except (EngineCacheError, InductorCacheError) as exc:
-            return None, _reason(exc), str(exc)
+            return None, Reason(failure_reason(exc, Reason.ENGINE_ERROR)), str(exc)
         except AdstoreError as exc:  # the store quarantined a damaged blob: the compile replaces the entry
             return None, Reason.CORRUPT_ENGINE, f"{NAMESPACE} entry {key.key[:12]} unreadable: {exc}"
         t1 = time.perf_counter()
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        known = manifest.meta.get("isa_probes")
-        known = known if isinstance(known, dict) else {}
+        known = isa.valid_answers(manifest.meta.get("isa_probes"))
         try:
             with (
                 temporary_cache_dir(str(workdir)),
                 torch._inductor.config.patch(compile_threads=1),
-                standalone.isa_probes(known) as probes,
+                isa.PROBES.scope(known) as probes,
             ):
                 artifact = standalone.load(path)
         except Exception as exc:  # noqa: BLE001 - an artifact torch rejects (another build) is a miss
@@ -324,8 +302,3 @@ class _Entries(StageEntries):
 
 def _entries(store: Any) -> StageEntries:
     return _Entries(store, NAMESPACE, ARTIFACT)
-
-
-def _reason(exc: Exception) -> Reason:
-    reason = getattr(exc, "reason", None)
-    return Reason(reason) if reason in Reason._value2member_map_ else Reason.ENGINE_ERROR

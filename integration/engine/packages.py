@@ -16,8 +16,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.engine.codefiles import check_private, private_dir
-from adstore.integration.errors import ConfigError, EngineCacheError
+from adstore.integration.errors import ConfigError, UnsafeCacheDir
+from adstore.integration.placement.dirs import checked_dir, private_dir
 
 __all__ = ["PackageLRU"]
 
@@ -32,11 +32,11 @@ class PackageLRU:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         # Packages are loaded from here: a directory only this user can write, under parents no one else
-        # can rename in (codefiles); a ``tmp_root`` that is not such a place is refused.
+        # can rename in (placement.dirs); a ``tmp_root`` that is not such a place is refused.
         made = Path(tempfile.mkdtemp(prefix="adstore-engines-", dir=tmp_root if tmp_root else private_dir()))
         try:
-            self.dir = check_private(made)
-        except EngineCacheError as exc:
+            self.dir = checked_dir(made)
+        except UnsafeCacheDir as exc:
             shutil.rmtree(made, ignore_errors=True)
             raise ConfigError("tmp_dir", str(exc)) from exc
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)

@@ -111,7 +111,7 @@ class EngineRecord:
     owns_path: bool = False
     #: Bytes the remote tier downloaded for this read (None: it came from the local store).
     transferred: int | None = None
-    #: Who wrote the blob file ``payload_path`` was copied from (``codefiles.Writer``; None: not from a store).
+    #: Who wrote the blob file ``payload_path`` was copied from (``placement.rule.Writer``; None: not from a store).
     writer: Any = None
     _released: bool = field(default=False, repr=False)
 

@@ -36,12 +36,11 @@ from torch import nn
 
 from adstore.integration.engine.hashing import input_specs
 from adstore.integration.engine.index import index_key, lease_key
-from adstore.integration.errors import ConfigError, IntegrationError
+from adstore.integration.errors import ConfigError, IntegrationError, failure_reason
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.keys import CacheKey, code_fingerprint
-from adstore.integration.pipeline.protocol import failure_reason
 from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.store import Reason
 from adstore.store.remote import Role, record_address
@@ -201,7 +200,7 @@ class EngineStage:
             built = self._compile(module, example_inputs, key)
         except Exception as exc:  # noqa: BLE001 - the eager module still runs
             logger.warning("compile stage: nothing compiled (%s: %s); the eager module runs", type(exc).__name__, exc)
-            failure = (failure_reason(exc), f"{type(exc).__name__}: {exc}")
+            failure = (Reason(failure_reason(exc, Reason.ERROR)), f"{type(exc).__name__}: {exc}")
         self.timings["compile"] = time.perf_counter() - t1
         # agreement 2: every rank compiled, or every rank keeps its eager module
         if not agree.all_true(built is not None):
@@ -230,7 +229,7 @@ class EngineStage:
                 return None, None, Reason.KEY_ERROR, "no cache point key: engines are found by their hash"
             return key, *self._restore(module, key, example_inputs)
         except Exception as exc:  # noqa: BLE001 - a cache problem is a miss, never a failed stage
-            return None, None, failure_reason(exc), f"{type(exc).__name__}: {exc}"
+            return None, None, Reason(failure_reason(exc, Reason.ERROR)), f"{type(exc).__name__}: {exc}"
 
     # ----------------------------------------------------------------- single flight
     def _flight(self, key: CacheKey | None, absent: bool, topo: Topology) -> HeldFlight | None:

@@ -20,21 +20,18 @@ but traces nothing.  Inductor also checks, once per process, which vector
 ISA the CPU and compiler support, by loading small probe libraries each in a
 fresh Python process (about 0.2 s each, over a second in all): the stage
 records those answers with the entry and gives them back on a restore
-(:func:`isa_probes`), whose key already pins the CPU's flags and the
-compiler.  A call is bound by name as the graph binds it, and one with
-other inputs than the compiled ones (shapes, another scalar) goes to
+(:mod:`~adstore.integration.placement.probes`), whose key already pins the
+CPU's flags and the compiler.  A call is bound by name as the graph binds
+it, and one with other inputs than the compiled ones (shapes, another scalar) goes to
 ``torch.compile`` of the graph, as the stage did before
 (docs/engine-cache.md, "torch_compile: a standalone artifact travels with the entry").
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import operator
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +43,7 @@ from torch import fx, nn
 from adstore.integration.engine.calls import CallBinding, CompiledInput, first_difference
 from adstore.integration.errors import IntegrationError
 
-__all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "isa_probes", "load"]
+__all__ = ["FlatGraph", "StandaloneModule", "compile_graph", "flat_graph", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,46 +127,6 @@ def load(path: Path) -> Any:
     from torch._inductor.standalone_compile import CompiledArtifact
 
     return CompiledArtifact.load(path=str(path), format="binary")
-
-
-_PROBE_KEY = re.compile(r"[0-9a-f]{64}")
-
-
-@contextmanager
-def isa_probes(known: Mapping[str, Any]) -> Iterator[dict[str, bool]]:
-    """Inductor's vector-ISA probes in this block: each answered from ``known`` or run, and all recorded.
-
-    Inductor decides which vector ISA to compile for by building a probe
-    library per ISA and extension and loading it in a fresh Python process
-    (``VecISA.check_build``), which costs a restore over a second.  A probe
-    whose key (the ISA, its compiler flags and the probe's source) is in
-    ``known`` gets the answer recorded when the entry was compiled: the
-    entry's key holds the CPU's flags and the compiler, so it is the answer
-    the probe would give here.  Any other probe runs.  Yields the answers
-    seen, for the entry to record.  On a torch without this probe the block
-    runs unchanged.
-    """
-    from torch._inductor import cpu_vec_isa
-
-    seen: dict[str, bool] = {}
-    owner = getattr(cpu_vec_isa, "VecISA", None)
-    original = getattr(owner, "check_build", None)
-    if owner is None or not callable(original):
-        yield seen
-        return
-    answers = {k: v for k, v in known.items() if isinstance(v, bool) and _PROBE_KEY.fullmatch(str(k))}
-
-    def check_build(self: Any, code: str) -> bool:
-        key = hashlib.sha256(f"{self}\0{self.build_arch_flags()}\0{code}".encode()).hexdigest()
-        result = answers[key] if key in answers else bool(original(self, code))
-        seen[key] = result
-        return result
-
-    owner.check_build = check_build
-    try:
-        yield seen
-    finally:
-        owner.check_build = original
 
 
 class StandaloneModule(nn.Module):

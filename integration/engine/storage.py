@@ -14,7 +14,7 @@ Three back ends ship here:
   ``engine``, with the store's checksums, LRU, leases and budget. Metadata and
   package are two artifacts, so a hit copies the package straight from its
   verified blob to a file in this process's private directory (the loader
-  needs a path; :mod:`~adstore.integration.engine.codefiles`) without holding
+  needs a path; :mod:`~adstore.integration.placement`) without holding
   it in memory, noting who wrote the blob file it read.
 * :class:`MemoryEngineStorage`: a bounded LRU dict, for tests and short jobs.
 * Your own: subclass :class:`EngineStorage` and implement ``save``/``load``.
@@ -70,8 +70,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.engine import codefiles
-from adstore.integration.engine.codefiles import Writer, copy_code, private_path
 from adstore.integration.engine.record import EngineRecord, check_meta
 from adstore.integration.errors import (
     ConfigError,
@@ -83,6 +81,10 @@ from adstore.integration.errors import (
 )
 from adstore.integration.pipeline.envcheck import store_candidates
 from adstore.integration.pipeline.events import EventKind
+from adstore.integration.placement import rule
+from adstore.integration.placement.dirs import private_path
+from adstore.integration.placement.place import copy_code
+from adstore.integration.placement.rule import Writer, blob_refusal
 from adstore.store import REMOTE_REASONS, AdstoreError, BlobMissing, ChecksumMismatch, Reason
 
 __all__ = ["EngineStorage", "MemoryEngineStorage", "StoreEngineStorage"]
@@ -256,7 +258,7 @@ class StoreEngineStorage(EngineStorage):
         self.max_size = None if max_size is None else parse_size(max_size, field="max_size")
         try:
             #: Owners whose package blobs may be loaded: this user, root, and the ones given.
-            self.trusted_uids = codefiles.trusted_uids({}, extra=trusted_uids)
+            self.trusted_uids = rule.trusted_uids({}, extra=trusted_uids)
         except ConfigError as exc:
             raise ConfigError("trusted_uids", f"expected user ids, got {trusted_uids!r}") from exc
 
@@ -282,7 +284,7 @@ class StoreEngineStorage(EngineStorage):
         from adstore.store import Store
 
         env = os.environ if environ is None else environ
-        uids = codefiles.trusted_uids(env)
+        uids = rule.trusted_uids(env)
         cache = cls(store=Store.from_env(env), max_size=env.get("ADSTORE_ENGINE_MAX_SIZE") or None, trusted_uids=uids)
         cache._owns_store = True
         return cache
@@ -374,14 +376,14 @@ class StoreEngineStorage(EngineStorage):
         (kernels, pickled cache entries) from a ``torch_compile`` entry.
 
         ``writer`` is ``fstat`` of the descriptor the verified private copy was
-        read from (:func:`~adstore.integration.engine.codefiles.copy_code`):
+        read from (:func:`~adstore.integration.placement.place.copy_code`):
         a user cannot create a file owned by someone else, and no path is
         looked at twice, so neither a link nor a file renamed in between
-        passes for bytes it did not hold.  Inline blobs live in the shared
-        index, where the writer is unknown, so an inline package is refused
-        (real packages are far larger than the inline threshold).
+        passes for bytes it did not hold.  An inline blob is judged by the
+        index that holds it: refused in a group-shared store, where its
+        writer is unknown (:func:`~adstore.integration.placement.rule.blob_refusal`).
         """
-        why = writer.refusal(self.trusted_uids)
+        why = blob_refusal(self.store, writer, self.trusted_uids)
         if why is not None:
             raise UntrustedEngine(hash, writer.uid, f"package refused: {why}")
 

@@ -10,7 +10,9 @@ needs travel with it, so a new host compiles no kernel another host built.
 Anything wrong with the store or the remote makes Inductor compile as it
 would have, with one log line per reason and a counter
 (``inductor.failopen.<reason>``).  See ``plug`` (the torch side), ``entries``
-(keys and artifacts), ``kernels`` (which files) and ``files`` (the trust rule).
+(keys and artifacts), ``kernels`` (which files), ``toolchain`` (the toolchain
+entry's restore and its one deadline), and :mod:`adstore.integration.placement`
+(the rule for files that become code, and the ISA probes).
 
 Names are imported on first use: importing this package does not import torch.
 """

@@ -11,7 +11,13 @@ the entry's components, so ``adstore explain`` shows them.  Artifacts:
   for FX-graph and AOTAutograd entries), returned as they were;
 * ``cache.<xx>.<file>``: a kernel file under Inductor's cache directory
   (``<cache dir>/<xx>/<file>``), named by Inductor after its source's hash;
-* ``pch.<file>``: a precompiled header file (toolchain entry only).
+* ``pch.<file>``: a precompiled header file (toolchain entry only), whose
+  meta also records the answers to Inductor's ISA probes (``isa_probes``,
+  :mod:`~adstore.integration.placement.probes`).
+
+Kernel files are captured and placed under the rule for files that become
+code (:mod:`~adstore.integration.placement`): a file in a directory another
+user could write in, or that a trusted user does not own, is never stored.
 
 The store does the rest: deduplication (a kernel two graphs share is one
 blob), compression, LRU and budget, the remote tier with signed records,
@@ -30,12 +36,11 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.engine.codefiles import Writer
-from adstore.integration.inductor.files import place, read_trusted, refusal
+from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import (
     choose,
@@ -46,9 +51,13 @@ from adstore.integration.inductor.toolchain_entry import (
     merge,
     path_differences,
 )
-from adstore.store import AdstoreError, Reason
+from adstore.integration.placement.capture import capture_files
+from adstore.integration.placement.place import place, read_trusted
+from adstore.integration.placement.probes import PROBES, valid_answers
+from adstore.integration.placement.rule import Writer, blob_refusal
+from adstore.store import Reason
 
-__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "VALUE", "failure_reason", "note_failure"]
+__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "TOOLCHAIN_NAMESPACE", "VALUE", "note_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +102,6 @@ def note_failure(
         _logged.add(counted)
     if first:
         logger.warning("adstore: %s without adstore here (%s): %s", fallback, reason, detail)
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The reason a fail-open counts for ``exc``: its own, ``io_error`` for an OSError, else ``integration_error``."""
-    if isinstance(exc, AdstoreError):
-        return str(getattr(exc, "reason", Reason.ERROR))
-    if isinstance(exc, OSError):
-        return str(Reason.IO_ERROR)
-    return str(Reason.INTEGRATION_ERROR)
 
 
 class InductorEntries:
@@ -188,8 +188,12 @@ class InductorEntries:
         self.store.count(counts)
 
     # -- the toolchain entry ------------------------------------------------------
-    def restore_toolchain(self) -> int:
-        """Place the ISA probes and precompiled headers stored for this toolchain; how many files were placed."""
+    def restore_toolchain(self, answered: threading.Event | None = None) -> int:
+        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain.
+
+        ``answered`` is set once the answers are known (or known to be
+        absent), before the headers are placed.  Returns how many files were placed.
+        """
         try:
             key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             res = self.store.lookup(key, trusted=self.trusted)
@@ -198,34 +202,50 @@ class InductorEntries:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
                 note_miss(key, components)
                 return 0
+            PROBES.learn(res.manifest.meta.get("isa_probes"))
+            if answered is not None:
+                answered.set()
             chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
             explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
             return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
+        finally:
+            if answered is not None:
+                answered.set()
 
-    def save_toolchain(self, files: Iterable[str], stored: set[str]) -> None:
-        """Store the toolchain's files unless an entry with exactly these names is there (``stored``: seen)."""
+    def save_toolchain(self, files: Iterable[str], answers: Mapping[str, bool], stored: set[str]) -> None:
+        """Store the toolchain's files and ISA answers unless the entry holds them all (``stored``: seen).
+
+        The entry is merged: what it holds already stays, answers and headers
+        this process met are added.
+        """
         try:
             key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
             cache_dir, header_dir = Path(_cache_dir()), _header_dir()
             names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
-            if not names or names <= stored:
+            mine = valid_answers(answers)
+            if names | set(mine) <= stored:
                 return
             res = self.store.lookup(key, count=False, trusted=self.trusted)
-            if res.hit and res.manifest is not None and names <= set(res.manifest.artifacts):
-                stored.update(res.manifest.artifacts)
+            old = res.manifest if res.hit and res.manifest is not None else None
+            known = valid_answers(old.meta.get("isa_probes")) if old is not None else {}
+            if old is not None and names <= set(old.artifacts) and mine.items() <= known.items():
+                stored.update(old.artifacts, known)
                 return
-            old = res.manifest if res.hit else None
             artifacts, meta = merge(
-                self._trusted_refs(old.artifacts) if old else None,
-                old.meta if old else None,
+                self._trusted_refs(old.artifacts) if old is not None else None,
+                old.meta if old is not None else None,
                 self.file_refs(files, cache_dir, header_dir),
                 install_paths(),
             )
+            if not artifacts and not mine:
+                return
+            merged = {**known, **mine}
+            meta["isa_probes"] = merged
             self._publish(key, TOOLCHAIN_NAMESPACE, components, artifacts, meta)
-            stored.update(artifacts)
+            stored.update(artifacts, merged)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
 
@@ -242,8 +262,7 @@ class InductorEntries:
             except OSError:
                 refused.add(name)
                 continue
-            writer = Writer(None) if st is None else Writer(st.st_uid, st.st_mode)
-            if refusal(self.store, writer, self.trusted) is not None:
+            if blob_refusal(self.store, Writer.of(st), self.trusted) is not None:
                 refused.add(name)
         gone = {header_of(n) for n in refused} - {None}
         return {n: r for n, r in artifacts.items() if n not in refused and header_of(n) not in gone}
@@ -272,13 +291,20 @@ class InductorEntries:
         return placed
 
     def file_refs(self, files: Iterable[str], cache_dir: Path, header_dir: Path | None) -> dict[str, Any]:
-        """Each Inductor file among ``files`` as a blob, by artifact name (``cache.<xx>.<file>``, ``pch.<file>``)."""
-        refs: dict[str, Any] = {}
+        """Each Inductor file among ``files`` as a blob, by artifact name (``cache.<xx>.<file>``, ``pch.<file>``).
+
+        Captured under the rule for code (:func:`~adstore.integration.placement.capture.capture_files`):
+        a file refused is left out, counted and logged once (``inductor.failopen.<reason>``).
+        """
+        named: dict[str, str] = {}
         for path in files:
             name = _artifact_name(path, cache_dir, header_dir)
-            if name is not None and name not in refs:
-                refs[name] = self.store.put_file(path)
-        return refs
+            if name is not None and name not in named.values():
+                named[path] = name
+        captured = capture_files(self.store, named, self.trusted)
+        for path, exc in captured.refused.items():
+            note_failure(failure_reason(exc), f"{path} not stored: {exc}", self.store)
+        return {named[path]: ref for path, ref in captured.refs.items()}
 
     def _publish(
         self, key: str, namespace: str, components: dict[str, Any], artifacts: dict[str, Any], meta: Any = None

@@ -1,25 +1,25 @@
-"""Which files on disk an Inductor cache entry needs: the kernels it loaded, the ISA probes, the header.
+"""Which files on disk an Inductor cache entry needs: the kernels it loaded and the precompiled header.
 
 An FX-graph cache entry holds the graph's Python wrapper, not its kernels:
 on a hit Inductor loads the wrapper, which loads each C++ kernel's shared
 object from the cache directory, compiling it when absent (seconds each).
-So the adapter watches three of Inductor's own steps while it is enabled and
+So the adapter watches two of Inductor's own steps while it is enabled and
 stores the files they name with the entries:
 
 * ``CppCodeCache._load_library(path, key)``: the ``.so`` of a kernel (and its
   ``.cpp`` and ``.o`` next to it) whenever one is loaded; an FX-graph entry
   takes the kernels loaded between its lookup and its save (one compile);
-* ``VecISA._probe_load(path)``: the small programs Inductor compiles to pick
-  the CPU's vector ISA, once per process, before any kernel;
 * ``codecache._precompile_header(...)``: the precompiled C++ header (about
   150 MB, under ``$TMPDIR/torchinductor_$USER/precompiled_headers``) that
   every kernel compile, and every process's first kernel load, needs.
 
-The last two belong to the toolchain, not to a graph: they travel in one
-entry per toolchain, which :func:`~adstore.integration.inductor.plug.enable`
-restores in the background while Dynamo traces; Inductor's first ISA check
-and first header step wait for it (:attr:`Recorder.before_toolchain`).  The
-watch otherwise only records paths; it never changes what Inductor does.
+The header belongs to the toolchain, not to a graph: it travels in one
+entry per toolchain (with the answers to Inductor's ISA probes,
+:mod:`~adstore.integration.placement.probes`), which
+:func:`~adstore.integration.inductor.plug.enable` restores in the background
+while Dynamo traces; Inductor's header step waits for it
+(:attr:`Recorder.before_toolchain`).  The watch otherwise only records
+paths; it never changes what Inductor does.
 A kernel an earlier graph of the same process loaded already is not loaded
 again, so it travels with that earlier graph's entry only.
 GPU kernels (Triton) are bundled into the FX-graph entry by Inductor itself
@@ -46,15 +46,14 @@ def kernel_files(so_path: str) -> list[str]:
 
 
 class Recorder:
-    """The paths Inductor loaded kernels, probes and headers from while the watch was installed."""
+    """The paths Inductor loaded kernels and headers from while the watch was installed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kernels: list[str] = []
-        self.probes: dict[str, None] = {}
         self.headers: dict[str, None] = {}
         self._undo: list[Callable[[], None]] = []
-        #: Called before Inductor's ISA check and header step (the toolchain restore's wait); never raises.
+        #: Called before Inductor's header step (the toolchain restore's wait); never raises.
         self.before_toolchain: Callable[[], None] | None = None
 
     # -- what was seen ------------------------------------------------------
@@ -67,16 +66,14 @@ class Recorder:
         with self._lock:
             return list(dict.fromkeys(self._kernels[mark:]))
 
-    def toolchain_files(self) -> tuple[list[str], list[str]]:
-        """(ISA probe files, precompiled header files) seen so far, each with its siblings."""
+    def toolchain_files(self) -> list[str]:
+        """The precompiled header files seen so far (each header and its ``.gch``)."""
         with self._lock:
-            probes = [f for p in self.probes for f in kernel_files(p)]
-            headers = [f for h in self.headers for f in (h, h + ".gch") if os.path.isfile(f)]
-        return probes, headers
+            return [f for h in self.headers for f in (h, h + ".gch") if os.path.isfile(f)]
 
     # -- the watch ------------------------------------------------------------
     def install(self) -> None:
-        """Wrap Inductor's three steps; each piece that this torch lacks is skipped."""
+        """Wrap Inductor's two steps; each piece that this torch lacks is skipped."""
         if self._undo:
             return
         from torch._inductor import codecache
@@ -109,32 +106,6 @@ class Recorder:
 
             codecache._precompile_header = _precompile_header  # type: ignore[assignment]
             self._undo.append(lambda: setattr(codecache, "_precompile_header", header_fn))
-
-        try:
-            from torch._inductor.cpu_vec_isa import VecISA
-        except ImportError:
-            return
-        probe = VecISA.__dict__.get("_probe_load")
-        if callable(probe):
-
-            def _probe_load(isa: Any, output_path: str) -> Any:
-                ok = probe(isa, output_path)
-                if ok:
-                    with rec._lock:
-                        rec.probes[output_path] = None
-                return ok
-
-            VecISA._probe_load = _probe_load  # type: ignore[method-assign]
-            self._undo.append(lambda: setattr(VecISA, "_probe_load", probe))
-        check = VecISA.__dict__.get("check_build")
-        if callable(check):
-
-            def check_build(isa: Any, code: str) -> Any:
-                rec._await_toolchain()
-                return check(isa, code)
-
-            VecISA.check_build = check_build  # type: ignore[method-assign]
-            self._undo.append(lambda: setattr(VecISA, "check_build", check))
 
     def uninstall(self) -> None:
         while self._undo:

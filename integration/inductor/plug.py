@@ -27,9 +27,12 @@ from typing import Any
 
 from torch._inductor.remote_cache import RemoteCacheBackend
 
-from adstore.integration.engine.codefiles import trusted_uids
+from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.entries import NAMESPACES, InductorEntries, note_failure
 from adstore.integration.inductor.kernels import RECORDER
+from adstore.integration.inductor.toolchain import Toolchain
+from adstore.integration.placement.probes import PROBES
+from adstore.integration.placement.rule import trusted_uids
 from adstore.store import Reason
 
 __all__ = ["AdstoreBackend", "enable", "disable", "active"]
@@ -58,7 +61,8 @@ class _State:
     saved_flags: dict[tuple[str, str], Any] = field(default_factory=dict)
     saved_backends: dict[str, Any] = field(default_factory=dict)
     toolchain_stored: set[str] = field(default_factory=set)
-    toolchain_restore: threading.Thread | None = None
+    toolchain: Toolchain | None = None
+    probes_installed: bool = False
     local_hits_before: int = 0
 
 
@@ -116,8 +120,7 @@ def _save_toolchain() -> None:
     state = _state
     if state is None:
         return
-    probes, headers = RECORDER.toolchain_files()
-    state.entries.save_toolchain([*probes, *headers], state.toolchain_stored)
+    state.entries.save_toolchain(RECORDER.toolchain_files(), PROBES.recorded(), state.toolchain_stored)
 
 
 def enable(store: Any = None, *, remote: Any = None) -> bool:
@@ -128,7 +131,9 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     (``Store.from_env``), or, with ``remote=`` (a URL, ``RemoteConfig`` or
     ``Remote``), that store with this remote tier.  Enabling again replaces
     the store.  Returns False, after one log line and with nothing changed,
-    when no store can be opened: Inductor then compiles as it would without adstore.
+    when no store can be opened or any step fails (every flag and backend
+    switched before it is put back): Inductor then compiles as it would
+    without adstore.
     """
     global _state
     from adstore.store import Store
@@ -143,12 +148,29 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
             opened = Store.from_env(**({"remote": remote} if remote is not None else {}))
             entries = InductorEntries(opened, trusted=trusted_uids(), owns_store=True)
     except Exception as exc:  # noqa: BLE001 - fail open: no store, no adstore
-        reason = getattr(exc, "reason", None) or (Reason.IO_ERROR if isinstance(exc, OSError) else Reason.ERROR)
-        note_failure(str(reason), f"no store ({type(exc).__name__}: {exc})")
+        note_failure(failure_reason(exc, Reason.ERROR), f"no store ({type(exc).__name__}: {exc})")
         return False
+    state = _State(entries, local_hits_before=_fx_hits())
+    try:
+        _plug(state)
+        assert state.toolchain is not None
+        state.toolchain.start()
+    except Exception as exc:  # noqa: BLE001 - fail open all the way: torch as it was
+        _unplug(state)
+        note_failure(failure_reason(exc), f"enable failed ({type(exc).__name__}: {exc}); torch left as it was")
+        return False
+    with _lock:
+        _state = state
+    _at_exit_once()
+    logger.info("adstore: Inductor's caches go through %s (pid %d)", entries.store, os.getpid())
+    return True
+
+
+def _plug(state: _State) -> None:
+    """Switch torch to adstore, one step at a time; each step recorded in ``state`` before it is taken."""
+    import torch
     import torch._inductor.remote_cache as remote_cache
 
-    state = _State(entries, local_hits_before=_fx_hits())
     for cls_name, namespace in NAMESPACES.items():
         cls = getattr(remote_cache, cls_name, None)
         if cls is None:
@@ -156,62 +178,53 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
             continue
         state.saved_backends[cls_name] = cls.__dict__.get("backend_override_cls", _ABSENT)
         cls.backend_override_cls = _factory(namespace)
-    import torch
-
     for module_name, flag in FLAGS + (GPU_FLAGS if torch.cuda.is_available() else ()):
         module = _module(module_name)
         if module is not None and hasattr(module, flag):
             state.saved_flags[(module_name, flag)] = getattr(module, flag)
             setattr(module, flag, True)
-    # The toolchain entry (ISA probes, the ~150 MB precompiled header) is placed while Dynamo traces:
-    # Inductor needs it only at its first ISA check or header step, which wait for it.
-    state.toolchain_restore = threading.Thread(
-        target=_restore_toolchain, args=(entries,), name="adstore-inductor-toolchain", daemon=True
-    )
-    RECORDER.before_toolchain = _await_toolchain
+    # The toolchain entry (ISA answers, the ~150 MB precompiled header) is restored while Dynamo traces:
+    # Inductor needs it only at its first ISA probe or header step, which wait for it (one deadline).
+    state.toolchain = Toolchain(state.entries, wait=TOOLCHAIN_WAIT)
+    RECORDER.before_toolchain = state.toolchain.wait_done
     RECORDER.install()
-    with _lock:
-        _state = state
-    _at_exit_once()
-    state.toolchain_restore.start()
-    logger.info("adstore: Inductor's caches go through %s (pid %d)", entries.store, os.getpid())
-    return True
+    PROBES.before_unknown = state.toolchain.wait_answers
+    state.probes_installed = PROBES.install()
 
 
-#: How long Inductor waits for the toolchain restore before it builds what it lacks itself (a slow remote).
-TOOLCHAIN_WAIT = 120.0
-
-
-def _restore_toolchain(entries: InductorEntries) -> None:
-    placed = entries.restore_toolchain()  # fails open: counted and logged there
-    logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
+#: How long, in all, a process waits for the toolchain restore before Inductor builds what it lacks itself:
+#: one deadline from ``enable()``, however many ISA probes and header steps ask (a slow or stuck remote).
+TOOLCHAIN_WAIT = 30.0
 
 
 def _await_toolchain() -> None:
-    """Wait for the toolchain restore, :data:`TOOLCHAIN_WAIT` at most (once over, returns at once); never raises."""
-    timeout = TOOLCHAIN_WAIT
+    """Wait for the whole toolchain restore until the process's deadline (over: returns at once); never raises."""
     state = _state
-    thread = None if state is None else state.toolchain_restore
-    if thread is None or thread is threading.current_thread() or not thread.is_alive():
-        return
-    thread.join(timeout)
-    if thread.is_alive():
-        why = f"toolchain restore still running after {timeout:.0f} s"
-        note_failure(str(Reason.REMOTE_TIMEOUT), why, state.entries.store)
+    if state is not None and state.toolchain is not None:
+        state.toolchain.wait_done()
 
 
 def disable() -> None:
     """Undo :func:`enable`: torch's flags and backends as they were; an owned store is closed."""
     global _state
-    _save_toolchain()  # headers and probes a process met after its last save (a rebuilt header among them)
+    _save_toolchain()  # headers and answers a process met after its last save (a rebuilt header among them)
     with _lock:
         state, _state = _state, None
     if state is None:
         return
-    if state.toolchain_restore is not None and state.toolchain_restore.is_alive():
-        state.toolchain_restore.join(TOOLCHAIN_WAIT)  # it uses the store closed below
+    if state.toolchain is not None:
+        state.toolchain.join()  # it uses the store closed below
+    _unplug(state)
+
+
+def _unplug(state: _State) -> None:
+    """Put back everything ``state`` recorded as switched (all of it, or what a failed enable got to)."""
     import torch._inductor.remote_cache as remote_cache
 
+    if state.probes_installed:
+        PROBES.uninstall()
+        state.probes_installed = False
+    PROBES.before_unknown = None
     RECORDER.before_toolchain = None
     RECORDER.uninstall()
     _count_local_hits(state)
@@ -221,10 +234,12 @@ def disable() -> None:
             setattr(module, flag, value)
     for cls_name, value in state.saved_backends.items():
         cls = getattr(remote_cache, cls_name)
-        if value is _ABSENT:
-            del cls.backend_override_cls
-        else:
+        if value is not _ABSENT:
             cls.backend_override_cls = value
+        elif "backend_override_cls" in cls.__dict__:
+            del cls.backend_override_cls
+    state.saved_flags.clear()
+    state.saved_backends.clear()
     if state.entries.owns_store:
         try:
             state.entries.store.close()

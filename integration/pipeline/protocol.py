@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from adstore.integration.errors import failure_reason
 from adstore.integration.pipeline import dist as agree
 from adstore.integration.pipeline.dist import Topology
 from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
@@ -41,7 +42,7 @@ from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey, json_digest
 from adstore.store import AdstoreError, Reason
 
-__all__ = ["NAMESPACE", "SnapshotCache", "failure_reason", "snapshot_digest"]
+__all__ = ["NAMESPACE", "SnapshotCache", "snapshot_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,6 @@ NAMESPACE = "pipeline"
 def snapshot_digest(artifacts: Mapping[str, Any]) -> str:
     """The identity of one rank's snapshot: a digest over its artifacts' names and content digests."""
     return json_digest({str(name): ref.digest for name, ref in artifacts.items()})
-
-
-def failure_reason(exc: BaseException) -> Reason:
-    """The reason an error becomes: its own ``reason`` if it names one, else by kind."""
-    reason = getattr(exc, "reason", None)
-    if isinstance(reason, str):
-        with contextlib.suppress(ValueError):
-            return Reason(reason)
-    if isinstance(exc, OSError):
-        return Reason.IO_ERROR
-    return Reason.ERROR
 
 
 class SnapshotCache:
@@ -183,7 +173,7 @@ class SnapshotCache:
                 if reason == Reason.ABSENT:
                     reason, detail = self._why_absent(ck)
         except Exception as exc:
-            reason, detail = failure_reason(exc), str(exc)
+            reason, detail = Reason(failure_reason(exc, Reason.ERROR)), str(exc)
         # agreement 1: every rank found its own committed manifest of one generation
         all_ok = agree.all_true(ok)
         common = agree.agree_int(gen if ok else None)
@@ -200,7 +190,7 @@ class SnapshotCache:
             artifacts = {name: self.store().read_artifact(manifest, name) for name in manifest.artifacts}
             module = load_module(artifacts, allowed_prefixes=self.allowed_prefixes)
         except Exception as exc:
-            reason, detail = failure_reason(exc), str(exc)
+            reason, detail = Reason(failure_reason(exc, Reason.ERROR)), str(exc)
             module = None
         # agreement 2: every rank loaded and reattached its hooks
         if not agree.all_true(module is not None):
@@ -273,7 +263,7 @@ class SnapshotCache:
             store = self.store()
             local_gen = store.new_generation() if topo.rank == 0 else 0
         except Exception as exc:
-            reason, detail, local_gen = failure_reason(exc), str(exc), 0
+            reason, detail, local_gen = Reason(failure_reason(exc, Reason.ERROR)), str(exc), 0
         # agreement 0: rank 0's generation for every rank (0 = rank 0 cannot save)
         gen = agree.broadcast_int(local_gen)
 
@@ -308,7 +298,7 @@ class SnapshotCache:
                     kind = EventKind.SAVE
                     self.snapshot = snapshot_digest(refs)
             except Exception as exc:
-                reason, detail = failure_reason(exc), str(exc)
+                reason, detail = Reason(failure_reason(exc, Reason.ERROR)), str(exc)
         else:
             reason = reason or Reason.PEER_SAVE_FAILED
             agree.all_true(False)  # agreement 1, joined by a rank that has nothing to publish

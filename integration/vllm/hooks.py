@@ -66,8 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.engine.codefiles import trusted_uids
-from adstore.integration.inductor.entries import failure_reason, note_failure
+from adstore.integration.errors import failure_reason
+from adstore.integration.inductor.entries import note_failure
+from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.vllm import trees
 
 __all__ = ["install", "uninstall", "status", "aot_layout", "piecewise_layout", "Layout"]

@@ -22,12 +22,15 @@ host's files is never restored.
 
 Restore leaves a target that holds anything alone (vLLM's own; an empty
 directory, which vLLM makes before it looks, is replaced), builds the tree
-in a private directory beside the target (0700, the engine cache's rules
-for code: :func:`~adstore.integration.engine.codefiles.check_private`),
-copies each file through the trust rule (:func:`~adstore.integration.inductor.files.place`:
-verified bytes from a trusted writer), and publishes it with one
-``rename``; if another process got there first, ours is discarded.  No
-process sees half a tree, and a failure leaves nothing behind.
+in a private directory beside the target (0700, named ``.adstore-<pid>-*``
+so a sweep can remove a killed process's), under a parent no untrusted user
+can rename in (the rule for code, :mod:`~adstore.integration.placement`; a
+0775 parent of this user's is tightened), copies each file through the trust
+rule (:func:`~adstore.integration.placement.place.place`: verified bytes
+from a trusted writer), and publishes it with one ``rename``; if another
+process got there first, ours is discarded.  No process sees half a tree,
+and a failure leaves nothing behind.  Capture reads every file under the
+same rule (:func:`~adstore.integration.placement.capture.capture_files`).
 
 Both directions never raise: a problem is an :class:`Outcome` with a
 reason, logged once and counted as ``vllm.failopen.<reason>``.
@@ -48,10 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adstore.integration.engine.codefiles import check_private, trusted_uids
-from adstore.integration.errors import UnsafeCacheDir, VllmTreeError
-from adstore.integration.inductor.entries import InductorEntries, failure_reason, note_failure
-from adstore.integration.inductor.files import place
+from adstore.integration.errors import VllmTreeError, failure_reason
+from adstore.integration.inductor.entries import InductorEntries, note_failure
+from adstore.integration.placement.capture import capture_files
+from adstore.integration.placement.dirs import open_dir
+from adstore.integration.placement.place import place
+from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.vllm.treefiles import FORMAT, Limits, Plan, artifact_name, find_anchors, plan_from, scan
 from adstore.store import Reason
 
@@ -107,7 +112,7 @@ def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[s
 
 
 def _fail(store: Any, exc: BaseException, what: str) -> Outcome:
-    reason = getattr(exc, "why", None) or failure_reason(exc)
+    reason = failure_reason(exc)
     note_failure(reason, f"{what}: {exc}", store, scope="vllm", fallback="vLLM compiles (or keeps its own files)")
     return Outcome(False, reason, detail=str(exc))
 
@@ -132,12 +137,14 @@ def capture(
     anchors: Mapping[str, str],
     part: str = "",
     limits: Limits | None = None,
+    trusted: frozenset[int] | None = None,
 ) -> Outcome:
     """Store the directory ``source`` as one tree entry, through ``Store.save``; never raises.
 
     Refused whole (an outcome with the reason, nothing saved) when it holds
     anything but regular files and directories, a name outside the plain
-    set, or more than ``limits``.  Two processes capturing one tree both
+    set, or more than ``limits``, or when the rule for code refuses a file
+    (a directory another user could write in, a file no trusted user owns).  Two processes capturing one tree both
     save whole entries; the last commit wins.
     """
     try:
@@ -146,12 +153,14 @@ def capture(
         tree = scan(Path(source), limits or Limits())
         if not tree.files:
             return Outcome(False, "empty", detail=f"{source} holds no file")
-        refs: dict[str, Any] = {}
+        paths = {str(Path(source) / f.path): artifact_name(f.path) for f in tree.files}
+        captured = capture_files(store, paths, trusted_uids() if trusted is None else trusted)
+        if captured.refused:
+            raise next(iter(captured.refused.values()))
+        refs = {paths[p]: ref for p, ref in captured.refs.items()}
         found: set[str] = set()
-        for f in tree.files:
-            path = Path(source) / f.path
-            found |= find_anchors(path, {r: v for r, v in wanted.items() if r not in found})
-            refs[artifact_name(f.path)] = store.put_file(path)
+        for path in paths:
+            found |= find_anchors(Path(path), {r: v for r, v in wanted.items() if r not in found})
         meta = {
             "tree": FORMAT,
             "kind": kind,
@@ -178,18 +187,6 @@ def _occupied(target: Path) -> bool:
         return True
     with os.scandir(target) as it:
         return next(it, None) is not None
-
-
-def _check_parent(parent: Path) -> None:
-    """The target's parent: an existing directory reached without any symlink (code is never placed through one)."""
-    walked = Path(parent.anchor)
-    for part in parent.parts[1:]:
-        walked = walked / part
-        st = os.lstat(walked)
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafeCacheDir(str(walked), "a symlink on the way to the tree: its files would land elsewhere")
-        if not stat.S_ISDIR(st.st_mode):
-            raise UnsafeCacheDir(str(walked), "not a directory")
 
 
 def _anchor_mismatch(recorded: Mapping[str, str], here: Mapping[str, str]) -> str | None:
@@ -256,11 +253,12 @@ def restore(
         if why is not None:
             note_failure(str(Reason.INCOMPATIBLE_ENV), why, store, scope="vllm", fallback="vLLM compiles")
             return Outcome(False, str(Reason.INCOMPATIBLE_ENV), detail=why)
-        _check_parent(target.parent)
         trusted = trusted_uids() if trusted is None else trusted
+        os.close(open_dir(target.parent, trusted, own=False))  # no symlink on the way, no one else renames in it
         with store.lease(key):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name[:40]}.adstore-", dir=target.parent))
-            check_private(tmp)
+            tmp = Path(
+                tempfile.mkdtemp(prefix=f".adstore-{os.getpid()}-", suffix=f".{target.name[:40]}", dir=target.parent)
+            )
             count = _build(store, plan, tmp, trusted)
         try:
             os.rename(tmp, target)

@@ -207,7 +207,11 @@ def test_engines_written_by_untrusted_users_are_not_loaded(env, tmp_path, monkey
         assert engine is not None and event.source == "backend"
         trusting.close()
     with Store.open(tmp_path / "inline", grace_period=0.0, inline_threshold=1 << 24) as store:
-        StoreEngineStorage(store).save(h, env["blob"])  # package inside the shared index: writer unknown
+        StoreEngineStorage(store).save(h, env["blob"])  # a package inside the index: as trusted as the index
+        engine, event = lookup_in(StoreEngineStorage(store), make_model(2))
+        assert engine is not None, event  # an index only this user writes: its writer is this user
+        os.chown(store.root / "index", -1, 65534)  # a group with other members (nogroup: nobody, sync, _apt)
+        os.chmod(store.root / "index", 0o2775)  # a group-shared store: any member writes the index
         engine, event = lookup_in(StoreEngineStorage(store), make_model(2))
         assert engine is None and event.reason == "untrusted_engine", event
     monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "alice")

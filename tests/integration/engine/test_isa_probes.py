@@ -1,4 +1,4 @@
-"""The compile stage answers Inductor's vector-ISA probes from its entry, and only with well-formed answers."""
+"""Inductor's vector-ISA probes answered from an entry (the compile stage's scope), only with well-formed answers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hashlib
 
 from torch._inductor import cpu_vec_isa
 
-from adstore.integration.engine.standalone import isa_probes
+from adstore.integration.placement.probes import PROBES
 
 CODE = "this is not C++: a probe that ran would fail to build"
 
@@ -18,7 +18,7 @@ def key(isa: cpu_vec_isa.VecISA, code: str) -> str:
 def test_a_recorded_answer_is_given_back_without_building_and_the_original_is_restored():
     isa = cpu_vec_isa.VecAVX2()
     original = cpu_vec_isa.VecISA.check_build
-    with isa_probes({key(isa, CODE): True}) as seen:
+    with PROBES.scope({key(isa, CODE): True}) as seen:
         assert isa.check_build(CODE) is True  # answered: the source above would not compile
     assert seen == {key(isa, CODE): True}
     assert cpu_vec_isa.VecISA.check_build is original
@@ -29,6 +29,6 @@ def test_malformed_answers_are_ignored_and_the_probe_runs():
     isa = cpu_vec_isa.VecAVX2()
     good = key(isa, CODE)
     hostile = {good.upper(): True, "../" + good: True, good: "yes"}  # not a hex key, not a bool
-    with isa_probes(hostile) as seen:
+    with PROBES.scope(hostile) as seen:
         assert isa.check_build(CODE) is False
     assert seen == {key(isa, CODE): False}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["host_env", "on_host", "count_builds", "compile_host"]
+__all__ = ["host_env", "on_host", "count_builds", "count_probes", "compile_host"]
 
 
 def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> dict[str, str]:
@@ -58,12 +58,28 @@ def count_builds() -> list[str]:
     return builds
 
 
+def count_probes() -> list[str]:
+    """From now on, every ISA probe this process loads in a subprocess (``VecISA._probe_load``), in a list."""
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    probes: list[str] = []
+    probe = VecISA._probe_load
+
+    def counted(self: Any, output_path: str) -> bool:
+        probes.append(output_path)
+        return probe(self, output_path)
+
+    VecISA._probe_load = counted  # type: ignore[method-assign]
+    return probes
+
+
 def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
     """``torch.compile`` a small model under ``env`` (with adstore enabled unless ``enable=False``).
 
     Returns a digest of the output, Inductor's cache counters, how many C++
     builds ran (kernels, ISA probes and precompiled headers: every
-    ``CppBuilder.build`` of the process), the fail-open reasons and the store's
+    ``CppBuilder.build`` of the process), how many ISA probes ran in a
+    subprocess, the fail-open reasons and the store's
     ``inductor.*`` and ``remote.*`` counters, and adstore's warnings.
     """
     os.environ.update(env)
@@ -75,6 +91,7 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
     from torch._dynamo.utils import counters
 
     builds = count_builds()
+    probes = count_probes()
 
     import logging
 
@@ -113,6 +130,7 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
         "inductor": dict(counters["inductor"]),
         "aot_autograd": dict(counters["aot_autograd"]),
         "builds": [b for b in builds if not b.endswith(".i")],  # g++ -E of the header runs in every process
+        "probes": len(probes),  # ISA probe subprocesses
         "failopen": dict(inductor.FAILOPEN),
         "store": store_counters,
         "seconds": seconds,

@@ -65,11 +65,12 @@ def test_a_new_host_builds_no_kernel_and_gets_the_same_outputs(seed):
     env, root = copy_store(seed, "b")
     b = on_host(compile_host, env, True, INLINE)
     assert b["builds"] == [], b["builds"]
+    assert b["probes"] == 0 and seed[1]["probes"] > 0, (b["probes"], seed[1]["probes"])  # answered from the store
     assert b["inductor"].get("fxgraph_cache_hit") == 1 and b["aot_autograd"].get("autograd_cache_hit") == 1, b
     assert b["output"] == seed[1]["output"] and b["failopen"] == {}
     assert b["store"]["inductor.files_placed"] > 0
-    a_files = {p.name for p in (seed[0] / "a" / "inductor").rglob("*.so")}
-    assert a_files and a_files <= {p.name for p in Path(env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so")}
+    a_kernels = {name.split(".", 2)[2] for name in kernel_blobs(root)}  # the ISA probes' libraries are not needed
+    assert a_kernels and a_kernels <= {p.name for p in Path(env["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so")}
     assert list(Path(env["TMPDIR"]).rglob("*.h.gch")), "the precompiled header was placed"
 
 

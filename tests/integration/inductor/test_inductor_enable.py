@@ -34,7 +34,6 @@ def _torch_state():
         "watched": (
             vars(codecache.CppCodeCache)["_load_library"],
             codecache._precompile_header,
-            vars(VecISA)["_probe_load"],
             vars(VecISA)["check_build"],
         ),
     }
@@ -69,14 +68,14 @@ def test_enable_without_a_usable_store_changes_nothing(tmp_path, monkeypatch):
 
 
 def test_inductor_waits_for_the_toolchain_restore_and_a_stuck_one_only_costs_the_wait(tmp_path, monkeypatch):
-    """The toolchain entry is placed in the background; Inductor's first ISA check waits for it, boundedly."""
+    """The toolchain entry is restored in the background; an unanswered ISA probe waits for it, boundedly."""
     import threading
 
     from adstore.integration.inductor import entries, plug
 
     release, started = threading.Event(), threading.Event()
 
-    def stuck_restore(self) -> int:
+    def stuck_restore(self, answered=None) -> int:
         started.set()
         release.wait(60)
         return 0
@@ -90,11 +89,83 @@ def test_inductor_waits_for_the_toolchain_restore_and_a_stuck_one_only_costs_the
         try:
             assert started.wait(30)
             before = inductor.FAILOPEN["remote_timeout"]
-            VecAVX2().check_build("not C++")  # the watched check waits, gives up, and runs (and fails to build)
+            VecAVX2().check_build("not C++")  # the probe waits, gives up, and runs (and fails to build)
+            VecAVX2().check_build("not C++ either")  # the deadline is past: no second wait, no second count
             assert inductor.FAILOPEN["remote_timeout"] == before + 1
             release.set()
-            plug._state.toolchain_restore.join(30)
+            plug._state.toolchain.thread.join(30)
             plug._await_toolchain()  # over: returns at once
         finally:
             release.set()
             inductor.disable()
+
+
+@pytest.mark.parametrize("step", ["flag", "watch", "probes"])
+def test_enable_failing_midway_puts_every_flag_and_backend_back(tmp_path, monkeypatch, step):
+    """A step after the first backend and flag are switched raises: enable() returns False, torch is as it was."""
+    from adstore.integration.inductor import kernels, plug
+    from adstore.integration.placement import probes
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"{step} step broke")
+
+    if step == "flag":  # the second configuration module cannot be set
+        seen: list[str] = []
+        module = plug._module
+
+        def second_breaks(name):
+            seen.append(name)
+            if len(seen) == 2:
+                raise RuntimeError("flag step broke")
+            return module(name)
+
+        monkeypatch.setattr(plug, "_module", second_breaks)
+    elif step == "watch":
+        monkeypatch.setattr(kernels.RECORDER, "install", boom)
+    else:
+        monkeypatch.setattr(probes.PROBES, "install", boom)
+    before = _torch_state()
+    counted = inductor.FAILOPEN["integration_error"]
+    with Store.open(tmp_path / "store") as store:
+        assert inductor.enable(store) is False
+        assert inductor.active() is None
+        assert _torch_state() == before
+        assert inductor.FAILOPEN["integration_error"] == counted + 1
+        assert store.lookup("0" * 64).reason == "absent"  # the caller's store stays open
+    monkeypatch.undo()
+    with Store.open(tmp_path / "store") as store:  # and a later enable works
+        assert inductor.enable(store) is True
+        inductor.disable()
+    assert _torch_state() == before
+
+
+def test_the_toolchain_wait_is_one_deadline_per_process():
+    """Three steps ask for a stuck restore: the process waits TOOLCHAIN_WAIT once in all, and counts it once."""
+    import threading
+
+    from adstore.integration.inductor.toolchain import Toolchain
+
+    now = [100.0]
+    waits: list[float] = []
+
+    def waiter(event: threading.Event, timeout: float) -> bool:
+        waits.append(timeout)
+        now[0] += timeout  # a stuck restore: the whole timeout passes
+        return False
+
+    class Stuck:
+        store = None
+
+        def restore_toolchain(self, answered=None):
+            threading.Event().wait(30)  # never sets anything within the test
+
+    chain = Toolchain(Stuck(), wait=10.0, answers_wait=1.0, clock=lambda: now[0], waiter=waiter, sweep=False)  # type: ignore[arg-type]
+    before = inductor.FAILOPEN["remote_timeout"]
+    chain.start()
+    now[0] += 4.0  # Dynamo traced for 4 s before the first ISA probe
+    for _ in range(3):
+        chain.wait_answers()  # ten probes ask: the first waits its second, the others run at once
+    chain.wait_done()
+    chain.wait_done()
+    assert waits == [1.0, 5.0], waits  # the answers' second, then the rest of the one deadline, once
+    assert inductor.FAILOPEN["remote_timeout"] == before + 1

@@ -1,10 +1,11 @@
 """The trust rule for Inductor's files, without a compile: who wrote a blob, where a copy may go, what it holds.
 
-These drive :mod:`adstore.integration.inductor.files` and the entries' file
+These drive :mod:`adstore.integration.placement` and the entries' file
 placement on a real store: a blob file owned by another uid, an inline blob
-in a group-writable index, a target directory others can write or that is a
-symlink, and a blob whose content no longer hashes to its digest are each
-refused, and nothing is left under the final name.
+in a group-writable index, a target directory another user owns or that is a
+symlink, a parent others can write in, and a blob whose content no longer
+hashes to its digest are each refused, and nothing is left under the final
+name; a 0775 directory of this user's is tightened, not refused.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from adstore.integration.engine.codefiles import trusted_uids
 from adstore.integration.errors import UnsafeCacheDir, UntrustedKernel
 from adstore.integration.inductor.entries import InductorEntries
-from adstore.integration.inductor.files import place, read_trusted
+from adstore.integration.placement.place import place, read_trusted
+from adstore.integration.placement.rule import trusted_uids
 from adstore.store import ChecksumMismatch, Store
 
 ME = frozenset({os.geteuid(), 0})
@@ -59,6 +60,9 @@ def test_a_blob_file_another_uid_owns_is_refused_before_any_byte(small_store):
 
 def test_an_inline_blob_of_an_index_others_can_write_is_refused(small_store):
     ref = small_store.put_bytes(b"inline")
+    if os.geteuid() != 0:
+        pytest.skip("chgrp to a shared group needs root")
+    os.chown(small_store.root / "index", -1, 65534)  # a group with other members (nogroup: nobody, sync, _apt)
     os.chmod(small_store.root / "index", 0o2775)  # a group-shared store: any member writes the index
     with pytest.raises(UntrustedKernel, match="inline"):
         read_trusted(small_store, ref, ME)
@@ -77,12 +81,27 @@ def test_a_blob_that_no_longer_hashes_to_its_digest_is_never_linked_and_is_quara
     assert list((small_store.root / "quarantine").iterdir())  # the store's read path quarantined it
 
 
-@pytest.mark.parametrize("shape", ["group_writable", "symlink", "other_owner"])
+def test_a_group_writable_directory_of_this_user_is_tightened_not_refused(tmp_path):
+    target = tmp_path / "cache"
+    target.mkdir()
+    os.chmod(target, 0o2777)  # umask 000 and a setgid bit: still this user's
+    with Store.open(tmp_path / "store") as store:
+        assert _place(store, b"kernel", target)
+    assert (target / "k.so").read_bytes() == b"kernel" and target.stat().st_mode & 0o7777 == 0o2755
+
+
+@pytest.mark.parametrize("shape", ["symlink", "other_owner", "parent_others_write"])
 def test_a_target_directory_others_could_write_is_refused(shape, tmp_path):
     target = tmp_path / "cache"
-    if shape == "group_writable":
-        target.mkdir(mode=0o775)
-        os.chmod(target, 0o775)
+    if shape == "parent_others_write":  # another user's world-writable directory above ours
+        if os.geteuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        parent = tmp_path / "shared"
+        parent.mkdir()
+        os.chmod(parent, 0o777)
+        os.chown(parent, 4242, 4242)
+        target = parent / "cache"
+        target.mkdir(mode=0o700)
     elif shape == "symlink":
         (tmp_path / "elsewhere").mkdir(mode=0o700)
         target.symlink_to(tmp_path / "elsewhere")
