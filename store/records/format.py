@@ -209,8 +209,8 @@ def parse_payload(payload: Mapping[str, Any], where: str) -> Record:
         if type(created) not in (int, float) or not 0 <= created < 1e11:
             raise ValueError(f"created {created!r} is not a time")
         artifacts_raw = payload.get("artifacts")
-        if not isinstance(artifacts_raw, dict) or not artifacts_raw:
-            raise ValueError("no artifacts")
+        if not isinstance(artifacts_raw, dict):  # empty is fine: an entry whose content is its meta
+            raise ValueError("no artifacts map")
         artifacts: dict[str, BlobRef] = {}
         for name, ref in artifacts_raw.items():
             if not isinstance(ref, list) or len(ref) != 2:

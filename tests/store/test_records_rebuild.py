@@ -213,3 +213,16 @@ def test_a_record_published_again_after_its_obsolete_list_stays_live(store):
     assert run_cli(store.root, "verify", "--fix").returncode == 0
     with Store.open(store.root) as again:
         assert served_digests(again, "k") == want
+
+
+def test_an_entry_whose_content_is_its_meta_survives_a_rebuild_and_its_seal_holds(store_root):
+    """An entry with no artifact (the Inductor toolchain entry holding only ISA answers) has a readable record."""
+    with Store.open(store_root, grace_period=0.0) as store:
+        store.save("answers", {}, namespace="inductor_toolchain", meta={"isa_probes": {"a" * 64: True}})
+        res = store.lookup("answers", trusted=frozenset({os.geteuid()}))  # the seal reads the record
+        assert res.hit and res.manifest.artifacts == {}, res.reason
+    _damage(store_root, "not_lmdb")
+    assert run_cli(store_root, "verify", "--fix").returncode == 0
+    with Store.open(store_root, grace_period=0.0) as store:
+        res = store.lookup("answers", count=False)
+        assert res.hit and res.manifest.meta["isa_probes"] == {"a" * 64: True}
