@@ -98,13 +98,14 @@ class Writer:
 def dir_refusal(st: os.stat_result, trusted: frozenset[int]) -> str | None:
     """Why entries of the directory ``st`` describes could be renamed by an untrusted user (None: they cannot).
 
-    Accepted: owned by a trusted uid, and either sticky (others may add
-    entries, never rename or remove ours: ``/tmp``) or writable by no
-    untrusted user.
+    Accepted: owned by a trusted uid or root (who can replace anything
+    anyway, so a caller that trusts no one else still walks ``/``), and
+    either sticky (others may add entries, never rename or remove ours:
+    ``/tmp``) or writable by no untrusted user.
     """
     if not stat.S_ISDIR(st.st_mode):
         return "not a directory"
-    if st.st_uid not in trusted:
+    if st.st_uid not in trusted and st.st_uid != 0:
         return f"owned by uid {st.st_uid}, not a trusted user (ADSTORE_TRUSTED_UIDS)"
     if st.st_mode & stat.S_ISVTX:
         return None

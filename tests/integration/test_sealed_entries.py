@@ -236,10 +236,11 @@ def test_a_tree_pulled_from_a_signed_remote_passes_the_seal_of_the_user_who_pull
         def pull() -> dict:
             with Store.open(mine, remote=remote()) as store:
                 out = trees.restore(store, target=home / "out", anchors={}, trusted=ONLY_ALICE, **TREE)
-                return {"reason": out.reason}
+                return {"reason": out.reason, "detail": out.detail}
 
         home = _home(mine.parent)
-        assert as_uid(ALICE, pull)["reason"] == "restored"
+        got = as_uid(ALICE, pull)
+        assert got["reason"] == "restored", got
 
 
 # -- users who do not trust each other --------------------------------------------------

@@ -87,14 +87,14 @@ def test_two_install_paths_share_one_entry_without_replacing_each_others_header(
     with Store.open(tmp_path / "store", inline_threshold=1024) as store:
         entries = InductorEntries(store, trusted=ME, owns_store=False)
         _, headers = _host(tmp_path, "a", monkeypatch, A)
-        entries.save_toolchain(_build_header(headers, "ha.h"), set())
+        entries.save_toolchain(_build_header(headers, "ha.h"), {}, set())
 
         _, headers = _host(tmp_path, "b", monkeypatch, B)
         with caplog.at_level(logging.WARNING, logger="adstore.integration.inductor"):
             assert entries.restore_toolchain() == 0  # A's header would never be used here
         (line,) = [r.getMessage() for r in caplog.records if "install path" in r.getMessage()]
         assert "torch: /opt/venv/lib/python3.11/site-packages/torch (builder) vs /home/me/venv/" in line
-        entries.save_toolchain(_build_header(headers, "hb.h"), set())  # Inductor built B's own
+        entries.save_toolchain(_build_header(headers, "hb.h"), {}, set())  # Inductor built B's own
 
         key, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
         manifest = store.lookup(key, count=False).manifest
@@ -144,13 +144,13 @@ def test_a_merge_never_republishes_a_header_this_user_would_refuse(tmp_path, mon
     with Store.open(tmp_path / "store", inline_threshold=1024) as store:
         entries = InductorEntries(store, trusted=ME, owns_store=False)
         _, headers = _host(tmp_path, "a", monkeypatch, A)
-        entries.save_toolchain(_build_header(headers, "ha.h"), set())
+        entries.save_toolchain(_build_header(headers, "ha.h"), {}, set())
         key, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
         gch = store.blob_path(store.lookup(key, count=False).manifest.artifacts["pch.ha.h.gch"])
         os.chown(gch, 1001, 1001)  # as if another user had written A's header
 
         _, headers = _host(tmp_path, "b", monkeypatch, B)
-        entries.save_toolchain(_build_header(headers, "hb.h"), set())
+        entries.save_toolchain(_build_header(headers, "hb.h"), {}, set())
         manifest = store.lookup(key, count=False).manifest
         assert {a for a in manifest.artifacts if a.startswith("pch.")} == {"pch.hb.h", "pch.hb.h.gch"}
         assert [h["name"] for h in manifest.meta["headers"]] == ["hb.h"]
