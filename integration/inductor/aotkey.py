@@ -6,7 +6,9 @@ artifact of ``module.forward``.  What that artifact computes is decided by
 * the module's **code**: the source of every class in its module tree (their
   whole defining modules, :func:`~adstore.integration.pipeline.keys.code_fingerprint`,
   through the pipeline cache's ``env`` component, which adds the versions of
-  torch, Python and transformers);
+  torch, Python and transformers), and the code objects of their methods
+  (:func:`class_code`: a class defined where there is no source file still
+  keys what it runs);
 * its **structure**, not its values: per submodule its class, the names,
   shapes, dtypes and ``requires_grad`` of its parameters and buffers, its
   plain attributes (numbers, strings, ``training``) by value and any other
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import types
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +38,7 @@ from torch import nn
 from adstore.integration.errors import CacheKeyError
 from adstore.integration.pipeline.keys import canonical, environment_fingerprint, json_digest
 
-__all__ = ["NAMESPACE", "aot_components", "input_spec", "module_structure", "settings"]
+__all__ = ["NAMESPACE", "aot_components", "class_code", "input_spec", "module_structure", "settings"]
 
 #: The store namespace of ``aot_compile`` entries.
 NAMESPACE = "inductor_aot"
@@ -51,6 +54,45 @@ _HOOKS = (
     "_load_state_dict_pre_hooks",
 )
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def _code(code: types.CodeType, h: Any) -> None:
+    """Feed ``code`` to ``h``: its bytecode, names and constants (nested code too), not its file or lines."""
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount)).encode())
+    h.update(repr(code.co_kwonlyargcount).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code(const, h)
+        else:
+            h.update(repr(const).encode())
+
+
+def class_code(classes: Iterable[type]) -> dict[str, str]:
+    """Per class (and the classes it inherits from, below ``nn.Module``): a digest of its methods' code.
+
+    The source files are hashed too (``code``), but a class whose module has
+    no file (a notebook, ``exec``) would have no source to hash: its code
+    objects are what it runs, so they are keyed whatever the file says.
+    """
+    out: dict[str, str] = {}
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass in (nn.Module, object):
+                break
+            name = f"{klass.__module__}.{klass.__qualname__}"
+            if name in out:
+                continue
+            h = hashlib.sha256()
+            for attr, value in sorted(vars(klass).items()):
+                fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                depth = 0
+                while isinstance(fn, types.FunctionType) and depth < 8:
+                    h.update(attr.encode() + b"\0")
+                    _code(fn.__code__, h)
+                    fn, depth = getattr(fn, "__wrapped__", None), depth + 1
+            out[name] = h.hexdigest()
+    return out
 
 
 def _tensor(t: torch.Tensor) -> dict[str, Any]:
@@ -152,6 +194,7 @@ def aot_components(
         "namespace": NAMESPACE,
         "module": f"{cls.__module__}.{cls.__qualname__}",
         "code": json_digest(environment_fingerprint(classes)),
+        "classes": json_digest(class_code(classes)),
         "structure": json_digest(module_structure(module)),
         "inputs": input_spec(args, kwargs),
         "settings": settings(),
