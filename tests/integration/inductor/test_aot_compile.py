@@ -80,7 +80,8 @@ def test_the_key_follows_code_structure_and_inputs_never_the_weights(tmp_path):
     v1 = _module_from(tmp_path, "v1", body + "    def forward(self, x):\n        return self.lin(x)\n")
     v2 = _module_from(tmp_path, "v2", body + "    def forward(self, x):\n        return self.lin(x) * 2\n")
     assert aot_components(v1(), (x,), {}, IDENTITY)[0] != aot_components(v2(), (x,), {}, IDENTITY)[0]
-    assert aot_components(v1(), (x,), {}, IDENTITY)[0] != aot_components(v1(), (x,), {}, {**IDENTITY, "toolchain": "d"})[0]
+    other_toolchain = {**IDENTITY, "toolchain": "d"}
+    assert aot_components(v1(), (x,), {}, IDENTITY)[0] != aot_components(v1(), (x,), {}, other_toolchain)[0]
 
 
 def test_an_input_with_no_canonical_value_is_compiled_not_stored(tmp_path):
