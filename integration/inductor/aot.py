@@ -133,9 +133,9 @@ def aot_compile(
         why = f"{type(module).__name__} has forward hooks"
         note_failure(str(Reason.FORWARD_HOOK), why, scope=_SCOPE, fallback=_FALLBACK)
         return AOTModule(module, None, outcome="torch.compile", reason=str(Reason.FORWARD_HOOK))
-    entries, owned = _entries(store)
+    entries, owned, why = _entries(store)
     try:
-        return _serve(module, args, kw, entries, t0)
+        return _serve(module, args, kw, entries, t0, why)
     finally:
         if owned and entries is not None:
             try:
@@ -145,12 +145,16 @@ def aot_compile(
 
 
 def _serve(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], entries: InductorEntries | None, t0: float
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    entries: InductorEntries | None,
+    t0: float,
+    why: str | None,
 ) -> AOTModule:
-    """Look the module up, load it on a hit; compile (and store) it on a miss."""
+    """Look the module up, load it on a hit; compile (and store) it on a miss (``why``: no store, and why)."""
     key: str | None = None
     components: dict[str, Any] = {}
-    why: str | None = None
     if entries is not None:
         try:
             key, components = aot_components(module, args, kwargs, entries.identity)
@@ -180,17 +184,18 @@ def _serve(
     return AOTModule(module, compiled, outcome="compiled", reason=why, key=key, seconds=time.perf_counter() - t0)
 
 
-def _entries(store: Any) -> tuple[InductorEntries | None, bool]:
-    """The store to use (opened from the environment unless given) and whether it is ours to close."""
+def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
+    """The store to use (opened from the environment unless given), whether it is ours to close, or why none."""
     try:
         if store is not None:
-            return InductorEntries(store, trusted=trusted_uids(), owns_store=False), False
+            return InductorEntries(store, trusted=trusted_uids(), owns_store=False), False, None
         from adstore.store import Store
 
-        return InductorEntries(Store.from_env(), trusted=trusted_uids(), owns_store=True), True
+        return InductorEntries(Store.from_env(), trusted=trusted_uids(), owns_store=True), True, None
     except Exception as exc:  # noqa: BLE001 - fail open: no store, compiled as without adstore
-        note_failure(failure_reason(exc), f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback=_FALLBACK)
-        return None, False
+        reason = failure_reason(exc)
+        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback="compiled, not stored,")
+        return None, False, reason
 
 
 def _load(entries: InductorEntries, key: str, module: nn.Module) -> tuple[Any, str | None]:
@@ -247,7 +252,9 @@ def _save(
         store.count_event("save")
         return None
     except Exception as exc:  # noqa: BLE001 - the compiled module is used, not kept
-        reason = str(Reason.SAVE_FAILED)
+        reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
+        if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
+            reason = str(Reason.SAVE_FAILED)
         why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
         note_failure(reason, why, store, scope=_SCOPE, fallback="the compiled module runs, not stored,")
         return reason

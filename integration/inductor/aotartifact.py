@@ -25,7 +25,7 @@ Three things the bytes alone do not carry, handled here:
 The kernels' shared objects are not in the artifact either: a load compiles
 each kernel whose ``.so`` is not in Inductor's cache directory, so the
 caller captures them (:func:`capture` compiles into a directory of its own)
-and places them before :func:`load`.  The ISA probes' answers are recorded
+and places them before :func:`load`, which then needs no precompiled header.  The ISA probes' answers are recorded
 on capture and given back on load (``standalone.isa_probes``).
 """
 
@@ -253,4 +253,29 @@ def load(data: bytes, module: nn.Module, meta: Mapping[str, Any], workdir: Path)
         stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True))
         known = meta.get("isa_probes")
         stack.enter_context(standalone.isa_probes(known if isinstance(known, dict) else {}))
+        _without_header(stack, workdir)
         return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=scope, external_data=closure)
+
+
+def _without_header(stack: ExitStack, workdir: Path) -> None:
+    """In this block Inductor neither preprocesses nor builds its precompiled header.
+
+    Loading a kernel whose ``.so`` is there needs no header, yet Inductor
+    settles the header (``g++ -E`` of it in every process, and a ~150 MB
+    build on a host without it) before it looks for the ``.so``.  The
+    kernels are all placed from the entry, so the header's path is never
+    used; should one be missing after all, its build names a header that is
+    not there and fails, and the load is a miss (a compile), never a wrong kernel.
+    """
+    from torch._inductor import codecache
+
+    original = getattr(codecache, "_precompile_header", None)
+    if not callable(original):
+        return
+    absent = str(workdir / "adstore-no-precompiled-header.h")
+
+    def settled(*args: Any, **kwargs: Any) -> str:
+        return absent
+
+    codecache._precompile_header = settled  # type: ignore[assignment]
+    stack.callback(setattr, codecache, "_precompile_header", original)

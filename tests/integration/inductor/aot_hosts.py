@@ -36,7 +36,7 @@ def small_inputs() -> tuple[Small, torch.Tensor]:
     return Small().eval(), torch.randn(4, 8)
 
 
-def aot_host(env: dict[str, str], *, others: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
+def aot_host(env: dict[str, str], others: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
     """``aot_compile`` of :class:`Small` under ``env``, in this (fresh) process; what it did and computed.
 
     ``others``: also change a weight in place and call with another scalar
