@@ -17,7 +17,8 @@ artifact of ``module.forward``.  What that artifact computes is decided by
   dtype, device and ``requires_grad``, every other leaf by value (a value
   with no canonical form cannot be keyed: :class:`CacheKeyError`);
 * the **settings** that change the code Inductor writes or the graph Dynamo
-  captures (their configurations, grad mode, matmul precision);
+  captures (their configurations without the ones that name places, grad
+  mode, matmul precision);
 * torch's build key and the toolchain (``InductorEntries.identity``).
 
 Weights are not in the key and not in the artifact: the module's parameters
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -176,12 +178,31 @@ def settings() -> dict[str, Any]:
     }
     for name, config in (("inductor", inductor_config), ("dynamo", dynamo_config), ("functorch", functorch_config)):
         try:
-            portable = config.save_config_portable()
-            text = json.dumps(portable, sort_keys=True, default=lambda v: f"<{type(v).__qualname__}>")
+            portable = {k: v for k, v in config.save_config_portable().items() if not _path_setting(k, v)}
+            text = json.dumps(_stable(portable), sort_keys=True)
         except Exception as exc:  # noqa: BLE001 - another torch's internals: the error stands in (a miss at worst)
             text = f"error: {type(exc).__name__}"
         out[name] = hashlib.sha256(text.encode()).hexdigest()
     return out
+
+
+def _path_setting(name: str, value: Any) -> bool:
+    """A setting that names a place, not code (Dynamo's ``debug_dir_root`` follows the working directory)."""
+    last = name.rsplit(".", 1)[-1]
+    return last.endswith(("_dir", "_root", "_path")) or (isinstance(value, str) and os.path.isabs(value))
+
+
+def _stable(value: Any) -> Any:
+    """``value`` as JSON that is the same in every process: sets sorted (their order follows string hashing)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _stable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_stable(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def aot_components(

@@ -167,3 +167,32 @@ def test_a_new_host_loads_the_artifact_from_a_webdav_remote(tmp_path):
         server.stop()
     assert b["outcome"] == "hit" and b["builds"] == [] and b["output"] == a["output"], b
     assert b["store"].get("remote.hits", 0) >= 1, b["store"]
+
+
+_KEY_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from aot_hosts import small_inputs
+from adstore.integration.inductor.aotkey import aot_components
+model, x = small_inputs()
+with torch.no_grad():
+    print(aot_components(model, (x,), {{"bias": 1.0}}, {{"torch_key": "t", "toolchain": "c"}})[0])
+"""
+
+
+def test_the_key_is_the_same_in_every_process_and_directory():
+    import os
+    import subprocess
+
+    keys = set()
+    # Another working directory (Dynamo's debug_dir_root follows it) and another string hashing (sets in
+    # Dynamo's configuration iterate in another order): the same key.
+    for seed, cwd in (("1", HERE), ("2", HERE.parent)):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        script = _KEY_SCRIPT.format(here=str(HERE))
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        keys.add(proc.stdout.strip().splitlines()[-1])
+    assert len(keys) == 1, keys
