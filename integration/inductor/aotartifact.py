@@ -136,7 +136,8 @@ def capture(
     the guards left out by kind.  Kernels build in this process
     (``compile_threads=1``), so every ``.so`` the artifact needs lands in
     ``workdir``; the ISA probes run again for the same reason.  ``freezing``
-    stays off: with it, Inductor would fold the weights into the code.
+    stays off and Dynamo inlines the module (parameters are graph inputs):
+    otherwise the weights could be folded into the code or pickled with it.
     """
     import torch._inductor.compile_fx  # noqa: F401 - the compile's imports, outside the timed trace
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -150,7 +151,8 @@ def capture(
     with ExitStack() as stack:
         stack.enter_context(temporary_cache_dir(str(workdir)))
         stack.enter_context(torch._inductor.config.patch(compile_threads=1, freezing=False))
-        stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True))
+        # Parameters and buffers as graph inputs read from the module (not attributes baked into the graph).
+        stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True, inline_inbuilt_nn_modules=True))
         probes = stack.enter_context(standalone.isa_probes({}))
         compiled = torch.compile(module.forward, fullgraph=True, options={"guard_filter_fn": guard_filter(fn, dropped)})
         aot = compiled.aot_compile((tuple(args), dict(kwargs)))
