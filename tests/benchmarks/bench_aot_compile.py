@@ -145,16 +145,16 @@ def main() -> int:
 
         run("eager", "eager", {}, -1)  # not counted: the page cache gets the files once
         runs["eager"].clear()
-        for i in range(max(repeat, 3)):
-            run("eager", "eager", {}, i)
-            run("compiled_floor", "compiled_floor", {}, i)
         server, remote = http_remote(work)
         try:
+            # The floors run right beside the restarts they are compared with (a shared machine's load drifts).
             for i in range(repeat):
                 prefix = f"{remote['writer']['ADSTORE_REMOTE']}/aot-{i}"  # each cold run pushes to an empty prefix
                 writer = {**remote["writer"], "ADSTORE_REMOTE": prefix}
                 reader = {**remote["reader"], "ADSTORE_REMOTE": prefix}
                 run("cold", "aot", host_env(work, f"a-{i}", **writer), i)
+                run("eager", "eager", {}, i)
+                run("compiled_floor", "compiled_floor", {}, i)
                 run("warm", "aot", host_env(work, f"a-{i}"), i)
                 run("new_host", "aot", host_env(work, f"c-{i}", **reader), i)
                 for host in (f"a-{i}", f"c-{i}"):
@@ -178,7 +178,10 @@ def main() -> int:
             "failopen": v[0][1].get("failopen"),
             "dynamo_imported": v[0][1]["dynamo_imported"],
         }
-    warm_above, host_above = med["warm"] - floor, med["new_host"] - floor
+    # Above the compiled floor of the same repeat, then the median over repeats.
+    floors = [f for f, _ in runs["compiled_floor"]]
+    warm_above = statistics.median(w - f for (w, _), f in zip(runs["warm"], floors, strict=True))
+    host_above = statistics.median(h - f for (h, _), f in zip(runs["new_host"], floors, strict=True))
     results.update(
         {
             "compiled_floor_s": floor,
@@ -201,8 +204,9 @@ def main() -> int:
         r = results[kind]
         print(f"  {kind:<16} {r['seconds']:>8.2f} {r['above_compiled_floor_s']:>+18.2f}   {r['outcomes'][0] or ''}")
     print(
-        f"  warm: compiled floor {warm_above:+.2f} s (target <= +{WARM_TARGET_S}: "
-        f"{'met' if results['meets_warm_within_0_5s'] else 'NOT met'}); new host: compiled floor "
+        f"  above the compiled floor of the same repeat (median): warm {warm_above:+.2f} s "
+        f"(target <= +{WARM_TARGET_S}: "
+        f"{'met' if results['meets_warm_within_0_5s'] else 'NOT met'}); new host "
         f"{host_above:+.2f} s (target <= +{HOST_TARGET_S}: "
         f"{'met' if results['meets_new_host_within_1_0s'] else 'NOT met'}); cold / warm "
         f"{results['cold_over_warm']:.1f}x"
