@@ -14,12 +14,20 @@ would have, with one log line per reason and a counter
 entry's restore and its one deadline), and :mod:`adstore.integration.placement`
 (the rule for files that become code, and the ISA probes).
 
+:func:`aot_compile` is the other way in, for one module: torch's own AOT
+artifact of its ``forward`` in the store, so a restart loads it without
+Dynamo tracing (``aot``, ``aotkey``, ``aotartifact``).
+
 Names are imported on first use: importing this package does not import torch.
 """
 
 from adstore.store import lazy_exports
 
-_EXPORTS = {"inductor.plug": ("enable", "disable", "active"), "inductor.entries": ("FAILOPEN", "NAMESPACES")}
+_EXPORTS = {
+    "inductor.plug": ("enable", "disable", "active"),
+    "inductor.entries": ("FAILOPEN", "NAMESPACES"),
+    "inductor.aot": ("aot_compile", "AOTModule"),
+}
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")

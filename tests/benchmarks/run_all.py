@@ -54,6 +54,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_pipeline": ["--layers", "8"],
     "bench_restart": ["--quick"],
     "bench_inductor": ["--quick"],
+    "bench_aot_compile": ["--quick"],
     "bench_vllm": ["--quick"],
     "bench_fleet": ["--repeat", "1"],
 }
@@ -70,6 +71,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_compression": ["compression.json"],
     "bench_scale": ["scale.json"],
     "bench_inductor": ["inductor.json"],
+    "bench_aot_compile": ["aot_compile.json"],
     "bench_vllm": ["vllm.json"],
     "bench_fleet": ["fleet.json"],
 }
@@ -1027,6 +1029,56 @@ def rows_fleet(d: dict) -> list[Row]:
     return out
 
 
+def rows_aot_compile(d: dict) -> list[Row]:
+    floor = d["compiled_floor_s"]
+    same = (
+        f"outputs bit-identical to the cold run: {'yes' if d['outputs_bit_identical'] else 'NO'}; "
+        f"max |aot - eager| {d['max_abs_diff_vs_eager']:.1e}"
+    )
+    return [
+        row(
+            "aot_compile",
+            "compiled floor (eager run + Dynamo/Inductor import), Llama 4x256, fresh process",
+            _s(floor),
+            f"eager run {_s(d['eager_s'])}",
+            None,
+            "",
+            None,
+            "the floor of any compiled start",
+        ),
+        row(
+            "aot_compile",
+            "`aot_compile` warm restart (Llama 4x256), start to first output, above the compiled floor",
+            _s(d["warm_above_compiled_floor_s"]),
+            f"cold {_s(d['cold']['seconds'])}",
+            d.get("cold_over_warm"),
+            "≤ compiled floor + 0.5 s",
+            d["meets_warm_within_0_5s"],
+            f"ratio = cold / warm, whole processes; {same}",
+        ),
+        row(
+            "aot_compile",
+            "`aot_compile` new host from the HTTP remote (Llama 4x256), above the compiled floor",
+            _s(d["new_host_above_compiled_floor_s"]),
+            f"warm {_s(d['warm']['seconds'])}",
+            None,
+            "≤ compiled floor + 1.0 s",
+            d["meets_new_host_within_1_0s"],
+            same,
+        ),
+        row(
+            "aot_compile",
+            "`aot_compile` output against eager (Llama 4x256)",
+            f"{d['max_abs_diff_vs_eager']:.1e}",
+            "eager",
+            None,
+            "≤ 1e-4, bit-identical to cold",
+            d["meets_within_1e_4_of_eager"] and d["outputs_bit_identical"],
+            "max absolute difference of the logits",
+        ),
+    ]
+
+
 def rows_vllm(d: dict) -> list[Row]:
     warm, plain, host = d["local_warm"], d["new_host_plain"], d["new_host_adstore"]
     same = f"tokens identical in every run: {'yes' if d['tokens_identical'] else 'NO'}"
@@ -1112,6 +1164,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_compression": rows_compression,
     "bench_scale": rows_scale,
     "bench_inductor": rows_inductor,
+    "bench_aot_compile": rows_aot_compile,
     "bench_vllm": rows_vllm,
     "bench_fleet": rows_fleet,
 }

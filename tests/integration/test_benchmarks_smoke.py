@@ -33,6 +33,7 @@ SMALL = {
     "bench_compression": (["--quick", "--big-mib", "8"], "compression.json"),
     "bench_scale": (["--quick"], "scale.json"),
     "bench_inductor": (["--quick"], "inductor.json"),
+    "bench_aot_compile": (["--quick"], "aot_compile.json"),
 }
 # bench_vllm is not here: its runs take minutes each (vLLM's processes), more than CI's slow tier can spare;
 # its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm_plugin/test_vllm_real.py.

@@ -1,0 +1,274 @@
+"""``aot_compile(module, args, kwargs)``: a compiled module whose restart loads torch's artifact, never traces.
+
+``torch.compile`` traces the module with Dynamo in every new process before
+any cache can answer; :func:`~adstore.integration.inductor.enable` makes the
+compile that follows cheap, not the trace.  :func:`aot_compile` stores
+torch's own AOT artifact (``torch.compile(...).aot_compile`` and
+``torch.compiler.load_compiled_function``, :mod:`.aotartifact`) with the
+shared objects of its kernels, under a key of the module's code and
+structure, the inputs, the settings, torch's build and the toolchain
+(:mod:`.aotkey`).  On a hit it loads them: no trace, no kernel compile, no
+ISA probe.
+
+* The module's live parameters run: they are inputs of the artifact, read
+  from the module on every call (a weight changed in place is used).
+* A call whose guards fail (another shape, dtype, scalar, grad mode), a
+  module that grew forward hooks, or a module adstore could not compile
+  this way goes to ``torch.compile(module)``, logged once: never a wrong result.
+* Files that become code follow the store's trust rule: the artifact (a
+  pickle) is read from a verified copy whose writer was judged on its
+  descriptor, the kernels are placed into a private directory the same way.
+* A store or remote problem, a damaged or untrusted entry: a compile as
+  without adstore, the reason counted (``aot.failopen.<reason>``) and logged once.
+
+The store is ``Store.from_env()`` (its remote tier, budget and trusted keys
+included) unless one is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adstore.integration.placement.dirs import private_dir
+from adstore.integration.placement.place import read_trusted
+from adstore.integration.placement.rule import trusted_uids
+from adstore.integration.errors import IntegrationError
+from adstore.integration.inductor import aotartifact
+from adstore.integration.inductor.aotkey import NAMESPACE, aot_components
+from adstore.integration.inductor.entries import InductorEntries, failure_reason, note_failure
+from adstore.store import Reason
+
+__all__ = ["AOTModule", "aot_compile", "ARTIFACT", "NAMESPACE"]
+
+logger = logging.getLogger(__name__)
+
+#: The artifact holding torch's serialized function (with what a load acts on: :func:`.aotartifact.pack`).
+ARTIFACT = "artifact"
+_SCOPE = "aot"
+_FALLBACK = "torch.compile serves this module"
+
+
+class AOTModule:
+    """What :func:`aot_compile` returns: called like the module (``compiled(*args, **kwargs)``).
+
+    ``outcome``: ``"hit"`` (loaded from the store), ``"compiled"`` (compiled
+    here, stored unless ``reason`` says why not) or ``"torch.compile"``
+    (every call goes to ``torch.compile``; ``reason`` says why).
+    ``fallbacks`` counts the calls ``torch.compile`` served.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compiled: Any,
+        *,
+        outcome: str,
+        reason: str | None = None,
+        key: str | None = None,
+        seconds: float = 0.0,
+        detail: str = "",
+    ) -> None:
+        self.module = module
+        self.outcome = outcome
+        self.reason = reason
+        self.key = key
+        self.seconds = seconds
+        self.detail = detail
+        self.fallbacks = 0
+        self._compiled = compiled
+        self._grad = torch.is_grad_enabled()
+        self._fallback: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled
+        if compiled is not None and torch.is_grad_enabled() == self._grad and not _call_hooks(self.module):
+            try:
+                ok = bool(compiled.guard_check(self.module, *args, **kwargs))
+            except TypeError:  # arguments forward does not take: torch.compile raises the user's error
+                ok = False
+            if ok:
+                return compiled.fn(self.module, *args, **kwargs)
+        return self._other_call(*args, **kwargs)
+
+    def _other_call(self, *args: Any, **kwargs: Any) -> Any:
+        self.fallbacks += 1
+        if self._fallback is None:
+            if self._compiled is not None:
+                note_failure(
+                    "guard_failed",
+                    f"a call of {type(self.module).__name__} outside the compiled inputs' guards",
+                    scope=_SCOPE,
+                    fallback="torch.compile serves such calls",
+                )
+            self._fallback = torch.compile(self.module)
+        return self._fallback(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"AOTModule({type(self.module).__name__}, outcome={self.outcome!r}, reason={self.reason!r})"
+
+
+def aot_compile(
+    module: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *, store: Any = None
+) -> AOTModule:
+    """``module`` compiled for ``module(*args, **kwargs)``: loaded from the store, or compiled and stored.
+
+    ``store``: a :class:`~adstore.store.Store` (kept open), else the one
+    ``ADSTORE_ROOT`` and ``ADSTORE_REMOTE*`` name.  Raises ``TypeError`` for
+    a ``module`` that is not an ``nn.Module``; never for the store, the
+    remote or an entry (the module is then compiled as without adstore).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"aot_compile needs an nn.Module, got {type(module).__name__}")
+    t0 = time.perf_counter()
+    args, kw = tuple(args), dict(kwargs or {})
+    if _call_hooks(module):
+        why = f"{type(module).__name__} has forward hooks"
+        note_failure(str(Reason.FORWARD_HOOK), why, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=str(Reason.FORWARD_HOOK))
+    entries, owned, why = _entries(store)
+    try:
+        return _serve(module, args, kw, entries, t0, why)
+    finally:
+        if owned and entries is not None:
+            try:
+                entries.store.close()
+            except Exception as exc:  # noqa: BLE001 - closing is best effort
+                logger.debug("closing the store: %s", exc)
+
+
+def _serve(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    entries: InductorEntries | None,
+    t0: float,
+    why: str | None,
+) -> AOTModule:
+    """Look the module up, load it on a hit; compile (and store) it on a miss (``why``: no store, and why)."""
+    key: str | None = None
+    components: dict[str, Any] = {}
+    if entries is not None:
+        try:
+            key, components = aot_components(module, args, kwargs, entries.identity)
+        except Exception as exc:  # noqa: BLE001 - no key: compiled, not stored
+            why = str(Reason.KEY_ERROR)
+            note_failure(why, f"{type(module).__name__}: {exc}", entries.store, scope=_SCOPE, fallback=_FALLBACK)
+            entries = None
+    if entries is not None and key is not None:
+        loaded, why = _load(entries, key, module)
+        if loaded is not None:
+            seconds = time.perf_counter() - t0
+            return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds)
+    workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
+    try:
+        try:
+            compiled, probes, dropped = aotartifact.capture(module, args, kwargs, workdir)
+        except Exception as exc:  # noqa: BLE001 - torch could not compile it this way: torch.compile serves it
+            reason = str(Reason.INTEGRATION_ERROR)
+            why = f"aot_compile of {type(module).__name__}: {type(exc).__name__}: {exc}"
+            note_failure(reason, why, entries and entries.store, scope=_SCOPE, fallback=_FALLBACK)
+            return AOTModule(module, None, outcome="torch.compile", reason=reason, key=key, detail=str(exc))
+        if entries is not None and key is not None:
+            saved = _save(entries, key, components, module, compiled, workdir, probes, dropped)
+            why = why if saved is None else saved
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return AOTModule(module, compiled, outcome="compiled", reason=why, key=key, seconds=time.perf_counter() - t0)
+
+
+def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
+    """The store to use (opened from the environment unless given), whether it is ours to close, or why none."""
+    try:
+        if store is not None:
+            return InductorEntries(store, trusted=trusted_uids(), owns_store=False), False, None
+        from adstore.store import Store
+
+        return InductorEntries(Store.from_env(), trusted=trusted_uids(), owns_store=True), True, None
+    except Exception as exc:  # noqa: BLE001 - fail open: no store, compiled as without adstore
+        reason = failure_reason(exc)
+        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback="compiled, not stored,")
+        return None, False, reason
+
+
+def _load(entries: InductorEntries, key: str, module: nn.Module) -> tuple[Any, str | None]:
+    """The stored artifact loaded (kernels placed first), or None and why not (``absent`` on a plain miss)."""
+    store = entries.store
+    try:
+        res = store.lookup(key)
+        if not res.hit or res.manifest is None:
+            reason = str(res.reason)
+            if res.reason != Reason.ABSENT:
+                why = f"{NAMESPACE} entry {key[:12]} not served"
+                note_failure(reason, why, store, scope=_SCOPE, fallback="compiled")
+            return None, reason
+        manifest = res.manifest
+        if manifest.namespace != NAMESPACE or ARTIFACT not in manifest.artifacts:
+            raise IntegrationError(f"{key[:12]} is not an {NAMESPACE} entry")
+        workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))
+        try:
+            entries.materialize(manifest.artifacts, workdir, None)  # trusted writers, verified copies
+            meta, data = aotartifact.unpack(read_trusted(store, manifest.artifacts[ARTIFACT], entries.trusted))
+            loaded = aotartifact.load(data, module, meta, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        store.count({"aot.hits": 1})
+        return loaded, None
+    except Exception as exc:  # noqa: BLE001 - fail open: a damaged, untrusted or foreign entry is a miss
+        reason = failure_reason(exc)
+        if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
+            reason = str(Reason.LOAD_FAILED)  # torch refused the artifact (another build), or the module changed
+        why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
+        note_failure(reason, why, store, scope=_SCOPE, fallback="compiled")
+        return None, reason
+
+
+def _save(
+    entries: InductorEntries,
+    key: str,
+    components: dict[str, Any],
+    module: nn.Module,
+    compiled: Any,
+    workdir: Path,
+    probes: dict[str, bool],
+    dropped: dict[str, int],
+) -> str | None:
+    """Store the artifact and its kernels as one entry; None, or the reason it was not stored (counted)."""
+    store = entries.store
+    try:
+        data, meta = aotartifact.serialize(compiled, module)
+        blob = aotartifact.pack({**meta, "isa_probes": probes}, data)
+        files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
+        artifacts = {ARTIFACT: store.put_bytes(blob), **entries.file_refs(files, workdir, None)}
+        info = {"files": len(files), "guards_dropped": dropped, "bytes": len(blob)}
+        store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=info)
+        store.count_event("save")
+        return None
+    except Exception as exc:  # noqa: BLE001 - the compiled module is used, not kept
+        reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
+        if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
+            reason = str(Reason.SAVE_FAILED)
+        why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
+        note_failure(reason, why, store, scope=_SCOPE, fallback="the compiled module runs, not stored,")
+        return reason
+
+
+def _call_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks around ``forward`` (the artifact is of ``forward`` alone)."""
+    from torch.nn.modules import module as base
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or base._global_forward_hooks
+        or base._global_forward_pre_hooks
+        or type(module).__call__ is not nn.Module.__call__
+    )

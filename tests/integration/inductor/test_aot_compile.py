@@ -1,0 +1,198 @@
+"""``aot_compile``: torch's own AOT artifact in the store, loaded by a restart without tracing.
+
+Real compiles in spawned processes ("hosts", ``aot_hosts.aot_host``): a miss
+compiles and stores, a hit in a new process loads and builds no kernel, the
+live weights run, a call outside the guards goes to ``torch.compile`` and is
+logged once.  The key follows the module's code and structure and the
+inputs, never the weights (no compile needed).  In the slow run: an
+artifact blob owned by an untrusted uid and one with flipped bytes are
+misses followed by a compile, and a new host is served by a real WebDAV
+remote.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from aot_hosts import Small, aot_host, small_inputs  # noqa: E402
+from inductor_hosts import host_env, on_host  # noqa: E402
+
+from adstore.integration.inductor.aotkey import aot_components  # noqa: E402
+
+IDENTITY = {"torch_key": "t", "toolchain": "c"}
+
+
+def test_a_miss_compiles_and_stores_a_new_process_loads_it(tmp_path):
+    a = on_host(aot_host, host_env(tmp_path, "a"), False)
+    assert a["outcome"] == "compiled" and a["reason"] == "absent" and a["equals_eager"], a
+    assert a["builds"] and a["failopen"] == {}, a
+    b = on_host(aot_host, host_env(tmp_path, "b", root=tmp_path / "a" / "store"))
+    assert b["outcome"] == "hit" and b["reason"] is None and b["key"] == a["key"], b
+    assert b["builds"] == [], b["builds"]  # no kernel, no ISA probe: all placed or answered from the entry
+    assert b["output"] == a["output"], "a hit computes its cold run's bits"
+    assert b["live_weights"], "a weight changed in place is what runs"
+    assert b["fallbacks_before"] == 0 and b["other_scalar"] and b["fallbacks"] == 2, b
+    assert b["failopen"] == {"aot.guard_failed": 1}, b["failopen"]
+    assert len([w for w in b["warnings"] if "guard_failed" in w]) == 1, b["warnings"]
+    assert b["store"].get("aot.hits") == 1, b["store"]
+
+
+def _module_from(tmp_path: Path, name: str, body: str) -> type:
+    path = tmp_path / f"{name}.py"
+    path.write_text("import torch\nfrom torch import nn\n\nclass M(nn.Module):\n" + body)
+    spec = importlib.util.spec_from_file_location("aot_changed_module", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.M
+
+
+def test_the_key_follows_code_structure_and_inputs_never_the_weights(tmp_path):
+    model, x = small_inputs()
+    key, components = aot_components(model, (x,), {"bias": 1.0}, IDENTITY)
+    assert components["namespace"] == "inductor_aot" and components["module"].endswith("aot_hosts.Small")
+
+    def other(m=model, args=(x,), kwargs=None):
+        return aot_components(m, args, {"bias": 1.0} if kwargs is None else kwargs, IDENTITY)[0]
+
+    with torch.no_grad():
+        model.lin.weight.mul_(3.0)
+    assert other() == key, "weights are not in the key: the live parameters run"
+    assert other(args=(torch.randn(5, 8),)) != key  # another shape
+    assert other(args=(x.double(),)) != key  # another dtype
+    assert other(args=(x.t().contiguous().t(),)) != key  # another stride
+    assert other(kwargs={"bias": 2.0}) != key  # another scalar, by value
+    assert other(kwargs={}) != key  # the default, not passed
+    assert other(m=Small().train()) != key  # training mode
+    bigger = Small()
+    bigger.lin = torch.nn.Linear(8, 8, bias=False)
+    assert other(m=bigger) != key  # structure: a parameter less
+    with torch.no_grad():
+        assert other() != key  # grad mode
+    body = "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(8, 8)\n\n"
+    v1 = _module_from(tmp_path, "v1", body + "    def forward(self, x):\n        return self.lin(x)\n")
+    v2 = _module_from(tmp_path, "v2", body + "    def forward(self, x):\n        return self.lin(x) * 2\n")
+    assert aot_components(v1(), (x,), {}, IDENTITY)[0] != aot_components(v2(), (x,), {}, IDENTITY)[0]
+    other_toolchain = {**IDENTITY, "toolchain": "d"}
+    assert aot_components(v1(), (x,), {}, IDENTITY)[0] != aot_components(v1(), (x,), {}, other_toolchain)[0]
+
+
+def test_an_input_with_no_canonical_value_is_compiled_not_stored(tmp_path):
+    from adstore.integration.errors import CacheKeyError
+
+    model, x = small_inputs()
+    with pytest.raises(CacheKeyError, match="cannot be keyed"):
+        aot_components(model, (x,), {"bias": object()}, IDENTITY)
+
+
+def test_forward_hooks_go_to_torch_compile_without_a_store(tmp_path, monkeypatch):
+    from adstore.integration.inductor import FAILOPEN, aot_compile
+
+    monkeypatch.setenv("ADSTORE_ROOT", str(tmp_path / "never"))
+    model, x = small_inputs()
+    model.register_forward_hook(lambda mod, args, out: out + 1)
+    before = FAILOPEN["aot.forward_hook"]
+    compiled = aot_compile(model, (x,), {"bias": 1.0})
+    assert compiled.outcome == "torch.compile" and compiled.reason == "forward_hook"
+    assert FAILOPEN["aot.forward_hook"] == before + 1
+    assert not (tmp_path / "never").exists(), "nothing opened for a module it cannot serve"
+    with pytest.raises(TypeError, match="nn.Module"):
+        aot_compile(lambda t: t, (x,))
+
+
+def _artifact_blob(root: Path, key: str) -> Path:
+    from adstore.integration.inductor.aot import ARTIFACT
+    from adstore.store import Store
+
+    with Store.open(root) as store:
+        res = store.lookup(key, count=False)
+        assert res.hit and res.manifest is not None
+        path = store.blob_path(res.manifest.artifacts[ARTIFACT])
+    assert path is not None, "the artifact is a blob file (inline_threshold=0)"
+    return path
+
+
+@pytest.mark.slow
+def test_an_untrusted_or_damaged_artifact_is_a_miss_and_a_compile(tmp_path):
+    root = tmp_path / "a" / "store"
+    a = on_host(aot_host, host_env(tmp_path, "a"), False, 0)
+    assert a["outcome"] == "compiled", a
+    blob = _artifact_blob(root, a["key"])
+    import os
+
+    os.chown(blob, 65534, 65534)  # nobody wrote it, as far as this user can trust
+    b = on_host(aot_host, host_env(tmp_path, "b", root=root), False, 0)
+    assert b["outcome"] == "compiled" and b["reason"] == "untrusted_engine", b
+    assert b["builds"] and b["output"] == a["output"] and b["equals_eager"], b
+    assert b["failopen"].get("aot.untrusted_engine") == 1, b["failopen"]
+
+    blob = _artifact_blob(root, a["key"])
+    os.chown(blob, 0, 0)
+    os.chmod(blob, 0o644)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    os.chmod(blob, 0o444)
+    c = on_host(aot_host, host_env(tmp_path, "c", root=root), False, 0)
+    assert c["outcome"] == "compiled" and c["reason"] == "checksum", c
+    assert c["output"] == a["output"], c
+    d = on_host(aot_host, host_env(tmp_path, "d", root=root), False, 0)
+    assert d["outcome"] == "hit" and d["builds"] == [] and d["output"] == a["output"], d
+
+
+@pytest.mark.slow
+def test_a_new_host_loads_the_artifact_from_a_webdav_remote(tmp_path):
+    sys.path.insert(0, str(HERE.parents[1] / "store" / "remote"))
+    from remote_servers import start_webdav
+
+    from adstore.store.remote import write_keypair
+
+    server = start_webdav(tmp_path)
+    try:
+        private, public = write_keypair(tmp_path / "keys")
+        url = f"{server.endpoint}/aot"
+        writer = {"ADSTORE_REMOTE": url, "ADSTORE_REMOTE_MODE": "read-write", "ADSTORE_SIGNING_KEY": str(private)}
+        a = on_host(aot_host, host_env(tmp_path, "a", **writer), False, 0)
+        assert a["outcome"] == "compiled" and a["store"].get("remote.records_up", 0) >= 1, a
+        reader = {"ADSTORE_REMOTE": url, "ADSTORE_TRUSTED_KEYS": str(public)}
+        b = on_host(aot_host, host_env(tmp_path, "b", **reader), False, 0)
+    finally:
+        server.stop()
+    assert b["outcome"] == "hit" and b["builds"] == [] and b["output"] == a["output"], b
+    assert b["store"].get("remote.hits", 0) >= 1, b["store"]
+
+
+_KEY_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from aot_hosts import small_inputs
+from adstore.integration.inductor.aotkey import aot_components
+model, x = small_inputs()
+with torch.no_grad():
+    print(aot_components(model, (x,), {{"bias": 1.0}}, {{"torch_key": "t", "toolchain": "c"}})[0])
+"""
+
+
+def test_the_key_is_the_same_in_every_process_and_directory():
+    import os
+    import subprocess
+
+    keys = set()
+    # Another working directory (Dynamo's debug_dir_root follows it) and another string hashing (sets in
+    # Dynamo's configuration iterate in another order): the same key.
+    for seed, cwd in (("1", HERE), ("2", HERE.parent)):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        script = _KEY_SCRIPT.format(here=str(HERE))
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        keys.add(proc.stdout.strip().splitlines()[-1])
+    assert len(keys) == 1, keys
