@@ -38,13 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from adstore.integration.errors import IntegrationError, failure_reason
+from adstore.integration.inductor import aotartifact
+from adstore.integration.inductor.aotkey import NAMESPACE, aot_components
+from adstore.integration.inductor.entries import InductorEntries, note_failure
 from adstore.integration.placement.dirs import private_dir
 from adstore.integration.placement.place import read_trusted
 from adstore.integration.placement.rule import trusted_uids
-from adstore.integration.errors import IntegrationError
-from adstore.integration.inductor import aotartifact
-from adstore.integration.inductor.aotkey import NAMESPACE, aot_components
-from adstore.integration.inductor.entries import InductorEntries, failure_reason, note_failure
 from adstore.store import Reason
 
 __all__ = ["AOTModule", "aot_compile", "ARTIFACT", "NAMESPACE"]
