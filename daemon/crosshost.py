@@ -11,16 +11,21 @@ host's install paths.  Only ``--host`` imports torch.
 
 from __future__ import annotations
 
+import json
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
 from adstore.daemon.commands import _flatten, _short
 from adstore.store import Store
 
-__all__ = ["SCAN_LIMIT", "describe_difference", "host_view", "nearest", "one_line"]
+__all__ = ["HOST_WIDTH", "SCAN_LIMIT", "describe_difference", "host_view", "nearest", "one_line"]
 
 #: Entries of the namespace a miss compares with (most recently used first).
 SCAN_LIMIT = 512
+
+#: ``--host`` wraps a word list longer than this; nothing it prints is cut short.
+HOST_WIDTH = 100
 
 _MISSING = object()
 
@@ -47,11 +52,13 @@ def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, 
     ]
 
 
-def nearest(store: Store, components: Mapping[str, Any], namespace: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The stored entry (of ``namespace``) whose components share most with ``components``, and its components."""
+def nearest(
+    store: Store, components: Mapping[str, Any], namespace: str | None, *, exclude: str | None = None
+) -> tuple[str, dict[str, Any]] | None:
+    """The stored entry (of ``namespace``, not ``exclude``) sharing most with ``components``, and its components."""
     entries = sorted(store.entries(namespace=namespace), key=lambda e: getattr(e, "last_access", 0.0), reverse=True)
     best: tuple[tuple[int, int], str, dict[str, Any]] | None = None
-    for entry in entries[:SCAN_LIMIT]:
+    for entry in [e for e in entries if e.key != exclude][:SCAN_LIMIT]:
         full = store.entry(entry.key)
         theirs = dict(full.components) if full is not None and full.components else {}
         if not theirs:
@@ -64,24 +71,42 @@ def nearest(store: Store, components: Mapping[str, Any], namespace: str | None) 
     return None if best is None else (best[1], best[2])
 
 
-def one_line(key: str, components: Mapping[str, Any], store: Store) -> tuple[str, dict[str, Any]]:
-    """The line naming why ``key`` (not in the store, ``components`` journalled) missed, and its data."""
+def one_line(
+    key: str, components: Mapping[str, Any], store: Store, *, stored: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """The line naming why ``key`` (``components`` journalled) missed, and its data.
+
+    ``stored``: the store holds ``key`` now (this host compiled and saved it after the miss), so the
+    comparison is with the nearest *other* entry, such as the builder's pulled into this store.
+    """
     namespace = components.get("namespace") if isinstance(components.get("namespace"), str) else None
-    found = nearest(store, components, namespace)
+    found = nearest(store, components, namespace, exclude=key if stored else None)
+    state = "missed, stored here since" if stored else "not in the store"
     if found is None:
         where = f"namespace {namespace}" if namespace else "the store"
-        return f"{key[:12]}: not in the store, and {where} holds no entry to compare with", {"nearest": None}
+        other_entry = "other entry" if stored else "entry"
+        return f"{key[:12]}: {state}, and {where} holds no {other_entry} to compare with", {"nearest": None}
     other, theirs = found
     diffs = _differences(theirs, components)
     named = [describe_difference(p, a, b) for p, a, b in diffs[:3]]
     more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
     text = (
-        f"{key[:12]}: not in the store; nearest entry {other[:12]} differs in {', '.join(named)}{more}"
+        f"{key[:12]}: {state}; nearest entry {other[:12]} differs in {', '.join(named)}{more}"
         if diffs
-        else f"{key[:12]}: not in the store; entry {other[:12]} has the same components (stored under another key)"
+        else f"{key[:12]}: {state}; entry {other[:12]} has the same components (stored under another key)"
     )
     data = {"nearest": other, "differences": [{"path": p, "entry": a, "here": b} for p, a, b in diffs]}
     return text, data
+
+
+def _field_lines(path: str, value: Any) -> list[str]:
+    """``path = value`` in full, a long word list (instruction-set flags) wrapped, so two hosts diff by line."""
+    text = json.dumps(value, default=str, sort_keys=True)
+    if not (isinstance(value, str) and " " in value and len(text) > HOST_WIDTH):
+        return [f"  {path} = {text}"]
+    return textwrap.wrap(
+        value, HOST_WIDTH, initial_indent=f"  {path} = ", subsequent_indent="      ", break_on_hyphens=False
+    )
 
 
 def host_view(store: Store | None) -> tuple[str, dict[str, Any]]:
@@ -92,7 +117,7 @@ def host_view(store: Store | None) -> tuple[str, dict[str, Any]]:
     report = host_report()
     lines = ["this host's key components:"]
     for path, value in _flatten({k: report[k] for k in ("toolchain", "torch_key", "user")}).items():
-        lines.append(f"  {path} = {_short(value, 100)}")
+        lines.extend(_field_lines(path, value))
     lines.append("install paths (Inductor's header and kernel names hold those marked *):")
     for name, value in report["paths"].items():
         lines.append(f"  {'*' if name in report['keyed_paths'] else ' '} {name} = {value}")

@@ -175,13 +175,10 @@ def _explain_misses(ctx: Context, limit: int) -> int:
     store = ctx.store(create=False)
     lines, data = [], []
     for record in recent_misses(limit):
-        if store.entry(record["key"]) is not None:
-            lines.append(f"{record['key'][:12]}: stored since (a later run saved it)")
-            data.append({"key": record["key"], "in_store": True})
-            continue
-        text, found = one_line(record["key"], record["components"], store)
+        in_store = store.entry(record["key"]) is not None
+        text, found = one_line(record["key"], record["components"], store, stored=in_store)
         lines.append(text)
-        data.append({"key": record["key"], "in_store": False, **found})
+        data.append({"key": record["key"], "in_store": in_store, **found})
     ctx.emit({"misses": data}, "\n".join(lines) or "no missed keys journalled")
     return 0
 
