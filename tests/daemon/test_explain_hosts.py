@@ -149,3 +149,31 @@ def test_host_prints_every_flag_so_two_hosts_diff_line_by_line() -> None:
     assert all(len(line) <= HOST_WIDTH for line in lines) and "…" not in "".join(lines)
     assert " ".join(" ".join(lines).split()[2:]) == flags
     assert _field_lines("torch_key", "d" * 64) == [f'  torch_key = "{"d" * 64}"']
+
+
+def test_a_miss_with_nothing_local_to_compare_is_compared_with_the_remotes_records(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """The new host's case: the builder's entry is on the remote only; its signed record's components suffice."""
+    pytest.importorskip("cryptography")
+    from adstore.store import remote_save
+    from adstore.store.remote import Signer, open_remote, write_keypair
+
+    private, public = write_keypair(tmp_path / "keys")
+    url = f"memory://explain-{tmp_path.name}"
+    publish(tmp_path / "builder", "b" * 64, components("graph-1"))
+    with Store.open(tmp_path / "builder") as builder:
+        remote = open_remote(url, mode="read-write", signer=Signer.from_file(private))
+        assert remote_save(builder, remote, "b" * 64, 0).ok
+    monkeypatch.setenv("ADSTORE_MISS_LOG", str(tmp_path / "misses.jsonl"))
+    here = components("graph-1", capability="AVX2")
+    note_miss("e" * 64, here)
+    publish(tmp_path / "store", "e" * 64, here)  # compiled here since: nothing else in this store
+    monkeypatch.setenv("ADSTORE_REMOTE", url)
+    monkeypatch.setenv("ADSTORE_TRUSTED_KEYS", str(public))
+    line = explain(capsys, tmp_path / "store", "--misses").strip()
+    assert line.startswith("eeeeeeeeeeee: missed, stored here since; nearest entry bbbbbbbbbbbb on the remote"), line
+    assert 'toolchain.cpu.capability (entry "AVX512", here "AVX2")' in line
+    monkeypatch.delenv("ADSTORE_TRUSTED_KEYS")  # nothing trusted: said so, never compared with
+    line = explain(capsys, tmp_path / "store", "--misses").strip()
+    assert line.endswith("holds no other entry to compare with (remote not listed: untrusted_remote)"), line
