@@ -144,8 +144,13 @@ def manifest_dict(m: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- stats
-def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int, list[tuple[str, int]]]]:
-    """``misses``, ``misses.absent`` … → [(misses, n, [(absent, k), …]), …]."""
+def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int | None, list[tuple[str, int]]]]:
+    """``misses``, ``misses.absent`` … → [(misses, n, [(absent, k), …]), …].
+
+    A group's number is its own counter; the store's outcome counters (hits, misses, …) without one show
+    the sum of their reasons.  An integration's group (``inductor.hits.…``, ``inductor.files_placed``,
+    ``seed.misses`` with ``seed.misses.unsafe_root``) holds unlike counters: it shows no sum (None).
+    """
     order = ["hits", "misses", "bypasses", "saves", "evictions"]
     groups: dict[str, list[tuple[str, int]]] = {}
     totals: dict[str, int] = {}
@@ -159,7 +164,8 @@ def _grouped_counters(counters: dict[str, int]) -> list[tuple[str, int, list[tup
     out = []
     for name in names:
         subs = sorted(groups.get(name, []), key=lambda kv: (-kv[1], kv[0]))
-        out.append((name, totals.get(name, sum(v for _, v in subs)), subs))
+        total = totals.get(name, sum(v for _, v in subs) if name in order else None)
+        out.append((name, total, subs))
     return out
 
 
@@ -215,9 +221,9 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     counters = {k: v for k, v in counters.items() if not k.startswith("remote.")}
     for name, total, subs in _grouped_counters(counters):
         if name.startswith("bytes_"):
-            counter_rows.append((name.replace("_", " ").capitalize(), human_size(total)))
+            counter_rows.append((name.replace("_", " ").capitalize(), human_size(total or 0)))
             continue
-        counter_rows.append((name.capitalize(), total))
+        counter_rows.append((name.capitalize(), "" if total is None else total))
         counter_rows.extend((f"  {reason}", value) for reason, value in subs)
     hits, misses = counters.get("hits", 0), counters.get("misses", 0)
     if hits + misses:

@@ -17,7 +17,7 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, _flatten, _short, resolve_key
-from adstore.daemon.crosshost import host_view, one_line
+from adstore.daemon.crosshost import RemoteEntries, host_view, one_line
 from adstore.daemon.errors import UnknownKey, UsageError
 from adstore.daemon.format import table
 from adstore.store import AdstoreError, Store
@@ -70,7 +70,7 @@ def cmd_explain(args: argparse.Namespace, ctx: Context) -> int:
     if len(args.keys) == 1:
         missed = _missed(store, args.keys[0])
         if missed is not None:
-            text, data = one_line(missed["key"], missed["components"], store)
+            text, data = one_line(missed["key"], missed["components"], store, remote=RemoteEntries())
             ctx.emit({"key": missed["key"], "in_store": False, "components": missed["components"], **data}, text)
             return 0
     keys = [resolve_key(store, k) for k in args.keys]
@@ -174,14 +174,12 @@ def _explain_misses(ctx: Context, limit: int) -> int:
 
     store = ctx.store(create=False)
     lines, data = [], []
+    remote = RemoteEntries()  # listed at most once, when a miss has nothing local to compare with
     for record in recent_misses(limit):
-        if store.entry(record["key"]) is not None:
-            lines.append(f"{record['key'][:12]}: stored since (a later run saved it)")
-            data.append({"key": record["key"], "in_store": True})
-            continue
-        text, found = one_line(record["key"], record["components"], store)
+        in_store = store.entry(record["key"]) is not None
+        text, found = one_line(record["key"], record["components"], store, stored=in_store, remote=remote)
         lines.append(text)
-        data.append({"key": record["key"], "in_store": False, **found})
+        data.append({"key": record["key"], "in_store": in_store, **found})
     ctx.emit({"misses": data}, "\n".join(lines) or "no missed keys journalled")
     return 0
 

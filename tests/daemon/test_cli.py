@@ -147,6 +147,19 @@ def test_stats_and_ls_on_a_populated_store(capsys, populated) -> None:
     assert "3 of 6 entries" in out and "2/2" in out or "1/1" in out
 
 
+def test_stats_adds_no_sum_over_an_integrations_unlike_counters(capsys, tmp_path) -> None:
+    """Tried as a user: "Inductor 6" added files placed to hits, "Seed 8" a reason to its own total."""
+    with Store.open(tmp_path) as store:
+        store.count({"inductor.files_placed": 4, "inductor.hits.inductor_fx_graph": 1})
+        store.count({"seed.misses": 4, "seed.misses.unsafe_root": 4})
+        store.count({"misses.absent": 2})  # the store's outcome counters keep the sum of their reasons
+    code, out, _ = run(capsys, "stats", "--root", str(tmp_path))
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert code == 0 and rows["Inductor"] == "Inductor" and rows["Seed"] == "Seed", out
+    assert rows["files_placed"] == "4" and rows["hits.inductor_fx_graph"] == "1" and rows["misses.unsafe_root"] == "4"
+    assert rows["Misses"] == "2" and rows["absent"] == "2"
+
+
 def test_stats_counts_unreferenced_blobs_apart_from_the_content_entries_hold(capsys, tmp_path) -> None:
     """Blobs waiting for the sweep are neither content nor dedup: they get a line of their own, with their
     bytes and the command that reclaims them, and the dedup ratio never falls below one."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from adstore.daemon.cli import main
+from adstore.daemon.crosshost import HOST_WIDTH, _field_lines
 from adstore.integration.inductor.hostview import missed_components, note_miss
 from adstore.store import Store
 
@@ -103,7 +104,9 @@ def test_misses_lists_the_last_missed_keys_each_against_its_nearest_entry(capsys
     note_miss("2" * 64, components("graph-1", isa="avx avx2"))  # the same key twice: listed once
     note_miss("a" * 64, components("graph-1"))  # missed then, stored since
     lines = explain(capsys, tmp_path / "store", "--misses").splitlines()
-    assert lines[0] == "aaaaaaaaaaaa: stored since (a later run saved it)"
+    assert lines[0] == (
+        "aaaaaaaaaaaa: missed, stored here since, and namespace inductor_fx_graph holds no other entry to compare with"
+    )
     assert lines[1].startswith(
         "222222222222: not in the store; nearest entry aaaaaaaaaaaa differs in toolchain.cpu.isa"
     )
@@ -118,3 +121,59 @@ def test_an_inductor_entry_shows_the_paths_its_files_were_built_under(capsys, tm
         store.save("a" * 64, {"value": ref}, namespace=FX, components=components("g"), meta={"paths": paths})
     out = explain(capsys, tmp_path, "a" * 64)
     assert "kernels: torch = /opt/venv/lib/python3.11/site-packages/torch" in out
+
+
+def test_a_miss_this_host_compiled_since_is_compared_with_the_builders_entry(capsys, tmp_path, monkeypatch) -> None:
+    """A new host misses, compiles and saves the key itself: the line still names why it missed.
+
+    Tried as a user: the host's own entry is in its store right after the run, so ``--misses`` said only
+    "stored since"; with the builder's entries pulled in (``adstore pull --namespace``) it names the field.
+    """
+    monkeypatch.setenv("ADSTORE_MISS_LOG", str(tmp_path / "misses.jsonl"))
+    here = components("graph-1", capability="AVX2", aten_cpu_capability_env="avx2")
+    note_miss("e" * 64, here)
+    publish(tmp_path / "store", "e" * 64, here)  # this host's own compile, saved after the miss
+    publish(tmp_path / "store", "b" * 64, components("graph-1", capability="AVX512", aten_cpu_capability_env=""))
+    line = explain(capsys, tmp_path / "store", "--misses").strip()
+    assert line.startswith("eeeeeeeeeeee: missed, stored here since; nearest entry bbbbbbbbbbbb differs in"), line
+    assert 'toolchain.cpu.capability (entry "AVX512", here "AVX2")' in line
+    data = json.loads(explain(capsys, tmp_path / "store", "--json", "--misses"))["misses"][0]
+    assert data["in_store"] is True and data["nearest"] == "b" * 64
+
+
+def test_host_prints_every_flag_so_two_hosts_diff_line_by_line() -> None:
+    """``--host`` is run on two hosts and compared: a flag past the line's width must not be cut off."""
+    flags = " ".join(f"flag{i:03d}" for i in range(80)) + " avx512f"
+    lines = _field_lines("toolchain.cpu.isa", flags)
+    assert lines[0].startswith("  toolchain.cpu.isa = flag000") and len(lines) > 1
+    assert all(len(line) <= HOST_WIDTH for line in lines) and "…" not in "".join(lines)
+    assert " ".join(" ".join(lines).split()[2:]) == flags
+    assert _field_lines("torch_key", "d" * 64) == [f'  torch_key = "{"d" * 64}"']
+
+
+def test_a_miss_with_nothing_local_to_compare_is_compared_with_the_remotes_records(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """The new host's case: the builder's entry is on the remote only; its signed record's components suffice."""
+    pytest.importorskip("cryptography")
+    from adstore.store import remote_save
+    from adstore.store.remote import Signer, open_remote, write_keypair
+
+    private, public = write_keypair(tmp_path / "keys")
+    url = f"memory://explain-{tmp_path.name}"
+    publish(tmp_path / "builder", "b" * 64, components("graph-1"))
+    with Store.open(tmp_path / "builder") as builder:
+        remote = open_remote(url, mode="read-write", signer=Signer.from_file(private))
+        assert remote_save(builder, remote, "b" * 64, 0).ok
+    monkeypatch.setenv("ADSTORE_MISS_LOG", str(tmp_path / "misses.jsonl"))
+    here = components("graph-1", capability="AVX2")
+    note_miss("e" * 64, here)
+    publish(tmp_path / "store", "e" * 64, here)  # compiled here since: nothing else in this store
+    monkeypatch.setenv("ADSTORE_REMOTE", url)
+    monkeypatch.setenv("ADSTORE_TRUSTED_KEYS", str(public))
+    line = explain(capsys, tmp_path / "store", "--misses").strip()
+    assert line.startswith("eeeeeeeeeeee: missed, stored here since; nearest entry bbbbbbbbbbbb on the remote"), line
+    assert 'toolchain.cpu.capability (entry "AVX512", here "AVX2")' in line
+    monkeypatch.delenv("ADSTORE_TRUSTED_KEYS")  # nothing trusted: said so, never compared with
+    line = explain(capsys, tmp_path / "store", "--misses").strip()
+    assert line.endswith("holds no other entry to compare with (remote not listed: untrusted_remote)"), line
