@@ -38,7 +38,7 @@ from .records.sync import REPAIRED
 __all__ = ["Seals", "writer_refusal", "unowned_blob", "log_once"]
 
 log = logging.getLogger("adstore.store.store")
-_logged: set[str] = set()
+_logged: set[tuple[int, str]] = set()  # (pid, what): a forked child is another process and says it again
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CACHE_MAX = 4096
@@ -85,8 +85,9 @@ def unowned_blob(
 
 def log_once(what: str, message: str, *args: object) -> None:
     """A warning the first time this process meets ``what``; later ones at debug level."""
-    first = what not in _logged
-    _logged.add(what)
+    seen = (os.getpid(), what)
+    first = seen not in _logged
+    _logged.add(seen)
     log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
 

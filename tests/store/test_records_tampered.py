@@ -10,6 +10,7 @@ obsolete lists name nothing outside the records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -153,7 +154,9 @@ def test_a_damaged_record_of_a_sound_index_is_quarantined_and_written_again(stor
     rep = store.verify()
     assert not rep.ok and [f.kind for f in rep.findings if f.problem] == [Reason.CORRUPT_RECORD], rep.to_dict()
     assert store.verify(fix=True).ok
-    assert files.read(found.path) == good  # written again from the index
+    again = files.read(found.path)  # written again from the index, marked so (a repaired record seals nothing)
+    assert dataclasses.replace(again, producer=good.producer) == good
+    assert again.producer == {**good.producer, "repaired_from_index": True}
     assert any(p.name.startswith("record.") for p in (store.root / "quarantine").iterdir())
     assert store.verify().ok and not store.verify().warnings
 
