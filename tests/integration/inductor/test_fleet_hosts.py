@@ -13,7 +13,9 @@ The builder compiled cold once and pushed to a signed WebDAV remote on
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,10 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    work = tmp_path_factory.mktemp("fleet")
-    work.chmod(0o755)  # uid 1001 reaches its host's directories through it
-    for parent in work.parents:
-        if str(parent).startswith(("/tmp/", "/var/tmp/")) and parent.stat().st_mode & 0o005 != 0o005:
-            parent.chmod(parent.stat().st_mode | 0o005)
+def fleet() -> Any:
+    # Not under pytest's own temporary directory: pytest keeps it private (0700), and uid 1001 must reach its host.
+    work = Path(tempfile.mkdtemp(prefix="adstore-fleet-"))
+    work.chmod(0o755)
     server, remote = http_remote(work)
     try:
         hosts = Fleet(work / "hosts", remote)
@@ -46,6 +46,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield hosts, cold
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _start(fleet: Any, kind: str) -> dict[str, Any]:
