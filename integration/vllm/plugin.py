@@ -8,6 +8,11 @@ compiles happen in the engine core (its workers on multi-GPU hosts), a
 process the user never gets to call ``enable()`` in, so a plugin is the one
 place that reaches them.
 
+vLLM also calls it in the subprocess that inspects a model class
+(``python -m vllm.model_executor.models.registry``, run while its
+``modelinfos`` cache lacks the class): that process imports the class and
+compiles nothing, so ``register()`` returns there at once.
+
 ``register()`` therefore does the least that works everywhere: it enables
 :mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
 ``ADSTORE_REMOTE*`` name, and installs :mod:`adstore.integration.vllm.hooks`
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 __all__ = ["register", "ENV_SWITCH"]
@@ -31,6 +37,9 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "ADSTORE_VLLM"
 _OFF = frozenset({"0", "false", "no", "off"})
 
+#: vLLM's model-inspection subprocess runs this module as ``__main__``.
+INSPECTION_MAIN = "vllm.model_executor.models.registry"
+
 _lock = threading.Lock()
 #: The pid that registered: a process forked from it (vLLM may fork workers) registers again.
 _registered_pid: int | None = None
@@ -39,7 +48,7 @@ _registered_pid: int | None = None
 def register() -> None:
     """Called by vLLM in every process: enable adstore for Inductor's caches, once; never raises."""
     global _registered_pid
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF or _main_module() == INSPECTION_MAIN:
         return
     try:
         with _lock:
@@ -49,6 +58,13 @@ def register() -> None:
             _enable()
     except Exception as exc:  # noqa: BLE001 - fail open: vLLM must start whatever adstore's state
         logger.warning("adstore: vLLM runs without adstore in pid %d (%s: %s)", os.getpid(), type(exc).__name__, exc)
+
+
+def _main_module() -> str | None:
+    """The module name ``__main__`` was run as (``python -m NAME``); None for a script or an interpreter."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return name if isinstance(name, str) else None
 
 
 def _enable() -> None:
