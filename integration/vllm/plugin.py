@@ -13,8 +13,9 @@ vLLM also calls it in the subprocess that inspects a model class
 ``modelinfos`` cache lacks the class): that process imports the class and
 compiles nothing, so ``register()`` returns there at once.
 
-``register()`` therefore does the least that works everywhere: it enables
-:mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
+``register()`` therefore does the least that works everywhere: it primes
+torch's source key from this host's record (:mod:`adstore.integration.inductor.torchkey`),
+enables :mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
 ``ADSTORE_REMOTE*`` name, and installs :mod:`adstore.integration.vllm.hooks`
 on that store (vLLM's own compile directories as tree entries).  It is idempotent (vLLM may load plugins more than
 once in a process), leaves an ``enable()`` the process made itself alone,
@@ -69,7 +70,12 @@ def _main_module() -> str | None:
 
 def _enable() -> None:
     from adstore.integration import inductor
+    from adstore.integration.inductor import torchkey
 
+    # torch's source hash, from this host's record when torch is unchanged: 0.6 s of CPU otherwise, in
+    # each of vLLM's processes, asked for by adstore's keys, vLLM's compile hash and Inductor's keys.
+    primed = torchkey.prime()
+    logger.debug("adstore: torch_key %s (pid %d)", primed.status, os.getpid())
     if inductor.active() is None:
         # inductor.enable() logs its own line (the reason) and returns False when no store opens.
         if not inductor.enable():
