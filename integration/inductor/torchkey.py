@@ -29,6 +29,7 @@ or a malformed record, is no record.  Nothing here ever raises.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import json
@@ -67,18 +68,23 @@ def _module_suffixes() -> tuple[str, ...]:
 
 
 def _walk(directory: str, relative: str, suffixes: tuple[str, ...], out: list[str]) -> None:
-    """Every module file under ``directory`` as pkgutil sees packages: only into directories with ``__init__``."""
+    """Every module file of the package ``directory`` and its subpackages (as pkgutil: a package has ``__init__``)."""
     with os.scandir(directory) as it:
         entries = sorted(it, key=lambda e: e.name)
+    if relative and not any(e.name in _inits(suffixes) for e in entries):
+        return  # not a package: torch_key reads nothing here or below
     for entry in entries:
         name = f"{relative}{entry.name}"
         if entry.is_dir(follow_symlinks=True):
-            if entry.name != "__pycache__" and any(
-                os.path.exists(os.path.join(entry.path, "__init__" + s)) for s in suffixes
-            ):
+            if entry.name != "__pycache__":
                 _walk(entry.path, name + "/", suffixes, out)
         elif entry.name.endswith(suffixes):
             out.append(_line(entry.path, name))
+
+
+@functools.cache
+def _inits(suffixes: tuple[str, ...]) -> frozenset[str]:
+    return frozenset("__init__" + s for s in suffixes)
 
 
 def _line(path: str, name: str) -> str:
