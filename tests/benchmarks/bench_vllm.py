@@ -36,7 +36,7 @@ run here: vLLM imports both in every process, compiled or not, before it
 loads its plugins.  The machine's load average is recorded with each run:
 the 2 cores are shared, and only figures of one run compare.
 
-    python tests/benchmarks/bench_vllm.py [--repeat 2] [--quick]
+    python tests/benchmarks/bench_vllm.py [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def print_table(r: dict[str, Any], repeat: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each figure (median reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each figure (median reported)")
     ap.add_argument("--quick", action="store_true", help="one repeat")
     args = ap.parse_args()
 

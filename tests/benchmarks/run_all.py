@@ -234,6 +234,10 @@ def _s(x: float) -> str:
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def _signed_s(x: float) -> str:
+    return f"{'+' if x >= 0 else '−'}{_s(abs(x))}"
+
+
 def row(
     bench: str,
     name: str,
@@ -1033,7 +1037,7 @@ def rows_vllm(d: dict) -> list[Row]:
             _s(warm["to_output_s"]),
             f"floor {_s(floor)}",
             None,
-            note=f"engine init {_s(warm['engine_init_s'])}; floor + {_s(warm['to_output_s'] - floor)}",
+            note=f"engine init {_s(warm['engine_init_s'])}; {_signed_s(warm['to_output_s'] - floor)} vs the floor",
         ),
     ]
     if "new_host_minus_local_warm_to_output_s" in d:
@@ -1042,7 +1046,7 @@ def rows_vllm(d: dict) -> list[Row]:
             row(
                 "vllm",
                 "vLLM new host with adstore from the HTTP remote: start to first output",
-                f"{_s(host['to_output_s'])} (local warm {'+' if over >= 0 else '−'}{_s(abs(over))})",
+                f"{_s(host['to_output_s'])} (local warm {_signed_s(over)})",
                 f"local warm {_s(warm['to_output_s'])}",
                 d["new_host_over_local_warm_to_output"],
                 "≤ local warm + 2 s",
