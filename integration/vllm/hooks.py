@@ -43,18 +43,36 @@ and any adstore problem is logged and counted, never raised):
     ``self.prefix``.  (``computation_graph.py``, a debugging copy vLLM
     writes after it, is captured only by a later save.)
 
+``vllm.model_executor.models.registry._LazyRegisteredModel._load_modelinfo_from_cache(self, module_hash)``
+    ``inspect_model_cls`` calls it before it inspects a model class in a
+    subprocess (seconds).  When ``<VLLM_CACHE_ROOT>/modelinfos/<file>``
+    (``self._get_cache_dir()``, ``self._get_cache_filename()``) is absent,
+    the wrapper restores that class's file (:mod:`adstore.integration.vllm.modelinfos`),
+    then calls the original, which reads it.
+
+``..._LazyRegisteredModel._save_modelinfo_to_cache(self, mi, module_hash)``
+    After the original wrote the file, captures it.
+
+Each function is wrapped when vLLM imports its module
+(:func:`~adstore.integration.vllm.onimport.when_imported`; at once if it
+already has): the ``LLM`` caller and the engine core never import
+``vllm.compilation``, and importing it for them would cost each about 0.3 s.
+A module that lacks what the hooks know leaves that hook out, with one log line.
+
 Only directories in vLLM's own layout under ``VLLM_CACHE_ROOT`` are handled
 (a user-chosen ``compilation_config.cache_dir`` is left alone); the hash is
 vLLM's directory name, never computed again here.  The anchors are the
 cache root, the vLLM package directory and ``sys.prefix``.
 
-vLLM is imported only inside :func:`install`: importing this module needs no vLLM.
+vLLM is imported only inside :func:`install` (``vllm`` and ``vllm.envs``,
+which vLLM imported already): importing this module needs no vLLM.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -69,7 +87,7 @@ from typing import Any
 from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.entries import note_failure
 from adstore.integration.placement.rule import trusted_uids
-from adstore.integration.vllm import trees
+from adstore.integration.vllm import modelinfos, onimport, trees
 
 __all__ = ["install", "uninstall", "status", "aot_layout", "piecewise_layout", "Layout"]
 
@@ -126,6 +144,7 @@ class _State:
     vllm_dir: str
     trusted: frozenset[int]
     patched: list[tuple[Any, str, Any]] = field(default_factory=list)
+    cancels: list[Callable[[], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def anchors(self) -> dict[str, str]:
@@ -177,6 +196,38 @@ class _State:
                 rank="shared",
                 source=layout.shared_dir,
                 anchors=anchors,
+            )
+
+    # -- model-class facts --------------------------------------------------------
+    def modelinfo_file(self, model: Any) -> tuple[Path, str] | None:
+        """vLLM's (directory, file name) of a lazily registered model's facts, in vLLM's layout only."""
+        directory = Path(os.path.abspath(model._get_cache_dir()))
+        if directory != Path(os.path.abspath(str(self.envs.VLLM_CACHE_ROOT))) / "modelinfos":
+            return None
+        return directory, str(model._get_cache_filename())
+
+    def restore_modelinfo(self, model: Any, module_hash: Any) -> None:
+        found = self.modelinfo_file(model)
+        if found is None or not isinstance(module_hash, str) or os.path.lexists(found[0] / found[1]):
+            return
+        directory, filename = found
+        anchors = self.anchors()
+        got = modelinfos.restore(
+            self.store,
+            directory=directory,
+            filename=filename,
+            module_hash=module_hash,
+            anchors=anchors,
+            trusted=self.trusted,
+        )
+        logger.debug("adstore: vLLM modelinfo %s: %s", filename, got)
+
+    def capture_modelinfo(self, model: Any, module_hash: Any) -> None:
+        found = self.modelinfo_file(model)
+        if found is not None and isinstance(module_hash, str):
+            directory, filename = found
+            modelinfos.capture(
+                self.store, directory=directory, filename=filename, module_hash=module_hash, anchors=self.anchors()
             )
 
     # -- the piecewise path ---------------------------------------------------------
@@ -288,37 +339,83 @@ def _wrap_save_to_file(original: Callable[..., Any]) -> Callable[..., Any]:
     return save_to_file
 
 
-def _vllm() -> tuple[Any, Any, Any, str]:
-    """vLLM's modules this hooks into, or an ImportError/AttributeError naming what is missing."""
-    decorators = importlib.import_module("vllm.compilation.decorators")
-    backends = importlib.import_module("vllm.compilation.backends")
-    envs = importlib.import_module("vllm.envs")
+def _wrap_modelinfo_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _load_modelinfo_from_cache(self: Any, module_hash: Any, *args: Any, **kwargs: Any) -> Any:
+        _guarded("modelinfo restore", lambda s: s.restore_modelinfo(self, module_hash))
+        return original(self, module_hash, *args, **kwargs)
+
+    return _load_modelinfo_from_cache
+
+
+def _wrap_modelinfo_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _save_modelinfo_to_cache(self: Any, mi: Any, module_hash: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, mi, module_hash, *args, **kwargs)
+        _guarded("modelinfo capture", lambda s: s.capture_modelinfo(self, module_hash))
+        return result
+
+    return _save_modelinfo_to_cache
+
+
+#: (module, owner in it ("" for the module itself), function, wrapper maker): what is wrapped, per module.
+HOOKS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+    ("vllm.compilation.decorators", "", "_try_load_aot_compiled_fn", _wrap_aot_load),
+    ("vllm.compilation.backends", "CompilerManager", "initialize_cache", _wrap_initialize_cache),
+    ("vllm.compilation.backends", "CompilerManager", "save_to_file", _wrap_save_to_file),
+    ("vllm.model_executor.models.registry", "_LazyRegisteredModel", "_load_modelinfo_from_cache", _wrap_modelinfo_load),
+    ("vllm.model_executor.models.registry", "_LazyRegisteredModel", "_save_modelinfo_to_cache", _wrap_modelinfo_save),
+)
+
+
+def _vllm() -> tuple[Any, str]:
+    """vLLM's ``envs`` module and package directory, or an ImportError naming what is missing (nothing else)."""
+    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+        raise ImportError("No module named 'vllm'")
     vllm = importlib.import_module("vllm")
-    for owner, name in ((decorators, "_try_load_aot_compiled_fn"), (backends, "CompilerManager")):
-        if not callable(getattr(owner, name, None)):
-            raise AttributeError(f"{owner.__name__}.{name} is missing: this vLLM is not the one the hooks know")
-    for name in ("initialize_cache", "save_to_file"):
-        if not callable(getattr(backends.CompilerManager, name, None)):
-            raise AttributeError(f"CompilerManager.{name} is missing: this vLLM is not the one the hooks know")
+    envs = importlib.import_module("vllm.envs")
     where = getattr(vllm, "__file__", None)
     if not isinstance(where, str):
         raise ImportError("vllm is a namespace package here, not an installed vLLM")
-    return decorators, backends, envs, os.path.dirname(os.path.abspath(where))
+    return envs, os.path.dirname(os.path.abspath(where))
+
+
+def _hook_module(state: _State, module: Any) -> None:
+    """Wrap what :data:`HOOKS` names in ``module``, now that vLLM imported it; a missing piece is logged."""
+    if _state is not state:
+        return  # uninstalled (or installed again) since this waited
+    for module_name, owner_name, name, make in HOOKS:
+        if module_name != module.__name__:
+            continue
+        owner = getattr(module, owner_name, None) if owner_name else module
+        if owner is None or not callable(getattr(owner, name, None)):
+            where = f"{module_name}.{owner_name + '.' if owner_name else ''}{name}"
+            note_failure(
+                "incompatible_vllm",
+                f"{where} is missing: this vLLM is not the one the hooks know",
+                state.store,
+                scope="vllm",
+                fallback="vLLM works without this hook",
+            )
+            continue
+        state.patch(owner, name, make)
 
 
 def install(store: Any = None) -> bool:
     """Wrap vLLM's functions (see the module docstring) so its compile directories go through ``store``.
 
+    The functions of a module vLLM has not imported yet are wrapped when it does.
+
     ``store``: a :class:`~adstore.store.Store` (kept open; the caller closes
     it), else the one ``ADSTORE_ROOT`` names (``Store.from_env``, closed by
     :func:`uninstall`).  Returns False, with one log line and nothing
-    changed, when vLLM cannot be imported, is not the version these hooks
-    know, or no store can be opened; :func:`status` says why.
+    changed, when vLLM cannot be imported or no store can be opened;
+    :func:`status` says why.
     """
     global _state, _status
     uninstall()
     try:
-        decorators, backends, envs, vllm_dir = _vllm()
+        envs, vllm_dir = _vllm()
     except Exception as exc:  # noqa: BLE001 - no vLLM (or another one): nothing to hook
         _status = f"vLLM not hooked: {type(exc).__name__}: {exc}"
         logger.info("adstore: %s", _status)
@@ -333,12 +430,11 @@ def install(store: Any = None) -> bool:
         _status = f"vLLM not hooked: no store ({type(exc).__name__}: {exc})"
         note_failure(failure_reason(exc), _status, scope="vllm", fallback="vLLM compiles")
         return False
-    state.patch(decorators, "_try_load_aot_compiled_fn", _wrap_aot_load)
-    state.patch(backends.CompilerManager, "initialize_cache", _wrap_initialize_cache)
-    state.patch(backends.CompilerManager, "save_to_file", _wrap_save_to_file)
     with _lock:
         _state = state
         _status = f"installed: vLLM's compile directories go through {opened}"
+    for module_name in dict.fromkeys(hook[0] for hook in HOOKS):
+        state.cancels.append(onimport.when_imported(module_name, functools.partial(_hook_module, state)))
     logger.info("adstore: %s", _status)
     return True
 
@@ -350,6 +446,8 @@ def uninstall() -> bool:
         state, _state = _state, None
     if state is None:
         return False
+    for cancel in state.cancels:
+        cancel()
     with state.lock:
         for owner, name, original in reversed(state.patched):
             if original is _ABSENT:

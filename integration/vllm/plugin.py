@@ -8,8 +8,14 @@ compiles happen in the engine core (its workers on multi-GPU hosts), a
 process the user never gets to call ``enable()`` in, so a plugin is the one
 place that reaches them.
 
-``register()`` therefore does the least that works everywhere: it enables
-:mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
+vLLM also calls it in the subprocess that inspects a model class
+(``python -m vllm.model_executor.models.registry``, run while its
+``modelinfos`` cache lacks the class): that process imports the class and
+compiles nothing, so ``register()`` returns there at once.
+
+``register()`` therefore does the least that works everywhere: it primes
+torch's source key from this host's record (:mod:`adstore.integration.inductor.torchkey`),
+enables :mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
 ``ADSTORE_REMOTE*`` name, and installs :mod:`adstore.integration.vllm.hooks`
 on that store (vLLM's own compile directories as tree entries).  It is idempotent (vLLM may load plugins more than
 once in a process), leaves an ``enable()`` the process made itself alone,
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 __all__ = ["register", "ENV_SWITCH"]
@@ -31,6 +38,9 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "ADSTORE_VLLM"
 _OFF = frozenset({"0", "false", "no", "off"})
 
+#: vLLM's model-inspection subprocess runs this module as ``__main__``.
+INSPECTION_MAIN = "vllm.model_executor.models.registry"
+
 _lock = threading.Lock()
 #: The pid that registered: a process forked from it (vLLM may fork workers) registers again.
 _registered_pid: int | None = None
@@ -39,7 +49,7 @@ _registered_pid: int | None = None
 def register() -> None:
     """Called by vLLM in every process: enable adstore for Inductor's caches, once; never raises."""
     global _registered_pid
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF or _main_module() == INSPECTION_MAIN:
         return
     try:
         with _lock:
@@ -51,9 +61,21 @@ def register() -> None:
         logger.warning("adstore: vLLM runs without adstore in pid %d (%s: %s)", os.getpid(), type(exc).__name__, exc)
 
 
+def _main_module() -> str | None:
+    """The module name ``__main__`` was run as (``python -m NAME``); None for a script or an interpreter."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return name if isinstance(name, str) else None
+
+
 def _enable() -> None:
     from adstore.integration import inductor
+    from adstore.integration.inductor import torchkey
 
+    # torch's source hash, from this host's record when torch is unchanged: 0.6 s of CPU otherwise, in
+    # each of vLLM's processes, asked for by adstore's keys, vLLM's compile hash and Inductor's keys.
+    primed = torchkey.prime()
+    logger.debug("adstore: torch_key %s (pid %d)", primed.status, os.getpid())
     if inductor.active() is None:
         # inductor.enable() logs its own line (the reason) and returns False when no store opens.
         if not inductor.enable():

@@ -26,10 +26,17 @@ the generated tokens.  Kernels compiled: every C++ compiler run of every
 process of the run (``vllm_builds/sitecustomize.py``), kernels apart from ISA
 probes and the precompiled header.  Tokens must be identical in every run.
 
-Target (issue 31): a new host with adstore ≤ 1.3× the local warm engine init;
-no kernel compiled on it.
+Targets: a new host with adstore ≤ 1.3× the local warm engine init (issue 31);
+from process start to first output, a new host with adstore within the local
+warm start + 2 s (issue 37); no kernel compiled on it.
 
-    python tests/benchmarks/bench_vllm.py [--repeat 2] [--quick]
+The floor is the eager start.  The *compiled floor* (the eager start plus
+the Dynamo and Inductor imports, for plain ``torch.compile``) is the same
+run here: vLLM imports both in every process, compiled or not, before it
+loads its plugins.  The machine's load average is recorded with each run:
+the 2 cores are shared, and only figures of one run compare.
+
+    python tests/benchmarks/bench_vllm.py [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ RUNS = (
     ("new_host_adstore", "new host, adstore", True, False),
 )
 TARGET_RATIO = 1.3
+#: A new host with adstore, start to first output: at most this much over the local warm start (issue 37).
+TARGET_OVER_WARM_S = 2.0
 
 
 def measure(python: Path, model: Path, work: Path, repeat: int, remote: dict[str, dict[str, str]]) -> dict[str, Any]:
@@ -77,13 +86,15 @@ def measure(python: Path, model: Path, work: Path, repeat: int, remote: dict[str
             "new_host_adstore": vllm_host(work, f"{i}-c", **reader),
         }
         for key, label, adstore, eager in RUNS:
+            load_before = os.getloadavg()[0]
             r = run_host(python, model, hosts[key], adstore=adstore, eager=eager)
+            r["load_average"] = (load_before, os.getloadavg()[0])
             if adstore:
                 r["store"] = store_counters(hosts[key]["ADSTORE_ROOT"])
             runs[key].append(r)
             print(
                 f"  #{i} {label}: engine init {r['engine_init_s']} s, to output {r['process_to_output_s']:.2f} s, "
-                f"builds {r['builds']}",
+                f"builds {r['builds']}, load {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f}",
                 flush=True,
             )
         for host in ("e", "a", "b", "c"):  # headers are ~150 MB a host
@@ -101,12 +112,18 @@ def measure(python: Path, model: Path, work: Path, repeat: int, remote: dict[str
             "kernels_compiled": max(r["builds"]["kernel"] for r in rs),
             "builds": rs[0]["builds"],
             "tokens_identical": all(r["tokens"] == reference for r in rs),
+            "load_average": [r["load_average"] for r in rs],
             **({"store": rs[0]["store"]} if "store" in rs[0] else {}),
         }
     warm, host, plain = result["local_warm"], result["new_host_adstore"], result["new_host_plain"]
     ratio = host["engine_init_s"] / warm["engine_init_s"]
+    over_warm = host["to_output_s"] - warm["to_output_s"]
     result.update(
         {
+            "floor_to_output_s": result["eager"]["to_output_s"],
+            "compiled_floor_to_output_s": result["eager"]["to_output_s"],
+            "new_host_minus_local_warm_to_output_s": over_warm,
+            "meets_2s_of_local_warm": over_warm <= TARGET_OVER_WARM_S,
             "new_host_over_local_warm_engine_init": ratio,
             "meets_1_3x_local_warm": ratio <= TARGET_RATIO,
             "new_host_over_local_warm_to_output": host["to_output_s"] / warm["to_output_s"],
@@ -133,7 +150,9 @@ def print_table(r: dict[str, Any], repeat: int) -> None:
     print(
         f"  new host with adstore / local warm, engine init: {r['new_host_over_local_warm_engine_init']:.2f}x "
         f"(target <= {TARGET_RATIO}x: {'met' if r['meets_1_3x_local_warm'] else 'NOT met'}); "
-        f"to output: {r['new_host_over_local_warm_to_output']:.2f}x"
+        f"to output: {r['new_host_over_local_warm_to_output']:.2f}x, "
+        f"{r['new_host_minus_local_warm_to_output_s']:+.2f} s (target <= +{TARGET_OVER_WARM_S:.0f} s: "
+        f"{'met' if r['meets_2s_of_local_warm'] else 'NOT met'})"
     )
     print(
         f"  kernels compiled on the new host with adstore: {r['new_host_kernels_compiled']} "
@@ -144,7 +163,7 @@ def print_table(r: dict[str, Any], repeat: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each figure (median reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each figure (median reported)")
     ap.add_argument("--quick", action="store_true", help="one repeat")
     args = ap.parse_args()
 

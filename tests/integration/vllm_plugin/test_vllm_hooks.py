@@ -1,9 +1,7 @@
 """The vLLM hooks against stand-ins for vLLM 0.32.0's call signatures (no vLLM is installed here).
 
-The fake ``vllm`` package below has only what the hooks wrap, with vLLM's
-names, signatures and file layout: ``_try_load_aot_compiled_fn(model, path)``
-returning None on a miss, a decorated class's ``save_aot_compiled_function``,
-and ``CompilerManager.initialize_cache`` / ``save_to_file``.  The drivers
+The fake ``vllm`` package (``conftest.py``) has only what the hooks wrap,
+with vLLM's names, signatures and file layout.  The drivers
 (:func:`_aot_call`, :func:`_piecewise_call`) do what vLLM's callers do
 around them, in the same order.  The real-vLLM run is ``test_vllm_real.py`` (slow).
 """
@@ -13,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,67 +19,12 @@ from adstore.integration.inductor.entries import FAILOPEN
 from adstore.integration.vllm import hooks
 
 AOT_HASH = "c0ffee" * 10 + "abcd"
-FAKE = {
-    "vllm/__init__.py": "",
-    "vllm/envs.py": """
-        import os
-        def __getattr__(name):
-            if name == "VLLM_CACHE_ROOT":
-                return os.environ["VLLM_CACHE_ROOT"]
-            raise AttributeError(name)
-    """,
-    "vllm/compilation/__init__.py": "",
-    "vllm/compilation/decorators.py": """
-        import os
-        def _try_load_aot_compiled_fn(model, aot_compilation_path):
-            if not os.path.exists(aot_compilation_path):
-                return None
-            with open(aot_compilation_path, "rb") as f:
-                return f.read()
-
-        class Model:  # what _support_torch_compile makes of a model class
-            was_aot_compile_fn_loaded_from_disk = False
-            def save_aot_compiled_function(self):
-                os.makedirs(self._aot_cache_dir, exist_ok=True)
-                tmp = f"{self._aot_compilation_path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(b"compiled for " + os.environ["VLLM_CACHE_ROOT"].encode())
-                os.replace(tmp, self._aot_compilation_path)
-    """,
-    "vllm/compilation/backends.py": """
-        import os
-        class CompilerManager:
-            def __init__(self):
-                self.cache = {}
-                self.is_cache_updated = False
-            def initialize_cache(self, cache_dir, disable_cache=False, prefix=""):
-                self.disable_cache, self.cache_dir, self.prefix = disable_cache, cache_dir, prefix
-                self.cache_file_path = os.path.join(cache_dir, "vllm_compile_cache.py")
-                if not disable_cache and os.path.exists(self.cache_file_path):
-                    with open(self.cache_file_path) as f:
-                        self.cache = eval(f.read())  # vLLM: ast.literal_eval
-            def save_to_file(self):
-                if self.disable_cache or not self.is_cache_updated:
-                    return
-                with open(self.cache_file_path, "w") as f:
-                    f.write(repr(self.cache))
-    """,
-}
 
 
 @pytest.fixture
-def vllm(tmp_path, monkeypatch):
-    """The fake vLLM importable as ``vllm``, with ``VLLM_CACHE_ROOT`` in ``tmp_path``; gone afterwards."""
-    for name, text in FAKE.items():
-        path = tmp_path / "fake" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    yield importlib.import_module("vllm.compilation.decorators"), importlib.import_module("vllm.compilation.backends")
-    hooks.uninstall()
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        del sys.modules[name]
+def vllm(fake_vllm):
+    """The fake vLLM (``conftest.py``) with its two compilation modules imported, as in a process that compiles."""
+    return importlib.import_module("vllm.compilation.decorators"), importlib.import_module("vllm.compilation.backends")
 
 
 def _aot_call(decorators, model_cls):

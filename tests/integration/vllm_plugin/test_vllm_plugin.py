@@ -87,3 +87,16 @@ def test_the_entry_point_is_declared():
     (ep,) = [p for p in points if p.group == "vllm.general_plugins"]
     assert ep.name == "adstore" and ep.value == "adstore.integration.vllm.plugin:register"
     assert ep.load() is plugin.register
+
+
+def test_the_model_inspection_subprocess_is_left_alone(fresh, store_root, monkeypatch):
+    import sys
+    import types
+    from importlib.machinery import ModuleSpec
+
+    main = types.ModuleType("__main__")  # what `python -m vllm.model_executor.models.registry` runs as __main__
+    main.__spec__ = ModuleSpec(plugin.INSPECTION_MAIN, None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    plugin.register()
+    assert inductor.active() is None and plugin._registered_pid is None
+    assert not store_root.exists()

@@ -12,7 +12,9 @@ share an HTTP remote (WebDAV on 127.0.0.1, the Bazel HTTP cache protocol):
 Nothing in either run calls adstore: vLLM loads the plugin from its entry
 point in each of its processes.  B must produce A's tokens (greedy) and run
 no C++ compile for a kernel: every compiler run of every process of a host is
-counted (``vllm_hosts``); B's kernels are the ones adstore placed.
+counted (``vllm_hosts``); B's kernels are the ones adstore placed.  B also
+gets A's model-class facts (``modelinfos``), so it inspects no model class
+in a subprocess.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def test_a_second_host_compiles_nothing_the_first_compiled(tmp_path):
 
     assert len(a["tokens"]) == 8 and b["tokens"] == a["tokens"]
     assert a["builds"]["kernel"] > 0, "host A compiled no kernel: nothing was tested"
-    # every process vLLM starts ran the plugin (caller, EngineCore, worker, model-inspection subprocess)
+    # every process vLLM starts ran the plugin (caller, EngineCore, worker; not the model-inspection subprocess)
     assert a_store.get("vllm.plugin_enabled", 0) >= 3 and b_store.get("vllm.plugin_enabled", 0) >= 3
+    # A's model-class facts (modelinfos) came to B: B ran no model-inspection subprocess
+    assert a_store.get("vllm.trees_captured", 0) >= 1 and b_store.get("vllm.trees_restored", 0) >= 1
     assert a_store.get("remote.records_up", 0) > 0
     assert b["builds"]["kernel"] == 0, f"host B compiled {b['kernel_targets']}"
     assert not set(b["kernel_targets"]) & set(a["kernel_targets"])
