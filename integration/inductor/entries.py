@@ -189,10 +189,19 @@ class InductorEntries:
 
     # -- the toolchain entry ------------------------------------------------------
     def restore_toolchain(self, answered: threading.Event | None = None) -> int:
-        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain.
+        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain at once.
+
+        Returns how many files were placed (:meth:`find_toolchain`, then :meth:`place_toolchain`).
+        """
+        return self.place_toolchain(self.find_toolchain(answered))
+
+    def find_toolchain(self, answered: threading.Event | None = None) -> dict[str, Any]:
+        """Learn the ISA probes' answers; the header artifacts this host would place, not placed yet.
 
         ``answered`` is set once the answers are known (or known to be
-        absent), before the headers are placed.  Returns how many files were placed.
+        absent).  The headers (~150 MB) are placed by :meth:`place_toolchain`
+        when Inductor first builds a kernel: a start whose kernels all come
+        from the store never needs them.
         """
         try:
             key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
@@ -201,19 +210,29 @@ class InductorEntries:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
                 note_miss(key, components)
-                return 0
+                return {}
             PROBES.learn(res.manifest.meta.get("isa_probes"))
             if answered is not None:
                 answered.set()
             chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
             explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
+            return chosen
+        except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
+            note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
+            return {}
+        finally:
+            if answered is not None:
+                answered.set()
+
+    def place_toolchain(self, chosen: Mapping[str, Any]) -> int:
+        """Place the header artifacts :meth:`find_toolchain` chose (trusted, verified); how many were new."""
+        if not chosen:
+            return 0
+        try:
             return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
-        finally:
-            if answered is not None:
-                answered.set()
 
     def save_toolchain(self, files: Iterable[str], answers: Mapping[str, bool], stored: set[str]) -> None:
         """Store the toolchain's files and ISA answers unless the entry holds them all (``stored``: seen).
