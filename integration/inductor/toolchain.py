@@ -1,9 +1,10 @@
 """The toolchain entry's restore in the background, and the one deadline a process waits for it.
 
-:func:`~adstore.integration.inductor.plug.enable` looks the toolchain entry
-up in a daemon thread while Dynamo traces: the answers to Inductor's ISA
-probes are learnt there, and the ~150 MB precompiled header it holds is
-chosen but placed only by :meth:`Toolchain.wait_done`, which Inductor's
+:func:`~adstore.integration.inductor.plug.enable` learns the answers to
+Inductor's ISA probes from the store (their own small entry) in a daemon
+thread while Dynamo traces; the ~150 MB precompiled header of the toolchain
+entry is looked up (fetched from a remote) and placed only by
+:meth:`Toolchain.wait_done`, which Inductor's
 header step calls the first time it really builds a kernel
 (:mod:`~adstore.integration.inductor.header`): a start whose kernels all
 come from the store copies no header.  The header step waits for the lookup,
@@ -69,7 +70,7 @@ class Toolchain:
         self._deadline: float | None = None
         self._expired = False
         self._lock = threading.Lock()
-        self._chosen: dict[str, Any] = {}  # the header artifacts found, placed by the first wait_done
+        self._placed = False  # the headers: placed by the first wait_done after the lookup
         self._place_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="adstore-inductor-toolchain", daemon=True)
 
@@ -80,7 +81,8 @@ class Toolchain:
 
     def _run(self) -> None:
         try:
-            self._chosen = self.entries.find_toolchain(self.answered)  # fails open: counted and logged there
+            # fails open: counted and logged there; a store that failed has no header to place either
+            self._placed = not self.entries.find_toolchain(self.answered)
         finally:
             self.answered.set()
             self.done.set()
@@ -100,10 +102,11 @@ class Toolchain:
         if not self.done.is_set() or threading.current_thread() is self.thread:
             return
         with self._place_lock:
-            chosen, self._chosen = self._chosen, {}
-            if chosen:
-                placed = self.entries.place_toolchain(chosen)  # fails open: counted and logged there
-                logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
+            if self._placed:
+                return
+            self._placed = True
+            placed = self.entries.place_toolchain()  # fails open: counted and logged there
+            logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
 
     def _until(self, event: threading.Event, what: str, *, cap: float | None = None) -> None:
         if event.is_set() or self._expired or self._deadline is None or threading.current_thread() is self.thread:

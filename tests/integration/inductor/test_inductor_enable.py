@@ -75,10 +75,10 @@ def test_inductor_waits_for_the_toolchain_restore_and_a_stuck_one_only_costs_the
 
     release, started = threading.Event(), threading.Event()
 
-    def stuck_restore(self, answered=None) -> dict:
+    def stuck_restore(self, answered=None) -> bool:
         started.set()
         release.wait(60)
-        return {}
+        return True
 
     monkeypatch.setattr(entries.InductorEntries, "find_toolchain", stuck_restore)
     monkeypatch.setattr(plug, "TOOLCHAIN_WAIT", 0.05)
