@@ -445,7 +445,7 @@ def main() -> int:
     for name, r in results["models"].items():
         print_table(name, r, floor, repeat)
     print(f"\nload average: start {results['load_average_start']}, end {results['load_average_end']}")
-    out = write_results("inductor.json", results, partial=False)
+    out = write_results("inductor.json", results, partial=args.only is not None)
     print(f"\nwrote {out}")
     return 0
 

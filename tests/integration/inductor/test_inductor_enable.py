@@ -19,7 +19,7 @@ def _torch_state():
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     import torch._inductor.remote_cache as remote_cache
-    from torch._inductor import codecache
+    from torch._inductor import codecache, cpp_builder
     from torch._inductor.cpu_vec_isa import VecISA
 
     return {
@@ -33,6 +33,8 @@ def _torch_state():
         "backends": {n: vars(getattr(remote_cache, n)).get("backend_override_cls") for n in inductor.NAMESPACES},
         "watched": (
             vars(codecache.CppCodeCache)["_load_library"],
+            vars(codecache.CppCodeCache)["load_async"],
+            vars(cpp_builder.CppBuilder)["build"],
             codecache._precompile_header,
             vars(VecISA)["check_build"],
         ),
