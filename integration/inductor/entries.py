@@ -13,7 +13,10 @@ the entry's components, so ``adstore explain`` shows them.  Artifacts:
   (``<cache dir>/<xx>/<file>``), named by Inductor after its source's hash;
 * ``pch.<file>``: a precompiled header file (toolchain entry only), whose
   meta also records the answers to Inductor's ISA probes (``isa_probes``,
-  :mod:`~adstore.integration.placement.probes`).
+  :mod:`~adstore.integration.placement.probes`).  The answers also travel
+  alone, in a small entry of the same namespace (Inductor key ``isa``): every
+  start needs them, but only a start that builds a kernel needs the ~150 MB
+  header, so a new host fetches the header from a remote only then.
 
 Kernel files are captured and placed under the rule for files that become
 code (:mod:`~adstore.integration.placement`): a file in a directory another
@@ -31,6 +34,7 @@ Everything fails open: a problem is logged once per reason, counted as
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -57,7 +61,16 @@ from adstore.integration.placement.probes import PROBES, valid_answers
 from adstore.integration.placement.rule import Writer, blob_refusal
 from adstore.store import Reason
 
-__all__ = ["InductorEntries", "FAILOPEN", "NAMESPACES", "TOOLCHAIN_NAMESPACE", "VALUE", "note_failure"]
+__all__ = [
+    "InductorEntries",
+    "FAILOPEN",
+    "ISA_KEY",
+    "NAMESPACES",
+    "TOOLCHAIN_KEY",
+    "TOOLCHAIN_NAMESPACE",
+    "VALUE",
+    "note_failure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +83,8 @@ NAMESPACES = {
     "RemoteDynamoPGOCache": "inductor_dynamo_pgo",
 }
 TOOLCHAIN_NAMESPACE = "inductor_toolchain"
+#: The Inductor keys of the toolchain's two entries: headers and answers, and the answers alone.
+TOOLCHAIN_KEY, ISA_KEY = "toolchain", "isa"
 VALUE = "value"
 
 #: Why adstore stood aside, this process (``inductor.failopen.<reason>`` in the store as well).
@@ -189,31 +204,64 @@ class InductorEntries:
 
     # -- the toolchain entry ------------------------------------------------------
     def restore_toolchain(self, answered: threading.Event | None = None) -> int:
-        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain.
+        """Learn the ISA probes' answers and place the precompiled headers stored for this toolchain at once.
+
+        Returns how many files were placed (:meth:`find_toolchain`, then :meth:`place_toolchain`).
+        """
+        return self.place_toolchain() if self.find_toolchain(answered) else 0
+
+    def find_toolchain(self, answered: threading.Event | None = None) -> bool:
+        """Learn the ISA probes' answers: from the answers' own entry, else from the whole toolchain entry.
 
         ``answered`` is set once the answers are known (or known to be
-        absent), before the headers are placed.  Returns how many files were placed.
+        absent).  The headers (~150 MB, a download from a remote) are left to
+        :meth:`place_toolchain`, which Inductor's first kernel build calls: a
+        start whose kernels all come from the store never needs them.
+        Returns False when the store failed (counted and logged here): then
+        there is no header to place either.
         """
         try:
-            key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            key, _ = self.key(TOOLCHAIN_NAMESPACE, ISA_KEY)
             res = self.store.lookup(key, trusted=self.trusted)
-            if not res.hit or res.manifest is None:
-                if res.reason != Reason.ABSENT:
-                    note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
-                note_miss(key, components)
-                return 0
-            PROBES.learn(res.manifest.meta.get("isa_probes"))
+            if res.hit and res.manifest is not None and valid_answers(res.manifest.meta.get("isa_probes")):
+                PROBES.learn(res.manifest.meta.get("isa_probes"))
+                return True
+            if not res.hit and res.reason != Reason.ABSENT:
+                note_failure(str(res.reason), f"toolchain answers {key[:12]} not served", self.store)
+            manifest = self._toolchain_manifest()  # a store saved before the answers travelled alone
+            if manifest is not None:
+                PROBES.learn(manifest.meta.get("isa_probes"))
+            return True
+        except Exception as exc:  # noqa: BLE001 - fail open: Inductor probes
+            note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
+            return False
+        finally:
             if answered is not None:
                 answered.set()
-            chosen, differs = choose(res.manifest.artifacts, res.manifest.meta, install_paths())
+
+    def place_toolchain(self) -> int:
+        """Place the precompiled headers stored for this toolchain that fit this host; how many were new."""
+        try:
+            manifest = self._toolchain_manifest()
+            if manifest is None:
+                return 0
+            chosen, differs = choose(manifest.artifacts, manifest.meta, install_paths())
             explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
             return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)
             return 0
-        finally:
-            if answered is not None:
-                answered.set()
+
+    def _toolchain_manifest(self) -> Any:
+        """The whole toolchain entry's manifest (restored from a remote on a local miss); None on a miss."""
+        key, components = self.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
+        res = self.store.lookup(key, trusted=self.trusted)
+        if not res.hit or res.manifest is None:
+            if res.reason != Reason.ABSENT:
+                note_failure(str(res.reason), f"toolchain entry {key[:12]} not served", self.store)
+            note_miss(key, components)
+            return None
+        return res.manifest
 
     def save_toolchain(self, files: Iterable[str], answers: Mapping[str, bool], stored: set[str]) -> None:
         """Store the toolchain's files and ISA answers unless the entry holds them all (``stored``: seen).
@@ -222,12 +270,13 @@ class InductorEntries:
         this process met are added.
         """
         try:
-            key, components = self.key(TOOLCHAIN_NAMESPACE, "toolchain")
+            key, components = self.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
             cache_dir, header_dir = Path(_cache_dir()), _header_dir()
             names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
             mine = valid_answers(answers)
             if names | set(mine) <= stored:
                 return
+            self._save_answers(mine)
             res = self.store.lookup(key, count=False, trusted=self.trusted)
             old = res.manifest if res.hit and res.manifest is not None else None
             known = valid_answers(old.meta.get("isa_probes")) if old is not None else {}
@@ -248,6 +297,19 @@ class InductorEntries:
             stored.update(artifacts, merged)
         except Exception as exc:  # noqa: BLE001 - fail open
             note_failure(failure_reason(exc), f"toolchain save: {exc}", self.store)
+
+    def _save_answers(self, mine: Mapping[str, bool]) -> None:
+        """The answers' own entry, merged with what it holds (saved only when this process adds one)."""
+        if not mine:
+            return
+        key, components = self.key(TOOLCHAIN_NAMESPACE, ISA_KEY)
+        res = self.store.lookup(key, count=False, trusted=self.trusted)
+        known = valid_answers(res.manifest.meta.get("isa_probes")) if res.hit and res.manifest is not None else {}
+        if mine.items() <= known.items():
+            return
+        merged = {**known, **mine}
+        value = self.store.put_bytes(json.dumps(merged, sort_keys=True).encode())
+        self._publish(key, TOOLCHAIN_NAMESPACE, components, {VALUE: value}, {"isa_probes": merged})
 
     def _trusted_refs(self, artifacts: Any) -> dict[str, Any]:
         """The artifacts whose blobs this user would load: a merged entry never republishes what it would refuse.

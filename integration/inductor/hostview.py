@@ -116,11 +116,11 @@ def host_report() -> dict[str, Any]:
     from torch._inductor.codecache import torch_key
 
     from adstore.integration.engine.toolchain import toolchain_identity
-    from adstore.integration.inductor.entries import TOOLCHAIN_NAMESPACE, InductorEntries
+    from adstore.integration.inductor.entries import TOOLCHAIN_KEY, TOOLCHAIN_NAMESPACE, InductorEntries
     from adstore.integration.inductor.toolchain_entry import KEYED_PATHS, install_paths
 
     entries = InductorEntries(None, trusted=frozenset(), owns_store=False)
-    toolchain_key, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
+    toolchain_key, _ = entries.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
     umask = os.umask(0)
     os.umask(umask)
     return {

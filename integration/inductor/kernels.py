@@ -11,15 +11,16 @@ stores the files they name with the entries:
   takes the kernels loaded between its lookup and its save (one compile);
 * ``codecache._precompile_header(...)``: the precompiled C++ header (about
   150 MB, under ``$TMPDIR/torchinductor_$USER/precompiled_headers``) that
-  every kernel compile, and every process's first kernel load, needs.
+  every kernel compile needs; settled only when a kernel is really built
+  (:mod:`~adstore.integration.inductor.header`), not on every kernel load.
 
 The header belongs to the toolchain, not to a graph: it travels in one
 entry per toolchain (with the answers to Inductor's ISA probes,
 :mod:`~adstore.integration.placement.probes`), which
 :func:`~adstore.integration.inductor.plug.enable` restores in the background
 while Dynamo traces; Inductor's header step waits for it
-(:attr:`Recorder.before_toolchain`).  The watch otherwise only records
-paths; it never changes what Inductor does.
+(:attr:`Recorder.before_toolchain`).  Apart from settling the header only
+for a build, the watch only records paths; it never changes what Inductor does.
 A kernel an earlier graph of the same process loaded already is not loaded
 again, so it travels with that earlier graph's entry only.
 GPU kernels (Triton) are bundled into the FX-graph entry by Inductor itself
@@ -29,9 +30,13 @@ GPU kernels (Triton) are bundled into the FX-graph entry by Inductor itself
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from adstore.integration.inductor.header import Deferral
+from adstore.integration.inductor.header import install as install_deferral
 
 __all__ = ["Recorder", "RECORDER", "kernel_files"]
 
@@ -55,6 +60,8 @@ class Recorder:
         self._undo: list[Callable[[], None]] = []
         #: Called before Inductor's header step (the toolchain restore's wait); never raises.
         self.before_toolchain: Callable[[], None] | None = None
+        #: The headers deferred while installed (:mod:`~adstore.integration.inductor.header`).
+        self.deferral: Deferral | None = None
 
     # -- what was seen ------------------------------------------------------
     def mark(self) -> int:
@@ -96,7 +103,7 @@ class Recorder:
         header_fn = getattr(codecache, "_precompile_header", None)
         if callable(header_fn):
 
-            def _precompile_header(*args: Any, **kwargs: Any) -> Any:
+            def settle(*args: Any, **kwargs: Any) -> Any:
                 rec._await_toolchain()
                 path = header_fn(*args, **kwargs)
                 if isinstance(path, str):
@@ -104,12 +111,21 @@ class Recorder:
                         rec.headers[path] = None
                 return path
 
+            directory = getattr(codecache, "_HEADER_DIR", None)
+            deferral = Deferral(settle, directory if isinstance(directory, str) else tempfile.gettempdir())
+            install_deferral(codecache, deferral, self._undo)
+            self.deferral = deferral
+
+            def _precompile_header(*args: Any, **kwargs: Any) -> Any:
+                return deferral.header(*args, **kwargs)
+
             codecache._precompile_header = _precompile_header  # type: ignore[assignment]
             self._undo.append(lambda: setattr(codecache, "_precompile_header", header_fn))
 
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
+        self.deferral = None
 
     def _await_toolchain(self) -> None:
         wait = self.before_toolchain

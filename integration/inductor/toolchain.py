@@ -1,9 +1,14 @@
 """The toolchain entry's restore in the background, and the one deadline a process waits for it.
 
-:func:`~adstore.integration.inductor.plug.enable` restores the toolchain
-entry (the answers to Inductor's ISA probes, the ~150 MB precompiled
-header) in a daemon thread while Dynamo traces.  Inductor's header step
-waits for the whole restore, but the process waits :attr:`Toolchain.wait`
+:func:`~adstore.integration.inductor.plug.enable` learns the answers to
+Inductor's ISA probes from the store (their own small entry) in a daemon
+thread while Dynamo traces; the ~150 MB precompiled header of the toolchain
+entry is looked up (fetched from a remote) and placed only by
+:meth:`Toolchain.wait_done`, which Inductor's
+header step calls the first time it really builds a kernel
+(:mod:`~adstore.integration.inductor.header`): a start whose kernels all
+come from the store copies no header.  The header step waits for the lookup,
+but the process waits :attr:`Toolchain.wait`
 seconds *in all*, counted from :meth:`Toolchain.start`: once that deadline
 is past, every later step goes on at once (a stuck remote costs one wait,
 not one per step), and the timeout is counted once
@@ -65,6 +70,8 @@ class Toolchain:
         self._deadline: float | None = None
         self._expired = False
         self._lock = threading.Lock()
+        self._placed = False  # the headers: placed by the first wait_done after the lookup
+        self._place_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="adstore-inductor-toolchain", daemon=True)
 
     def start(self) -> None:
@@ -74,8 +81,8 @@ class Toolchain:
 
     def _run(self) -> None:
         try:
-            placed = self.entries.restore_toolchain(self.answered)  # fails open: counted and logged there
-            logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
+            # fails open: counted and logged there; a store that failed has no header to place either
+            self._placed = not self.entries.find_toolchain(self.answered)
         finally:
             self.answered.set()
             self.done.set()
@@ -90,8 +97,16 @@ class Toolchain:
         self._answers_given_up = not self.answered.is_set()
 
     def wait_done(self) -> None:
-        """Until the whole restore is done (the header placed), or the process's deadline; never raises."""
+        """Until the lookup is done, or the process's deadline, then place the headers found (once); never raises."""
         self._until(self.done, "the precompiled header")
+        if not self.done.is_set() or threading.current_thread() is self.thread:
+            return
+        with self._place_lock:
+            if self._placed:
+                return
+            self._placed = True
+            placed = self.entries.place_toolchain()  # fails open: counted and logged there
+            logger.info("adstore: %d toolchain files placed (pid %d)", placed, os.getpid())
 
     def _until(self, event: threading.Event, what: str, *, cap: float | None = None) -> None:
         if event.is_set() or self._expired or self._deadline is None or threading.current_thread() is self.thread:

@@ -129,7 +129,9 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
         "output": hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest(),
         "inductor": dict(counters["inductor"]),
         "aot_autograd": dict(counters["aot_autograd"]),
-        "builds": [b for b in builds if not b.endswith(".i")],  # g++ -E of the header runs in every process
+        "builds": [b for b in builds if not b.endswith(".i")],
+        # the header's g++ -E: in every process that loads a kernel without adstore, in one that builds one with it
+        "preprocessed": len([b for b in builds if b.endswith(".i")]),
         "probes": len(probes),  # ISA probe subprocesses
         "failopen": dict(inductor.FAILOPEN),
         "store": store_counters,

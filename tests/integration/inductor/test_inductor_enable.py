@@ -19,7 +19,7 @@ def _torch_state():
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     import torch._inductor.remote_cache as remote_cache
-    from torch._inductor import codecache
+    from torch._inductor import codecache, cpp_builder
     from torch._inductor.cpu_vec_isa import VecISA
 
     return {
@@ -33,6 +33,8 @@ def _torch_state():
         "backends": {n: vars(getattr(remote_cache, n)).get("backend_override_cls") for n in inductor.NAMESPACES},
         "watched": (
             vars(codecache.CppCodeCache)["_load_library"],
+            vars(codecache.CppCodeCache)["load_async"],
+            vars(cpp_builder.CppBuilder)["build"],
             codecache._precompile_header,
             vars(VecISA)["check_build"],
         ),
@@ -75,12 +77,12 @@ def test_inductor_waits_for_the_toolchain_restore_and_a_stuck_one_only_costs_the
 
     release, started = threading.Event(), threading.Event()
 
-    def stuck_restore(self, answered=None) -> int:
+    def stuck_restore(self, answered=None) -> bool:
         started.set()
         release.wait(60)
-        return 0
+        return True
 
-    monkeypatch.setattr(entries.InductorEntries, "restore_toolchain", stuck_restore)
+    monkeypatch.setattr(entries.InductorEntries, "find_toolchain", stuck_restore)
     monkeypatch.setattr(plug, "TOOLCHAIN_WAIT", 0.05)
     from torch._inductor.cpu_vec_isa import VecAVX2
 
@@ -156,7 +158,7 @@ def test_the_toolchain_wait_is_one_deadline_per_process():
     class Stuck:
         store = None
 
-        def restore_toolchain(self, answered=None):
+        def find_toolchain(self, answered=None):
             threading.Event().wait(30)  # never sets anything within the test
 
     chain = Toolchain(Stuck(), wait=10.0, answers_wait=1.0, clock=lambda: now[0], waiter=waiter, sweep=False)  # type: ignore[arg-type]
