@@ -136,9 +136,14 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     without adstore.
     """
     global _state
+    from adstore.integration.inductor import torchkey
     from adstore.store import Store
 
     disable()
+    # torch's source key from this host's record while torch is unchanged: about 0.6 s of CPU otherwise,
+    # asked for by every Inductor key and adstore's own (never raises; a stale or foreign record is no record).
+    primed = torchkey.prime()
+    logger.debug("adstore: torch_key %s (pid %d)", primed.status, os.getpid())
     try:
         if store is not None:
             if remote is not None:

@@ -70,12 +70,9 @@ def _main_module() -> str | None:
 
 def _enable() -> None:
     from adstore.integration import inductor
-    from adstore.integration.inductor import torchkey
 
-    # torch's source hash, from this host's record when torch is unchanged: 0.6 s of CPU otherwise, in
-    # each of vLLM's processes, asked for by adstore's keys, vLLM's compile hash and Inductor's keys.
-    primed = torchkey.prime()
-    logger.debug("adstore: torch_key %s (pid %d)", primed.status, os.getpid())
+    # enable() takes torch's source hash from this host's record (0.6 s of CPU otherwise in each of vLLM's
+    # processes, asked for by adstore's keys, vLLM's compile hash and Inductor's keys).
     if inductor.active() is None:
         # inductor.enable() logs its own line (the reason) and returns False when no store opens.
         if not inductor.enable():
