@@ -117,8 +117,11 @@ def child_engine(args: argparse.Namespace) -> None:
     print("FIRST " + json.dumps({"event": engine.event.kind, "sum": float(out.double().sum())}), flush=True)
 
 
-def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
-    """Seconds from starting ``argv`` (in ``env``, else this environment) to its ``FIRST`` line, and that line."""
+def started(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 900
+) -> tuple[float, dict[str, Any] | None, int, str]:
+    """Run ``argv``: seconds from its start to its ``FIRST`` line, that line with the JSON lines after it
+    merged in (None if it printed none), its exit code and the end of its stderr."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
@@ -131,8 +134,14 @@ def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, di
         elif first is not None and line.startswith("{"):
             first.update(json.loads(line))
     err = proc.stderr.read() if proc.stderr else ""
-    if proc.wait(timeout=900) != 0 or first is None:
-        raise SystemExit(f"child {argv[3:]} failed ({proc.returncode}):\n{err[-3000:]}")
+    return seconds, first, proc.wait(timeout=timeout), err[-4000:]
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
+    """Seconds from starting ``argv`` (in ``env``, else this environment) to its ``FIRST`` line, and that line."""
+    seconds, first, code, err = started(argv, env)
+    if code != 0 or first is None:
+        raise SystemExit(f"child {argv[3:]} failed ({code}):\n{err[-3000:]}")
     return seconds, first
 
 

@@ -24,19 +24,19 @@ of the child (``TORCHINDUCTOR_COMPILE_THREADS=1`` keeps them in it).
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "fleet_run.py"
+sys.path.insert(0, str(HERE))
+from bench_restart import started  # noqa: E402
+
 BUILDS = HERE / "vllm_builds"  # the sitecustomize that logs compiler runs
 
 __all__ = ["HOSTS", "Host", "Fleet", "edited_cpuinfo"]
@@ -190,27 +190,14 @@ class Fleet:
         if host.uid is not None:
             log.touch()
             os.chown(log, host.uid, host.uid)
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            host.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**self.base, **host.env}
-        )
-        assert proc.stdout is not None
-        first: dict[str, Any] | None = None
-        seconds = 0.0
-        for line in proc.stdout:
-            if line.startswith("FIRST"):
-                seconds = time.perf_counter() - t0
-                first = json.loads(line[len("FIRST") :])
-            elif first is not None and line.startswith("{"):
-                first.update(json.loads(line))
-        err = proc.stderr.read() if proc.stderr else ""
-        if proc.wait(timeout=timeout) != 0 or first is None:
-            raise RuntimeError(f"host {host.kind} failed ({proc.returncode}):\n{err[-4000:]}")
+        seconds, first, code, err = started(host.argv(*args), {**self.base, **host.env}, timeout)
+        if code != 0 or first is None:
+            raise RuntimeError(f"host {host.kind} failed ({code}):\n{err}")
         logged = log.read_text().splitlines() if log.exists() else []
         targets = [line.split(" ", 1)[1] for line in logged if " " in line]
         # ``g++ -E`` of the precompiled header (``.i``) preprocesses in every process: not a compile.
         compiled = [t for t in targets if not t.endswith(".i")]
-        first.update(seconds=seconds, compiler_runs=len(compiled), compiler_targets=compiled, stderr=err[-4000:])
+        first.update(seconds=seconds, compiler_runs=len(compiled), compiler_targets=compiled, stderr=err)
         return first
 
     def cleanup(self) -> None:
