@@ -34,8 +34,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "fleet_run.py"
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_restart import started  # noqa: E402
+from other_users import user_argv  # noqa: E402
 
 BUILDS = HERE / "vllm_builds"  # the sitecustomize that logs compiler runs
 
@@ -76,8 +77,8 @@ class Host:
     kind: str
     env: dict[str, str]
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (source, target, read-only)
-    setup: list[str] = field(default_factory=list)  # shell steps in the namespace before the mounts
     uid: int | None = None
+    stash: Path | None = None  # where the interpreter's closed directories are held for another uid
     umask: int | None = None
     python: str = sys.executable
 
@@ -87,17 +88,12 @@ class Host:
         if self.umask is not None:
             # Set by the interpreter itself, before anything of the model runs, as a login shell's umask would be.
             cmd = [self.python, "-c", _UMASK_LAUNCHER, f"{self.umask:03o}", str(RUNNER), *args]
-        if self.uid is not None:
-            cmd = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *cmd]
-        if not self.mounts and not self.setup:
-            return cmd
-        steps = list(self.setup)
+        steps = []
         for source, target, read_only in self.mounts:
             steps.append(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
             if read_only:
                 steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
-        script = " && ".join([*steps, f"exec {shlex.join(cmd)}"])
-        return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
+        return user_argv(self.uid, cmd, steps=steps, stash=self.stash)
 
 
 class Fleet:
@@ -143,7 +139,7 @@ class Fleet:
             keys = Path(reader["ADSTORE_TRUSTED_KEYS"])
             keys.chmod(0o644)
             keys.parent.chmod(0o755)
-            return Host(kind, env, uid=OTHER_UID, umask=0o002, setup=self._python_for_everyone())
+            return Host(kind, env, uid=OTHER_UID, umask=0o002, stash=self.work / "python-stash")
         if kind == "read_only":
             env = self._dirs("e")
             mount = self.work / "e" / "store"
@@ -157,31 +153,6 @@ class Fleet:
             python = elsewhere / Path(sys.executable).relative_to(venv)
             return Host(kind, env, mounts=[(str(venv), str(elsewhere), True)], python=str(python))
         raise ValueError(f"no host kind {kind!r}")
-
-    def _python_for_everyone(self) -> list[str]:
-        """Namespace steps that let any user reach this interpreter, as on a real host.
-
-        Here Python may live under root's home (pyenv in ``/root``, mode 0700):
-        another uid then cannot read its standard library and Python falls back
-        to other paths, which no real host does.  In the host's namespace the
-        closed directory is covered by an open tmpfs holding only the
-        interpreter's tree, bind-mounted back.
-        """
-        real = Path(os.path.realpath(sys.executable))
-        for closed in reversed(real.parents):  # from / down
-            if os.stat(closed).st_mode & 0o001:
-                continue
-            inner = closed / real.relative_to(closed).parts[0]
-            stash = self.work / "python-stash"
-            stash.mkdir(parents=True, exist_ok=True)
-            q = shlex.quote
-            return [
-                f"mount --bind {q(str(inner))} {q(str(stash))}",
-                f"mount -t tmpfs -o mode=0755 tmpfs {q(str(closed))}",
-                f"mkdir {q(str(inner))}",
-                f"mount --bind {q(str(stash))} {q(str(inner))}",
-            ]
-        return []
 
     def run(self, host: Host, *args: str, timeout: float = 900) -> dict[str, Any]:
         """One start on ``host``: seconds to the first output, what the child said, and its compiler runs."""

@@ -1,8 +1,8 @@
 """The reader of ``test_read_only.py``: runs inside a mount namespace where the store is a read-only bind mount.
 
 ``python read_only_child.py SPEC_JSON``; SPEC: ``{"ro": path, "keys": {key: {artifact: sha256}}, "uid": int|null,
-"writable": path|null, "cli": bool}``.  Imports first (as root: the interpreter may live where another uid
-cannot read), then drops to ``uid`` if given, then reads, tries every write, and prints one JSON report.
+"writable": path|null, "cli": bool}``.  Started as the reading user (``setpriv``), or, without mount
+namespaces, imports as root and then drops to ``uid``; reads, tries every write, and prints one JSON report.
 """
 
 from __future__ import annotations

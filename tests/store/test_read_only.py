@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from other_users import user_argv  # tests/other_users.py
 
 from adstore.store import Store
 
@@ -43,16 +44,18 @@ NAMESPACES = _unshare_works()
 
 
 def run_on_read_only_mount(src: Path, dst: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Bind-mount ``src`` read-only at ``dst`` and run the child there; its JSON report."""
+    """Bind-mount ``src`` read-only at ``dst`` and run the child there (as ``spec["uid"]``, if given); its report."""
     dst.mkdir(exist_ok=True)
-    child = [sys.executable, str(CHILD), json.dumps({**spec, "ro": str(dst)})]
+    uid = spec.pop("uid", None)
     s, d = shlex.quote(str(src)), shlex.quote(str(dst))
-    mount = f"mount --bind {s} {d} && mount -o remount,bind,ro {d}"
-    if NAMESPACES:  # the mount lives and dies with the namespace
-        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(child)}"]
+    mount = [f"mount --bind {s} {d}", f"mount -o remount,bind,ro {d}"]
+    if NAMESPACES:  # the mount lives and dies with the namespace; setpriv starts the child as ``uid``
+        child = [sys.executable, str(CHILD), json.dumps({**spec, "ro": str(dst)})]
+        argv = user_argv(uid, child, steps=mount, stash=dst.parent / "python-stash")
         res = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    else:
-        subprocess.run(["sh", "-c", mount], check=True)
+    else:  # the child imports as root, then drops to ``uid`` itself
+        child = [sys.executable, str(CHILD), json.dumps({**spec, "ro": str(dst), "uid": uid})]
+        subprocess.run(["sh", "-c", " && ".join(mount)], check=True)
         try:
             res = subprocess.run(child, capture_output=True, text=True, timeout=300, check=False)
         finally:

@@ -16,11 +16,11 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
 import pytest
+from other_users import user_argv  # tests/other_users.py
 
 from adstore.store import Store
 
@@ -50,42 +50,28 @@ def _home(base: Path, name: str, uid: int) -> Path:
     return home
 
 
-def _interpreter() -> tuple[str, str]:
-    """A Python other users may run, and the code that gives it this environment's packages.
+def as_user(uid: int, code: str, env: dict[str, str], *, base: Path, umask: int = 0o022) -> dict:
+    """Run ``code`` (which prints one JSON line last) as ``uid`` with ``umask``; its result.
 
-    This interpreter, unless it lives under a directory other users cannot
-    enter (a pyenv under ``/root``): then the system's of the same version,
-    with this environment's site-packages added (a probe subprocess of
-    Inductor's runs ``sys.executable`` as the other user too).
+    In a mount namespace where every user reaches this interpreter
+    (tests/other_users.py): a probe subprocess of Inductor's runs
+    ``sys.executable`` as the other user too.
     """
-    real = Path(os.path.realpath(sys.executable))
-    if all(os.stat(p).st_mode & 0o001 for p in [real, *real.parents]):
-        return sys.executable, ""
-    name = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    system = shutil.which(name, path="/usr/local/bin:/usr/bin")
-    if system is None:
-        pytest.skip(f"no {name} other users can run")
-    return system, f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
-
-
-def as_user(uid: int, code: str, env: dict[str, str], *, umask: int = 0o022) -> dict:
-    """Run ``code`` (which prints one JSON line last) as ``uid`` with ``umask``; its result."""
-    python, prelude = _interpreter()
-    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", python, "-c"]
-    cmd.append(f"import os; os.umask({umask:#o})\n{prelude}{code}")
+    child = [sys.executable, "-c", f"import os; os.umask({umask:#o})\n{code}"]
+    argv = user_argv(uid, child, steps=[], stash=base / "python-stash")
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": env.get("HOME", "/nonexistent"), **env}
-    done = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _compile(uid: int, env: dict[str, str], *, umask: int) -> dict:
+def _compile(uid: int, env: dict[str, str], *, base: Path, umask: int) -> dict:
     code = (
         f"import json, sys; sys.path.insert(0, {str(INDUCTOR_TESTS)!r})\n"
         "from inductor_hosts import compile_host\n"
         f"print(json.dumps(compile_host({env!r}, True, 1024)))\n"
     )
-    return as_user(uid, code, {"USER": f"u{uid}", "LOGNAME": f"u{uid}"}, umask=umask)
+    return as_user(uid, code, {"USER": f"u{uid}", "LOGNAME": f"u{uid}"}, base=base, umask=umask)
 
 
 def _artifacts(root: Path) -> dict[str, set[str]]:
@@ -112,11 +98,17 @@ def test_a_user_with_umask_002_hits_inductor_entries_without_a_build_or_a_probe(
 
     for name in ("a", "b"):
         for sub in ("inductor", "tmp"):
-            as_user(VICTIM, f"import os, json; os.makedirs({str(user / name / sub)!r}); print(1)", {}, umask=0o002)
-    a = _compile(VICTIM, host("a"), umask=0o002)
+            as_user(
+                VICTIM,
+                f"import os, json; os.makedirs({str(user / name / sub)!r}); print(1)",
+                {},
+                base=base,
+                umask=0o002,
+            )
+    a = _compile(VICTIM, host("a"), base=base, umask=0o002)
     assert a["enabled"] and a["failopen"] == {} and a["builds"], a
     assert (Path(host("a")["TORCHINDUCTOR_CACHE_DIR"]).stat().st_mode & 0o777) == 0o775  # umask 002's directories
-    b = _compile(VICTIM, host("b"), umask=0o002)
+    b = _compile(VICTIM, host("b"), base=base, umask=0o002)
     assert b["failopen"] == {}, b["failopen"]
     assert b["builds"] == [] and b["probes"] == 0, (b["builds"], b["probes"])
     assert b["inductor"].get("fxgraph_cache_hit") == 1 and b["output"] == a["output"]
@@ -132,7 +124,7 @@ def test_files_in_a_cache_directory_another_user_made_first_are_never_stored(bas
     os.chown(planted, ATTACKER, ATTACKER)
     victim = _home(base, "victim", VICTIM)
     env = {"ADSTORE_ROOT": str(victim / "store"), "TMPDIR": str(hostile), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    got = _compile(VICTIM, env, umask=0o022)
+    got = _compile(VICTIM, env, base=base, umask=0o022)
     assert got["enabled"] and got["inductor"].get("fxgraph_cache_miss") == 1 and got["builds"], got
     assert list(planted.rglob("*.so")), "torch compiled into the attacker's directory"
     assert got["failopen"].get("unsafe_root", 0) >= 1, got["failopen"]
@@ -168,6 +160,6 @@ print(json.dumps([captured.reason, restored.reason, restored.detail, same, oct(t
 def test_a_user_with_umask_002_captures_and_restores_vllm_trees(base):
     home = _home(base, "vllm", VICTIM)
     code = TREE_CODE.format(tests=str(VLLM_TESTS), home=str(home))
-    captured, restored, detail, same, parent_mode = as_user(VICTIM, code, {}, umask=0o002)
+    captured, restored, detail, same, parent_mode = as_user(VICTIM, code, {}, base=base, umask=0o002)
     assert (captured, restored) == ("captured", "restored"), detail
     assert same and parent_mode == "0o755"  # the 0775 parent of this user's, tightened
