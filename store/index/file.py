@@ -20,7 +20,9 @@ each: ``verify`` runs it before it scans the index in-process, so a damaged
 index is reported (and ``--fix`` rebuilds it) instead of killing ``verify``.
 No read looks at LMDB's list of free pages, but every write takes pages
 from it: :func:`check_free_list` walks it with ``pread`` (an in-place
-repair on a damaged list would overwrite pages in use, or abort).
+repair on a damaged list would overwrite pages in use, or abort), and
+:func:`check_table_pages` checks every table page the way a write relies
+on (``index.pages``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CorruptRow, Unreadable
+from .pages import table_page_damage
 from .schema import DATABASES
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "read_meta",
     "check_data_file",
     "check_free_list",
+    "check_table_pages",
     "probe_index",
     "ProbeResult",
     "FRESH_INDEX_BYTES",
@@ -250,9 +254,28 @@ def check_free_list(data_file: Path) -> str | None:
     page is ``MDB_PAGE_NOTFOUND``, and LMDB's own assertions abort the
     process.  So the free-page tree is walked with ``pread``, and every page
     it lists must lie in the file, be listed once, and be neither in use by
-    a table nor part of the tree itself.  A commit during the walk may
-    recycle pages the walk reads: the walk is repeated, and an index that
-    keeps changing (LMDB's own writers) counts as sound.
+    a table nor part of the tree itself.
+    """
+    return _walk_settled(data_file, _free_list_damage)
+
+
+def check_table_pages(data_file: Path) -> str | None:
+    """Why a table page of ``data_file`` is malformed in a way a write would meet; None when all are sound.
+
+    See :mod:`.pages` (the reads the probe's child makes pass over some of it).
+    """
+    return _walk_settled(
+        data_file, lambda fd, meta: table_page_damage(fd, meta.page_size, meta.last_page, meta.roots[1])
+    )
+
+
+def _walk_settled(data_file: Path, check: Callable[[int, MetaPage], str | None]) -> str | None:
+    """``check(fd, meta)`` on a walk no commit interrupted.
+
+    A commit during the walk may recycle pages the walk reads: the walk is
+    repeated, and an index that keeps changing (LMDB's own writers) counts
+    as sound.  An unreadable file or one without a meta page is
+    :func:`check_data_file`'s business (None here).
     """
     for _ in range(_RETRIES):
         try:
@@ -261,12 +284,12 @@ def check_free_list(data_file: Path) -> str | None:
                 return None
             fd = os.open(data_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
             try:
-                why = _free_list_damage(fd, meta)
+                why = check(fd, meta)
             finally:
                 os.close(fd)
             now = read_meta(data_file)
         except (OSError, CorruptRow):
-            return None  # unreadable or no meta page: check_data_file's business
+            return None
         if now is not None and now.txnid == meta.txnid:
             return why
     return None
@@ -399,8 +422,8 @@ def probe_index(root: Path, *, lock: bool = True) -> ProbeResult:
 
     A signal death of the child (LMDB faulting on a damaged page) or any
     error is a damaged index; this process never touches the bad page.
-    A file that fails :func:`check_data_file` or :func:`check_free_list`
-    is damaged without a child.
+    A file that fails :func:`check_data_file`, :func:`check_free_list` or
+    :func:`check_table_pages` is damaged without a child.
     A user who may not write ``lock.mdb`` or run the interpreter, or a
     child the system refuses descriptors, memory or I/O, cannot probe: that
     counts as sound (``verify`` then scans in-process as before), since it
@@ -413,9 +436,10 @@ def probe_index(root: Path, *, lock: bool = True) -> ProbeResult:
         check_data_file(root / "index")
     except CorruptRow as exc:
         return ProbeResult(False, exc.detail)
-    why = check_free_list(root / "index" / "data.mdb")
-    if why is not None:
-        return ProbeResult(False, why)
+    for check in (check_free_list, check_table_pages):
+        why = check(root / "index" / "data.mdb")
+        if why is not None:
+            return ProbeResult(False, why)
     try:
         res = subprocess.run(
             [sys.executable, "-c", _PROBE, str(root / "index"), "lock" if lock else "nolock", *DATABASES],

@@ -92,6 +92,30 @@ def scribble(seed: int, *, whole_page: bool = False) -> Damage:
     return damage
 
 
+def node_claims_more(extra: int = 128) -> Damage:
+    """A blob row's node claims ``extra`` bytes more than it holds, still inside its page: it overlaps its
+    neighbour.  Every read passes over it (the value just runs into the next node), but a repair's write
+    moves nodes by the claimed size, past the page, and near the end of the map that is a SIGBUS (what
+    made scribble-186 kill ``verify --fix`` now and then)."""
+
+    def damage(root: Path) -> None:
+        data = bytearray(_data(root).read_bytes())
+        for at in range(2 * PAGE, len(data), PAGE):
+            flags, lower, _upper = struct.unpack_from("<HHH", data, at + 10)
+            if flags != 0x02:  # a leaf page
+                continue
+            for i in range((lower - 16) // 2):
+                node = at + struct.unpack_from("<H", data, at + 16 + 2 * i)[0]
+                size, hi, nflags, ksize = struct.unpack_from("<HHHH", data, node)
+                if (ksize, hi, nflags) == (32, 0, 0) and node + 8 + ksize + size + extra <= at + PAGE:
+                    struct.pack_into("<H", data, node, size + extra)
+                    _data(root).write_bytes(data)
+                    return
+        raise AssertionError("the base store has no blob row to damage")
+
+    return damage
+
+
 def free_list(how: str, nth: int = 0) -> Damage:
     """Damage LMDB's free-page list, which no read looks at but every write allocates from.
 
@@ -265,6 +289,7 @@ def index_cases(base_root: Path, *, slow: bool) -> dict[str, Damage]:
     cases |= {f"page-{s}": scribble(s, whole_page=True) for s in pages_seeds}
     cases |= {f"not-lmdb-{i}-{len(b)}": replace_data(b) for i, b in enumerate(junk)}
     cases |= {f"free-list-{how}": free_list(how) for how in ("past_end", "count", "not_a_page")}
+    cases["node-claims-more"] = node_claims_more()
     cases |= {f"free-list-names-used-page-{n}": free_list("one_in_use", n) for n in range(0, 12, 1 if slow else 3)}
     cases |= {f"renamed-key-{new.decode()}": renamed_key(new) for new in (b"kez5", b"key0", b"kay5")}
     if slow:
@@ -415,3 +440,19 @@ def test_damage_suite(base, tmp_path):
 @pytest.mark.slow
 def test_damage_suite_slow(base, tmp_path):
     _run_and_check(base, tmp_path, slow=True, min_cases=200)
+
+
+def test_a_node_that_claims_more_than_it_holds_is_found_before_a_repair_writes(base, tmp_path):
+    """Reads pass over such a node, so only the page check (``index.pages``) finds it; ``verify`` reports it
+    without writing, and ``verify --fix`` rebuilds instead of moving nodes by the false size in place."""
+    src, expected = base
+    root = tmp_path / "store"
+    shutil.copytree(src, root, symlinks=True)
+    node_claims_more()(root)
+    verify = run_cli(root, "verify")
+    assert verify.returncode == 1 and "a node claims a size it does not have" in verify.stdout, verify
+    fix = run_cli(root, "verify", "--fix")
+    assert fix.returncode == 0 and f"restored {KEYS} entr(ies)" in fix.stdout, fix
+    assert run_cli(root, "verify").returncode == 0
+    with Store.open(root, create=False) as store:
+        assert all(store.lookup(key, count=False).hit for key in expected)
