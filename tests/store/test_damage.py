@@ -412,15 +412,14 @@ def test_a_store_at_0_bytes_free(small_fs, how):  # noqa: F811
         assert done["gc"]["exit"] in (0, 8, 9), done["gc"]  # a named error at worst, never stuck in a crash
 
 
-def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, tmp_path):
-    """A process's first write aborts in LMDB on such an index (docs/operations.md, "Known limits"); ``verify``
-    finds it without writing, and ``verify --fix`` rebuilds the index: every entry hits again."""
+def _found_by_verify_and_rebuilt(base, work: Path, damage: Damage, finding: str) -> None:
+    """``verify`` reports ``damage`` without writing; ``verify --fix`` rebuilds: every entry hits again."""
     src, expected = base
-    root = tmp_path / "store"
+    root = work / "store"
     shutil.copytree(src, root, symlinks=True)
-    free_list("in_use")(root)
+    damage(root)
     verify = run_cli(root, "verify")
-    assert verify.returncode == 1 and "free-page list names page" in verify.stdout, verify
+    assert verify.returncode == 1 and finding in verify.stdout, verify
     fix = run_cli(root, "verify", "--fix")
     assert fix.returncode == 0 and f"restored {KEYS} entr(ies)" in fix.stdout, fix
     assert run_cli(root, "verify").returncode == 0
@@ -433,6 +432,17 @@ def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, t
             } == artifacts
 
 
+def test_a_free_page_list_of_pages_in_use_is_found_by_verify_and_rebuilt(base, tmp_path):
+    """A process's first write aborts in LMDB on such an index (docs/operations.md, "Known limits")."""
+    _found_by_verify_and_rebuilt(base, tmp_path, free_list("in_use"), "free-page list names page")
+
+
+def test_a_node_that_claims_more_than_it_holds_is_found_before_a_repair_writes(base, tmp_path):
+    """Reads pass over such a node, so only the page check (``index.pages``) finds it, and ``verify --fix``
+    rebuilds instead of moving nodes by the false size in place."""
+    _found_by_verify_and_rebuilt(base, tmp_path, node_claims_more(), "a node claims a size it does not have")
+
+
 def test_damage_suite(base, tmp_path):
     _run_and_check(base, tmp_path, slow=False, min_cases=30)
 
@@ -440,19 +450,3 @@ def test_damage_suite(base, tmp_path):
 @pytest.mark.slow
 def test_damage_suite_slow(base, tmp_path):
     _run_and_check(base, tmp_path, slow=True, min_cases=200)
-
-
-def test_a_node_that_claims_more_than_it_holds_is_found_before_a_repair_writes(base, tmp_path):
-    """Reads pass over such a node, so only the page check (``index.pages``) finds it; ``verify`` reports it
-    without writing, and ``verify --fix`` rebuilds instead of moving nodes by the false size in place."""
-    src, expected = base
-    root = tmp_path / "store"
-    shutil.copytree(src, root, symlinks=True)
-    node_claims_more()(root)
-    verify = run_cli(root, "verify")
-    assert verify.returncode == 1 and "a node claims a size it does not have" in verify.stdout, verify
-    fix = run_cli(root, "verify", "--fix")
-    assert fix.returncode == 0 and f"restored {KEYS} entr(ies)" in fix.stdout, fix
-    assert run_cli(root, "verify").returncode == 0
-    with Store.open(root, create=False) as store:
-        assert all(store.lookup(key, count=False).hit for key in expected)
