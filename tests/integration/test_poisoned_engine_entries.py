@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -204,12 +206,12 @@ def _evil_package_of(package: bytes, tmp_path: Path, sentinel: Path) -> bytes:
 
 def _share_with_nobody(root: Path) -> None:
     """Make ``root`` a store shared with group 65534, as a group-shared store is: 2775 directories, the
-    index group-writable, blob files read-only (0444) as the store writes them."""
+    index group-writable, blob and record files read-only (0444) as the store writes them."""
     os.chown(root, 0, 65534)
     os.chmod(root, 0o2775)
     for path in root.rglob("*"):
         os.chown(path, -1, 65534)
-        if path.is_dir() or "blobs" not in path.relative_to(root).parts:
+        if path.is_dir() or not {"blobs", "records"} & set(path.relative_to(root).parts):
             os.chmod(path, os.stat(path).st_mode | (0o2070 if path.is_dir() else 0o060))
 
 
@@ -263,6 +265,15 @@ def test_engine_package_from_another_user_is_not_loaded(honest_engine, shared_st
         engine, event = victim.lookup(model, (x,))
         victim.close()
     assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"
+    # The attacker's record does not seal the rows (it is not a trusted user's) ...
+    assert engine is None and event.kind == "miss" and event.reason == "engine_unavailable", event
+    assert "unsealed_entry" in str(event), event
+    # ... and were the rows believed, the package file's owner is refused all the same.
+    with Store.open(root) as store, _rows_believed():
+        victim = EngineCache(StoreEngineStorage(store))
+        engine, event = victim.lookup(model, (x,))
+        victim.close()
+    assert not sentinel.exists(), f"the engine package's code ran in the victim's process ({event})"
     assert engine is None and event.kind == "miss" and event.reason == "untrusted_engine", event
     # Control: the attack is live — a victim who trusts the attacker's uid does load it, and its code runs.
     # In a fresh (spawned) interpreter: a forked one inherits the objects this process dlopen'ed, and
@@ -295,8 +306,23 @@ def _replace_copy(copy: str, evil: str) -> None:
     os.rename(planted, copy)
 
 
+@contextmanager
+def _rows_believed() -> Iterator[None]:
+    """Lookups without the seal (``trusted=None``): the defence behind it, the package owner's check, alone."""
+    lookup = Store.lookup
+    Store.lookup = lambda self, key, **kw: lookup(self, key, **{**kw, "trusted": None})  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Store.lookup = lookup  # type: ignore[method-assign]
+
+
 def _racing_victim(root: str, race: str, evil: str) -> str:
-    """The victim looks its engine up while the attacker runs ``race`` (run in a spawned process)."""
+    """The victim looks its engine up while the attacker runs ``race`` (run in a spawned process).
+
+    In ``symlink_after_copy`` the attacker's own entry is looked up with its rows believed (the seal
+    refuses it first: see the test above), so the race meets the package owner's check.
+    """
     if race == "symlink_after_copy":
         load_record = StoreEngineStorage.load_record
 
@@ -317,7 +343,8 @@ def _racing_victim(root: str, race: str, evil: str) -> str:
             return None
 
         StoreEngineStorage.check_loadable = checked_then_raced
-    with Store.open(root) as store:
+    believed = _rows_believed() if race == "symlink_after_copy" else nullcontext()
+    with believed, Store.open(root) as store:
         victim = EngineCache(StoreEngineStorage(store))
         engine, event = victim.lookup(Tiny(), (torch.randn(2, 8),))
         victim.close()
