@@ -38,6 +38,9 @@ def table_page_damage(fd: int, page_size: int, last_page: int, main_root: int) -
     """
     if main_root == _NO_PAGE:
         return None
+    # A reachable page lies inside the file (only never-written loose pages may lie past it), and bounding by
+    # the file keeps a damaged meta page's last page number from sizing the walk.
+    last_page = min(last_page, os.fstat(fd).st_size // page_size - 1)
     seen: set[int] = set()
     todo = [main_root]
     while todo:
