@@ -19,10 +19,10 @@ lmdb only), checking that the keys are in order and that a search finds
 each: ``verify`` runs it before it scans the index in-process, so a damaged
 index is reported (and ``--fix`` rebuilds it) instead of killing ``verify``.
 No read looks at LMDB's list of free pages, but every write takes pages
-from it: :func:`check_free_list` walks it with ``pread`` (an in-place
-repair on a damaged list would overwrite pages in use, or abort), and
-:func:`check_table_pages` checks every table page the way a write relies
-on (``index.pages``).
+from it, and moves nodes by the sizes their headers claim:
+:func:`check_pages` walks the list and every table page with ``pread``
+(an in-place repair would overwrite pages in use, move nodes past their
+page, or abort).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +45,7 @@ __all__ = [
     "MetaPage",
     "read_meta",
     "check_data_file",
-    "check_free_list",
-    "check_table_pages",
+    "check_pages",
     "probe_index",
     "ProbeResult",
     "FRESH_INDEX_BYTES",
@@ -245,32 +244,19 @@ def _nodes(page: bytes, psize: int) -> Iterator[tuple[int, int, int, int, int]]:
         yield off, lo | hi << 16, nflags, ksize, off + _NODE.size + ksize
 
 
-def check_free_list(data_file: Path) -> str | None:
-    """Why LMDB's list of free pages in ``data_file`` is unsafe to write with; None when it is sound.
+def check_pages(data_file: Path) -> str | None:
+    """Why ``data_file``'s pages are unsafe to write with; None when they are sound.
 
-    No read ever looks at that list (the probe's child cannot see it), but
-    every write transaction takes pages from it without checking them: a
-    listed page that is still in use gets overwritten, one past the last
-    page is ``MDB_PAGE_NOTFOUND``, and LMDB's own assertions abort the
-    process.  So the free-page tree is walked with ``pread``, and every page
-    it lists must lie in the file, be listed once, and be neither in use by
-    a table nor part of the tree itself.
-    """
-    return _walk_settled(data_file, _free_list_damage)
+    Two things a write relies on and no read checks, walked with ``pread``:
 
-
-def check_table_pages(data_file: Path) -> str | None:
-    """Why a table page of ``data_file`` is malformed in a way a write would meet; None when all are sound.
-
-    See :mod:`.pages` (the reads the probe's child makes pass over some of it).
-    """
-    return _walk_settled(
-        data_file, lambda fd, meta: table_page_damage(fd, meta.page_size, meta.last_page, meta.roots[1])
-    )
-
-
-def _walk_settled(data_file: Path, check: Callable[[int, MetaPage], str | None]) -> str | None:
-    """``check(fd, meta)`` on a walk no commit interrupted.
+    * every table page is well formed in the way a write relies on
+      (:mod:`.pages`: the reads the probe's child makes pass over some of it);
+    * LMDB's list of free pages.  No read ever looks at it, but every write
+      transaction takes pages from it without checking them: a listed page
+      that is still in use gets overwritten, one past the last page is
+      ``MDB_PAGE_NOTFOUND``, and LMDB's own assertions abort the process.
+      Every page it lists must lie in the file, be listed once, and be
+      neither in use by a table nor part of the free-page tree itself.
 
     A commit during the walk may recycle pages the walk reads: the walk is
     repeated, and an index that keeps changing (LMDB's own writers) counts
@@ -284,7 +270,9 @@ def _walk_settled(data_file: Path, check: Callable[[int, MetaPage], str | None])
                 return None
             fd = os.open(data_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
             try:
-                why = check(fd, meta)
+                used: set[int] = set()
+                why = table_page_damage(fd, meta.page_size, meta.last_page, meta.roots[1], used)
+                why = why or _free_list_damage(fd, meta, used)
             finally:
                 os.close(fd)
             now = read_meta(data_file)
@@ -295,7 +283,8 @@ def _walk_settled(data_file: Path, check: Callable[[int, MetaPage], str | None])
     return None
 
 
-def _free_list_damage(fd: int, meta: MetaPage) -> str | None:
+def _free_list_damage(fd: int, meta: MetaPage, used: set[int]) -> str | None:
+    """The free-page list's damage, given the pages the tables use (``used``, from the table walk)."""
     psize, last = meta.page_size, meta.last_page
 
     def read(pgno: int) -> bytes:
@@ -314,25 +303,6 @@ def _free_list_damage(fd: int, meta: MetaPage) -> str | None:
             return None
         pages = struct.unpack_from("<I", page, 12)[0]
         return pages if 1 <= pages <= last - pgno + 1 else None
-
-    # The pages the tables use (a damaged table is the probe's business: walk what parses).
-    used: set[int] = set()
-    todo = [meta.roots[1]] if meta.roots[1] != _NO_PAGE else []
-    while todo:
-        pgno = todo.pop()
-        if pgno in used or not 2 <= pgno <= last:
-            continue
-        used.add(pgno)
-        page = read(pgno)
-        if len(page) < psize or struct.unpack_from("<Q", page, 0)[0] != pgno:
-            continue
-        leaf = struct.unpack_from("<H", page, 10)[0] & _P_LEAF
-        for child in _children(page, pgno, psize, last + 1):
-            run = overflow_run(child) if leaf else None
-            if run is not None and child not in used:
-                used.update(range(child, child + run))
-            else:
-                todo.append(child)
 
     tree: set[int] = set()
     listed: set[int] = set()
@@ -422,8 +392,8 @@ def probe_index(root: Path, *, lock: bool = True) -> ProbeResult:
 
     A signal death of the child (LMDB faulting on a damaged page) or any
     error is a damaged index; this process never touches the bad page.
-    A file that fails :func:`check_data_file`, :func:`check_free_list` or
-    :func:`check_table_pages` is damaged without a child.
+    A file that fails :func:`check_data_file` or :func:`check_pages` is
+    damaged without a child.
     A user who may not write ``lock.mdb`` or run the interpreter, or a
     child the system refuses descriptors, memory or I/O, cannot probe: that
     counts as sound (``verify`` then scans in-process as before), since it
@@ -436,10 +406,9 @@ def probe_index(root: Path, *, lock: bool = True) -> ProbeResult:
         check_data_file(root / "index")
     except CorruptRow as exc:
         return ProbeResult(False, exc.detail)
-    for check in (check_free_list, check_table_pages):
-        why = check(root / "index" / "data.mdb")
-        if why is not None:
-            return ProbeResult(False, why)
+    why = check_pages(root / "index" / "data.mdb")
+    if why is not None:
+        return ProbeResult(False, why)
     try:
         res = subprocess.run(
             [sys.executable, "-c", _PROBE, str(root / "index"), "lock" if lock else "nolock", *DATABASES],

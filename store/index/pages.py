@@ -30,18 +30,19 @@ _NO_PAGE = (1 << 64) - 1
 _MAX_KEY = 511  # LMDB's compiled-in maximum key size
 
 
-def table_page_damage(fd: int, page_size: int, last_page: int, main_root: int) -> str | None:
+def table_page_damage(fd: int, page_size: int, last_page: int, main_root: int, seen: set[int]) -> str | None:
     """Why a page of the tables reachable from ``main_root`` is malformed; None when every one is sound.
 
     ``fd`` is ``data.mdb`` opened for reading; the caller repeats the check
     when a writer committed meanwhile (pages are recycled under a walk).
+    ``seen`` (empty) is filled with the pages the tables use, overflow runs
+    included: the free-page list must name none of them.
     """
     if main_root == _NO_PAGE:
         return None
     # A reachable page lies inside the file (only never-written loose pages may lie past it), and bounding by
     # the file keeps a damaged meta page's last page number from sizing the walk.
     last_page = min(last_page, os.fstat(fd).st_size // page_size - 1)
-    seen: set[int] = set()
     todo = [main_root]
     while todo:
         pgno = todo.pop()

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import shutil
 import time
-from pathlib import Path
 
 import lmdb
 import pytest
@@ -20,7 +19,7 @@ from store_helpers import save, writer_forever
 
 from adstore.store import CorruptRow, Store, UnsafeRoot
 from adstore.store.index.ballast import Ballast
-from adstore.store.index.file import check_data_file, check_free_list, check_table_pages, read_meta
+from adstore.store.index.file import check_data_file, check_pages, read_meta
 from adstore.store.reasons import Reason
 
 
@@ -120,13 +119,9 @@ def test_a_file_that_ends_before_never_written_pages_is_sound(tmp_path):
         assert store.lookup("k2", count=False).hit and store.verify().ok
 
 
-def _page_checks(data: Path) -> str | None:
-    return check_free_list(data) or check_table_pages(data)
-
-
 def test_the_page_checks_pass_sound_indexes_even_under_writers(tmp_path, monkeypatch):
-    """``check_free_list`` and ``check_table_pages`` (``verify`` runs them) must never call a sound index
-    damaged: not one whose eviction freed hundreds of pages at once (a free-page record in overflow pages),
+    """``check_pages`` (``verify`` runs it: the table pages and the free-page list) must never call a sound
+    index damaged: not one whose eviction freed hundreds of pages at once (a free-page record in overflow pages),
     nor one that two processes save to and evict from while they walk (a damaged verdict would rebuild a
     sound index)."""
     root = tmp_path / "store"
@@ -134,9 +129,9 @@ def test_the_page_checks_pass_sound_indexes_even_under_writers(tmp_path, monkeyp
     with Store.open(root, grace_period=0.0) as store:
         for i in range(400):
             save(store, f"k{i}", sizes=(100, 200))
-        assert _page_checks(data) is None
+        assert check_pages(data) is None
         store.plan_eviction(max_size=0).execute()
-        assert _page_checks(data) is None
+        assert check_pages(data) is None
         for i in range(20):
             save(store, f"x{i}", sizes=(100, 300))
     monkeypatch.setenv("ADSTORE_TEST_EVICT", "1")
@@ -148,7 +143,7 @@ def test_the_page_checks_pass_sound_indexes_even_under_writers(tmp_path, monkeyp
         verdicts = []
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
-            verdicts.append(_page_checks(data))
+            verdicts.append(check_pages(data))
         # Each writer saved until killed: one evicting cut the other's save between its publish and its
         # commit ("no manifest to commit for k0 rank 0 generation ..."), and the writer died of it.
         died = [w.exitcode for w in writers if not w.is_alive()]
