@@ -135,6 +135,9 @@ class InductorEntries:
         from torch._inductor.codecache import torch_key
 
         from adstore.integration.engine.toolchain import toolchain_identity
+        from adstore.integration.inductor.torchkey import wait_recorded
+
+        wait_recorded()  # a key being recorded is given to torch when done: not hashed twice
 
         return {"torch_key": torch_key().hex(), "toolchain": toolchain_identity()}
 
