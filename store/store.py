@@ -354,14 +354,19 @@ class Store(Upkeep):
         return self._publisher.abort(key, rank=rank, generation=generation)
 
     def lookup(
-        self, key: str, *, rank: int | None = None, count: bool = True, trusted: frozenset[int] | None = None
+        self,
+        key: str,
+        *,
+        rank: int | None = None,
+        count: bool = True,
+        trusted: frozenset[int] | None = None,
+        local: bool = False,
     ) -> LookupResult:
         """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted.
 
-        ``trusted``: the entry becomes code.  Each manifest hit must then agree
-        with its record file, written by a trusted uid and writable by no one
-        else, else the lookup is a miss ``unsealed_entry`` (:mod:`.seal`).
-        None: the index rows are believed as they are.
+        ``trusted``: the entry becomes code.  Each manifest hit must then agree with its record file, written
+        by a trusted uid and writable by no one else, else the lookup is a miss ``unsealed_entry`` (:mod:`.seal`).
+        None: the index rows are believed as they are.  ``local``: this store's rows only (no seed, no remote).
         """
         validate_key(key)
         try:
@@ -371,10 +376,10 @@ class Store(Upkeep):
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
-        if self.seed is not None and not result.hit and not self.read_only:  # a copy would write
+        if self.seed is not None and not result.hit and not self.read_only and not local:  # a copy would write
             with self.tier.local_only() if self.tier is not None else nullcontext():  # a copy is not pushed
                 result = self.seed.fallback(self, key, rank, result)
-        if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
+        if self.tier is not None and not result.hit and not self.read_only and not local:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
         if result.hit and trusted is not None:  # after the memo and the remote: every trusted hit is checked
             result = self._seals.sealed(key, result, trusted)

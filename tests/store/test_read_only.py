@@ -209,6 +209,28 @@ def test_the_seed_is_searched_before_the_remote_and_its_copies_are_not_pushed(tm
     assert keys
 
 
+def test_a_local_lookup_copies_from_neither_the_seed_nor_the_remote(tmp_path):
+    """``lookup(local=True)``: this store's rows only (a caller merging into what is here downloads nothing)."""
+    from adstore.store.remote import MemoryBackend, Remote, Signer, TrustedKeys, generate_keypair
+
+    build(tmp_path / "seed")
+    pair = generate_keypair()
+    backend = MemoryBackend()
+    signer, trusted = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
+    remote = Remote(backend, mode="read-write", signer=signer, trusted=trusted)
+    with Store.open(tmp_path / "builder", remote=remote) as builder:
+        builder.save("c" * 64, {"x": builder.put_bytes(b"from the remote")})
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed", remote=remote) as store:
+        for key in ("a" * 64, "c" * 64):  # the seed's, the remote's
+            assert store.lookup(key, count=False, local=True).reason == "absent"
+            assert store.entry(key) is None
+        assert not any(op == "get" for op, _ in backend.ops)
+        assert store.lookup("a" * 64).hit and store.lookup("c" * 64).hit  # without ``local``: both mend the miss
+        assert store.lookup("c" * 64, local=True).hit  # and now it is here
+        counters = store.stats().counters
+        assert counters["seed.hits"] == 1 and counters["remote.hits"] == 1
+
+
 def test_an_index_on_a_read_only_mount_under_a_writable_root_is_read_only_not_corrupt(shared_tmp):
     build(shared_tmp / "src")
     index = shlex.quote(str(shared_tmp / "src" / "index"))
