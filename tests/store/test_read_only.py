@@ -10,6 +10,7 @@ store's misses, and new saves go to the writable one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -247,3 +248,30 @@ def test_a_damaged_index_on_a_read_only_mount_is_still_corrupt_index(shared_tmp)
         check=False,
     )
     assert res.returncode == 0 and res.stdout.strip() == "corrupt_index", (res.stdout, res.stderr[-2000:])
+
+
+def _forge_seed_row(seed_root: Path, key: str, other: str) -> None:
+    """What a group member of the seed's builder can do: rewrite ``key``'s manifest row in the seed's index,
+    pointing it at ``other``'s blob with meta of its choice (ISA answers), its record left as the builder wrote it."""
+    with Store.open(seed_root, create=False) as seed:
+        m = seed.lookup(key).manifest
+        shard = seed.lookup(other, rank=0).manifest.artifacts["shard"]
+        forged = dataclasses.replace(m, artifacts={**m.artifacts, "random": shard}, meta={"isa": {"avx512": True}})
+        seed._tables.write(lambda t: t.put_manifest(forged))
+        assert seed.lookup(key).manifest.meta == {"isa": {"avx512": True}}  # the rows now say so
+
+
+def test_a_seed_row_its_own_records_do_not_vouch_for_is_not_copied(tmp_path, monkeypatch):
+    keys = build(tmp_path / "seed")
+    _forge_seed_row(tmp_path / "seed", "a" * 64, "b" * 64)
+    monkeypatch.delenv("ADSTORE_TRUSTED_UIDS", raising=False)
+    me = frozenset({os.geteuid(), 0})
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed") as store:
+        for trusted in (me, None):  # the copy would be sealed as this user's: judged whatever the caller trusts
+            missed = store.lookup("a" * 64, trusted=trusted)
+            assert not missed.hit and missed.reason == "unsealed_entry", missed
+        assert store.entry("a" * 64) is None and store.stats().counters["seed.misses.unsealed_entry"] == 2
+        assert not any(store.has_blob(d) for d in keys["a" * 64].values())  # nothing copied
+        found = store.lookup("b" * 64, trusted=me)  # the genuine entry still copies, and is sealed here
+        assert found.hit and store.read_artifact(found.manifest, "shard") == b"rank 0 shard" * 10_000
+        assert store.stats().counters["seed.hits"] == 1
