@@ -29,9 +29,9 @@ after.  Files that changed in between are no record.
 The fingerprint is the rule Python uses for its own bytecode caches (size
 and time of the source), made stricter by the inode and the change time,
 which no file operation can set back: an edited, reinstalled or replaced
-file is a new fingerprint.  The record is read only when it is a regular
-file owned by this user or root and writable by no one else, in a
-directory of which the same holds (or with the sticky bit); anything else,
+file is a new fingerprint.  The record is read only when the store's one
+trust rule accepts it and its directory (``adstore.store.file_refusal`` and
+``dir_refusal``, with ``trusted_uids``); anything else,
 or a malformed record, is no record.  Nothing here ever raises.
 """
 
@@ -44,7 +44,6 @@ import inspect
 import json
 import logging
 import os
-import stat
 import sys
 import tempfile
 import threading
@@ -52,6 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from adstore.store import ConfigError, dir_refusal, file_refusal, trusted_uids
 
 __all__ = ["RECORD", "Primed", "fingerprint", "prime", "wait_recorded"]
 
@@ -116,12 +117,12 @@ def fingerprint(root: str | os.PathLike[str], *, version: str = "", commit: str 
 
 
 def _trusted(st: os.stat_result, *, directory: bool) -> bool:
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
+    """The store's one trust rule, with its one trusted set (this user, root, ``ADSTORE_TRUSTED_UIDS``)."""
+    try:
+        trusted = trusted_uids()
+    except ConfigError:
         return False
-    if directory:
-        return stat.S_ISDIR(st.st_mode) and (not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX))
-    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022
+    return (dir_refusal if directory else file_refusal)(st, trusted) is None
 
 
 def _read(path: Path, digest: str) -> bytes | None:

@@ -74,8 +74,12 @@ def _record(directory: Path, damage: str = "") -> None:
         return
     record.write_text("{not json" if damage == "malformed" else json.dumps(doc))
     os.chmod(record, 0o664 if damage == "group_writable" else 0o644)
-    if damage == "foreign_owner":
+    if damage == "group_writable":  # a gid the group database does not know: not a private group
+        os.chown(record, 0, 424242)
+    elif damage == "foreign_owner":
         os.chown(record, 65534, 65534)
+    elif damage == "trusted_owner":  # a uid of ADSTORE_TRUSTED_UIDS
+        os.chown(record, 4242, 4242)
     elif damage == "open_directory":
         os.chmod(directory, 0o777)
     elif damage == "other_fingerprint":
@@ -88,13 +92,16 @@ def test_the_first_process_records_the_key_torch_computed(tmp_path):
     assert json.loads((tmp_path / torchkey.RECORD).read_text())["torch_key"] == got["key"]
 
 
-def test_only_a_trusted_record_of_this_torch_is_used_and_nothing_is_hashed_then(tmp_path):
+def test_only_a_trusted_record_of_this_torch_is_used_and_nothing_is_hashed_then(tmp_path, monkeypatch):
     damages = ["group_writable", "foreign_owner", "open_directory", "malformed", "other_fingerprint", "symlink"]
     for damage in damages:
         _record(tmp_path / damage, damage)
     _record(tmp_path / "good")
-    got = _child("no-hashing", *(tmp_path / d for d in damages), tmp_path / "good")
-    assert got == {"statuses": ["recording"] * len(damages) + ["primed"], "key": FAKE_KEY}
+    _record(tmp_path / "trusted_owner", "trusted_owner")
+    monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "4242")  # the store's one trusted set, read by the child
+    for accepted in ("good", "trusted_owner"):
+        got = _child("no-hashing", *(tmp_path / d for d in damages), tmp_path / accepted)
+        assert got == {"statuses": ["recording"] * len(damages) + ["primed"], "key": FAKE_KEY}, accepted
 
 
 def _package(root: Path) -> Path:
