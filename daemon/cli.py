@@ -34,6 +34,7 @@ from adstore.daemon.errors import (
 from adstore.daemon.explain import cmd_explain
 from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
 from adstore.daemon.remote_cmds import add_remote_arguments, add_selection_arguments, cmd_pull, cmd_push, cmd_remote
+from adstore.daemon.run import add_run_arguments, cmd_run
 from adstore.store import (
     DURATION_HELP,
     SIZE_HELP,
@@ -378,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("remote", cmd_remote, "show the remote tier: URL, mode, reachability, keys, counters")
     p.add_argument("--no-probe", action="store_true", help="do not contact the server")
     add_remote_arguments(p)
+
+    p = add("run", cmd_run, "run a program with adstore in every Python process it starts (no edit)")
+    add_run_arguments(p)
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
     p.add_argument(
