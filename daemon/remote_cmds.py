@@ -4,7 +4,7 @@
 each rank's signed record); ``pull`` prefetches entries into the local store
 (e.g. while a node boots) so the first pipeline run is a local hit;
 ``remote`` shows the configuration, whether the server answers, the keys and
-the counters.  The remote comes from ``--remote``/``--mode``, else the
+the counters; ``keygen`` writes the key pair that signs and checks records.  The remote comes from ``--remote``/``--mode``, else the
 ``ADSTORE_REMOTE*`` variables, else the ``remote``/``remote_mode`` keys of the
 TOML file (``--config``, else ``$ADSTORE_CONFIG``) (docs/remote.md, "Where the remote comes from").
 A transfer that fails for any key is :class:`RemoteFailed` (exit 14) after every key was tried;
@@ -23,9 +23,9 @@ from adstore.daemon.config import DaemonConfig
 from adstore.daemon.errors import RemoteFailed, UsageError
 from adstore.daemon.format import human_size, kv_block, remote_counters, remote_stats_rows, table
 from adstore.store import ConfigError, remote_restore, remote_save, validate_namespace
-from adstore.store.remote import Remote, RemoteConfig
+from adstore.store.remote import Remote, RemoteConfig, TrustedKeys, write_keypair
 
-__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "add_remote_arguments", "add_selection_arguments"]
+__all__ = ["cmd_push", "cmd_pull", "cmd_remote", "cmd_keygen", "add_remote_arguments", "add_selection_arguments"]
 
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
@@ -224,3 +224,22 @@ def cmd_remote(args: argparse.Namespace, ctx: Context) -> int:
     rows += remote_stats_rows({f"remote.{k}": v for k, v in stored.items()})
     ctx.emit(data, kv_block(rows))
     return 1 if data["reachable"] is False else 0  # like verify: a check that failed, not an error
+
+
+def cmd_keygen(args: argparse.Namespace, ctx: Context) -> int:
+    """Write ``NAME.key`` (0600, builders' ``ADSTORE_SIGNING_KEY``) and ``NAME.pub`` (``ADSTORE_TRUSTED_KEYS``).
+
+    Through the CLI, a missing ``cryptography`` (the ``remote`` extra) is the one-line error that names the extra.
+    """
+    private, public = write_keypair(args.directory, name=args.name)
+    key_ids = TrustedKeys.load(public).key_ids
+    data = {"private_key": str(private), "public_key": str(public), "key_id": key_ids[0] if key_ids else None}
+    text = kv_block(
+        [
+            ("Private key", f"{private} (builders: ADSTORE_SIGNING_KEY)"),
+            ("Public key", f"{public} (every host: ADSTORE_TRUSTED_KEYS)"),
+            ("Key id", data["key_id"] or "-"),
+        ]
+    )
+    ctx.emit(data, text)
+    return 0

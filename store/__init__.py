@@ -27,6 +27,7 @@ from .errors import (
     InvalidKey,
     KeyNotFound,
     ManifestGone,
+    MissingExtra,
     NoStore,
     OverBudget,
     ReadOnlyStore,
@@ -178,4 +179,5 @@ __all__ = [
     "StoreFull",
     "ReadOnlyStore",
     "ConfigError",
+    "MissingExtra",
 ]

@@ -303,3 +303,19 @@ class ConfigError(AdstoreError, ValueError):
         self.field = field
         self.why = why
         super().__init__(f"invalid configuration for {field!r}: {why}")
+
+
+class MissingExtra(ConfigError):
+    """A feature needs a package of an optional extra that is not installed: the message names the extra.
+
+    A :class:`ConfigError` (the feature was configured, the install cannot do
+    it), whose text is the fix, ``pip install 'adstore[EXTRA]'``, rather than
+    a setting that is fine.
+    """
+
+    def __init__(self, feature: str, package: str, extra: str) -> None:
+        super().__init__(f"adstore[{extra}]", f"{feature} needs {package}")
+        self.feature = feature
+        self.package = package
+        self.extra = extra
+        self.args = (f"{feature} needs {package}, from the {extra!r} extra: pip install 'adstore[{extra}]'",)

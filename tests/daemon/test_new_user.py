@@ -1,0 +1,53 @@
+"""What a new user tripped over, following the docs: each answer says what is wrong and how to fix it.
+
+Run through the real ``adstore`` executable, as a user would: the missing
+``remote`` extra, a file where the store root should be, a ``gc`` that the
+grace period stops, a remote whose records no key of ours signed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+KIB = 1024
+
+
+def _exe() -> list[str]:
+    exe = shutil.which("adstore")
+    return [exe] if exe else [sys.executable, "-m", "adstore"]
+
+
+def adstore(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ADSTORE_")}
+    return subprocess.run(
+        [*_exe(), *argv], capture_output=True, text=True, timeout=120, cwd=cwd, env={**base, **(env or {})}
+    )
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_keygen_without_the_remote_extra_is_one_line_naming_the_extra(tmp_path):
+    """The fleet checklist's step 2 on an install without ``adstore[remote]``: no traceback, the fix."""
+    hidden = tmp_path / "hidden"
+    (hidden / "cryptography").mkdir(parents=True)
+    (hidden / "cryptography" / "__init__.py").write_text("raise ImportError('No module named cryptography')\n")
+    done = adstore("keygen", "keys", cwd=tmp_path, env={"PYTHONPATH": str(hidden)})
+    line = _one_line(done)
+    assert done.returncode == 2 and "pip install 'adstore[remote]'" in line and "cryptography" in line, line
+    assert "ADSTORE_SIGNING_KEY" not in line
+    assert not (tmp_path / "keys" / "adstore.key").exists()
+
+
+def test_keygen_writes_the_pair_the_remote_reads(tmp_path):
+    done = adstore("keygen", "keys", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "keys" / "adstore.key").stat().st_mode & 0o777 == 0o600
+    assert "ADSTORE_TRUSTED_KEYS" in done.stdout and "Key id" in done.stdout
