@@ -23,6 +23,8 @@ __all__ = [
     "StillOverBudget",
     "ConfigError",
     "RemoteFailed",
+    "LISTING",
+    "REMOTE_HINTS",
 ]
 
 
@@ -141,4 +143,18 @@ class RemoteFailed(DaemonError):
         except ValueError:
             pass
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        super().__init__(f"{verb} failed for {first['key'][:16]} rank {first['rank']}: {first['reason']}{more}")
+        where = "to list the remote" if first["key"] == LISTING else f"for {first['key'][:16]} rank {first['rank']}"
+        hint = REMOTE_HINTS.get(str(first["reason"]))
+        super().__init__(f"{verb} failed {where}: {first['reason']}{more}" + (f"; {hint}" if hint else ""))
+
+
+#: The key of a failure to list the remote's records (``pull --all``), which is no entry's.
+LISTING = "(listing)"
+
+#: What to do about a transfer's reason: the line a user reads ends with it.
+REMOTE_HINTS: dict[str, str] = {
+    str(Reason.UNTRUSTED_REMOTE): "records are loaded only when signed by a key in ADSTORE_TRUSTED_KEYS "
+    "(the builders' .pub file, from adstore keygen); `adstore remote` shows the keys trusted here",
+    str(Reason.REMOTE_UNAVAILABLE): "`adstore remote` probes the server (--remote URL or ADSTORE_REMOTE)",
+    str(Reason.REMOTE_UNSUPPORTED): "listing needs a WebDAV or S3 remote; give the KEYs instead",
+}

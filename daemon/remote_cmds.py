@@ -20,7 +20,7 @@ from typing import Any
 
 from adstore.daemon.commands import Context
 from adstore.daemon.config import DaemonConfig
-from adstore.daemon.errors import RemoteFailed, UsageError
+from adstore.daemon.errors import LISTING, RemoteFailed, UsageError
 from adstore.daemon.format import human_size, kv_block, remote_counters, remote_stats_rows, table
 from adstore.store import ConfigError, remote_restore, remote_save, validate_namespace
 from adstore.store.remote import Remote, RemoteConfig, TrustedKeys, write_keypair
@@ -160,7 +160,7 @@ def _listed(remote: Remote, namespace: str | None, rank: int | None) -> list[tup
     """(key, rank, world size) of every trusted record on the remote, of ``namespace`` and ``rank`` if given."""
     listed = remote.list_records()
     if not listed.ok or listed.value is None:
-        failure = {"key": "(listing)", "rank": "-", "bytes": listed.nbytes, "reason": listed.reason}
+        failure = {"key": LISTING, "rank": "-", "bytes": listed.nbytes, "reason": listed.reason}
         raise RemoteFailed("pull --all", [failure])
     wanted = []
     for record in listed.value:

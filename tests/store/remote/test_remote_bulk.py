@@ -121,8 +121,11 @@ def test_pull_all_without_trusted_keys_fails_whole(remote, tmp_path, capsys, mon
     build(tmp_path / "a")
     assert run(capsys, "--root", str(tmp_path / "a"), "push", "--all", "--mode", "read-write")[0] == 0
     monkeypatch.delenv("ADSTORE_TRUSTED_KEYS")
-    code, data, _ = run(capsys, "--root", str(tmp_path / "b"), "pull", "--all", "--json")
+    code, data, err = run(capsys, "--root", str(tmp_path / "b"), "pull", "--all", "--json")
     assert code == 14 and data["error"]["reason"] == "untrusted_remote"
+    # One line that says what failed and what to set (a new user read "(listing) rank -" and nothing more).
+    assert err.count("\n") == 1 and "failed to list the remote: untrusted_remote" in err, err
+    assert "ADSTORE_TRUSTED_KEYS" in err and "adstore keygen" in err, err
 
 
 def test_a_backend_without_listing_is_remote_unsupported():
