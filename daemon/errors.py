@@ -117,11 +117,22 @@ class StillOverBudget(DaemonError):
             reasons.append(f"the whole store is {human_size(store_bytes)}, other files fill the filesystem")
         if parts:
             reasons.append("kept by " + ", ".join(parts))
-        why = "; ".join(reasons) or (
-            "kept by unreferenced blobs inside the grace period (a later sweep frees them) or by saves in flight"
-        )
+        hows = [self._HOWS[what] for what, keys in blocked.items() if keys and what in self._HOWS]
+        if not parts:
+            reasons.append(
+                "kept by unreferenced blobs inside the grace period (a later sweep frees them) or by saves in flight"
+            )
+            hows.append(self._HOWS["grace_period"])
+        why = "; ".join(reasons)
         amount = human_size(over) + (f" ({over} bytes)" if over >= 1024 else "")
-        super().__init__(f"still {amount} over {limit}: {why}")
+        super().__init__(f"still {amount} over {limit}: {why}" + "".join(f"; {how}" for how in hows))
+
+    #: What frees each kind of kept bytes: the end of the error line.
+    _HOWS = {
+        "grace_period": "--grace-period 0 frees what is younger now (a process that just saved may still read it)",
+        "pinned": "`adstore unpin KEY` releases a pinned entry",
+        "leased": "a leased entry is in use by a running process until it ends or its lease expires",
+    }
 
 
 class RemoteFailed(DaemonError):

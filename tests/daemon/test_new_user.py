@@ -51,3 +51,32 @@ def test_keygen_writes_the_pair_the_remote_reads(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "keys" / "adstore.key").stat().st_mode & 0o777 == 0o600
     assert "ADSTORE_TRUSTED_KEYS" in done.stdout and "Key id" in done.stdout
+
+
+def _two_entries(root: Path) -> None:
+    from adstore.store import Store
+
+    with Store.open(root) as store:
+        store.save("k1", {"a": store.put_bytes(os.urandom(200 * KIB))})
+        store.save("k2", {"a": store.put_bytes(os.urandom(300))})
+
+
+def test_gc_that_the_grace_period_stops_says_why_and_how(tmp_path):
+    """``gc --max-size 0`` on entries just saved frees nothing: the line names the grace period and the flag."""
+    root = tmp_path / "store"
+    _two_entries(root)
+    done = adstore("--root", str(root), "gc", "--max-size", "0", cwd=tmp_path)
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 8 and "2 entries inside the grace period" in line and "--grace-period 0" in line, line
+    now = adstore("--root", str(root), "gc", "--max-size", "0", "--grace-period", "0", "--no-sweep", cwd=tmp_path)
+    assert now.returncode == 0 and "freed 200" in now.stdout, now
+
+
+def test_gc_stopped_by_orphans_inside_the_grace_period_says_how(tmp_path):
+    root = tmp_path / "store"
+    _two_entries(root)
+    assert adstore("--root", str(root), "rm", "k1", "k2", cwd=tmp_path).returncode == 0
+    done = adstore("--root", str(root), "gc", "--max-size", "0", "--no-sweep", cwd=tmp_path)
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 8 and "unreferenced blobs inside the grace period" in line, line
+    assert "--grace-period 0" in line
