@@ -387,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", action="store_true", help="do not contact the server")
     add_remote_arguments(p)
 
-    p = add("keygen", cmd_keygen, "write an Ed25519 key pair: NAME.key signs the remote's records, NAME.pub checks them")
+    p = add(
+        "keygen", cmd_keygen, "write an Ed25519 key pair: NAME.key signs the remote's records, NAME.pub checks them"
+    )
     p.add_argument("directory", type=Path, metavar="DIR", help="where to write NAME.key (0600) and NAME.pub")
     p.add_argument("--name", default="adstore", help="the files' stem (default: adstore)")
 

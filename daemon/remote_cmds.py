@@ -4,9 +4,10 @@
 each rank's signed record); ``pull`` prefetches entries into the local store
 (e.g. while a node boots) so the first pipeline run is a local hit;
 ``remote`` shows the configuration, whether the server answers, the keys and
-the counters; ``keygen`` writes the key pair that signs and checks records.  The remote comes from ``--remote``/``--mode``, else the
-``ADSTORE_REMOTE*`` variables, else the ``remote``/``remote_mode`` keys of the
-TOML file (``--config``, else ``$ADSTORE_CONFIG``) (docs/remote.md, "Where the remote comes from").
+the counters; ``keygen`` writes the key pair that signs and checks records.
+The remote comes from ``--remote``/``--mode``, else the ``ADSTORE_REMOTE*``
+variables, else the ``remote``/``remote_mode`` keys of the TOML file
+(``--config``, else ``$ADSTORE_CONFIG``) (docs/remote.md, "Where the remote comes from").
 A transfer that fails for any key is :class:`RemoteFailed` (exit 14) after every key was tried;
 errors go through the CLI's one table (``cli.report_error``).
 """

@@ -226,6 +226,16 @@ class NoStore(StoreError):
         )
 
 
+class RootNotADirectory(NoStore):
+    """The store root, or a directory it would be made in, is a file: no store is there, and none can be made."""
+
+    def __init__(self, root: str, file: str) -> None:
+        super().__init__(root)
+        self.file = file
+        where = "" if file == root else f": {root} cannot be made"
+        self.args = (f"{file} is a file, not a directory{where} (set --root or ADSTORE_ROOT to a directory)",)
+
+
 class IncompatibleStore(StoreError):
     """The index was written with another schema version than this adstore reads."""
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 KIB = 1024
 
 
@@ -80,3 +82,25 @@ def test_gc_stopped_by_orphans_inside_the_grace_period_says_how(tmp_path):
     line = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 8 and "unreferenced blobs inside the grace period" in line, line
     assert "--grace-period 0" in line
+
+
+def test_a_root_that_is_a_file_is_called_a_file(tmp_path):
+    """Not "no adstore store" (read-only commands) nor "File exists" (writers): what is wrong, for both."""
+    (tmp_path / "rootfile").write_text("not a store")
+    for root in ("rootfile", "rootfile/sub"):
+        for command in (["stats"], ["gc"], ["ls"]):
+            done = adstore("--root", root, *command, cwd=tmp_path)
+            line = _one_line(done)
+            assert done.returncode == 13, (command, done)
+            assert "rootfile is a file, not a directory" in line, line
+    assert (tmp_path / "rootfile").read_text() == "not a store"
+
+
+def test_a_root_that_is_a_file_through_the_api(tmp_path):
+    from adstore.store import NoStore, RootNotADirectory, Store
+
+    (tmp_path / "f").write_text("x")
+    for create in (True, False):
+        with pytest.raises(RootNotADirectory) as caught:
+            Store.open(tmp_path / "f", create=create)
+        assert isinstance(caught.value, NoStore) and str(caught.value).startswith(f"{tmp_path / 'f'} is a file")
