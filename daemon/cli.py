@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prometheus", action="store_true", help="print Prometheus metrics (the daemon's metrics_path file) instead"
     )
+    p.add_argument(
+        "--zero", "-z", action="store_true", help="set the counters (hits, misses, saves…) to 0, like `ccache -z`"
+    )
 
     p = add("ls", cmd_ls, "list entries")
     p.add_argument(

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
+from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES, STATS_ZEROED
 from .index.tables import Tables
 from .maintenance.budget import Budget, read_budget
 
@@ -44,6 +44,7 @@ class StoreStats:
     leases: int = 0
     index_bytes: int = 0
     budget: Budget | None = None
+    counters_zeroed: int | None = None  # epoch seconds of the last ``adstore stats --zero``; None: never
     # Blobs no manifest references (the sweep's, once past the grace period); None: not counted.
     unreferenced_blobs: int | None = None
     unreferenced_content_bytes: int | None = None
@@ -96,6 +97,7 @@ def read_stats(tables: Tables, *, unreferenced: bool = False) -> StoreStats:
             logical_bytes=t.total(LOGICAL_BYTES),
             pinned_bytes=t.total(PINNED_BYTES),
             budget=read_budget(t),
+            counters_zeroed=t.total(STATS_ZEROED) or None,
         )
         if unreferenced:
             orphans = [row for _, row in t.decoded_blob_rows() if row.refs == 0]

@@ -104,3 +104,32 @@ def test_a_root_that_is_a_file_through_the_api(tmp_path):
         with pytest.raises(RootNotADirectory) as caught:
             Store.open(tmp_path / "f", create=create)
         assert isinstance(caught.value, NoStore) and str(caught.value).startswith(f"{tmp_path / 'f'} is a file")
+
+
+def test_stats_zero_sets_the_counters_to_zero_and_keeps_the_entries(tmp_path):
+    """Like ``ccache -z``: counting starts again from here; entries, sizes and the budget stay."""
+    import json
+
+    from adstore.store import Store
+
+    root = tmp_path / "store"
+    _two_entries(root)
+    with Store.open(root) as store:
+        assert store.lookup("k1").hit and not store.lookup("nope" * 16).hit
+
+    def stats() -> dict:
+        done = adstore("--root", str(root), "stats", "--json", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    before = stats()
+    assert before["counters"]["hits"] == 1 and before["counters"]["misses"] == 1 and before["counters_zeroed"] is None
+    zeroed = adstore("--root", str(root), "stats", "--zero", cwd=tmp_path)
+    assert zeroed.returncode == 0 and "zeroed" in zeroed.stdout, zeroed
+    after = stats()
+    assert not any(after["counters"].values()) and after["counters_zeroed"] is not None
+    assert after["entries"] == 2 and after["physical_bytes"] == before["physical_bytes"]
+    with Store.open(root) as store:
+        assert store.lookup("k2").hit
+    assert stats()["counters"]["hits"] == 1  # counting goes on from zero
+    assert "Counted since" in adstore("--root", str(root), "stats", cwd=tmp_path).stdout
