@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .maintenance.verify import Finding, VerifyReport
     from .stats import StoreStats
     from .store import DEFAULT_INLINE_THRESHOLD, Store
-    from .tiered import Tier, open_tier, remote_restore, remote_save
+    from .tiered import Tier, open_tier, plan_remote_restore, plan_remote_save, remote_restore, remote_save
     from .units import (
         DURATION_HELP,
         SIZE_HELP,
@@ -83,7 +83,7 @@ _LAZY = {
     ".maintenance.verify": ("Finding", "VerifyReport"),
     ".stats": ("StoreStats",),
     ".store": ("DEFAULT_INLINE_THRESHOLD", "Store"),
-    ".tiered": ("Tier", "open_tier", "remote_restore", "remote_save"),
+    ".tiered": ("Tier", "open_tier", "plan_remote_restore", "plan_remote_save", "remote_restore", "remote_save"),
     ".units": (
         "DURATION_HELP",
         "SIZE_HELP",
@@ -140,6 +140,8 @@ __all__ = [
     # the remote tier behind a store (the remote itself: adstore.store.remote)
     "Tier",
     "open_tier",
+    "plan_remote_restore",
+    "plan_remote_save",
     "remote_restore",
     "remote_save",
     # files, processes, units
