@@ -215,7 +215,7 @@ class UnsafeRoot(StoreError):
 
 
 class NoStore(StoreError):
-    """``Store.open(..., create=False)`` found no store at ``root`` (and created nothing)."""
+    """``Store.open(..., create=False)`` found no store at ``root`` (and created nothing), or ``root`` is a file."""
 
     reason: Reason = Reason.NO_STORE
 
