@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES, STATS_ZEROED
-from .index.tables import Tables
+from .index.tables import Tables, Txn
 from .maintenance.budget import Budget, read_budget
 
-__all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes"]
+__all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes", "zero_counters"]
 
 _PLURAL = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
 
@@ -122,3 +122,18 @@ def entry_stored_bytes(tables: Tables, keys: Iterable[str]) -> dict[str, int]:
             }
             out[key] = sum(row.stored for d in digests if (row := t.blob_row(d)) is not None)
     return out
+
+
+def zero_counters(tables: Tables, now: int) -> None:
+    """Set every counter (hits, misses by reason, saves, remote bytes…) to 0 and note ``now``, in one write.
+
+    Entries, blobs and the totals of sizes are untouched; ``now`` becomes
+    ``StoreStats.counters_zeroed``.  Counters other processes still hold in
+    memory are added when they flush, as counted after the zero.
+    """
+
+    def zero(t: Txn) -> None:
+        t.zero_counters()
+        t.set_total(STATS_ZEROED, now)
+
+    tables.write(zero)

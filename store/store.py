@@ -27,8 +27,8 @@ from .fsutil import unique_temp
 from .index.ballast import Ballast
 from .index.env import Index
 from .index.rows import BlobRef, Entry, LeaseRow, Manifest
-from .index.schema import PHYSICAL_BYTES, STATS_ZEROED
-from .index.tables import Tables, Txn
+from .index.schema import PHYSICAL_BYTES
+from .index.tables import Tables
 from .layout import Layout, default_root
 from .leases import new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
@@ -43,7 +43,7 @@ from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
 from .seal import Seals
 from .seed import Seed, open_seed
-from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
+from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats, zero_counters
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
 
@@ -463,21 +463,10 @@ class Store(Upkeep):
         self._book.flush()
 
     def zero_stats(self) -> None:
-        """Set every counter (hits, misses by reason, saves, remote bytes…) to 0, like ``ccache -z``.
-
-        Entries, blobs and the totals of sizes are untouched; the time is kept
-        (``StoreStats.counters_zeroed``).  Counters other processes still hold
-        in memory are added when they flush, as counted after the zero.
-        """
+        """Every counter to 0, like ``ccache -z`` (:func:`~adstore.store.stats.zero_counters`)."""
         self.require_writable("zero the statistics")
         self._book.flush()
-        now = int(self.clock())
-
-        def zero(t: Txn) -> None:
-            t.zero_counters()
-            t.set_total(STATS_ZEROED, now)
-
-        self._tables.write(zero)
+        zero_counters(self._tables, int(self.clock()))
 
     def size(self) -> int:
         """Physical bytes of all registered blobs (files and inline)."""
