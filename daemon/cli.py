@@ -33,7 +33,15 @@ from adstore.daemon.errors import (
 )
 from adstore.daemon.explain import cmd_explain
 from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_freeze, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
-from adstore.daemon.remote_cmds import add_remote_arguments, add_selection_arguments, cmd_pull, cmd_push, cmd_remote
+from adstore.daemon.remote_cmds import (
+    add_remote_arguments,
+    add_selection_arguments,
+    cmd_keygen,
+    cmd_pull,
+    cmd_push,
+    cmd_remote,
+)
+from adstore.daemon.run import add_run_arguments, cmd_run
 from adstore.store import (
     DURATION_HELP,
     SIZE_HELP,
@@ -258,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prometheus", action="store_true", help="print Prometheus metrics (the daemon's metrics_path file) instead"
     )
+    p.add_argument(
+        "--zero", "-z", action="store_true", help="set the counters (hits, misses, saves…) to 0, like `ccache -z`"
+    )
 
     p = add("ls", cmd_ls, "list entries")
     p.add_argument(
@@ -380,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("remote", cmd_remote, "show the remote tier: URL, mode, reachability, keys, counters")
     p.add_argument("--no-probe", action="store_true", help="do not contact the server")
     add_remote_arguments(p)
+
+    p = add(
+        "keygen", cmd_keygen, "write an Ed25519 key pair: NAME.key signs the remote's records, NAME.pub checks them"
+    )
+    p.add_argument("directory", type=Path, metavar="DIR", help="where to write NAME.key (0600) and NAME.pub")
+    p.add_argument("--name", default="adstore", help="the files' stem (default: adstore)")
+
+    p = add("run", cmd_run, "run a program with adstore in every Python process it starts (no edit)")
+    add_run_arguments(p)
 
     p = add("demo", cmd_demo, "build a small model, run the cached pipeline twice, show the speed-up")
     p.add_argument(

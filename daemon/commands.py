@@ -178,6 +178,12 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
         # The daemon's metrics file, from the same numbers: the --config's budget, else the persisted one.
         ctx.out.write(store_metrics(store, cfg.store_budget() if cfg is not None else store.budget()))
         return 0
+    if args.zero:
+        if args.prometheus:
+            raise UsageError("--zero and --prometheus: zero first, then print", prog="adstore stats")
+        store.zero_stats()
+        ctx.emit({"root": str(store.root), "zeroed": True}, "Statistics zeroed")
+        return 0
     st = store.stats(unreferenced=True)
     data = st.to_dict()
     data["root"] = str(store.root)
@@ -229,6 +235,8 @@ def cmd_stats(args: argparse.Namespace, ctx: Context) -> int:
     if hits + misses:
         counter_rows.insert(0, ("Hit rate", f"{100.0 * hits / (hits + misses):.1f}%"))
     counter_rows.append(("Time saved", human_duration(ms_saved / 1000.0)))
+    if st.counters_zeroed:
+        counter_rows.append(("Counted since", f"zeroed {human_age(st.counters_zeroed)} (adstore stats --zero)"))
     counter_rows += remote_rows
     lines.append(kv_block(counter_rows))
     ctx.emit(data, "\n".join(lines))

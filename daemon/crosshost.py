@@ -23,7 +23,18 @@ from adstore.daemon.commands import _flatten, _short
 from adstore.store import AdstoreError, Store
 from adstore.store.remote import RemoteConfig
 
-__all__ = ["HOST_WIDTH", "SCAN_LIMIT", "RemoteEntries", "describe_difference", "host_view", "nearest", "one_line"]
+__all__ = [
+    "CAUSES",
+    "DIGESTS",
+    "HOST_WIDTH",
+    "SCAN_LIMIT",
+    "cause_rank",
+    "RemoteEntries",
+    "describe_difference",
+    "host_view",
+    "nearest",
+    "one_line",
+]
 
 #: Entries of the namespace a miss compares with (most recently used first).
 SCAN_LIMIT = 512
@@ -47,12 +58,37 @@ def describe_difference(path: str, stored: Any, here: Any) -> str:
     return f"{path} (entry {_short(stored, 48)}, here {_short(here, 48)})"
 
 
+#: Components that say where an entry was built (toolchain, CPU, torch build): a difference there is a cause.
+CAUSES = ("toolchain", "env", "torch_key")
+#: Components that are digests of what the caller compiled, the environment included (Inductor hashes the
+#: ISA it compiles for into its own key, vLLM its configuration): when a cause differs too, they follow from it.
+DIGESTS = ("inductor_key", "vllm_hash")
+
+
+def cause_rank(path: str) -> int:
+    """0 for a cause (:data:`CAUSES`), 2 for a digest that follows (:data:`DIGESTS`), 1 for the rest."""
+    top = path.split(".", 1)[0]
+    return 0 if top in CAUSES else 2 if top in DIGESTS else 1
+
+
 def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The differing leaf paths, causes first (the environment), digests that follow from them last."""
     fa, fb = _flatten(dict(a)), _flatten(dict(b))
     return [
         (p, fa.get(p, "<absent>"), fb.get(p, "<absent>"))
-        for p in sorted(set(fa) | set(fb))
+        for p in sorted(set(fa) | set(fb), key=lambda p: (cause_rank(p), p))
         if fa.get(p, _MISSING) != fb.get(p, _MISSING)
+    ]
+
+
+def _named(diffs: list[tuple[str, Any, Any]]) -> list[str]:
+    """The first three differences as words; a digest after a cause is said to follow from it, not blamed."""
+    caused = any(cause_rank(p) == 0 for p, _, _ in diffs)
+    return [
+        f"{p.split('.', 1)[0]} (a digest that differs with them)"
+        if caused and cause_rank(p) == 2
+        else describe_difference(p, a, b)
+        for p, a, b in diffs[:3]
     ]
 
 
@@ -160,7 +196,7 @@ def one_line(
         return f"{key[:12]}: {state}, and {where} holds no {other_entry} to compare with{asked}", {"nearest": None}
     other, theirs = found
     diffs = _differences(theirs, components)
-    named = [describe_difference(p, a, b) for p, a, b in diffs[:3]]
+    named = _named(diffs)
     more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
     text = (
         f"{key[:12]}: {state}; nearest entry {other[:12]}{where_found} differs in {', '.join(named)}{more}"

@@ -23,6 +23,8 @@ __all__ = [
     "StillOverBudget",
     "ConfigError",
     "RemoteFailed",
+    "LISTING",
+    "REMOTE_HINTS",
 ]
 
 
@@ -115,11 +117,22 @@ class StillOverBudget(DaemonError):
             reasons.append(f"the whole store is {human_size(store_bytes)}, other files fill the filesystem")
         if parts:
             reasons.append("kept by " + ", ".join(parts))
-        why = "; ".join(reasons) or (
-            "kept by unreferenced blobs inside the grace period (a later sweep frees them) or by saves in flight"
-        )
+        hows = [self._HOWS[what] for what, keys in blocked.items() if keys and what in self._HOWS]
+        if not parts:
+            reasons.append(
+                "kept by unreferenced blobs inside the grace period (a later sweep frees them) or by saves in flight"
+            )
+            hows.append(self._HOWS["grace_period"])
+        why = "; ".join(reasons)
         amount = human_size(over) + (f" ({over} bytes)" if over >= 1024 else "")
-        super().__init__(f"still {amount} over {limit}: {why}")
+        super().__init__(f"still {amount} over {limit}: {why}" + "".join(f"; {how}" for how in hows))
+
+    #: What frees each kind of kept bytes: the end of the error line.
+    _HOWS = {
+        "grace_period": "--grace-period 0 frees what is younger now (a process that just saved may still read it)",
+        "pinned": "`adstore unpin KEY` releases a pinned entry",
+        "leased": "a leased entry is in use by a running process until it ends or its lease expires",
+    }
 
 
 class RemoteFailed(DaemonError):
@@ -141,4 +154,18 @@ class RemoteFailed(DaemonError):
         except ValueError:
             pass
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        super().__init__(f"{verb} failed for {first['key'][:16]} rank {first['rank']}: {first['reason']}{more}")
+        where = "to list the remote" if first["key"] == LISTING else f"for {first['key'][:16]} rank {first['rank']}"
+        hint = REMOTE_HINTS.get(str(first["reason"]))
+        super().__init__(f"{verb} failed {where}: {first['reason']}{more}" + (f"; {hint}" if hint else ""))
+
+
+#: The key of a failure to list the remote's records (``pull --all``), which is no entry's.
+LISTING = "(listing)"
+
+#: What to do about a transfer's reason: the line a user reads ends with it.
+REMOTE_HINTS: dict[str, str] = {
+    str(Reason.UNTRUSTED_REMOTE): "records are loaded only when signed by a key in ADSTORE_TRUSTED_KEYS "
+    "(the builders' .pub file, from adstore keygen); `adstore remote` shows the keys trusted here",
+    str(Reason.REMOTE_UNAVAILABLE): "`adstore remote` probes the server (--remote URL or ADSTORE_REMOTE)",
+    str(Reason.REMOTE_UNSUPPORTED): "listing needs a WebDAV or S3 remote; give the KEYs instead",
+}

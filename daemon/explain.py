@@ -17,7 +17,7 @@ import argparse
 from typing import Any
 
 from adstore.daemon.commands import Context, _flatten, _short, resolve_key
-from adstore.daemon.crosshost import RemoteEntries, host_view, one_line
+from adstore.daemon.crosshost import RemoteEntries, cause_rank, host_view, one_line
 from adstore.daemon.errors import UnknownKey, UsageError
 from adstore.daemon.format import table
 from adstore.store import AdstoreError, Store
@@ -32,9 +32,9 @@ _MISSING = object()
 
 
 def compare_components(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Per top-level component: same or not, and the differing leaf paths."""
+    """Per top-level component: same or not, and the differing leaf paths; causes (the environment) first."""
     result: dict[str, Any] = {}
-    for name in sorted(set(a) | set(b), key=str):
+    for name in sorted(set(a) | set(b), key=lambda n: (cause_rank(str(n)), str(n))):
         if name not in a or name not in b:
             result[name] = {"same": False, "only_in": "a" if name in a else "b", "differences": []}
             continue

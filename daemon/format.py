@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from adstore.store import human_size
@@ -24,6 +25,7 @@ __all__ = [
     "table",
     "kv_block",
     "Progress",
+    "ByteProgress",
     "remote_counters",
     "remote_stats_rows",
 ]
@@ -152,6 +154,79 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ByteProgress:
+    """``push``/``pull`` on a terminal: one line on stderr with the bytes moved so far, the rate and the entry.
+
+    A transfer runs in the calling thread, a blob at a time (one may be
+    150 MB), so a daemon thread redraws the line every ``interval`` seconds
+    from ``moved()`` (the remote's byte counters, plus what is arriving);
+    :meth:`step` names the entry being moved.  Silent unless stderr is a
+    terminal (or ``force=True``).  The thread is joined on exit, within one
+    interval.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        moved: Callable[[], int],
+        *,
+        total: int,
+        stream: TextIO | None = None,
+        force: bool = False,
+        interval: float = 0.25,
+    ) -> None:
+        self.label = label
+        self.moved = moved
+        self.total = total  # entries (ranks) to move
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", lambda: False)
+        self.enabled = force or bool(isatty())
+        self.interval = interval
+        self.done = 0
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._drawn = False
+
+    def step(self, done: int) -> None:
+        """``done`` entries (ranks) are moved."""
+        self.done = done
+
+    def line(self) -> str:
+        """The text of the line now."""
+        moved = max(0, self.moved())
+        seconds = max(time.monotonic() - self._start, 1e-9)
+        return (
+            f"{self.label}: {human_size(moved)} ({human_size(int(moved / seconds))}/s), "
+            f"{self.done}/{self.total} done, {human_duration(seconds)}"
+        )
+
+    def _draw(self) -> None:
+        text = self.line()
+        self.stream.write(f"\r{text}\x1b[K")
+        self.stream.flush()
+        self._drawn = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._draw()
+
+    def __enter__(self) -> ByteProgress:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="adstore-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval + 1.0)
+            self._draw()  # the final figures
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def remote_counters(counters: dict[str, int]) -> dict[str, int]:

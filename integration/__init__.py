@@ -7,7 +7,12 @@ any optimizer drives through the ``CachePoint`` protocol.  Names are imported on
 use, so ``import adstore.integration`` does not import torch.
 """
 
-from adstore.store import lazy_exports
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (see autoenable.py)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _EXPORTS = {
     "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
@@ -28,4 +33,22 @@ _EXPORTS = {
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, base="adstore.integration")
+_resolvers: list[tuple[Callable[[str], object], Callable[[], list[str]]]] = []
+
+
+def _resolver() -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """The package's lazy exports, built on first use: ``ADSTORE_ENABLE=1`` imports a submodule of this
+    package at every interpreter start (:mod:`adstore.integration.autoenable`), which must not import the store."""
+    if not _resolvers:
+        from adstore.store import lazy_exports
+
+        _resolvers.append(lazy_exports(__name__, _EXPORTS, base="adstore.integration"))
+    return _resolvers[0]
+
+
+def __getattr__(name: str) -> object:
+    return _resolver()[0](name)
+
+
+def __dir__() -> list[str]:
+    return _resolver()[1]()

@@ -27,9 +27,11 @@ from .errors import (
     InvalidKey,
     KeyNotFound,
     ManifestGone,
+    MissingExtra,
     NoStore,
     OverBudget,
     ReadOnlyStore,
+    RootNotADirectory,
     StoreError,
     StoreFull,
     UnsafeRoot,
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from .maintenance.verify import Finding, VerifyReport
     from .stats import StoreStats
     from .store import DEFAULT_INLINE_THRESHOLD, Store
-    from .tiered import Tier, open_tier, remote_restore, remote_save
+    from .tiered import Tier, open_tier, plan_remote_restore, plan_remote_save, remote_restore, remote_save
     from .trust import StatLike, dir_refusal, file_refusal, group_private, others_may_write, trusted_uids
     from .units import (
         DURATION_HELP,
@@ -82,7 +84,7 @@ _LAZY = {
     ".maintenance.verify": ("Finding", "VerifyReport"),
     ".stats": ("StoreStats",),
     ".store": ("DEFAULT_INLINE_THRESHOLD", "Store"),
-    ".tiered": ("Tier", "open_tier", "remote_restore", "remote_save"),
+    ".tiered": ("Tier", "open_tier", "plan_remote_restore", "plan_remote_save", "remote_restore", "remote_save"),
     ".trust": ("StatLike", "trusted_uids", "group_private", "others_may_write", "file_refusal", "dir_refusal"),
     ".units": (
         "DURATION_HELP",
@@ -140,6 +142,8 @@ __all__ = [
     # the remote tier behind a store (the remote itself: adstore.store.remote)
     "Tier",
     "open_tier",
+    "plan_remote_restore",
+    "plan_remote_save",
     "remote_restore",
     "remote_save",
     # the trust rule: who may have written a file or a row
@@ -174,6 +178,7 @@ __all__ = [
     "InvalidKey",
     "KeyNotFound",
     "NoStore",
+    "RootNotADirectory",
     "AmbiguousKey",
     "BlobMissing",
     "ManifestGone",
@@ -186,4 +191,5 @@ __all__ = [
     "StoreFull",
     "ReadOnlyStore",
     "ConfigError",
+    "MissingExtra",
 ]

@@ -215,7 +215,7 @@ class UnsafeRoot(StoreError):
 
 
 class NoStore(StoreError):
-    """``Store.open(..., create=False)`` found no store at ``root`` (and created nothing)."""
+    """``Store.open(..., create=False)`` found no store at ``root`` (and created nothing), or ``root`` is a file."""
 
     reason: Reason = Reason.NO_STORE
 
@@ -224,6 +224,16 @@ class NoStore(StoreError):
         super().__init__(
             f"no adstore store at {root} (set --root or ADSTORE_ROOT; a store is created by its first writer)"
         )
+
+
+class RootNotADirectory(NoStore):
+    """The store root, or a directory it would be made in, is a file: no store is there, and none can be made."""
+
+    def __init__(self, root: str, file: str) -> None:
+        super().__init__(root)
+        self.file = file
+        where = "" if file == root else f": {root} cannot be made"
+        self.args = (f"{file} is a file, not a directory{where} (set --root or ADSTORE_ROOT to a directory)",)
 
 
 class IncompatibleStore(StoreError):
@@ -303,3 +313,19 @@ class ConfigError(AdstoreError, ValueError):
         self.field = field
         self.why = why
         super().__init__(f"invalid configuration for {field!r}: {why}")
+
+
+class MissingExtra(ConfigError):
+    """A feature needs a package of an optional extra that is not installed: the message names the extra.
+
+    A :class:`ConfigError` (the feature was configured, the install cannot do
+    it), whose text is the fix, ``pip install 'adstore[EXTRA]'``, rather than
+    a setting that is fine.
+    """
+
+    def __init__(self, feature: str, package: str, extra: str) -> None:
+        super().__init__(f"adstore[{extra}]", f"{feature} needs {package}")
+        self.feature = feature
+        self.package = package
+        self.extra = extra
+        self.args = (f"{feature} needs {package}, from the {extra!r} extra: pip install 'adstore[{extra}]'",)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import NoStore, UnsafeRoot
+from .errors import NoStore, RootNotADirectory, UnsafeRoot
 from .fsutil import atomic_write, check_local_filesystem, check_root_permissions, read_only_filesystem, refuse_read_only
 from .names import validate_digest
 
@@ -162,6 +162,18 @@ class Layout:
                     "a store's directories must be real directories inside its root",
                 )
 
+    def file_in_the_way(self) -> Path | None:
+        """The root, or its nearest existing ancestor, when that is not a directory (a file); else None."""
+        for path in (self.root, *self.root.parents):
+            try:
+                mode = path.stat().st_mode
+            except (FileNotFoundError, NotADirectoryError):  # not there, or under a file: look further up
+                continue
+            except OSError:  # unreadable or a symlink loop: the usual errors say it, later
+                return None
+            return None if stat.S_ISDIR(mode) else path
+        return None
+
     def prepare(self, *, read_only: bool, create: bool, check_permissions: bool) -> bool:
         """Check the root (and make it unless the store is read-only); whether the store is read-only.
 
@@ -169,6 +181,9 @@ class Layout:
         store or ``create=False`` never makes a root (:class:`NoStore`), and a
         write that meets a read-only filesystem raises ``ReadOnlyStore``.
         """
+        file = self.file_in_the_way()
+        if file is not None:
+            raise RootNotADirectory(str(self.root), str(file))
         exists = self.exists()
         read_only = bool(read_only) or (exists and (read_only_filesystem(self.root) or self.frozen))
         if (not create or read_only) and not exists:  # read-only callers must not leave an empty store

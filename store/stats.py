@@ -10,11 +10,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES
-from .index.tables import Tables
+from .index.schema import CONTENT_BYTES, LOGICAL_BYTES, PHYSICAL_BYTES, PINNED_BYTES, STATS_ZEROED
+from .index.tables import Tables, Txn
 from .maintenance.budget import Budget, read_budget
 
-__all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes"]
+__all__ = ["StoreStats", "event_counters", "read_stats", "entry_stored_bytes", "zero_counters"]
 
 _PLURAL = {"hit": "hits", "miss": "misses", "bypass": "bypasses", "save": "saves", "eviction": "evictions"}
 
@@ -44,6 +44,7 @@ class StoreStats:
     leases: int = 0
     index_bytes: int = 0
     budget: Budget | None = None
+    counters_zeroed: int | None = None  # epoch seconds of the last ``adstore stats --zero``; None: never
     # Blobs no manifest references (the sweep's, once past the grace period); None: not counted.
     unreferenced_blobs: int | None = None
     unreferenced_content_bytes: int | None = None
@@ -96,6 +97,7 @@ def read_stats(tables: Tables, *, unreferenced: bool = False) -> StoreStats:
             logical_bytes=t.total(LOGICAL_BYTES),
             pinned_bytes=t.total(PINNED_BYTES),
             budget=read_budget(t),
+            counters_zeroed=t.total(STATS_ZEROED) or None,
         )
         if unreferenced:
             orphans = [row for _, row in t.decoded_blob_rows() if row.refs == 0]
@@ -120,3 +122,18 @@ def entry_stored_bytes(tables: Tables, keys: Iterable[str]) -> dict[str, int]:
             }
             out[key] = sum(row.stored for d in digests if (row := t.blob_row(d)) is not None)
     return out
+
+
+def zero_counters(tables: Tables, now: int) -> None:
+    """Set every counter (hits, misses by reason, saves, remote bytes…) to 0 and note ``now``, in one write.
+
+    Entries, blobs and the totals of sizes are untouched; ``now`` becomes
+    ``StoreStats.counters_zeroed``.  Counters other processes still hold in
+    memory are added when they flush, as counted after the zero.
+    """
+
+    def zero(t: Txn) -> None:
+        t.zero_counters()
+        t.set_total(STATS_ZEROED, now)
+
+    tables.write(zero)

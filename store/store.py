@@ -43,7 +43,7 @@ from .records.obsolete import obsolete_dropped
 from .records.sync import RecordWriter
 from .seal import Seals
 from .seed import Seed, open_seed
-from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats
+from .stats import StoreStats, entry_stored_bytes, event_counters, read_stats, zero_counters
 from .units import parse_duration, parse_size
 from .upkeep import Upkeep
 
@@ -471,6 +471,12 @@ class Store(Upkeep):
     def flush(self) -> None:
         """Write pending counters and access times (lazy by design, see ``bookkeeping``)."""
         self._book.flush()
+
+    def zero_stats(self) -> None:
+        """Every counter to 0, like ``ccache -z`` (:func:`~adstore.store.stats.zero_counters`)."""
+        self.require_writable("zero the statistics")
+        self._book.flush()
+        zero_counters(self._tables, int(self.clock()))
 
     def size(self) -> int:
         """Physical bytes of all registered blobs (files and inline)."""

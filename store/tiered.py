@@ -43,6 +43,9 @@ __all__ = [
     "record_payload",
     "remote_restore",
     "remote_save",
+    "plan_remote_restore",
+    "plan_remote_save",
+    "BlobPlan",
     "persist_counters",
     "Tier",
     "TieredStore",
@@ -247,6 +250,46 @@ def remote_save(store: TieredStore, target: Remote | BackgroundUploader, key: st
     return Outcome(
         value=out.value, reason=out.reason, error=out.error, nbytes=out.nbytes, seconds=time.perf_counter() - start
     )
+
+
+# -- plans (--dry-run) -----------------------------------------------------------
+#: A transfer's plan: per blob, (digest, the bytes that would travel, already at the destination).
+BlobPlan = list[tuple[str, int, bool]]
+
+
+def plan_remote_save(store: TieredStore, remote: Remote, key: str, rank: int = 0) -> Outcome[BlobPlan]:
+    """What :func:`remote_save` would send for ``key``'s ``rank`` (HEADs only, nothing written); never raises."""
+    if not remote.writable:
+        return Outcome(reason=str(Reason.REMOTE_READ_ONLY))
+    try:
+        _payload, refs = _committed_payload(store, key, rank)
+    except AdstoreError as exc:
+        return Outcome(reason=str(exc.reason), error=exc)
+    return remote.plan_publish(refs, source=store)
+
+
+def plan_remote_restore(
+    store: TieredStore | None, remote: Remote, key: str, rank: int = 0, world_size: int | None = 1
+) -> Outcome[BlobPlan]:
+    """What :func:`remote_restore` would fetch: the record, checked as a restore checks it, and the blobs.
+
+    Only the record is downloaded; a blob ``store`` holds is marked present (``None``: no store yet,
+    every blob would come).  Never raises.
+    """
+    fetched = remote.fetch_record(key, rank)
+    if not fetched.ok or fetched.value is None:
+        return Outcome(reason=fetched.reason or str(Reason.ABSENT), error=fetched.error, nbytes=fetched.nbytes)
+    try:
+        record = parse_payload(fetched.value.payload, f"{remote.url} record of {key} rank {rank}")
+    except BadRecord as exc:
+        reason = Reason.REMOTE_UNSUPPORTED if exc.reason == Reason.NEWER_RECORD else Reason.CORRUPT_RECORD
+        return Outcome(reason=str(reason), error=exc, nbytes=fetched.nbytes)
+    if world_size is not None and record.world_size != world_size:
+        return Outcome(reason=str(Reason.TOPOLOGY_MISMATCH), nbytes=fetched.nbytes)
+    refs = sorted({(r.digest, r.size) for r in record.artifacts.values()})
+    here = (lambda d: False) if store is None else store.has_blob
+    plan = [(d, record.stored[d][1] if d in record.stored else n, here(d)) for d, n in refs]
+    return Outcome(value=plan, nbytes=fetched.nbytes)
 
 
 # -- the tier a store is opened with ---------------------------------------------

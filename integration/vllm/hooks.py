@@ -54,7 +54,7 @@ and any adstore problem is logged and counted, never raised):
     After the original wrote the file, captures it.
 
 Each function is wrapped when vLLM imports its module
-(:func:`~adstore.integration.vllm.onimport.when_imported`; at once if it
+(:func:`~adstore.integration.onimport.when_imported`; at once if it
 already has): the ``LLM`` caller and the engine core never import
 ``vllm.compilation``, and importing it for them would cost each about 0.3 s.
 A module that lacks what the hooks know leaves that hook out, with one log line.
@@ -84,10 +84,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adstore.integration import onimport
 from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.entries import note_failure
 from adstore.integration.placement.rule import trusted_uids
-from adstore.integration.vllm import modelinfos, onimport, trees
+from adstore.integration.vllm import modelinfos, trees
 
 __all__ = ["install", "uninstall", "status", "aot_layout", "piecewise_layout", "Layout"]
 

@@ -20,6 +20,7 @@ __all__ = [
     "LOGICAL_BYTES",
     "PINNED_BYTES",
     "BLOB_EPOCH",
+    "STATS_ZEROED",
     "WRITES",
 ]
 
@@ -58,3 +59,5 @@ BLOB_EPOCH = b"blob_epoch"
 #: How many write transactions committed, counted by each of them (lock-only ones excepted): a
 #: reader that sees the same count later knows no row changed in between (eviction).
 WRITES = b"writes"
+#: When the counters were last zeroed (``adstore stats --zero``), in whole epoch seconds; absent: never.
+STATS_ZEROED = b"stats_zeroed"

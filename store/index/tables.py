@@ -130,6 +130,12 @@ class Txn(EntryRows, BlobRows):
         """Add ``delta`` to the persistent counter ``name`` (``misses.absent``, ``evictions``)."""
         self._add_to("stats", name.encode(), delta)
 
+    def zero_counters(self) -> None:
+        """Empty the ``stats`` table: every counter reads 0 again (``ccache -z``); totals are kept."""
+        self.raw.drop(self._db["stats"], delete=False)
+        if self._deltas is not None:
+            self._deltas = {k: v for k, v in self._deltas.items() if k[0] != "stats"}
+
     def counters(self) -> dict[str, int]:
         return {
             bytes(k).decode(errors="replace"): _I64.unpack(v)[0]

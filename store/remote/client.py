@@ -391,6 +391,12 @@ class Remote:
         """
         return self._guard("publish", lambda: transfer.publish(self, key, rank, payload, refs, source=source))
 
+    def plan_publish(
+        self, refs: Iterable[tuple[str, int]], *, source: transfer.BlobSource
+    ) -> Outcome[list[tuple[str, int, bool]]]:
+        """What :meth:`publish` would send (HEADs only, nothing written): (digest, bytes, the remote has it) each."""
+        return self._guard("plan_publish", lambda: Outcome(value=transfer.plan_publish(self, refs, source=source)))
+
     # -- operations ------------------------------------------------------
     def probe(self) -> Outcome[float]:
         """Is the remote reachable? A HEAD of a fixed name; the value is the round trip in seconds."""

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ..codec import Encoding
-from ..errors import AdstoreError, ConfigError
+from ..errors import AdstoreError, ConfigError, MissingExtra
 from ..names import is_digest
 from .addresses import Kind, object_name
 from .backend import (
@@ -71,7 +71,7 @@ def _import_boto3() -> tuple[Any, Any]:
         import boto3
         import botocore.config
     except ImportError as exc:
-        raise ConfigError("ADSTORE_REMOTE", "an s3:// remote needs boto3: pip install 'adstore[remote]'") from exc
+        raise MissingExtra("an s3:// remote", "boto3", "remote") from exc
     return boto3, botocore.config
 
 
@@ -134,7 +134,7 @@ class S3Backend(RemoteBackend):
         self.send_checksums = send_checksums
         self.multipart_threshold = multipart_threshold
         if importlib.util.find_spec("boto3") is None:  # refused at open, as a bad URL is; imported on first use
-            raise ConfigError("ADSTORE_REMOTE", "an s3:// remote needs boto3: pip install 'adstore[remote]'")
+            raise MissingExtra("an s3:// remote", "boto3", "remote")
         self._make = functools.partial(
             _make_client,
             connect_timeout=connect_timeout,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MissingExtra
 from ..fsutil import atomic_write
 from .errors import UntrustedRecord
 
@@ -68,9 +68,7 @@ def _crypto() -> Any:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError as exc:
-        raise ConfigError(
-            "ADSTORE_SIGNING_KEY", "signed records need cryptography: pip install 'adstore[remote]'"
-        ) from exc
+        raise MissingExtra("signed records (a remote's keys)", "cryptography", "remote") from exc
     return exceptions, serialization, ed25519
 
 

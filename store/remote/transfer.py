@@ -25,6 +25,7 @@ the same names turn those into outcomes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -50,7 +51,17 @@ if TYPE_CHECKING:
     from ..blobwriter import BlobWriter
     from ..maintenance.reservations import Reservation
 
-__all__ = ["Door", "BlobSink", "BlobSource", "fetch_blob", "pull_blob", "pull_blobs", "push_blob", "publish"]
+__all__ = [
+    "Door",
+    "BlobSink",
+    "BlobSource",
+    "fetch_blob",
+    "pull_blob",
+    "pull_blobs",
+    "push_blob",
+    "publish",
+    "plan_publish",
+]
 
 log = logging.getLogger(__name__)
 
@@ -320,14 +331,14 @@ def publish(
     sent = 0
     stored: dict[str, tuple[Encoding, int]] = {}
     for digest, size in refs:
-        found = source.stored_blob(digest)
+        kind, travels, found = _travel(remote, digest, size, source)
         if found is None:  # inline in the index
             pushed = remote.push_blob(digest, size, source.get_bytes(digest))
+        elif kind is Kind.ZCAS:
+            pushed = remote.push_blob(digest, travels, found.path, kind=Kind.ZCAS)
+            stored[digest] = (Encoding.ZSTD, travels)
         elif found.encoding is Encoding.RAW:
             pushed = remote.push_blob(digest, size, found.path)
-        elif remote.backend.transfer is Encoding.ZSTD:
-            pushed = remote.push_blob(digest, found.stored, found.path, kind=Kind.ZCAS)
-            stored[digest] = (Encoding.ZSTD, found.stored)
         else:
             pushed = _push_decoded(remote, digest, size, source)
         if not pushed.ok:
@@ -343,6 +354,28 @@ def publish(
     if not record.ok:
         return record
     return Outcome(value=sent, nbytes=sent + record.nbytes)
+
+
+def _travel(remote: Door, digest: str, size: int, source: BlobSource) -> tuple[Kind, int, StoredBlob | None]:
+    """How :func:`publish` sends a blob: its kind, the bytes that travel, and the store's file (None: inline).
+
+    A compressed file travels as it is (``zcas/``) where the remote takes frames; everything else raw.
+    """
+    found = source.stored_blob(digest)
+    if found is not None and found.encoding is not Encoding.RAW and remote.backend.transfer is Encoding.ZSTD:
+        return Kind.ZCAS, found.stored, found
+    return Kind.CAS, size, found
+
+
+def plan_publish(remote: Door, refs: Iterable[tuple[str, int]], *, source: BlobSource) -> list[tuple[str, int, bool]]:
+    """What :func:`publish` would send, asking HEADs only: per blob (digest, bytes that travel, the remote has it)."""
+    plan = []
+    for digest, size in refs:
+        validate_digest(digest)
+        kind, travels, _ = _travel(remote, digest, size, source)
+        have = remote._call("head", kind, digest, functools.partial(remote.backend.head, kind, digest))
+        plan.append((digest, travels, have == travels))
+    return plan
 
 
 def _push_decoded(remote: Door, digest: str, size: int, source: BlobSource) -> Outcome[int]:

@@ -57,6 +57,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_aot_compile": ["--quick"],
     "bench_vllm": ["--quick"],
     "bench_fleet": ["--repeat", "1"],
+    "bench_run": ["--quick"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -74,6 +75,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_aot_compile": ["aot_compile.json"],
     "bench_vllm": ["vllm.json"],
     "bench_fleet": ["fleet.json"],
+    "bench_run": ["run.json"],
 }
 
 Row = dict[str, Any]
@@ -1190,6 +1192,27 @@ def rows_vllm(d: dict) -> list[Row]:
     return out
 
 
+def rows_run(d: dict) -> list[Row]:
+    """bench_run: what ``ADSTORE_ENABLE=1`` adds to a process start, against the same start without it."""
+    out = []
+    for key, name in (("pass", "ADSTORE_ENABLE=1: python -c pass"), ("import_torch", "ADSTORE_ENABLE=1: import torch")):
+        f = d[key]
+        target = "" if f.get("target_seconds") is None else f"+ {_s(f['target_seconds'])} at most"
+        out.append(
+            row(
+                "run",
+                name,
+                f"{_s(f['on_seconds'])} ({_signed(f['added_seconds'])})",
+                f"unset {_s(f['off_seconds'])}",
+                f["ratio"],
+                target,
+                f.get("meets_target"),
+                f"median of {f['repeat']} cold starts each way, in turns",
+            )
+        )
+    return out
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -1231,6 +1254,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_aot_compile": rows_aot_compile,
     "bench_vllm": rows_vllm,
     "bench_fleet": rows_fleet,
+    "bench_run": rows_run,
 }
 
 

@@ -114,6 +114,21 @@ def test_misses_lists_the_last_missed_keys_each_against_its_nearest_entry(capsys
     assert len(json.loads(explain(capsys, tmp_path / "store", "--json", "--misses", "1"))["misses"]) == 1
 
 
+def test_misses_names_the_isa_before_the_inductor_key_it_changed(capsys, tmp_path: Path, monkeypatch) -> None:
+    """Tried as a user: another CPU capability changes Inductor's own key too, and the line blamed
+    ``inductor_key`` first (alphabetical).  The cause comes first; the digest is said to follow from it."""
+    monkeypatch.setenv("ADSTORE_MISS_LOG", str(tmp_path / "misses.jsonl"))
+    publish(tmp_path / "store", "a" * 64, components("graph-avx512"))
+    note_miss("1" * 64, components("graph-avx2", capability="AVX2"))
+    (line,) = explain(capsys, tmp_path / "store", "--misses").splitlines()
+    head = "111111111111: not in the store; nearest entry aaaaaaaaaaaa differs in toolchain.cpu.capability"
+    assert line.startswith(f'{head} (entry "AVX512", here "AVX2")'), line
+    assert line.endswith("inductor_key (a digest that differs with them)"), line
+    publish(tmp_path / "store", "b" * 64, components("graph-avx2", capability="AVX2"))
+    out = explain(capsys, tmp_path / "store", "a" * 64, "b" * 64)
+    assert "differing: toolchain, inductor_key" in out, out
+
+
 def test_an_inductor_entry_shows_the_paths_its_files_were_built_under(capsys, tmp_path: Path) -> None:
     with Store.open(tmp_path) as store:
         ref = store.put_bytes(b"graph")

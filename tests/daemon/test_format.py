@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from adstore.daemon.format import Progress, human_age, human_duration, human_size, kv_block, table
+from adstore.daemon.format import ByteProgress, Progress, human_age, human_duration, human_size, kv_block, table
 
 
 def test_human_size() -> None:
@@ -45,3 +45,19 @@ def test_progress_draws_only_on_a_terminal_or_when_forced() -> None:
         p(4, 4)
     out = loud.getvalue()
     assert "verifying" in out and "4/4" in out and "100.0%" in out and out.endswith("\n")
+
+
+def test_byte_progress_draws_the_bytes_moved_on_a_terminal_only() -> None:
+    """push/pull of one 149 MiB entry showed nothing for minutes: the line says what has moved, from a thread."""
+    moved = [0]
+    quiet = io.StringIO()
+    with ByteProgress("pulling", lambda: moved[0], total=1, stream=quiet, interval=0.01) as p:
+        moved[0] = 5 << 20
+        p.step(1)
+    assert quiet.getvalue() == ""
+    loud = io.StringIO()
+    with ByteProgress("pulling", lambda: moved[0], total=3, stream=loud, force=True, interval=0.01) as p:
+        p.step(2)
+        assert p.line().startswith("pulling: 5.0 MiB (") and "2/3 done" in p.line()
+    out = loud.getvalue()
+    assert out.startswith("\rpulling: 5.0 MiB") and "2/3 done" in out and out.endswith("\n")

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from adstore.integration import onimport
 from adstore.integration.inductor.entries import FAILOPEN
-from adstore.integration.vllm import hooks, modelinfos, onimport, trees
+from adstore.integration.vllm import hooks, modelinfos, trees
 from adstore.store import Store
 from adstore.store.remote import Signer, TrustedKeys, generate_keypair, open_remote
 

@@ -100,3 +100,23 @@ def test_the_model_inspection_subprocess_is_left_alone(fresh, store_root, monkey
     plugin.register()
     assert inductor.active() is None and plugin._registered_pid is None
     assert not store_root.exists()
+
+
+def test_the_plugin_and_adstore_enable_never_enable_twice(fresh, store_root, monkeypatch):
+    """Under ``adstore run``, vLLM's processes have both: whichever comes first enables, the other keeps it."""
+    from adstore.integration import autoenable
+
+    calls = []
+    enable = inductor.enable
+    monkeypatch.setattr(inductor, "enable", lambda *a, **k: calls.append(1) or enable(*a, **k))
+    assert autoenable.activate() is True  # torch._dynamo imported first
+    entries = inductor.active()
+    plugin.register()
+    assert autoenable.activate() is True
+    assert calls == [1] and inductor.active() is entries
+    inductor.disable()
+    monkeypatch.setattr(plugin, "_registered_pid", None)
+    plugin.register()  # the plugin first
+    entries = inductor.active()
+    assert autoenable.activate() is True
+    assert calls == [1, 1] and inductor.active() is entries

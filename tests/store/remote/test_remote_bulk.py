@@ -109,6 +109,35 @@ def test_push_all_then_pull_namespace_and_pull_all_round_trip(remote, tmp_path, 
     assert code == 0 and [r["key"] for r in data["results"]] == ["k-beta-1"]
 
 
+def test_dry_run_plans_push_and_pull_and_moves_nothing(remote, tmp_path, capsys):
+    """``--dry-run``: what would move, in blobs and bytes, asked of the remote with HEADs and records only."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    build(a)
+    with Store.open(a) as store:  # the distinct blobs: four of 50 kB, one "small" that every rank shares
+        sizes = {r.digest: r.size for m in _manifests(store) for r in m.artifacts.values()}
+    code, plan, err = run(capsys, "--root", str(a), "push", "--all", "--mode", "read-write", "--dry-run", "--json")
+    assert code == 0 and plan["dry_run"] is True, err
+    assert len(plan["plan"]) == 4 and plan["blobs"] == len(sizes) == 5, plan
+    assert sum(sizes.values()) - 1024 <= plan["bytes"] <= sum(sizes.values()) + 1024, (plan, sizes)
+    code, empty, err = run(capsys, "--root", str(b), "pull", "--all", "--dry-run", "--json")
+    assert code == 0 and empty["plan"] == [] and empty["blobs"] == 0, err  # nothing was pushed: nothing listed
+    assert not b.exists()
+
+    code, data, err = run(capsys, "--root", str(a), "push", "--all", "--mode", "read-write", "--json")
+    assert code == 0, err
+    assert sum(r["bytes"] for r in data["results"]) >= plan["bytes"]  # the records on top of the blobs
+    code, again, _ = run(capsys, "--root", str(a), "push", "--all", "--mode", "read-write", "--dry-run", "--json")
+    assert again["blobs"] == 0 and again["bytes"] == 0 and all(r["blobs_there"] == 2 for r in again["plan"])
+
+    code, pulled, err = run(capsys, "--root", str(b), "pull", "--all", "--dry-run")
+    assert code == 0 and "dry run: would receive 5 blob(s)" in pulled and "4 record(s); nothing moved" in pulled, err
+    assert not b.exists()  # a dry run creates no store
+
+
+def _manifests(store):
+    return [m for e in store.entries() for m in store.manifests(e.key)]
+
+
 def test_keys_and_all_together_or_neither_is_a_usage_error(remote, tmp_path, capsys):
     a = tmp_path / "a"
     build(a)
@@ -121,8 +150,11 @@ def test_pull_all_without_trusted_keys_fails_whole(remote, tmp_path, capsys, mon
     build(tmp_path / "a")
     assert run(capsys, "--root", str(tmp_path / "a"), "push", "--all", "--mode", "read-write")[0] == 0
     monkeypatch.delenv("ADSTORE_TRUSTED_KEYS")
-    code, data, _ = run(capsys, "--root", str(tmp_path / "b"), "pull", "--all", "--json")
+    code, data, err = run(capsys, "--root", str(tmp_path / "b"), "pull", "--all", "--json")
     assert code == 14 and data["error"]["reason"] == "untrusted_remote"
+    # One line that says what failed and what to set (a new user read "(listing) rank -" and nothing more).
+    assert err.count("\n") == 1 and "failed to list the remote: untrusted_remote" in err, err
+    assert "ADSTORE_TRUSTED_KEYS" in err and "adstore keygen" in err, err
 
 
 def test_a_backend_without_listing_is_remote_unsupported():

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from adstore.integration.vllm import onimport
+from adstore.integration import onimport
 
 
 @pytest.fixture

@@ -1,10 +1,13 @@
 """Run a function on a module once it is imported (at once if it already is), without importing it.
 
-The vLLM hooks wrap functions of vLLM modules that most of vLLM's processes
-never import: the ``LLM`` caller and the engine core compile nothing, and
-``vllm.compilation.backends`` alone costs about 0.3 s to import.  Importing
-them to patch them would make every process pay for what one uses, so
-:func:`when_imported` waits for vLLM to import them itself.
+Two users: the vLLM hooks wrap functions of vLLM modules that most of vLLM's
+processes never import (the ``LLM`` caller and the engine core compile
+nothing, and ``vllm.compilation.backends`` alone costs about 0.3 s to
+import), and ``ADSTORE_ENABLE=1`` (:mod:`adstore.integration.autoenable`)
+enables adstore when a program imports torch's compiler, which most Python
+processes never do.  Importing a module to patch it would make every process
+pay for what one uses, so :func:`when_imported` waits for the program to
+import it itself.
 
 A module not imported yet is watched by one finder at the front of
 ``sys.meta_path``: it asks the finders after it for the module's spec, as
@@ -12,26 +15,27 @@ the import system would, and gives that spec's loader (a fresh instance per
 module for source files) an ``exec_module`` that runs the original and then
 the callbacks; the spec is otherwise the one those finders returned.  The
 finder leaves ``sys.meta_path`` once nothing is watched.  A callback that
-raises is logged and swallowed: it never fails vLLM's import.
+raises is logged and swallowed: it never fails the program's import.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-import threading
-from collections.abc import Callable, Sequence
-from importlib.machinery import ModuleSpec
-from types import ModuleType
-from typing import Any
+from _thread import allocate_lock
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (see autoenable.py)
+
+if TYPE_CHECKING:  # the module is imported at every interpreter start under ADSTORE_ENABLE=1: stdlib-light
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
+
+    Callback = Callable[[ModuleType], None]
 
 __all__ = ["when_imported", "watched"]
 
-logger = logging.getLogger(__name__)
-
-Callback = Callable[[ModuleType], None]
-
-_lock = threading.Lock()
+_lock = allocate_lock()
 _waiting: dict[str, list[Callback]] = {}
 
 
@@ -80,7 +84,7 @@ def _watch(spec: ModuleSpec, name: str) -> None:
     try:
         loader.exec_module = run  # type: ignore[union-attr]  # this module's loader instance only
     except (AttributeError, TypeError):  # a loader with __slots__: the module is not watched
-        logger.debug("adstore: cannot watch the import of %s", name)
+        _log("debug", "adstore: cannot watch the import of %s", name)
 
 
 def _fire(name: str, module: ModuleType) -> None:
@@ -94,8 +98,15 @@ def _fire(name: str, module: ModuleType) -> None:
 def _call(callback: Callback, module: ModuleType) -> None:
     try:
         callback(module)
-    except Exception as exc:  # noqa: BLE001 - an import of vLLM's never fails because of adstore
-        logger.warning("adstore: a hook on %s failed (%s: %s)", module.__name__, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - an import never fails because of adstore
+        _log("warning", "adstore: a hook on %s failed (%s: %s)", module.__name__, type(exc).__name__, exc)
+
+
+def _log(level: str, message: str, *args: object) -> None:
+    """``logging.getLogger(__name__)``, imported when there is something to say (logging costs milliseconds)."""
+    import logging
+
+    getattr(logging.getLogger(__name__), level)(message, *args)
 
 
 def _drop_finder_if_idle() -> None:
