@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.integration.errors import failure_reason
+from adstore.integration.inductor import roots
 from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import (
     choose,
@@ -82,6 +83,7 @@ NAMESPACES = {
     "RemoteBundledAutotuneCache": "inductor_bundled_autotune",
     "RemoteDynamoPGOCache": "inductor_dynamo_pgo",
 }
+_FX = NAMESPACES["RemoteFxGraphCache"]
 TOOLCHAIN_NAMESPACE = "inductor_toolchain"
 #: The Inductor keys of the toolchain's two entries: headers and answers, and the answers alone.
 TOOLCHAIN_KEY, ISA_KEY = "toolchain", "isa"
@@ -143,6 +145,9 @@ class InductorEntries:
         from adstore.integration.pipeline.keys import json_digest
 
         components = {"namespace": namespace, "inductor_key": inductor_key, **self.identity}
+        if namespace == _FX and roots.active():
+            # its kernels are named relative to the install roots: an entry of path-named kernels is another entry
+            components["kernel_names"] = roots.RELOCATION
         return json_digest(components), components
 
     # -- Inductor's get and put -------------------------------------------------
@@ -181,8 +186,10 @@ class InductorEntries:
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
             meta: dict[str, Any] = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
-            if namespace == NAMESPACES["RemoteFxGraphCache"]:
-                meta["paths"] = keyed_paths()  # its kernels' names hold them: a hit elsewhere says which differs
+            if namespace == _FX:
+                meta["paths"] = keyed_paths()  # the builder's, for `adstore explain`
+                if roots.active():
+                    meta["kernel_names"] = roots.RELOCATION  # named without them: a hit elsewhere finds its kernels
             self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
@@ -194,11 +201,12 @@ class InductorEntries:
         counting both entries' compile time would count the same compile twice.
         """
         self.served[namespace] += 1
-        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict):
+        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict) and "kernel_names" not in meta:
+            # kernels named after the builder's paths (an entry of a torch adstore cannot rename them for)
             explain_paths(path_differences(meta["paths"], keyed_paths()), self.store)
         counts = {f"inductor.hits.{namespace}": 1}
         seconds = meta.get("compile_seconds") if isinstance(meta, dict) else None
-        if namespace == NAMESPACES["RemoteFxGraphCache"] and isinstance(seconds, int | float) and seconds > 0:
+        if namespace == _FX and isinstance(seconds, int | float) and seconds > 0:
             counts["ms_saved"] = int(seconds * 1000)
         self.store.count(counts)
 
