@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["needed_paths", "open_python_steps", "user_argv"]
+__all__ = ["moved_interpreter", "needed_paths", "open_python_steps", "user_argv"]
 
 
 def needed_paths() -> list[Path]:
@@ -78,3 +78,30 @@ def user_argv(uid: int | None, cmd: list[str], *, steps: list[str], stash: Path 
         return cmd
     script = " && ".join([*steps, f"exec {shlex.join(cmd)}"])
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
+
+
+def moved_interpreter(base: Path) -> tuple[list[tuple[str, str]], str]:
+    """This interpreter at another path, for a private mount namespace: (bind mounts in order, the python there).
+
+    The interpreter's prefix (``sys.base_prefix``: torch, Python's headers)
+    goes to ``base/py``; a venv (``sys.prefix``) to ``base/venv``, with a
+    ``pyvenv.cfg`` whose ``home`` names the moved interpreter bound over its
+    own, so ``torch.__file__`` and ``sysconfig``'s paths name the new place,
+    as on a host whose venv was created there.  Makes the mount points.
+    """
+    py, exe = base / "py", Path(sys.executable)
+    py.mkdir(parents=True, exist_ok=True)
+    mounts = [(sys.base_prefix, str(py))]
+    if sys.prefix == sys.base_prefix:
+        return mounts, str(py / exe.relative_to(sys.base_prefix))
+    venv, cfg = base / "venv", base / "pyvenv.cfg"
+    venv.mkdir(exist_ok=True)
+    lines = []
+    for line in Path(sys.prefix, "pyvenv.cfg").read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() == "home":
+            line = f"home = {value.strip().replace(sys.base_prefix, str(py), 1)}"
+        lines.append(line + "\n")
+    cfg.write_text("".join(lines))
+    mounts += [(sys.prefix, str(venv)), (str(cfg), str(venv / "pyvenv.cfg"))]
+    return mounts, str(venv / exe.relative_to(sys.prefix))

@@ -35,37 +35,21 @@ def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> d
 
 
 def moved_interpreter(base: Path) -> tuple[list[str], str] | None:
-    """This interpreter at another path: (command prefix, python there), or None without root and ``unshare -m``.
-
-    In a private mount namespace the interpreter's prefix (``sys.base_prefix``:
-    torch, Python's headers) is bind-mounted at ``base/py``, and a venv
-    (``sys.prefix``) at ``base/venv`` with its ``pyvenv.cfg`` pointing at the
-    moved interpreter, so ``torch.__file__`` and ``sysconfig``'s paths name
-    the new place, as on a host whose venv was created there.
+    """This interpreter at another path (``other_users.moved_interpreter``, under ``base``): (command prefix,
+    python there), or None without root and ``unshare -m``.
     """
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         return None
     if subprocess.run([unshare, "-m", "--propagation", "private", "true"], check=False).returncode != 0:
         return None
-    q = shlex.quote
-    py, exe = base / "py", Path(sys.executable)
-    steps = [f"mkdir -p {q(str(py))}", f"mount --bind {q(sys.base_prefix)} {q(str(py))}"]
-    if sys.prefix == sys.base_prefix:
-        python = py / exe.relative_to(sys.base_prefix)
-    else:
-        venv, cfg = base / "venv", base / "pyvenv.cfg"
-        lines = Path(sys.prefix, "pyvenv.cfg").read_text().splitlines()
-        home = str(Path(sys.base_executable).parent).replace(sys.base_prefix, str(py), 1)
-        cfg.write_text("".join((f"home = {home}" if ln.split("=")[0].strip() == "home" else ln) + "\n" for ln in lines))
-        steps += [
-            f"mkdir -p {q(str(venv))}",
-            f"mount --bind {q(sys.prefix)} {q(str(venv))}",
-            f"mount --bind {q(str(cfg))} {q(str(venv / 'pyvenv.cfg'))}",
-        ]
-        python = venv / exe.relative_to(sys.prefix)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the mount-namespace helpers
+    from other_users import moved_interpreter as moved
+
+    mounts, python = moved(base)
+    steps = [f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
     script = " && ".join(steps) + ' && exec "$@"'
-    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], str(python)
+    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], python
 
 
 def on_host(fn: Any, *args: Any) -> Any:
