@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["moved_interpreter", "needed_paths", "open_python_steps", "user_argv"]
+__all__ = ["moved_argv", "moved_interpreter", "needed_paths", "open_python_steps", "user_argv"]
 
 
 def needed_paths() -> list[Path]:
@@ -105,3 +105,22 @@ def moved_interpreter(base: Path) -> tuple[list[tuple[str, str]], str]:
     cfg.write_text("".join(lines))
     mounts += [(sys.prefix, str(venv)), (str(cfg), str(venv / "pyvenv.cfg"))]
     return mounts, str(venv / exe.relative_to(sys.prefix))
+
+
+def moved_argv(base: Path) -> tuple[list[str], str] | None:
+    """:func:`moved_interpreter` as a command prefix (a private mount namespace) and the python to run after it.
+
+    None without root and ``unshare -m``.
+    """
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        return None
+    if subprocess.run([unshare, "-m", "--propagation", "private", "true"], check=False).returncode != 0:
+        return None
+    mounts, python = moved_interpreter(base)
+    steps = [f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
+    script = " && ".join(steps) + ' && exec "$@"'
+    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], python

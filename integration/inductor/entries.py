@@ -4,8 +4,10 @@ One store entry per Inductor cache entry, in a namespace per cache
 (``inductor_fx_graph``, ``inductor_aot_autograd``, ...).  Its key is the
 SHA-256 of Inductor's own key (as the remote cache hands it to a backend)
 together with torch's build key (``torch_key``) and adstore's toolchain
-fingerprint (the engine cache's :func:`toolchain_identity`); those three are
-the entry's components, so ``adstore explain`` shows them.  Artifacts:
+fingerprint (the engine cache's :func:`toolchain_identity`), and for an
+FX-graph entry how its kernels are named (``kernel_names``: relative to the
+install roots, :mod:`.roots`); those are the entry's components, so
+``adstore explain`` shows them.  Artifacts:
 
 * ``value``: the bytes Inductor gave the backend (JSON holding a base64 pickle
   for FX-graph and AOTAutograd entries), returned as they were;

@@ -60,6 +60,7 @@ __all__ = [
     "kernel_extra",
     "relative",
     "relocated",
+    "supported",
     "uninstall",
 ]
 
@@ -227,6 +228,15 @@ def uninstall() -> None:
         codecache, original = _installed
         codecache.write = original
         _installed.clear()
+
+
+def supported() -> bool:
+    """Whether this torch's kernel names can be made relative (its ``codecache`` has a ``write`` to wrap)."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:
+        return False
+    return callable(getattr(codecache, "write", None))
 
 
 def active() -> bool:

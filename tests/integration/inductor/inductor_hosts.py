@@ -10,9 +10,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,21 +32,14 @@ def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> d
 
 
 def moved_interpreter(base: Path) -> tuple[list[str], str] | None:
-    """This interpreter at another path (``other_users.moved_interpreter``, under ``base``): (command prefix,
-    python there), or None without root and ``unshare -m``.
-    """
-    unshare = shutil.which("unshare")
-    if unshare is None or os.geteuid() != 0:
-        return None
-    if subprocess.run([unshare, "-m", "--propagation", "private", "true"], check=False).returncode != 0:
-        return None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the mount-namespace helpers
-    from other_users import moved_interpreter as moved
+    """This interpreter at another path under ``base`` (``other_users.moved_argv``): (command prefix, python there).
 
-    mounts, python = moved(base)
-    steps = [f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
-    script = " && ".join(steps) + ' && exec "$@"'
-    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], python
+    None without root and ``unshare -m``.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the mount-namespace helpers
+    from other_users import moved_argv
+
+    return moved_argv(base)
 
 
 def on_host(fn: Any, *args: Any) -> Any:

@@ -11,7 +11,7 @@ of A's store and counts its compiler runs (:mod:`fleet_host`'s audit hook):
 * F: the interpreter (and its venv) bind-mounted at another path, so torch's
   and Python's directories differ: kernels are named relative to those roots
   (:mod:`adstore.integration.inductor.roots`), so no compiler run and no word;
-* G: the same, with no FX-graph cache: kernels are built, and the precompiled
+* G: the same, with Inductor's caches off: kernels are built, and the precompiled
   header, whose bytes hold the path, is built too and one log line names the path.
 """
 
@@ -114,10 +114,10 @@ def test_the_interpreter_at_another_path_runs_no_compiler(seed, tmp_path):
 
 
 def test_a_kernel_built_at_another_path_names_the_path_its_header_holds(seed, tmp_path):
-    """No FX-graph cache: the kernels are built, and the precompiled header, whose bytes hold the path, too."""
+    """No Inductor cache: the kernels are built, and the precompiled header, whose bytes hold the path, too."""
     base, a = seed
     prefix, python = _moved(tmp_path)
-    env = {**store_copy(base, base / "a" / "store", "g"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+    env = {**store_copy(base, base / "a" / "store", "g"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     g = run_host(env, python=python, prefix=prefix)
     assert g["output"] == a["output"]
     assert any(r.endswith(".gch") for r in g["compiler_runs"]), g["compiler_runs"]  # its own header
