@@ -256,7 +256,12 @@ class InductorEntries:
             if manifest is None:
                 return 0
             chosen, differs = choose(manifest.artifacts, manifest.meta, install_paths())
-            explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
+            # Inductor builds its own header (and, for entries named after paths, kernels): say which path made it
+            explain_paths(
+                differs,
+                self.store,
+                "its precompiled header" if roots.active() else "its precompiled header and kernels",
+            )
             return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)

@@ -146,8 +146,8 @@ def choose(
 _told: set[str] = set()
 
 
-def explain_paths(differences: list[str], store: Any = None) -> None:
-    """Say once per process that Inductor builds its header and kernels here because a path differs."""
+def explain_paths(differences: list[str], store: Any = None, what: str = "its precompiled header and kernels") -> None:
+    """Say once per process that Inductor builds ``what`` here because a path differs."""
     if not differences:
         return
     if store is not None:
@@ -160,8 +160,9 @@ def explain_paths(differences: list[str], store: Any = None) -> None:
         return
     _told.add(line)
     logger.warning(
-        "adstore: Inductor builds its precompiled header and kernels again on this host: the stored ones "
+        "adstore: Inductor builds %s again on this host: the stored ones "
         "were built under another install path (%s); Inductor's names for them hold these paths "
         '(docs/torch-compile.md, "Install paths")',
+        what,
         line,
     )
