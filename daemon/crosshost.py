@@ -230,9 +230,11 @@ def host_view(store: Store | None) -> tuple[str, dict[str, Any]]:
     lines = ["this host's key components:"]
     for path, value in _flatten({k: report[k] for k in ("toolchain", "torch_key", "user")}).items():
         lines.extend(_field_lines(path, value))
-    lines.append("install paths (Inductor's header and kernel names hold those marked *):")
+    lines.append("install paths (Inductor's precompiled header name holds those marked *):")
     for name, value in report["paths"].items():
         lines.append(f"  {'*' if name in report['keyed_paths'] else ' '} {name} = {value}")
+    lines.append("install roots (kernel names hold ${name}, not the path):")
+    lines.extend(f"    {name} = {value}" for name, value in report.get("roots", {}).items())
     report["toolchain_entry_paths"] = None
     key = report["toolchain_entry"]
     if store is None:

@@ -19,7 +19,7 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["needed_paths", "open_python_steps", "user_argv", "user_private_group_steps"]
+__all__ = ["moved_argv", "moved_interpreter", "needed_paths", "open_python_steps", "user_argv", "user_private_group_steps"]
 
 
 def needed_paths() -> list[Path]:
@@ -113,3 +113,49 @@ def user_argv(uid: int | None, cmd: list[str], *, steps: list[str], stash: Path 
         return cmd
     script = " && ".join([*steps, f"exec {shlex.join(cmd)}"])
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
+
+
+def moved_interpreter(base: Path) -> tuple[list[tuple[str, str]], str]:
+    """This interpreter at another path, for a private mount namespace: (bind mounts in order, the python there).
+
+    The interpreter's prefix (``sys.base_prefix``: torch, Python's headers)
+    goes to ``base/py``; a venv (``sys.prefix``) to ``base/venv``, with a
+    ``pyvenv.cfg`` whose ``home`` names the moved interpreter bound over its
+    own, so ``torch.__file__`` and ``sysconfig``'s paths name the new place,
+    as on a host whose venv was created there.  Makes the mount points.
+    """
+    py, exe = base / "py", Path(sys.executable)
+    py.mkdir(parents=True, exist_ok=True)
+    mounts = [(sys.base_prefix, str(py))]
+    if sys.prefix == sys.base_prefix:
+        return mounts, str(py / exe.relative_to(sys.base_prefix))
+    venv, cfg = base / "venv", base / "pyvenv.cfg"
+    venv.mkdir(exist_ok=True)
+    lines = []
+    for line in Path(sys.prefix, "pyvenv.cfg").read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() == "home":
+            line = f"home = {value.strip().replace(sys.base_prefix, str(py), 1)}"
+        lines.append(line + "\n")
+    cfg.write_text("".join(lines))
+    mounts += [(sys.prefix, str(venv)), (str(cfg), str(venv / "pyvenv.cfg"))]
+    return mounts, str(venv / exe.relative_to(sys.prefix))
+
+
+def moved_argv(base: Path) -> tuple[list[str], str] | None:
+    """:func:`moved_interpreter` as a command prefix (a private mount namespace) and the python to run after it.
+
+    None without root and ``unshare -m``.
+    """
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        return None
+    if subprocess.run([unshare, "-m", "--propagation", "private", "true"], check=False).returncode != 0:
+        return None
+    mounts, python = moved_interpreter(base)
+    steps = [f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
+    script = " && ".join(steps) + ' && exec "$@"'
+    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], python

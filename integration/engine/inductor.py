@@ -41,6 +41,7 @@ from adstore.integration.engine import bundle, standalone
 from adstore.integration.engine.index import StageEntries
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, InductorCacheError, UntrustedEngine, failure_reason
+from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import InductorEntries
 from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.keys import CacheKey
@@ -73,6 +74,8 @@ def restore(
         return None, Reason(failure_reason(exc, Reason.ENGINE_ERROR)), str(exc)
     if manifest is None:
         return None, *entries.why_absent(key)
+    if stale := _named_after_paths(manifest):
+        return None, Reason.ENGINE_MISMATCH, stale
     if STANDALONE in manifest.artifacts:
         return _restore_standalone(store, module, key, manifest, example_inputs, t0)
     try:
@@ -116,7 +119,7 @@ def compile(
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(mode=0o700)
             compiled, stats = _compile_in(workdir, module, example_inputs, probe=True)
-            data, files, artifact, meta = bundle.pack(workdir), [], ARTIFACT, {}
+            data, files, artifact, meta = bundle.pack(workdir), [], ARTIFACT, _naming()
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
             stats = f"standalone_compile failed ({why}), Inductor's files stored; {stats}"
         seconds = time.perf_counter() - t0
@@ -172,7 +175,12 @@ def _compile_in(
     compiled = torch.compile(module, dynamic=False)
     # Kernels compile in this process: a worker pool started earlier in the process (by an earlier
     # compile) keeps the cache directory it started with, so its kernels would miss ``workdir``.
-    with temporary_cache_dir(str(workdir)), torch._inductor.config.patch(compile_threads=1), torch.no_grad():
+    with (
+        temporary_cache_dir(str(workdir)),
+        torch._inductor.config.patch(compile_threads=1),
+        torch.no_grad(),
+        roots.relocated(),
+    ):
         compiled(*example_inputs)
     seen = {
         name: counters[group].get(name, 0) - before.get(group, {}).get(name, 0)
@@ -213,6 +221,7 @@ def _standalone_in(
         temporary_cache_dir(str(workdir)),
         torch._inductor.config.patch(compile_threads=1),
         isa.PROBES.scope({}) as probes,
+        roots.relocated(),
     ):
         artifact, data = standalone.compile_graph(flat, module, example_inputs)
     files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
@@ -221,7 +230,7 @@ def _standalone_in(
         f"imports {t1 - t0:.2f}s, compile {time.perf_counter() - t1:.2f}s"
     )
     compiled = standalone.StandaloneModule(module, flat, artifact, example_inputs)
-    return compiled, data, files, stats, {"isa_probes": probes}
+    return compiled, data, files, stats, {"isa_probes": probes, **_naming()}
 
 
 def _restore_standalone(
@@ -255,6 +264,7 @@ def _restore_standalone(
                 temporary_cache_dir(str(workdir)),
                 torch._inductor.config.patch(compile_threads=1),
                 isa.PROBES.scope(known) as probes,
+                roots.relocated(),
             ):
                 artifact = standalone.load(path)
         except Exception as exc:  # noqa: BLE001 - an artifact torch rejects (another build) is a miss
@@ -278,6 +288,23 @@ def _restore_standalone(
         ),
     )
     return (compiled, event), None, ""
+
+
+def _naming() -> dict[str, str]:
+    """The entry's meta naming how its kernels are named: relative to the install roots where this torch allows."""
+    return {"kernel_names": roots.RELOCATION} if roots.supported() else {}
+
+
+def _named_after_paths(manifest: Any) -> str:
+    """Why an entry is not served here: its kernels are named after the builder's install paths ("" when fine).
+
+    A load would name them relative to this host's roots, miss every one and
+    build it, on every restart; compiling once replaces the entry.
+    """
+    meta = manifest.meta if isinstance(manifest.meta, dict) else {}
+    if meta.get("kernel_names") == roots.RELOCATION or not _naming():
+        return ""
+    return "its kernels are named after the builder's install paths (saved before relative names): compiled again"
 
 
 def _hit(key: CacheKey, t0: float, transferred: int | None, nbytes: int, detail: str) -> CacheEvent:

@@ -4,8 +4,10 @@ One store entry per Inductor cache entry, in a namespace per cache
 (``inductor_fx_graph``, ``inductor_aot_autograd``, ...).  Its key is the
 SHA-256 of Inductor's own key (as the remote cache hands it to a backend)
 together with torch's build key (``torch_key``) and adstore's toolchain
-fingerprint (the engine cache's :func:`toolchain_identity`); those three are
-the entry's components, so ``adstore explain`` shows them.  Artifacts:
+fingerprint (the engine cache's :func:`toolchain_identity`), and for an
+FX-graph entry how its kernels are named (``kernel_names``: relative to the
+install roots, :mod:`.roots`); those are the entry's components, so
+``adstore explain`` shows them.  Artifacts:
 
 * ``value``: the bytes Inductor gave the backend (JSON holding a base64 pickle
   for FX-graph and AOTAutograd entries), returned as they were;
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.integration.errors import failure_reason
+from adstore.integration.inductor import roots
 from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import (
     choose,
@@ -82,6 +85,7 @@ NAMESPACES = {
     "RemoteBundledAutotuneCache": "inductor_bundled_autotune",
     "RemoteDynamoPGOCache": "inductor_dynamo_pgo",
 }
+_FX = NAMESPACES["RemoteFxGraphCache"]
 TOOLCHAIN_NAMESPACE = "inductor_toolchain"
 #: The Inductor keys of the toolchain's two entries: headers and answers, and the answers alone.
 TOOLCHAIN_KEY, ISA_KEY = "toolchain", "isa"
@@ -146,6 +150,9 @@ class InductorEntries:
         from adstore.integration.pipeline.keys import json_digest
 
         components = {"namespace": namespace, "inductor_key": inductor_key, **self.identity}
+        if namespace == _FX and roots.active():
+            # its kernels are named relative to the install roots: an entry of path-named kernels is another entry
+            components["kernel_names"] = roots.RELOCATION
         return json_digest(components), components
 
     # -- Inductor's get and put -------------------------------------------------
@@ -184,8 +191,10 @@ class InductorEntries:
             artifacts = {VALUE: self.store.put_bytes(bytes(data))}
             artifacts.update(self.file_refs(files, Path(_cache_dir()), _header_dir()))
             meta: dict[str, Any] = {} if seconds is None else {"compile_seconds": round(max(0.0, seconds), 3)}
-            if namespace == NAMESPACES["RemoteFxGraphCache"]:
-                meta["paths"] = keyed_paths()  # its kernels' names hold them: a hit elsewhere says which differs
+            if namespace == _FX:
+                meta["paths"] = keyed_paths()  # the builder's, for `adstore explain`
+                if roots.active():
+                    meta["kernel_names"] = roots.RELOCATION  # named without them: a hit elsewhere finds its kernels
             self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
@@ -197,11 +206,12 @@ class InductorEntries:
         counting both entries' compile time would count the same compile twice.
         """
         self.served[namespace] += 1
-        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict):
+        if isinstance(meta, dict) and isinstance(meta.get("paths"), dict) and "kernel_names" not in meta:
+            # kernels named after the builder's paths (an entry of a torch adstore cannot rename them for)
             explain_paths(path_differences(meta["paths"], keyed_paths()), self.store)
         counts = {f"inductor.hits.{namespace}": 1}
         seconds = meta.get("compile_seconds") if isinstance(meta, dict) else None
-        if namespace == NAMESPACES["RemoteFxGraphCache"] and isinstance(seconds, int | float) and seconds > 0:
+        if namespace == _FX and isinstance(seconds, int | float) and seconds > 0:
             counts["ms_saved"] = int(seconds * 1000)
         self.store.count(counts)
 
@@ -249,7 +259,12 @@ class InductorEntries:
             if manifest is None:
                 return 0
             chosen, differs = choose(manifest.artifacts, manifest.meta, install_paths())
-            explain_paths(differs, self.store)  # Inductor builds its own header: say which path made it
+            # Inductor builds its own header (and, for entries named after paths, kernels): say which path made it
+            explain_paths(
+                differs,
+                self.store,
+                "its precompiled header" if roots.active() else "its precompiled header and kernels",
+            )
             return self.materialize(chosen, Path(_cache_dir()), _header_dir())
         except Exception as exc:  # noqa: BLE001 - fail open: Inductor builds them
             note_failure(failure_reason(exc), f"toolchain restore: {exc}", self.store)

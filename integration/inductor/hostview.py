@@ -8,7 +8,8 @@ user's (:func:`note_miss`, ``$ADSTORE_MISS_LOG`` or
 read-only), and ``adstore explain KEY`` reads it (:func:`missed_components`)
 to find the nearest stored entry and name the component that differs.
 :func:`host_report` is ``adstore explain --host``: the toolchain
-fingerprint's parts, torch's build key, the install paths and the user.
+fingerprint's parts, torch's build key, the install paths, the install roots
+kernel names are relative to, and the user.
 
 Importing this module does not import torch (the CLI imports it); only
 :func:`host_report` does.
@@ -116,6 +117,7 @@ def host_report() -> dict[str, Any]:
     from torch._inductor.codecache import torch_key
 
     from adstore.integration.engine.toolchain import toolchain_identity
+    from adstore.integration.inductor import roots
     from adstore.integration.inductor.entries import TOOLCHAIN_KEY, TOOLCHAIN_NAMESPACE, InductorEntries
     from adstore.integration.inductor.toolchain_entry import KEYED_PATHS, install_paths
 
@@ -129,5 +131,6 @@ def host_report() -> dict[str, Any]:
         "toolchain_entry": toolchain_key,
         "paths": install_paths(),
         "keyed_paths": list(KEYED_PATHS),
+        "roots": dict(roots.host_roots()),  # kernel names hold these by name (roots.RELOCATION), not by path
         "user": {"uid": os.getuid(), "gid": os.getgid(), "umask": f"{umask:03o}"},
     }

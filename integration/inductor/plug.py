@@ -28,6 +28,7 @@ from typing import Any
 from torch._inductor.remote_cache import RemoteCacheBackend
 
 from adstore.integration.errors import failure_reason
+from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import NAMESPACES, InductorEntries, note_failure
 from adstore.integration.inductor.kernels import RECORDER
 from adstore.integration.inductor.toolchain import Toolchain
@@ -63,6 +64,7 @@ class _State:
     toolchain_stored: set[str] = field(default_factory=set)
     toolchain: Toolchain | None = None
     probes_installed: bool = False
+    relocated: bool = False
     local_hits_before: int = 0
 
 
@@ -188,6 +190,8 @@ def _plug(state: _State) -> None:
         if module is not None and hasattr(module, flag):
             state.saved_flags[(module_name, flag)] = getattr(module, flag)
             setattr(module, flag, True)
+    # Kernel names relative to the install roots: the same venv at another path finds the kernels placed.
+    state.relocated = roots.install()
     # The toolchain entry (ISA answers, the ~150 MB precompiled header) is restored while Dynamo traces:
     # Inductor needs it only at its first ISA probe or header step, which wait for it (one deadline).
     state.toolchain = Toolchain(state.entries, wait=TOOLCHAIN_WAIT)
@@ -232,6 +236,9 @@ def _unplug(state: _State) -> None:
     PROBES.before_unknown = None
     RECORDER.before_toolchain = None
     RECORDER.uninstall()
+    if state.relocated:
+        roots.uninstall()
+        state.relocated = False
     _count_local_hits(state)
     for (module_name, flag), value in state.saved_flags.items():
         module = _module(module_name)

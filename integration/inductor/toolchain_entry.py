@@ -1,11 +1,12 @@
 """The toolchain entry's headers across install paths: merged on save, chosen on restore, a miss named.
 
-Inductor names its precompiled header after the header's command line,
-which holds the include and library paths of torch and Python, and keys every
-kernel build from the same command line.  The same venv at another path
-(``/opt/venv`` on one host, ``/home/me/venv`` on another) therefore needs
-another header and other kernels, whatever adstore's keys say: a path cannot
-be made not to matter there.  This module makes that cheap and visible:
+Inductor names its precompiled header after the header's command line and
+preprocessed text, which hold the include and library paths of torch and
+Python (``__FILE__`` in torch's headers puts them in the header's bytes too).
+Kernels are named relative to the install roots while adstore is enabled
+(:mod:`.roots`), but the header cannot be: the same venv at another path
+(``/opt/venv`` on one host, ``/home/me/venv`` on another) needs another
+header when it builds a kernel.  This module makes that cheap and visible:
 
 * :func:`merge` keeps one header per header name in the one toolchain entry,
   at most :data:`HEADER_CAP`, newest first, each with the paths it was built
@@ -15,8 +16,9 @@ be made not to matter there.  This module makes that cheap and visible:
   (:data:`KEYED_PATHS`), and when there are none says which path differs,
   in one log line (:func:`explain_paths`) and in ``adstore explain --host``;
 * an FX-graph entry records the paths its kernels were built under, so a
-  hit on a host with other paths (where Inductor compiles the kernels again
-  under other names) says so in the same line.
+  hit of an entry whose kernels are named after those paths (saved where
+  :mod:`.roots` could not rename them) on a host with other paths says so in
+  the same line.
 
 An entry written before headers carried their paths is placed whole, as before.
 """
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 #: Header names one toolchain entry keeps (each about 150 MB with its ``.gch``).
 HEADER_CAP = 4
-#: The paths Inductor's compiler command line holds (``-I``/``-L``): a difference changes its header and kernel names.
+#: The paths Inductor's compiler command line holds (``-I``/``-L``): a difference changes its header's name.
 KEYED_PATHS = ("torch", "python_include", "python_lib")
 
 
@@ -144,8 +146,8 @@ def choose(
 _told: set[str] = set()
 
 
-def explain_paths(differences: list[str], store: Any = None) -> None:
-    """Say once per process that Inductor builds its header and kernels here because a path differs."""
+def explain_paths(differences: list[str], store: Any = None, what: str = "its precompiled header and kernels") -> None:
+    """Say once per process that Inductor builds ``what`` here because a path differs."""
     if not differences:
         return
     if store is not None:
@@ -158,8 +160,9 @@ def explain_paths(differences: list[str], store: Any = None) -> None:
         return
     _told.add(line)
     logger.warning(
-        "adstore: Inductor builds its precompiled header and kernels again on this host: the stored ones "
+        "adstore: Inductor builds %s again on this host: the stored ones "
         "were built under another install path (%s); Inductor's names for them hold these paths "
         '(docs/torch-compile.md, "Install paths")',
+        what,
         line,
     )

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from adstore.integration.errors import VllmTreeError, failure_reason
+from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import InductorEntries, note_failure
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.dirs import open_dir
@@ -108,6 +109,10 @@ def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[s
             raise VllmTreeError("bad_key", f"{what} {value!r} is not a plain name")
     components = {"namespace": NAMESPACE, "kind": kind, "vllm_hash": vllm_hash, "rank": rank, "part": part}
     components.update(identity())
+    if (
+        roots.active()
+    ):  # enable() names Inductor's kernels relative to the install roots: a tree of path-named ones differs
+        components["kernel_names"] = roots.RELOCATION
     return json_digest(components), components
 
 

@@ -12,8 +12,8 @@ runs (``g++ ... -o``, preprocessing left out), the ratio to A's local warm
 restart, whether the output is bit-identical to A's cold run, and what
 adstore said of any miss.
 
-Goal (issue 36): B, C, D and E run no compiler and start within 1.3x A's
-local warm restart + 0.5 s; F runs no compiler or names the path.  Needs
+Goal (issues 36, 41): B to F run no compiler and start within 1.3x A's
+local warm restart + 0.5 s.  Needs
 root (namespaces, uid 1001).
 
     python tests/benchmarks/bench_fleet.py [--repeat 3]

@@ -13,9 +13,10 @@ and differs from the builder (host A) by one thing, made real:
   directories its own;
 * ``read_only`` (E): a frozen copy of A's store bind-mounted read-only (a
   store baked into an image), no remote;
-* ``install_path`` (F): the same venv bind-mounted at another path and run
-  from there (``sys.prefix``, torch's include directory and so Inductor's
-  command lines differ).
+* ``install_path`` (F): the interpreter's prefix and the venv bind-mounted at
+  another path and run from there (``other_users.moved_interpreter``:
+  ``sys.prefix``, torch's directory and Python's include directory, and so
+  Inductor's command lines, differ).
 
 Needs root (mount namespaces, other uids), as the tests and CI run.
 Compiler runs: ``vllm_builds/sitecustomize.py`` logs every ``g++ ... -o``
@@ -36,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "fleet_run.py"
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_restart import started  # noqa: E402
-from other_users import user_argv  # noqa: E402
+from other_users import moved_interpreter, user_argv  # noqa: E402
 
 from adstore.store import Store  # noqa: E402
 
@@ -51,7 +52,7 @@ HOSTS = {
     "cpu_flags": ("C", "/proc/cpuinfo lacks hypervisor and tsc_known_freq"),
     "other_user": ("D", "another user (uid 1001, umask 002)"),
     "read_only": ("E", "A's store mounted read-only, no remote"),
-    "install_path": ("F", "the same venv at another path"),
+    "install_path": ("F", "the same venv (and its interpreter) at another path"),
 }
 OTHER_UID = 1001
 _DROP_FLAGS = ("hypervisor", "tsc_known_freq")
@@ -152,12 +153,9 @@ class Fleet:
                 store.freeze()
             return Host(kind, env, mounts=[(str(image), str(mount), True)])
         if kind == "install_path":
-            venv = Path(sys.prefix)
-            elsewhere = self.work / "f" / "venv-elsewhere"
             env = {**self._dirs("f"), **reader}
-            elsewhere.mkdir(exist_ok=True)
-            python = elsewhere / Path(sys.executable).relative_to(venv)
-            return Host(kind, env, mounts=[(str(venv), str(elsewhere), True)], python=str(python))
+            mounts, python = moved_interpreter(self.work / "f" / "elsewhere")
+            return Host(kind, env, mounts=[(source, target, True) for source, target in mounts], python=python)
         raise ValueError(f"no host kind {kind!r}")
 
     def run(self, host: Host, *args: str, timeout: float = 900) -> dict[str, Any]:

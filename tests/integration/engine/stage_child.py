@@ -35,10 +35,15 @@ UNUSED = (
 )
 
 
-def run_child(job: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run this script on ``job`` in a fresh interpreter (``env`` added to this one's); its report."""
+def run_child(
+    job: dict[str, Any], env: dict[str, str] | None = None, *, python: str = sys.executable, prefix: list[str] = ()
+) -> dict[str, Any]:
+    """Run this script on ``job`` in a fresh interpreter (``env`` added to this one's); its report.
+
+    ``python`` and ``prefix`` (a command the interpreter runs under): another interpreter, or this one elsewhere.
+    """
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), json.dumps(job)],
+        [*prefix, python, str(Path(__file__)), json.dumps(job)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -6,12 +6,15 @@ the shared objects Inductor built; a restart with an empty Inductor cache of
 its own (a new host) places them and loads the artifact without tracing
 (Dynamo traces no frame) and without building a kernel, with bit-identical
 outputs.  A damaged, missing or foreign artifact is a miss with its reason,
-a compile, and is replaced.
+a compile, and is replaced.  The interpreter and venv bind-mounted at another
+path (a mount namespace) load it too without building a kernel.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from stage_child import MODEL, kinds, run_child
@@ -72,6 +75,21 @@ def test_a_restart_with_an_empty_inductor_cache_loads_the_artifact_without_traci
     assert warm["output"] == cold["output"] and warm["module"] == "StandaloneModule"
     # torch's loader lives in torch._dynamo, so it is imported; it traces nothing
     assert warm["dynamo_frames"] == 0 and cold["dynamo_frames"] == 0, (warm["dynamo_frames"], cold["dynamo_frames"])
+
+
+def test_a_restart_with_the_interpreter_at_another_path_builds_no_kernel(job, cold, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the mount-namespace helpers
+    from other_users import moved_argv
+
+    moved = moved_argv(tmp_path / "moved")
+    if moved is None:
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    prefix, python = moved
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(job["work"], "inductor-moved")}
+    again = run_child(job, env=env, python=python, prefix=prefix)
+    assert kinds(again) == [("hit", None), ("hit", None)], kinds(again)
+    detail = again["events"][1]["detail"]
+    assert "0 shared objects built" in detail and again["output"] == cold["output"], detail
 
 
 def test_a_corrupted_artifact_is_a_miss_and_is_replaced(job, cold):

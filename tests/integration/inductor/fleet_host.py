@@ -51,6 +51,7 @@ def main() -> None:
     with Store.open(env["ADSTORE_ROOT"]) as store:  # after disable(): what it counted at the end too
         result["counters"] = dict(store.stats().counters)
     result["prefix"] = sys.prefix
+    result["torch"] = sys.modules["torch"].__file__
     print("RESULT " + json.dumps(result, default=str))
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["host_env", "on_host", "count_builds", "count_probes", "compile_host"]
+__all__ = ["host_env", "on_host", "count_builds", "count_probes", "compile_host", "moved_interpreter"]
 
 
 def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> dict[str, str]:
@@ -28,6 +29,17 @@ def host_env(base: Path, name: str, root: Path | None = None, **extra: str) -> d
         "TORCHINDUCTOR_COMPILE_THREADS": "1",  # kernels build in the host's process, where they are counted
         **extra,
     }
+
+
+def moved_interpreter(base: Path) -> tuple[list[str], str] | None:
+    """This interpreter at another path under ``base`` (``other_users.moved_argv``): (command prefix, python there).
+
+    None without root and ``unshare -m``.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the mount-namespace helpers
+    from other_users import moved_argv
+
+    return moved_argv(base)
 
 
 def on_host(fn: Any, *args: Any) -> Any:

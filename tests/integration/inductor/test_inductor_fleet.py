@@ -8,10 +8,11 @@ of A's store and counts its compiler runs (:mod:`fleet_host`'s audit hook):
   another model string (bare metal against a VM), through a mount namespace:
   no compiler run;
 * A again, on its own directories: Inductor's local hit, counted as such;
-* F: the same venv at another path (a symlink): Inductor's header and kernel
-  names hold the path, so it compiles, and one log line names the path; the
-  toolchain entry then holds both paths' headers, so neither path builds a
-  header again.
+* F: the interpreter (and its venv) bind-mounted at another path, so torch's
+  and Python's directories differ: kernels are named relative to those roots
+  (:mod:`adstore.integration.inductor.roots`), so no compiler run and no word;
+* G: the same, with Inductor's caches off: kernels are built, and the precompiled
+  header, whose bytes hold the path, is built too and one log line names the path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inductor_hosts import host_env
+from inductor_hosts import host_env, moved_interpreter
 
 pytest.importorskip("torch")
 
@@ -93,23 +94,33 @@ def test_a_restart_that_inductor_serves_from_its_own_directory_is_counted(seed):
     assert again["counters"].get("inductor.hits.inductor_fx_graph", 0) == 0  # adstore was never asked
 
 
-def test_the_venv_at_another_path_names_the_path_and_keeps_both_headers(seed, tmp_path):
+def _moved(tmp_path: Path) -> tuple[list[str], str]:
+    moved = moved_interpreter(tmp_path / "moved")
+    if moved is None:
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    return moved
+
+
+def test_the_interpreter_at_another_path_runs_no_compiler(seed, tmp_path):
     base, a = seed
-    link = tmp_path / "elsewhere" / "venv"
-    link.parent.mkdir()
-    link.symlink_to(sys.prefix)
-    python = str(link / "bin" / Path(sys.executable).name)
+    prefix, python = _moved(tmp_path)
+    f = run_host(store_copy(base, base / "a" / "store", "f"), python=python, prefix=prefix)
+    assert f["torch"].startswith(str(tmp_path / "moved")), f["torch"]  # torch's headers are elsewhere
+    assert f["compiler_runs"] == [], f["compiler_runs"]
+    assert f["inductor"].get("fxgraph_cache_hit") == 1 and f["output"] == a["output"], f
+    assert f["counters"].get("inductor.hits.inductor_fx_graph") == 1
+    assert not [w for w in f["warnings"] if "install path" in w], f["warnings"]
+    assert f["store"].get("inductor.install_path_differs", 0) == 0
 
-    f = run_host(store_copy(base, base / "a" / "store", "f"), python=python)
-    assert f["prefix"] == str(link) and f["output"] == a["output"]
-    (line,) = [w for w in f["warnings"] if "install path" in w]
-    assert f"(builder) vs {link}/" in line and line.count("torch: ") == 1, line
-    assert f["store"].get("inductor.install_path_differs", 0) >= 1
-    assert any(r.endswith(".gch") for r in f["compiler_runs"]), f["compiler_runs"]  # its own header
 
-    # The entry now holds both paths' headers: neither path builds a header, nor says anything, again.
-    again_f = run_host(store_copy(base, base / "f" / "store", "f2"), python=python)
-    again_a = run_host(store_copy(base, base / "f" / "store", "a2"))
-    assert not [r for r in again_f["compiler_runs"] if r.endswith(".gch")], again_f["compiler_runs"]
-    assert again_a["compiler_runs"] == [], again_a["compiler_runs"]
-    assert not [w for w in again_a["warnings"] if "install path" in w]
+def test_a_kernel_built_at_another_path_names_the_path_its_header_holds(seed, tmp_path):
+    """No Inductor cache: the kernels are built, and the precompiled header, whose bytes hold the path, too."""
+    base, a = seed
+    prefix, python = _moved(tmp_path)
+    env = {**store_copy(base, base / "a" / "store", "g"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    g = run_host(env, python=python, prefix=prefix)
+    assert g["output"] == a["output"]
+    assert any(r.endswith(".gch") for r in g["compiler_runs"]), g["compiler_runs"]  # its own header
+    (line,) = [w for w in g["warnings"] if "install path" in w]
+    assert f"(builder) vs {tmp_path / 'moved'}/" in line and line.count("torch: ") == 1, line
+    assert g["store"].get("inductor.install_path_differs", 0) >= 1
