@@ -19,7 +19,14 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["moved_argv", "moved_interpreter", "needed_paths", "open_python_steps", "user_argv", "user_private_group_steps"]
+__all__ = [
+    "moved_argv",
+    "moved_interpreter",
+    "needed_paths",
+    "open_python_steps",
+    "user_argv",
+    "user_private_group_steps",
+]
 
 
 def needed_paths() -> list[Path]:
