@@ -55,7 +55,7 @@ from adstore.integration.inductor.toolchain_entry import (
     merge,
     path_differences,
 )
-from adstore.integration.pipeline.flights import EntryFlights
+from adstore.integration.pipeline.flights import flights_for
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.place import place, read_trusted
 from adstore.integration.placement.probes import PROBES, valid_answers
@@ -133,7 +133,7 @@ class InductorEntries:
         #: Hits served, by namespace, this process (``inductor.hits.<namespace>`` in the store).
         self.served: Counter[str] = Counter()
         #: Build leases on the store's remote: a fleet compiles each FX graph once.
-        self.flights = EntryFlights(store)
+        self.flights = flights_for(store)
 
     @functools.cached_property
     def identity(self) -> dict[str, Any]:

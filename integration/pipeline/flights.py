@@ -26,17 +26,19 @@ compiles as before (said once per process in the log).  Nothing here raises.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from adstore.store import Reason, parse_duration
 from adstore.store.remote import ConditionalWrites, Flight, Kind, Role, SingleFlight, record_address
 
-__all__ = ["EntryFlights", "DEFAULT_WAIT", "DEFAULT_TTL", "MIN_WAIT", "flight_wait_cap", "flight_ttl"]
+__all__ = ["EntryFlights", "DEFAULT_WAIT", "DEFAULT_TTL", "MIN_WAIT", "flight_wait_cap", "flight_ttl", "flights_for"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,30 @@ def flight_wait_cap() -> float:
 def flight_ttl() -> float:
     """How long a lease outlives its holder's last renewal (``ADSTORE_FLIGHT_TTL``)."""
     return max(1.0, _duration("ADSTORE_FLIGHT_TTL", DEFAULT_TTL))
+
+
+_for: weakref.WeakKeyDictionary[Any, EntryFlights] = weakref.WeakKeyDictionary()
+_for_lock = threading.Lock()
+_everyone: weakref.WeakSet[EntryFlights] = weakref.WeakSet()
+_at_exit: list[bool] = []
+
+
+def flights_for(store: Any) -> EntryFlights:
+    """The process's one :class:`EntryFlights` of ``store``: the call that leads and the one that saves meet here."""
+    with _for_lock:
+        try:
+            found = _for.get(store)
+            if found is None:
+                found = _for[store] = EntryFlights(store)
+            return found
+        except TypeError:  # a store that cannot be weakly referenced: its own, unshared
+            return EntryFlights(store)
+
+
+def _release_everything() -> None:
+    """At exit: a lease this process still holds (a compile that never saved) goes before its expiry."""
+    for flights in list(_everyone):
+        flights.release_all()
 
 
 class EntryFlights:
@@ -150,6 +176,10 @@ class EntryFlights:
                 flight = waited.flight
             with self._lock:
                 self._held[key] = (flights, flight, self._clock())
+            _everyone.add(self)
+            if not _at_exit:
+                _at_exit.append(True)
+                atexit.register(_release_everything)
             return False
         except Exception:  # noqa: BLE001 - fail open: the lease only saves work
             log.exception("single-flight for %s not taken", key[:12])
