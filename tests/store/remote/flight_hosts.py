@@ -59,6 +59,8 @@ def model_host(env: dict[str, str], version: int) -> dict[str, Any]:
     x = torch.randn(4, 16)
     with torch.no_grad():
         out = torch.compile(m)(x)
+    from torch._dynamo.utils import counters as dynamo_counters
+
     counters: dict[str, int] = {}
     entries = inductor.active()
     if entries is not None:
@@ -69,6 +71,7 @@ def model_host(env: dict[str, str], version: int) -> dict[str, Any]:
         "enabled": enabled,
         "output": hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest(),
         "builds": [b for b in builds if not b.endswith(".i")],
+        "inductor": dict(dynamo_counters["inductor"]),
         "store": counters,
     }
 
