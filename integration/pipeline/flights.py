@@ -131,6 +131,9 @@ class EntryFlights:
         tier = getattr(self.store, "tier", None)
         if tier is None or os.environ.get("ADSTORE_FLIGHT", "").strip().lower() in ("0", "off", "no", "false"):
             return None
+        if getattr(self.store, "read_only", False):  # it could not save what it compiled: it never leads
+            _say_once(str(Reason.READ_ONLY), "this host's store is read-only")
+            return None
         remote = tier.remote
         if not remote.writable:
             _say_once(str(Reason.REMOTE_READ_ONLY), "this host only reads the remote")
