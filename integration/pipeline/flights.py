@@ -95,7 +95,7 @@ def flights_for(store: Any) -> EntryFlights:
         try:
             found = _for.get(store)
             if found is None:
-                found = _for[store] = EntryFlights(store)
+                found = _for[store] = EntryFlights(store, weak=True)
             return found
         except TypeError:  # a store that cannot be weakly referenced: its own, unshared
             return EntryFlights(store)
@@ -118,13 +118,23 @@ class EntryFlights:
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         settle: float = 0.25,
+        weak: bool = False,
     ) -> None:
-        """``clock`` times compiles; ``wall``, ``sleep`` and ``settle`` go to :class:`SingleFlight` (tests)."""
-        self.store = store
+        """``clock`` times compiles; ``wall``, ``sleep`` and ``settle`` go to :class:`SingleFlight` (tests).
+
+        ``weak``: hold the store weakly (:func:`flights_for`, which keys on
+        it, so that a closed store is not kept alive by its flights).
+        """
+        self._store: Callable[[], Any] = weakref.ref(store) if weak else (lambda: store)
         self._clock = clock
         self._wall, self._sleep, self._settle = wall, sleep, settle
         self._held: dict[str, tuple[SingleFlight, Flight, float]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def store(self) -> Any:
+        """The store (None once it is gone)."""
+        return self._store()
 
     def _flights(self) -> SingleFlight | None:
         """The remote's lease protocol, or None (said once) where leases are not taken."""

@@ -102,6 +102,7 @@ def main() -> int:
     import tempfile
 
     work = args.work or Path(tempfile.mkdtemp(prefix="adstore-bench-flight-"))
+    (work / "moto").mkdir(parents=True, exist_ok=True)
     server = start_moto(work / "moto")
     os.environ.update(S3_ENV)
     os.environ["AWS_ENDPOINT_URL"] = server.endpoint
