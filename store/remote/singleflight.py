@@ -214,20 +214,24 @@ class SingleFlight:
         return self._flight(mine.key, Role.LEADER, lease=mine)  # ours, or unreadable: lead (fail open)
 
     # -- the protocol ------------------------------------------------------
-    def acquire(self, key: str, *, ttl: float = DEFAULT_TTL, heartbeat: float | None = None) -> Flight:
+    def acquire(
+        self, key: str, *, ttl: float = DEFAULT_TTL, heartbeat: float | None = None, taking_over: bool = False
+    ) -> Flight:
         """Lead, follow or go solo for ``key``; never raises.
 
         A read-only client never writes a lease: it follows a live one or
         goes solo.  ``heartbeat`` (seconds) renews a leader's lease from a
         thread until :meth:`release`, so ``ttl`` can stay short while a
-        build runs long.
+        build runs long.  ``taking_over``: the caller saw the last holder
+        gone, so leading is a takeover (``flight.takeovers``) even when
+        another waiter removed the dead lease first.
         """
         if not self.remote.writable:
             return self._look(key) or self._flight(key, Role.SOLO, str(Reason.REMOTE_READ_ONLY))
         # A server that may ignore If-None-Match (bazel-remote) would let every acquirer overwrite
         # a live lease: look first there.  Racing writers are then settled by _confirm.
         careful = self.remote.backend.conditional_writes is not ConditionalWrites.ATOMIC
-        stale = False  # a dead lease was removed on the way: leading then is a takeover
+        stale = taking_over  # a dead lease was seen (or removed on the way): leading then is a takeover
         for _ in range(self.attempts):
             if careful and (seen := self._look(key)) is not None:
                 return seen
@@ -353,7 +357,7 @@ class SingleFlight:
                     return done(True, None)
                 if not take_over:
                     return done(False, str(Reason.BUILDER_GONE))
-                again = self.acquire(flight.key, ttl=ttl, heartbeat=heartbeat)
+                again = self.acquire(flight.key, ttl=ttl, heartbeat=heartbeat, taking_over=True)
                 if again.role is Role.LEADER:
                     return done(False, str(Reason.BUILDER_GONE), again)
                 if again.role is Role.SOLO:

@@ -215,3 +215,12 @@ def test_a_takeover_race_leaves_one_leader(memory, ft):
     second = c.acquire("k", ttl=30)
     assert (first.role, second.role) == ("leader", "follower") and second.lease.holder == first.lease.holder
     assert b.remote.counters["flight.takeovers"] == 1 and "flight.takeovers" not in c.remote.counters
+
+
+def test_a_takeover_is_counted_by_the_waiter_that_leads_even_when_another_removed_the_dead_lease(memory, ft):
+    a, b = flights(memory, ft, clock_skew=0), flights(memory, ft, clock_skew=0)
+    a.acquire("k", ttl=2)
+    follow = b.acquire("k")
+    ft.hooks.append(lambda: ft.now > 10_002 and memory.delete(Kind.AC, lease_address("k")))  # another waiter's delete
+    took = b.wait(follow, ready=lambda: False, timeout=60, take_over=True, ttl=30)
+    assert took.flight is not None and took.flight.leader and b.remote.counters["flight.takeovers"] == 1
