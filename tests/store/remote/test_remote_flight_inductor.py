@@ -107,3 +107,33 @@ def test_a_killed_builder_is_taken_over_by_one_waiter(s3_url, tmp_path):
     assert kernels(res[takeovers[0]]) and kernels(res[other]) == [], {n: r["builds"] for n, r in res.items()}
     assert res[other]["inductor"].get("fxgraph_cache_hit") == 1 and res[other]["output"] == res[takeovers[0]]["output"]
     assert len(list(marks.iterdir())) == 2  # the dead builder's lease, and the one taken over
+
+
+@pytest.mark.slow
+def test_two_hosts_aot_compiling_one_module_together_compile_it_once(s3_url, tmp_path):
+    """``aot_compile`` entries take the same lease: one host compiles, the other waits for it (or finds it), loads."""
+    import threading
+
+    from aot_hosts import aot_host
+    from inductor_hosts import on_host
+
+    private, public = write_keypair(tmp_path / "keys")
+    env = {
+        "ADSTORE_REMOTE": s3_url,
+        "ADSTORE_REMOTE_MODE": "read-write",
+        "ADSTORE_SIGNING_KEY": str(private),
+        "ADSTORE_TRUSTED_KEYS": str(public),
+    }
+    got: dict[str, dict] = {}
+
+    def run(name: str) -> None:
+        got[name] = on_host(aot_host, host_env(tmp_path, name, **env), False, 0)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert sorted(r["outcome"] for r in got.values()) == ["compiled", "hit"], got
+    hit = next(r for r in got.values() if r["outcome"] == "hit")
+    assert hit["builds"] == [] and len({r["output"] for r in got.values()}) == 1, hit
