@@ -7,7 +7,8 @@ every kernel; with it one builds and the others wait for its entry, then
 hit (0 kernel builds), with the same output.  When the builder is killed
 with SIGKILL right after it takes the lease, its lease expires (a short
 ``ADSTORE_FLIGHT_TTL``) and exactly one of the others takes it over; the
-third waits again and hits.
+third waits again and hits (slow run; the default run takes the takeover
+with injected time in ``test_remote_singleflight`` and ``test_remote_entry_flights``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def test_three_hosts_started_together_compile_once(s3_url, tmp_path):
         assert r["store"].get("remote.flight.waited_ms", 0) > 0, r["store"]
 
 
+@pytest.mark.slow  # the default run covers the takeover with injected time (test_remote_singleflight, _entry_flights)
 def test_a_killed_builder_is_taken_over_by_one_waiter(s3_url, tmp_path):
     procs, go, marks = start_hosts(tmp_path, s3_url, ["a", "b", "c"], ADSTORE_FLIGHT_TTL="2s")
     time.sleep(0.5)
