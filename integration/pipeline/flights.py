@@ -33,10 +33,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adstore.store import Reason, parse_duration
-from adstore.store.remote import ConditionalWrites, Flight, Kind, Role, SingleFlight, record_address
+
+if TYPE_CHECKING:  # the remote tier loads with the first miss that could take a lease (a store with a remote)
+    from adstore.store.remote import Flight, SingleFlight
 
 __all__ = ["EntryFlights", "DEFAULT_WAIT", "DEFAULT_TTL", "MIN_WAIT", "flight_wait_cap", "flight_ttl", "flights_for"]
 
@@ -144,6 +146,8 @@ class EntryFlights:
         if getattr(self.store, "read_only", False):  # it could not save what it compiled: it never leads
             _say_once(str(Reason.READ_ONLY), "this host's store is read-only")
             return None
+        from adstore.store.remote import ConditionalWrites, SingleFlight
+
         remote = tier.remote
         if not remote.writable:
             _say_once(str(Reason.REMOTE_READ_ONLY), "this host only reads the remote")
@@ -167,6 +171,8 @@ class EntryFlights:
             flights = self._flights()
             if flights is None:
                 return False
+            from adstore.store.remote import Role
+
             ttl = flight_ttl()
             flight = flights.acquire(key, ttl=ttl, heartbeat=ttl / 3)
             if flight.role is Role.SOLO:
@@ -200,6 +206,8 @@ class EntryFlights:
 
     def _arrived(self, flights: SingleFlight, key: str) -> bool:
         """The leader's record is on the remote, or a process of this host saved the entry in our store."""
+        from adstore.store.remote import Kind, record_address
+
         tier = getattr(self.store, "tier", None)
         if tier is not None:
             with tier.local_only():
