@@ -28,6 +28,7 @@ __all__ = [
     "ByteProgress",
     "remote_counters",
     "remote_stats_rows",
+    "flight_stats_rows",
 ]
 
 
@@ -249,4 +250,18 @@ def remote_stats_rows(counters: dict[str, int]) -> list[tuple[str, Any]]:
     errors = sum(v for k, v in c.items() if k.startswith("errors."))
     if errors:
         rows.append(("Remote errors", errors))
-    return rows
+    return rows + flight_stats_rows(c)
+
+
+def flight_stats_rows(c: dict[str, int]) -> list[tuple[str, Any]]:
+    """Single-flight rows: misses that waited for another host's build (and how long), takeovers, waits that ran out."""
+    waits, leads = c.get("flight.waits", 0), c.get("flight.leader", 0)
+    if not (waits or leads):
+        return []
+    return [
+        ("Builds led", leads),
+        ("Waited for another host", f"{waits} ({human_duration(c.get('flight.waited_ms', 0) / 1000.0)})"),
+        ("  then hit", c.get("flight.ready", 0)),
+        ("Leases taken over", c.get("flight.takeovers", 0)),
+        ("Waits that ran out", c.get("flight.single_flight_timeout", 0)),
+    ]

@@ -165,6 +165,8 @@ def _serve(
             entries = None
     if entries is not None and key is not None:
         loaded, why = _load(entries, key, module)
+        if loaded is None and why == Reason.ABSENT and entries.flights.after_miss(key, NAMESPACE):
+            loaded, why = _load(entries, key, module)  # another host (or process) compiled it while this one waited
         if loaded is not None:
             seconds = time.perf_counter() - t0
             return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds)
@@ -182,6 +184,8 @@ def _serve(
             why = why if saved is None else saved
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if entries is not None and key is not None:
+            entries.flights.built(key, NAMESPACE)  # saved or not: a lease this process compiled under goes now
     return AOTModule(module, compiled, outcome="compiled", reason=why, key=key, seconds=time.perf_counter() - t0)
 
 

@@ -58,6 +58,7 @@ from adstore.integration.inductor.toolchain_entry import (
     merge,
     path_differences,
 )
+from adstore.integration.pipeline.flights import flights_for
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.place import place, read_trusted
 from adstore.integration.placement.probes import PROBES, valid_answers
@@ -86,6 +87,9 @@ NAMESPACES = {
     "RemoteDynamoPGOCache": "inductor_dynamo_pgo",
 }
 _FX = NAMESPACES["RemoteFxGraphCache"]
+#: The namespaces whose misses take a single-flight lease: each miss is followed by a compile and its put
+#: (Dynamo's PGO entry is read at the start and written at the end of a whole compile: never leased).
+FLIGHT_NAMESPACES = frozenset({"inductor_fx_graph"})
 TOOLCHAIN_NAMESPACE = "inductor_toolchain"
 #: The Inductor keys of the toolchain's two entries: headers and answers, and the answers alone.
 TOOLCHAIN_KEY, ISA_KEY = "toolchain", "isa"
@@ -132,6 +136,8 @@ class InductorEntries:
         self.owns_store = owns_store
         #: Hits served, by namespace, this process (``inductor.hits.<namespace>`` in the store).
         self.served: Counter[str] = Counter()
+        #: Build leases on the store's remote: a fleet compiles each FX graph once.
+        self.flights = flights_for(store)
 
     @functools.cached_property
     def identity(self) -> dict[str, Any]:
@@ -161,6 +167,10 @@ class InductorEntries:
         try:
             key, components = self.key(namespace, inductor_key)
             res = self.store.lookup(key, trusted=self.trusted)  # code: the rows must agree with a trusted record
+            if not res.hit and res.reason == Reason.ABSENT and namespace in FLIGHT_NAMESPACES:
+                if self.flights.after_miss(key, namespace):  # another host (or process) compiled it meanwhile
+                    res = self.store.lookup(key, trusted=self.trusted)
+                    self.find_toolchain()  # its builder saved the ISA answers before it let us go: no probe here
             if not res.hit:
                 if res.reason != Reason.ABSENT:
                     note_failure(str(res.reason), f"{namespace} entry {key[:12]} not served", self.store)
@@ -198,6 +208,13 @@ class InductorEntries:
             self._publish(key, namespace, components, artifacts, meta)
         except Exception as exc:  # noqa: BLE001 - fail open: the compile's result is used, not kept
             note_failure(failure_reason(exc), f"{namespace} put: {exc}", self.store)
+
+    def built(self, namespace: str, inductor_key: str) -> None:
+        """After :meth:`put` (and the toolchain's save): release a lease ``inductor_key`` was compiled under."""
+        try:
+            self.flights.built(self.key(namespace, inductor_key)[0], namespace)
+        except Exception as exc:  # noqa: BLE001 - an unreleased lease expires
+            logger.debug("single-flight release: %s", exc)
 
     def _served(self, namespace: str, meta: Any) -> None:
         """Count a hit adstore served: per namespace, and the compile it saved (FX-graph entries only).

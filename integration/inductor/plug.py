@@ -105,9 +105,12 @@ class AdstoreBackend(RemoteCacheBackend[bytes]):
             note_failure(str(Reason.INTEGRATION_ERROR), f"{self.namespace}: a value of type {type(data).__name__}")
             return
         files = RECORDER.since(self._mark) if self.namespace == _FX else []
-        entries.put(self.namespace, key, bytes(data), files, seconds=time.monotonic() - self._asked)
-        if self.namespace == _FX:
-            _save_toolchain()
+        try:
+            entries.put(self.namespace, key, bytes(data), files, seconds=time.monotonic() - self._asked)
+            if self.namespace == _FX:
+                _save_toolchain()
+        finally:  # followers wake to the graph and the toolchain's answers both on the remote
+            entries.built(self.namespace, key)
 
 
 def _factory(namespace: str) -> Any:
@@ -223,6 +226,7 @@ def disable() -> None:
         return
     if state.toolchain is not None:
         state.toolchain.join()  # it uses the store closed below
+    state.entries.flights.release_all()  # a compile that never saved: its waiters need not wait for expiry
     _unplug(state)
 
 

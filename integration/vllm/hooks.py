@@ -171,6 +171,8 @@ class _State:
         common = {"vllm_hash": layout.vllm_hash, "anchors": anchors, "trusted": self.trusted}
         shared = trees.restore(self.store, kind="aot_inductor", rank="shared", target=layout.shared_dir, **common)
         mine = trees.restore(self.store, kind="aot", rank=layout.rank, target=layout.rank_dir, **common)
+        if mine.hit and shared.reason == "absent":  # it arrived while this rank waited for another host's build
+            shared = trees.restore(self.store, kind="aot_inductor", rank="shared", target=layout.shared_dir, **common)
         logger.debug("adstore: vLLM AOT %s %s: inductor_cache %s, %s", layout.vllm_hash[:12], layout.rank, shared, mine)
 
     def capture_aot(self, model: Any) -> None:

@@ -54,6 +54,7 @@ from typing import Any
 from adstore.integration.errors import VllmTreeError, failure_reason
 from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import InductorEntries, note_failure
+from adstore.integration.pipeline.flights import flights_for
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.dirs import open_dir
 from adstore.integration.placement.place import place
@@ -179,6 +180,23 @@ def capture(
         return Outcome(True, "captured", len(tree.files))
     except Exception as exc:  # noqa: BLE001 - fail open: vLLM's own files stay as they are
         return _fail(store, exc, f"capture of {source}")
+    finally:
+        if _leased(kind, rank):  # saved or not: a lease this process compiled the tree under goes now
+            try:
+                flights_for(store).built(tree_key(kind=kind, vllm_hash=vllm_hash, rank=rank, part=part)[0], NAMESPACE)
+            except Exception as exc:  # noqa: BLE001 - no key, no lease; an unreleased lease expires
+                logger.debug("single-flight release: %s", exc)
+
+
+def _leased(kind: str, rank: str) -> bool:
+    """Whether a miss of this tree takes a single-flight lease: the first rank's own trees only.
+
+    Ranks of one host meet in collectives while they compile, so only one
+    rank per host may wait for another host: the others build (and wait at
+    their collectives for the rank that waits); a tree the ranks share is
+    restored again by the hook once the first rank's arrived.
+    """
+    return kind in ("aot", "piecewise") and rank == "rank_0_0"
 
 
 # -- restore ---------------------------------------------------------------------
@@ -246,6 +264,9 @@ def restore(
         if _occupied(target):
             return Outcome(False, "target_exists", detail=f"{target} is vLLM's own")
         res = store.lookup(key, trusted=trusted_uids() if trusted is None else trusted)  # meta: paths and modes
+        if not res.hit and res.reason == Reason.ABSENT and _leased(kind, rank):
+            if flights_for(store).after_miss(key, NAMESPACE):  # another host compiled it while this one waited
+                res = store.lookup(key, trusted=trusted_uids() if trusted is None else trusted)
         if not res.hit or res.manifest is None:
             if res.reason != Reason.ABSENT:
                 note_failure(str(res.reason), f"tree {key[:12]} not served", store, scope="vllm")

@@ -142,6 +142,8 @@ class WaitResult:
     ready: bool
     reason: str | None
     seconds: float
+    #: A lease this follower took over from a builder that is gone (``wait(take_over=True)``): build, then release.
+    flight: Flight | None = None
 
 
 class SingleFlight:
@@ -212,19 +214,24 @@ class SingleFlight:
         return self._flight(mine.key, Role.LEADER, lease=mine)  # ours, or unreadable: lead (fail open)
 
     # -- the protocol ------------------------------------------------------
-    def acquire(self, key: str, *, ttl: float = DEFAULT_TTL, heartbeat: float | None = None) -> Flight:
+    def acquire(
+        self, key: str, *, ttl: float = DEFAULT_TTL, heartbeat: float | None = None, taking_over: bool = False
+    ) -> Flight:
         """Lead, follow or go solo for ``key``; never raises.
 
         A read-only client never writes a lease: it follows a live one or
         goes solo.  ``heartbeat`` (seconds) renews a leader's lease from a
         thread until :meth:`release`, so ``ttl`` can stay short while a
-        build runs long.
+        build runs long.  ``taking_over``: the caller saw the last holder
+        gone, so leading is a takeover (``flight.takeovers``) even when
+        another waiter removed the dead lease first.
         """
         if not self.remote.writable:
             return self._look(key) or self._flight(key, Role.SOLO, str(Reason.REMOTE_READ_ONLY))
         # A server that may ignore If-None-Match (bazel-remote) would let every acquirer overwrite
         # a live lease: look first there.  Racing writers are then settled by _confirm.
         careful = self.remote.backend.conditional_writes is not ConditionalWrites.ATOMIC
+        stale = taking_over  # a dead lease was seen (or removed on the way): leading then is a takeover
         for _ in range(self.attempts):
             if careful and (seen := self._look(key)) is not None:
                 return seen
@@ -236,11 +243,11 @@ class SingleFlight:
                 written = self.remote.put(Kind.AC, lease_address(key), mine.encode())
                 if not written.ok:
                     return self._flight(key, Role.SOLO, written.reason)
-                return self._start(self._confirm(mine), heartbeat)
+                return self._start(self._confirm(mine), heartbeat, stale)
             if not put.ok:
                 return self._flight(key, Role.SOLO, put.reason)
             if put.value:
-                return self._start(self._confirm(mine), heartbeat)
+                return self._start(self._confirm(mine), heartbeat, stale)
             got, current = self._read(key)
             if not got.ok:
                 return self._flight(key, Role.SOLO, got.reason)
@@ -253,7 +260,7 @@ class SingleFlight:
                 key,
                 "undecodable" if current is None else f"held by {current.holder.host}:{current.holder.pid}",
             )
-            self.remote.count("flight.takeovers")
+            stale = True
             self.remote.delete(Kind.AC, lease_address(key))
         return self._flight(key, Role.SOLO, str(Reason.BUILDER_GONE))
 
@@ -266,7 +273,9 @@ class SingleFlight:
             return self._flight(key, Role.FOLLOWER, lease=current)
         return None
 
-    def _start(self, flight: Flight, heartbeat: float | None) -> Flight:
+    def _start(self, flight: Flight, heartbeat: float | None, stale: bool = False) -> Flight:
+        if flight.leader and stale:  # counted once per takeover, by the one acquirer that won it
+            self.remote.count("flight.takeovers")
         if flight.leader and heartbeat:
             flight._stop = threading.Event()
             threading.Thread(
@@ -302,16 +311,37 @@ class SingleFlight:
             return False  # taken over after it expired: not ours to delete
         return self.remote.delete(Kind.AC, lease_address(flight.key)).ok
 
-    def wait(self, flight: Flight, *, ready: Callable[[], bool], timeout: float) -> WaitResult:
-        """Follow: poll ``ready()`` (the leader's record is on the remote) for at most ``timeout`` s."""
+    def wait(
+        self,
+        flight: Flight,
+        *,
+        ready: Callable[[], bool],
+        timeout: float,
+        take_over: bool = False,
+        ttl: float = DEFAULT_TTL,
+        heartbeat: float | None = None,
+    ) -> WaitResult:
+        """Follow: poll ``ready()`` (the leader's record is on the remote) for at most ``timeout`` s.
+
+        When the leader is gone without its record (its lease expired, its
+        process died, it released after a failed build), every follower
+        builds, unless ``take_over``: then each tries to take the lease over
+        (:meth:`acquire`, ``ttl`` and ``heartbeat`` as there), so exactly one
+        leads (the result's ``flight``) and the rest follow the new lease,
+        within the same deadline.  The time waited is counted
+        (``flight.waited_ms``), once per wait.
+        """
         start = self._clock()
         deadline, delay = start + timeout, self.poll_min
         if flight.role is not Role.FOLLOWER:  # a leader builds, a solo flight builds: nothing to wait for
             return WaitResult(False, flight.reason, 0.0)
 
-        def done(ok: bool, reason: str | None) -> WaitResult:
+        def done(ok: bool, reason: str | None, lead: Flight | None = None) -> WaitResult:
+            seconds = self._clock() - start
             self.remote.count("flight.ready" if ok else f"flight.{reason}")
-            return WaitResult(ok, reason, self._clock() - start)
+            self.remote.count("flight.waits")
+            self.remote.count("flight.waited_ms", max(1, int(seconds * 1000)))
+            return WaitResult(ok, reason, seconds, lead)
 
         while True:
             if _safely(ready):
@@ -323,7 +353,17 @@ class SingleFlight:
             if not got.ok:
                 return done(False, got.reason)
             if not self._live(current):  # released, expired or dead: one last look for its record
-                return done(True, None) if _safely(ready) else done(False, str(Reason.BUILDER_GONE))
+                if _safely(ready):
+                    return done(True, None)
+                if not take_over:
+                    return done(False, str(Reason.BUILDER_GONE))
+                again = self.acquire(flight.key, ttl=ttl, heartbeat=heartbeat, taking_over=True)
+                if again.role is Role.LEADER:
+                    return done(False, str(Reason.BUILDER_GONE), again)
+                if again.role is Role.SOLO:
+                    return done(False, again.reason)
+                flight, delay = again, self.poll_min  # another waiter took it over: follow that one
+                continue
             self._sleep(max(0.0, min(delay, deadline - now)))
             delay = min(delay * 2, self.poll_max)
 

@@ -76,6 +76,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_vllm": ["vllm.json"],
     "bench_fleet": ["fleet.json"],
     "bench_run": ["run.json"],
+    "bench_flight": ["flight.json"],
 }
 
 Row = dict[str, Any]
@@ -1213,6 +1214,53 @@ def rows_run(d: dict) -> list[Row]:
     return out
 
 
+def rows_flight(d: dict) -> list[Row]:
+    lone, t, k = d["lone"], d["together"], d["kill"]
+    n = d["hosts"]
+    return [
+        row(
+            "flight",
+            "lone cold start (torch.compile of a small MLP, S3 remote): import to output",
+            _s(lone["wall_s"]),
+            f"{lone['builds']} C++ builds",
+            None,
+            "",
+            None,
+            d["model"],
+        ),
+        row(
+            "flight",
+            f"{n} hosts started together: C++ builds in all",
+            str(t["total_builds"]),
+            f"lone host {lone['builds']}",
+            d["together_builds_over_lone"],
+            "≤ 1.25×",
+            d["together_builds_over_lone"] <= 1.25,
+            f"FX graphs compiled: {t['total_fx_compiles']}; identical output: {'yes' if t['identical'] else 'NO'}",
+        ),
+        row(
+            "flight",
+            f"{n} hosts started together: slowest host, import to output",
+            _s(t["slowest_s"]),
+            f"lone {_s(lone['wall_s'])}",
+            d["together_slowest_over_lone"],
+            "≤ 2×",
+            d["together_slowest_over_lone"] <= 2,
+            "",
+        ),
+        row(
+            "flight",
+            f"{n} hosts, the builder SIGKILLed {d['kill_after_s']:g} s in (lease TTL {d['ttl_s']:g} s): slowest other",
+            _s(k["slowest_s"]),
+            f"lone {_s(lone['wall_s'])}",
+            d["kill_slowest_over_lone"],
+            "≤ 3×",
+            d["kill_within_goal"],
+            f"identical output: {'yes' if k['identical'] else 'NO'}; FX graphs compiled {k['total_fx_compiles']}",
+        ),
+    ]
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(d, dict):
@@ -1255,6 +1303,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_vllm": rows_vllm,
     "bench_fleet": rows_fleet,
     "bench_run": rows_run,
+    "bench_flight": rows_flight,
 }
 
 

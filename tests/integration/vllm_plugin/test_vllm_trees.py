@@ -82,6 +82,35 @@ def test_a_second_store_restores_the_tree_the_first_captured(tmp_path):
     assert snapshot(tmp_path / "out") == _expected(source)
 
 
+def test_a_host_that_misses_while_another_compiles_the_tree_waits_and_restores_it(tmp_path):
+    """Single-flight: A misses first and leads; B misses next, waits for A's capture, then restores it."""
+    import threading
+
+    pair = generate_keypair()
+    url = f"memory://vllm-{uuid.uuid4().hex[:8]}"
+
+    def remote():
+        signer, keys = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
+        return open_remote(url, mode="read-write", signer=signer, trusted=keys)
+
+    source = make_tree(tmp_path / "src")
+    with Store.open(tmp_path / "a", remote=remote()) as a, Store.open(tmp_path / "b", remote=remote()) as b:
+        assert trees.restore(a, target=tmp_path / "a-out", anchors={}, **TREE).reason == "absent"  # A leads
+        got = []
+        waiter = threading.Thread(
+            target=lambda: got.append(trees.restore(b, target=tmp_path / "b-out", anchors={}, **TREE))
+        )
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not b.tier.remote.counters.get("flight.follower") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert trees.capture(a, source=source, anchors={}, **TREE).captured  # A compiled: saved, pushed, released
+        waiter.join(120)
+        assert got and got[0].reason == "restored", got
+        assert b.tier.remote.counters["flight.ready"] == 1 and a.tier.remote.counters["flight.leader"] == 1
+    assert snapshot(tmp_path / "b-out") == _expected(source)
+
+
 @pytest.mark.parametrize("shape", ["symlink", "fifo", "symlinked_root", "odd_name"])
 def test_capture_refuses_a_tree_it_could_not_restore_exactly(store, tmp_path, shape):
     source = make_tree(tmp_path / "src")

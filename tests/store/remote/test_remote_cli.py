@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -96,3 +97,23 @@ def test_the_config_file_names_the_remote_unless_the_environment_or_a_flag_does(
     assert data["config"]["url"] == "memory://from-env" and data["config"]["mode"] == "read"
     code, data, _ = run(capsys, "--root", str(b), "remote", "--json", "--no-probe", "--remote", http_url)
     assert data["config"]["url"] == http_url
+
+
+def test_stats_show_waits_for_another_host_takeovers_and_waits_that_ran_out(tmp_path, capsys):
+    with Store.open(tmp_path / "s") as store:
+        store.count(
+            {
+                "remote.hits": 2,
+                "remote.flight.follower": 3,
+                "remote.flight.waits": 3,
+                "remote.flight.waited_ms": 95_000,
+                "remote.flight.ready": 1,
+                "remote.flight.takeovers": 1,
+                "remote.flight.single_flight_timeout": 1,
+            }
+        )
+    code, text, _ = run(capsys, "--root", str(tmp_path / "s"), "stats")
+    rows = [re.split(r"\s{2,}", ln.strip(), maxsplit=1) for ln in text.splitlines()]
+    lines = {row[0]: row[1] for row in rows if len(row) == 2}
+    assert code == 0 and lines["Waited for another host"] == "3 (1m35s)", text
+    assert (lines["then hit"], lines["Leases taken over"], lines["Waits that ran out"]) == ("1", "1", "1"), text

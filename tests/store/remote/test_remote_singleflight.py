@@ -191,3 +191,36 @@ def test_a_server_that_ignores_if_none_match_still_gets_one_leader(ft):
     lead = a.acquire("k")
     assert lead.role == "leader" and b.acquire("k").role == "follower"
     assert backend.get(Kind.AC, lease_address("k")) == lead.lease.encode()
+
+
+def test_one_waiter_takes_over_a_dead_builder_and_the_others_follow_it(memory, ft):
+    a, b, c = (flights(memory, ft, clock_skew=0) for _ in range(3))
+    a.acquire("k", ttl=2)  # the builder, then nothing: it died without releasing
+    follow_b, follow_c = b.acquire("k"), c.acquire("k")
+    took = b.wait(follow_b, ready=lambda: False, timeout=60, take_over=True, ttl=30)
+    assert (took.ready, took.reason) == (False, "builder_gone") and took.flight is not None and took.flight.leader
+    published = []
+    ft.hooks.append(lambda: len(ft.sleeps) >= 6 and published.append(True))  # b publishes while c waits on it
+    waited = c.wait(follow_c, ready=lambda: bool(published), timeout=60, take_over=True, ttl=30)
+    assert waited.ready and waited.flight is None
+    assert (b.remote.counters["flight.takeovers"], c.remote.counters.get("flight.takeovers")) == (1, None)
+    assert b.remote.counters["flight.waited_ms"] >= 2000 and c.remote.counters["flight.ready"] == 1
+
+
+def test_a_takeover_race_leaves_one_leader(memory, ft):
+    a, b, c = (flights(memory, ft, clock_skew=0) for _ in range(3))
+    a.acquire("k", ttl=2)
+    ft.now += 3  # expired
+    first = b.acquire("k", ttl=30)
+    second = c.acquire("k", ttl=30)
+    assert (first.role, second.role) == ("leader", "follower") and second.lease.holder == first.lease.holder
+    assert b.remote.counters["flight.takeovers"] == 1 and "flight.takeovers" not in c.remote.counters
+
+
+def test_a_takeover_is_counted_by_the_waiter_that_leads_even_when_another_removed_the_dead_lease(memory, ft):
+    a, b = flights(memory, ft, clock_skew=0), flights(memory, ft, clock_skew=0)
+    a.acquire("k", ttl=2)
+    follow = b.acquire("k")
+    ft.hooks.append(lambda: ft.now > 10_002 and memory.delete(Kind.AC, lease_address("k")))  # another waiter's delete
+    took = b.wait(follow, ready=lambda: False, timeout=60, take_over=True, ttl=30)
+    assert took.flight is not None and took.flight.leader and b.remote.counters["flight.takeovers"] == 1
