@@ -32,7 +32,7 @@ from .index.tables import Tables
 from .layout import Layout, default_root
 from .leases import DEFAULT_PUBLISH_TIMEOUT, new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
-from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
+from .maintenance.budget import DEFAULT_GRACE_PERIOD
 from .maintenance.inline import InlineEviction
 from .maintenance.reservations import Reservation
 from .manifests import set_pinned
@@ -490,19 +490,6 @@ class Store(Upkeep):
         for name, n in self._book.pending().items():  # a read-only store's counters live in memory only
             stats.counters[name] = stats.counters.get(name, 0) + n
         return stats
-
-    def set_budget(self, budget: Budget) -> None:
-        """Persist the budget the daemon enforces (``adstore stats`` and writers read it)."""
-        self._tables.write(lambda t: t.put_meta(BUDGET, budget.encode()))
-
-    def budget(self) -> Budget | None:
-        """The persisted budget, or None if no daemon ever set one."""
-        with self._tables.read() as t:
-            return read_budget(t)
-
-    def reader_check(self) -> int:
-        """Free LMDB reader slots left by killed processes."""
-        return self._index.reader_check()
 
     @property
     def index(self) -> Index:

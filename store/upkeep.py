@@ -17,6 +17,7 @@ from .errors import ReadOnlyStore
 from .fsutil import read_only_filesystem
 from .index.file import probe_index
 from .layout import Layout, default_root
+from .maintenance.budget import BUDGET, Budget, read_budget
 from .units import MinFree, parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -44,6 +45,19 @@ class Upkeep:
     _index: Index
     _attach: Callable[[Layout], None]
     flush: Callable[[], None]
+
+    def set_budget(self, budget: Budget) -> None:
+        """Persist the budget the daemon enforces (``adstore stats`` and writers read it)."""
+        self._tables.write(lambda t: t.put_meta(BUDGET, budget.encode()))
+
+    def budget(self) -> Budget | None:
+        """The persisted budget, or None if no daemon ever set one."""
+        with self._tables.read() as t:
+            return read_budget(t)
+
+    def reader_check(self) -> int:
+        """Free LMDB reader slots left by killed processes."""
+        return self._index.reader_check()
 
     def plan_eviction(
         self,
