@@ -40,8 +40,10 @@ from torch import nn
 
 from adstore.integration.errors import IntegrationError, failure_reason
 from adstore.integration.inductor import aotartifact
+from adstore.integration.inductor.aotcode import Watch
 from adstore.integration.inductor.aotkey import NAMESPACE, aot_components
 from adstore.integration.inductor.entries import InductorEntries, note_failure
+from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.placement.dirs import private_dir
 from adstore.integration.placement.place import read_trusted
 from adstore.integration.placement.rule import trusted_uids
@@ -69,13 +71,14 @@ class AOTModule:
     def __init__(
         self,
         module: nn.Module,
-        compiled: Any,
+        compiled: aotartifact.Artifact | None,
         *,
         outcome: str,
         reason: str | None = None,
         key: str | None = None,
         seconds: float = 0.0,
         detail: str = "",
+        watch: Watch | None = None,
     ) -> None:
         self.module = module
         self.outcome = outcome
@@ -85,19 +88,45 @@ class AOTModule:
         self.detail = detail
         self.fallbacks = 0
         self._compiled = compiled
+        self._watch = watch
         self._grad = torch.is_grad_enabled()
         self._fallback: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled
-        if compiled is not None and torch.is_grad_enabled() == self._grad and not _call_hooks(self.module):
+        if (
+            compiled is not None
+            and torch.is_grad_enabled() == self._grad
+            and not _call_hooks(self.module)
+            and not self._rebound()
+        ):
             try:
-                ok = bool(compiled.guard_check(self.module, *args, **kwargs))
+                ok = compiled.guard_check(self.module, args, kwargs)
             except TypeError:  # arguments forward does not take: torch.compile raises the user's error
                 ok = False
             if ok:
-                return compiled.fn(self.module, *args, **kwargs)
+                return compiled(self.module, args, kwargs)
         return self._other_call(*args, **kwargs)
+
+    def _rebound(self) -> bool:
+        """Whether a global or function-valued attribute the key holds was rebound since (then never again).
+
+        Dynamo's guards on them cannot be stored in the artifact; torch.compile, which keeps them, serves
+        every later call of this module.
+        """
+        if self._watch is None:
+            return False
+        name = self._watch.changed()
+        if name is None:
+            return False
+        self._compiled = None
+        note_failure(
+            "global_changed",
+            f"{type(self.module).__name__}: {name!r} is not what the artifact was keyed with",
+            scope=_SCOPE,
+            fallback="torch.compile serves this module from now on",
+        )
+        return True
 
     def _other_call(self, *args: Any, **kwargs: Any) -> Any:
         self.fallbacks += 1
@@ -136,7 +165,19 @@ def aot_compile(
         return AOTModule(module, None, outcome="torch.compile", reason=str(Reason.FORWARD_HOOK))
     entries, owned, why = _entries(store)
     try:
-        return _serve(module, args, kw, entries, t0, why)
+        if entries is None:  # no store: nothing to load or keep, and torch.compile keeps every guard
+            return AOTModule(module, None, outcome="torch.compile", reason=why)
+        return _serve(module, args, kw, entries, t0)
+    except Exception as exc:  # noqa: BLE001 - fail open: anything unforeseen, torch.compile serves the module
+        reason = failure_reason(exc)
+        note_failure(
+            reason,
+            f"aot_compile of {type(module).__name__}: {exc}",
+            entries and entries.store,
+            scope=_SCOPE,
+            fallback=_FALLBACK,
+        )
+        return AOTModule(module, None, outcome="torch.compile", reason=reason, detail=str(exc))
     finally:
         if owned and entries is not None:
             try:
@@ -146,43 +187,47 @@ def aot_compile(
 
 
 def _serve(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    entries: InductorEntries | None,
-    t0: float,
-    why: str | None,
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], entries: InductorEntries, t0: float
 ) -> AOTModule:
-    """Look the module up, load it on a hit; compile (and store) it on a miss (``why``: no store, and why)."""
-    key: str | None = None
-    components: dict[str, Any] = {}
-    if entries is not None:
-        try:
-            key, components = aot_components(module, args, kwargs, entries.identity)
-        except Exception as exc:  # noqa: BLE001 - no key: compiled, not stored
-            why = str(Reason.KEY_ERROR)
-            note_failure(why, f"{type(module).__name__}: {exc}", entries.store, scope=_SCOPE, fallback=_FALLBACK)
-            entries = None
-    if entries is not None and key is not None:
-        loaded, why = _load(entries, key, module)
-        if loaded is not None:
-            seconds = time.perf_counter() - t0
-            return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds)
-    workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
+    """Look the module up, load it on a hit; compile (and store) it on a miss.
+
+    A module whose key cannot be built (a function-valued attribute or a
+    global with no canonical form) is not served from the store at all:
+    torch.compile, which keeps every guard, serves it.
+    """
+    store = entries.store
+    watch = Watch()
+    try:
+        key, components = aot_components(module, args, kwargs, entries.identity, watch)
+    except Exception as exc:  # noqa: BLE001 - no key: torch.compile serves it
+        why = str(Reason.KEY_ERROR)
+        note_failure(why, f"{type(module).__name__}: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=why, detail=str(exc))
+    loaded, why = _load(entries, key, components, module)
+    if loaded is not None:
+        seconds = time.perf_counter() - t0
+        return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds, watch=watch)
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
+    except Exception as exc:  # noqa: BLE001 - no private place for the kernels (an unsafe TMPDIR): torch.compile
+        reason = failure_reason(exc)
+        note_failure(reason, f"no private directory: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=reason, key=key, detail=str(exc))
     try:
         try:
             compiled, probes, dropped = aotartifact.capture(module, args, kwargs, workdir)
+            artifact = aotartifact.Artifact(compiled, aotartifact.calling(compiled, module))
         except Exception as exc:  # noqa: BLE001 - torch could not compile it this way: torch.compile serves it
             reason = str(Reason.INTEGRATION_ERROR)
             why = f"aot_compile of {type(module).__name__}: {type(exc).__name__}: {exc}"
-            note_failure(reason, why, entries and entries.store, scope=_SCOPE, fallback=_FALLBACK)
+            note_failure(reason, why, store, scope=_SCOPE, fallback=_FALLBACK)
             return AOTModule(module, None, outcome="torch.compile", reason=reason, key=key, detail=str(exc))
-        if entries is not None and key is not None:
-            saved = _save(entries, key, components, module, compiled, workdir, probes, dropped)
-            why = why if saved is None else saved
+        saved = _save(entries, key, components, module, compiled, workdir, probes, dropped)
+        why = why if saved is None else saved
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return AOTModule(module, compiled, outcome="compiled", reason=why, key=key, seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return AOTModule(module, artifact, outcome="compiled", reason=why, key=key, seconds=seconds, watch=watch)
 
 
 def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
@@ -199,16 +244,24 @@ def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
         return None, False, reason
 
 
-def _load(entries: InductorEntries, key: str, module: nn.Module) -> tuple[Any, str | None]:
-    """The stored artifact loaded (kernels placed first), or None and why not (``absent`` on a plain miss)."""
+def _load(
+    entries: InductorEntries, key: str, components: dict[str, Any], module: nn.Module
+) -> tuple[aotartifact.Artifact | None, str | None]:
+    """The stored artifact loaded (kernels placed first), or None and why not (``absent`` on a plain miss).
+
+    The artifact becomes code: its rows must agree with a record a trusted
+    user sealed (``trusted=``), or the lookup is a miss ``unsealed_entry``.
+    A miss is journalled with its components (``adstore explain --misses``).
+    """
     store = entries.store
     try:
-        res = store.lookup(key)
+        res = store.lookup(key, trusted=entries.trusted)
         if not res.hit or res.manifest is None:
             reason = str(res.reason)
             if res.reason != Reason.ABSENT:
                 why = f"{NAMESPACE} entry {key[:12]} not served"
                 note_failure(reason, why, store, scope=_SCOPE, fallback="compiled")
+            note_miss(key, components)  # for `adstore explain`: the nearest entry and the component that differs
             return None, reason
         manifest = res.manifest
         if manifest.namespace != NAMESPACE or ARTIFACT not in manifest.artifacts:
@@ -249,9 +302,10 @@ def _save(
         files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
         artifacts = {ARTIFACT: store.put_bytes(blob), **entries.file_refs(files, workdir, None)}
         info = {"files": len(files), "guards_dropped": dropped, "bytes": len(blob)}
-        store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=info)
-        store.count_event("save")
-        return None
+        if store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=info, trusted=entries.trusted):
+            store.count_event("save")
+            return None
+        return "untrusted_dedup"  # a blob another user owns: readers would refuse the entry (counted by the store)
     except Exception as exc:  # noqa: BLE001 - the compiled module is used, not kept
         reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
         if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
