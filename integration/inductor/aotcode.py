@@ -52,6 +52,7 @@ __all__ = [
     "global_names",
     "import_name",
     "is_torch_code",
+    "opaque",
     "value_form",
 ]
 
@@ -60,6 +61,8 @@ _MAX_DEPTH = 8
 _PLAIN = (bool, int, float, str, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _MISSING = object()
+#: Containers up to this size are compared by value on every call (a list can change in place); larger, by identity.
+_WATCHED_ITEMS = 32
 
 
 def _sized(tag: bytes, data: bytes) -> bytes:
@@ -155,37 +158,45 @@ class Watch:
     """Objects a key was built from that the program can rebind: ``(namespace, name, object, form)``.
 
     :meth:`changed` is the per-call check of one process: identity first
-    (cheap), and for containers their canonical form (a list can change in place).
+    (cheap), and for small containers their members' identities (a list can
+    change in place; a member changed inside a member is not seen).
     """
 
     items: list[tuple[MutableMapping[str, Any], str, Any, Any]] = field(default_factory=list)
     _seen: set[tuple[int, str]] = field(default_factory=set)
+    #: The Python modules whose functions' globals are read (the modules defining the module tree's classes).
+    home: frozenset[str] = frozenset()
     #: Forms of the functions already met while building one key (each function's code is read once).
-    memo: dict[int, Any] = field(default_factory=dict)
+    memo: dict[tuple[int, bool], Any] = field(default_factory=dict)
 
     def add(self, namespace: MutableMapping[str, Any], name: str, obj: Any, form: Any) -> None:
         mark = (id(namespace), name)
         if mark not in self._seen:
             self._seen.add(mark)
-            self.items.append((namespace, name, obj, form if isinstance(obj, _CONTAINERS) else None))
+            small = isinstance(obj, _CONTAINERS) and len(obj) <= _WATCHED_ITEMS
+            self.items.append((namespace, name, obj, _members(obj) if small else None))
 
     def changed(self) -> str | None:
-        """The first name whose object is not the one keyed, or None."""
-        for namespace, name, obj, form in self.items:
+        """The first name whose object is not the one keyed (or a small container whose members changed)."""
+        for namespace, name, obj, members in self.items:
             now = namespace.get(name, _MISSING)
             if now is obj:
-                if form is None:
+                if members is None or _members(now) == members:
                     continue
-                try:
-                    if value_form(now) == form:
-                        continue
-                except CacheKeyError:
-                    pass
                 return name
             if isinstance(now, _PLAIN) and type(now) is type(obj) and canonical(now) == canonical(obj):
                 continue  # rebound to an equal plain value
             return name
         return None
+
+
+def _members(obj: Any) -> tuple[Any, ...]:
+    """A container's members by identity (keys by value): cheap enough for every call, and a change shows."""
+    if isinstance(obj, dict):
+        return tuple((k, id(v)) for k, v in obj.items())
+    if isinstance(obj, (set, frozenset)):
+        return tuple(sorted(id(v) for v in obj))
+    return tuple(id(v) for v in obj)
 
 
 def _check_depth(depth: int, what: Any) -> None:
@@ -216,15 +227,18 @@ def value_form(value: Any, watch: Watch | None = None, depth: int = 0, stack: tu
         items = [value_form(v, watch, depth + 1, stack) for v in value]
         return {"set": sorted(items, key=canonical_json)}
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise CacheKeyError(f"code: a dict with non-string keys ({type(value).__name__}) has no canonical form")
-        return {"dict": {k: value_form(v, watch, depth + 1, stack) for k, v in sorted(value.items())}}
+        if all(isinstance(k, str) for k in value):
+            return {"dict": {k: value_form(v, watch, depth + 1, stack) for k, v in sorted(value.items())}}
+        pairs = [
+            [value_form(k, watch, depth + 1, stack), value_form(v, watch, depth + 1, stack)] for k, v in value.items()
+        ]
+        return {"items": sorted(pairs, key=canonical_json)}
     if isinstance(value, types.ModuleType):
         return {"module": value.__name__}
     if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return {"op": str(value)}
     if isinstance(value, type):
-        return _class_form(value, watch, depth, stack)
+        return _class_form(value)
     if isinstance(value, functools.partial):
         return {
             "partial": value_form(value.func, watch, depth + 1, stack),
@@ -234,35 +248,38 @@ def value_form(value: Any, watch: Watch | None = None, depth: int = 0, stack: tu
     if isinstance(value, types.FunctionType) and not is_torch_code(value):
         return function_form(value, watch, depth, stack)
     if isinstance(value, types.MethodType) and not isinstance(value.__self__, (type, types.ModuleType)):
-        raise CacheKeyError(f"code: a method bound to a {type(value.__self__).__name__} has no canonical form")
+        owner = value.__self__  # a method of an object: its code, and the object by its type
+        return {"method": value_form(value.__func__, watch, depth + 1, stack), "self": _object_form(owner)}
     name = import_name(value)
     if name is not None and callable(value):  # builtins, torch's functions, a classmethod of an importable class
         return {"function": name}
-    if callable(value) or isinstance(value, torch.Tensor):  # what it computes is not known from its type
-        raise CacheKeyError(f"code: a {type(value).__name__} value ({value!r:.60}) has no canonical form")
-    # Any other object (a logger, a configuration): by its type, and watched by identity in the process.
-    return {"object": _class_name(type(value))}
+    if isinstance(value, torch.Tensor):  # data: what it holds is not known from its type
+        raise CacheKeyError(f"code: a tensor ({tuple(value.shape)}, {value.dtype}) has no canonical form")
+    # Any other object (a logger, a configuration, a callable object): by its type; the per-call check of
+    # the process watches it by identity where it was read from a global or an attribute.
+    return _object_form(value)
+
+
+def _object_form(value: Any) -> dict[str, Any]:
+    return {"object": _class_name(type(value)), "callable": callable(value)}
+
+
+def opaque(form: Any) -> bool:
+    """Whether ``form`` stands for a callable known only by its type (an object, or a method of one)."""
+    if not isinstance(form, dict):
+        return False
+    if form.get("callable") is True:
+        return True
+    return "method" in form and opaque(form.get("self"))
 
 
 def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _class_form(cls: type, watch: Watch | None, depth: int, stack: tuple[int, ...]) -> dict[str, Any]:
-    """A class by its import name; one of the program's own (not torch's) by its methods' code as well."""
-    out: dict[str, Any] = {"class": _class_name(cls)}
-    if is_torch_code(cls) or cls.__module__ == "builtins" or id(cls) in stack:
-        return out
-    methods: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        if klass is object or is_torch_code(klass) or klass.__module__ == "builtins":
-            continue
-        for attr, member in sorted(vars(klass).items()):
-            fn = _function_of(member)
-            if fn is not None:
-                methods[f"{klass.__qualname__}.{attr}"] = function_form(fn, watch, depth + 1, (*stack, id(cls)))
-    out["methods"] = methods
-    return out
+def _class_form(cls: type) -> dict[str, Any]:
+    """A class by its import name: the code of the program's own classes is in the key through their source."""
+    return {"class": _class_name(cls)}
 
 
 def _function_of(member: Any) -> types.FunctionType | None:
@@ -272,21 +289,34 @@ def _function_of(member: Any) -> types.FunctionType | None:
 
 
 def function_form(
-    fn: types.FunctionType, watch: Watch | None = None, depth: int = 0, stack: tuple[int, ...] = ()
+    fn: types.FunctionType,
+    watch: Watch | None = None,
+    depth: int = 0,
+    stack: tuple[int, ...] = (),
+    *,
+    reads: bool | None = None,
 ) -> dict[str, Any]:
-    """What ``fn`` runs: its code, defaults, closure cells and the globals its code loads, each canonically.
+    """What ``fn`` runs: its code, defaults and closure cells, each canonically, and the globals it reads.
 
+    The globals are read (by value, :func:`globals_form`) when ``reads`` is
+    True, or when it is None and ``fn`` is defined in one of ``watch.home``
+    (the modules of the model's own classes, whose source the key holds):
+    the values a model's own module sets.  Another library's function is its
+    code and what it carries, its globals are that library's (versions keyed).
     A function met again while its own form is being built (recursion) is
-    named, not followed.  Its ``__wrapped__`` chain (a decorator's target)
-    is followed too: the wrapper may call it.
+    named, not followed; its ``__wrapped__`` chain (a decorator's target) is
+    followed too: the wrapper may call it.
     """
     if id(fn) in stack:
         return {"recursive": fn.__qualname__}
-    if watch is not None and id(fn) in watch.memo:
-        return watch.memo[id(fn)]
+    home = watch.home if watch is not None else frozenset()
+    follow = reads if reads is not None else fn.__module__ in home
+    memo_key = (id(fn), follow)
+    if watch is not None and memo_key in watch.memo:
+        return watch.memo[memo_key]  # type: ignore[no-any-return]
     code = fn.__code__
     out: dict[str, Any] = {"qualname": fn.__qualname__, "code": code_digest(code)}
-    if depth > _MAX_DEPTH:  # far from forward: its code, not what it reads
+    if depth > _MAX_DEPTH:  # far from forward: its code, not what it carries
         return out
     stack = (*stack, id(fn))
     if fn.__defaults__:
@@ -303,14 +333,15 @@ def function_form(
                 continue
             cells[name] = value_form(contents, watch, depth + 1, stack)
         out["closure"] = cells
-    reads = globals_form(fn, watch, depth, stack)
-    if reads:
-        out["globals"] = reads
+    if follow:
+        read = globals_form(fn, watch, depth, stack)
+        if read:
+            out["globals"] = read
     wrapped = getattr(fn, "__wrapped__", None)
     if isinstance(wrapped, types.FunctionType):
         out["wrapped"] = value_form(wrapped, watch, depth + 1, stack)
     if watch is not None:
-        watch.memo[id(fn)] = out
+        watch.memo[memo_key] = out
     return out
 
 

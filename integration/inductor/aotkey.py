@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.inductor.aotcode import Watch, code_digest, function_form, is_torch_code, value_form
+from adstore.integration.inductor.aotcode import Watch, code_digest, function_form, is_torch_code, opaque, value_form
 from adstore.integration.pipeline.keys import canonical, environment_fingerprint, json_digest
 
 __all__ = ["NAMESPACE", "aot_components", "class_code", "input_spec", "module_structure", "settings"]
@@ -112,14 +112,14 @@ def _attribute(owner: dict[str, Any], name: str, value: Any, watch: Watch | None
         return canonical(value)
     if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
         return canonical(list(value))
-    try:
+    if isinstance(value, types.FunctionType) and not is_torch_code(value):
+        form: Any = function_form(value, watch, reads=True)  # its globals too, wherever it was defined
+    else:
         form = value_form(value, watch)
-    except CacheKeyError:
-        if callable(value):
-            raise CacheKeyError(
-                f"attribute {name!r} is a {type(value).__name__} with no canonical form: it cannot be keyed"
-            ) from None
-        return {"type": f"{type(value).__module__}.{type(value).__qualname__}"}
+    if opaque(form):  # a callable known only by its type would be a key by name alone
+        raise CacheKeyError(
+            f"attribute {name!r} is a {type(value).__name__} with no canonical form: it cannot be keyed"
+        )
     if watch is not None and callable(value):
         watch.add(owner, name, value, form)
     return form
@@ -242,8 +242,9 @@ def aot_components(
     attributes): :class:`~.aotcode.Watch`.  Every part is canonical data (the same under any
     ``PYTHONHASHSEED``); a part with no canonical form is a :class:`CacheKeyError`.
     """
-    watch = Watch() if watch is None else watch
     classes = sorted({type(m) for m in module.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+    watch = Watch() if watch is None else watch
+    watch.home = frozenset(c.__module__ for c in classes if not is_torch_code(c))
     cls = type(module)
     components: dict[str, Any] = {
         "namespace": NAMESPACE,
