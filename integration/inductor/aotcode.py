@@ -133,18 +133,25 @@ def import_name(value: Any) -> str | None:
     if owner is not None and isinstance(getattr(value, "__name__", None), str):
         base = import_name(owner)
         return None if base is None else f"{base}.{value.__name__}"
-    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    module = getattr(value, "__module__", None)
     if isinstance(value, types.BuiltinFunctionType) and module is None:
         module = "builtins" if getattr(builtins, getattr(value, "__name__", ""), None) is value else None
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<locals>" in qualname:
+    if not isinstance(module, str):
         return None
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except Exception:  # noqa: BLE001 - not importable by that name: no canonical name
-        return None
-    return f"{module}.{qualname}" if obj is value else None
+    # torch's builtins name a private class in ``__qualname__`` (``_VariableFunctionsClass.tanh``): the
+    # name they are imported by is then ``__name__``.
+    for name in (getattr(value, "__qualname__", None), getattr(value, "__name__", None)):
+        if not isinstance(name, str) or "<locals>" in name:
+            continue
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except Exception:  # noqa: BLE001 - not importable by that name
+            continue
+        if obj is value:
+            return f"{module}.{name}"
+    return None
 
 
 def is_torch_code(value: Any) -> bool:
