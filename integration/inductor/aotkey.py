@@ -46,8 +46,11 @@ __all__ = ["NAMESPACE", "aot_components", "class_code", "input_spec", "module_st
 #: The store namespace of ``aot_compile`` entries.
 NAMESPACE = "inductor_aot"
 
-#: A module's own bookkeeping, keyed apart (tensors, children, hooks) or not at all.
-_SKIPPED_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+#: A module's own bookkeeping, keyed apart (tensors, children, hooks) or not at all; ``_is_torch_compile``
+#: is the mark torch.compile leaves on a module it compiled (a fallback must not change the key).
+_SKIPPED_ATTRIBUTES = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_is_torch_compile"}
+)
 _HOOKS = (
     "_forward_hooks",
     "_forward_pre_hooks",
