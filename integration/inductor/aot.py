@@ -160,8 +160,8 @@ def aot_compile(
     t0 = time.perf_counter()
     args, kw = tuple(args), dict(kwargs or {})
     if _call_hooks(module):
-        why = f"{type(module).__name__} has forward hooks"
-        note_failure(str(Reason.FORWARD_HOOK), why, scope=_SCOPE, fallback=_FALLBACK)
+        hooked = f"{type(module).__name__} has forward hooks"
+        note_failure(str(Reason.FORWARD_HOOK), hooked, scope=_SCOPE, fallback=_FALLBACK)
         return AOTModule(module, None, outcome="torch.compile", reason=str(Reason.FORWARD_HOOK))
     entries, owned, why = _entries(store)
     try:
@@ -200,9 +200,9 @@ def _serve(
     try:
         key, components = aot_components(module, args, kwargs, entries.identity, watch)
     except Exception as exc:  # noqa: BLE001 - no key: torch.compile serves it
-        why = str(Reason.KEY_ERROR)
-        note_failure(why, f"{type(module).__name__}: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
-        return AOTModule(module, None, outcome="torch.compile", reason=why, detail=str(exc))
+        unkeyed = str(Reason.KEY_ERROR)
+        note_failure(unkeyed, f"{type(module).__name__}: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=unkeyed, detail=str(exc))
     loaded, why = _load(entries, key, components, module)
     if loaded is not None:
         seconds = time.perf_counter() - t0

@@ -6,14 +6,17 @@ artifact of ``module.forward``.  What that artifact computes is decided by
 * the module's **code**: the source of every class in its module tree (their
   whole defining modules, :func:`~adstore.integration.pipeline.keys.code_fingerprint`,
   through the pipeline cache's ``env`` component, which adds the versions of
-  torch, Python and transformers), and the code objects of their methods
-  (:func:`class_code`: a class defined where there is no source file still
-  keys what it runs);
-* its **structure**, not its values: per submodule its class, the names,
+  torch, Python and transformers), and what their methods run
+  (:func:`class_code`: code objects encoded canonically, closure cells and
+  defaults by value, and the globals the model's own modules' methods read
+  by value, :mod:`.aotcode`; a class defined where there is no source file
+  still keys what it runs);
+* its **structure**, not its weights: per submodule its class, the names,
   shapes, dtypes and ``requires_grad`` of its parameters and buffers, its
-  plain attributes (numbers, strings, ``training``) by value and any other
-  attribute by type, and the hooks it carries;
-* the **inputs**: the pytree of ``args``/``kwargs``, tensors by shape, stride,
+  plain attributes (numbers, strings, ``training``) by value, function-valued
+  attributes by what they run, any other object by type, and its hooks;
+* the **inputs**: the pytree of ``args``/``kwargs`` (its layout as canonical
+  data), tensors by shape, stride,
   dtype, device and ``requires_grad``, every other leaf by value (a value
   with no canonical form cannot be keyed: :class:`CacheKeyError`);
 * the **settings** that change the code Inductor writes or the graph Dynamo
