@@ -309,7 +309,8 @@ def _save(
     except Exception as exc:  # noqa: BLE001 - the compiled module is used, not kept
         reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
         if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
-            reason = str(Reason.SAVE_FAILED)
+            # torch cannot write an object the artifact holds: said apart, every process would compile it
+            reason = "unstorable_module" if "Failed to serialize" in str(exc) else str(Reason.SAVE_FAILED)
         why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
         note_failure(reason, why, store, scope=_SCOPE, fallback="the compiled module runs, not stored,")
         return reason
