@@ -32,7 +32,7 @@ from adstore.daemon.errors import (
     UsageError,
 )
 from adstore.daemon.explain import cmd_explain
-from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
+from adstore.daemon.maintenance import cmd_daemon, cmd_demo, cmd_freeze, cmd_gc, cmd_pin, cmd_rm, cmd_unpin, cmd_verify
 from adstore.daemon.remote_cmds import add_remote_arguments, add_selection_arguments, cmd_pull, cmd_push, cmd_remote
 from adstore.store import (
     DURATION_HELP,
@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("keys", nargs="+", metavar="KEY", help=_KEYS)
         if name == "rm":
             p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+
+    add("freeze", cmd_freeze, "mark the store frozen where it is built: read-only, and lock-free on a read-only mount")
 
     p = add("daemon", cmd_daemon, "run the eviction daemon (systemd Type=notify)")
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration (flags override it)")

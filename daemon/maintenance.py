@@ -20,7 +20,7 @@ from adstore.daemon.errors import FeatureUnavailable, StillOverBudget
 from adstore.daemon.format import Progress, human_age, human_size, kv_block, short_key, table
 from adstore.store import EvictionPlan, KeyNotFound, Store, parse_min_free, plan_dead_temps
 
-__all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_daemon", "cmd_demo"]
+__all__ = ["cmd_verify", "cmd_gc", "cmd_rm", "cmd_pin", "cmd_unpin", "cmd_freeze", "cmd_daemon", "cmd_demo"]
 
 
 # ---------------------------------------------------------------- verify
@@ -255,6 +255,15 @@ def cmd_pin(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_unpin(args: argparse.Namespace, ctx: Context) -> int:
     return _set_pin(args, ctx, False)
+
+
+def cmd_freeze(args: argparse.Namespace, ctx: Context) -> int:
+    """Mark the store frozen where it is built (``Store.freeze``): read-only everywhere from now on, and read
+    without LMDB's lock from a read-only mount (docs/operations.md, "A read-only store")."""
+    store = ctx.store(create=False)
+    store.freeze()
+    ctx.emit({"frozen": str(store.root)}, f"froze {store.root}: it opens read-only from now on")
+    return 0
 
 
 # ---------------------------------------------------------------- daemon / demo

@@ -5,8 +5,8 @@ reference blobs; entries are evicted least-recently-used as whole keys.  This
 module is the store's public API: the integration, the daemon and users
 import from here (and from :mod:`adstore.store.remote`, the remote tier's
 own public API), never from the modules behind it.  The layers behind it,
-bottom up: names, errors and files (``names``, ``errors``, ``fsutil``,
-``layout``), the LMDB index (``index/``), blobs and manifests, the on-disk
+bottom up: names, errors, files and the trust rule (``names``, ``errors``, ``fsutil``,
+``layout``, ``trust``), the LMDB index (``index/``), blobs and manifests, the on-disk
 records (``records/``), the maintenance passes (``maintenance/``), the remote
 tier (``remote/``), and the :class:`Store` facade.
 """
@@ -40,7 +40,7 @@ from .names import is_digest, is_key, validate_artifact_name, validate_digest, v
 from .reasons import REMOTE_REASONS, Reason
 
 if TYPE_CHECKING:
-    from .fsutil import atomic_write, is_disk_full, trusted_uids
+    from .fsutil import atomic_write, is_disk_full
     from .index.rows import BlobRef, Entry, LeaseRow, Manifest
     from .layout import Layout, default_root
     from .leases import hostname, process_start_time
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .stats import StoreStats
     from .store import DEFAULT_INLINE_THRESHOLD, Store
     from .tiered import Tier, open_tier, remote_restore, remote_save
+    from .trust import StatLike, dir_refusal, file_refusal, group_private, others_may_write, trusted_uids
     from .units import (
         DURATION_HELP,
         SIZE_HELP,
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 
 #: Every other public name, by the module it comes from: imported on first use (``lazy``).
 _LAZY = {
-    ".fsutil": ("atomic_write", "is_disk_full", "trusted_uids"),
+    ".fsutil": ("atomic_write", "is_disk_full"),
     ".index.rows": ("BlobRef", "Entry", "LeaseRow", "Manifest"),
     ".layout": ("Layout", "default_root"),
     ".leases": ("hostname", "process_start_time"),
@@ -82,6 +83,7 @@ _LAZY = {
     ".stats": ("StoreStats",),
     ".store": ("DEFAULT_INLINE_THRESHOLD", "Store"),
     ".tiered": ("Tier", "open_tier", "remote_restore", "remote_save"),
+    ".trust": ("StatLike", "trusted_uids", "group_private", "others_may_write", "file_refusal", "dir_refusal"),
     ".units": (
         "DURATION_HELP",
         "SIZE_HELP",
@@ -140,10 +142,16 @@ __all__ = [
     "open_tier",
     "remote_restore",
     "remote_save",
+    # the trust rule: who may have written a file or a row
+    "trusted_uids",
+    "group_private",
+    "others_may_write",
+    "file_refusal",
+    "dir_refusal",
+    "StatLike",
     # files, processes, units
     "atomic_write",
     "is_disk_full",
-    "trusted_uids",
     "hostname",
     "process_start_time",
     "parse_size",

@@ -12,15 +12,14 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from .errors import ConfigError, ReadOnlyStore, StoreFull, UnsafeRoot, UnsupportedFilesystem
-from .units import parse_count
+from .errors import ReadOnlyStore, StoreFull, UnsafeRoot, UnsupportedFilesystem
 
 __all__ = [
     "atomic_write",
@@ -37,7 +36,6 @@ __all__ = [
     "check_root_permissions",
     "read_only_filesystem",
     "refuse_read_only",
-    "trusted_uids",
 ]
 
 log = logging.getLogger(__name__)
@@ -232,22 +230,6 @@ def refuse_read_only(exc: OSError, root: Path) -> None:
     re-raises any other OSError)."""
     if exc.errno == errno.EROFS:
         raise ReadOnlyStore(str(root), "creating a store") from exc
-
-
-def trusted_uids(environ: Mapping[str, str] | None = None, extra: Iterable[int] = ()) -> frozenset[int]:
-    """Whose files may become code here: this user, root, ``extra`` and ``ADSTORE_TRUSTED_UIDS`` (comma-separated).
-
-    The integrations judge the blob files they place by it, and a seed store's files are copied only if one
-    of these users owns them (``seed``).
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get("ADSTORE_TRUSTED_UIDS", "")
-    try:
-        uids = {parse_count(u, field="ADSTORE_TRUSTED_UIDS") for u in raw.replace(" ", "").split(",") if u}
-        uids |= {int(u) for u in extra}
-    except (ValueError, TypeError) as exc:
-        raise ConfigError("ADSTORE_TRUSTED_UIDS", f"expected comma-separated user ids, got {raw!r}") from exc
-    return frozenset({os.geteuid(), 0} | uids)
 
 
 def check_root_permissions(root: Path) -> list[str]:

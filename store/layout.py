@@ -4,7 +4,9 @@
 files, ``records/`` the on-disk records the index is rebuilt from
 (``records.files``), ``tmp/`` the writers' unique temp files, ``quarantine/``
 the blobs that failed verification, and ``CACHEDIR.TAG`` tells backup tools
-to skip it all.
+to skip it all.  ``FROZEN``, made where the store is built (``Store.freeze``),
+says nothing writes it any more: it opens read-only everywhere, and a reader
+that cannot take LMDB's lock may read it lock-free (``index.readonly``).
 A digest is validated before it is joined into a path (invariant 2,
 docs/architecture.md, "Invariants").
 """
@@ -24,7 +26,10 @@ from .names import validate_digest
 
 _log = logging.getLogger("adstore.store.store")  # the store's own warnings, wherever they are checked
 
-__all__ = ["Layout", "default_root"]
+__all__ = ["FROZEN", "Layout", "default_root"]
+
+#: The marker of a frozen store, in its root (``Layout.frozen``).
+FROZEN = "FROZEN"
 
 _CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
@@ -95,6 +100,20 @@ class Layout:
         except FileNotFoundError:
             return 0
 
+    @property
+    def frozen(self) -> bool:
+        """Was the store frozen where it was built (a regular file ``FROZEN`` in its root)?  Nothing writes a
+        frozen store, adstore included: it opens read-only (:meth:`prepare`)."""
+        try:
+            return stat.S_ISREG(os.lstat(self.root / FROZEN).st_mode)
+        except OSError:
+            return False
+
+    def freeze(self) -> None:
+        """Mark the store frozen (:attr:`frozen`); whoever writes it next must remove the marker first."""
+        text = b"adstore: this store is frozen; nothing writes it, and readers may read it without a lock.\n"
+        atomic_write(self.root / FROZEN, text, mode=0o444)
+
     def exists(self) -> bool:
         """Is there a store here (its ``CACHEDIR.TAG`` or its LMDB file)?  Creates nothing."""
         return (self.root / "CACHEDIR.TAG").is_file() or (self.index / "data.mdb").is_file()
@@ -146,12 +165,12 @@ class Layout:
     def prepare(self, *, read_only: bool, create: bool, check_permissions: bool) -> bool:
         """Check the root (and make it unless the store is read-only); whether the store is read-only.
 
-        Read-only: asked for, or the root is on a read-only mount.  A read-only
+        Read-only: asked for, the root is on a read-only mount, or the store is :attr:`frozen`.  A read-only
         store or ``create=False`` never makes a root (:class:`NoStore`), and a
         write that meets a read-only filesystem raises ``ReadOnlyStore``.
         """
         exists = self.exists()
-        read_only = bool(read_only) or (exists and read_only_filesystem(self.root))
+        read_only = bool(read_only) or (exists and (read_only_filesystem(self.root) or self.frozen))
         if (not create or read_only) and not exists:  # read-only callers must not leave an empty store
             raise NoStore(str(self.root))
         if not read_only:

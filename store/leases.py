@@ -4,8 +4,10 @@ A lease records pid *and* the process start time (psutil), so a pid reused
 by another process after the holder died does not keep the entry pinned.
 Leases from another host cannot be checked, so they count until they expire
 (docs/architecture.md, "How an entry lives").  A published manifest names
-its producer the same way, so a save in flight is never cut by gc
-(:func:`in_flight`).
+its producer the same way, so a save in flight is not cut by gc
+(:func:`in_flight`) until its publish deadline: a publisher that lives on
+without committing (a server stuck after a failed abort) does not hold its
+blobs past the budget for as long as it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .index.rows import LeaseRow
 from .index.tables import Txn
 
 __all__ = [
+    "DEFAULT_PUBLISH_TIMEOUT",
     "process_start_time",
     "lease_is_live",
     "holder_is_live",
@@ -73,27 +76,39 @@ def new_lease_row(key: str, ttl: float, now: float) -> LeaseRow:
     )
 
 
+#: Seconds a live publisher's uncommitted manifest is kept from gc by default (``Store(publish_timeout=...)``,
+#: ``ADSTORE_PUBLISH_TIMEOUT``); the grace period still applies when it is longer.
+DEFAULT_PUBLISH_TIMEOUT = 3600.0
+
+
 @functools.lru_cache(maxsize=4)
 def _own_start(pid: int) -> float:
     return process_start_time(pid)
 
 
-def publisher() -> dict[str, Any]:
-    """Who publishes a manifest (its ``producer``): host, pid and start time (as a lease's), uid."""
+def publisher(until: float) -> dict[str, Any]:
+    """Who publishes a manifest (its ``producer``): host, pid and start time (as a lease's), uid, and ``until``,
+    the publish deadline past which gc no longer waits for its commit (:func:`in_flight`)."""
     pid = os.getpid()  # per call: a forked child is another publisher
-    return {"host": hostname(), "pid": pid, "start": _own_start(pid), "uid": os.geteuid()}
+    return {"host": hostname(), "pid": pid, "start": _own_start(pid), "uid": os.geteuid(), "until": until}
 
 
-def in_flight(producer: Mapping[str, Any]) -> bool:
-    """Whether the process that published an uncommitted manifest still runs here: its save is in flight.
+def in_flight(producer: Mapping[str, Any], created: float, now: float) -> bool:
+    """Whether an uncommitted manifest published at ``created`` is a save in flight at ``now``: its publisher
+    still runs here, and its publish deadline has not passed.
 
-    A sweep or an eviction never drops such a manifest, whatever the grace
-    period: only a writer that died leaves an orphan.  A producer from
+    A sweep or an eviction does not drop such a manifest, whatever the grace
+    period.  The deadline (``until``: publish time + the publisher's
+    ``publish_timeout``; ``created`` + :data:`DEFAULT_PUBLISH_TIMEOUT` for a
+    row without one) bounds that: past it the manifest is swept like a dead
+    writer's, and a later commit raises ``ManifestGone``.  A producer from
     another host, or one recorded without a start time (an older adstore),
     cannot be checked; the grace period alone protects it.
     """
-    pid, start, host = producer.get("pid"), producer.get("start"), producer.get("host")
-    if type(pid) is not int or not isinstance(start, (int, float)) or host != hostname():
+    pid, start, host, until = (producer.get(f) for f in ("pid", "start", "host", "until"))
+    if not isinstance(until, (int, float)) or isinstance(until, bool):
+        until = created + DEFAULT_PUBLISH_TIMEOUT
+    if now >= until or type(pid) is not int or not isinstance(start, (int, float)) or host != hostname():
         return False
     return holder_is_live(pid, float(start), host, 0.0, now=0.0)
 

@@ -11,6 +11,7 @@ generation with it (invariant 4).  All of it runs inside one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from .index.entryrows import Removal
 from .index.rows import BlobRef, Entry, Manifest, manifest_key, validate_json
 from .index.shadows import PINNED, Head, to_entry
 from .index.tables import Txn
-from .leases import in_flight, publisher
+from .leases import DEFAULT_PUBLISH_TIMEOUT, in_flight, publisher
 from .names import (
     validate_artifact_name,
     validate_generation,
@@ -71,8 +72,10 @@ def publish(
     components: Mapping[str, Any],
     meta: Mapping[str, Any],
     file_ok: FileCheck,
+    timeout: float = DEFAULT_PUBLISH_TIMEOUT,
 ) -> Manifest:
-    """Record an uncommitted manifest and take references on its blobs."""
+    """Record an uncommitted manifest and take references on its blobs; gc waits ``timeout`` seconds at most
+    for its commit while this process runs (:func:`~.leases.in_flight`)."""
     for ref in artifacts.values():
         row = t.blob_row(ref.digest)
         if row is None:
@@ -93,7 +96,7 @@ def publish(
         artifacts=dict(artifacts),
         committed=False,
         namespace=namespace,
-        producer=publisher(),  # a sweep or eviction leaves the manifest alone while this process runs
+        producer=publisher(now + timeout),  # gc leaves it alone while this process runs, until then
         created=now,
         meta=dict(meta),
     )
@@ -174,10 +177,11 @@ def drop_if_empty(t: Txn, key: str) -> None:
         t.drop_entry(key, entry)
 
 
-def _in_flight_row(mk: bytes, raw: bytes) -> bool:
-    """Whether the uncommitted manifest row ``raw`` belongs to a save in flight (undecodable: no)."""
+def _in_flight_row(mk: bytes, raw: bytes, now: float) -> bool:
+    """Whether the uncommitted manifest row ``raw`` belongs to a save in flight at ``now`` (undecodable: no)."""
     try:
-        return in_flight(Manifest.decode(mk, raw).producer)
+        m = Manifest.decode(mk, raw)
+        return in_flight(m.producer, m.created, now)
     except CorruptRow:
         return False
 
@@ -188,6 +192,7 @@ def drop_entry(
     entry: Entry | None = None,
     *,
     keep_pending_since: float | None = None,
+    now: float = 0.0,
     shadow: tuple[bytes, Head] | None = None,
 ) -> Sequence[bytes]:
     """Delete an entry with all its manifests (every rank, every generation).
@@ -198,13 +203,12 @@ def drop_entry(
     ``entry`` is the decoded row when the caller has it, ``shadow`` its
     shadow and head (see :meth:`Txn.take_manifests_of`).  With
     ``keep_pending_since``, uncommitted manifests created since then, or
-    published by a process that still runs here (a save in flight,
-    :func:`~.leases.in_flight`), are kept with an empty entry, so eviction
-    does not make that save's commit fail.
+    published by a process that still runs here before its publish deadline
+    at ``now`` (a save in flight, :func:`~.leases.in_flight`), are kept with
+    an empty entry, so eviction does not make that save's commit fail.
     """
-    taken, kept = t.take_manifests_of(
-        key, keep_pending_since=keep_pending_since, shadow=shadow, in_flight=_in_flight_row
-    )
+    live = functools.partial(_in_flight_row, now=now)
+    taken, kept = t.take_manifests_of(key, keep_pending_since=keep_pending_since, shadow=shadow, in_flight=live)
     if entry is None and shadow is not None:
         if not kept:  # the usual case: no objects needed
             head = shadow[1]

@@ -16,6 +16,7 @@ from typing import Any
 
 from .index.rows import BlobRef, Manifest, validate_json
 from .index.tables import Tables, Txn
+from .leases import DEFAULT_PUBLISH_TIMEOUT
 from .manifests import FileCheck, abort, commit, publish, validate_publish
 from .names import validate_key
 from .records.sync import RecordInputs, RecordWriter, components_changed, record_inputs
@@ -35,9 +36,16 @@ class Publisher:
     """
 
     def __init__(
-        self, tables: Tables, records: RecordWriter, file_ok: FileCheck, *, pushed: Callable[[str, int], object]
+        self,
+        tables: Tables,
+        records: RecordWriter,
+        file_ok: FileCheck,
+        *,
+        pushed: Callable[[str, int], object],
+        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
     ) -> None:
         self._tables = tables
+        self._timeout = publish_timeout  # how long gc waits for a commit while this process runs
         self._records = records
         self._file_ok = file_ok
         self._pushed = pushed
@@ -133,6 +141,7 @@ class Publisher:
                 components=components or {},
                 meta=meta or {},
                 file_ok=self._file_ok,
+                timeout=self._timeout,
             )
             return m, record_inputs(t, m)
 

@@ -39,7 +39,9 @@ class Reason(enum.StrEnum):
     BAD_DIGEST = "bad_digest"  # a digest that is not 64 lowercase hex characters
     BAD_KEY = "bad_key"  # a key, namespace or artifact name the store will not index
     NETWORK_FS = "network_fs"  # the root is on a network filesystem (LMDB locking is unsafe)
-    UNSAFE_ROOT = "unsafe_root"  # the root is world-writable, or a file the store or daemon writes is a symlink
+    UNSAFE_ROOT = (
+        "unsafe_root"  # world-writable root, a symlink for a file it writes, or an unfrozen store on a read-only mount
+    )
     NO_STORE = "no_store"  # a read-only command found no store at the root (and created none)
     INCOMPATIBLE_STORE = "incompatible_store"  # the index has another schema version
     OVER_BUDGET = (
@@ -111,7 +113,9 @@ class Reason(enum.StrEnum):
     DANGLING_MANIFEST = "dangling_manifest"  # a manifest references a missing or corrupt blob
     NOT_CURRENT = "not_current"  # a committed manifest is not its entry's current generation
     REFCOUNT = "refcount"  # a blob's refcount differs from the manifests referencing it
-    STALE_MANIFEST = "stale_manifest"  # an uncommitted manifest older than the grace period, its publisher gone
+    STALE_MANIFEST = (
+        "stale_manifest"  # an uncommitted manifest older than the grace period, its publisher gone or past its deadline
+    )
     TOTALS_DRIFT = "totals_drift"  # the stored physical/logical totals differ from a recount
     STRAY_ROWS = "stray_rows"  # access or shadow rows whose entry or manifest is gone
     ORPHAN_FILES = "orphan_files"  # blob files without an index row

@@ -8,10 +8,11 @@ also exists as an immutable, checksummed record file (invariant 9, :mod:`.record
 created by the process that saved it and so owned by the writer's uid, mode
 ``0444``.  A reader that must trust an entry (``Store.lookup(key, trusted=...)``)
 opens that record without following a symlink, judges ``fstat`` of the
-descriptor it reads (a regular file, owned by a trusted uid, writable by no
-one else), decodes it, and refuses the entry (``unsealed_entry``) unless the
-index rows say exactly what the record says: key, rank, generation, world size,
-namespace, every artifact's digest and size, and the meta.  A record being
+descriptor it reads by the one trust rule (:func:`.trust.file_refusal`: a
+regular file, owned by a trusted uid, writable by no untrusted user), decodes
+it, and refuses the entry (``unsealed_entry``) unless the index rows say
+exactly what the record says: key, rank, generation, world size, namespace,
+every artifact's digest and size, and the meta.  A record being
 written between the index commit and its rename is read from ``pending/``.
 
 Decoded records are kept by the identity ``fstat`` gives (device, inode, size,
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Callable, Mapping
 
 from .blobs import StoredBlob
@@ -34,25 +34,15 @@ from .reasons import Reason
 from .records.files import PENDING, RecordFiles, shard_of
 from .records.format import MAX_RECORD_BYTES, BadRecord, Record, decode_record
 from .records.sync import REPAIRED
+from .trust import file_refusal
 
-__all__ = ["Seals", "writer_refusal", "unowned_blob", "log_once"]
+__all__ = ["Seals", "unowned_blob", "log_once"]
 
 log = logging.getLogger("adstore.store.store")
 _logged: set[tuple[int, str]] = set()  # (pid, what): a forked child is another process and says it again
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CACHE_MAX = 4096
-
-
-def writer_refusal(st: os.stat_result, trusted: frozenset[int]) -> str | None:
-    """Why a file whose descriptor ``fstat`` says ``st`` cannot vouch for anything (None: it can)."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid not in trusted:
-        return f"owned by uid {st.st_uid}, not a trusted user (ADSTORE_TRUSTED_UIDS)"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"writable by others (mode {stat.filemode(st.st_mode)})"
-    return None
 
 
 def unowned_blob(
@@ -75,7 +65,7 @@ def unowned_blob(
         except OSError as exc:
             return f"artifact {name}: blob {ref.digest[:12]} cannot be opened ({exc.strerror})"
         try:
-            why = writer_refusal(os.fstat(fd), trusted)
+            why = file_refusal(os.fstat(fd), trusted)
         finally:
             os.close(fd)
         if why is not None:
@@ -161,7 +151,7 @@ class Seals:
 
     def _read(self, fd: int, path: str, trusted: frozenset[int]) -> tuple[tuple[int, ...], Record, Manifest | None]:
         st = os.fstat(fd)
-        why = writer_refusal(st, trusted)
+        why = file_refusal(st, trusted)
         if why is not None:
             raise BadRecord(path, why)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid, st.st_mode)

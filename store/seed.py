@@ -15,11 +15,17 @@ the writable store; the seed is never written (docs/configuration.md,
 
 Copying, not reading in place, keeps one store behind every reader: the
 integrations read blob files by path (``Store.stored_blob``) and judge the
-file's owner, and the copy is theirs.  So the copy judges first, by the same
-rule (``fsutil.trusted_uids``): a seed blob file, and the seed's index for
-the blobs kept inline in it, must belong to root (who usually bakes an
-image), this user or a uid of ``ADSTORE_TRUSTED_UIDS``, and be writable by
-no one else; anything else is a miss ``unsafe_root`` and nothing is copied.
+file's owner, and the copy is theirs.  The copy is committed under this
+user's record, so it would vouch for whatever the seed's index said: the
+seed's rows are judged first, by the seed's own seals (``Store.lookup(key,
+trusted=...)`` on the seed: each manifest must agree with its record file,
+which a trusted user wrote and no one else may write, :mod:`.seal`) with the
+one trusted set (:func:`.trust.trusted_uids`).  A row the seed's records do
+not vouch for (a group member re-pointed a key, or rewrote its meta) is a miss
+``unsealed_entry`` and nothing is copied.  A seed blob file must then pass
+the file rule (:func:`.trust.file_refusal`), else a miss ``unsafe_root``; a
+blob kept inline in the seed's index needs no writer: its digest is the
+sealed one, and its bytes are hashed against it on the way in.
 A seed searched first, before the remote tier, costs a local disk read
 instead of a download.  A key the seed lacks keeps the writable store's
 miss reason; a copy that fails is a miss with the seed's reason
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -43,12 +48,12 @@ from .blobs import StoredBlob
 from .blobwriter import BlobWriter
 from .codec import Encoding
 from .errors import AdstoreError, ConfigError, UnsafeRoot
-from .fsutil import trusted_uids
 from .index.rows import BlobRef, Entry, Manifest
 from .lookup import LookupResult
 from .maintenance.reservations import Reservation
 from .reading import CHUNK_SIZE, open_blob
 from .reasons import Reason
+from .trust import file_refusal, trusted_uids
 
 __all__ = ["Seed", "SeedStore", "SEED_ENV", "open_seed"]
 
@@ -67,7 +72,9 @@ class SeedStore(Protocol):
     @property
     def root(self) -> Path: ...
 
-    def lookup(self, key: str, *, rank: int | None = ..., count: bool = ...) -> LookupResult: ...
+    def lookup(
+        self, key: str, *, rank: int | None = ..., count: bool = ..., trusted: frozenset[int] | None = ...
+    ) -> LookupResult: ...
 
     def entry(self, key: str) -> Entry | None: ...
 
@@ -106,7 +113,7 @@ class Seed:
 
     def __init__(self, store: SeedStore, *, trusted: frozenset[int]) -> None:
         self.store = store
-        self.trusted = trusted  #: who may have written the files copied (``fsutil.trusted_uids``)
+        self.trusted = trusted  #: who may have written the seed's records and blob files (``trust.trusted_uids``)
         self._local = threading.local()  # this thread is copying: its own lookups stay local
         self._warned: set[str] = set()
 
@@ -126,11 +133,14 @@ class Seed:
         if getattr(self._local, "busy", False) or missed.reason not in _MENDABLE:
             return missed
         try:
-            found = self.store.lookup(key, rank=rank, count=False)  # the ranks the caller asks for
+            # the ranks the caller asks for, each row checked against the seed's own record (its seal)
+            found = self.store.lookup(key, rank=rank, count=False, trusted=self.trusted)
         except AdstoreError as exc:
             return self._failed(store, exc.reason, exc, missed)
         if not found.hit:
             store.count({"seed.misses": 1, f"seed.misses.{found.reason}": 1})
+            if found.reason is Reason.UNSEALED_ENTRY:  # the seal logged why, once
+                return type(missed)(False, found.reason, entry=missed.entry)
             return missed
         try:
             with self._guard():
@@ -174,14 +184,15 @@ class Seed:
     def _copy_blob(self, store: SeedStore, ref: BlobRef) -> None:
         """One blob, as the seed stores it (raw or zstd frames), checked against ``ref`` by the writer."""
         where = self.store.stored_blob(ref)
-        if where is None:  # inline in the seed's index: small, read verified; the index's writer wrote it
-            self._judge(os.stat(self.store.root / "index" / "data.mdb", follow_symlinks=False), "its index")
+        if where is None:  # inline in the seed's index: read hashed against the digest its seal vouches for
             store.put_bytes(self.store.get_bytes(ref))
             return
         with store.admit(where.stored) as reservation:
             fd = open_blob(where.path, ref.digest)  # never follows a symlink (invariant 10)
             try:
-                self._judge(os.fstat(fd), f"blob {ref.digest[:16]}")  # the very file the bytes come from
+                why = file_refusal(os.fstat(fd), self.trusted)  # the very file the bytes come from
+                if why is not None:
+                    raise UnsafeRoot(str(self.store.root), f"blob {ref.digest[:16]} is {why}")
                 source = Encoding.ZSTD if where.encoding is Encoding.ZSTD else Encoding.RAW
                 frame = where.stored if source is Encoding.ZSTD else None
                 with store.blob_writer(ref, source=source, frame_size=frame) as writer:
@@ -191,15 +202,6 @@ class Seed:
             finally:
                 os.close(fd)
             reservation.consume(where.stored)
-
-    def _judge(self, st: os.stat_result, what: str) -> None:
-        if st.st_uid not in self.trusted:
-            raise UnsafeRoot(
-                str(self.store.root),
-                f"{what} is owned by uid {st.st_uid}, not a trusted user (root, you, ADSTORE_TRUSTED_UIDS)",
-            )
-        if what != "its index" and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # a shared store's index is 0664
-            raise UnsafeRoot(str(self.store.root), f"{what} is writable by others ({stat.filemode(st.st_mode)})")
 
     def close(self) -> None:
         self.store.close()

@@ -30,7 +30,7 @@ from .index.rows import BlobRef, Entry, LeaseRow, Manifest
 from .index.schema import PHYSICAL_BYTES
 from .index.tables import Tables
 from .layout import Layout, default_root
-from .leases import new_lease_row
+from .leases import DEFAULT_PUBLISH_TIMEOUT, new_lease_row
 from .lookup import LookupMemo, LookupResult, lookup, resolve_key
 from .maintenance.budget import BUDGET, DEFAULT_GRACE_PERIOD, Budget, read_budget
 from .maintenance.inline import InlineEviction
@@ -77,6 +77,7 @@ class Store(Upkeep):
         seed: str | os.PathLike[str] | Seed | None = None,
         read_only: bool = False,
         clock: Clock = system_clock,
+        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         layout = Layout(self.root)
@@ -84,6 +85,7 @@ class Store(Upkeep):
         #: every write raises :class:`ReadOnlyStore` (docs/operations.md, "A read-only store").
         self.read_only = layout.prepare(read_only=read_only, create=create, check_permissions=check_permissions)
         self.grace_period = float(grace_period)
+        self.publish_timeout = float(publish_timeout)  #: how long gc waits for a live publisher's commit (leases)
         self.inline_threshold = int(inline_threshold)
         #: The hard limit of this writer (else the persisted budget's; see ``inline``).
         self.max_size = max_size
@@ -130,7 +132,9 @@ class Store(Upkeep):
         self._records = RecordWriter(self._tables)  # invariant 9: the files a lost index is rebuilt from
         self._seals = Seals(self._records.files, self._book.count)  # entries that become code: rows vs record
         push = lambda key, rank: self.tier and self.tier.pushed(self, key, rank)  # noqa: E731 - after each commit
-        self._publisher = Publisher(self._tables, self._records, self._blobs.file_ok, pushed=push)
+        self._publisher = Publisher(
+            self._tables, self._records, self._blobs.file_ok, pushed=push, publish_timeout=self.publish_timeout
+        )
 
     # -- construction ----------------------------------------------------
     @classmethod
@@ -148,8 +152,8 @@ class Store(Upkeep):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Store:
-        """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_SEED``,
-        ``ADSTORE_REMOTE*`` name.  A seed or remote that cannot be opened is logged and left out."""
+        """The store ``ADSTORE_ROOT``, ``ADSTORE_MAX_SIZE``, ``ADSTORE_GRACE_PERIOD``, ``ADSTORE_PUBLISH_TIMEOUT``,
+        ``ADSTORE_SEED``, ``ADSTORE_REMOTE*`` name.  A seed or remote that cannot be opened is logged and left out."""
         env = os.environ if environ is None else environ
         settings: dict[str, Any] = {}
         if env.get("ADSTORE_SEED", "").strip() and "seed" not in overrides:  # logged and left out if it fails
@@ -163,8 +167,9 @@ class Store(Upkeep):
             settings["remote"] = tier_from_env(env)  # a remote that cannot be opened is logged, not raised
         if env.get("ADSTORE_MAX_SIZE"):
             settings["max_size"] = parse_size(env["ADSTORE_MAX_SIZE"], field="ADSTORE_MAX_SIZE")
-        if env.get("ADSTORE_GRACE_PERIOD"):
-            settings["grace_period"] = parse_duration(env["ADSTORE_GRACE_PERIOD"], field="ADSTORE_GRACE_PERIOD")
+        for name, setting in (("ADSTORE_GRACE_PERIOD", "grace_period"), ("ADSTORE_PUBLISH_TIMEOUT", "publish_timeout")):
+            if env.get(name):
+                settings[setting] = parse_duration(env[name], field=name)
         settings.update(overrides)
         return cls(default_root(env), **settings)
 
@@ -354,14 +359,19 @@ class Store(Upkeep):
         return self._publisher.abort(key, rank=rank, generation=generation)
 
     def lookup(
-        self, key: str, *, rank: int | None = None, count: bool = True, trusted: frozenset[int] | None = None
+        self,
+        key: str,
+        *,
+        rank: int | None = None,
+        count: bool = True,
+        trusted: frozenset[int] | None = None,
+        local: bool = False,
     ) -> LookupResult:
         """A hit only when invariants 5-6 hold, else a miss with a reason; ``count=False``: not counted.
 
-        ``trusted``: the entry becomes code.  Each manifest hit must then agree
-        with its record file, written by a trusted uid and writable by no one
-        else, else the lookup is a miss ``unsealed_entry`` (:mod:`.seal`).
-        None: the index rows are believed as they are.
+        ``trusted``: the entry becomes code.  Each manifest hit must then agree with its record file, written
+        by a trusted uid and writable by no one else, else the lookup is a miss ``unsealed_entry`` (:mod:`.seal`).
+        None: the index rows are believed as they are.  ``local``: this store's rows only (no seed, no remote).
         """
         validate_key(key)
         try:
@@ -371,10 +381,10 @@ class Store(Upkeep):
             log.warning("lookup of %s: %s", key, exc)
             self._forget_checks()
             result = LookupResult(False, Reason.CORRUPT_INDEX)
-        if self.seed is not None and not result.hit and not self.read_only:  # a copy would write
+        if self.seed is not None and not result.hit and not self.read_only and not local:  # a copy would write
             with self.tier.local_only() if self.tier is not None else nullcontext():  # a copy is not pushed
                 result = self.seed.fallback(self, key, rank, result)
-        if self.tier is not None and not result.hit and not self.read_only:  # a restore would write
+        if self.tier is not None and not result.hit and not self.read_only and not local:  # a restore would write
             result = self.tier.fallback(self, key, rank, result)
         if result.hit and trusted is not None:  # after the memo and the remote: every trusted hit is checked
             result = self._seals.sealed(key, result, trusted)

@@ -79,6 +79,18 @@ class Upkeep:
 
         return Evictor(self._tables, grace_period=self.grace_period)
 
+    def freeze(self) -> None:
+        """Mark the store frozen where it is built, once nothing writes it any more (an image build's last step).
+
+        From then on it opens read-only everywhere, and a reader that cannot take LMDB's lock (a read-only
+        mount) reads it lock-free, which is safe only because nothing writes it (``index.readonly``).  Handles
+        already open are not changed: freeze last.  To write it again, remove ``FROZEN`` from its root.
+        """
+        if self.read_only:
+            raise ReadOnlyStore(str(self.root), "freeze (freeze a store where it is built)")
+        self.flush()
+        self._tables.layout.freeze()
+
     def verify(self, *, fix: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Rehash every blob and check every invariant, and the records against the index; ``fix`` repairs.
         A child process reads the whole index first (``index.file.probe_index``): damage is reported, never a

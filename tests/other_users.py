@@ -10,13 +10,16 @@ holds only what this interpreter needs, bind-mounted back at the same paths
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shlex
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["needed_paths", "open_python_steps", "user_argv"]
+__all__ = ["needed_paths", "open_python_steps", "user_argv", "user_private_group_steps"]
 
 
 def needed_paths() -> list[Path]:
@@ -63,17 +66,49 @@ def open_python_steps(stash: Path) -> list[str]:
     return steps
 
 
+def user_private_group_steps(uid: int, stash: Path) -> list[str]:
+    """Shell steps, run as root inside ``unshare -m``, after which ``uid`` is a user ``u<uid>`` with its own
+    user-private group ``u<uid>`` (gid ``uid``) in the user and group databases, as on a Debian host.
+
+    A gid the group database does not know is not a private group (the trust rule), so umask 002 is safe
+    only under a group the database names.  Copies of ``/etc/passwd`` and ``/etc/group`` with the entries
+    added are bind-mounted over the originals, in the namespace only.
+    """
+    steps: list[str] = []
+    for name, line, known in [
+        ("passwd", f"u{uid}:x:{uid}:{uid}::/nonexistent:/usr/sbin/nologin", _known(pwd.getpwuid, uid)),
+        ("group", f"u{uid}:x:{uid}:", _known(grp.getgrgid, uid)),
+    ]:
+        if known:
+            continue
+        copy = stash / f"etc-{name}-{uid}"
+        copy.write_text(Path(f"/etc/{name}").read_text() + line + "\n")
+        copy.chmod(0o644)
+        steps.append(f"mount --bind {shlex.quote(str(copy))} /etc/{name}")
+    return steps
+
+
+def _known(lookup: Callable[[int], object], number: int) -> bool:
+    try:
+        lookup(number)
+    except KeyError:
+        return False
+    return True
+
+
 def user_argv(uid: int | None, cmd: list[str], *, steps: list[str], stash: Path | None) -> list[str]:
-    """``cmd`` as ``uid`` (its own group, no others) in a private mount namespace after ``steps``.
+    """``cmd`` as ``uid`` (its own user-private group, no others) in a private mount namespace after ``steps``.
 
     With ``uid`` given, the steps that open this interpreter to every user
-    (:func:`open_python_steps`, holding in ``stash``) come first.
+    (:func:`open_python_steps`, holding in ``stash``) and that give ``uid``
+    its user-private group (:func:`user_private_group_steps`) come first.
     """
     if uid is not None:
         if stash is None:
             raise ValueError("another uid needs a stash directory for the interpreter's closed directories")
         cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *cmd]
-        steps = [*open_python_steps(stash), *steps]
+        stash.mkdir(parents=True, exist_ok=True)
+        steps = [*open_python_steps(stash), *user_private_group_steps(uid, stash), *steps]
     if not steps:
         return cmd
     script = " && ".join([*steps, f"exec {shlex.join(cmd)}"])

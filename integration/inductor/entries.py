@@ -135,6 +135,9 @@ class InductorEntries:
         from torch._inductor.codecache import torch_key
 
         from adstore.integration.engine.toolchain import toolchain_identity
+        from adstore.integration.inductor.torchkey import wait_recorded
+
+        wait_recorded()  # a key being recorded is given to torch when done: not hashed twice
 
         return {"torch_key": torch_key().hex(), "toolchain": toolchain_identity()}
 
@@ -264,20 +267,28 @@ class InductorEntries:
         return res.manifest
 
     def save_toolchain(self, files: Iterable[str], answers: Mapping[str, bool], stored: set[str]) -> None:
-        """Store the toolchain's files and ISA answers unless the entry holds them all (``stored``: seen).
+        """Store the toolchain's files and ISA answers unless the entries hold them all (``stored``: seen).
 
-        The entry is merged: what it holds already stays, answers and headers
-        this process met are added.
+        The answers go to their own entry; the header entry is saved only when
+        this process settled a header (``files``) it does not hold.  A process
+        that built no kernel therefore never touches the header entry, and a
+        save merges with this store's own entry only (``local=True``): looking
+        it up through the remote would download every header it holds (~150 MB
+        each) just to learn that nothing needs saving.  A host that builds a
+        kernel placed the entry before (:meth:`place_toolchain`), so it is here.
         """
         try:
-            key, components = self.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
             cache_dir, header_dir = Path(_cache_dir()), _header_dir()
             names = {_artifact_name(f, cache_dir, header_dir) for f in files} - {None}
             mine = valid_answers(answers)
             if names | set(mine) <= stored:
                 return
             self._save_answers(mine)
-            res = self.store.lookup(key, count=False, trusted=self.trusted)
+            stored.update(mine)
+            if names <= stored:
+                return  # no header met: the header entry is neither looked up nor saved
+            key, components = self.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
+            res = self.store.lookup(key, count=False, trusted=self.trusted, local=True)
             old = res.manifest if res.hit and res.manifest is not None else None
             known = valid_answers(old.meta.get("isa_probes")) if old is not None else {}
             if old is not None and names <= set(old.artifacts) and mine.items() <= known.items():
@@ -303,7 +314,7 @@ class InductorEntries:
         if not mine:
             return
         key, components = self.key(TOOLCHAIN_NAMESPACE, ISA_KEY)
-        res = self.store.lookup(key, count=False, trusted=self.trusted)
+        res = self.store.lookup(key, count=False, trusted=self.trusted, local=True)  # restored at start, if anywhere
         known = valid_answers(res.manifest.meta.get("isa_probes")) if res.hit and res.manifest is not None else {}
         if mine.items() <= known.items():
             return

@@ -15,15 +15,23 @@ directories with an ``__init__.py``, plus the two files it adds), its
 relative path, size, inode, modification and change times; and torch's
 path, version and commit.  When the fingerprint of torch as it is now
 matches, ``torch_key.set(value)`` gives torch the value before anyone asks
-(torch's own way to prepopulate it); otherwise the value is computed as
-before, by whoever asks, and a background thread records it.
+(torch's own way to prepopulate it); otherwise a background thread computes
+the value and records it (and gives it to torch, unless torch computed its own
+meanwhile).
+
+A record binds a fingerprint to the key of the files that fingerprint
+describes, and nothing else: the thread takes the fingerprint *before* it
+computes the key, computes it with torch's own function behind its cache
+(never the value cached in this process, which may be of files that changed
+since: a late or repeated ``enable()``), and takes the fingerprint again
+after.  Files that changed in between are no record.
 
 The fingerprint is the rule Python uses for its own bytecode caches (size
 and time of the source), made stricter by the inode and the change time,
 which no file operation can set back: an edited, reinstalled or replaced
-file is a new fingerprint.  The record is read only when it is a regular
-file owned by this user or root and writable by no one else, in a
-directory of which the same holds (or with the sticky bit); anything else,
+file is a new fingerprint.  The record is read only when the store's one
+trust rule accepts it and its directory (``adstore.store.file_refusal`` and
+``dir_refusal``, with ``trusted_uids``); anything else,
 or a malformed record, is no record.  Nothing here ever raises.
 """
 
@@ -32,18 +40,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.machinery
+import inspect
 import json
 import logging
 import os
-import stat
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECORD", "Primed", "fingerprint", "prime"]
+from adstore.store import ConfigError, dir_refusal, file_refusal, trusted_uids
+
+__all__ = ["RECORD", "Primed", "fingerprint", "prime", "wait_recorded"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +117,12 @@ def fingerprint(root: str | os.PathLike[str], *, version: str = "", commit: str 
 
 
 def _trusted(st: os.stat_result, *, directory: bool) -> bool:
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
+    """The store's one trust rule, with its one trusted set (this user, root, ``ADSTORE_TRUSTED_UIDS``)."""
+    try:
+        trusted = trusted_uids()
+    except ConfigError:
         return False
-    if directory:
-        return stat.S_ISDIR(st.st_mode) and (not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX))
-    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022
+    return (dir_refusal if directory else file_refusal)(st, trusted) is None
 
 
 def _read(path: Path, digest: str) -> bytes | None:
@@ -154,13 +165,58 @@ def _write(path: Path, digest: str, key: bytes) -> None:
         raise
 
 
-def _record(torch_key: Any, path: Path, digest: str) -> None:
+def _computation(torch_key: Any) -> Callable[[], Any] | None:
+    """torch's own computation behind ``torch_key``'s process cache (``prefetchable_cache``'s ``func``); None if hidden.
+
+    Called, it hashes the files as they are now, whatever this process
+    cached: the only value a record may bind to a fingerprint taken now.
+    """
     try:
-        key = torch_key()
-        if isinstance(key, bytes):
-            _write(path, digest, key)
+        func = inspect.getclosurevars(torch_key).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return None
+    return func if callable(func) else None
+
+
+def _record(torch_key: Any, compute: Callable[[], Any], path: Path, sign: Callable[[], str], before: str) -> None:
+    """Compute the key of the files ``before`` describes and record it, if they still are those files.
+
+    ``before`` is taken before ``compute`` runs and ``sign()`` again after: a
+    change in between (a file edited while it was hashed, or before) is no
+    record, and torch computes its key itself.
+    """
+    try:
+        key = compute()
+        if not isinstance(key, bytes):
+            return
+        if sign() != before:
+            logger.debug("adstore: torch's files changed while torch_key was computed: not recorded in %s", path)
+            return
+        _write(path, before, key)
+        try:
+            torch_key.set(key)  # spares torch the same hashing, unless it has its value already
+        except RuntimeError:
+            pass
     except Exception as exc:  # noqa: BLE001 - a record is an optimisation: the next process computes again
         logger.debug("adstore: torch_key not recorded in %s: %s", path, exc)
+
+
+#: This process's recording thread (the latest ``prime``'s), for :func:`wait_recorded`.
+_recording: list[threading.Thread] = []
+#: How long :func:`wait_recorded` waits at most (the hashing takes about 0.6 s).
+RECORD_WAIT = 10.0
+
+
+def wait_recorded(timeout: float = RECORD_WAIT) -> None:
+    """Let a recording thread of this process finish before ``torch_key()`` is asked for (``timeout`` at most).
+
+    The thread hashes torch's files itself (not through torch's cache) and
+    then gives torch the value: asked for meanwhile, torch would hash the
+    same files a second time.  Never raises.
+    """
+    for thread in list(_recording):
+        if thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 def prime(directory: str | os.PathLike[str] | None = None) -> Primed:
@@ -182,7 +238,9 @@ def prime(directory: str | os.PathLike[str] | None = None) -> Primed:
             directory = cache_dir()
         path = Path(directory) / RECORD
         root = getattr(codecache, "_TORCH_PATH", None) or os.path.dirname(torch.__file__)
-        digest = fingerprint(root, version=torch.__version__, commit=str(getattr(torch.version, "git_version", "")))
+        commit = str(getattr(torch.version, "git_version", ""))
+        sign = functools.partial(fingerprint, root, version=torch.__version__, commit=commit)
+        digest = sign()  # before any key is computed for it (``_record``)
         key = _read(path, digest)
         if key is not None:
             try:
@@ -190,8 +248,13 @@ def prime(directory: str | os.PathLike[str] | None = None) -> Primed:
             except RuntimeError:  # computed already in this process: nothing left to save
                 return Primed("known", "torch_key was computed before")
             return Primed("primed", str(path))
-        thread = threading.Thread(target=_record, args=(torch_key, path, digest), name="adstore-torch-key", daemon=True)
+        compute = _computation(torch_key)
+        if compute is None:
+            return Primed("unsupported", "this torch's torch_key computation is not reachable: nothing recorded")
+        args = (torch_key, compute, path, sign, digest)
+        thread = threading.Thread(target=_record, args=args, name="adstore-torch-key", daemon=True)
         thread.start()
+        _recording[:] = [thread]
         return Primed("recording", str(path), thread)
     except Exception as exc:  # noqa: BLE001 - fail open: torch computes its key as it would have
         logger.debug("adstore: torch_key not primed: %s: %s", type(exc).__name__, exc)

@@ -83,11 +83,16 @@ class SnapshotCache:
         self._key: str | None = None
 
     def store(self) -> Any:
-        """The store at ``root`` (opened on first use; an error here is a reasoned miss/bypass)."""
+        """The store at ``root`` (opened on first use; an error here is a reasoned miss/bypass).
+
+        Without a ``root``, the store the environment names, its seed
+        (``ADSTORE_SEED``) and budget included, as every other tier opens
+        it; the remote tier is the pipeline's own (:mod:`.remote`), not the store's.
+        """
         if self._store is None:
             from adstore.store import Store
 
-            self._store = Store.open(self.root)
+            self._store = Store.open(self.root) if self.root is not None else Store.from_env(remote=None)
         return self._store
 
     def _compute_key(self, key: Callable[[], CacheKey]) -> CacheKey:

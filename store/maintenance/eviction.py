@@ -413,7 +413,7 @@ class Evictor:
             access = t.access(k)
             if access is not None and access[0] > v.last_access:
                 return None  # used since the plan
-        return drop_entry(t, key, entry, keep_pending_since=now - self.grace, shadow=shadow)
+        return drop_entry(t, key, entry, keep_pending_since=now - self.grace, now=now, shadow=shadow)
 
 
 def _ranks(v: Victim) -> dict[int, int]:

@@ -132,7 +132,7 @@ class Sweeper:
                     m = Manifest.decode(mk, raw)
                 except CorruptRow:
                     continue
-                if not m.committed and m.created <= old and not in_flight(m.producer):
+                if not m.committed and m.created <= old and not in_flight(m.producer, m.created, now):
                     stale.append(m)
             _, dead = live_leases(t, now)
         orphans: list[Path] = []
@@ -162,7 +162,7 @@ class Sweeper:
                 mk = manifest_key(planned.key, planned.rank, planned.generation)
                 raw = t.manifest_row(mk)
                 m = Manifest.decode(mk, raw) if raw is not None else None
-                if m is None or m.committed or m.created > now - self.grace or in_flight(m.producer):
+                if m is None or m.committed or m.created > now - self.grace or in_flight(m.producer, m.created, now):
                     continue  # committed, or published again (by a save in flight)
                 zero += t.drop_manifest(m)  # the references the row holds now, not the ones planned
                 drop_if_empty(t, m.key)

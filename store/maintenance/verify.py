@@ -320,7 +320,7 @@ def _check_references(
                 f"manifest {m.key} rank {m.rank} gen {m.generation}: committed but not current",
             )
             doomed.append(m)
-        if not m.committed and now - m.created > grace_period and not in_flight(m.producer):
+        if not m.committed and now - m.created > grace_period and not in_flight(m.producer, m.created, now):
             rep.add(
                 Reason.STALE_MANIFEST,
                 m.key,

@@ -11,8 +11,8 @@ and differs from the builder (host A) by one thing, made real:
   same ISA), bind-mounted over the real one in a private mount namespace;
 * ``other_user`` (D): uid 1001 with umask 002 (``setpriv``), its
   directories its own;
-* ``read_only`` (E): A's store bind-mounted read-only (a store baked into an
-  image), no remote;
+* ``read_only`` (E): a frozen copy of A's store bind-mounted read-only (a
+  store baked into an image), no remote;
 * ``install_path`` (F): the same venv bind-mounted at another path and run
   from there (``sys.prefix``, torch's include directory and so Inductor's
   command lines differ).
@@ -37,6 +37,8 @@ RUNNER = HERE / "fleet_run.py"
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_restart import started  # noqa: E402
 from other_users import user_argv  # noqa: E402
+
+from adstore.store import Store  # noqa: E402
 
 BUILDS = HERE / "vllm_builds"  # the sitecustomize that logs compiler runs
 
@@ -140,11 +142,15 @@ class Fleet:
             keys.chmod(0o644)
             keys.parent.chmod(0o755)
             return Host(kind, env, uid=OTHER_UID, umask=0o002, stash=self.work / "python-stash")
-        if kind == "read_only":
+        if kind == "read_only":  # a copy of A's store, frozen as an image build leaves it, mounted read-only
             env = self._dirs("e")
-            mount = self.work / "e" / "store"
+            mount, image = self.work / "e" / "store", self.work / "e" / "image-store"
             mount.mkdir(exist_ok=True)
-            return Host(kind, env, mounts=[(str(self.work / "a" / "store"), str(mount), True)])
+            shutil.rmtree(image, ignore_errors=True)
+            shutil.copytree(self.work / "a" / "store", image, symlinks=True)
+            with Store.open(image, create=False) as store:
+                store.freeze()
+            return Host(kind, env, mounts=[(str(image), str(mount), True)])
         if kind == "install_path":
             venv = Path(sys.prefix)
             elsewhere = self.work / "f" / "venv-elsewhere"

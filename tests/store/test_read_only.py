@@ -5,11 +5,14 @@ namespace (``unshare -m``; a plain bind mount, unmounted afterwards, where
 namespaces are unavailable) and read by a child process
 (``read_only_child.py``): as root, and as uid 1001 reading a store root baked.
 A seed store (``ADSTORE_SEED``) on the read-only mount serves a writable
-store's misses, and new saves go to the writable one.
+store's misses, and new saves go to the writable one.  A read-only mount is
+read without LMDB's lock only when the store was frozen where it was built:
+the same filesystem may be written elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +28,8 @@ from typing import Any
 import pytest
 from other_users import user_argv  # tests/other_users.py
 
-from adstore.store import Store
+from adstore.daemon.cli import main as cli_main
+from adstore.store import ReadOnlyStore, Store
 
 CHILD = Path(__file__).with_name("read_only_child.py")
 OTHER_UID = 1001
@@ -73,8 +77,9 @@ def shared_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def build(root: Path) -> dict[str, dict[str, str]]:
-    """A store with an inline blob, a raw file blob, a compressed file blob, and an entry of two ranks."""
+def build(root: Path, *, frozen: bool = True) -> dict[str, dict[str, str]]:
+    """A store with an inline blob, a raw file blob, a compressed file blob, and an entry of two ranks; frozen
+    (``Store.freeze``) as an image build leaves it, unless ``frozen=False``."""
     artifacts = {"small": b"tiny", "random": os.urandom(300_000), "text": b"compressible kernel source\n" * 20_000}
     keys: dict[str, dict[str, str]] = {}
     with Store.open(root) as store:
@@ -86,6 +91,8 @@ def build(root: Path) -> dict[str, dict[str, str]]:
             blob = f"rank {rank} shard".encode() * 10_000
             store.save("b" * 64, {"shard": store.put_bytes(blob)}, rank=rank, world_size=2, generation=gen)
         keys["b" * 64] = {"shard": hashlib.sha256(b"rank 0 shard" * 10_000).hexdigest()}
+        if frozen:
+            store.freeze()
     return keys
 
 
@@ -209,8 +216,30 @@ def test_the_seed_is_searched_before_the_remote_and_its_copies_are_not_pushed(tm
     assert keys
 
 
+def test_a_local_lookup_copies_from_neither_the_seed_nor_the_remote(tmp_path):
+    """``lookup(local=True)``: this store's rows only (a caller merging into what is here downloads nothing)."""
+    from adstore.store.remote import MemoryBackend, Remote, Signer, TrustedKeys, generate_keypair
+
+    build(tmp_path / "seed")
+    pair = generate_keypair()
+    backend = MemoryBackend()
+    signer, trusted = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
+    remote = Remote(backend, mode="read-write", signer=signer, trusted=trusted)
+    with Store.open(tmp_path / "builder", remote=remote) as builder:
+        builder.save("c" * 64, {"x": builder.put_bytes(b"from the remote")})
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed", remote=remote) as store:
+        for key in ("a" * 64, "c" * 64):  # the seed's, the remote's
+            assert store.lookup(key, count=False, local=True).reason == "absent"
+            assert store.entry(key) is None
+        assert not any(op == "get" for op, _ in backend.ops)
+        assert store.lookup("a" * 64).hit and store.lookup("c" * 64).hit  # without ``local``: both mend the miss
+        assert store.lookup("c" * 64, local=True).hit  # and now it is here
+        counters = store.stats().counters
+        assert counters["seed.hits"] == 1 and counters["remote.hits"] == 1
+
+
 def test_an_index_on_a_read_only_mount_under_a_writable_root_is_read_only_not_corrupt(shared_tmp):
-    build(shared_tmp / "src")
+    build(shared_tmp / "src", frozen=False)  # a writer meets its read-only index
     index = shlex.quote(str(shared_tmp / "src" / "index"))
     code = (
         "import sys; from adstore.store import Store, StoreError\n"
@@ -247,3 +276,82 @@ def test_a_damaged_index_on_a_read_only_mount_is_still_corrupt_index(shared_tmp)
         check=False,
     )
     assert res.returncode == 0 and res.stdout.strip() == "corrupt_index", (res.stdout, res.stderr[-2000:])
+
+
+def _forge_seed_row(seed_root: Path, key: str, other: str) -> None:
+    """What a group member of the seed's builder can do: rewrite ``key``'s manifest row in the seed's index,
+    pointing it at ``other``'s blob with meta of its choice (ISA answers), its record left as the builder wrote it."""
+    with Store.open(seed_root, create=False) as seed:
+        m = seed.lookup(key).manifest
+        shard = seed.lookup(other, rank=0).manifest.artifacts["shard"]
+        forged = dataclasses.replace(m, artifacts={**m.artifacts, "random": shard}, meta={"isa": {"avx512": True}})
+        seed._tables.write(lambda t: t.put_manifest(forged))
+        assert seed.lookup(key).manifest.meta == {"isa": {"avx512": True}}  # the rows now say so
+
+
+def test_a_seed_row_its_own_records_do_not_vouch_for_is_not_copied(tmp_path, monkeypatch):
+    keys = build(tmp_path / "seed", frozen=False)  # a seed its builder's group may still write
+    _forge_seed_row(tmp_path / "seed", "a" * 64, "b" * 64)
+    monkeypatch.delenv("ADSTORE_TRUSTED_UIDS", raising=False)
+    me = frozenset({os.geteuid(), 0})
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed") as store:
+        for trusted in (me, None):  # the copy would be sealed as this user's: judged whatever the caller trusts
+            missed = store.lookup("a" * 64, trusted=trusted)
+            assert not missed.hit and missed.reason == "unsealed_entry", missed
+        assert store.entry("a" * 64) is None and store.stats().counters["seed.misses.unsealed_entry"] == 2
+        assert not any(store.has_blob(d) for d in keys["a" * 64].values())  # nothing copied
+        found = store.lookup("b" * 64, trusted=me)  # the genuine entry still copies, and is sealed here
+        assert found.hit and store.read_artifact(found.manifest, "shard") == b"rank 0 shard" * 10_000
+        assert store.stats().counters["seed.hits"] == 1
+
+
+def _open_on_read_only_mount(src: Path, dst: Path, code: str) -> str:
+    """Run ``code`` (``sys.argv[1]``: the mount) in a private mount namespace where ``src`` is read-only at ``dst``."""
+    if not NAMESPACES:
+        pytest.skip("needs a private mount namespace (unshare -m)")
+    dst.mkdir()
+    s, d = shlex.quote(str(src)), shlex.quote(str(dst))
+    script = f"mount --bind {s} {d} && mount -o remount,bind,ro {d} && exec {shlex.quote(sys.executable)}"
+    res = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{script} -c {shlex.quote(code)} {d}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip()
+
+
+def test_a_read_only_mount_of_a_store_that_is_not_frozen_is_not_read_lock_free(shared_tmp):
+    """A read-only bind mount of a volume a builder still writes: a lock-free reader would read pages the
+    writer reuses, so an unfrozen store that cannot be locked is refused (``unsafe_root``), and a seed of
+    that kind is left out; the same store frozen is read lock-free."""
+    build(shared_tmp / "src", frozen=False)
+    code = (
+        "import sys; from adstore.store import Store, StoreError\n"
+        "try:\n    Store.open(sys.argv[1], create=False)\nexcept StoreError as exc:\n    print(exc.reason)\n"
+        "env = {'ADSTORE_ROOT': sys.argv[1] + '-w', 'ADSTORE_SEED': sys.argv[1]}\n"
+        "print(Store.from_env(env).seed)\n"
+    )
+    assert _open_on_read_only_mount(shared_tmp / "src", Path("/tmp") / f"{shared_tmp.name}-ro", code).split() == [
+        "unsafe_root",
+        "None",
+    ]
+    assert cli_main(["--root", str(shared_tmp / "src"), "freeze"]) == 0  # where it is built
+    assert cli_main(["--root", str(shared_tmp / "src"), "freeze"]) == 15  # read_only: frozen already
+    code = "import sys; from adstore.store import Store\ns = Store.open(sys.argv[1], create=False)\n"
+    code += "print(s.read_only, s.index.lockless, s.lookup('a' * 64).hit)\n"
+    assert _open_on_read_only_mount(shared_tmp / "src", shared_tmp / "ro2", code) == "True True True"
+
+
+def test_a_frozen_store_opens_read_only_on_a_writable_disk_and_keeps_its_lock(tmp_path):
+    build(tmp_path / "s")
+    with Store.open(tmp_path / "s") as store:
+        assert store.read_only and not store.index.lockless and store.lookup("a" * 64).hit
+        with pytest.raises(ReadOnlyStore):
+            store.put_bytes(b"x")
+        with pytest.raises(ReadOnlyStore):
+            store.freeze()
+    (tmp_path / "s" / "FROZEN").unlink()  # thawed by whoever writes it again
+    with Store.open(tmp_path / "s") as store:
+        assert not store.read_only and store.put_bytes(b"x")

@@ -23,7 +23,7 @@ import os
 import pytest
 from store_helpers import check_hit, payload, run_cli, save
 
-from adstore.store import ManifestGone, OverBudget, Reason, Store, StoreError
+from adstore.store import ManifestGone, ManualClock, OverBudget, Reason, Store, StoreError
 
 
 def _publish(store: Store, key: str, *, rank: int = 0, world_size: int = 1, generation: int) -> None:
@@ -87,3 +87,48 @@ def test_a_killed_writers_manifest_is_swept_and_a_commit_without_one_is_manifest
         assert isinstance(info.value, StoreError) and info.value.reason == Reason.STALE_MANIFEST
         assert str(info.value) == f"no manifest to commit for k0 rank 0 generation {gen}"
         assert store.lookup("k0", count=False).reason == Reason.ABSENT and store.verify().ok
+
+
+def _gc(store: Store, what: str) -> bool:
+    """Whether ``what`` (a sweep, an eviction of everything, a verify) treats ``k0``'s save as abandoned."""
+    if what == "verify":
+        return any(f.kind == Reason.STALE_MANIFEST and f.subject == "k0" for f in store.verify().findings)
+    plan = store.plan_sweep() if what == "sweep" else store.plan_eviction(max_size=0)
+    plan.execute()
+    return not store.manifests("k0")
+
+
+@pytest.mark.parametrize("what", ["sweep", "eviction", "verify"])
+def test_a_live_publishers_manifest_is_protected_only_until_its_publish_deadline(store_root, what):
+    """A publisher that lives on without committing (a server stuck after a failed abort) kept its
+    manifest, and its blobs, past the budget for as long as it ran: protection ends at its deadline."""
+    clock = ManualClock()
+    with Store.open(store_root, grace_period=60.0, publish_timeout=600.0, clock=clock) as store:
+        gen = store.new_generation()
+        _publish(store, "k0", generation=gen)
+        clock.advance(300)  # past the grace period, before the deadline: a save in flight
+        assert not _gc(store, what)
+        clock.advance(301)  # past the deadline, and this process still runs
+        assert _gc(store, what)
+        if what != "verify":
+            with pytest.raises(ManifestGone):
+                store.commit("k0", generation=gen)
+            assert store.verify().ok
+
+
+def test_the_publish_deadline_is_never_shorter_than_the_grace_period(store_root):
+    clock = ManualClock()
+    with Store.open(store_root, grace_period=600.0, publish_timeout=60.0, clock=clock) as store:
+        gen = store.new_generation()
+        _publish(store, "k0", generation=gen)
+        clock.advance(300)  # past the publish deadline, within the grace period
+        assert not _gc(store, "sweep")
+        clock.advance(301)
+        assert _gc(store, "sweep")
+
+
+def test_the_publish_timeout_comes_from_the_environment(store_root):
+    with Store.from_env({"ADSTORE_ROOT": str(store_root), "ADSTORE_PUBLISH_TIMEOUT": "2h"}) as store:
+        assert store.publish_timeout == 7200.0
+    with Store.open(store_root) as store:
+        assert store.publish_timeout == 3600.0

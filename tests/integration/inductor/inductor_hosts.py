@@ -73,6 +73,14 @@ def count_probes() -> list[str]:
     return probes
 
 
+def _counters_at_exit() -> dict[str, int]:
+    """The store's ``inductor.*`` and ``remote.*`` counters once the process let go of it (``adstore stats``)."""
+    from adstore.store import Store
+
+    with Store.open(os.environ["ADSTORE_ROOT"]) as store:
+        return {k: v for k, v in store.stats().counters.items() if k.startswith(("inductor.", "remote."))}
+
+
 def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:
     """``torch.compile`` a small model under ``env`` (with adstore enabled unless ``enable=False``).
 
@@ -80,7 +88,8 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
     builds ran (kernels, ISA probes and precompiled headers: every
     ``CppBuilder.build`` of the process), how many ISA probes ran in a
     subprocess, the fail-open reasons and the store's
-    ``inductor.*`` and ``remote.*`` counters, and adstore's warnings.
+    ``inductor.*`` and ``remote.*`` counters (before the exit-time save, and
+    ``store_at_exit`` after it), and adstore's warnings.
     """
     os.environ.update(env)
     import tempfile
@@ -121,7 +130,7 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
         store_counters = {
             k: v for k, v in entries.store.stats().counters.items() if k.startswith(("inductor.", "remote."))
         }
-    inductor.disable()
+    inductor.disable()  # what the process does at exit: keep what it built (the toolchain save), close the store
     if store is not None:
         store.close()
     return {
@@ -135,6 +144,7 @@ def compile_host(env: dict[str, str], enable: bool = True, inline_threshold: int
         "probes": len(probes),  # ISA probe subprocesses
         "failopen": dict(inductor.FAILOPEN),
         "store": store_counters,
+        "store_at_exit": _counters_at_exit() if enabled else {},
         "seconds": seconds,
         "warnings": warnings,
     }

@@ -156,3 +156,38 @@ def test_a_merge_never_republishes_a_header_this_user_would_refuse(tmp_path, mon
         manifest = store.lookup(key, count=False).manifest
         assert {a for a in manifest.artifacts if a.startswith("pch.")} == {"pch.hb.h", "pch.hb.h.gch"}
         assert [h["name"] for h in manifest.meta["headers"]] == ["hb.h"]
+
+
+def test_a_host_that_built_no_header_never_fetches_the_header_entry_at_its_save(tmp_path, monkeypatch):
+    """The exit-time save of a host whose kernels all came from the remote moves 0 header bytes.
+
+    Its answers are saved in their own entry; the header entry is neither
+    looked up (a remote restore would download every header it holds) nor
+    saved.  A save that has a header merges with this store's entry only.
+    """
+    from adstore.store.remote import MemoryBackend, Remote, Signer, TrustedKeys, generate_keypair
+
+    pair = generate_keypair()
+    backend = MemoryBackend()
+    signer, keys = Signer.from_pem(pair.private_pem), TrustedKeys.from_pem(pair.public_pem)
+    answers = {"a" * 64: True, "b" * 64: False}
+    with Store.open(
+        tmp_path / "builder", inline_threshold=1024, remote=Remote(backend, mode="read-write", signer=signer)
+    ) as store:
+        _, headers = _host(tmp_path, "builder", monkeypatch, A)
+        InductorEntries(store, trusted=ME, owns_store=False).save_toolchain(
+            _build_header(headers, "ha.h"), answers, set()
+        )
+        key, _ = InductorEntries(store, trusted=ME, owns_store=False).key(TOOLCHAIN_NAMESPACE, "toolchain")
+        header = [r for n, r in store.lookup(key, count=False).manifest.artifacts.items() if n.startswith("pch.")]
+    reader = Remote(backend, mode="read", trusted=keys)
+    with Store.open(tmp_path / "new", inline_threshold=1024, remote=reader) as store:
+        entries = InductorEntries(store, trusted=ME, owns_store=False)
+        _, headers = _host(tmp_path, "new", monkeypatch, A)
+        assert entries.find_toolchain()  # the answers' entry, from the remote
+        entries.save_toolchain([], answers, set())  # at exit: no kernel built, no header met
+        assert not [r for r in header if store.has_blob(r)] and store.entry(key) is None
+        entries.save_toolchain(_build_header(headers, "ha.h"), answers, stored := set())  # a header met after all
+        assert store.lookup(key, count=False, local=True).hit and {"pch.ha.h", "pch.ha.h.gch"} <= stored
+        store.flush()
+        assert store.stats().counters["remote.hits"] == 1  # the answers' entry; never the header entry's

@@ -5,11 +5,14 @@ fresh interpreters: one records the key torch computed; another, where
 torch's hashing fails, gets a record's value without hashing a file, and
 tries every kind of record that must not be used first (foreign, writable
 by others, malformed, for other files, a symlink).  The fingerprint's rules are checked on a small
-package tree.
+package tree, and so is the binding: a record holds the key of the files its fingerprint describes,
+with torch's ``torch_key`` replaced in this process by the same kind of cached function over that
+tree, whose files a hook changes between the steps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -71,8 +74,12 @@ def _record(directory: Path, damage: str = "") -> None:
         return
     record.write_text("{not json" if damage == "malformed" else json.dumps(doc))
     os.chmod(record, 0o664 if damage == "group_writable" else 0o644)
-    if damage == "foreign_owner":
+    if damage == "group_writable":  # a gid the group database does not know: not a private group
+        os.chown(record, 0, 424242)
+    elif damage == "foreign_owner":
         os.chown(record, 65534, 65534)
+    elif damage == "trusted_owner":  # a uid of ADSTORE_TRUSTED_UIDS
+        os.chown(record, 4242, 4242)
     elif damage == "open_directory":
         os.chmod(directory, 0o777)
     elif damage == "other_fingerprint":
@@ -85,13 +92,16 @@ def test_the_first_process_records_the_key_torch_computed(tmp_path):
     assert json.loads((tmp_path / torchkey.RECORD).read_text())["torch_key"] == got["key"]
 
 
-def test_only_a_trusted_record_of_this_torch_is_used_and_nothing_is_hashed_then(tmp_path):
+def test_only_a_trusted_record_of_this_torch_is_used_and_nothing_is_hashed_then(tmp_path, monkeypatch):
     damages = ["group_writable", "foreign_owner", "open_directory", "malformed", "other_fingerprint", "symlink"]
     for damage in damages:
         _record(tmp_path / damage, damage)
     _record(tmp_path / "good")
-    got = _child("no-hashing", *(tmp_path / d for d in damages), tmp_path / "good")
-    assert got == {"statuses": ["recording"] * len(damages) + ["primed"], "key": FAKE_KEY}
+    _record(tmp_path / "trusted_owner", "trusted_owner")
+    monkeypatch.setenv("ADSTORE_TRUSTED_UIDS", "4242")  # the store's one trusted set, read by the child
+    for accepted in ("good", "trusted_owner"):
+        got = _child("no-hashing", *(tmp_path / d for d in damages), tmp_path / accepted)
+        assert got == {"statuses": ["recording"] * len(damages) + ["primed"], "key": FAKE_KEY}, accepted
 
 
 def _package(root: Path) -> Path:
@@ -135,3 +145,84 @@ def test_any_change_to_a_module_file_changes_the_fingerprint(tmp_path, change):
         (pkg / "sub" / "new.py").write_text(target.read_text())
         os.replace(pkg / "sub" / "new.py", target)
     assert torchkey.fingerprint(pkg) != base
+
+
+def _tree_key(root: Path) -> bytes:
+    """What the stand-in ``torch_key`` computes: a hash of the tree's module files as they are now."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.digest()
+
+
+def _stand_in(monkeypatch, root: Path, while_hashing=lambda: None):
+    """torch's ``torch_key`` over ``root`` instead of torch: the same process cache, ``while_hashing`` run first."""
+    from torch._inductor import codecache
+    from torch.utils._functools import prefetchable_cache
+
+    def torch_key() -> bytes:
+        while_hashing()
+        return _tree_key(root)
+
+    cached = prefetchable_cache(torch_key)
+    monkeypatch.setattr(codecache, "torch_key", cached)
+    monkeypatch.setattr(codecache, "_TORCH_PATH", str(root))
+    return cached
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700)
+    path.chmod(0o700)
+    return path
+
+
+@pytest.mark.parametrize("first", ["computed", "primed"])
+def test_a_late_enable_records_the_key_of_the_files_as_they_are_not_the_one_this_process_has(
+    tmp_path, monkeypatch, first
+):
+    """torch_key known in this process (computed, or primed by an earlier enable), then torch changes, then enable()."""
+    pkg, records = _package(tmp_path), _private_dir(tmp_path / "inductor")
+    torch_key = _stand_in(monkeypatch, pkg)
+    if first == "computed":
+        torch_key()
+    else:
+        primed = torchkey.prime(records)
+        assert primed.status == "recording" and primed.thread is not None
+        primed.thread.join()
+    held = torch_key()  # the value this process keeps, of the files as they were
+    (pkg / "sub" / "b.py").write_text("# torch upgraded while this process ran\n")
+    late = torchkey.prime(records)
+    assert late.status == "recording" and late.thread is not None
+    late.thread.join()
+    recorded = bytes.fromhex(json.loads((records / torchkey.RECORD).read_text())["torch_key"])
+    assert recorded == _tree_key(pkg) != held
+
+    def refuse() -> None:
+        raise AssertionError("the next process hashed the files")
+
+    after = _stand_in(monkeypatch, pkg, while_hashing=refuse)  # the next process, on the files as they are
+    assert torchkey.prime(records).status == "primed" and after() == _tree_key(pkg)
+
+
+def test_files_that_change_while_the_key_is_computed_are_no_record(tmp_path, monkeypatch):
+    pkg, records = _package(tmp_path), _private_dir(tmp_path / "inductor")
+
+    def upgrade() -> None:  # between the fingerprint (before the key) and the hashing
+        (pkg / "sub" / "b.py").write_text("# changed while torch_key was computed\n")
+
+    torch_key = _stand_in(monkeypatch, pkg, while_hashing=upgrade)
+    primed = torchkey.prime(records)
+    assert primed.status == "recording" and primed.thread is not None
+    primed.thread.join()
+    assert not (records / torchkey.RECORD).exists()
+    assert torch_key() == _tree_key(pkg)  # torch computes its own, nothing was given to it
+
+
+def test_the_recording_process_hashes_torchs_files_once(tmp_path, monkeypatch):
+    """The thread's value is given to torch: adstore's own first ask waits for it rather than hashing again."""
+    pkg, records = _package(tmp_path), _private_dir(tmp_path / "inductor")
+    hashed: list[int] = []
+    torch_key = _stand_in(monkeypatch, pkg, while_hashing=lambda: hashed.append(1))
+    assert torchkey.prime(records).status == "recording"
+    torchkey.wait_recorded()
+    assert torch_key() == _tree_key(pkg) and len(hashed) == 1

@@ -39,8 +39,10 @@ def test_answers_saved_with_the_toolchain_entry_are_learnt_on_restore_and_merged
     first, second = _key("avx2 probe"), _key("avx512 probe")
     entries.save_toolchain([], {first: True}, set())
     entries.save_toolchain([], {second: False}, set())  # another process's answers: added, the first kept
-    key, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
+    key, _ = entries.key(TOOLCHAIN_NAMESPACE, "isa")  # the answers' own entry
     assert valid_answers(entries.store.lookup(key).manifest.meta["isa_probes"]) == {first: True, second: False}
+    header, _ = entries.key(TOOLCHAIN_NAMESPACE, "toolchain")
+    assert entries.store.entry(header) is None  # no header met: the header entry is not written
     answered = threading.Event()
     entries.restore_toolchain(answered)
     assert answered.is_set() and PROBES._answer(first) is True and PROBES._answer(second) is False

@@ -29,7 +29,8 @@ def _mode(path: Path) -> int:
 
 
 def test_a_group_only_trusted_users_belong_to_is_private_and_one_with_others_is_not():
-    assert group_private(424242, ME)  # no member by name, nobody's primary group
+    assert group_private(0, ME)  # root's group: no member by name, root's primary group only
+    assert not group_private(424242, ME)  # a gid the group database does not know: not known to be private
     assert not group_private(65534, ME)  # nogroup: the primary group of nobody (65534)
     assert group_private(65534, ME | {4, 42, 65534})  # sync, _apt and nobody all trusted
 
@@ -43,7 +44,8 @@ def test_a_directory_is_safe_when_trusted_users_own_it_and_no_one_else_renames_i
         (0o1777, 0, 0, False),  # /tmp: others add entries, never rename ours
         (0o777, 0, 0, True),
         (0o775, 65534, 0, True),  # a group with an untrusted member
-        (0o775, 424242, 0, False),  # a user-private group (umask 002)
+        (0o775, 0, 0, False),  # a group of trusted users only (a user-private group under umask 002)
+        (0o775, 424242, 0, True),  # a gid the group database does not know (a container's fsGroup)
         (0o755, 0, 4242, True),  # another user's
     ]:
         os.chown(d, owner, gid)

@@ -6,9 +6,10 @@ toolchain entries (kernels inline in the index, the precompiled header a
 compressed blob file) are pushed as signed records.  Host B (read-only,
 trusting A's key, an empty store, empty Inductor cache directory and
 ``TMPDIR``) builds no kernel, no ISA probe and no header (nor fetches one:
-no build needs it), and computes A's outputs bit for bit.  In the slow run: a host trusting another key compiles
-everything itself (``untrusted_remote``), and a host whose remote is down
-compiles and says so once.  The S3 server (moto) in the default run; the
+no build needs it, nor does its save at exit: 0 header bytes, 3 remote hits),
+and computes A's outputs bit for bit.  In the slow run: a host trusting
+another key compiles everything itself (``untrusted_remote``), and a host
+whose remote is down compiles and says so once.  The S3 server (moto) in the default run; the
 Bazel HTTP protocol (WebDAV) in the slow run.
 """
 
@@ -19,11 +20,28 @@ from pathlib import Path
 
 import pytest
 
+from adstore.integration.inductor.entries import TOOLCHAIN_KEY, TOOLCHAIN_NAMESPACE
+from adstore.store import Store
 from adstore.store.remote import write_keypair
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "inductor"))
 from inductor_hosts import compile_host, host_env, on_host  # noqa: E402
+
+
+def header_refs(root: Path) -> list[tuple[str, int]]:
+    """The precompiled header's blobs (digest, size) in the toolchain entry of the store at ``root``."""
+    with Store.open(root) as store:
+        keys = [e.key for e in store.entries(namespace=TOOLCHAIN_NAMESPACE)]
+        (key,) = [k for k in keys if store.entry(k).components.get("inductor_key") == TOOLCHAIN_KEY]
+        (manifest,) = store.manifests(key)
+        return sorted({(r.digest, r.size) for n, r in manifest.artifacts.items() if n.startswith("pch.")})
+
+
+def held(root: Path, refs: list[tuple[str, int]]) -> int:
+    """How many of ``refs``' bytes the store at ``root`` holds."""
+    with Store.open(root) as store:
+        return sum(size for digest, size in refs if store.has_blob(digest))
 
 
 @pytest.mark.parametrize("backend", ["s3", pytest.param("http", marks=pytest.mark.slow)])
@@ -43,6 +61,15 @@ def test_host_b_builds_no_kernel_host_a_built(backend, request, tmp_path):
     assert b["inductor"].get("fxgraph_cache_hit") == 1 and b["aot_autograd"].get("autograd_cache_hit") == 1, b
     assert b["store"]["remote.hits"] >= 3 and b["store"]["inductor.files_placed"] > 0, b["store"]
     assert "remote.bytes_up" not in b["store"]
+    # At exit too (the toolchain save): B built no header, so it neither looks the header entry up nor
+    # fetches it. Its remote hits are the checklist's 3 (ISA answers, FX graph, AOTAutograd) and it holds
+    # none of the header's bytes (docs/torch-compile.md, "A fleet checklist").
+    header = header_refs(tmp_path / "a" / "store")
+    assert sum(size for _, size in header) > 1_000_000, header  # A's header: what B must not move
+    at_exit = b["store_at_exit"]
+    assert (held(tmp_path / "b" / "store", header), at_exit["remote.hits"]) == (0, 3), at_exit
+    remote = {k: v for k, v in at_exit.items() if k.startswith("remote.")}
+    assert remote == {k: v for k, v in b["store"].items() if k.startswith("remote.")}, at_exit  # exit: no call
 
 
 @pytest.mark.slow

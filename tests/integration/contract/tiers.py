@@ -1,0 +1,156 @@
+"""The tiers of the contract suite, one small adapter each, run inside a child process.
+
+An adapter serves one call of the model the way its tier does and says
+whether the answer came from the store.  Everything else (the processes,
+their environments and hash seeds, the rows, the comparison with eager of
+the module as it is now) is the suite's, the same for every tier.  A new
+tier joins by writing an adapter and listing it in :data:`TIERS`.
+
+``served`` means the answer was loaded from an entry (the rows that must
+hit want it; the rows that must not serve a stale answer accept it only
+when the output equals eager).  ``compiles`` counts what the tier would
+have run without the store: C++ kernel builds for the compiling tiers, the
+``build()`` of the pipeline cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Served", "Tier", "TIERS", "ROWS_NOT_KEPT"]
+
+
+@dataclass
+class Served:
+    output: Any
+    served: bool
+    compiles: int
+    detail: str = ""
+    handle: Any = None  # what a later call of the same object reuses (``reuse`` calls)
+
+
+class Tier(Protocol):
+    name: str
+
+    def setup(self, store: Any, builds: list[str]) -> None: ...
+
+    def call(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]
+    ) -> Served: ...
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+def _kernel_builds(builds: list[str]) -> int:
+    return len([b for b in builds if not b.endswith(".i")])  # g++ -E of the header runs in every process
+
+
+class AotCompile:
+    """``adstore.integration.inductor.aot_compile``: torch's AOT artifact of ``forward``."""
+
+    name = "aot_compile"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        self.store, self.builds = store, builds
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        from adstore.integration.inductor import aot_compile
+
+        before = _kernel_builds(self.builds)
+        compiled = aot_compile(model, args, kwargs, store=self.store)
+        out = compiled(*args, **kwargs)
+        return Served(
+            out,
+            compiled.outcome == "hit",
+            _kernel_builds(self.builds) - before,
+            f"{compiled.outcome} {compiled.reason or ''}".strip(),
+            compiled,
+        )
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return handle(*args, **kwargs)
+
+
+class Enable:
+    """``adstore.integration.inductor.enable()``: Inductor's own caches and kernels in the store."""
+
+    name = "enable"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        from adstore.integration import inductor
+
+        self.builds = builds
+        inductor.enable(store)
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # each call is a first call, as in a new process (and no recompile limit)
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["inductor"]["fxgraph_cache_miss"]
+        before = _kernel_builds(self.builds)
+        fn = torch.compile(model)
+        out = fn(*args, **kwargs)
+        compiles = _kernel_builds(self.builds) - before
+        hit = counters["inductor"]["fxgraph_cache_hit"] - hits
+        miss = counters["inductor"]["fxgraph_cache_miss"] - misses
+        return Served(out, hit > 0 and miss == 0 and compiles == 0, compiles, f"fx hits {hit} misses {miss}", fn)
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return handle(*args, **kwargs)
+
+
+class CachedPrefix:
+    """``adstore.integration.cached_prefix``: an exported module's snapshot, weights loaded after.
+
+    The caller names the key: this adapter names what a user would (the
+    constructor's arguments, the example inputs' specs, the model's classes
+    as ``code``).  A global ``forward`` reads is not a constructor argument;
+    that row is not this tier's (:data:`ROWS_NOT_KEPT`).
+    """
+
+    name = "cached_prefix"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        pass
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        import contract_model
+
+        from adstore.integration import cached_prefix
+
+        builds = []
+
+        def build() -> nn.Module:
+            builds.append(1)
+            meta = copy.deepcopy(model).to("meta")
+            margs = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+            return torch.export.export(meta, margs, dict(kwargs)).module()
+
+        spec = [(list(a.shape), list(a.stride()), str(a.dtype)) if isinstance(a, torch.Tensor) else a for a in args]
+        key = {"model": {"act": knobs.get("act", "tanh"), "k": knobs.get("k", 2.0)}, "inputs": spec, "kw": kwargs}
+        res = cached_prefix(key, build, code=[contract_model.Model, contract_model.Block])  # the store ADSTORE_* name
+        restored = res.module
+        restored.load_state_dict(model.state_dict(), assign=True)
+        out = restored(*args, **kwargs)
+        return Served(out, res.hit, len(builds), str(res.event.kind), restored)
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return handle(*args, **kwargs)
+
+
+TIERS: dict[str, Callable[[], Tier]] = {"aot_compile": AotCompile, "enable": Enable, "cached_prefix": CachedPrefix}
+
+#: Rows a tier does not keep, and why (the suite's table shows the reason instead of a pass).
+ROWS_NOT_KEPT: dict[tuple[str, str], str] = {
+    ("cached_prefix", "global"): "the caller names the key: a global is not a component",
+    ("cached_prefix", "grad_mode"): "an exported graph does not depend on grad mode",
+    ("cached_prefix", "inductor_setting"): "no Inductor code in a snapshot",
+    ("cached_prefix", "isa"): "no Inductor code in a snapshot",
+}
