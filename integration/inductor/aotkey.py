@@ -205,6 +205,7 @@ def settings() -> dict[str, Any]:
         "grad_enabled": torch.is_grad_enabled(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default_dtype": str(torch.get_default_dtype()),
     }
     for name, config in (("inductor", inductor_config), ("dynamo", dynamo_config), ("functorch", functorch_config)):
         try:
