@@ -15,11 +15,18 @@ ISA probe.
 * A call whose guards fail (another shape, dtype, scalar, grad mode), a
   module that grew forward hooks, or a module adstore could not compile
   this way goes to ``torch.compile(module)``, logged once: never a wrong result.
+* The key is canonical data (the same under any ``PYTHONHASHSEED``) and
+  holds what Dynamo's unstorable guards checked: function-valued attributes,
+  closure cells and the globals the model's own code reads, by value
+  (:mod:`.aotkey`, :mod:`.aotcode`).  In the process, a global or attribute
+  rebound after the key was built sends every later call to ``torch.compile``.
 * Files that become code follow the store's trust rule: the artifact (a
   pickle) is read from a verified copy whose writer was judged on its
   descriptor, the kernels are placed into a private directory the same way.
-* A store or remote problem, a damaged or untrusted entry: a compile as
+* A store or remote problem, a damaged, untrusted or unsealed entry: a compile as
   without adstore, the reason counted (``aot.failopen.<reason>``) and logged once.
+  No store, no private directory (an unsafe ``TMPDIR``), no key: ``torch.compile``
+  serves the module; nothing raises into the program.
 
 The store is ``Store.from_env()`` (its remote tier, budget and trusted keys
 included) unless one is given.
@@ -240,7 +247,7 @@ def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
         return InductorEntries(Store.from_env(), trusted=trusted_uids(), owns_store=True), True, None
     except Exception as exc:  # noqa: BLE001 - fail open: no store, compiled as without adstore
         reason = failure_reason(exc)
-        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback="compiled, not stored,")
+        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback=_FALLBACK)
         return None, False, reason
 
 
