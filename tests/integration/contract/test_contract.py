@@ -51,7 +51,9 @@ HERE = Path(__file__).resolve().parent
 #: What a child runs, copied where every uid can read it (a checkout may sit under a closed directory).
 HARNESS = ("contract_child.py", "tiers.py", "zoo_models.py", "../inductor/inductor_hosts.py")
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as other users and mount")
-FAST_TIERS = ["aot_compile", "enable", "cached_prefix"]
+#: The tiers, aot_compile's rows in the slow tier (each of its misses is a full compile: minutes here);
+#: tests/integration/inductor/test_aot_compile.py keeps its hash-seed, stale-answer and seal checks in the default run.
+TIERS = [pytest.param("aot_compile", marks=pytest.mark.slow), "enable", "cached_prefix"]
 
 #: Rows of changes that must never be served stale, by name: what the call changes.
 STALE_ROWS: dict[str, dict[str, Any]] = {
@@ -131,7 +133,7 @@ def world() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", params=FAST_TIERS)
+@pytest.fixture(scope="module", params=TIERS)
 def cold(request: pytest.FixtureRequest, world: Path) -> dict[str, Any]:
     """A tier's first host: the model compiled (or built) and stored cold."""
     tier = request.param
@@ -203,6 +205,7 @@ def test_a_seed_store_serves_a_new_host(cold):
     _served_as_before(call, cold)
 
 
+@pytest.mark.slow  # each tier's own suite keeps a fail-open test in the default run
 def test_fail_open_unsafe_tmpdir_and_a_root_that_cannot_be_a_store(cold):
     host = Host(cold["base"], "hostile", cold["root"])
     unsafe = Path(host.env["TMPDIR"])
@@ -314,8 +317,10 @@ def test_a_group_member_who_repoints_a_key_is_refused_locally_and_in_a_seed(worl
     assert call["ok"], call
 
 
-@pytest.fixture(params=FAST_TIERS)
+@pytest.fixture(params=[pytest.param(t, marks=pytest.mark.slow) for t in ("aot_compile", "enable")] + ["cached_prefix"])
 def tier_name(request: pytest.FixtureRequest) -> str:
+    """The trust row's tiers: the compiling ones in the slow tier (test_sealed_entries.py, test_aot_compile.py and
+    test_inductor_files.py keep a re-pointed or foreign entry in the default run)."""
     return str(request.param)
 
 
