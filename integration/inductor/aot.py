@@ -15,11 +15,18 @@ ISA probe.
 * A call whose guards fail (another shape, dtype, scalar, grad mode), a
   module that grew forward hooks, or a module adstore could not compile
   this way goes to ``torch.compile(module)``, logged once: never a wrong result.
+* The key is canonical data (the same under any ``PYTHONHASHSEED``) and
+  holds what Dynamo's unstorable guards checked: function-valued attributes,
+  closure cells and the globals the model's own code reads, by value
+  (:mod:`.aotkey`, :mod:`.aotcode`).  In the process, a global or attribute
+  rebound after the key was built sends every later call to ``torch.compile``.
 * Files that become code follow the store's trust rule: the artifact (a
   pickle) is read from a verified copy whose writer was judged on its
   descriptor, the kernels are placed into a private directory the same way.
-* A store or remote problem, a damaged or untrusted entry: a compile as
+* A store or remote problem, a damaged, untrusted or unsealed entry: a compile as
   without adstore, the reason counted (``aot.failopen.<reason>``) and logged once.
+  No store, no private directory (an unsafe ``TMPDIR``), no key: ``torch.compile``
+  serves the module; nothing raises into the program.
 
 The store is ``Store.from_env()`` (its remote tier, budget and trusted keys
 included) unless one is given.
@@ -40,8 +47,10 @@ from torch import nn
 
 from adstore.integration.errors import IntegrationError, failure_reason
 from adstore.integration.inductor import aotartifact
+from adstore.integration.inductor.aotcode import Watch
 from adstore.integration.inductor.aotkey import NAMESPACE, aot_components
 from adstore.integration.inductor.entries import InductorEntries, note_failure
+from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.placement.dirs import private_dir
 from adstore.integration.placement.place import read_trusted
 from adstore.integration.placement.rule import trusted_uids
@@ -69,13 +78,14 @@ class AOTModule:
     def __init__(
         self,
         module: nn.Module,
-        compiled: Any,
+        compiled: aotartifact.Artifact | None,
         *,
         outcome: str,
         reason: str | None = None,
         key: str | None = None,
         seconds: float = 0.0,
         detail: str = "",
+        watch: Watch | None = None,
     ) -> None:
         self.module = module
         self.outcome = outcome
@@ -85,19 +95,45 @@ class AOTModule:
         self.detail = detail
         self.fallbacks = 0
         self._compiled = compiled
+        self._watch = watch
         self._grad = torch.is_grad_enabled()
         self._fallback: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self._compiled
-        if compiled is not None and torch.is_grad_enabled() == self._grad and not _call_hooks(self.module):
+        if (
+            compiled is not None
+            and torch.is_grad_enabled() == self._grad
+            and not _call_hooks(self.module)
+            and not self._rebound()
+        ):
             try:
-                ok = bool(compiled.guard_check(self.module, *args, **kwargs))
+                ok = compiled.guard_check(self.module, args, kwargs)
             except TypeError:  # arguments forward does not take: torch.compile raises the user's error
                 ok = False
             if ok:
-                return compiled.fn(self.module, *args, **kwargs)
+                return compiled(self.module, args, kwargs)
         return self._other_call(*args, **kwargs)
+
+    def _rebound(self) -> bool:
+        """Whether a global or function-valued attribute the key holds was rebound since (then never again).
+
+        Dynamo's guards on them cannot be stored in the artifact; torch.compile, which keeps them, serves
+        every later call of this module.
+        """
+        if self._watch is None:
+            return False
+        name = self._watch.changed()
+        if name is None:
+            return False
+        self._compiled = None
+        note_failure(
+            "global_changed",
+            f"{type(self.module).__name__}: {name!r} is not what the artifact was keyed with",
+            scope=_SCOPE,
+            fallback="torch.compile serves this module from now on",
+        )
+        return True
 
     def _other_call(self, *args: Any, **kwargs: Any) -> Any:
         self.fallbacks += 1
@@ -131,12 +167,24 @@ def aot_compile(
     t0 = time.perf_counter()
     args, kw = tuple(args), dict(kwargs or {})
     if _call_hooks(module):
-        why = f"{type(module).__name__} has forward hooks"
-        note_failure(str(Reason.FORWARD_HOOK), why, scope=_SCOPE, fallback=_FALLBACK)
+        hooked = f"{type(module).__name__} has forward hooks"
+        note_failure(str(Reason.FORWARD_HOOK), hooked, scope=_SCOPE, fallback=_FALLBACK)
         return AOTModule(module, None, outcome="torch.compile", reason=str(Reason.FORWARD_HOOK))
     entries, owned, why = _entries(store)
     try:
-        return _serve(module, args, kw, entries, t0, why)
+        if entries is None:  # no store: nothing to load or keep, and torch.compile keeps every guard
+            return AOTModule(module, None, outcome="torch.compile", reason=why)
+        return _serve(module, args, kw, entries, t0)
+    except Exception as exc:  # noqa: BLE001 - fail open: anything unforeseen, torch.compile serves the module
+        reason = failure_reason(exc)
+        note_failure(
+            reason,
+            f"aot_compile of {type(module).__name__}: {exc}",
+            entries and entries.store,
+            scope=_SCOPE,
+            fallback=_FALLBACK,
+        )
+        return AOTModule(module, None, outcome="torch.compile", reason=reason, detail=str(exc))
     finally:
         if owned and entries is not None:
             try:
@@ -146,47 +194,52 @@ def aot_compile(
 
 
 def _serve(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    entries: InductorEntries | None,
-    t0: float,
-    why: str | None,
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], entries: InductorEntries, t0: float
 ) -> AOTModule:
-    """Look the module up, load it on a hit; compile (and store) it on a miss (``why``: no store, and why)."""
-    key: str | None = None
-    components: dict[str, Any] = {}
-    if entries is not None:
-        try:
-            key, components = aot_components(module, args, kwargs, entries.identity)
-        except Exception as exc:  # noqa: BLE001 - no key: compiled, not stored
-            why = str(Reason.KEY_ERROR)
-            note_failure(why, f"{type(module).__name__}: {exc}", entries.store, scope=_SCOPE, fallback=_FALLBACK)
-            entries = None
-    if entries is not None and key is not None:
-        loaded, why = _load(entries, key, module)
-        if loaded is None and why == Reason.ABSENT and entries.flights.after_miss(key, NAMESPACE):
-            loaded, why = _load(entries, key, module)  # another host (or process) compiled it while this one waited
-        if loaded is not None:
-            seconds = time.perf_counter() - t0
-            return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds)
-    workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
+    """Look the module up, load it on a hit; compile (and store) it on a miss.
+
+    A module whose key cannot be built (a function-valued attribute or a
+    global with no canonical form) is not served from the store at all:
+    torch.compile, which keeps every guard, serves it.  A miss may wait for
+    another host compiling the same entry (single-flight) and look again.
+    """
+    store = entries.store
+    watch = Watch()
+    try:
+        key, components = aot_components(module, args, kwargs, entries.identity, watch)
+    except Exception as exc:  # noqa: BLE001 - no key: torch.compile serves it
+        unkeyed = str(Reason.KEY_ERROR)
+        note_failure(unkeyed, f"{type(module).__name__}: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=unkeyed, detail=str(exc))
+    loaded, why = _load(entries, key, components, module)
+    if loaded is None and why == Reason.ABSENT and entries.flights.after_miss(key, NAMESPACE):
+        loaded, why = _load(entries, key, components, module)  # another host (or process) compiled it meanwhile
+    if loaded is not None:
+        seconds = time.perf_counter() - t0
+        return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds, watch=watch)
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
+    except Exception as exc:  # noqa: BLE001 - no private place for the kernels (an unsafe TMPDIR): torch.compile
+        entries.flights.built(key, NAMESPACE)  # nothing will be built here: a lease this process holds goes now
+        reason = failure_reason(exc)
+        note_failure(reason, f"no private directory: {exc}", store, scope=_SCOPE, fallback=_FALLBACK)
+        return AOTModule(module, None, outcome="torch.compile", reason=reason, key=key, detail=str(exc))
     try:
         try:
             compiled, probes, dropped = aotartifact.capture(module, args, kwargs, workdir)
+            artifact = aotartifact.Artifact(compiled, aotartifact.calling(compiled, module))
         except Exception as exc:  # noqa: BLE001 - torch could not compile it this way: torch.compile serves it
             reason = str(Reason.INTEGRATION_ERROR)
             why = f"aot_compile of {type(module).__name__}: {type(exc).__name__}: {exc}"
-            note_failure(reason, why, entries and entries.store, scope=_SCOPE, fallback=_FALLBACK)
+            note_failure(reason, why, store, scope=_SCOPE, fallback=_FALLBACK)
             return AOTModule(module, None, outcome="torch.compile", reason=reason, key=key, detail=str(exc))
-        if entries is not None and key is not None:
-            saved = _save(entries, key, components, module, compiled, workdir, probes, dropped)
-            why = why if saved is None else saved
+        saved = _save(entries, key, components, module, compiled, workdir, probes, dropped)
+        why = why if saved is None else saved
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        if entries is not None and key is not None:
-            entries.flights.built(key, NAMESPACE)  # saved or not: a lease this process compiled under goes now
-    return AOTModule(module, compiled, outcome="compiled", reason=why, key=key, seconds=time.perf_counter() - t0)
+        entries.flights.built(key, NAMESPACE)  # saved or not: a lease this process compiled under goes now
+    seconds = time.perf_counter() - t0
+    return AOTModule(module, artifact, outcome="compiled", reason=why, key=key, seconds=seconds, watch=watch)
 
 
 def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
@@ -199,20 +252,28 @@ def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
         return InductorEntries(Store.from_env(), trusted=trusted_uids(), owns_store=True), True, None
     except Exception as exc:  # noqa: BLE001 - fail open: no store, compiled as without adstore
         reason = failure_reason(exc)
-        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback="compiled, not stored,")
+        note_failure(reason, f"no store ({type(exc).__name__}: {exc})", scope=_SCOPE, fallback=_FALLBACK)
         return None, False, reason
 
 
-def _load(entries: InductorEntries, key: str, module: nn.Module) -> tuple[Any, str | None]:
-    """The stored artifact loaded (kernels placed first), or None and why not (``absent`` on a plain miss)."""
+def _load(
+    entries: InductorEntries, key: str, components: dict[str, Any], module: nn.Module
+) -> tuple[aotartifact.Artifact | None, str | None]:
+    """The stored artifact loaded (kernels placed first), or None and why not (``absent`` on a plain miss).
+
+    The artifact becomes code: its rows must agree with a record a trusted
+    user sealed (``trusted=``), or the lookup is a miss ``unsealed_entry``.
+    A miss is journalled with its components (``adstore explain --misses``).
+    """
     store = entries.store
     try:
-        res = store.lookup(key)
+        res = store.lookup(key, trusted=entries.trusted)
         if not res.hit or res.manifest is None:
             reason = str(res.reason)
             if res.reason != Reason.ABSENT:
                 why = f"{NAMESPACE} entry {key[:12]} not served"
                 note_failure(reason, why, store, scope=_SCOPE, fallback="compiled")
+            note_miss(key, components)  # for `adstore explain`: the nearest entry and the component that differs
             return None, reason
         manifest = res.manifest
         if manifest.namespace != NAMESPACE or ARTIFACT not in manifest.artifacts:
@@ -253,13 +314,15 @@ def _save(
         files = sorted(str(p) for p in workdir.glob("*/*.so") if p.is_file() and not p.is_symlink())
         artifacts = {ARTIFACT: store.put_bytes(blob), **entries.file_refs(files, workdir, None)}
         info = {"files": len(files), "guards_dropped": dropped, "bytes": len(blob)}
-        store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=info)
-        store.count_event("save")
-        return None
+        if store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=info, trusted=entries.trusted):
+            store.count_event("save")
+            return None
+        return "untrusted_dedup"  # a blob another user owns: readers would refuse the entry (counted by the store)
     except Exception as exc:  # noqa: BLE001 - the compiled module is used, not kept
         reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
         if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
-            reason = str(Reason.SAVE_FAILED)
+            # torch cannot write an object the artifact holds: said apart, every process would compile it
+            reason = "unstorable_module" if "Failed to serialize" in str(exc) else str(Reason.SAVE_FAILED)
         why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
         note_failure(reason, why, store, scope=_SCOPE, fallback="the compiled module runs, not stored,")
         return reason

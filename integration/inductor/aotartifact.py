@@ -18,7 +18,11 @@ Three things the bytes alone do not carry, handled here:
   and the code is in the entry's key (:mod:`.aotkey`);
 * **objects of the forward's closure** (a decorator's wrapped function) are
   passed by reference (``external_data``) and taken from the live module on
-  load;
+  load.  A module whose ``forward`` torch itself defines (``nn.Sequential``,
+  ``nn.Linear``) is traced through a wrapper torch makes around the bound
+  ``module.forward``: that wrapper's one closure object is the bound method,
+  carried the same way (``"calls": "forward"``): the artifact is then called
+  without the module, which it reaches through the live ``module.forward``;
 * **globals Dynamo installed** while tracing (a module it aliased) are
   recorded by their import name and imported on load.
 
@@ -46,8 +50,20 @@ import torch
 from torch import nn
 
 from adstore.integration.errors import IntegrationError
+from adstore.integration.validity import roots
 
-__all__ = ["capture", "external_data", "guard_filter", "load", "pack", "serialize", "traced_function", "unpack"]
+__all__ = [
+    "Artifact",
+    "calling",
+    "capture",
+    "external_data",
+    "guard_filter",
+    "load",
+    "pack",
+    "serialize",
+    "traced_function",
+    "unpack",
+]
 
 #: The first bytes of a stored artifact: this header, then the length of a JSON object, it, torch's bytes.
 MAGIC = b"adstore-aot-compile/1\n"
@@ -127,6 +143,48 @@ def external_data(fn: types.FunctionType) -> dict[str, Any]:
     return {f"closure.{i}": c.cell_contents for i, c in enumerate(cells) if not isinstance(c.cell_contents, _PLAIN)}
 
 
+class Artifact:
+    """A loaded or compiled artifact and how it is called: with the module first (``"module"``), or without
+    (``"forward"``: it reaches the module through the live ``module.forward`` in its closure)."""
+
+    def __init__(self, compiled: Any, calls: str) -> None:
+        if calls not in ("module", "forward"):
+            raise IntegrationError(f"an artifact called {calls!r}")
+        self.compiled = compiled
+        self.calls = calls
+
+    def guard_check(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """Whether the artifact's (stored) guards hold for this call."""
+        if self.calls == "module":
+            return bool(self.compiled.guard_check(module, *args, **kwargs))
+        return bool(self.compiled.guard_check(*args, **kwargs))
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        if self.calls == "module":
+            return self.compiled.fn(module, *args, **kwargs)
+        return self.compiled.fn(*args, **kwargs)
+
+
+def calling(compiled: Any, module: nn.Module) -> str:
+    """How torch's ``compiled`` artifact of ``module`` is called (:class:`Artifact`); IntegrationError otherwise."""
+    fn = traced_function(module)
+    artifacts = compiled._artifacts
+    if artifacts.original_code is fn.__code__:
+        return "module"
+    closure = artifacts.runtime_env.closure or ()
+    bound = closure[0].cell_contents if len(closure) == 1 else None
+    if getattr(bound, "__self__", None) is module and getattr(bound, "__func__", None) is fn:
+        return "forward"  # torch traced a wrapper of the bound ``module.forward`` (a torch-defined forward)
+    raise IntegrationError(f"torch traced {artifacts.original_code.co_name!r}, not {type(module).__name__}.forward")
+
+
+def _closure_data(compiled: Any, module: nn.Module, calls: str) -> dict[str, Any]:
+    """The objects the artifact's closure holds that travel by reference (see :func:`external_data`)."""
+    if calls == "forward":
+        return {"forward": compiled._artifacts.runtime_env.closure[0].cell_contents}
+    return external_data(traced_function(module))
+
+
 def capture(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], workdir: Path
 ) -> tuple[Any, dict[str, bool], dict[str, int]]:
@@ -149,13 +207,28 @@ def capture(
     isa.forget()
     with ExitStack() as stack:
         stack.enter_context(temporary_cache_dir(str(workdir)))
+        stack.enter_context(roots.relocated())  # kernels named relative to the install roots: any venv path finds them
         stack.enter_context(torch._inductor.config.patch(compile_threads=1, freezing=False))
         # Parameters and buffers as graph inputs read from the module (not attributes baked into the graph).
-        stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True, inline_inbuilt_nn_modules=True))
+        stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True, **_inline_modules()))
         probes = stack.enter_context(isa.PROBES.scope({}))
         compiled = torch.compile(module.forward, fullgraph=True, options={"guard_filter_fn": guard_filter(fn, dropped)})
         aot = compiled.aot_compile((tuple(args), dict(kwargs)))
     return aot, dict(probes), dict(dropped)
+
+
+def _inline_modules() -> dict[str, bool]:
+    """``inline_inbuilt_nn_modules=True`` where it is a setting of this torch; nothing where it is always on.
+
+    torch 2.13 deprecated it (always True): setting it there would print a
+    ``FutureWarning`` into the user's program on every compile.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    entry = getattr(dynamo_config, "_config", {}).get("inline_inbuilt_nn_modules")
+    if entry is None or getattr(entry, "deprecated", False):
+        return {}
+    return {"inline_inbuilt_nn_modules": True}
 
 
 def serialize(compiled: Any, module: nn.Module) -> tuple[bytes, dict[str, Any]]:
@@ -164,8 +237,8 @@ def serialize(compiled: Any, module: nn.Module) -> tuple[bytes, dict[str, Any]]:
     Raises :class:`IntegrationError` when the artifact names a global that is
     not a module or an importable name (it could not be rebuilt elsewhere).
     """
-    fn = traced_function(module)
-    closure = external_data(fn)
+    calls = calling(compiled, module)
+    closure = _closure_data(compiled, module, calls)
     env = compiled._artifacts.runtime_env
     scope = compiled._extra_globals or {}
     known = set(env.used_globals) | set(env.import_sources) | {compiled._artifacts.backend_id}
@@ -181,7 +254,7 @@ def serialize(compiled: Any, module: nn.Module) -> tuple[bytes, dict[str, Any]]:
         else:
             raise IntegrationError(f"the artifact refers to a global {ref!r} ({type(value).__name__}) it cannot carry")
     data = type(compiled).serialize(compiled, closure).serialized_data
-    return data, {"closure": sorted(closure), "imports": imports}
+    return data, {"closure": sorted(closure), "imports": imports, "calls": calls}
 
 
 def _importable(value: Any) -> bool:
@@ -227,7 +300,7 @@ def unpack(blob: bytes) -> tuple[dict[str, Any], bytes]:
     return meta, blob[start + size :]
 
 
-def load(data: bytes, module: nn.Module, meta: Mapping[str, Any], workdir: Path) -> Any:
+def load(data: bytes, module: nn.Module, meta: Mapping[str, Any], workdir: Path) -> Artifact:
     """The artifact ``data`` (verified, from a trusted writer), loaded for ``module`` by torch's loader; no tracing.
 
     ``workdir`` (Inductor's cache directory for the load) holds the kernels
@@ -240,7 +313,8 @@ def load(data: bytes, module: nn.Module, meta: Mapping[str, Any], workdir: Path)
 
     from adstore.integration.placement import probes as isa
 
-    closure = external_data(traced_function(module))
+    calls = meta.get("calls", "module")
+    closure = {"forward": module.forward} if calls == "forward" else external_data(traced_function(module))
     wanted = meta.get("closure")
     if not isinstance(wanted, list) or sorted(closure) != wanted:
         raise IntegrationError(f"the module's forward closes over {sorted(closure)}, the artifact over {wanted}")
@@ -250,11 +324,13 @@ def load(data: bytes, module: nn.Module, meta: Mapping[str, Any], workdir: Path)
     scope = {ref: _resolve(spec) for ref, spec in imports.items()}
     with ExitStack() as stack:
         stack.enter_context(temporary_cache_dir(str(workdir)))
+        stack.enter_context(roots.relocated())  # the names capture gave the kernels placed from the entry
         stack.enter_context(torch._inductor.config.patch(compile_threads=1))
         stack.enter_context(torch._dynamo.config.patch(enable_aot_compile=True))
         stack.enter_context(isa.PROBES.scope(meta.get("isa_probes")))
         _without_header(stack, workdir)
-        return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=scope, external_data=closure)
+        compiled = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=scope, external_data=closure)
+    return Artifact(compiled, str(calls))
 
 
 def _without_header(stack: ExitStack, workdir: Path) -> None:

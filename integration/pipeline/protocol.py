@@ -40,7 +40,7 @@ from adstore.integration.coordination.events import CacheEvent, EventKind, Sourc
 from adstore.integration.errors import failure_reason
 from adstore.integration.validity.envcheck import find_mismatch, store_candidates
 from adstore.integration.validity.keys import CacheKey, json_digest
-from adstore.store import AdstoreError, Reason
+from adstore.store import AdstoreError, Reason, trusted_uids
 
 __all__ = ["NAMESPACE", "SnapshotCache", "snapshot_digest"]
 
@@ -167,7 +167,9 @@ class SnapshotCache:
                 leases.enter_context(self.store().lease(text))
             except AdstoreError as exc:  # no lease (e.g. a full disk): restore unprotected
                 log.debug("no lease on %s: %s", text, exc)
-            res = self.store().lookup(text, rank=topo.rank if topo.world_size > 1 else None, count=False)
+            # Sealed: a group member who re-points the key at another entry's blobs is a miss (unsealed_entry).
+            rank = topo.rank if topo.world_size > 1 else None
+            res = self.store().lookup(text, rank=rank, count=False, trusted=trusted_uids())
             if res.hit:
                 manifest = res.manifest if res.manifest is not None else res.manifests.get(topo.rank)
                 ok = manifest is not None and manifest.world_size == topo.world_size

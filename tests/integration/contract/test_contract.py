@@ -94,7 +94,8 @@ class Host:
     def run(self, tier: str, model_dir: Path, calls: list[dict[str, Any]], argv_wrap: Any = None) -> dict[str, Any]:
         seed = str(random.SystemRandom().randrange(1, 2**32 - 1))
         spec = {"tier": tier, "model_dir": str(model_dir), "calls": calls}
-        cmd = [sys.executable, str(model_dir.parent / "harness" / "contract_child.py"), json.dumps(spec)]
+        harness = next(p / "harness" for p in model_dir.parents if (p / "harness").is_dir())  # the world's
+        cmd = [sys.executable, str(harness / "contract_child.py"), json.dumps(spec)]
         if argv_wrap is not None:
             cmd = argv_wrap(cmd)
         proc = subprocess.run(

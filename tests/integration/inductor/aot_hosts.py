@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Small", "aot_host", "small_inputs"]
+__all__ = ["Scaled", "Small", "aot_host", "conv_host", "conv_inputs", "scaled_host", "small_inputs", "unsafe_host"]
+
+#: A module-level global :class:`Scaled` reads in ``forward`` (Dynamo's guard on it cannot be stored).
+SCALE = 2.0
 
 
 class Small(nn.Module):
@@ -34,6 +37,114 @@ class Small(nn.Module):
 def small_inputs() -> tuple[Small, torch.Tensor]:
     torch.manual_seed(0)
     return Small().eval(), torch.randn(4, 8)
+
+
+class Scaled(nn.Module):
+    """A function-valued attribute and a global read in ``forward``: what the key must hold by value."""
+
+    def __init__(self, act: Any = torch.tanh) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x)) * SCALE
+
+
+def conv_inputs() -> tuple[nn.Module, torch.Tensor]:
+    """A convolution with batch norm in an ``nn.Sequential``: torch's own forward, a frozenset constant in its code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    return model, torch.randn(1, 3, 6, 6)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def conv_host(env: dict[str, str]) -> dict[str, Any]:
+    """``aot_compile`` of :func:`conv_inputs` under ``env`` (its ``PYTHONHASHSEED`` is the spawned process's)."""
+    import warnings
+
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None
+    from inductor_hosts import count_builds
+
+    builds = count_builds()
+    from adstore.integration.inductor import FAILOPEN, aot_compile
+    from adstore.store import Store
+
+    store = Store.from_env()
+    model, x = conv_inputs()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = aot_compile(model, (x,), store=store)
+        out = compiled(x)
+    eager = model(x)
+    store.flush()
+    counters = {k: v for k, v in store.stats().counters.items() if k.startswith(("aot.", "misses."))}
+    store.close()
+    return {
+        "outcome": compiled.outcome,
+        "reason": compiled.reason,
+        "key": compiled.key,
+        "seed": os.environ.get("PYTHONHASHSEED"),
+        "output": _digest(out),
+        "equals_eager": bool(torch.allclose(out, eager, atol=1e-5)),
+        "builds": [b for b in builds if not b.endswith(".i")],
+        "fallbacks": compiled.fallbacks,
+        "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
+        "failopen": dict(FAILOPEN),
+        "store": counters,
+    }
+
+
+def scaled_host(env: dict[str, str]) -> dict[str, Any]:
+    """:class:`Scaled` compiled, then its global and its activation changed; each call against eager of the changed
+    module."""
+    global SCALE
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None
+    from adstore.integration.inductor import FAILOPEN, aot_compile
+    from adstore.store import Store
+
+    store = Store.from_env()
+    torch.manual_seed(0)
+    model, x = Scaled().eval(), torch.randn(4, 8)
+
+    def error(compiled: Any) -> float:
+        return float((compiled(x) - model(x)).abs().max())
+
+    with torch.no_grad():
+        compiled = aot_compile(model, (x,), store=store)
+        result: dict[str, Any] = {"outcome": compiled.outcome, "first": error(compiled)}
+        SCALE = 3.0  # what torch.compile would recompile for
+        result["global_changed"] = error(compiled)
+        SCALE = 2.0
+        again = aot_compile(model, (x,), store=store)  # the entry of SCALE = 2.0, loaded
+        result["again"] = (again.outcome, error(again), again.fallbacks)
+        model.act = torch.sigmoid  # an ID_MATCH guard torch cannot store
+        result["act_changed"] = (error(again), again.fallbacks)
+    store.close()
+    result["failopen"] = dict(FAILOPEN)
+    return result
+
+
+def unsafe_host(env: dict[str, str]) -> dict[str, Any]:
+    """``aot_compile`` of :class:`Small` under ``env`` without calling it: what it decided, and why."""
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None
+    from adstore.integration.inductor import FAILOPEN, aot_compile
+
+    model, x = small_inputs()
+    compiled = aot_compile(model, (x,), {"bias": 1.0})
+    return {"outcome": compiled.outcome, "reason": compiled.reason, "failopen": dict(FAILOPEN)}
 
 
 def aot_host(env: dict[str, str], others: bool = True, inline_threshold: int | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from aot_hosts import Small, aot_host, small_inputs  # noqa: E402
+from aot_hosts import Scaled, Small, aot_host, conv_host, scaled_host, small_inputs, unsafe_host  # noqa: E402
 from inductor_hosts import host_env, on_host  # noqa: E402
 
 from adstore.integration.inductor.aotkey import aot_components  # noqa: E402
@@ -172,11 +172,13 @@ def test_a_new_host_loads_the_artifact_from_a_webdav_remote(tmp_path):
 _KEY_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
-from aot_hosts import small_inputs
+from aot_hosts import conv_inputs, small_inputs
 from adstore.integration.inductor.aotkey import aot_components
+identity = {{"torch_key": "t", "toolchain": "c"}}
 model, x = small_inputs()
+conv, image = conv_inputs()
 with torch.no_grad():
-    print(aot_components(model, (x,), {{"bias": 1.0}}, {{"torch_key": "t", "toolchain": "c"}})[0])
+    print(aot_components(model, (x,), {{"bias": 1.0}}, identity)[0], aot_components(conv, (image,), {{}}, identity)[0])
 """
 
 
@@ -186,8 +188,9 @@ def test_the_key_is_the_same_in_every_process_and_directory():
 
     keys = set()
     # Another working directory (Dynamo's debug_dir_root follows it) and another string hashing (sets in
-    # Dynamo's configuration iterate in another order): the same key.
-    for seed, cwd in (("1", HERE), ("2", HERE.parent)):
+    # Dynamo's configuration iterate in another order, and so does the repr of the frozenset constant in
+    # _ConvNd.__init__'s code): the same keys.
+    for seed, cwd in (("1", HERE), ("2", HERE.parent), ("3", HERE)):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         script = _KEY_SCRIPT.format(here=str(HERE))
         proc = subprocess.run(
@@ -196,3 +199,122 @@ def test_the_key_is_the_same_in_every_process_and_directory():
         assert proc.returncode == 0, proc.stderr[-2000:]
         keys.add(proc.stdout.strip().splitlines()[-1])
     assert len(keys) == 1, keys
+
+
+def test_code_constants_are_encoded_canonically_never_by_repr():
+    from adstore.integration.inductor.aotcode import code_digest, const_bytes
+
+    names = [f"name{i}" for i in range(40)]
+    assert const_bytes(frozenset(names)) == const_bytes(frozenset(reversed(names)))
+    assert const_bytes(0.1) != const_bytes(0.1 + 2**-56) and const_bytes(0.0) != const_bytes(-0.0)
+    assert const_bytes((1, (2, b"x"))) != const_bytes((1, (2, "x")))
+    assert const_bytes(("ab", "c")) != const_bytes(("a", "bc"))
+
+    def f():
+        return {"a", "b"}, 1.5
+
+    def g():
+        return {"a", "b"}, 1.25
+
+    assert code_digest(f.__code__) != code_digest(g.__code__)
+    assert code_digest(f.__code__) == code_digest(f.__code__.replace(co_filename="elsewhere.py", co_firstlineno=99))
+
+
+def test_a_conv_sequential_compiled_under_one_hash_seed_is_a_hit_under_others(tmp_path, monkeypatch):
+    """nn.Sequential (torch's own forward, traced through a wrapper holding the bound method) with a
+    convolution and batch norm: stored, and a hit under other hash seeds with no compiler run."""
+    import json
+
+    journal = tmp_path / "misses.jsonl"
+    root = tmp_path / "a" / "store"
+    monkeypatch.setenv("PYTHONHASHSEED", "1")  # the spawned hosts' interpreters start with it
+    a = on_host(conv_host, host_env(tmp_path, "a", ADSTORE_MISS_LOG=str(journal)))
+    assert a["seed"] == "1" and a["outcome"] == "compiled" and a["reason"] == "absent" and a["equals_eager"], a
+    assert a["future_warnings"] == [], a["future_warnings"]  # no config patch of ours warns
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [r["key"] for r in records] == [a["key"]], "the miss is journalled for adstore explain"
+    assert records[0]["components"]["namespace"] == "inductor_aot"
+    for seed in ("2", "3"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        b = on_host(conv_host, host_env(tmp_path, f"b{seed}", root=root))
+        assert b["seed"] == seed and b["outcome"] == "hit" and b["key"] == a["key"], b
+        assert b["builds"] == [] and b["output"] == a["output"] and b["fallbacks"] == 0, b
+        assert b["failopen"] == {} and b["future_warnings"] == [], b
+
+
+def test_a_function_attribute_global_or_closure_value_is_in_the_key(tmp_path):
+    import aot_hosts
+
+    from adstore.integration.errors import CacheKeyError
+
+    x = torch.randn(4, 8)
+
+    def key(m):
+        return aot_components(m, (x,), {}, IDENTITY)[0]
+
+    tanh = key(Scaled(torch.tanh))
+    assert key(Scaled(torch.tanh)) == tanh
+    assert key(Scaled(torch.sigmoid)) != tanh, "a builtin by its import name"
+    assert key(Scaled(lambda t: t * 2)) != key(Scaled(lambda t: t * 3)), "a lambda by its code"
+
+    def scaled_by(k):
+        return lambda t: t * k
+
+    assert key(Scaled(scaled_by(2))) != key(Scaled(scaled_by(3))), "a closure cell by its value"
+    assert key(Scaled(scaled_by(2))) == key(Scaled(scaled_by(2)))
+
+    class Counter:
+        def __call__(self, t):
+            return t
+
+    with pytest.raises(CacheKeyError, match="cannot be keyed"):
+        key(Scaled(Counter()))  # a callable known only by its type: not served from the store
+    old = aot_hosts.SCALE
+    try:
+        aot_hosts.SCALE = 3.0
+        assert key(Scaled(torch.tanh)) != tanh, "a global forward reads, by value"
+    finally:
+        aot_hosts.SCALE = old
+
+
+def test_a_rebound_global_or_attribute_is_never_answered_from_the_artifact(tmp_path):
+    r = on_host(scaled_host, host_env(tmp_path, "a"))
+    assert r["outcome"] == "compiled" and r["first"] < 1e-6, r
+    assert r["global_changed"] < 1e-6, r  # torch.compile serves it, as for the eager module with SCALE = 3
+    outcome, error, fallbacks = r["again"]
+    assert outcome == "hit" and error < 1e-6 and fallbacks == 0, r
+    error, fallbacks = r["act_changed"]
+    assert error < 1e-6 and fallbacks == 1, r
+    assert r["failopen"].get("aot.global_changed") == 2, r["failopen"]
+
+
+def test_a_repointed_aot_entry_is_an_unsealed_miss(tmp_path):
+    """A group member re-points one key's rows at another entry's artifact: the seal refuses it."""
+    import dataclasses
+
+    from adstore.integration.inductor import aot
+    from adstore.integration.inductor.aotartifact import pack
+    from adstore.integration.inductor.entries import InductorEntries
+    from adstore.integration.placement.rule import trusted_uids
+    from adstore.store import Store
+
+    key_a, key_b = "a" * 64, "b" * 64
+    with Store.open(tmp_path / "store") as store:
+        for key, word in ((key_a, b"A"), (key_b, b"B")):
+            ref = store.put_bytes(pack({"closure": [], "imports": {}}, word * 100_000))
+            store.save(key, {aot.ARTIFACT: ref}, namespace=aot.NAMESPACE, trusted=trusted_uids())
+        victim = store.lookup(key_a).manifest
+        other = store.lookup(key_b).manifest
+        store._tables.write(lambda t: t.put_manifest(dataclasses.replace(victim, artifacts=dict(other.artifacts))))
+        entries = InductorEntries(store, trusted=trusted_uids(), owns_store=False)
+        loaded, reason = aot._load(entries, key_a, {"namespace": aot.NAMESPACE}, Small())
+        assert loaded is None and reason == "unsealed_entry", reason
+
+
+def test_an_unsafe_tmpdir_is_a_reason_and_torch_compile_never_an_exception(tmp_path):
+    unsafe = tmp_path / "shared-tmp"
+    unsafe.mkdir()
+    unsafe.chmod(0o777)  # world-writable without the sticky bit: anyone may rename into it
+    r = on_host(unsafe_host, {**host_env(tmp_path, "a"), "TMPDIR": str(unsafe)})
+    assert r["outcome"] == "torch.compile", r  # every call goes to torch.compile, as without adstore
+    assert r["reason"] not in (None, "absent") and r["failopen"] == {f"aot.{r['reason']}": 1}, r
