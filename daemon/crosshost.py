@@ -223,7 +223,7 @@ def _field_lines(path: str, value: Any) -> list[str]:
 
 def host_view(store: Store | None) -> tuple[str, dict[str, Any]]:
     """``adstore explain --host``: this host's key components, and its toolchain entry's install paths."""
-    from adstore.integration.inductor.hostview import host_report
+    from adstore.integration.inductor.entries import host_report
     from adstore.integration.inductor.toolchain_entry import choose, path_differences
 
     report = host_report()

@@ -25,7 +25,7 @@ from adstore.store import AdstoreError, Store
 __all__ = ["ENV_COMPONENTS", "cmd_explain", "compare_components", "environment_differences"]
 
 #: Components that record the environment an entry was built in (the names
-#: ``adstore.integration.pipeline.envcheck`` uses; the daemon does not import torch).
+#: ``adstore.integration.validity.envcheck`` uses; the daemon does not import torch).
 ENV_COMPONENTS = ("env", "toolchain")
 
 _MISSING = object()

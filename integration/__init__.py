@@ -16,12 +16,12 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
-    "pipeline.fingerprints": ("checkpoint_fingerprint",),
-    "pipeline.keys": ("environment_fingerprint",),
+    "validity.fingerprints": ("checkpoint_fingerprint",),
+    "validity.keys": ("environment_fingerprint",),
     "pipeline.transforms": ("CachePoint", "PipelineContext"),
     "pipeline.cache": ("PipelineCache",),
     "pipeline.optimizer": ("InferenceOptimizer", "register_transform"),
-    "pipeline.events": ("CacheEvent", "EventKind"),
+    "coordination.events": ("CacheEvent", "EventKind"),
     "reference.models": ("ModelFactory",),
     "reference.checkpoint": ("write_random_checkpoint",),
     "reference.pipeline": ("default_transforms",),

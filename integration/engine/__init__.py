@@ -1,9 +1,9 @@
 """The engine cache: compile once per architecture, refit the current weights (docs/engine-cache.md).
 
 ``cache`` is the front end (``EngineCache``, ``compile``); ``storage`` the back
-ends; ``record`` the stored form; ``hashing`` and ``toolchain`` the
-architecture hash; ``runtime`` the weights and refit; ``packages`` the
-in-process layer.
+ends; ``record`` the stored form; ``hashing`` the architecture hash (with the
+toolchain's identity, :mod:`adstore.integration.validity.toolchain`);
+``runtime`` the weights and refit; ``packages`` the in-process layer.
 """
 
 from adstore.store import lazy_exports

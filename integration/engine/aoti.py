@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from adstore.integration.coordination.events import CacheEvent, EventKind, Source
 from adstore.integration.engine.calls import CallBinding
 from adstore.integration.engine.index import EngineIndex, component_digests
 from adstore.integration.engine.runtime import (
@@ -37,9 +38,8 @@ from adstore.integration.engine.runtime import (
 )
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, EngineMismatch
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
-from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.placement.dirs import private_path
+from adstore.integration.validity.keys import CacheKey
 from adstore.store import Reason
 
 __all__ = ["EngineModule", "compile", "restore"]

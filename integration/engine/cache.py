@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from adstore.integration.coordination.events import CacheEvent, EventKind, Source
 from adstore.integration.engine.calls import CallBinding
 from adstore.integration.engine.hashing import as_tuple, hash_components
 from adstore.integration.engine.packages import PackageLRU
@@ -54,11 +55,10 @@ from adstore.integration.engine.runtime import (
     weights_of,
 )
 from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
-from adstore.integration.engine.toolchain import STORAGE_SETTINGS, effective_inductor_configs
 from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
-from adstore.integration.pipeline.envcheck import find_mismatch
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
-from adstore.integration.pipeline.keys import json_digest
+from adstore.integration.validity.envcheck import find_mismatch
+from adstore.integration.validity.keys import json_digest
+from adstore.integration.validity.toolchain import STORAGE_SETTINGS, effective_inductor_configs
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"]

@@ -16,10 +16,10 @@ everything that changes the generated code and nothing that is a weight:
 * the input specs: pytree structure, dtypes, shapes with symbolic dimensions
   renamed canonically, and the dynamic ranges of those symbols;
 * the settings that change code generation and the toolchain
-  (:mod:`adstore.integration.engine.toolchain`).
+  (:mod:`adstore.integration.validity.toolchain`).
 
 Components are hashed as the pipeline cache's keys are: SHA-256 over the one
-canonical JSON (:func:`adstore.integration.pipeline.keys.canonical_json`).
+canonical JSON (:func:`adstore.integration.validity.keys.canonical_json`).
 
 Hashing reads metadata and never writes to the caller's parameters (unlike
 the "zero the weights, then hash the module" approach).
@@ -39,9 +39,9 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from adstore.integration.engine.toolchain import codegen_settings, toolchain_identity
 from adstore.integration.errors import CacheKeyError, ConfigError
-from adstore.integration.pipeline.keys import code_fingerprint, json_digest
+from adstore.integration.validity.keys import code_fingerprint, json_digest
+from adstore.integration.validity.toolchain import codegen_settings, toolchain_identity
 
 __all__ = [
     "HASH_VERSION",

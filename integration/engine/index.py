@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from adstore.integration.engine.hashing import HASH_VERSION
-from adstore.integration.engine.toolchain import index_settings, toolchain_identity
 from adstore.integration.errors import (
     CorruptEngine,
     EngineCacheError,
@@ -39,11 +38,12 @@ from adstore.integration.errors import (
     EngineUnavailable,
     RemoteEngineMiss,
 )
-from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
-from adstore.integration.pipeline.keys import CacheKey, canonical, code_fingerprint, json_digest
 from adstore.integration.placement.dirs import private_path
 from adstore.integration.placement.place import copy_code
 from adstore.integration.placement.rule import Writer, trusted_uids
+from adstore.integration.validity.envcheck import find_mismatch, store_candidates
+from adstore.integration.validity.keys import CacheKey, canonical, code_fingerprint, json_digest
+from adstore.integration.validity.toolchain import index_settings, toolchain_identity
 from adstore.store import REMOTE_REASONS, AdstoreError, Reason, is_digest
 
 __all__ = ["INDEX_VERSION", "EngineIndex", "IndexEntry", "StageEntries", "component_digests", "index_key", "lease_key"]

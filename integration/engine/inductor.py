@@ -37,18 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from adstore.integration.coordination.events import CacheEvent, EventKind, Source
 from adstore.integration.engine import bundle, standalone
 from adstore.integration.engine.index import StageEntries
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, InductorCacheError, UntrustedEngine, failure_reason
-from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import InductorEntries
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
-from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.placement import probes as isa
 from adstore.integration.placement.dirs import private_dir, private_path
 from adstore.integration.placement.place import copy_code
 from adstore.integration.placement.rule import blob_refusal, trusted_uids
+from adstore.integration.validity import roots
+from adstore.integration.validity.keys import CacheKey
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["ARTIFACT", "NAMESPACE", "STANDALONE", "compile", "restore"]

@@ -21,13 +21,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
+from adstore.integration.coordination.events import CacheEvent, Source
 from adstore.integration.engine.calls import CallBinding, CompiledInput, first_difference
 from adstore.integration.engine.hashing import call_spec
-from adstore.integration.engine.toolchain import toolchain_identity
 from adstore.integration.errors import EngineMismatch, InputMismatch
-from adstore.integration.pipeline.envcheck import env_differences
-from adstore.integration.pipeline.events import CacheEvent, Source
-from adstore.integration.pipeline.keys import json_digest
+from adstore.integration.validity.envcheck import env_differences
+from adstore.integration.validity.keys import json_digest
+from adstore.integration.validity.toolchain import toolchain_identity
 
 __all__ = [
     "ENGINE_KIND",
@@ -423,7 +423,7 @@ def validate_meta(
     that names another toolchain (the fields are named) or stores another
     graph digest was forged or relabelled: a miss, never a load.  A genuine
     engine from another environment has another hash (``incompatible_env``
-    comes from the miss diagnosis, :mod:`~adstore.integration.pipeline.envcheck`).
+    comes from the miss diagnosis, :mod:`~adstore.integration.validity.envcheck`).
     """
     validate_record(meta, h)
     stored, wanted = meta.get("components"), record_components(components)

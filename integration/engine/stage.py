@@ -34,14 +34,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from adstore.integration.coordination import dist as agree
+from adstore.integration.coordination.dist import Topology
+from adstore.integration.coordination.events import CacheEvent, EventKind
+from adstore.integration.coordination.remote import HeldFlight, stage_flight, wait_seconds
 from adstore.integration.engine.hashing import input_specs
 from adstore.integration.engine.index import index_key, lease_key
 from adstore.integration.errors import ConfigError, IntegrationError, failure_reason
-from adstore.integration.pipeline import dist as agree
-from adstore.integration.pipeline.dist import Topology
-from adstore.integration.pipeline.events import CacheEvent, EventKind
-from adstore.integration.pipeline.keys import CacheKey, code_fingerprint
-from adstore.integration.pipeline.remote import HeldFlight, stage_flight, wait_seconds
+from adstore.integration.validity.keys import CacheKey, code_fingerprint
 from adstore.store import Reason
 from adstore.store.remote import Role, record_address
 
@@ -119,7 +119,7 @@ class EngineStage:
     def store(self) -> Any:
         """The store engines and index entries live in (``root``, with the remote tier ``remote``)."""
         if self._store is None:
-            from adstore.integration.pipeline.remote import remote_for
+            from adstore.integration.coordination.remote import remote_for
             from adstore.store import Store
 
             remote = None
@@ -238,7 +238,7 @@ class EngineStage:
         Not the cache point's: stages under one point that compile other
         options or input shapes must not wait on each other.  Collectives only
         when a remote is named (the same on every rank); see
-        :func:`~adstore.integration.pipeline.remote.stage_flight`.
+        :func:`~adstore.integration.coordination.remote.stage_flight`.
         """
         if not (self.remote or os.environ.get("ADSTORE_REMOTE", "").strip()):
             return None

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.coordination.events import EventKind
 from adstore.integration.engine.record import EngineRecord, check_meta
 from adstore.integration.errors import (
     ConfigError,
@@ -79,12 +80,11 @@ from adstore.integration.errors import (
     RemoteEngineMiss,
     UntrustedEngine,
 )
-from adstore.integration.pipeline.envcheck import store_candidates
-from adstore.integration.pipeline.events import EventKind
 from adstore.integration.placement import rule
 from adstore.integration.placement.dirs import private_path
 from adstore.integration.placement.place import copy_code
 from adstore.integration.placement.rule import Writer, blob_refusal
+from adstore.integration.validity.envcheck import store_candidates
 from adstore.store import REMOTE_REASONS, AdstoreError, BlobMissing, ChecksumMismatch, Reason
 
 __all__ = ["EngineStorage", "MemoryEngineStorage", "StoreEngineStorage"]

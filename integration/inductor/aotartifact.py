@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from adstore.integration.errors import IntegrationError
-from adstore.integration.inductor import roots
+from adstore.integration.validity import roots
 
 __all__ = [
     "Artifact",

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.pipeline.keys import canonical, canonical_json
+from adstore.integration.validity.keys import canonical, canonical_json
 
 __all__ = [
     "Watch",

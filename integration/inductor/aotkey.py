@@ -4,7 +4,7 @@
 artifact of ``module.forward``.  What that artifact computes is decided by
 
 * the module's **code**: the source of every class in its module tree (their
-  whole defining modules, :func:`~adstore.integration.pipeline.keys.code_fingerprint`,
+  whole defining modules, :func:`~adstore.integration.validity.keys.code_fingerprint`,
   through the pipeline cache's ``env`` component, which adds the versions of
   torch, Python and transformers), and what their methods run
   (:func:`class_code`: code objects encoded canonically, closure cells and
@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.inductor import roots
 from adstore.integration.inductor.aotcode import Watch, code_digest, function_form, is_torch_code, opaque, value_form
-from adstore.integration.pipeline.keys import canonical, environment_fingerprint, json_digest
+from adstore.integration.validity import roots
+from adstore.integration.validity.keys import canonical, environment_fingerprint, json_digest
 
 __all__ = ["NAMESPACE", "aot_components", "class_code", "input_spec", "module_structure", "settings"]
 

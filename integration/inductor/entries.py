@@ -6,7 +6,7 @@ SHA-256 of Inductor's own key (as the remote cache hands it to a backend)
 together with torch's build key (``torch_key``) and adstore's toolchain
 fingerprint (the engine cache's :func:`toolchain_identity`), and for an
 FX-graph entry how its kernels are named (``kernel_names``: relative to the
-install roots, :mod:`.roots`); those are the entry's components, so
+install roots, :mod:`adstore.integration.validity.roots`); those are the entry's components, so
 ``adstore explain`` shows them.  Artifacts:
 
 * ``value``: the bytes Inductor gave the backend (JSON holding a base64 pickle
@@ -46,8 +46,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.coordination.flights import flights_for
 from adstore.integration.errors import failure_reason
-from adstore.integration.inductor import roots
 from adstore.integration.inductor.hostview import note_miss
 from adstore.integration.inductor.toolchain_entry import (
     choose,
@@ -58,11 +58,11 @@ from adstore.integration.inductor.toolchain_entry import (
     merge,
     path_differences,
 )
-from adstore.integration.pipeline.flights import flights_for
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.place import place, read_trusted
 from adstore.integration.placement.probes import PROBES, valid_answers
 from adstore.integration.placement.rule import Writer, blob_refusal
+from adstore.integration.validity import roots
 from adstore.store import Reason
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "TOOLCHAIN_KEY",
     "TOOLCHAIN_NAMESPACE",
     "VALUE",
+    "host_report",
     "note_failure",
 ]
 
@@ -144,8 +145,8 @@ class InductorEntries:
         """torch's build key and the toolchain fingerprint: part of every key."""
         from torch._inductor.codecache import torch_key
 
-        from adstore.integration.engine.toolchain import toolchain_identity
-        from adstore.integration.inductor.torchkey import wait_recorded
+        from adstore.integration.validity.toolchain import toolchain_identity
+        from adstore.integration.validity.torchkey import wait_recorded
 
         wait_recorded()  # a key being recorded is given to torch when done: not hashed twice
 
@@ -153,7 +154,7 @@ class InductorEntries:
 
     def key(self, namespace: str, inductor_key: str) -> tuple[str, dict[str, Any]]:
         """The store key of an Inductor key in ``namespace``, and its components."""
-        from adstore.integration.pipeline.keys import json_digest
+        from adstore.integration.validity.keys import json_digest
 
         components = {"namespace": namespace, "inductor_key": inductor_key, **self.identity}
         if namespace == _FX and roots.active():
@@ -452,3 +453,25 @@ def _header_dir() -> Path | None:
 
     found = getattr(codecache, "_HEADER_DIR", None)
     return Path(found) if isinstance(found, str) else None
+
+
+def host_report() -> dict[str, Any]:
+    """This host's key components (``adstore explain --host``): imports torch and Inductor's codecache."""
+    from torch._inductor.codecache import torch_key
+
+    from adstore.integration.inductor.toolchain_entry import KEYED_PATHS
+    from adstore.integration.validity.toolchain import toolchain_identity
+
+    entries = InductorEntries(None, trusted=frozenset(), owns_store=False)
+    toolchain_key, _ = entries.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
+    umask = os.umask(0)
+    os.umask(umask)
+    return {
+        "toolchain": toolchain_identity(),
+        "torch_key": torch_key().hex(),
+        "toolchain_entry": toolchain_key,
+        "paths": install_paths(),
+        "keyed_paths": list(KEYED_PATHS),
+        "roots": dict(roots.host_roots()),  # kernel names hold these by name (roots.RELOCATION), not by path
+        "user": {"uid": os.getuid(), "gid": os.getgid(), "umask": f"{umask:03o}"},
+    }

@@ -7,12 +7,12 @@ user's (:func:`note_miss`, ``$ADSTORE_MISS_LOG`` or
 ``$XDG_CACHE_HOME/adstore/misses.jsonl``; never in the store, which may be
 read-only), and ``adstore explain KEY`` reads it (:func:`missed_components`)
 to find the nearest stored entry and name the component that differs.
-:func:`host_report` is ``adstore explain --host``: the toolchain
-fingerprint's parts, torch's build key, the install paths, the install roots
-kernel names are relative to, and the user.
+The host's own components (``adstore explain --host``) are
+:func:`adstore.integration.inductor.entries.host_report`: they need the
+entries, which note their misses here, so this journal imports nothing of the
+integration.
 
-Importing this module does not import torch (the CLI imports it); only
-:func:`host_report` does.
+Importing this module does not import torch (the CLI imports it).
 """
 
 from __future__ import annotations
@@ -23,15 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "MISS_LOG_VAR",
-    "MISS_LOG_BYTES",
-    "host_report",
-    "miss_log",
-    "missed_components",
-    "note_miss",
-    "recent_misses",
-]
+__all__ = ["MISS_LOG_VAR", "MISS_LOG_BYTES", "miss_log", "missed_components", "note_miss", "recent_misses"]
 
 #: The environment variable naming the miss journal (a file path; empty: no journal).
 MISS_LOG_VAR = "ADSTORE_MISS_LOG"
@@ -110,27 +102,3 @@ def recent_misses(limit: int, environ: Mapping[str, str] | None = None) -> list[
             break
         out.setdefault(record["key"], record)
     return list(out.values())
-
-
-def host_report() -> dict[str, Any]:
-    """This host's key components (``adstore explain --host``): imports torch and Inductor's codecache."""
-    from torch._inductor.codecache import torch_key
-
-    from adstore.integration.engine.toolchain import toolchain_identity
-    from adstore.integration.inductor import roots
-    from adstore.integration.inductor.entries import TOOLCHAIN_KEY, TOOLCHAIN_NAMESPACE, InductorEntries
-    from adstore.integration.inductor.toolchain_entry import KEYED_PATHS, install_paths
-
-    entries = InductorEntries(None, trusted=frozenset(), owns_store=False)
-    toolchain_key, _ = entries.key(TOOLCHAIN_NAMESPACE, TOOLCHAIN_KEY)
-    umask = os.umask(0)
-    os.umask(umask)
-    return {
-        "toolchain": toolchain_identity(),
-        "torch_key": torch_key().hex(),
-        "toolchain_entry": toolchain_key,
-        "paths": install_paths(),
-        "keyed_paths": list(KEYED_PATHS),
-        "roots": dict(roots.host_roots()),  # kernel names hold these by name (roots.RELOCATION), not by path
-        "user": {"uid": os.getuid(), "gid": os.getgid(), "umask": f"{umask:03o}"},
-    }

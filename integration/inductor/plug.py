@@ -28,12 +28,12 @@ from typing import Any
 from torch._inductor.remote_cache import RemoteCacheBackend
 
 from adstore.integration.errors import failure_reason
-from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import NAMESPACES, InductorEntries, note_failure
 from adstore.integration.inductor.kernels import RECORDER
 from adstore.integration.inductor.toolchain import Toolchain
 from adstore.integration.placement.probes import PROBES
 from adstore.integration.placement.rule import trusted_uids
+from adstore.integration.validity import roots
 from adstore.store import Reason
 
 __all__ = ["AdstoreBackend", "enable", "disable", "active"]
@@ -141,7 +141,7 @@ def enable(store: Any = None, *, remote: Any = None) -> bool:
     without adstore.
     """
     global _state
-    from adstore.integration.inductor import torchkey
+    from adstore.integration.validity import torchkey
     from adstore.store import Store
 
     disable()

@@ -4,7 +4,7 @@ Inductor names its precompiled header after the header's command line and
 preprocessed text, which hold the include and library paths of torch and
 Python (``__FILE__`` in torch's headers puts them in the header's bytes too).
 Kernels are named relative to the install roots while adstore is enabled
-(:mod:`.roots`), but the header cannot be: the same venv at another path
+(:mod:`adstore.integration.validity.roots`), but the header cannot be: the same venv at another path
 (``/opt/venv`` on one host, ``/home/me/venv`` on another) needs another
 header when it builds a kernel.  This module makes that cheap and visible:
 
@@ -17,7 +17,7 @@ header when it builds a kernel.  This module makes that cheap and visible:
   in one log line (:func:`explain_paths`) and in ``adstore explain --host``;
 * an FX-graph entry records the paths its kernels were built under, so a
   hit of an entry whose kernels are named after those paths (saved where
-  :mod:`.roots` could not rename them) on a host with other paths says so in
+  :mod:`adstore.integration.validity.roots` could not rename them) on a host with other paths says so in
   the same line.
 
 An entry written before headers carried their paths is placed whole, as before.

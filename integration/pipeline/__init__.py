@@ -3,9 +3,10 @@
 ``transforms`` is the framework (stages, typed configs, registry, the
 ``CachePoint`` protocol), ``optimizer`` runs it, ``cache`` is the
 ``pipeline_cache`` transform, ``prefix`` the framework-agnostic
-``cached_prefix``, ``protocol`` the save/restore protocol both share, ``keys``
-and ``fingerprints`` the cache keys, ``dist`` the rank agreement and
-``events`` what a cache reports.
+``cached_prefix``, ``protocol`` the save/restore protocol both share.  The
+cache keys and what decides an entry's validity are in
+:mod:`adstore.integration.validity`; the rank agreement, the remote tier and
+the events a cache reports in :mod:`adstore.integration.coordination`.
 """
 
 from adstore.store import lazy_exports
@@ -23,9 +24,6 @@ _EXPORTS = {
     "pipeline.cache": ("PipelineCache", "PipelineCacheConfig"),
     "pipeline.prefix": ("CachedCompile", "CachedPrefix", "cached_prefix"),
     "pipeline.protocol": ("SnapshotCache",),
-    "pipeline.fingerprints": ("checkpoint_fingerprint",),
-    "pipeline.events": ("CacheEvent", "EventKind", "Source"),
-    "pipeline.keys": ("CacheKey", "build_key", "diff_components", "environment_fingerprint"),
 }
 
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)

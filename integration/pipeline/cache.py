@@ -21,13 +21,13 @@ from typing import Any
 
 from torch import nn
 
-from adstore.integration.pipeline import remote as remote_tier
-from adstore.integration.pipeline.dist import Topology
-from adstore.integration.pipeline.events import CacheEvent
-from adstore.integration.pipeline.fingerprints import checkpoint_fingerprint
-from adstore.integration.pipeline.keys import CacheKey, build_key, environment_fingerprint
+from adstore.integration.coordination import remote as remote_tier
+from adstore.integration.coordination.dist import Topology
+from adstore.integration.coordination.events import CacheEvent
 from adstore.integration.pipeline.protocol import NAMESPACE, SnapshotCache
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
+from adstore.integration.validity.fingerprints import checkpoint_fingerprint
+from adstore.integration.validity.keys import CacheKey, build_key, environment_fingerprint
 from adstore.store import ConfigError
 
 __all__ = ["NAMESPACE", "PipelineCache", "PipelineCacheConfig"]

@@ -30,9 +30,8 @@ from typing import Any
 
 from torch import nn
 
-from adstore.integration.pipeline.dist import topology
-from adstore.integration.pipeline.events import CacheEvent
-from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.coordination.dist import topology
+from adstore.integration.coordination.events import CacheEvent
 from adstore.integration.pipeline.transforms import (
     AfterPoint,
     CachePoint,
@@ -41,6 +40,7 @@ from adstore.integration.pipeline.transforms import (
     Transform,
     TransformRegistry,
 )
+from adstore.integration.validity.keys import CacheKey
 from adstore.store import ConfigError
 
 __all__ = ["InferenceOptimizer", "default_registry", "register_transform"]

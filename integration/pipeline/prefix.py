@@ -23,11 +23,11 @@ from typing import Any
 
 from torch import nn
 
+from adstore.integration.coordination.dist import Topology, topology
+from adstore.integration.coordination.events import CacheEvent, EventKind
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.pipeline.dist import Topology, topology
-from adstore.integration.pipeline.events import CacheEvent, EventKind
-from adstore.integration.pipeline.keys import CacheKey, canonical, environment_fingerprint, json_digest
 from adstore.integration.pipeline.protocol import NAMESPACE, SnapshotCache
+from adstore.integration.validity.keys import CacheKey, canonical, environment_fingerprint, json_digest
 
 __all__ = ["RESERVED_COMPONENTS", "CachedCompile", "CachedPrefix", "cached_prefix", "prefix_key"]
 

@@ -15,7 +15,7 @@ committed the same generation.
 
 A lookup that finds no entry but an entry for the same request saved in
 another environment (torch, Python ABI, ...) is the miss ``incompatible_env``
-naming the differing fields (:mod:`~adstore.integration.pipeline.envcheck`).
+naming the differing fields (:mod:`~adstore.integration.validity.envcheck`).
 
 Everything fails open: key computation, opening the root, IO, corrupt or
 untrusted payloads, unsupported modules and hooks each become a ``miss`` or a
@@ -34,12 +34,12 @@ from typing import Any
 
 from torch import nn
 
+from adstore.integration.coordination import dist as agree
+from adstore.integration.coordination.dist import Topology
+from adstore.integration.coordination.events import CacheEvent, EventKind, Source
 from adstore.integration.errors import failure_reason
-from adstore.integration.pipeline import dist as agree
-from adstore.integration.pipeline.dist import Topology
-from adstore.integration.pipeline.envcheck import find_mismatch, store_candidates
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
-from adstore.integration.pipeline.keys import CacheKey, json_digest
+from adstore.integration.validity.envcheck import find_mismatch, store_candidates
+from adstore.integration.validity.keys import CacheKey, json_digest
 from adstore.store import AdstoreError, Reason, trusted_uids
 
 __all__ = ["NAMESPACE", "SnapshotCache", "snapshot_digest"]
@@ -87,7 +87,7 @@ class SnapshotCache:
 
         Without a ``root``, the store the environment names, its seed
         (``ADSTORE_SEED``) and budget included, as every other tier opens
-        it; the remote tier is the pipeline's own (:mod:`.remote`), not the store's.
+        it; the remote tier is the pipeline's own (:mod:`adstore.integration.coordination.remote`), not the store's.
         """
         if self._store is None:
             from adstore.store import Store

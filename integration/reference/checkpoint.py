@@ -7,7 +7,7 @@ the one a real checkpoint of the same layout has, so a prefix cached with it
 is the prefix of the real weights; the weights themselves read as zeros.
 
 The fingerprint (the ``checkpoint`` key component) lives in
-``adstore.integration.pipeline.fingerprints`` and is re-exported here, so the
+``adstore.integration.validity.fingerprints`` and is re-exported here, so the
 pipeline cache needs nothing from the reference pipeline.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adstore.integration.pipeline.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint
+from adstore.integration.validity.fingerprints import INDEX_NAME, checkpoint_files, checkpoint_fingerprint
 from adstore.store import ConfigError, atomic_write
 
 __all__ = [

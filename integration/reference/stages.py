@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from adstore.integration.coordination.events import CacheEvent, EventKind
 from adstore.integration.errors import IntegrationError
-from adstore.integration.pipeline.events import CacheEvent, EventKind
 from adstore.integration.pipeline.graphs import canonicalize, graph_modules, replace_devices
 from adstore.integration.pipeline.transforms import PipelineContext, Stage, Transform, TransformConfig
 from adstore.store import ConfigError, Reason
@@ -345,9 +345,9 @@ class Compile(Transform):
         return self._staged(module, ctx, cfg)
 
     def _staged(self, module: nn.Module, ctx: PipelineContext, cfg: CompileConfig) -> nn.Module:
+        from adstore.integration.coordination import dist as agree
+        from adstore.integration.coordination.dist import Topology
         from adstore.integration.engine.stage import EngineStage, graph_example_inputs
-        from adstore.integration.pipeline import dist as agree
-        from adstore.integration.pipeline.dist import Topology
 
         point = ctx.point
         through = point.through(self.name) if point is not None else []

@@ -14,7 +14,7 @@ vLLM also calls it in the subprocess that inspects a model class
 compiles nothing, so ``register()`` returns there at once.
 
 ``register()`` therefore does the least that works everywhere: it primes
-torch's source key from this host's record (:mod:`adstore.integration.inductor.torchkey`),
+torch's source key from this host's record (:mod:`adstore.integration.validity.torchkey`),
 enables :mod:`adstore.integration.inductor` with the store ``ADSTORE_ROOT`` and
 ``ADSTORE_REMOTE*`` name, and installs :mod:`adstore.integration.vllm.hooks`
 on that store (vLLM's own compile directories as tree entries).  It is idempotent (vLLM may load plugins more than

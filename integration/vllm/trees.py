@@ -51,14 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adstore.integration.coordination.flights import flights_for
 from adstore.integration.errors import VllmTreeError, failure_reason
-from adstore.integration.inductor import roots
 from adstore.integration.inductor.entries import InductorEntries, note_failure
-from adstore.integration.pipeline.flights import flights_for
 from adstore.integration.placement.capture import capture_files
 from adstore.integration.placement.dirs import open_dir
 from adstore.integration.placement.place import place
 from adstore.integration.placement.rule import trusted_uids
+from adstore.integration.validity import roots
 from adstore.integration.vllm.treefiles import FORMAT, Limits, Plan, artifact_name, find_anchors, plan_from, scan
 from adstore.store import Reason
 
@@ -103,7 +103,7 @@ def identity() -> dict[str, str]:
 
 def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[str, dict[str, str]]:
     """The store key of one tree and its components (``InductorEntries.key``'s scheme: json_digest)."""
-    from adstore.integration.pipeline.keys import json_digest
+    from adstore.integration.validity.keys import json_digest
 
     for what, value in (("kind", kind), ("vllm_hash", vllm_hash), ("rank", rank)) + ((("part", part),) if part else ()):
         if type(value) is not str or _TOKEN.fullmatch(value) is None:

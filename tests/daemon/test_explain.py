@@ -50,6 +50,6 @@ def test_explain_names_the_environment_fields_that_differ(capsys, tmp_path: Path
 
 def test_the_daemon_knows_the_integration_environment_components() -> None:
     """The daemon does not import torch; the names it shows are the integration's."""
-    from adstore.integration.pipeline.envcheck import ENV_COMPONENTS as INTEGRATION
+    from adstore.integration.validity.envcheck import ENV_COMPONENTS as INTEGRATION
 
     assert ENV_COMPONENTS == INTEGRATION

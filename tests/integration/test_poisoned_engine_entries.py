@@ -389,7 +389,7 @@ def test_inductor_files_a_racing_member_wrote_are_never_read(tmp_path, monkeypat
     from adstore.integration.engine import inductor
     from adstore.integration.engine.index import StageEntries
     from adstore.integration.errors import EngineUnavailable, UntrustedEngine
-    from adstore.integration.pipeline.keys import CacheKey
+    from adstore.integration.validity.keys import CacheKey
 
     shared = Path(tempfile.mkdtemp(prefix="adstore-inductor-", dir="/tmp"))
     os.chmod(shared, 0o755)

@@ -20,7 +20,7 @@ from uid_support import ALICE, BOB, as_uid, shared_root
 
 from adstore.integration.engine.index import StageEntries
 from adstore.integration.errors import EngineUnavailable
-from adstore.integration.pipeline.keys import CacheKey
+from adstore.integration.validity.keys import CacheKey
 from adstore.integration.vllm import trees
 from adstore.store import Store
 from adstore.store.remote import Signer, TrustedKeys, generate_keypair, open_remote

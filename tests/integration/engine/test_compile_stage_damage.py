@@ -18,12 +18,12 @@ import pytest
 import torch
 from engine_support import X, make_model
 
+from adstore.integration.coordination.dist import Topology
 from adstore.integration.engine.aoti import EngineModule
 from adstore.integration.engine.index import EngineIndex
 from adstore.integration.engine.record import EngineRecord
 from adstore.integration.engine.stage import EngineStage
 from adstore.integration.engine.storage import StoreEngineStorage
-from adstore.integration.pipeline.dist import Topology
 from adstore.store import Store
 
 pytestmark = pytest.mark.slow  # a compile per case; the default run damages one engine (test_compile_stage)

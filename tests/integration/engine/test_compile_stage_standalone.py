@@ -17,8 +17,8 @@ import torch
 from torch import fx, nn
 
 from adstore.integration.engine import inductor
-from adstore.integration.pipeline.keys import CacheKey
 from adstore.integration.reference.stages import CleanupConfig, CleanupExport
+from adstore.integration.validity.keys import CacheKey
 from adstore.store import Store
 
 pytestmark = pytest.mark.slow  # two Inductor compiles
@@ -123,8 +123,8 @@ class Scaled(nn.Module):
 def test_keywords_in_another_order_and_another_scalar_answer_as_the_graph(tmp_path):
     """Through the stage, cold (compiled) and warm (loaded): ``m(y=y, x=x, s=2.0)`` is ``m(x, y, 2.0)``, and
     ``s=3.0`` (the artifact holds 2.0) is served by ``torch.compile`` of the graph, as the graph answers it."""
+    from adstore.integration.coordination.dist import Topology
     from adstore.integration.engine.stage import EngineStage
-    from adstore.integration.pipeline.dist import Topology
 
     x, y = torch.ones(2), torch.full((2,), 3.0)
     gm = fx.symbolic_trace(Scaled())

@@ -48,8 +48,8 @@ class Scaled(nn.Module):
 
 @pytest.mark.slow  # one AOTInductor compile
 def test_the_aoti_stage_binds_keywords_and_refuses_another_scalar(tmp_path):
+    from adstore.integration.coordination.dist import Topology
     from adstore.integration.engine.stage import EngineStage
-    from adstore.integration.pipeline.dist import Topology
 
     x, y = torch.ones(2), torch.full((2,), 3.0)
     gm = fx.symbolic_trace(Scaled())

@@ -39,7 +39,7 @@ sys.path.insert(0, {dir!r})
 import torch._inductor.config
 import lowerings
 from adstore.integration.engine.stage import EngineStage
-from adstore.integration.pipeline.dist import Topology
+from adstore.integration.coordination.dist import Topology
 
 keys = {{}}
 for what in {whats!r}:  # the custom pass (global configuration) last

@@ -16,10 +16,10 @@ import uuid
 import pytest
 import torch
 
+from adstore.integration.coordination.events import CacheEvent, EventKind, Source
 from adstore.integration.engine.hashing import input_specs
 from adstore.integration.engine.index import index_key, lease_key
 from adstore.integration.engine.stage import EngineStage
-from adstore.integration.pipeline.events import CacheEvent, EventKind, Source
 from adstore.integration.pipeline.prefix import CachedPrefix
 
 PREFIX_KEY, SNAPSHOT = "a" * 64, "b" * 64

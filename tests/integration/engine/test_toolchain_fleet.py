@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from adstore.integration.engine.cpuid import CPUINFO, NOT_ISA, cpu_identity, isa_flags
+from adstore.integration.validity.cpuid import CPUINFO, NOT_ISA, cpu_identity, isa_flags
 
 pytest.importorskip("torch")
 
@@ -30,8 +30,8 @@ VOLATILE = ("hypervisor", "tsc_known_freq", "arch_capabilities", "md_clear", "co
 
 FINGERPRINT = (
     "import json\n"
-    "from adstore.integration.engine.toolchain import toolchain_identity\n"
-    "from adstore.integration.pipeline.keys import json_digest\n"
+    "from adstore.integration.validity.toolchain import toolchain_identity\n"
+    "from adstore.integration.validity.keys import json_digest\n"
     "print(json.dumps({'toolchain': toolchain_identity(), 'digest': json_digest(toolchain_identity())}))\n"
 )
 
@@ -139,8 +139,8 @@ def test_a_host_without_an_instruction_set_misses(cpuinfo):
 
 
 def test_engines_inductor_entries_and_vllm_trees_all_key_on_this_fingerprint():
-    from adstore.integration.engine.toolchain import toolchain_identity
     from adstore.integration.inductor.entries import InductorEntries
+    from adstore.integration.validity.toolchain import toolchain_identity
     from adstore.integration.vllm import trees
 
     entries = InductorEntries(None, trusted=frozenset(), owns_store=False)

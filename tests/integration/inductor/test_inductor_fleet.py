@@ -10,7 +10,7 @@ of A's store and counts its compiler runs (:mod:`fleet_host`'s audit hook):
 * A again, on its own directories: Inductor's local hit, counted as such;
 * F: the interpreter (and its venv) bind-mounted at another path, so torch's
   and Python's directories differ: kernels are named relative to those roots
-  (:mod:`adstore.integration.inductor.roots`), so no compiler run and no word;
+  (:mod:`adstore.integration.validity.roots`), so no compiler run and no word;
 * G: the same, with Inductor's caches off: kernels are built, and the precompiled
   header, whose bytes hold the path, is built too and one log line names the path.
 """

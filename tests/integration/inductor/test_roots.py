@@ -2,7 +2,7 @@
 
 Inductor hashes a kernel's source with its compiler command line, whose
 ``-I``/``-L`` hold torch's and Python's directories.  With
-:mod:`adstore.integration.inductor.roots` installed, the name comes from the
+:mod:`adstore.integration.validity.roots` installed, the name comes from the
 line with each root named, plus the bytes' identity (torch's build key and
 the toolchain).  These tests call torch's own ``codecache.write`` and
 ``CppBuilder`` (no compile); the moved interpreter itself is
@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 from torch._inductor import codecache  # noqa: E402
 from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions  # noqa: E402
 
-from adstore.integration.inductor import roots  # noqa: E402
+from adstore.integration.validity import roots  # noqa: E402
 
 HERE_ROOTS = roots.normalized([("torch", "/opt/venv/lib/site-packages/torch"), ("prefix", "/opt/venv")])
 THERE_ROOTS = roots.normalized([("torch", "/home/me/env/lib/site-packages/torch"), ("prefix", "/home/me/env")])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from adstore.integration.inductor import torchkey
+from adstore.integration.validity import torchkey
 
 pytest.importorskip("torch")
 
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     import torch._inductor.codecache as codecache
-    from adstore.integration.inductor import torchkey
+    from adstore.integration.validity import torchkey
 
     if sys.argv[1] == "no-hashing":  # a primed torch_key never hashes torch's files
         def refuse(*args, **kwargs):

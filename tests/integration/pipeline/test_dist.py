@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from adstore.integration.pipeline import dist as agree
+from adstore.integration.coordination import dist as agree
 from adstore.integration.reference.demo import run_ranks
 
 

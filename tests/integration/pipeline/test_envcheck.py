@@ -22,7 +22,7 @@ import torch
 
 from adstore.integration import cached_prefix, environment_fingerprint
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.pipeline.envcheck import OVERRIDES_VAR, apply_overrides, env_differences, find_mismatch
+from adstore.integration.validity.envcheck import OVERRIDES_VAR, apply_overrides, env_differences, find_mismatch
 from adstore.store import Store
 
 HERE = Path(__file__).parent

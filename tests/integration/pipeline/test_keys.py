@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.pipeline.keys import (
+from adstore.integration.validity.keys import (
     FORMAT_VERSION,
     build_key,
     canonical,

@@ -12,12 +12,12 @@ from torch import fx, nn
 
 from adstore.integration.pipeline import optimizer
 from adstore.integration.pipeline.graphs import graph_modules
-from adstore.integration.pipeline.keys import diff_components
 from adstore.integration.pipeline.optimizer import InferenceOptimizer, register_transform
 from adstore.integration.pipeline.transforms import Stage, Transform, TransformConfig
 from adstore.integration.reference.checkpoint import read_checkpoint, write_random_checkpoint
 from adstore.integration.reference.models import ModelFactory
 from adstore.integration.reference.pipeline import default_transforms, reference_registry
+from adstore.integration.validity.keys import diff_components
 from adstore.store import Store
 from adstore.store.errors import ConfigError
 from adstore.store.records.sync import RecordWriter

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from adstore.integration.pipeline.flights import MIN_WAIT, EntryFlights
+from adstore.integration.coordination.flights import MIN_WAIT, EntryFlights
 from adstore.store import Store
 from adstore.store.remote import (
     ConditionalWrites,
@@ -114,7 +114,7 @@ def test_the_wait_is_bounded_by_the_recorded_compile_time(tmp_path, ft, monkeypa
 
 @pytest.mark.parametrize("why", ["read", "no_conditional_create", "down"])
 def test_no_lease_where_the_remote_cannot_hold_one_said_once(tmp_path, ft, why, caplog):
-    from adstore.integration.pipeline import flights
+    from adstore.integration.coordination import flights
 
     flights._said.clear()
 
@@ -125,7 +125,7 @@ def test_no_lease_where_the_remote_cannot_hold_one_said_once(tmp_path, ft, why, 
     h = host(tmp_path, "h", backend, ft, mode="read" if why == "read" else "read-write")
     if why == "down":
         backend.fail = RemoteUnavailable("refused")
-    with caplog.at_level(logging.INFO, logger="adstore.integration.pipeline.flights"):
+    with caplog.at_level(logging.INFO, logger="adstore.integration.coordination.flights"):
         assert h.after_miss(KEY, "inductor_fx_graph") is False
         assert h.after_miss("cd" * 32, "inductor_fx_graph") is False
     assert len(backend.writes()) == (why == "down") and ft.now == 50_000.0  # down: the one try that found it down

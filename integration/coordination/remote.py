@@ -11,7 +11,7 @@ rank restores only its own record.  :func:`mark` relabels that hit's event
 
 When a rank finds no record and every rank's remote is read-write, the host
 takes a single-flight build lease: rank 0 acquires it and broadcasts its role
-through the agreement group (:mod:`~adstore.integration.pipeline.dist`), so
+through the agreement group (:mod:`~adstore.integration.coordination.dist`), so
 all ranks of one host build together or wait together.  A leading host builds
 and pushes every rank's record, meets at a barrier, then rank 0 releases; on a
 following host each rank waits a bounded time (``ADSTORE_REMOTE_WAIT``,
@@ -37,8 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from adstore.integration.pipeline.dist import all_true, barrier, broadcast_int
-from adstore.integration.pipeline.events import EventKind, Source
+from adstore.integration.coordination.dist import all_true, barrier, broadcast_int
+from adstore.integration.coordination.events import EventKind, Source
 from adstore.store import Reason, parse_duration
 from adstore.store.remote import Flight, Outcome, Role, SingleFlight, record_address
 

@@ -10,7 +10,7 @@ Both are components of the engine hash (docs/engine-cache.md, "The engine cache"
 * the toolchain: what decides whether built code runs here, and nothing
   else.  Torch's version, commit and C++ ABI, the Python ABI, the C library,
   the C++ compiler (version line and target), the CPU's instruction sets
-  (:mod:`~adstore.integration.engine.cpuid`: code is compiled with
+  (:mod:`~adstore.integration.validity.cpuid`: code is compiled with
   ``-march=native`` and may crash with an illegal instruction on a CPU that
   lacks one) and, with a GPU, the devices' architectures, the CUDA driver
   and the Triton version.  Never the CPU model, kernel- or
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from adstore.integration.engine.cpuid import cpu_identity
 from adstore.integration.errors import CacheKeyError, ConfigError
-from adstore.integration.pipeline.envcheck import apply_overrides
-from adstore.integration.pipeline.keys import canonical_json, code_fingerprint, json_digest
+from adstore.integration.validity.cpuid import cpu_identity
+from adstore.integration.validity.envcheck import apply_overrides
+from adstore.integration.validity.keys import canonical_json, code_fingerprint, json_digest
 
 __all__ = [
     "REQUIRED_SETTINGS",
@@ -330,6 +330,6 @@ def toolchain_identity() -> dict[str, Any]:
 
     Observed once per process; ``ADSTORE_ENV_OVERRIDES`` may simulate fields
     (``toolchain.cpu.capability``, ``toolchain.gpus``) for tests, marked as
-    such (:mod:`adstore.integration.pipeline.envcheck`).
+    such (:mod:`adstore.integration.validity.envcheck`).
     """
     return apply_overrides(_observed_toolchain(), "toolchain")

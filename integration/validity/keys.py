@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from adstore.integration.errors import CacheKeyError
-from adstore.integration.pipeline.envcheck import apply_overrides
+from adstore.integration.validity.envcheck import apply_overrides
 
 __all__ = [
     "COMPONENTS",
@@ -228,7 +228,7 @@ def environment_fingerprint(code: Iterable[type | Callable[..., Any]] = ()) -> d
     upgrade or a rebuild of any of them, or an edit of that code, is a miss
     rather than a stale hit, and a miss that finds the same request built
     under other values is ``incompatible_env`` naming the field
-    (:mod:`~adstore.integration.pipeline.envcheck`).  Volatile facts (host,
+    (:mod:`~adstore.integration.validity.envcheck`).  Volatile facts (host,
     pid, paths, time) never enter it.  ``ADSTORE_ENV_OVERRIDES`` can simulate
     other values (tests).  Public as ``adstore.integration.environment_fingerprint``
     (docs/pipeline-cache.md, "Public API").

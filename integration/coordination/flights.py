@@ -1,7 +1,7 @@
 """Single-flight for entries a compiler makes on a miss: one host of a fleet compiles, the others wait, then hit.
 
 The pipeline's cache point and compile stage take their build lease through
-:func:`~adstore.integration.pipeline.remote.stage_flight`; the entries made
+:func:`~adstore.integration.coordination.remote.stage_flight`; the entries made
 inside a compiler (Inductor's FX graphs, ``aot_compile`` artifacts, vLLM's
 trees) have no collective and no stage around them, only "look up, miss,
 compile, save".  :class:`EntryFlights` puts the same lease

@@ -29,7 +29,7 @@ What stays path-dependent: the precompiled header.  Its preprocessed text
 holds the headers' absolute paths (``__FILE__`` in torch's inline
 functions), so its name and bytes do; it is needed only when a kernel is
 really built, and the toolchain entry keeps one per install path
-(:mod:`.toolchain_entry`, which names the path that differs).
+(:mod:`adstore.integration.inductor.toolchain_entry`, which names the path that differs).
 
 A torch whose ``codecache`` has no ``write`` is left alone: names hold paths,
 as before.  Nothing here raises into Inductor: a root that cannot be read is
@@ -149,8 +149,8 @@ def bytes_identity() -> str:
     """torch's build key and the toolchain fingerprint in one digest: what a kernel depends on besides its source."""
     from torch._inductor.codecache import torch_key
 
-    from adstore.integration.engine.toolchain import toolchain_identity
-    from adstore.integration.pipeline.keys import json_digest
+    from adstore.integration.validity.keys import json_digest
+    from adstore.integration.validity.toolchain import toolchain_identity
 
     return json_digest({"torch_key": torch_key().hex(), "toolchain": toolchain_identity(), "scheme": RELOCATION})
 
