@@ -58,6 +58,7 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_vllm": ["--quick"],
     "bench_fleet": ["--repeat", "1"],
     "bench_run": ["--quick"],
+    "bench_programs": ["--quick"],
 }
 
 #: Where a benchmark writes its figures, when the file is not named after the script.
@@ -76,6 +77,7 @@ JSON_NAMES: dict[str, list[str]] = {
     "bench_vllm": ["vllm.json"],
     "bench_fleet": ["fleet.json"],
     "bench_run": ["run.json"],
+    "bench_programs": ["programs.json"],
     "bench_flight": ["flight.json"],
 }
 
@@ -1214,6 +1216,42 @@ def rows_run(d: dict) -> list[Row]:
     return out
 
 
+def rows_programs(d: dict) -> list[Row]:
+    """bench_programs: third-party programs through ``adstore run``, cold, warm and on a host at another path."""
+    out = []
+    for name, f in sorted(d.items()):
+        if not isinstance(f, dict):
+            continue
+        if "skipped" in f:
+            out.append(row("programs", f"{name} through `adstore run`", "-", "-", None, "", None, f["skipped"]))
+            continue
+        cold, warm, host = f["cold"], f["warm"], f["second_host"]
+        same = f"identical output: {'yes' if f['identical'] else 'NO'}"
+        out += [
+            row(
+                "programs",
+                f"{name} through `adstore run`: warm run (store only), {warm['compiler_runs']} compiler runs",
+                _s(warm["seconds"]),
+                f"cold {_s(cold['seconds'])}, {cold['compiler_runs']} compiler runs",
+                f["cold_over_warm"],
+                "0 compiler runs",
+                warm["compiler_runs"] == 0,
+                f"ratio = cold / warm, whole processes; {same}",
+            ),
+            row(
+                "programs",
+                f"{name}: host at another path (venv bind-mounted, seed store), {host['compiler_runs']} compiler runs",
+                _s(host["seconds"]),
+                f"warm {_s(warm['seconds'])}",
+                f["second_host_over_warm"],
+                "≤ 1.3× warm + 0.5 s, 0 compiler runs",
+                f["meets_goal"],
+                f"ratio = host / warm; {same}",
+            ),
+        ]
+    return out
+
+
 def rows_flight(d: dict) -> list[Row]:
     lone, t, k = d["lone"], d["together"], d["kill"]
     n = d["hosts"]
@@ -1303,6 +1341,7 @@ EXTRACTORS: dict[str, Callable[[dict], list[Row]]] = {
     "bench_vllm": rows_vllm,
     "bench_fleet": rows_fleet,
     "bench_run": rows_run,
+    "bench_programs": rows_programs,
     "bench_flight": rows_flight,
 }
 

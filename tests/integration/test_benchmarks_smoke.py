@@ -39,6 +39,7 @@ SMALL = {
 # bench_vllm is not here: its runs take minutes each (vLLM's processes), more than CI's slow tier can spare;
 # its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm_plugin/test_vllm_real.py.
 # bench_fleet is not here either: tests/integration/inductor/test_fleet_hosts.py starts the same hosts.
+# Nor bench_programs: tests/integration/inductor/test_programs.py makes the same runs of the same programs.
 
 
 @pytest.mark.slow
