@@ -28,7 +28,9 @@ blob kept inline in the seed's index needs no writer: its digest is the
 sealed one, and its bytes are hashed against it on the way in.
 A seed searched first, before the remote tier, costs a local disk read
 instead of a download.  A key the seed lacks keeps the writable store's
-miss reason; a copy that fails is a miss with the seed's reason
+miss reason; a copy that another process of the same store committed first
+(``torchrun``'s ranks miss the same key together) is a hit; a copy that fails
+is a miss with the seed's reason
 (``unsafe_root``, ``disk_full``...), nothing half-committed (unreferenced
 copies are the writable store's gc's), counted (``seed.misses.<reason>``),
 logged once per reason, never raised.
@@ -73,7 +75,13 @@ class SeedStore(Protocol):
     def root(self) -> Path: ...
 
     def lookup(
-        self, key: str, *, rank: int | None = ..., count: bool = ..., trusted: frozenset[int] | None = ...
+        self,
+        key: str,
+        *,
+        rank: int | None = ...,
+        count: bool = ...,
+        trusted: frozenset[int] | None = ...,
+        local: bool = ...,
     ) -> LookupResult: ...
 
     def entry(self, key: str) -> Entry | None: ...
@@ -146,12 +154,25 @@ class Seed:
             with self._guard():
                 self._copy(store, key, found)
         except AdstoreError as exc:
-            return self._failed(store, exc.reason, exc, missed)
+            return self._raced(store, key, rank) or self._failed(store, exc.reason, exc, missed)
         except OSError as exc:
             return self._failed(store, Reason.IO_ERROR, exc, missed)
         again = store.lookup(key, rank=rank, count=False)
         if again.hit:
             store.count({"seed.hits": 1})
+        return again
+
+    def _raced(self, store: SeedStore, key: str, rank: int | None) -> LookupResult | None:
+        """The hit another process of this store committed while this one copied the same entry, else None.
+
+        Ranks of one host (``torchrun``) miss the same key together and both
+        copy it; the later commit finds the seed's generation committed
+        already, and the store holds what this copy was for.
+        """
+        again = store.lookup(key, rank=rank, count=False, local=True)
+        if not again.hit:
+            return None
+        log.debug("seed copy of %s: another process committed it first", key)
         return again
 
     def _failed(self, store: SeedStore, reason: Reason, exc: BaseException, missed: LookupResult) -> LookupResult:

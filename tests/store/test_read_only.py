@@ -355,3 +355,26 @@ def test_a_frozen_store_opens_read_only_on_a_writable_disk_and_keeps_its_lock(tm
     (tmp_path / "s" / "FROZEN").unlink()  # thawed by whoever writes it again
     with Store.open(tmp_path / "s") as store:
         assert not store.read_only and store.put_bytes(b"x")
+
+
+def test_a_seed_copy_another_process_committed_first_is_a_hit_not_a_store_error(tmp_path):
+    """Two processes of one host (``torchrun``'s ranks) miss the same key and both copy it from the seed.
+
+    The later copy's commit finds the entry committed under the seed's
+    generation (``StoreError: … already committed``); seen as a miss
+    ``store_error`` on a ``torchrun`` host fed by a seed
+    (tests/integration/inductor/test_programs.py).  The store holds the
+    entry it wanted, so the lookup is a hit.  Replayed in order here: this
+    process's miss, the other process's copy, then this process's copy.
+    """
+    build(tmp_path / "seed")
+    key = "b" * 64
+    with Store.open(tmp_path / "w", seed=tmp_path / "seed") as store:
+        assert store.seed is not None
+        missed = store.lookup(key, count=False, local=True)  # what this process saw
+        assert missed.reason == "absent"
+        assert store.lookup(key).hit  # the other process copied it in first
+        late = store.seed.fallback(store, key, None, missed)  # this process's copy, begun on its miss
+        assert late.hit and sorted(late.manifests) == [0, 1], late
+        counters = store.stats().counters
+        assert not any(name.startswith("seed.misses") for name in counters), counters
