@@ -191,10 +191,9 @@ def run_program(
     store: Path,
     seed: Path | None = None,
     moved: bool = False,
-    enable: bool = True,
     timeout: float = 1200,
 ) -> Run:
-    """Run ``program`` on host ``host`` under ``work`` through ``adstore run`` (the plain program if not ``enable``).
+    """Run ``program`` on host ``host`` under ``work`` through ``adstore run --root store [--seed seed]``.
 
     ``moved`` runs it with this interpreter and venv bind-mounted at another
     path (needs root and ``unshare``; ``ValueError`` without).  Compiler runs
@@ -212,12 +211,10 @@ def run_program(
         if moved_to is None:
             raise ValueError("a moved interpreter needs root and unshare -m")
         prefix, python = moved_to
-    argv = program.argv(python, script)
-    if enable:
-        wrap = [python, "-m", "adstore", "run", "--root", str(store)]
-        if seed is not None:
-            wrap += ["--seed", str(seed)]
-        argv = [*wrap, "--", *argv]
+    wrap = [python, "-m", "adstore", "run", "--root", str(store)]
+    if seed is not None:
+        wrap += ["--seed", str(seed)]
+    argv = [*wrap, "--", *program.argv(python, script)]
     log = Path(env["ADSTORE_BUILDS_LOG"])
     log.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -230,7 +227,7 @@ def run_program(
     targets = [line.split(" ", 1)[1] for line in logged if " " in line]
     compiled = [t for t in targets if not t.endswith(".i")]
     counters: dict[str, int] = {}
-    if enable and (store / "index").exists():
+    if store.is_dir() and (store / "index").exists():
         with Store.open(store, create=False) as opened:
             counters = dict(opened.stats().counters)
     return Run(report["output"], report, seconds, len(compiled), compiled, counters, done.stderr)

@@ -19,7 +19,9 @@ private mount namespace, another ``HOME``/``TMPDIR``, and an empty store
 whose seed is host a's store.  The last two must run no C++ compiler in any
 process (the program's, its compile workers', every rank's) and print what
 the cold run printed; transformers' tokens must also equal eager
-``generate``'s.  Slow (minutes each: real compiles of real libraries) and
+``generate``'s.  And ``torchrun``'s ranks with a store root that is a file
+still print the right output, one line each naming why adstore is off.
+Slow (minutes each: real compiles of real libraries) and
 needs root (mount namespaces), as CI's slow tier runs.
 """
 
@@ -91,3 +93,14 @@ def _check_output(name: str, report: dict[str, Any]) -> None:
         assert report["output"] == report["eager"], report
     elif name == "torchrun":
         assert [r["rank"] for r in report["output"]] == [0, 1] and all(r["right"] for r in report["output"]), report
+
+
+def test_torchrun_ranks_run_when_the_store_cannot_be_opened(work: Path) -> None:
+    """Fail open in every rank: a store root that is a file is one line per rank, and the program's output."""
+    root = work / "not-a-store"
+    root.write_text("a file, not a store")
+    run = run_program(PROGRAMS["torchrun"], work, "a", store=root)
+    _check_output("torchrun", run.report)
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    assert run.stderr.count("compiles without adstore here (no_store)") == 2, run.stderr[-4000:]  # once a rank
+    assert root.read_text() == "a file, not a store"
