@@ -148,6 +148,8 @@ def remote_restore(
     ``topology_mismatch``, ``over_budget``, ``disk_full``,
     ``remote_blob_missing``, ``remote_checksum``, the transport reasons
     (``remote_timeout``...).  ``nbytes`` counts every byte downloaded, record included.
+    A record another process of this store committed while this one pulled
+    its blobs is a hit (ranks of one host restore the same key together).
     """
     start = time.perf_counter()
     try:
@@ -188,16 +190,23 @@ def _restore(
     nbytes += pulled.nbytes
     if not pulled.ok:
         return _miss(store, str(pulled.reason), start, nbytes=nbytes, error=pulled.error)
-    store.save(
-        key,
-        record.artifacts,
-        rank=rank,
-        world_size=world_size,
-        generation=record.generation,
-        namespace=record.namespace,
-        components=record.components,
-        meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id},
-    )
+    try:
+        store.save(
+            key,
+            record.artifacts,
+            rank=rank,
+            world_size=world_size,
+            generation=record.generation,
+            namespace=record.namespace,
+            components=record.components,
+            meta={**record.meta, "remote": remote.url, "signer": fetched.value.key_id},
+        )
+    except AdstoreError:
+        # Another process of this store (a rank beside this one) restored the same record while this one
+        # pulled its blobs: the generation is committed here, which is what this restore was for.
+        if _committed(store, key, rank, record.generation) is None:
+            raise
+        log.debug("remote restore of %s rank %d: another process committed it first", key, rank)
     check = store.lookup(key, rank=rank, count=False)
     if not check.hit or check.manifest is None:
         return _miss(store, str(check.reason), start, nbytes=nbytes)

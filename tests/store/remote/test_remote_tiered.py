@@ -265,3 +265,33 @@ def test_sigkill_during_a_streamed_restore_leaves_nothing_committed(keypair, tmp
             assert store.verify().ok
     finally:
         server.close()
+
+
+def test_a_restore_another_process_committed_first_is_a_hit(url, signer, trusted, tmp_path):
+    """Two processes of one store (``torchrun``'s ranks on a new host) restore the same record at once.
+
+    Replayed in order: this process checked the store (nothing), and while it
+    pulled the blobs the other process restored and committed the same
+    record.  This process's commit then finds that generation committed
+    (``already committed``); the store holds what it restored, so it is a
+    hit, not a miss ``store_error``.
+    """
+    a, b = Store.open(tmp_path / "a"), Store.open(tmp_path / "b")
+    data = sample()
+    commit_entry(a, "race", data)
+    assert remote_save(a, open_remote(url, mode="read-write", signer=signer), "race").ok
+    reader = open_remote(url, trusted=trusted)
+    pull = reader.pull_blobs
+
+    def pull_while_another_process_restores(*args, **kwargs):
+        out = pull(*args, **kwargs)
+        other = remote_restore(b, open_remote(url, trusted=trusted), "race")  # the other process, to its end
+        assert other.ok, other
+        return out
+
+    reader.pull_blobs = pull_while_another_process_restores
+    out = remote_restore(b, reader, "race")
+    assert out.ok and out.value is not None, out
+    hit = b.lookup("race")
+    assert hit.hit and {n: b.read_artifact(hit.manifest, n) for n in data} == data
+    assert not any(name.startswith("remote.misses") for name in b.stats().counters), b.stats().counters
