@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,15 +192,18 @@ def run_program(
     store: Path,
     seed: Path | None = None,
     moved: bool = False,
+    remote: Mapping[str, str] | None = None,
     timeout: float = 1200,
 ) -> Run:
     """Run ``program`` on host ``host`` under ``work`` through ``adstore run --root store [--seed seed]``.
+
+    ``remote``: the ``ADSTORE_REMOTE*`` variables (and keys) of a remote this host reads or writes.
 
     ``moved`` runs it with this interpreter and venv bind-mounted at another
     path (needs root and ``unshare``; ``ValueError`` without).  Compiler runs
     are those of every process of the run.
     """
-    env = host_env(work, host)
+    env = {**host_env(work, host), **(remote or {})}
     script = (
         work / host / f"{program.name}_program.py"
     )  # not the library's own name: the script's folder is on sys.path

@@ -19,10 +19,11 @@ private mount namespace, another ``HOME``/``TMPDIR``, and an empty store
 whose seed is host a's store.  The last two must run no C++ compiler in any
 process (the program's, its compile workers', every rank's) and print what
 the cold run printed; transformers' tokens must also equal eager
-``generate``'s.  And ``torchrun``'s ranks with a store root that is a file
-still print the right output, one line each naming why adstore is off.
-Slow (minutes each: real compiles of real libraries) and
-needs root (mount namespaces), as CI's slow tier runs.
+``generate``'s.  ``torchrun``'s ranks also start on a new host at another
+path from a signed HTTP remote the first host pushed to, and with a store
+root that is a file they still print the right output, one line each naming
+why adstore is off.  Slow (minutes each: real compiles of real libraries)
+and needs root (mount namespaces), as CI's slow tier runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+from bench_restart import http_remote  # noqa: E402
 from programs import PROGRAMS, Run, available, run_program  # noqa: E402
 
 pytest.importorskip("torch")
@@ -104,3 +106,23 @@ def test_torchrun_ranks_run_when_the_store_cannot_be_opened(work: Path) -> None:
     assert "Traceback" not in run.stderr, run.stderr[-4000:]
     assert run.stderr.count("compiles without adstore here (no_store)") == 2, run.stderr[-4000:]  # once a rank
     assert root.read_text() == "a file, not a store"
+
+
+def test_torchrun_ranks_on_a_new_host_fed_by_the_remote_compile_nothing(work: Path) -> None:
+    """The fleet's way: host a pushes to a signed WebDAV remote on 127.0.0.1; a new host at another path pulls.
+
+    Both ranks of the new host miss the same keys together and restore them
+    from the remote into one store at once: each is a hit (no ``store_error``).
+    """
+    (work / "remote").mkdir()
+    server, remote = http_remote(work / "remote")
+    try:
+        program = PROGRAMS["torchrun"]
+        cold = run_program(program, work, "a", store=work / "a" / "store", remote=remote["writer"])
+        assert cold.compiler_runs > 0 and cold.counters.get("remote.records_up", 0) > 0, cold.counters
+        new = run_program(program, work, "n", store=work / "n" / "store", moved=True, remote=remote["reader"])
+        _served(new, "the new host", cold)
+        assert new.counters.get("remote.hits", 0) > 0, new.counters
+        assert not any(".store_error" in name for name in new.counters), new.counters
+    finally:
+        server.stop()
