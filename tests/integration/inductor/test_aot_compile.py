@@ -318,3 +318,48 @@ def test_an_unsafe_tmpdir_is_a_reason_and_torch_compile_never_an_exception(tmp_p
     r = on_host(unsafe_host, {**host_env(tmp_path, "a"), "TMPDIR": str(unsafe)})
     assert r["outcome"] == "torch.compile", r  # every call goes to torch.compile, as without adstore
     assert r["reason"] not in (None, "absent") and r["failopen"] == {f"aot.{r['reason']}": 1}, r
+
+
+PRIMED_CHILD = """
+import json, sys
+import torch
+import torch._inductor.codecache as codecache
+from adstore.integration.validity import torchkey
+
+if sys.argv[1] == "record":  # the host's first process: records the key torch computes
+    primed = torchkey.prime()
+    primed.thread.join()
+    print(json.dumps({"status": primed.status}))
+    raise SystemExit
+hashed = []
+build = codecache.build_code_hash
+codecache.build_code_hash = lambda *a, **k: hashed.append(1) or build(*a, **k)
+sys.path.insert(0, sys.argv[2])
+from aot_hosts import small_inputs
+from adstore.integration.inductor import aot_compile
+
+model, x = small_inputs()
+compiled = aot_compile(model, (x,), {"bias": object()})  # no canonical input: keyed (torch's key asked), not compiled
+print(json.dumps({"outcome": compiled.outcome, "reason": compiled.reason, "hashed": len(hashed)}))
+"""
+
+
+def test_a_restart_gets_torchs_key_from_the_host_record_not_by_hashing_torch(tmp_path):
+    """Every aot_compile key holds torch's source key: a restart reads it from the host's record (about 0.6 s
+    of hashing torch's files otherwise, more than the rest of a warm load)."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, **host_env(tmp_path, "a")}
+
+    def child(*argv: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", PRIMED_CHILD, *argv], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert child("record") == {"status": "recording"}
+    got = child("restart", str(HERE))
+    assert got == {"outcome": "torch.compile", "reason": "key_error", "hashed": 0}, got
