@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from aot_hosts import Scaled, Small, aot_host, conv_host, scaled_host, small_inputs, unsafe_host  # noqa: E402
+from aot_hosts import Scaled, Small, aot_host, conv_host, normed_host, scaled_host, small_inputs, unsafe_host  # noqa: E402
 from inductor_hosts import host_env, on_host  # noqa: E402
 
 from adstore.integration.inductor.aotkey import aot_components  # noqa: E402
@@ -363,3 +363,21 @@ def test_a_restart_gets_torchs_key_from_the_host_record_not_by_hashing_torch(tmp
     assert child("record") == {"status": "recording"}
     got = child("restart", str(HERE))
     assert got == {"outcome": "torch.compile", "reason": "key_error", "hashed": 0}, got
+
+
+@pytest.mark.slow
+def test_a_module_torch_cannot_store_is_said_once_and_served_through_enable(tmp_path):
+    """torch refuses to write an artifact whose code reads a global nn.Module: the first process says so
+    and keeps a note; the next ones serve the module through enable()'s caches (one compile in all, then
+    none), never an aot_compile capture per process."""
+    root = tmp_path / "a" / "store"
+    a = on_host(normed_host, host_env(tmp_path, "a"))
+    assert a["outcome"] == "compiled" and a["reason"] == "unstorable_module" and a["equals_eager"], a
+    assert len(a["warnings"]) == 1 and not a["enabled"], a
+    b = on_host(normed_host, host_env(tmp_path, "b", root=root))
+    assert b["outcome"] == "torch.compile" and b["reason"] == "unstorable_module" and b["equals_eager"], b
+    assert b["enabled"] and len(b["warnings"]) == 1 and b["builds"], b  # compiled once more, through enable()
+    c = on_host(normed_host, host_env(tmp_path, "c", root=root))
+    assert c["outcome"] == "torch.compile" and c["enabled"] and c["equals_eager"], c
+    assert c["builds"] == [], c["builds"]  # graphs and kernels from the store: no compiler run
+    assert c["failopen"] == {"aot.unstorable_module": 1}, c["failopen"]
