@@ -23,6 +23,9 @@ ISA probe.
 * Files that become code follow the store's trust rule: the artifact (a
   pickle) is read from a verified copy whose writer was judged on its
   descriptor, the kernels are placed into a private directory the same way.
+* An artifact torch cannot write (``unstorable_module``) runs where it was
+  compiled; the entry keeps a note of it, and later processes serve the module
+  with ``torch.compile`` through ``enable()``'s caches (said once at the call).
 * A store or remote problem, a damaged, untrusted or unsealed entry: a compile as
   without adstore, the reason counted (``aot.failopen.<reason>``) and logged once.
   No store, no private directory (an unsafe ``TMPDIR``), no key: ``torch.compile``
@@ -34,7 +37,10 @@ included) unless one is given.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -62,6 +68,10 @@ logger = logging.getLogger(__name__)
 
 #: The artifact holding torch's serialized function (with what a load acts on: :func:`.aotartifact.pack`).
 ARTIFACT = "artifact"
+#: The artifact of an entry that says torch could not write this module's artifact (a JSON note, no code):
+#: later processes serve the module through ``enable()``'s caches instead of compiling it this way again.
+UNSTORABLE = "unstorable"
+_UNSTORABLE_REASON = "unstorable_module"
 _SCOPE = "aot"
 _FALLBACK = "torch.compile serves this module"
 
@@ -204,6 +214,7 @@ def _serve(
     another host compiling the same entry (single-flight) and look again.
     """
     store = entries.store
+    _prime_torch_key()
     watch = Watch()
     try:
         key, components = aot_components(module, args, kwargs, entries.identity, watch)
@@ -217,6 +228,8 @@ def _serve(
     if loaded is not None:
         seconds = time.perf_counter() - t0
         return AOTModule(module, loaded, outcome="hit", key=key, seconds=seconds, watch=watch)
+    if why == _UNSTORABLE_REASON:
+        return _through_enable(module, entries, key)
     try:
         workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))  # code: no other user may rename
     except Exception as exc:  # noqa: BLE001 - no private place for the kernels (an unsafe TMPDIR): torch.compile
@@ -240,6 +253,21 @@ def _serve(
         entries.flights.built(key, NAMESPACE)  # saved or not: a lease this process compiled under goes now
     seconds = time.perf_counter() - t0
     return AOTModule(module, artifact, outcome="compiled", reason=why, key=key, seconds=seconds, watch=watch)
+
+
+@functools.cache
+def _prime_torch_key() -> None:
+    """torch's source key from this host's record, once per process, before the key asks for it.
+
+    Every ``aot_compile`` key holds ``torch_key``: hashing torch's ~2,300
+    files costs about 0.6 s of CPU, more than the rest of a warm restart's
+    load; ``enable()`` primes it the same way (:mod:`~adstore.integration.validity.torchkey`;
+    never raises, a stale or foreign record is no record).
+    """
+    from adstore.integration.validity import torchkey
+
+    primed = torchkey.prime()
+    logger.debug("adstore: torch_key %s for aot_compile (pid %d)", primed.status, os.getpid())
 
 
 def _entries(store: Any) -> tuple[InductorEntries | None, bool, str | None]:
@@ -276,6 +304,8 @@ def _load(
             note_miss(key, components)  # for `adstore explain`: the nearest entry and the component that differs
             return None, reason
         manifest = res.manifest
+        if manifest.namespace == NAMESPACE and set(manifest.artifacts) == {UNSTORABLE}:
+            return None, _UNSTORABLE_REASON  # a process before found torch cannot write its artifact
         if manifest.namespace != NAMESPACE or ARTIFACT not in manifest.artifacts:
             raise IntegrationError(f"{key[:12]} is not an {NAMESPACE} entry")
         workdir = Path(tempfile.mkdtemp(prefix="adstore-aot-", dir=private_dir()))
@@ -322,10 +352,52 @@ def _save(
         reason = failure_reason(exc)  # the store's own (over_budget, disk_full, ...) where it has one
         if reason in (str(Reason.INTEGRATION_ERROR), str(Reason.ERROR)):
             # torch cannot write an object the artifact holds: said apart, every process would compile it
-            reason = "unstorable_module" if "Failed to serialize" in str(exc) else str(Reason.SAVE_FAILED)
+            reason = _UNSTORABLE_REASON if "Failed to serialize" in str(exc) else str(Reason.SAVE_FAILED)
         why = f"{NAMESPACE} entry {key[:12]}: {type(exc).__name__}: {exc}"
-        note_failure(reason, why, store, scope=_SCOPE, fallback="the compiled module runs, not stored,")
+        if reason == _UNSTORABLE_REASON:
+            _mark_unstorable(entries, key, components, f"{type(exc).__name__}: {exc}")
+            fallback = "the compiled module runs here; later processes go through enable()'s caches, it is"
+        else:
+            fallback = "the compiled module runs, not stored,"
+        note_failure(reason, why, store, scope=_SCOPE, fallback=fallback)
         return reason
+
+
+def _mark_unstorable(entries: InductorEntries, key: str, components: dict[str, Any], detail: str) -> None:
+    """Keep, under ``key``, that torch cannot write this module's artifact (a note, never code).
+
+    The next process finds it and serves the module through ``enable()``'s
+    caches (:func:`_through_enable`) instead of tracing and compiling it for
+    an artifact it cannot keep either.  Best effort: without it, the next
+    process compiles and finds out again.
+    """
+    store = entries.store
+    try:
+        note = json.dumps({"reason": _UNSTORABLE_REASON, "detail": detail[:2000]}, sort_keys=True).encode()
+        artifacts = {UNSTORABLE: store.put_bytes(note)}
+        meta = {"unstorable": True}
+        store.save(key, artifacts, namespace=NAMESPACE, components=components, meta=meta, trusted=entries.trusted)
+    except Exception as exc:  # noqa: BLE001 - the note is an optimisation; its absence costs a compile
+        logger.debug("adstore: the unstorable note of %s was not kept: %s", key[:12], exc)
+
+
+def _through_enable(module: nn.Module, entries: InductorEntries, key: str) -> AOTModule:
+    """A module whose artifact torch cannot write: ``torch.compile`` with ``enable()``'s caches serves it.
+
+    Said once at the call (``aot.failopen.unstorable_module``).  ``enable()``
+    is switched on for the process unless it is already (with the store
+    given to ``aot_compile``, else the one the environment names): Inductor's
+    graphs and kernels then come from the store, so a restart traces the
+    module but compiles no kernel another process built.
+    """
+    from adstore.integration.inductor import plug
+
+    given = None if entries.owns_store else entries.store  # ours is closed when aot_compile returns
+    on = plug.active() is not None or plug.enable(given)
+    fallback = "torch.compile with enable()'s caches serves this module" if on else _FALLBACK
+    why = f"torch cannot write the artifact of {type(module).__name__} (entry {key[:12]})"
+    note_failure(_UNSTORABLE_REASON, why, entries.store, scope=_SCOPE, fallback=fallback)
+    return AOTModule(module, None, outcome="torch.compile", reason=_UNSTORABLE_REASON, key=key)
 
 
 def _call_hooks(module: nn.Module) -> bool:

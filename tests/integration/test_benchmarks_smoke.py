@@ -35,6 +35,7 @@ SMALL = {
     "bench_inductor": (["--quick"], "inductor.json"),
     "bench_aot_compile": (["--quick"], "aot_compile.json"),
     "bench_run": (["--repeat", "2", "--torch-repeat", "1"], "run.json"),
+    "bench_zoo": (["--models", "sequential", "--repeat", "1"], "zoo.json"),
 }
 # bench_vllm is not here: its runs take minutes each (vLLM's processes), more than CI's slow tier can spare;
 # its parts (vllm_env, vllm_run, vllm_hosts) run in tests/integration/vllm_plugin/test_vllm_real.py.

@@ -16,7 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Scaled", "Small", "aot_host", "conv_host", "conv_inputs", "scaled_host", "small_inputs", "unsafe_host"]
+__all__ = [
+    "Normed",
+    "Scaled",
+    "Small",
+    "aot_host",
+    "conv_host",
+    "conv_inputs",
+    "normed_host",
+    "scaled_host",
+    "small_inputs",
+    "unsafe_host",
+]
 
 #: A module-level global :class:`Scaled` reads in ``forward`` (Dynamo's guard on it cannot be stored).
 SCALE = 2.0
@@ -198,3 +209,53 @@ def aot_host(env: dict[str, str], others: bool = True, inline_threshold: int | N
     result["failopen"] = dict(FAILOPEN)
     result["warnings"] = warnings
     return result
+
+
+#: A module-level ``nn.Module`` that :class:`Normed` calls: torch pickles the globals its code reads by value,
+#: and refuses a module among them (``Failed to serialize``), so no artifact of ``Normed`` can be written.
+NORM = nn.LayerNorm(8)
+
+
+class Normed(nn.Module):
+    """A module whose ``forward`` calls a global ``nn.Module``: an artifact torch cannot write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NORM(self.lin(x))
+
+
+def normed_host(env: dict[str, str]) -> dict[str, Any]:
+    """``aot_compile`` of :class:`Normed` under ``env``: what it did, its C++ builds, whether it is right."""
+    os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None
+    from inductor_hosts import count_builds
+
+    builds = count_builds()
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("adstore").addHandler(handler)
+    from adstore.integration.inductor import FAILOPEN, active, aot_compile, disable
+
+    torch.manual_seed(0)
+    model, x = Normed().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        compiled = aot_compile(model, (x,))
+        out = compiled(x)
+        eager = model(x)
+    enabled = active() is not None
+    disable()  # what the process does at exit (a pool worker runs no atexit): keep what it built
+    return {
+        "outcome": compiled.outcome,
+        "reason": compiled.reason,
+        "equals_eager": bool(torch.allclose(out, eager, atol=1e-5)),
+        "enabled": enabled,
+        "builds": [b for b in builds if not b.endswith(".i")],  # g++ -E of the header runs in every process
+        "failopen": dict(FAILOPEN),
+        "warnings": [w for w in warnings if "unstorable_module" in w],
+    }

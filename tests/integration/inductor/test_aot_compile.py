@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from aot_hosts import Scaled, Small, aot_host, conv_host, scaled_host, small_inputs, unsafe_host  # noqa: E402
+from aot_hosts import Scaled, Small, aot_host, conv_host, normed_host, scaled_host, small_inputs, unsafe_host  # noqa: E402
 from inductor_hosts import host_env, on_host  # noqa: E402
 
 from adstore.integration.inductor.aotkey import aot_components  # noqa: E402
@@ -318,3 +318,66 @@ def test_an_unsafe_tmpdir_is_a_reason_and_torch_compile_never_an_exception(tmp_p
     r = on_host(unsafe_host, {**host_env(tmp_path, "a"), "TMPDIR": str(unsafe)})
     assert r["outcome"] == "torch.compile", r  # every call goes to torch.compile, as without adstore
     assert r["reason"] not in (None, "absent") and r["failopen"] == {f"aot.{r['reason']}": 1}, r
+
+
+PRIMED_CHILD = """
+import json, sys
+import torch
+import torch._inductor.codecache as codecache
+from adstore.integration.validity import torchkey
+
+if sys.argv[1] == "record":  # the host's first process: records the key torch computes
+    primed = torchkey.prime()
+    primed.thread.join()
+    print(json.dumps({"status": primed.status}))
+    raise SystemExit
+hashed = []
+build = codecache.build_code_hash
+codecache.build_code_hash = lambda *a, **k: hashed.append(1) or build(*a, **k)
+sys.path.insert(0, sys.argv[2])
+from aot_hosts import small_inputs
+from adstore.integration.inductor import aot_compile
+
+model, x = small_inputs()
+compiled = aot_compile(model, (x,), {"bias": object()})  # no canonical input: keyed (torch's key asked), not compiled
+print(json.dumps({"outcome": compiled.outcome, "reason": compiled.reason, "hashed": len(hashed)}))
+"""
+
+
+def test_a_restart_gets_torchs_key_from_the_host_record_not_by_hashing_torch(tmp_path):
+    """Every aot_compile key holds torch's source key: a restart reads it from the host's record (about 0.6 s
+    of hashing torch's files otherwise, more than the rest of a warm load)."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, **host_env(tmp_path, "a")}
+
+    def child(*argv: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", PRIMED_CHILD, *argv], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert child("record") == {"status": "recording"}
+    got = child("restart", str(HERE))
+    assert got == {"outcome": "torch.compile", "reason": "key_error", "hashed": 0}, got
+
+
+@pytest.mark.slow
+def test_a_module_torch_cannot_store_is_said_once_and_served_through_enable(tmp_path):
+    """torch refuses to write an artifact whose code reads a global nn.Module: the first process says so
+    and keeps a note; the next ones serve the module through enable()'s caches (one compile in all, then
+    none), never an aot_compile capture per process."""
+    root = tmp_path / "a" / "store"
+    a = on_host(normed_host, host_env(tmp_path, "a"))
+    assert a["outcome"] == "compiled" and a["reason"] == "unstorable_module" and a["equals_eager"], a
+    assert len(a["warnings"]) == 1 and not a["enabled"], a
+    b = on_host(normed_host, host_env(tmp_path, "b", root=root))
+    assert b["outcome"] == "torch.compile" and b["reason"] == "unstorable_module" and b["equals_eager"], b
+    assert b["enabled"] and len(b["warnings"]) == 1 and b["builds"], b  # compiled once more, through enable()
+    c = on_host(normed_host, host_env(tmp_path, "c", root=root))
+    assert c["outcome"] == "torch.compile" and c["enabled"] and c["equals_eager"], c
+    assert c["builds"] == [], c["builds"]  # graphs and kernels from the store: no compiler run
+    assert c["failopen"] == {"aot.unstorable_module": 1}, c["failopen"]
