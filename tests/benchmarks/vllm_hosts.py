@@ -63,9 +63,20 @@ def make_model(python: Path, directory: Path) -> None:
 
 
 def run_host(
-    python: Path, model: Path, env: dict[str, str], *, adstore: bool, eager: bool = False, timeout: float = 1200
+    python: Path,
+    model: Path,
+    env: dict[str, str],
+    *,
+    adstore: bool,
+    eager: bool = False,
+    timeout: float = 1200,
+    tp: int = 1,
+    vllm_defaults: bool = False,
 ) -> dict[str, Any]:
-    """One vLLM start on host ``env``: ``vllm_run.py``'s figures, the wall time, and the builds by kind."""
+    """One vLLM start on host ``env``: ``vllm_run.py``'s figures, the wall time, and the builds by kind.
+
+    ``tp``: tensor_parallel_size; ``vllm_defaults``: vLLM's own settings (AOT compile on), see ``vllm_run.py``.
+    """
     log = Path(env["ADSTORE_BUILDS_LOG"])
     log.unlink(missing_ok=True)
     child = {**_clean_env(), **env, "PYTHONPATH": str(BUILDS)}
@@ -75,6 +86,10 @@ def run_host(
     argv = [str(python), str(RUNNER), "run", "--model", str(model), "--log", str(vllm_log)]
     if eager:
         argv.append("--eager")
+    if tp > 1:
+        argv += ["--tp", str(tp)]
+    if vllm_defaults:
+        argv.append("--vllm-defaults")
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=child, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
