@@ -78,7 +78,7 @@ def to_names(data: bytes, anchors: Mapping[str, str]) -> bytes | None:
 
 
 def to_paths(data: bytes, anchors: Mapping[str, str], used: Sequence[str]) -> bytes | None:
-    """``data`` (a pickle :func:`to_names` wrote, naming roots ``used``) with this host's paths; None if it cannot be."""
+    """``data`` (a pickle :func:`to_names` wrote, naming roots ``used``) with this host's paths, or None."""
     if any(name not in anchors for name in used):
         return None
     table = {name: anchors[name] for name in used}

@@ -65,13 +65,11 @@ from typing import Any
 from adstore.integration.coordination.flights import flights_for
 from adstore.integration.errors import VllmTreeError, failure_reason
 from adstore.integration.inductor.entries import InductorEntries, note_failure
-from adstore.integration.placement.capture import capture_files
+from adstore.integration.placement.capture import capture_files, read_files
 from adstore.integration.placement.dirs import open_dir
-from adstore.integration.placement.place import place
+from adstore.integration.placement.place import place, read_trusted
 from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.validity import roots
-from adstore.integration.placement.capture import read_files
-from adstore.integration.placement.place import read_trusted
 from adstore.integration.vllm import relocate
 from adstore.integration.vllm.treefiles import FORMAT, Limits, Plan, artifact_name, find_anchors, plan_from, scan
 from adstore.store import Reason

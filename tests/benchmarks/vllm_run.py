@@ -163,7 +163,12 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     figures = run(
-        args.model, eager=args.eager, max_tokens=args.max_tokens, log=args.log, tp=args.tp, vllm_defaults=args.vllm_defaults
+        args.model,
+        eager=args.eager,
+        max_tokens=args.max_tokens,
+        log=args.log,
+        tp=args.tp,
+        vllm_defaults=args.vllm_defaults,
     )
     figures["in_process_s"] = time.perf_counter() - t0
     print(json.dumps(figures), flush=True)

@@ -85,7 +85,9 @@ def test_vllm_defaults_with_tensor_parallel_2_on_a_host_with_another_cache_root(
         a_env = vllm_host(tmp_path, "a", **remote["writer"])
         a = run_host(python, model, a_env, adstore=True, tp=2, vllm_defaults=True)
         b_env = vllm_host(tmp_path, "b", **remote["reader"])
-        b_env.update(HOME=str(tmp_path / "b" / "home"), VLLM_CACHE_ROOT=str(tmp_path / "b" / "home" / ".cache" / "vllm"))
+        b_env.update(
+            HOME=str(tmp_path / "b" / "home"), VLLM_CACHE_ROOT=str(tmp_path / "b" / "home" / ".cache" / "vllm")
+        )
         b = run_host(python, model, b_env, adstore=True, tp=2, vllm_defaults=True)
     finally:
         server.stop()
