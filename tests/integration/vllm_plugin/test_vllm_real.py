@@ -72,10 +72,12 @@ def test_vllm_defaults_with_tensor_parallel_2_on_a_host_with_another_cache_root(
     A compiles and publishes; B loads vLLM's AOT artifacts (both ranks) that
     A's plugin stored with its paths named, written back with B's paths: no
     compiler run, A's tokens, vLLM's own "Directly load AOT compilation".
+    Where this runs as root with ``unshare -m``, B's venv is also at another
+    path (a bind mount): ``sys.prefix``, vLLM's and torch's directories differ.
     """
     from bench_restart import http_remote
     from vllm_env import ensure
-    from vllm_hosts import make_model, run_host, store_counters, vllm_host
+    from vllm_hosts import make_model, moved_venv, run_host, store_counters, vllm_host
 
     python = ensure()
     model = tmp_path / "model"
@@ -88,13 +90,15 @@ def test_vllm_defaults_with_tensor_parallel_2_on_a_host_with_another_cache_root(
         b_env.update(
             HOME=str(tmp_path / "b" / "home"), VLLM_CACHE_ROOT=str(tmp_path / "b" / "home" / ".cache" / "vllm")
         )
-        b = run_host(python, model, b_env, adstore=True, tp=2, vllm_defaults=True)
+        moved = moved_venv(python, tmp_path / "b")
+        prefix, b_python = moved if moved is not None else ([], python)
+        b = run_host(b_python, model, b_env, adstore=True, tp=2, vllm_defaults=True, argv_prefix=prefix)
     finally:
         server.stop()
     a_store, b_store = store_counters(a_env["ADSTORE_ROOT"]), store_counters(b_env["ADSTORE_ROOT"])
     b_log = Path(b["log"]).read_text(errors="replace")
     print(f"\nA {a['builds']} init {a['engine_init_s']} s; B {b['builds']} init {b['engine_init_s']} s")
-    print(f"A store {a_store}\nB store {b_store}")
+    print(f"A store {a_store}\nB store {b_store}\nB's venv {'at ' + str(b_python) if moved else 'not moved'}")
 
     assert len(a["tokens"]) == 8 and b["tokens"] == a["tokens"]
     assert a["builds"]["kernel"] > 0, "host A compiled no kernel: nothing was tested"
