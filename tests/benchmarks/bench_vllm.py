@@ -24,8 +24,9 @@ with ``tensor_parallel_size=2`` (one core per rank), issue 41, each run once
 by default (``--defaults-repeat``):
 
 * ``d_cold``: everything empty, adstore on, pushing to the remote;
-* ``d_local_warm_plain``: the cold host again, the plugin off: vLLM's own
-  AOT load, which fails on CPU (``finalize_loading``) and compiles again;
+* ``d_local_warm_plain``: the cold host again, the plugin off: vLLM alone.
+  Its AOT hash comes out otherwise with the plugin off, so this compiles
+  anew (kernels too: ``enable()`` named the cold run's after the roots);
 * ``d_local_warm``: the cold host again, adstore on (the plugin supplies
   ``finalize_loading``): vLLM loads its AOT artifacts;
 * ``d_other_root_plain``: a new host whose ``HOME`` and ``VLLM_CACHE_ROOT``

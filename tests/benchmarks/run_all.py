@@ -1218,7 +1218,8 @@ def rows_vllm_defaults(x: dict) -> list[Row]:
             plain_warm["engine_init_s"] / warm["engine_init_s"],
             "both ranks load the AOT artifact",
             x["local_warm_loads_aot"],
-            f"ratio = plugin off / on; plugin off: {plain_warm['aot_load_failures']} load failures, compiles again",
+            f"ratio = plugin off / on; plugin off: {plain_warm['aot_loaded']} AOT loads, "
+            f"{plain_warm['aot_load_failures']} load failures, {plain_warm['kernels_compiled']} kernels compiled",
         ),
         row(
             "vllm",
