@@ -53,6 +53,21 @@ and any adstore problem is logged and counted, never raised):
 ``..._LazyRegisteredModel._save_modelinfo_to_cache(self, mi, module_hash)``
     After the original wrote the file, captures it.
 
+vLLM 0.32.0's AOT load on CPU: ``_try_load_aot_compiled_fn`` ends with
+``loaded_fn._artifacts.compiled_fn.finalize_loading(vllm_config)``, a method
+only vLLM's own backend's artifact has.  On CPU vLLM compiles with the stock
+``inductor`` backend, whose artifact is torch's
+``BundledAOTAutogradSerializableCallable``: no such method, so every load
+fails (``'function' object has no attribute 'finalize_loading'``) and vLLM
+compiles again.  When vLLM imports ``vllm.compilation.decorators`` and its
+load calls ``finalize_loading``, :func:`install` gives torch's class a
+``finalize_loading`` that does nothing (:func:`_finalize_loading`: torch
+loads that artifact whole when it unpickles it, there is nothing left to
+finish), recorded and removed by :func:`uninstall` like the wrappers.  A
+torch without that class, or one whose class has the method already, is
+left alone (the first with one log line); a vLLM whose load does not call
+it needs nothing.
+
 Each function is wrapped when vLLM imports its module
 (:func:`~adstore.integration.onimport.when_imported`; at once if it
 already has): the ``LLM`` caller and the engine core never import
@@ -161,6 +176,15 @@ class _State:
             wrapper = make(current)
             setattr(wrapper, _WRAPPED, current)
             setattr(owner, name, wrapper)
+
+    def add(self, owner: Any, name: str, value: Any) -> bool:
+        """Give ``owner`` the attribute ``name`` it lacks, once; removed by :func:`uninstall`."""
+        with self.lock:
+            if any(name in c.__dict__ for c in getattr(owner, "__mro__", (owner,))):
+                return False
+            self.patched.append((owner, name, _ABSENT))
+            setattr(owner, name, value)
+            return True
 
     # -- the AOT path ---------------------------------------------------------------
     def restore_aot(self, path: str) -> None:
@@ -371,6 +395,36 @@ HOOKS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., A
 )
 
 
+def _finalize_loading(self: Any, *args: Any, **kwargs: Any) -> None:
+    """Nothing to finish: torch's bundled AOTAutograd artifact is loaded whole when it is unpickled.
+
+    (``BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts``
+    deserializes the entry and returns a callable ready to run; vLLM's own
+    artifact builds its backend lazily, hence vLLM's call.)
+    """
+
+
+def _supply_finalize_loading(state: _State, module: Any) -> None:
+    """Let vLLM's AOT load finish on CPU: torch's artifact class gets the no-op ``finalize_loading`` vLLM calls."""
+    load = getattr(module, "_try_load_aot_compiled_fn", None)
+    code = getattr(getattr(load, _WRAPPED, load), "__code__", None)
+    if code is None or "finalize_loading" not in code.co_names:
+        return  # this vLLM's load does not call it
+    try:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    except ImportError as exc:
+        note_failure(
+            "incompatible_vllm",
+            f"vLLM's AOT load calls finalize_loading, and torch's artifact class is not where adstore looks ({exc})",
+            state.store,
+            scope="vllm",
+            fallback="vLLM's AOT load behaves as without adstore",
+        )
+        return
+    if state.add(BundledAOTAutogradSerializableCallable, "finalize_loading", _finalize_loading):
+        logger.info("adstore: torch's AOT artifact got the finalize_loading vLLM's AOT load calls (a no-op)")
+
+
 def _vllm() -> tuple[Any, str]:
     """vLLM's ``envs`` module and package directory, or an ImportError naming what is missing (nothing else)."""
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
@@ -402,6 +456,11 @@ def _hook_module(state: _State, module: Any) -> None:
             )
             continue
         state.patch(owner, name, make)
+    if module.__name__ == "vllm.compilation.decorators":
+        try:
+            _supply_finalize_loading(state, module)
+        except Exception as exc:  # noqa: BLE001 - fail open: vLLM's load as without adstore
+            _note(exc, "AOT finalize_loading")
 
 
 def install(store: Any = None) -> bool:

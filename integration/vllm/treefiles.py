@@ -40,11 +40,13 @@ __all__ = [
     "scan",
 ]
 
-#: The layout of a tree entry's meta; a reader refuses any other.
-FORMAT = 1
+#: The layout of a tree entry's meta; a reader refuses any other (2 added ``relocated``).
+FORMAT = 2
+_FORMATS = (1, 2)
 #: One path component: plain ASCII that every filesystem and shell keeps as it is (``.`` and ``..`` refused apart).
 _COMPONENT = re.compile(r"[A-Za-z0-9._+=@,~-]{1,255}", re.ASCII)
 _ARTIFACT = re.compile(r"p\.[0-9a-f]{40}", re.ASCII)
+_ROLE = re.compile(r"[a-z][a-z0-9_]{0,63}", re.ASCII)
 _MAX_PATH = 1024
 _MAX_DEPTH = 32
 _SCAN_CHUNK = 1 << 20
@@ -84,6 +86,7 @@ class Plan:
     files: tuple[tuple[TreeFile, Any], ...]  # (file, its blob ref)
     dirs: Mapping[str, int]
     anchors: Mapping[str, str] = field(default_factory=dict)
+    relocated: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # file -> the roles it names
 
 
 def artifact_name(path: str) -> str:
@@ -183,8 +186,8 @@ def plan_from(meta: Mapping[str, Any], artifacts: Mapping[str, Any]) -> Plan:
     its path gives and every path has one; no file sits where a directory of
     another path must be; the modes are modes; the anchors are absolute paths.
     """
-    if not isinstance(meta, Mapping) or meta.get("tree") != FORMAT:
-        raise VllmTreeError("corrupt_tree", f"not a tree entry of format {FORMAT}")
+    if not isinstance(meta, Mapping) or meta.get("tree") not in _FORMATS:
+        raise VllmTreeError("corrupt_tree", f"not a tree entry of format {' or '.join(map(str, _FORMATS))}")
     files_meta, dirs_meta, anchors_meta = meta.get("files"), meta.get("dirs"), meta.get("anchors", {})
     if not isinstance(files_meta, Mapping) or not isinstance(dirs_meta, Mapping) or not isinstance(anchors_meta, dict):
         raise VllmTreeError("corrupt_tree", "the meta lacks its files, dirs or anchors")
@@ -209,6 +212,21 @@ def plan_from(meta: Mapping[str, Any], artifacts: Mapping[str, Any]) -> Plan:
     for role, value in anchors_meta.items():
         if type(role) is not str or type(value) is not str or not os.path.isabs(value) or "\x00" in value:
             raise VllmTreeError("corrupt_tree", f"anchor {role!r} is not an absolute path")
+    relocated = _relocated(meta.get("relocated", {}), files_meta)
     root_mode = _mode(meta.get("root_mode", 0o755), "the tree's root")
     ordered = sorted(files, key=lambda f: f[0].path)
-    return Plan(root_mode, tuple((f, artifacts[name]) for f, name in ordered), dirs, dict(anchors_meta))
+    return Plan(root_mode, tuple((f, artifacts[name]) for f, name in ordered), dirs, dict(anchors_meta), relocated)
+
+
+def _relocated(value: object, files: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The meta's ``relocated``: files of the tree, each with the plain role names its paths were named after."""
+    if not isinstance(value, dict):
+        raise VllmTreeError("corrupt_tree", "relocated is not a mapping")
+    out: dict[str, tuple[str, ...]] = {}
+    for path, roles in value.items():
+        if path not in files or not isinstance(roles, list) or not roles:
+            raise VllmTreeError("corrupt_tree", f"relocated names {str(path)[:80]!r}, not a file with roles")
+        if any(type(r) is not str or _ROLE.fullmatch(r) is None for r in roles):
+            raise VllmTreeError("corrupt_tree", f"relocated {path[:80]!r}: a role is not a plain name")
+        out[path] = tuple(roles)
+    return out

@@ -14,11 +14,22 @@ fingerprint: the same scheme and the same identity as Inductor's entries
 ``adstore explain`` shows which part made two keys differ.
 
 Anchors: vLLM's pickles embed absolute paths (its cache directory, the
-venv's ``vllm/_custom_ops.py``).  Capture records which of the caller's
-anchors (role -> absolute path on this host) occur as bytes in any file;
-restore refuses the tree, as a miss saying which path differs, unless every
-recorded role has the same path here.  A tree that would load another
-host's files is never restored.
+venv's ``vllm/_custom_ops.py``).  Capture looks for the caller's anchors
+(role -> absolute path on this host) in every file.  A pickle that names
+them only in its strings is stored with each such path named after its
+role (``${cache_root}/…``, :mod:`~adstore.integration.vllm.relocate`) and
+listed as *relocated*; restore writes it back with this host's paths.  A
+kernel that names them only where the dynamic loader never looks is stored
+as it is.  Any other file that holds an anchor's bytes is recorded under
+*anchors*, and restore refuses the tree, as a miss saying which path
+differs, unless every recorded role has the same path here.  A tree that
+would load another host's files is never restored.
+
+The key also holds vLLM's build (:func:`vllm_build`: the digest of the
+hashes its installed ``RECORD`` lists for the ``vllm`` package's files),
+since a relocated tree no longer tells one vLLM install from another by
+its path, and ``paths: relative/1``, so trees of the earlier format (paths
+as they were) are never read as relocated ones.
 
 Restore leaves a target that holds anything alone (vLLM's own; an empty
 directory, which vLLM makes before it looks, is replaced), builds the tree
@@ -54,19 +65,22 @@ from typing import Any
 from adstore.integration.coordination.flights import flights_for
 from adstore.integration.errors import VllmTreeError, failure_reason
 from adstore.integration.inductor.entries import InductorEntries, note_failure
-from adstore.integration.placement.capture import capture_files
+from adstore.integration.placement.capture import capture_files, read_files
 from adstore.integration.placement.dirs import open_dir
-from adstore.integration.placement.place import place
+from adstore.integration.placement.place import place, read_trusted
 from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.validity import roots
+from adstore.integration.vllm import relocate
 from adstore.integration.vllm.treefiles import FORMAT, Limits, Plan, artifact_name, find_anchors, plan_from, scan
 from adstore.store import Reason
 
-__all__ = ["NAMESPACE", "Outcome", "Limits", "capture", "restore", "tree_key", "identity"]
+__all__ = ["NAMESPACE", "PATHS", "Outcome", "Limits", "capture", "restore", "tree_key", "identity", "vllm_build"]
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "vllm_tree"
+#: How a tree's files name the anchors' paths: pickles relocated to the roles' names (``relocate``).
+PATHS = "relative/1"
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,199}", re.ASCII)
 _NO_WRITE_BY_OTHERS = 0o755  # and no setuid, setgid or sticky bit
 
@@ -101,6 +115,32 @@ def identity() -> dict[str, str]:
     return dict(_identity())
 
 
+@functools.cache
+def vllm_build() -> str:
+    """A digest of the installed vLLM's files (the hashes its ``RECORD`` lists under ``vllm/``); ``unknown`` if none.
+
+    Path-free, unlike the install: two venvs of one wheel agree, another
+    build of the same version differs.  Scripts (``bin/vllm``, whose first
+    line names the interpreter's path) and files without a hash are left out.
+    """
+    from importlib import metadata
+
+    from adstore.integration.validity.keys import json_digest
+
+    try:
+        names = metadata.packages_distributions().get("vllm", [])
+        for name in sorted(set(names)):
+            record = metadata.distribution(name).read_text("RECORD") or ""
+            hashes = sorted(
+                line for line in record.splitlines() if line.startswith("vllm/") and line.split(",")[1:2] != [""]
+            )
+            if hashes:
+                return json_digest({"distribution": name, "record": hashes})
+    except Exception as exc:  # noqa: BLE001 - no metadata: the key says so (vLLM's hash still holds its version)
+        logger.debug("vLLM's build from its RECORD: %s", exc)
+    return "unknown"
+
+
 def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[str, dict[str, str]]:
     """The store key of one tree and its components (``InductorEntries.key``'s scheme: json_digest)."""
     from adstore.integration.validity.keys import json_digest
@@ -110,6 +150,7 @@ def tree_key(*, kind: str, vllm_hash: str, rank: str, part: str = "") -> tuple[s
             raise VllmTreeError("bad_key", f"{what} {value!r} is not a plain name")
     components = {"namespace": NAMESPACE, "kind": kind, "vllm_hash": vllm_hash, "rank": rank, "part": part}
     components.update(identity())
+    components.update(vllm_build=vllm_build(), paths=PATHS)
     if (
         roots.active()
     ):  # enable() names Inductor's kernels relative to the install roots: a tree of path-named ones differs
@@ -160,13 +201,24 @@ def capture(
         if not tree.files:
             return Outcome(False, "empty", detail=f"{source} holds no file")
         paths = {str(Path(source) / f.path): artifact_name(f.path) for f in tree.files}
-        captured = capture_files(store, paths, trusted_uids() if trusted is None else trusted)
+        relative = {str(Path(source) / f.path): f.path for f in tree.files}
+        who = trusted_uids() if trusted is None else trusted
+        holding = {p: roles for p in paths if (roles := find_anchors(Path(p), wanted))}
+        captured = capture_files(store, [p for p in paths if p not in holding], who)
         if captured.refused:
             raise next(iter(captured.refused.values()))
         refs = {paths[p]: ref for p, ref in captured.refs.items()}
         found: set[str] = set()
-        for path in paths:
-            found |= find_anchors(Path(path), {r: v for r, v in wanted.items() if r not in found})
+        relocated: dict[str, list[str]] = {}
+        for path, data in read_files(list(holding), who).items():
+            held = {role: anchors[role] for role in holding[path]}
+            named = relocate.to_names(data, anchors)
+            if named is not None:
+                relocated[relative[path]] = sorted(held)
+                data = named
+            elif not relocate.loader_neutral(data, [wanted[role] for role in held]):
+                found |= set(held)
+            refs[paths[path]] = store.put_bytes(data)
         meta = {
             "tree": FORMAT,
             "kind": kind,
@@ -174,6 +226,7 @@ def capture(
             "files": {f.path: f.mode for f in tree.files},
             "dirs": dict(tree.dirs),
             "anchors": {role: anchors[role] for role in sorted(found)},
+            "relocated": dict(sorted(relocated.items())),
         }
         store.save(key, refs, namespace=NAMESPACE, components=components, meta=meta, trusted=trusted_uids())
         store.count({"vllm.trees_captured": 1})
@@ -221,21 +274,58 @@ def _anchor_mismatch(recorded: Mapping[str, str], here: Mapping[str, str]) -> st
     return None
 
 
-def _build(store: Any, plan: Plan, root: Path, trusted: frozenset[int]) -> int:
-    """Every file of ``plan`` under ``root`` (private, fresh), verified and trusted; then the modes."""
+def _unknown_roles(plan: Plan, here: Mapping[str, str]) -> str | None:
+    """Why a relocated file cannot be given this host's paths: a role it names that this host has no path for."""
+    for path, roles in sorted(plan.relocated.items()):
+        missing = [role for role in roles if role not in here]
+        if missing:
+            return f"{path} names the path of {missing[0]}, which is not known on this host"
+    return None
+
+
+def _build(store: Any, plan: Plan, root: Path, trusted: frozenset[int], anchors: Mapping[str, str]) -> int:
+    """Every file of ``plan`` under ``root`` (private, fresh), verified and trusted; then the modes.
+
+    A relocated file is read verified from a trusted writer, given this
+    host's paths (``anchors``) and written new; the others are copied.
+    """
     real_root = os.path.realpath(root)
     for path in sorted(plan.dirs):
         (root / path).mkdir(mode=0o700, parents=True, exist_ok=True)
     for f, ref in plan.files:
         dest = root / f.path
         mode = f.mode & _NO_WRITE_BY_OTHERS
-        placed = place(store, ref, directory=dest.parent, name=dest.name, trusted=trusted, mode=mode)
+        if f.path in plan.relocated:
+            placed = _write_relocated(store, ref, dest, mode, trusted, anchors, plan.relocated[f.path])
+        else:
+            placed = place(store, ref, directory=dest.parent, name=dest.name, trusted=trusted, mode=mode)
         if not placed or os.path.commonpath([real_root, os.path.realpath(dest)]) != real_root:
             raise VllmTreeError("unsafe_path", f"{f.path} did not land as a new file under the tree")
     for path in sorted(plan.dirs, key=lambda p: p.count("/"), reverse=True):
         os.chmod(root / path, (plan.dirs[path] & _NO_WRITE_BY_OTHERS) | 0o700, follow_symlinks=False)
     os.chmod(root, (plan.root_mode & _NO_WRITE_BY_OTHERS) | 0o700, follow_symlinks=False)
     return len(plan.files)
+
+
+def _write_relocated(
+    store: Any,
+    ref: Any,
+    dest: Path,
+    mode: int,
+    trusted: frozenset[int],
+    anchors: Mapping[str, str],
+    roles: tuple[str, ...],
+) -> bool:
+    """The relocated file ``ref`` at ``dest`` (a new file in the private tree) with this host's paths."""
+    data = relocate.to_paths(read_trusted(store, ref, trusted), anchors, roles)
+    if data is None:
+        raise VllmTreeError("corrupt_tree", f"{dest.name}: its named paths cannot be given this host's")
+    os.makedirs(dest.parent, mode=0o700, exist_ok=True)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(dest, mode, follow_symlinks=False)
+    return True
 
 
 def restore(
@@ -275,7 +365,7 @@ def restore(
         if manifest.namespace != NAMESPACE:
             raise VllmTreeError("corrupt_tree", f"entry {key[:12]} is in namespace {manifest.namespace}")
         plan = plan_from(manifest.meta, manifest.artifacts)
-        why = _anchor_mismatch(plan.anchors, anchors)
+        why = _anchor_mismatch(plan.anchors, anchors) or _unknown_roles(plan, anchors)
         if why is not None:
             note_failure(str(Reason.INCOMPATIBLE_ENV), why, store, scope="vllm", fallback="vLLM compiles")
             return Outcome(False, str(Reason.INCOMPATIBLE_ENV), detail=why)
@@ -285,7 +375,7 @@ def restore(
             tmp = Path(
                 tempfile.mkdtemp(prefix=f".adstore-{os.getpid()}-", suffix=f".{target.name[:40]}", dir=target.parent)
             )
-            count = _build(store, plan, tmp, trusted)
+            count = _build(store, plan, tmp, trusted, anchors)
         try:
             os.rename(tmp, target)
         except OSError as exc:

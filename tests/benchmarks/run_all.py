@@ -1222,7 +1222,59 @@ def rows_vllm(d: dict) -> list[Row]:
             "C++ compiler runs of every process of the run; ISA probes and the header apart",
         ),
     ]
+    if "defaults" in d:
+        out += rows_vllm_defaults(d["defaults"])
     return out
+
+
+def rows_vllm_defaults(x: dict) -> list[Row]:
+    """vLLM at its own settings (AOT compile on), TP=2: local warm and a host with another HOME and cache root."""
+    cold, warm, plain_warm = x["d_cold"], x["d_local_warm"], x["d_local_warm_plain"]
+    other, plain_other = x["d_other_root"], x["d_other_root_plain"]
+    same = f"tokens identical in every run: {'yes' if x['tokens_identical'] else 'NO'}"
+    runs = f"median of {x['repeat']}" if x["repeat"] > 1 else "one run"
+    return [
+        row(
+            "vllm",
+            f"vLLM defaults (AOT on), TP=2: cold start to first output (adstore on, pushes; {runs})",
+            _s(cold["to_output_s"]),
+            "",
+            None,
+            note=f"engine init {_s(cold['engine_init_s'])}; {cold['kernels_compiled']} kernels compiled",
+        ),
+        row(
+            "vllm",
+            "vLLM defaults, TP=2: local warm engine init, adstore on (vLLM's own AOT load, finalize_loading supplied)",
+            _s(warm["engine_init_s"]),
+            f"plugin off {_s(plain_warm['engine_init_s'])}",
+            plain_warm["engine_init_s"] / warm["engine_init_s"],
+            "both ranks load the AOT artifact",
+            x["local_warm_loads_aot"],
+            f"ratio = plugin off / on; plugin off: {plain_warm['aot_loaded']} AOT loads, "
+            f"{plain_warm['aot_load_failures']} load failures, {plain_warm['kernels_compiled']} kernels compiled",
+        ),
+        row(
+            "vllm",
+            "vLLM defaults, TP=2: host with another HOME and VLLM_CACHE_ROOT, adstore from the remote: engine init",
+            _s(other["engine_init_s"]),
+            f"local warm {_s(warm['engine_init_s'])}",
+            x["other_root_over_local_warm_engine_init"],
+            "both ranks load the AOT artifact",
+            x["other_root_loads_aot"],
+            f"without adstore {_s(plain_other['engine_init_s'])}; to output {_s(other['to_output_s'])} "
+            f"(local warm {_signed(x['other_root_minus_local_warm_to_output_s'])}); {same}",
+        ),
+        row(
+            "vllm",
+            "kernels compiled on a vLLM host with another HOME and VLLM_CACHE_ROOT (defaults, TP=2, adstore)",
+            str(x["other_root_kernels_compiled"]),
+            f"without adstore {plain_other['kernels_compiled']}",
+            None,
+            "0",
+            x["other_root_kernels_compiled"] == 0,
+            "C++ compiler runs of every process of the run; ISA probes and the header apart",
+        ),
+    ]
 
 
 def rows_run(d: dict) -> list[Row]:

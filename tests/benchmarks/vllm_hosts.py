@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +32,7 @@ sys.path.insert(0, str(HERE))
 from bench_inductor import classify  # noqa: E402
 from inductor_hosts import host_env  # noqa: E402
 
-__all__ = ["RUNNER", "vllm_host", "make_model", "run_host", "store_counters"]
+__all__ = ["RUNNER", "vllm_host", "make_model", "moved_venv", "run_host", "store_counters"]
 
 RUNNER = HERE / "vllm_run.py"
 BUILDS = HERE / "vllm_builds"
@@ -43,6 +45,26 @@ def vllm_host(base: Path, name: str, **extra: str) -> dict[str, str]:
     env["VLLM_CACHE_ROOT"] = str(home / "vllm")
     env["ADSTORE_BUILDS_LOG"] = str(home / "builds.log")
     return env
+
+
+def moved_venv(python: Path, base: Path) -> tuple[list[str], Path] | None:
+    """The venv of ``python`` seen at ``base/venv`` (a bind mount in a private mount namespace).
+
+    Returns (the command prefix, the python there), or None without root and
+    ``unshare -m``.  A process started through it has ``sys.prefix``, vLLM's
+    and torch's package directories under ``base/venv``, as on a host whose
+    venv was made there.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        return None
+    if subprocess.run([unshare, "-m", "--propagation", "private", "true"], check=False).returncode != 0:
+        return None
+    venv = Path(python).parent.parent
+    target = base / "venv"
+    target.mkdir(parents=True, exist_ok=True)
+    script = f'mount --bind {shlex.quote(str(venv))} {shlex.quote(str(target))} && exec "$@"'
+    return [unshare, "-m", "--propagation", "private", "sh", "-c", script, "sh"], target / "bin" / Path(python).name
 
 
 def _clean_env() -> dict[str, str]:
@@ -63,18 +85,35 @@ def make_model(python: Path, directory: Path) -> None:
 
 
 def run_host(
-    python: Path, model: Path, env: dict[str, str], *, adstore: bool, eager: bool = False, timeout: float = 1200
+    python: Path,
+    model: Path,
+    env: dict[str, str],
+    *,
+    adstore: bool,
+    eager: bool = False,
+    timeout: float = 1200,
+    tp: int = 1,
+    vllm_defaults: bool = False,
+    argv_prefix: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One vLLM start on host ``env``: ``vllm_run.py``'s figures, the wall time, and the builds by kind."""
+    """One vLLM start on host ``env``: ``vllm_run.py``'s figures, the wall time, and the builds by kind.
+
+    ``tp``: tensor_parallel_size; ``vllm_defaults``: vLLM's own settings (AOT compile on), see ``vllm_run.py``;
+    ``argv_prefix``: what the command runs under (:func:`moved_venv`'s prefix, with its python as ``python``).
+    """
     log = Path(env["ADSTORE_BUILDS_LOG"])
     log.unlink(missing_ok=True)
     child = {**_clean_env(), **env, "PYTHONPATH": str(BUILDS)}
     if not adstore:
         child["ADSTORE_VLLM"] = "0"
     vllm_log = log.with_name(f"vllm-{time.monotonic_ns()}.log")
-    argv = [str(python), str(RUNNER), "run", "--model", str(model), "--log", str(vllm_log)]
+    argv = [*(argv_prefix or []), str(python), str(RUNNER), "run", "--model", str(model), "--log", str(vllm_log)]
     if eager:
         argv.append("--eager")
+    if tp > 1:
+        argv += ["--tp", str(tp)]
+    if vllm_defaults:
+        argv.append("--vllm-defaults")
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=child, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0

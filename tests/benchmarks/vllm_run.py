@@ -3,7 +3,7 @@
 Runs in the venv of ``vllm_env.py`` (vLLM is not in the project venv)::
 
     python vllm_run.py make-model DIR          # random-weight Llama + word-level tokenizer, no network
-    python vllm_run.py run --model DIR [--eager] [--max-tokens 8] [--log FILE]
+    python vllm_run.py run --model DIR [--eager] [--max-tokens 8] [--log FILE] [--tp 2] [--vllm-defaults]
 
 ``run`` prints one JSON line: ``tokens`` (greedy, so identical in every run
 that computes the same thing), ``engine_init_s`` (vLLM's own figure, the line
@@ -20,10 +20,12 @@ file descriptors it inherits, so this script points descriptors 1 and 2 at a
 file before importing vLLM, and reads the line from there.
 
 Set here unless the caller set them: ``HF_HUB_OFFLINE=1`` (the model is a
-directory), ``VLLM_USE_AOT_COMPILE=0`` (vLLM 0.32.0's AOT-compiled artifacts
-fail to load on CPU in a warm start, ``'function' object has no attribute
-'finalize_loading'``; see docs/vllm.md) and ``VLLM_CPU_KVCACHE_SPACE=1``
-(GiB; the default is 4).
+directory), ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; the default is 4) and, unless
+``--vllm-defaults``, ``VLLM_USE_AOT_COMPILE=0`` (the runs that predate the
+plugin's AOT fix keep their settings; ``--vllm-defaults`` leaves vLLM's own
+default, AOT compile on).  ``--tp N`` serves with ``tensor_parallel_size=N``;
+on CPU each rank is bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``
+``0|1|...`` unless the caller set it).
 """
 
 from __future__ import annotations
@@ -87,9 +89,16 @@ def _process_age() -> float:
     return uptime - started
 
 
-def run(model: Path, *, eager: bool, max_tokens: int, log: Path | None) -> dict[str, object]:
+def run(
+    model: Path, *, eager: bool, max_tokens: int, log: Path | None, tp: int = 1, vllm_defaults: bool = False
+) -> dict[str, object]:
     """Start vLLM on ``model``, generate ``max_tokens`` greedy tokens for :data:`PROMPT`; the figures."""
-    for name, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_USE_AOT_COMPILE", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+    settings = [("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1")]
+    if not vllm_defaults:
+        settings.append(("VLLM_USE_AOT_COMPILE", "0"))
+    if tp > 1:
+        settings.append(("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))))
+    for name, value in settings:
         os.environ.setdefault(name, value)
     out = tempfile.NamedTemporaryFile(prefix="vllm-run-", suffix=".log", delete=False)  # noqa: SIM115
     saved = os.dup(1), os.dup(2)
@@ -100,7 +109,15 @@ def run(model: Path, *, eager: bool, max_tokens: int, log: Path | None) -> dict[
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=str(model), max_model_len=128, max_num_seqs=1, dtype="float32", enforce_eager=eager, seed=0)
+        llm = LLM(
+            model=str(model),
+            max_model_len=128,
+            max_num_seqs=1,
+            dtype="float32",
+            enforce_eager=eager,
+            seed=0,
+            tensor_parallel_size=tp,
+        )
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         result = llm.generate([PROMPT], params, use_tqdm=False)
         seconds = _process_age()
@@ -138,12 +155,21 @@ def main() -> int:
     go.add_argument("--eager", action="store_true", help="no torch.compile (enforce_eager): the floor")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument("--log", type=Path, help="keep vLLM's log (both processes) here")
+    go.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (CPU: one core per rank)")
+    go.add_argument("--vllm-defaults", action="store_true", help="leave VLLM_USE_AOT_COMPILE at vLLM's default (on)")
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(args.directory)
         return 0
     t0 = time.perf_counter()
-    figures = run(args.model, eager=args.eager, max_tokens=args.max_tokens, log=args.log)
+    figures = run(
+        args.model,
+        eager=args.eager,
+        max_tokens=args.max_tokens,
+        log=args.log,
+        tp=args.tp,
+        vllm_defaults=args.vllm_defaults,
+    )
     figures["in_process_s"] = time.perf_counter() - t0
     print(json.dumps(figures), flush=True)
     return 0

@@ -6,7 +6,10 @@ test (or vLLM's own code, as in a real process) imports it.  The real-vLLM
 run is ``test_vllm_real.py`` (slow).
 
 * ``vllm.compilation.decorators``: ``_try_load_aot_compiled_fn(model, path)``
-  returning None on a miss, a decorated class's ``save_aot_compiled_function``;
+  unpickling the artifact and calling its ``finalize_loading`` as vLLM 0.32.0
+  does, None on a miss; a decorated class's ``save_aot_compiled_function``
+  pickling an artifact that names the cache root (in a string, and in a
+  nested pickle);
 * ``vllm.compilation.backends``: ``CompilerManager.initialize_cache`` / ``save_to_file``;
 * ``vllm.model_executor.models.registry``: ``_LazyRegisteredModel`` with
   vLLM's ``_get_cache_dir``, ``_get_cache_filename``,
@@ -36,19 +39,31 @@ FAKE = {
     "vllm/compilation/__init__.py": "",
     "vllm/compilation/decorators.py": """
         import os
+        import pickle
+
+        class Compiled:  # vLLM's own artifact class (VllmSerializableFunction) has finalize_loading
+            def finalize_loading(self, vllm_config):
+                self.finalized = True
+
         def _try_load_aot_compiled_fn(model, aot_compilation_path):
-            if not os.path.exists(aot_compilation_path):
+            try:
+                with open(aot_compilation_path, "rb") as f:
+                    loaded = pickle.load(f)
+                loaded["compiled_fn"].finalize_loading(None)  # vLLM: loaded_fn._artifacts.compiled_fn.finalize_loading
+                return loaded
+            except Exception:
                 return None
-            with open(aot_compilation_path, "rb") as f:
-                return f.read()
 
         class Model:  # what _support_torch_compile makes of a model class
             was_aot_compile_fn_loaded_from_disk = False
             def save_aot_compiled_function(self):
                 os.makedirs(self._aot_cache_dir, exist_ok=True)
                 tmp = f"{self._aot_compilation_path}.{os.getpid()}.tmp"
+                root = os.environ["VLLM_CACHE_ROOT"]  # as torch's artifact: paths in strings, a nested pickle
+                inner = pickle.dumps({"co_filename": f"{root}/inductor_cache/x.py"}, protocol=5)
+                artifact = {"compiled_fn": Compiled(), "repro": f"CACHE_DIR = '{root}/inductor_cache'", "inner": inner}
                 with open(tmp, "wb") as f:
-                    f.write(b"compiled for " + os.environ["VLLM_CACHE_ROOT"].encode())
+                    pickle.dump(artifact, f, protocol=5)
                 os.replace(tmp, self._aot_compilation_path)
     """,
     "vllm/compilation/backends.py": """

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import sys
 from pathlib import Path
 
 import pytest
 
 from adstore.integration.inductor.entries import FAILOPEN
-from adstore.integration.vllm import hooks
+from adstore.integration.vllm import hooks, trees
+from adstore.integration.vllm.treefiles import artifact_name
 
 AOT_HASH = "c0ffee" * 10 + "abcd"
 
@@ -83,7 +85,7 @@ def test_the_aot_path_restores_what_an_earlier_run_saved(vllm, store, tmp_path):
     assert _aot_call(decorators, decorators.Model)[0] == "compiled"  # captured after the save
     _wipe(tmp_path)
     how, loaded = _aot_call(decorators, decorators.Model)
-    assert how == "loaded" and loaded == b"compiled for " + os.environ["VLLM_CACHE_ROOT"].encode()
+    assert how == "loaded" and loaded["repro"] == f"CACHE_DIR = '{os.environ['VLLM_CACHE_ROOT']}/inductor_cache'"
     kernel = tmp_path / "vllm-cache/torch_compile_cache/torch_aot_compile" / AOT_HASH / "inductor_cache/kernel.so"
     assert kernel.stat().st_size == 100_000  # the shared inductor_cache came back too
     assert hooks.uninstall()
@@ -91,14 +93,49 @@ def test_the_aot_path_restores_what_an_earlier_run_saved(vllm, store, tmp_path):
     assert decorators.Model.__dict__["save_aot_compiled_function"] is original_save
 
 
-def test_an_aot_tree_from_another_cache_root_is_a_miss_and_vllm_compiles(vllm, store, tmp_path, monkeypatch):
+def test_an_aot_tree_from_another_cache_root_is_restored_with_this_hosts_paths(vllm, store, tmp_path, monkeypatch):
     decorators, _ = vllm
     assert hooks.install(store)
     assert _aot_call(decorators, decorators.Model)[0] == "compiled"
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "other-root"))  # the pickle names the first root
+    key, _ = trees.tree_key(kind="aot", vllm_hash=AOT_HASH, rank="rank_0_0")
+    stored = store.lookup(key).manifest
+    assert stored.meta["relocated"] == {"model": ["cache_root"]} and stored.meta["anchors"] == {}
+    blob = store.read_artifact(stored, artifact_name("model"))
+    assert str(tmp_path).encode() not in blob and b"${cache_root}/inductor_cache" in blob  # no path of this host
+    other = tmp_path / "home-b" / ".cache" / "vllm"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(other))  # another HOME: the pickle named the first root
     before = FAILOPEN["vllm.incompatible_env"]
-    assert _aot_call(decorators, decorators.Model)[0] == "compiled"
-    assert FAILOPEN["vllm.incompatible_env"] == before + 1  # the rank's tree; the kernels alone embed no root
+    how, loaded = _aot_call(decorators, decorators.Model)
+    assert how == "loaded" and FAILOPEN["vllm.incompatible_env"] == before
+    assert loaded["repro"] == f"CACHE_DIR = '{other}/inductor_cache'"
+    assert pickle.loads(loaded["inner"]) == {"co_filename": f"{other}/inductor_cache/x.py"}
+    assert loaded["compiled_fn"].finalized  # vLLM's own class: its own finalize_loading ran
+
+
+def test_torchs_aot_artifact_gets_the_finalize_loading_vllm_calls_and_loses_it_on_uninstall(vllm, store):
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    assert "finalize_loading" not in Bundled.__dict__  # torch 2.13: vLLM 0.32.0's AOT load fails on CPU
+    assert hooks.install(store)  # the fake decorators module was imported: its load calls finalize_loading
+    assert Bundled.__dict__["finalize_loading"] is hooks._finalize_loading
+    assert Bundled.finalize_loading(object.__new__(Bundled), None) is None
+    hooks.uninstall()
+    assert "finalize_loading" not in Bundled.__dict__
+
+
+def test_without_torchs_artifact_class_the_aot_load_is_left_as_it_is_and_said_once(fake_vllm, store, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo.aot_compile_types", types.ModuleType("aot_compile_types"))
+    before = FAILOPEN["vllm.incompatible_vllm"]
+    assert hooks.install(store)
+    importlib.import_module("vllm.compilation.decorators")
+    assert FAILOPEN["vllm.incompatible_vllm"] == before + 1
+    assert store.stats().counters.get("vllm.failopen.incompatible_vllm") == 1
+    monkeypatch.undo()
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    assert "finalize_loading" not in Bundled.__dict__
 
 
 def test_the_piecewise_path_restores_a_prefix_directory(vllm, store, tmp_path):
