@@ -40,6 +40,22 @@ def shared_root() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _preload() -> None:
+    """Import what the child imports lazily, while this process can still read it.
+
+    The interpreter may live where the other user cannot look (a ``0700``
+    home such as ``/root/.pyenv``): an import after ``setuid`` would fail
+    there, which is the machine's layout, not the store's behaviour.
+    """
+    import importlib
+
+    for name in ("lmdb._envid",):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another lmdb release: nothing to preload
+            pass
+
+
 def as_uid(uid: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
     """``fn(*args)`` in a forked child running as ``uid`` (group :data:`GROUP`, umask 002); its result.
 
@@ -47,6 +63,7 @@ def as_uid(uid: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | N
     child's adstore warnings come back as ``{"value": ..., "warnings": [...]}``
     when ``fn`` returns a dict (under the key ``warnings``).
     """
+    _preload()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
