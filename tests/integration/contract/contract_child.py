@@ -200,7 +200,13 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     for remote, _ in list(getattr(remotes, "_OPEN", {}).values()):  # the pipeline tiers' process-wide clients
         for name, n in remote.counters.items():
             counters[f"remote.{name}"] = counters.get(f"remote.{name}", 0) + n
-    return {"calls": calls, "counters": counters, "warnings": warnings[-20:], "uid": os.getuid()}
+    return {
+        "calls": calls,
+        "counters": counters,
+        "warnings": warnings[-20:],
+        "uid": os.getuid(),
+        "builds": builds[-20:],
+    }
 
 
 if __name__ == "__main__":

@@ -249,9 +249,20 @@ class CompileStageInductor(CompileStage):
 
 TIERS.update({"engine": EngineCacheTier, "stage_aoti": CompileStage, "stage_torch_compile": CompileStageInductor})
 
+#: The compiled tiers run what torch compiled for inference: an engine's output never requires grad.
+_INFERENCE_ONLY = "a compiled engine serves inference: its output never requires grad (values equal eager's)"
+#: The compile stage follows its cache point's key: the rows the caller's key does not name are not its either.
+_PREFIX_ROWS = {
+    "global": "the cache point's caller names the key: a global is not a component",
+    "grad_mode": _INFERENCE_ONLY,
+}
 ROWS_NOT_KEPT.update(
     {
+        ("engine", "grad_mode"): _INFERENCE_ONLY,
+        ("engine", "global_in_place"): "an exported program does not re-trace: the engine computes a global as "
+        "exported, with or without the store (torch.export's contract)",
+        **{(stage, row): why for stage in ("stage_aoti", "stage_torch_compile") for row, why in _PREFIX_ROWS.items()},
         ("cached_prefix", "remote"): "no remote tier: cached_prefix has a root (and its seed) only; "
-        "the pipeline_cache transform has the remote"
+        "the pipeline_cache transform has the remote",
     }
 )
