@@ -262,6 +262,11 @@ ROWS_NOT_KEPT.update(
         ("engine", "global_in_place"): "an exported program does not re-trace: the engine computes a global as "
         "exported, with or without the store (torch.export's contract)",
         **{(stage, row): why for stage in ("stage_aoti", "stage_torch_compile") for row, why in _PREFIX_ROWS.items()},
+        **{
+            (tier, "emfile"): "torch's compiler opens files of its own (its cache directory, the C++ compiler): "
+            "with no descriptor free it fails with or without the store"
+            for tier in ("aot_compile", "enable", "engine", "stage_aoti", "stage_torch_compile")
+        },
         ("cached_prefix", "remote"): "no remote tier: cached_prefix has a root (and its seed) only; "
         "the pipeline_cache transform has the remote",
     }
