@@ -117,7 +117,13 @@ class EngineStage:
 
     # ----------------------------------------------------------------- public
     def store(self) -> Any:
-        """The store engines and index entries live in (``root``, with the remote tier ``remote``)."""
+        """The store engines and index entries live in (``root``, with the remote tier ``remote``).
+
+        Without a ``root``, the store the environment names, its seed
+        (``ADSTORE_SEED``) and budget included, as the cache point before the
+        stage opens it: a new host whose prefix a seed serves finds the
+        stage's entry there too, instead of compiling.
+        """
         if self._store is None:
             from adstore.integration.coordination.remote import remote_for
             from adstore.store import Store
@@ -126,7 +132,10 @@ class EngineStage:
             if self.remote or os.environ.get("ADSTORE_REMOTE", "").strip():
                 opened = remote_for(self.remote)  # the process's one client per remote (one circuit breaker)
                 remote = opened[0] if opened is not None else None
-            self._store = Store.open(self.root, remote=remote)
+            if self.root is None:
+                self._store = Store.from_env(remote=remote)
+            else:
+                self._store = Store.open(self.root, remote=remote)
         return self._store
 
     def key(self, example_inputs: Sequence[Any], topo: Topology) -> CacheKey | None:

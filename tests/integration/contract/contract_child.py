@@ -7,7 +7,10 @@ dtype, Inductor settings as the call says), serves it through the tier and
 compares the answer with eager of that same module.  A call with
 ``"reuse": true`` changes only what it names and calls the previous call's
 served object again (a global changed after the first compile, in the
-process that compiled it).
+process that compiled it).  A call with ``"nofile": n`` runs with
+``RLIMIT_NOFILE`` lowered to the descriptors open then plus ``n`` (EMFILE
+for whatever opens more); a spec with ``"kill_in_save": true`` SIGKILLs the
+process at the first file the store renames into place under its root.
 
 Nothing here may raise into the suite but a crash of the tier itself: that is
 the fail-open row's finding, reported as ``{"error": ...}``.
@@ -20,7 +23,8 @@ import json
 import os
 import sys
 import traceback
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 
@@ -68,6 +72,54 @@ def _compare(out: Any, want: Any) -> dict[str, Any]:
     return {"ok": ok, "err": err, "why": "" if ok else f"max error {err:.3g}, requires_grad {out.requires_grad}"}
 
 
+@contextmanager
+def _nofile(margin: int | None) -> Iterator[None]:
+    """Exactly ``margin`` free descriptors inside the block (None: as is): EMFILE for whatever opens more.
+
+    ``RLIMIT_NOFILE`` goes just above the highest descriptor open now and
+    the free numbers below it are taken by ``/dev/null``, all but ``margin``.
+    """
+    if margin is None:
+        yield
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + margin, hard))
+    held: list[int] = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    for _ in range(min(margin, len(held))):
+        os.close(held.pop())
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _kill_in_save(root: str) -> None:
+    """SIGKILL this process when the store first renames a file into place under ``root`` (a save half done)."""
+    import signal
+
+    root = os.path.realpath(root)
+
+    def trap(real: Any) -> Any:
+        def wrapper(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(dst, (str, os.PathLike)) and os.path.realpath(dst).startswith(root + os.sep):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *args, **kwargs)
+
+        return wrapper
+
+    os.replace, os.rename = trap(os.replace), trap(os.rename)  # type: ignore[assignment]
+
+
 def _call(tier: Any, call: dict[str, Any], previous: Any) -> tuple[dict[str, Any], Any]:
     import contract_model
     import torch
@@ -92,7 +144,8 @@ def _call(tier: Any, call: dict[str, Any], previous: Any) -> tuple[dict[str, Any
             served = previous
             report = {"served": previous.served, "compiles": 0, "detail": "reused " + previous.detail}
         else:
-            served = tier.call(model, args, kwargs, knobs)
+            with _nofile(call.get("nofile")):
+                served = tier.call(model, args, kwargs, knobs)
             out = _first_tensor(served.output)
             report = {"served": served.served, "compiles": served.compiles, "detail": served.detail}
         report.update(_compare(out, want), digest=_digest(out))
@@ -127,6 +180,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a tier is given no store: its own fail-open path
         warnings.append(f"no store: {type(exc).__name__}: {exc}")
     tier.setup(store, builds)
+    if spec.get("kill_in_save"):
+        _kill_in_save(os.environ["ADSTORE_ROOT"])
     calls: list[dict[str, Any]] = []
     previous = None
     for call in spec["calls"]:
@@ -141,7 +196,17 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         store.flush()
         counters = dict(store.stats().counters)
         store.close()
-    return {"calls": calls, "counters": counters, "warnings": warnings[-20:], "uid": os.getuid()}
+    remotes = sys.modules.get("adstore.integration.coordination.remote")
+    for remote, _ in list(getattr(remotes, "_OPEN", {}).values()):  # the pipeline tiers' process-wide clients
+        for name, n in remote.counters.items():
+            counters[f"remote.{name}"] = counters.get(f"remote.{name}", 0) + n
+    return {
+        "calls": calls,
+        "counters": counters,
+        "warnings": warnings[-20:],
+        "uid": os.getuid(),
+        "builds": builds[-20:],
+    }
 
 
 if __name__ == "__main__":

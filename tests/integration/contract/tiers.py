@@ -136,6 +136,7 @@ class CachedPrefix:
         spec = [(list(a.shape), list(a.stride()), str(a.dtype)) if isinstance(a, torch.Tensor) else a for a in args]
         key = {"model": {"act": knobs.get("act", "tanh"), "k": knobs.get("k", 2.0)}, "inputs": spec, "kw": kwargs}
         res = cached_prefix(key, build, code=[contract_model.Model, contract_model.Block])  # the store ADSTORE_* name
+        self.prefix = res  # what a stage after this cache point keys on
         restored = res.module
         restored.load_state_dict(model.state_dict(), assign=True)
         out = restored(*args, **kwargs)
@@ -154,3 +155,119 @@ ROWS_NOT_KEPT: dict[tuple[str, str], str] = {
     ("cached_prefix", "inductor_setting"): "no Inductor code in a snapshot",
     ("cached_prefix", "isa"): "no Inductor code in a snapshot",
 }
+
+
+def _positional(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The call's inputs as the positional example tuple ``torch.export`` takes (keywords bound by name)."""
+    import inspect
+
+    return tuple(inspect.signature(model.forward).bind(*args, **kwargs).args)
+
+
+def _hit(events: Any) -> bool:
+    """Whether a cache's events say the answer was restored (the first event a ``hit``)."""
+    from adstore.integration.coordination.events import EventKind
+
+    return bool(events) and events[0].kind == EventKind.HIT
+
+
+class EngineCacheTier:
+    """``adstore.integration.engine.compile``: an AOTInductor engine found by its architecture hash, refit.
+
+    The hash is of the exported graph, so what ``forward`` computes (a
+    global's value, a closure cell, an attribute) is in it as the export
+    saw it.  The engine returned is that graph compiled: like any exported
+    program it does not re-trace when a global changes after it was made
+    (:data:`ROWS_NOT_KEPT`, ``global_in_place``).
+    """
+
+    name = "engine"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        self.store, self.builds = store, builds
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        from adstore.integration.engine import compile as engine_compile
+        from adstore.integration.engine.storage import StoreEngineStorage
+
+        backend = StoreEngineStorage(store=self.store) if self.store is not None else None
+        before = _kernel_builds(self.builds)
+        engine = engine_compile(model, _positional(model, args, kwargs), engine_cache=backend)
+        out = engine(*args, **kwargs)
+        event = engine.event
+        compiles = _kernel_builds(self.builds) - before
+        return Served(out, _hit([event]), compiles, f"{event.kind.value} {event.reason or ''}".strip(), engine)
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return handle(*args, **kwargs)
+
+
+class CompileStage(CachedPrefix):
+    """The compile stage after a cache point (:class:`~adstore.integration.engine.stage.EngineStage`).
+
+    The prefix is :class:`CachedPrefix`'s (same key, same snapshot); the
+    stage's entry is found from that key and the snapshot's digest, so the
+    rows the prefix does not keep are not the stage's either.  ``backend``:
+    ``aoti`` (an AOTInductor engine, refit) or ``torch_compile``
+    (``standalone_compile`` of the graph, its kernels stored beside it).
+    """
+
+    name = "stage_aoti"
+    backend = "aoti"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        self.builds = builds
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        from adstore.integration.coordination.dist import topology
+        from adstore.integration.engine.stage import EngineStage
+
+        before = _kernel_builds(self.builds)
+        module = super().call(model, args, kwargs, knobs).handle
+        res = self.prefix
+        stage = EngineStage(
+            prefix={"key": res.key, "snapshot": res.snapshot} if res.key and res.snapshot else None,
+            suffix=[{"name": "compile", "config": {}}],
+            backend=self.backend,
+        )
+        try:
+            compiled = stage.run(module, _positional(model, args, kwargs), topology())
+        finally:
+            stage.close()
+        out = compiled(*args, **kwargs)
+        compiles = _kernel_builds(self.builds) - before
+        detail = " ".join(f"{e.kind.value}:{e.reason or ''}" for e in stage.events)
+        return Served(out, _hit(stage.events), compiles, detail, compiled)
+
+
+class CompileStageInductor(CompileStage):
+    """The compile stage's ``torch_compile`` backend (see :class:`CompileStage`)."""
+
+    name = "stage_torch_compile"
+    backend = "torch_compile"
+
+
+TIERS.update({"engine": EngineCacheTier, "stage_aoti": CompileStage, "stage_torch_compile": CompileStageInductor})
+
+#: The compiled tiers run what torch compiled for inference: an engine's output never requires grad.
+_INFERENCE_ONLY = "a compiled engine serves inference: its output never requires grad (values equal eager's)"
+#: The compile stage follows its cache point's key: the rows the caller's key does not name are not its either.
+_PREFIX_ROWS = {
+    "global": "the cache point's caller names the key: a global is not a component",
+    "grad_mode": _INFERENCE_ONLY,
+}
+ROWS_NOT_KEPT.update(
+    {
+        ("engine", "grad_mode"): _INFERENCE_ONLY,
+        ("engine", "global_in_place"): "an exported program does not re-trace: the engine computes a global as "
+        "exported, with or without the store (torch.export's contract)",
+        **{(stage, row): why for stage in ("stage_aoti", "stage_torch_compile") for row, why in _PREFIX_ROWS.items()},
+        **{
+            (tier, "emfile"): "torch's compiler opens files of its own (its cache directory, the C++ compiler): "
+            "with no descriptor free it fails with or without the store"
+            for tier in ("aot_compile", "enable", "engine", "stage_aoti", "stage_torch_compile")
+        },
+        ("cached_prefix", "remote"): "no remote tier: cached_prefix has a root (and its seed) only; "
+        "the pipeline_cache transform has the remote",
+    }
+)
