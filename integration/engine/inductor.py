@@ -43,6 +43,7 @@ from adstore.integration.engine.index import StageEntries
 from adstore.integration.engine.storage import StoreEngineStorage
 from adstore.integration.errors import EngineCacheError, InductorCacheError, UntrustedEngine, failure_reason
 from adstore.integration.inductor.entries import InductorEntries
+from adstore.integration.inductor.kernels import headers_deferred
 from adstore.integration.placement import probes as isa
 from adstore.integration.placement.dirs import private_dir, private_path
 from adstore.integration.placement.place import copy_code
@@ -180,6 +181,7 @@ def _compile_in(
         torch._inductor.config.patch(compile_threads=1),
         torch.no_grad(),
         roots.relocated(),
+        headers_deferred(),  # a restore whose kernels are all placed builds no header (~150 MB)
     ):
         compiled(*example_inputs)
     seen = {
@@ -265,6 +267,7 @@ def _restore_standalone(
                 torch._inductor.config.patch(compile_threads=1),
                 isa.PROBES.scope(known) as probes,
                 roots.relocated(),
+                headers_deferred(),
             ):
                 artifact = standalone.load(path)
         except Exception as exc:  # noqa: BLE001 - an artifact torch rejects (another build) is a miss

@@ -32,13 +32,14 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from adstore.integration.inductor.header import Deferral
 from adstore.integration.inductor.header import install as install_deferral
 
-__all__ = ["Recorder", "RECORDER", "kernel_files"]
+__all__ = ["Recorder", "RECORDER", "kernel_files", "headers_deferred"]
 
 #: Suffixes of the files a loaded ``.so`` comes with (same stem, same directory).
 _SIBLINGS = (".cpp", ".o")
@@ -111,16 +112,7 @@ class Recorder:
                         rec.headers[path] = None
                 return path
 
-            directory = getattr(codecache, "_HEADER_DIR", None)
-            deferral = Deferral(settle, directory if isinstance(directory, str) else tempfile.gettempdir())
-            install_deferral(codecache, deferral, self._undo)
-            self.deferral = deferral
-
-            def _precompile_header(*args: Any, **kwargs: Any) -> Any:
-                return deferral.header(*args, **kwargs)
-
-            codecache._precompile_header = _precompile_header  # type: ignore[assignment]
-            self._undo.append(lambda: setattr(codecache, "_precompile_header", header_fn))
+            self.deferral = _defer(codecache, settle, header_fn, self._undo)
 
     def uninstall(self) -> None:
         while self._undo:
@@ -136,6 +128,47 @@ class Recorder:
         files = kernel_files(path)
         with self._lock:
             self._kernels.extend(files)
+
+
+def _defer(
+    codecache: Any, settle: Callable[..., Any], header_fn: Callable[..., Any], undo: list[Callable[[], None]]
+) -> Deferral:
+    """Inductor's header step deferred to the first build (:mod:`.header`); each undo goes to ``undo``."""
+    directory = getattr(codecache, "_HEADER_DIR", None)
+    deferral = Deferral(settle, directory if isinstance(directory, str) else tempfile.gettempdir())
+    install_deferral(codecache, deferral, undo)
+
+    def _precompile_header(*args: Any, **kwargs: Any) -> Any:
+        return deferral.header(*args, **kwargs)
+
+    codecache._precompile_header = _precompile_header
+    undo.append(lambda: setattr(codecache, "_precompile_header", header_fn))
+    return deferral
+
+
+@contextmanager
+def headers_deferred() -> Iterator[None]:
+    """The header deferred for one load outside :func:`~.plug.enable` (which defers it for the whole process).
+
+    A caller that loads stored kernels itself (the compile stage's
+    ``torch_compile`` restore) would otherwise have Inductor settle the
+    ~150 MB precompiled header that no placed kernel needs.  Inductor's load
+    waits for its kernels before it returns, so no build of that load is
+    left with a placeholder once the block ends.
+    """
+    from torch._inductor import codecache
+
+    header_fn = getattr(codecache, "_precompile_header", None)
+    if RECORDER.deferral is not None or not callable(header_fn):
+        yield
+        return
+    undo: list[Callable[[], None]] = []
+    try:
+        _defer(codecache, header_fn, header_fn, undo)
+        yield
+    finally:
+        while undo:
+            undo.pop()()
 
 
 #: The process's one recorder (Inductor's classes are process-wide too).

@@ -148,20 +148,10 @@ def cold(request: pytest.FixtureRequest, world: Path) -> dict[str, Any]:
     return {"tier": tier, "root": root, "base": world / tier, "model": world / "model", "digest": call["digest"]}
 
 
-#: Rows a tier should keep and does not yet: bugs, not limits (an expected failure while the tier fails it).
-KNOWN_BUGS = {
-    ("stage_torch_compile", "no_compiler_run"): "a warm restart builds Inductor's precompiled header (about 150 MB, "
-    "the one build left): the torch_compile stage's load settles the header where enable() defers it "
-    "(integration/inductor/header.py)"
-}
-
-
 def _served_as_before(call: dict[str, Any], cold: dict[str, Any]) -> None:
     assert call["ok"], call
     assert call["served"], call
-    if call["compiles"] and (cold["tier"], "no_compiler_run") in KNOWN_BUGS:
-        pytest.xfail(KNOWN_BUGS[(cold["tier"], "no_compiler_run")])
-    assert call["compiles"] == 0, call
+    assert call["compiles"] == 0, (call["detail"], call.get("builds"))
     assert call["digest"] == cold["digest"], "not bit-identical to the first host's output"
 
 
