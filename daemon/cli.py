@@ -479,3 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ctx.close()
         except Exception:  # closing must not mask the command's result
             log.debug("closing the store failed", exc_info=True)
+
+
+if __name__ == "__main__":  # `python -m adstore.daemon.cli` is the command too, never a silent no-op
+    sys.exit(main())

@@ -72,6 +72,9 @@ def test_python_dash_m_adstore_is_the_adstore_command(tmp_path: Path) -> None:
     assert "Traceback" not in missing.stderr
     bad = adstore("no-such-command")
     assert bad.returncode == 2 and "no-such-command" in bad.stderr, bad
+    for module in ("adstore.daemon", "adstore.daemon.cli"):  # every module a user may name runs the command
+        again = subprocess.run([sys.executable, "-m", module, "stats"], capture_output=True, text=True, env=env)
+        assert again.returncode == 13 and "a store is created by its first writer" in again.stderr, (module, again)
 
 
 def test_every_module_is_small_documented_and_declares_its_api() -> None:
