@@ -91,7 +91,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable
@@ -104,52 +103,14 @@ from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.entries import note_failure
 from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.vllm import modelinfos, trees
+from adstore.integration.vllm.layout import aot_layout, piecewise_layout
 
-__all__ = ["install", "uninstall", "status", "aot_layout", "piecewise_layout", "Layout"]
+__all__ = ["install", "uninstall", "status"]
 
 logger = logging.getLogger(__name__)
 
-_RANK = re.compile(r"rank_[0-9]{1,6}_[0-9]{1,6}", re.ASCII)
-_HASH = re.compile(r"[0-9a-f]{8,64}", re.ASCII)
 _ABSENT = object()
 _WRAPPED = "__adstore_original__"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One of vLLM's compile directories: its hash, rank, and the directories a tree goes to or comes from."""
-
-    vllm_hash: str
-    rank: str
-    rank_dir: Path
-    shared_dir: Path | None = None  # the AOT path's per-hash inductor_cache
-
-
-def aot_layout(aot_compilation_path: str, cache_root: str) -> Layout | None:
-    """``<cache_root>/torch_compile_cache/torch_aot_compile/<hash>/rank_<i>_<j>/model``; None for any other path."""
-    path = Path(os.path.normpath(os.path.abspath(aot_compilation_path)))
-    rank_dir = path.parent
-    hash_dir = rank_dir.parent
-    base = Path(os.path.normpath(os.path.abspath(cache_root))) / "torch_compile_cache" / "torch_aot_compile"
-    if path.name != "model" or hash_dir.parent != base:
-        return None
-    if _RANK.fullmatch(rank_dir.name) is None or _HASH.fullmatch(hash_dir.name) is None:
-        return None
-    return Layout(hash_dir.name, rank_dir.name, rank_dir, hash_dir / "inductor_cache")
-
-
-def piecewise_layout(cache_dir: str, prefix: str, cache_root: str) -> Layout | None:
-    """``<cache_root>/torch_compile_cache/<hash>/rank_<i>_<j>[/<prefix>]``; None for any other directory."""
-    local = Path(os.path.normpath(os.path.abspath(cache_dir)))
-    if prefix and local.name != prefix:
-        return None
-    rank_dir = local.parent if prefix else local
-    base = Path(os.path.normpath(os.path.abspath(cache_root))) / "torch_compile_cache"
-    if rank_dir.parent.parent != base or _RANK.fullmatch(rank_dir.name) is None:
-        return None
-    if _HASH.fullmatch(rank_dir.parent.name) is None:
-        return None
-    return Layout(rank_dir.parent.name, rank_dir.name, rank_dir)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from adstore.integration.inductor.entries import FAILOPEN
-from adstore.integration.vllm import hooks, trees
+from adstore.integration.vllm import hooks, layout, trees
 from adstore.integration.vllm.treefiles import artifact_name
 
 AOT_HASH = "c0ffee" * 10 + "abcd"
@@ -162,17 +162,17 @@ def test_a_broken_store_never_reaches_vllm(vllm, store, tmp_path):
 
 def test_directories_outside_vllms_layout_are_left_alone(tmp_path):
     root = str(tmp_path / "root")
-    assert hooks.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) == (
-        hooks.Layout(
+    assert layout.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) == (
+        layout.Layout(
             AOT_HASH,
             "rank_1_0",
             Path(root, "torch_compile_cache/torch_aot_compile", AOT_HASH, "rank_1_0"),
             Path(root, "torch_compile_cache/torch_aot_compile", AOT_HASH, "inductor_cache"),
         )
     )
-    assert hooks.aot_layout(f"/elsewhere/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) is None
-    assert hooks.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/../x/rank_1_0/model", root) is None
+    assert layout.aot_layout(f"/elsewhere/torch_aot_compile/{AOT_HASH}/rank_1_0/model", root) is None
+    assert layout.aot_layout(f"{root}/torch_compile_cache/torch_aot_compile/../x/rank_1_0/model", root) is None
     good = f"{root}/torch_compile_cache/0123456789/rank_0_0/backbone"
-    assert hooks.piecewise_layout(good, "backbone", root).vllm_hash == "0123456789"
-    assert hooks.piecewise_layout(f"{root}/torch_compile_cache/0123456789/rank_0_0/", "", root).rank == "rank_0_0"
-    assert hooks.piecewise_layout("/user/chosen/dir/rank_0_0/backbone", "backbone", root) is None
+    assert layout.piecewise_layout(good, "backbone", root).vllm_hash == "0123456789"
+    assert layout.piecewise_layout(f"{root}/torch_compile_cache/0123456789/rank_0_0/", "", root).rank == "rank_0_0"
+    assert layout.piecewise_layout("/user/chosen/dir/rank_0_0/backbone", "backbone", root) is None
