@@ -21,6 +21,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("not started: the CI time budget of this run is spent (ADSTORE_TEST_DEADLINE)")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The contract suite's matrix (every tier × every row, then the zoo) runs after every other test.
+
+    Its slow rows take hours on 2 cores, more than CI's slow tier has left: run last, a deadline
+    skips the matrix's tail, not the stress tests and each tier's own checks that come before it.
+    Module-scoped fixtures keep their grouping (a stable sort moves whole modules).
+    """
+    items.sort(key=lambda item: ("contract" in item.path.parts, "zoo" in item.name))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _miss_log(tmp_path_factory):
     """Keys Inductor missed are journalled for ``adstore explain``: under the session's tmp, never in ~/.cache."""
