@@ -345,7 +345,8 @@ TIERS["vllm_trees"] = VllmTrees
 #: it again (integration/vllm/hooks.py).  What the hash leaves out is served by vLLM's own directory as well.
 _VLLM_HASH = (
     "vLLM's own hash's business, not adstore's: vLLM's hash (model code and config) does not hold {what}, "
-    "and vLLM runs its artifact without guards, so vLLM's own cache directory serves it as compiled without adstore too"
+    "and vLLM strips Dynamo's guards from what it compiles (its compile wrapper), so vLLM's own cache directory "
+    "serves it as compiled without adstore too"
 )
 _NO_INDUCTOR = (
     "the stand-in runs no Inductor (its artifact is an exported program): Inductor's code in vLLM's compiles is "
