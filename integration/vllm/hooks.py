@@ -103,7 +103,7 @@ from adstore.integration.errors import failure_reason
 from adstore.integration.inductor.entries import note_failure
 from adstore.integration.placement.rule import trusted_uids
 from adstore.integration.vllm import modelinfos, trees
-from adstore.integration.vllm.layout import aot_layout, piecewise_layout
+from adstore.integration.vllm.layout import aot_layout, piecewise_layout, tighten
 
 __all__ = ["install", "uninstall", "status"]
 
@@ -152,6 +152,7 @@ class _State:
         layout = aot_layout(path, str(self.envs.VLLM_CACHE_ROOT))
         if layout is None or layout.shared_dir is None:
             return
+        tighten(str(self.envs.VLLM_CACHE_ROOT), layout.rank_dir.parent, self.trusted)  # umask 002's, above the trees
         anchors = self.anchors()
         common = {"vllm_hash": layout.vllm_hash, "anchors": anchors, "trusted": self.trusted}
         shared = trees.restore(self.store, kind="aot_inductor", rank="shared", target=layout.shared_dir, **common)
@@ -167,6 +168,8 @@ class _State:
         layout = aot_layout(str(path), str(self.envs.VLLM_CACHE_ROOT))
         if layout is None or layout.shared_dir is None:
             return
+        for tree in (layout.rank_dir, layout.shared_dir):  # vLLM's directories, made with the user's umask
+            tighten(str(self.envs.VLLM_CACHE_ROOT), tree, self.trusted, inside=True)
         anchors = self.anchors()
         trees.capture(
             self.store,
@@ -223,6 +226,7 @@ class _State:
         layout = piecewise_layout(cache_dir, prefix, str(self.envs.VLLM_CACHE_ROOT))
         if layout is not None:
             target = layout.rank_dir / prefix if prefix else layout.rank_dir
+            tighten(str(self.envs.VLLM_CACHE_ROOT), target.parent, self.trusted)
             trees.restore(
                 self.store,
                 kind="piecewise",
@@ -238,6 +242,7 @@ class _State:
         layout = piecewise_layout(cache_dir, prefix, str(self.envs.VLLM_CACHE_ROOT))
         if layout is not None:
             source = layout.rank_dir / prefix if prefix else layout.rank_dir
+            tighten(str(self.envs.VLLM_CACHE_ROOT), source, self.trusted, inside=True)
             trees.capture(
                 self.store,
                 kind="piecewise",

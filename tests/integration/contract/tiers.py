@@ -271,3 +271,95 @@ ROWS_NOT_KEPT.update(
         "the pipeline_cache transform has the remote",
     }
 )
+
+
+class VllmTrees:
+    """vLLM's compile directories as tree entries (:mod:`adstore.integration.vllm`), with vLLM's stand-in.
+
+    The stand-in (:mod:`vllm_standin`, written by the suite beside this
+    file as ``vllm-standin/vllm``) compiles as vLLM's AOT path does: into
+    ``<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<vLLM's hash>/``,
+    where the hash is of the model's source files and config (the knobs and
+    the dtype), never of the call.  The plugin's hooks are installed on the
+    suite's store (what ``register()`` does for trees; Inductor's own caches
+    are the ``enable`` tier's).  Each call starts with an empty
+    ``torch_compile_cache``, as a new host does (the ``enable`` tier resets
+    Dynamo likewise), so a call is ``served`` only when the hooks restored
+    the tree from the store and the stand-in loaded it without compiling;
+    its answer is the restored program's.
+    """
+
+    name = "vllm_trees"
+
+    def setup(self, store: Any, builds: list[str]) -> None:
+        import os
+        import sys
+
+        from adstore.integration.vllm import hooks
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm-standin"))
+        # A login home has its XDG cache directory (0700, as the tools that make it do); what lies above
+        # vLLM's cache root is the user's, judged as found (a 0775 ~/.cache of a shared group is refused).
+        os.makedirs(os.path.join(os.path.expanduser("~"), ".cache"), mode=0o700, exist_ok=True)
+        import vllm.envs
+
+        self.envs = vllm.envs
+        if store is not None:
+            hooks.install(store)
+        else:
+            hooks.install()  # no store opens: vLLM as without adstore (one log line)
+
+    def call(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], knobs: dict[str, Any]) -> Served:
+        import os
+        import shutil
+
+        from vllm.compilation import decorators
+
+        from adstore.integration.vllm import hooks
+
+        shutil.rmtree(os.path.join(self.envs.VLLM_CACHE_ROOT, "torch_compile_cache"), ignore_errors=True)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        config = {"act": knobs.get("act", "tanh"), "k": knobs.get("k", 2.0), "dtype": dtype}
+        before = len(decorators.COMPILES)
+        wrapper = decorators.SupportTorchCompile(model, config)
+        handle = (wrapper, model)
+        out = self.again(handle, args, kwargs)
+        compiles = len(decorators.COMPILES) - before
+        served = bool(wrapper.was_aot_compile_fn_loaded_from_disk) and compiles == 0
+        detail = "loaded the restored tree" if served else f"compiled ({hooks.status()})"
+        return Served(out, served, compiles, detail, handle)
+
+    def again(self, handle: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import inspect
+
+        wrapper, model = handle
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound.apply_defaults()  # vLLM calls forward one way: every argument positional, defaults bound
+        return wrapper(*bound.args)
+
+
+TIERS["vllm_trees"] = VllmTrees
+
+#: vLLM keys its compile directory by its own hash (of the model's code and config) and runs what it compiled
+#: without Dynamo's guards; the plugin stores and restores the directory that hash names and never computes
+#: it again (integration/vllm/hooks.py).  What the hash leaves out is served by vLLM's own directory as well.
+_VLLM_HASH = (
+    "vLLM's own hash's business, not adstore's: vLLM's hash (model code and config) does not hold {what}, "
+    "and vLLM strips Dynamo's guards from what it compiles (its compile wrapper), so vLLM's own cache directory "
+    "serves it as compiled without adstore too"
+)
+_NO_INDUCTOR = (
+    "the stand-in runs no Inductor (its artifact is an exported program): Inductor's code in vLLM's compiles is "
+    "Inductor's entries, the enable tier's (register() enables it)"
+)
+ROWS_NOT_KEPT.update(
+    {
+        ("vllm_trees", "global"): _VLLM_HASH.format(what="the value of a module global forward reads"),
+        ("vllm_trees", "scalar"): _VLLM_HASH.format(what="the values of a call's non-tensor arguments")
+        + " (the stand-in's exported program raises its own guard instead)",
+        ("vllm_trees", "inductor_setting"): _NO_INDUCTOR,
+        ("vllm_trees", "isa"): _NO_INDUCTOR,
+        ("vllm_trees", "emfile"): "vLLM opens files of its own (it hashes the model's source files, writes and "
+        "reads its compile directory): with no descriptor free it fails with or without the store",
+    }
+)

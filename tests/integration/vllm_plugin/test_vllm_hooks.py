@@ -176,3 +176,44 @@ def test_directories_outside_vllms_layout_are_left_alone(tmp_path):
     assert layout.piecewise_layout(good, "backbone", root).vllm_hash == "0123456789"
     assert layout.piecewise_layout(f"{root}/torch_compile_cache/0123456789/rank_0_0/", "", root).rank == "rank_0_0"
     assert layout.piecewise_layout("/user/chosen/dir/rank_0_0/backbone", "backbone", root) is None
+
+
+#: A gid the group database does not know (container runtimes run users under such gids): not a private group.
+UNKNOWN_GID = 48_813
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give vLLM's directories a gid of no group")
+def test_vllms_directories_made_under_umask_002_are_tightened_not_refused(vllm, store, tmp_path):
+    """vLLM made its cache directories 0775 under a primary group not known to be private: a tree is still served.
+
+    The rule for code tightens the directory a file goes to or comes from;
+    the ones above it (vLLM's too) and inside a tree used to refuse the
+    tree (``unsafe_root``), on every start.
+    """
+    import grp
+
+    decorators, _ = vllm
+    with pytest.raises(KeyError):
+        grp.getgrgid(UNKNOWN_GID)
+    root = Path(os.environ["VLLM_CACHE_ROOT"])
+    hash_dir = root / "torch_compile_cache" / "torch_aot_compile" / AOT_HASH
+
+    def made_by_vllm(inductor_wrote: bool) -> None:
+        (hash_dir / "inductor_cache").mkdir(parents=True)  # vLLM makes it (empty) before it looks
+        if inductor_wrote:
+            (hash_dir / "inductor_cache" / "fxgraph" / "q5").mkdir(parents=True)
+            (hash_dir / "inductor_cache" / "fxgraph" / "q5" / "entry").write_bytes(b"inductor's")
+        for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+            os.chown(d, -1, UNKNOWN_GID)
+            d.chmod(0o775)
+
+    assert hooks.install(store)
+    made_by_vllm(inductor_wrote=True)
+    before = FAILOPEN["vllm.unsafe_root"]
+    assert _aot_call(decorators, decorators.Model)[0] == "compiled"
+    _wipe(tmp_path)
+    made_by_vllm(inductor_wrote=False)
+    how, _ = _aot_call(decorators, decorators.Model)
+    assert how == "loaded" and FAILOPEN["vllm.unsafe_root"] == before
+    assert (hash_dir / "inductor_cache" / "fxgraph" / "q5" / "entry").read_bytes() == b"inductor's"  # restored
+    assert all(d.stat().st_mode & 0o022 == 0 for d in (root, hash_dir.parent, hash_dir))
