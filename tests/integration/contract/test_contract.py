@@ -641,7 +641,8 @@ def test_a_tampered_store_file_is_refused(sealed, world, tampering):
     result = Host(base, "reader", root).run(tier, world / "model", [{}])
     (call,) = result["calls"]
     assert call["ok"], call
-    # A symlink is never a blob (the store's invariant 10): a planted one is an absent blob to every reader.
-    counted = (*REFUSALS, "blob_missing") if tampering == "symlink" else REFUSALS
+    # A symlink is never a blob (the store's invariant 10): a planted one is an absent blob to every reader
+    # (the engine cache names an entry whose blob the store calls absent ``engine_unavailable``).
+    counted = (*REFUSALS, "blob_missing", "engine_unavailable") if tampering == "symlink" else REFUSALS
     refusals = {k: v for k, v in result["counters"].items() if k.endswith(counted)}
     assert refusals and not (call["served"] and call["compiles"] == 0), (call, result["counters"])
