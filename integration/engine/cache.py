@@ -55,7 +55,14 @@ from adstore.integration.engine.runtime import (
     weights_of,
 )
 from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
-from adstore.integration.errors import CacheKeyError, ConfigError, EngineCacheError, EngineMismatch
+from adstore.integration.errors import (
+    CacheKeyError,
+    ConfigError,
+    EngineCacheError,
+    EngineMismatch,
+    UnsafeCacheDir,
+    failure_reason,
+)
 from adstore.integration.validity.envcheck import find_mismatch
 from adstore.integration.validity.keys import json_digest
 from adstore.integration.validity.toolchain import STORAGE_SETTINGS, effective_inductor_configs
@@ -105,7 +112,16 @@ class EngineCache:
         if memory_entries < 0 or memory_bytes < 0:
             raise ConfigError("memory_entries", "in-process cache bounds must be >= 0")
         self._backend = backend
-        self._memory = PackageLRU(max_entries=memory_entries, max_bytes=memory_bytes, tmp_root=tmp_dir)
+        #: Why the cache steps aside in this process (None while it works): no private directory, no store.
+        self._off: tuple[Reason, str] | None = None
+        # Packages are native code: they are written and loaded only in a private directory.  Where the system
+        # temp directory cannot hold one (world-writable without the sticky bit), the cache steps aside and
+        # every compile is AOTInductor's own, uncached (``bypasses.unsafe_root``), as plain torch would run there.
+        self._memory: PackageLRU | None = None
+        try:
+            self._memory = PackageLRU(max_entries=memory_entries, max_bytes=memory_bytes, tmp_root=tmp_dir)
+        except UnsafeCacheDir as exc:
+            self._step_aside(Reason.UNSAFE_ROOT, f"no private directory: {exc}")
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -130,10 +146,36 @@ class EngineCache:
             return self._backend
 
     def clear_memory(self) -> None:
-        self._memory.clear()
+        if self._memory is not None:
+            self._memory.clear()
 
     def close(self) -> None:
-        self._memory.close()
+        if self._memory is not None:
+            self._memory.close()
+
+    def _step_aside(self, reason: Reason, detail: str) -> None:
+        self._off = (reason, detail)
+        logger.warning("engine cache off in this process (%s), engines compile uncached: %s", reason, detail)
+
+    def _why_off(self) -> tuple[Reason, str] | None:
+        """Why this cache cannot serve or store here (it then steps aside for good), or None.
+
+        The default store is opened here, on first use: a root that cannot be a
+        store (a file, a disk that cannot hold one, ...) turns the cache off in
+        this process, where a backend the caller gave is never second-guessed.
+        """
+        if self._off is None and self._backend is None:
+            try:
+                _ = self.backend  # opens the default store
+            except Exception as exc:  # noqa: BLE001 - fail open: no store, compiled as without adstore
+                self._step_aside(Reason(failure_reason(exc, Reason.STORE_ERROR)), f"no store: {exc}")
+        return self._off
+
+    @property
+    def _packages(self) -> PackageLRU:
+        """The in-process layer; :meth:`compile` and :meth:`lookup` step aside before a hit or a miss without it."""
+        assert self._memory is not None, "no private directory: the engine cache is off in this process"
+        return self._memory
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -151,6 +193,9 @@ class EngineCache:
     ) -> CompiledEngine:
         """See :func:`compile`."""
         req = self._prepare(model, example_inputs, dynamic_shapes, settings)
+        off = self._why_off()
+        if off is not None:
+            return self._compile_uncached(req, *off)
         if req.hash is None:
             miss_reason, detail = Reason.BYPASS, "unhashable graph"
         else:
@@ -169,6 +214,9 @@ class EngineCache:
         req = self._prepare(model, example_inputs, dynamic_shapes, settings)
         if req.hash is None:
             return None, CacheEvent(EventKind.BYPASS, reason=Reason.BYPASS, detail="unhashable graph")
+        off = self._why_off()
+        if off is not None:
+            return None, CacheEvent(EventKind.BYPASS, reason=off[0], detail=off[1])
         engine, reason, detail = self._try_hit(req)
         if engine is not None:
             return engine, engine.event
@@ -221,7 +269,7 @@ class EngineCache:
         inductor_configs = req.inductor_configs
         t0 = time.perf_counter()
         source = Source.MEMORY
-        cached = self._memory.get(h)
+        cached = self._packages.get(h)
         record: EngineRecord | None = None
         backend = self.backend
         if cached is None:
@@ -248,10 +296,10 @@ class EngineCache:
                 backend.check_loadable(record)  # native code: only from trusted writers
                 path = record.payload_path if record.payload_path is not None else None
                 if path is None:
-                    path = self._memory.new_path()
+                    path = self._packages.new_path()
                     path.write_bytes(record.payload_bytes())
                 record.owns_path = False  # the in-process layer adopts the file
-                path = self._memory.put(h, meta, path)
+                path = self._packages.put(h, meta, path)
             else:
                 path = cached[1]  # type: ignore[index]
                 check_package_file(path, meta)  # native code: re-checked before every load of the copy
@@ -261,7 +309,7 @@ class EngineCache:
             validate_runner(runner, meta)
             timings["refit"] = refit(runner, weights, spec)
         except Exception as exc:  # noqa: BLE001 - a package the loader rejects is a miss
-            self._memory.discard(h)
+            self._packages.discard(h)
             why = exc.reason if isinstance(exc, EngineCacheError) else Reason.LOAD_FAILED
             if source == Source.MEMORY:
                 # The private copy went bad (changed, removed by a tmp cleaner, ...): refused, ask the backend.
@@ -349,14 +397,15 @@ class EngineCache:
         h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
         inductor_configs, components = req.inductor_configs, req.components
         backend = self.backend
-        path = self._memory.new_path()
+        path = self._packages.new_path()
         try:
             runner = self._compile_and_load(ep, path, inductor_configs, timings)
             compile_seconds = timings["compile"]
             timings["refit"] = refit(runner, weights, spec)
         except EngineMismatch as exc:
             path.unlink(missing_ok=True)
-            return self._compile_with_weights(req, exc)
+            logger.warning("engine %s cannot be refit (%s); compiling with weights, not cached", req.hash, exc)
+            return self._compile_uncached(req, Reason.UNREFITTABLE, str(exc))
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -376,7 +425,7 @@ class EngineCache:
                 logger.warning("could not save engine %s (%s): %s", h[:12], why, exc)
                 backend.record_event(EventKind.BYPASS, why)
             timings["save"] = time.perf_counter() - t2
-            self._memory.put(h, meta, path)
+            self._packages.put(h, meta, path)
             self._count(f"misses.{reason}")
             backend.record_event(EventKind.MISS, reason)
             kind = EventKind.MISS
@@ -392,29 +441,26 @@ class EngineCache:
         engine.timings["total"] = time.perf_counter() - req.start
         return engine
 
-    def _compile_with_weights(self, req: _Request, why: EngineMismatch) -> CompiledEngine:
-        """Fail-open path for a graph whose compiled constants the weights cannot fill.
+    def _compile_uncached(self, req: _Request, reason: Reason, detail: str) -> CompiledEngine:
+        """Fail-open path: AOTInductor's own package, weights inside, cached nowhere; a bypass counted by ``reason``.
 
-        The weight-free package would be unusable, so compile once more with the
-        weights inside (AOTInductor's own defaults for packaging) and cache nothing.
+        Taken for a graph whose compiled constants the weights cannot fill
+        (``unrefittable``: a weight-free package would be unusable) and where
+        no private directory exists for the cache's packages (``unsafe_root``:
+        the package is then written where plain torch writes its own).
         """
-        logger.warning("engine %s cannot be refit (%s); compiling with weights, not cached", req.hash, why)
         options = {k: v for k, v in req.inductor_configs.items() if k not in STORAGE_SETTINGS}
-        with tempfile.TemporaryDirectory(dir=self._memory.dir) as tmp:
+        with tempfile.TemporaryDirectory(dir=self._memory.dir if self._memory is not None else None) as tmp:
             pkg = Path(tmp) / "engine.pt2"
             t0 = time.perf_counter()
             aoti_compile(req.ep, pkg, options)
             seconds = time.perf_counter() - t0
             runner = load_runner(pkg)
-        self._count("bypasses.unrefittable")
-        self.backend.record_event(EventKind.BYPASS, Reason.UNREFITTABLE)
+        self._count(f"bypasses.{reason}")
+        if self._backend is not None:  # none when the default store could not be opened
+            self._backend.record_event(EventKind.BYPASS, reason)
         event = CacheEvent(
-            EventKind.BYPASS,
-            reason=Reason.UNREFITTABLE,
-            key=req.hash,
-            source=Source.COMPILED,
-            detail=str(why),
-            seconds=seconds,
+            EventKind.BYPASS, reason=reason, key=req.hash, source=Source.COMPILED, detail=detail, seconds=seconds
         )
         meta = {"constants": req.spec, "payload": {"weights_included": True}}
         return req.engine(runner, hash=None, meta=meta, event=event, timings={**req.timings, "compile": seconds})

@@ -221,7 +221,7 @@ def test_fail_open_unsafe_tmpdir_and_a_root_that_cannot_be_a_store(cold):
     unsafe = Path(host.env["TMPDIR"])
     unsafe.chmod(0o777)  # world-writable, not sticky: no private directory can be made there
     result = host.run(cold["tier"], cold["model"], [{}])
-    assert all(c["ok"] for c in result["calls"]), result
+    assert all(c["ok"] for c in result["calls"]), [c.get("trace", c) for c in result["calls"]]
     not_a_dir = cold["base"] / "root-is-a-file"
     not_a_dir.write_text("not a store")
     broken = Host(cold["base"], "broken", not_a_dir, ADSTORE_REMOTE="http://127.0.0.1:9/cache")

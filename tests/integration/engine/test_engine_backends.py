@@ -177,3 +177,24 @@ def test_default_cache_comes_from_the_environment(env, store_root, monkeypatch):
         front.close()
         ec.set_default_engine_cache(None)
         backend.close()
+
+
+def test_a_root_that_cannot_be_a_store_compiles_uncached_with_the_reason(tmp_path, monkeypatch):
+    """The default store where ``ADSTORE_ROOT`` names a file: the engine is AOTInductor's own, the
+    bypass says why, once per process, and nothing is raised into the program."""
+    from adstore.integration.engine import cache as ec
+
+    not_a_dir = tmp_path / "root-is-a-file"
+    not_a_dir.write_text("not a store")
+    monkeypatch.setenv("ADSTORE_ROOT", str(not_a_dir))
+    front = ec.EngineCache()
+    try:
+        engine = front.compile(make_model(2), (X,))
+        assert engine.event.kind == "bypass" and engine.event.reason == "no_store", engine.event
+        assert "not a directory" in engine.event.detail and engine.hash is None
+        assert torch.allclose(engine(X), make_model(2)(X), atol=1e-5)
+        _, event = front.lookup(make_model(2), (X,))
+        assert event.kind == "bypass" and event.reason == "no_store", event
+        assert front.counters["bypasses.no_store"] == 1, front.counters
+    finally:
+        front.close()

@@ -75,9 +75,14 @@ def test_concurrent_processes_compile_and_share_one_store(tmp_path, env):
 
 
 def _lookup_in_child(
-    root: str, *, env: dict[str, str] | None = None, cwd: str | None = None, prefix: tuple[str, ...] = ()
+    root: str,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    prefix: tuple[str, ...] = (),
+    call: str = "lookup",
 ) -> dict:
-    """A fresh interpreter looks the fixture's MLP up in ``root``; its event as a dict."""
+    """A fresh interpreter looks the fixture's MLP up in ``root`` (or compiles it: ``call="compile"``); its event."""
     import subprocess
     import sys
 
@@ -91,7 +96,11 @@ def _lookup_in_child(
         from adstore.store import Store
         with Store.open({root!r}) as store:
             front = EngineCache(StoreEngineStorage(store))
-            engine, event = front.lookup(make_model(7), (X,))
+            if {call!r} == "compile":
+                engine = front.compile(make_model(7), (X,))
+                event = engine.event
+            else:
+                engine, event = front.lookup(make_model(7), (X,))
             ok = engine is not None and bool((engine(X) - make_model(7)(X)).abs().max() < 1e-5)
             front.close()
         print(json.dumps({{**event.to_dict(), "ok": ok, "host": socket.gethostname(), "cwd": os.getcwd()}}))
@@ -108,6 +117,19 @@ def _lookup_in_child(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_unsafe_tmpdir_turns_the_cache_off_and_the_engine_still_compiles(env, tmp_path):
+    """A world-writable TMPDIR without the sticky bit holds no private directory for native code: the
+    engine is AOTInductor's own, uncached, and the bypass names the reason; nothing reaches the program."""
+    unsafe = tmp_path / "shared-tmp"
+    unsafe.mkdir()
+    unsafe.chmod(0o777)
+    event = _lookup_in_child(str(env["store"].root), env={"TMPDIR": str(unsafe)}, call="compile")
+    assert event["kind"] == "bypass" and event["reason"] == "unsafe_root", event
+    assert "writable by every user" in event["detail"] and event["ok"], event
+    event = _lookup_in_child(str(env["store"].root), env={"TMPDIR": str(unsafe)})
+    assert event["kind"] == "bypass" and event["reason"] == "unsafe_root" and not event["ok"], event
 
 
 def test_another_cpu_capability_is_an_incompatible_env_miss(env):
