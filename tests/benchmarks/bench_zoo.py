@@ -27,7 +27,19 @@ floor's eager output.
 Targets (issue 40): warm ≤ compiled floor + 0.5 s, new host ≤ compiled
 floor + 1.0 s, both with 0 compiler runs and served from the store.
 
-    python tests/benchmarks/bench_zoo.py [--models resnet,bert] [--repeat 2] [--quick]
+What is judged is the excess over the floor with the phases before
+adstore taken out of both: importing torch, Dynamo, Inductor and the zoo,
+and building the model, run the same code in every mode, before adstore is
+imported, yet on this 2-core VM they alone vary by up to a second from one
+process to the next (an idle machine: 3.3-5.0 s for the imports, 1.6-2.5 s
+for building BERT).  Each run's own time for those phases is subtracted
+from its wall time, the floor's from the floor's, and the median over
+repeats of the paired differences is the figure: process start, importing
+adstore, ``aot_compile`` and the first forward, against process start and
+the eager forward.  The plain wall-time differences are kept beside it
+(``*_wall_s``), and every run's phases (``phase_runs``).
+
+    python tests/benchmarks/bench_zoo.py [--models resnet,bert] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -180,9 +192,17 @@ def measure(
             "aot_compile_s": [f.get("aot_compile_s") for _, f in v],
             "phases": {p: statistics.median(f["phases"][p] for _, f in v) for p in v[0][1]["phases"]},
         }
-    # Above the floor of the same repeat, then the median over repeats.
-    warm_above = statistics.median(w - f for (w, _), f in zip(runs["warm"], floors, strict=True))
-    host_above = statistics.median(h - f for (h, _), f in zip(runs["new_host"], floors, strict=True))
+
+    def above_floor(kind: str, *, wall: bool = False) -> float:
+        """Median over repeats of this run minus the floor of the same repeat (the shared phases out: docstring)."""
+
+        def cost(seconds: float, first: dict[str, Any]) -> float:
+            return seconds if wall else seconds - first["phases"]["imports"] - first["phases"]["model"]
+
+        pairs = zip(runs[kind], runs["compiled_floor"], strict=True)
+        return statistics.median(cost(*run) - cost(*floor) for run, floor in pairs)
+
+    warm_above, host_above = above_floor("warm"), above_floor("new_host")
     served = {
         k: all(f.get("outcome") == "hit" and f["compiles"] == 0 for _, f in runs[k]) for k in ("warm", "new_host")
     }
@@ -192,6 +212,9 @@ def measure(
             "compiled_floor_s": statistics.median(floors),
             "warm_above_compiled_floor_s": warm_above,
             "new_host_above_compiled_floor_s": host_above,
+            "warm_above_compiled_floor_wall_s": above_floor("warm", wall=True),
+            "new_host_above_compiled_floor_wall_s": above_floor("new_host", wall=True),
+            "phase_runs": {k: [f["phases"] for _, f in v] for k, v in runs.items()},
             "cold_over_warm": out["cold"]["seconds"] / out["warm"]["seconds"],
             "warm_served_no_compiler": served["warm"],
             "new_host_served_no_compiler": served["new_host"],
@@ -201,6 +224,7 @@ def measure(
             "max_abs_diff_vs_eager": diff,
             "meets_within_1e_4_of_eager": diff is None or diff <= TOLERANCE,
             "load_average": [min(loads), statistics.median(loads), max(loads)],
+            "repeat": repeat,  # a partial run (--models) keeps the other models' rows and their own repeat
         }
     )
     return out
@@ -209,7 +233,7 @@ def measure(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="", help="zoo models to measure (comma-separated; default: all)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs of the floor, warm and new host (median reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of the floor, warm and new host (median reported)")
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)} only, one repeat")
     ap.add_argument("--child", choices=("floor", "aot"), dest="mode", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -265,14 +289,15 @@ def main() -> int:
     print(f"\naot_compile on the zoo (median of {repeat}; load average {results['load_average_start']})")
     print(
         f"  {'model':<11} {'floor':>7} {'cold':>7} {'warm':>7} {'new host':>9}"
-        f"   warm / new host above the floor   compiler runs warm/new host   cold/warm"
+        f"   warm / new host above the floor (wall)   compiler runs warm/new host   cold/warm"
     )
     for name, m in models.items():
         ok = "met" if m["meets_warm_within_0_5s"] and m["meets_new_host_within_1_0s"] else "NOT met"
         print(
             f"  {name:<11} {m['compiled_floor_s']:>7.2f} {m['cold']['seconds']:>7.2f} {m['warm']['seconds']:>7.2f}"
             f" {m['new_host']['seconds']:>9.2f}   {m['warm_above_compiled_floor_s']:>+6.2f} / "
-            f"{m['new_host_above_compiled_floor_s']:>+6.2f} ({ok})"
+            f"{m['new_host_above_compiled_floor_s']:>+6.2f} ({ok}; wall {m['warm_above_compiled_floor_wall_s']:+.2f} / "
+            f"{m['new_host_above_compiled_floor_wall_s']:+.2f})"
             f"{'':>10}{max(m['warm']['compiles'])}/{max(m['new_host']['compiles'])}"
             f"{'':>20}{m['cold_over_warm']:.1f}x"
         )
