@@ -3,7 +3,7 @@
 ``cache`` is the front end (``EngineCache``, ``compile``); ``storage`` the back
 ends; ``record`` the stored form; ``hashing`` the architecture hash (with the
 toolchain's identity, :mod:`adstore.integration.validity.toolchain`);
-``runtime`` the weights and refit; ``packages`` the in-process layer.
+``runtime`` the weights and refit; ``request`` one export-and-hash; ``packages`` the in-process layer.
 """
 
 from adstore.store import lazy_exports

@@ -22,7 +22,6 @@ loaded runner: refitting one engine never changes another's weights.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import tempfile
 import threading
@@ -33,39 +32,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from adstore.integration.coordination.events import CacheEvent, EventKind, Source
-from adstore.integration.engine.calls import CallBinding
-from adstore.integration.engine.hashing import as_tuple, hash_components
 from adstore.integration.engine.packages import PackageLRU
 from adstore.integration.engine.record import EngineRecord, check_package_file
+from adstore.integration.engine.request import Request, prepare
 from adstore.integration.engine.runtime import (
     CompiledEngine,
     aoti_compile,
     build_meta,
-    code_constant_names,
-    constants_as_buffers,
-    constants_spec,
     load_runner,
     record_components,
     refit,
     validate_meta,
     validate_runner,
-    weights_of,
 )
 from adstore.integration.engine.storage import EngineStorage, StoreEngineStorage
-from adstore.integration.errors import (
-    CacheKeyError,
-    ConfigError,
-    EngineCacheError,
-    EngineMismatch,
-    UnsafeCacheDir,
-    failure_reason,
-)
+from adstore.integration.errors import ConfigError, EngineCacheError, EngineMismatch, UnsafeCacheDir, failure_reason
 from adstore.integration.validity.envcheck import find_mismatch
-from adstore.integration.validity.keys import json_digest
-from adstore.integration.validity.toolchain import STORAGE_SETTINGS, effective_inductor_configs
+from adstore.integration.validity.toolchain import STORAGE_SETTINGS
 from adstore.store import AdstoreError, Reason
 
 __all__ = ["CompiledEngine", "EngineCache", "compile", "default_engine_cache", "set_default_engine_cache"]
@@ -73,29 +57,6 @@ __all__ = ["CompiledEngine", "EngineCache", "compile", "default_engine_cache", "
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- front
-
-
-@dataclasses.dataclass
-class _Request:
-    """One compile/lookup request after export and hashing."""
-
-    ep: torch.export.ExportedProgram
-    hash: str | None
-    components: Mapping[str, Any]
-    weights: dict[str, torch.Tensor]
-    spec: list[dict[str, Any]]
-    inductor_configs: dict[str, Any]
-    code_consts: dict[str, torch.Tensor]
-    timings: dict[str, float]
-    start: float
-    inputs: tuple[Any, ...] = ()
-    binding: CallBinding | None = None
-
-    def engine(self, runner: Any, **fields: Any) -> CompiledEngine:
-        """The engine of this request: ``runner``, called like the model (its binding, checked against its inputs)."""
-        return CompiledEngine(
-            runner, code_constants=self.code_consts, binding=self.binding, example_inputs=self.inputs, **fields
-        )
 
 
 class EngineCache:
@@ -192,7 +153,7 @@ class EngineCache:
         **settings: Any,
     ) -> CompiledEngine:
         """See :func:`compile`."""
-        req = self._prepare(model, example_inputs, dynamic_shapes, settings)
+        req = prepare(model, example_inputs, dynamic_shapes, settings)
         off = self._why_off()
         if off is not None:
             return self._compile_uncached(req, *off)
@@ -211,7 +172,7 @@ class EngineCache:
         self, model: Any, example_inputs: Any, *, dynamic_shapes: Any = None, **settings: Any
     ) -> tuple[CompiledEngine | None, CacheEvent]:
         """A refit engine from the cache, or None and the miss event; never compiles."""
-        req = self._prepare(model, example_inputs, dynamic_shapes, settings)
+        req = prepare(model, example_inputs, dynamic_shapes, settings)
         if req.hash is None:
             return None, CacheEvent(EventKind.BYPASS, reason=Reason.BYPASS, detail="unhashable graph")
         off = self._why_off()
@@ -224,45 +185,8 @@ class EngineCache:
         self.backend.record_event(EventKind.MISS, reason)
         return None, CacheEvent(EventKind.MISS, reason=reason, key=req.hash, detail=detail)
 
-    def _prepare(self, model: Any, example_inputs: Any, dynamic_shapes: Any, settings: Mapping[str, Any]) -> _Request:
-        start = time.perf_counter()
-        example_inputs = as_tuple(example_inputs)
-        inductor_configs = effective_inductor_configs(settings)  # bad settings: a clear ConfigError
-        if isinstance(model, torch.export.ExportedProgram):
-            ep = model
-        elif isinstance(model, torch.nn.Module):
-            ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes)
-        else:
-            raise TypeError(f"compile() takes an nn.Module or ExportedProgram, got {type(model).__name__}")
-        export_seconds = time.perf_counter() - start
-        h: str | None
-        t_hash = time.perf_counter()
-        try:
-            components = hash_components(ep, example_inputs, settings=settings, dynamic_shapes=dynamic_shapes)
-            h = json_digest(components)
-        except CacheKeyError as exc:
-            logger.warning("engine cache bypass (%s): %s", exc.reason, exc)
-            h, components = None, {}
-        code_names = set(code_constant_names(ep))
-        code_consts = {k: v for k, v in weights_of(ep).items() if k in code_names}
-        ep = constants_as_buffers(ep)
-        weights = weights_of(ep)
-        return _Request(
-            ep=ep,
-            hash=h,
-            components=components,
-            weights=weights,
-            spec=constants_spec(weights),
-            inductor_configs=inductor_configs,
-            code_consts=code_consts,
-            timings={"export": export_seconds, "hash": time.perf_counter() - t_hash},
-            start=start,
-            inputs=example_inputs,
-            binding=CallBinding.of_model(model, ep.call_spec.in_spec),
-        )
-
     # -- hit ---------------------------------------------------------------
-    def _try_hit(self, req: _Request) -> tuple[CompiledEngine | None, Reason | None, str]:
+    def _try_hit(self, req: Request) -> tuple[CompiledEngine | None, Reason | None, str]:
         h = req.hash
         assert h is not None
         ep, weights, spec, timings = req.ep, req.weights, req.spec, req.timings
@@ -341,7 +265,7 @@ class EngineCache:
         engine = req.engine(runner, hash=h, meta=meta, event=event, timings=timings)
         return engine, None, ""
 
-    def _why_absent(self, req: _Request) -> tuple[Reason, str]:
+    def _why_absent(self, req: Request) -> tuple[Reason, str]:
         """``incompatible_env`` naming the fields when the back end holds this request built elsewhere.
 
         The engine found has another hash and is never loaded; the diagnosis only
@@ -393,7 +317,7 @@ class EngineCache:
             return runner
         raise AssertionError("unreachable")
 
-    def _compile_miss(self, req: _Request, reason: Reason | None, detail: str) -> CompiledEngine:
+    def _compile_miss(self, req: Request, reason: Reason | None, detail: str) -> CompiledEngine:
         h, ep, weights, spec, timings = req.hash, req.ep, req.weights, req.spec, req.timings
         inductor_configs, components = req.inductor_configs, req.components
         backend = self.backend
@@ -441,7 +365,7 @@ class EngineCache:
         engine.timings["total"] = time.perf_counter() - req.start
         return engine
 
-    def _compile_uncached(self, req: _Request, reason: Reason, detail: str) -> CompiledEngine:
+    def _compile_uncached(self, req: Request, reason: Reason, detail: str) -> CompiledEngine:
         """Fail-open path: AOTInductor's own package, weights inside, cached nowhere; a bypass counted by ``reason``.
 
         Taken for a graph whose compiled constants the weights cannot fill
